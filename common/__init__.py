@@ -1,0 +1,1 @@
+"""The algorithm: model slices, KV cache, token tree, stage runtime, decoding loops."""

@@ -1,0 +1,76 @@
+"""The draft: a small causal LM that proposes the children of tree nodes.
+
+It keeps its own tree-aware KV cache per request (the same `StageRuntime` as a target
+stage, holding every layer), so each step it only runs the newest tree layer. The router
+owns the tree: the draft returns top-k candidates per node, the router keeps the best `w`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .messages import Activation, Prune
+from .model import StageModel
+from .sampling import draft_probs
+from .stage import StageRuntime
+
+
+@dataclass
+class Candidates:
+    """Proposed children: for candidate i, parent node id, token and draft probability."""
+
+    parent_ids: Tensor
+    tokens: Tensor
+    probs: Tensor
+
+    @classmethod
+    def empty(cls) -> Candidates:
+        e = torch.empty(0, dtype=torch.int64)
+        return cls(e, e, torch.empty(0, dtype=torch.float32))
+
+
+class DraftRuntime:
+    def __init__(self, model: StageModel, max_cache_bytes: int | None = None) -> None:
+        if not (model.layer_range.is_first and model.layer_range.is_last):
+            raise ValueError("a draft holds the whole model")
+        self.runtime = StageRuntime(model, max_cache_bytes)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runtime.model.cfg.vocab_size
+
+    def open(self, request_id: str, capacity: int) -> None:
+        self.runtime.open(request_id, capacity)
+
+    def release(self, request_id: str) -> bool:
+        return self.runtime.release(request_id)
+
+    def prefill(self, request_id: str, tokens: Tensor, start_position: int, chunk_size: int) -> None:
+        """Cache verified tokens (prompt, or ones the draft has not seen) in chunks."""
+        for s in range(0, tokens.numel(), chunk_size):
+            chunk = tokens[s : s + chunk_size]
+            pos = torch.arange(start_position + s, start_position + s + chunk.numel())
+            self.runtime.forward(
+                Activation(request_id=request_id, positions=pos, committed=True, tokens=chunk)
+            )
+
+    def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates:
+        """Run the nodes of a tree layer; return their top-k children each."""
+        if len(layer) == 0 or top_k <= 0:
+            return Candidates.empty()
+        out = self.runtime.forward(layer)
+        assert out.logits is not None
+        probs = draft_probs(out.logits, temperature)
+        k = min(top_k, probs.shape[-1])
+        top = torch.topk(probs, k, dim=-1)
+        return Candidates(
+            parent_ids=layer.node_ids.repeat_interleave(k),
+            tokens=top.indices.reshape(-1),
+            probs=top.values.reshape(-1),
+        )
+
+    def prune(self, request_id: str, prune: Prune) -> None:
+        self.runtime.prune(request_id, prune)

@@ -1,0 +1,75 @@
+"""The small typed objects that move through the pipeline.
+
+`Activation` is the data plane: what one stage hands the next for one request in one
+step. `Prune` is the control plane: the verification outcome every stage and the draft
+apply to their caches and to activations still in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class Activation:
+    """Rows of one request entering a stage.
+
+    Either a prefill chunk of verified tokens (`committed=True`, causal among themselves)
+    or tree nodes (`committed=False`) identified by stable node ids with parent ids.
+    Exactly one of `tokens` (into stage 1), `hidden` (between stages) or `logits`
+    (out of the last stage) is set.
+    """
+
+    request_id: str
+    positions: Tensor
+    committed: bool = False
+    node_ids: Tensor = field(default_factory=lambda: EMPTY_IDS)
+    parent_ids: Tensor = field(default_factory=lambda: EMPTY_IDS)
+    tokens: Tensor | None = None
+    hidden: Tensor | None = None
+    logits: Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.positions.numel())
+
+    def select(self, rows: Tensor) -> Activation:
+        """The same activation restricted to `rows` (tree activations only)."""
+
+        def pick(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, rows)
+
+        return Activation(
+            request_id=self.request_id,
+            positions=self.positions.index_select(0, rows),
+            committed=self.committed,
+            node_ids=self.node_ids.index_select(0, rows),
+            parent_ids=self.parent_ids.index_select(0, rows),
+            tokens=pick(self.tokens),
+            hidden=pick(self.hidden),
+            logits=pick(self.logits),
+        )
+
+
+@dataclass
+class Prune:
+    """Verification outcome: tree nodes to commit (in sequence order) and tree nodes to keep.
+
+    Every other tree node is dropped from caches and from activations in flight.
+    """
+
+    commit_ids: Tensor
+    keep_ids: Tensor
+
+    def filter(self, act: Activation | None) -> Activation | None:
+        """Drop pruned nodes from an in-flight activation; None when nothing survives."""
+        if act is None or act.committed:
+            return act
+        rows = torch.isin(act.node_ids, self.keep_ids).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return None
+        return act if rows.numel() == len(act) else act.select(rows)

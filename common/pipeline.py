@@ -1,0 +1,101 @@
+"""Pipelines the router steps: the interface, and the in-process implementation.
+
+One call to `step` is one pipeline step for one request (DESIGN 2.2, phases in the order
+the network version runs them): apply the previous step's prune to every stage's cache and
+to the activations in flight, move surviving activations one stage forward with the new
+tree layer entering stage 1, then let every stage compute. The last stage's output
+(logits for its tree nodes) comes back to the router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from .draft import Candidates, DraftRuntime
+from .messages import Activation, Prune
+from .stage import StageRuntime
+
+
+@dataclass
+class StepResult:
+    last: Activation | None  # what the last stage computed this step (logits for tree nodes)
+    nodes_per_stage: list[int]  # rows each stage computed this step (for cost projection)
+
+
+class Pipeline(Protocol):
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def open(self, request_id: str, capacity: int) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def step(self, request_id: str, prune: Prune | None, entering: Activation | None) -> StepResult: ...
+
+
+class Draft(Protocol):
+    def open(self, request_id: str, capacity: int) -> None: ...
+
+    def release(self, request_id: str) -> bool: ...
+
+    def prefill(self, request_id: str, tokens, start_position: int, chunk_size: int) -> None: ...
+
+    def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates: ...
+
+    def prune(self, request_id: str, prune: Prune) -> None: ...
+
+
+class LocalPipeline:
+    """All stages in this process; activations in flight are held here between steps."""
+
+    def __init__(self, stages: list[StageRuntime]) -> None:
+        if not stages or not stages[0].is_first or not stages[-1].is_last:
+            raise ValueError("stages must cover the model from embedding to LM head")
+        for a, b in zip(stages, stages[1:], strict=False):
+            if a.model.layer_range.end != b.model.layer_range.start:
+                raise ValueError("stage layer ranges must be contiguous")
+        self.stages = stages
+        self._in_flight: dict[str, list[Activation | None]] = {}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.stages[-1].model.cfg.vocab_size
+
+    def open(self, request_id: str, capacity: int) -> None:
+        opened: list[StageRuntime] = []
+        try:
+            for s in self.stages:
+                s.open(request_id, capacity)
+                opened.append(s)
+        except Exception:
+            for s in opened:
+                s.release(request_id)
+            raise
+        self._in_flight[request_id] = [None] * (len(self.stages) - 1)
+
+    def release(self, request_id: str) -> None:
+        for s in self.stages:
+            s.release(request_id)
+        self._in_flight.pop(request_id, None)
+
+    def step(self, request_id: str, prune: Prune | None, entering: Activation | None) -> StepResult:
+        in_flight = self._in_flight[request_id]
+        if prune is not None:
+            for s in self.stages:
+                s.prune(request_id, prune)
+            in_flight = [prune.filter(a) for a in in_flight]
+        inputs = [entering, *in_flight]
+        outputs = [s.forward(a) if a is not None else None for s, a in zip(self.stages, inputs, strict=True)]
+        self._in_flight[request_id] = outputs[:-1]
+        return StepResult(last=outputs[-1], nodes_per_stage=[len(a) if a else 0 for a in inputs])
+
+
+__all__ = ["Draft", "DraftRuntime", "LocalPipeline", "Pipeline", "StepResult"]

@@ -1,0 +1,174 @@
+"""The stage runtime: one slice of the target model plus the KV caches of its requests.
+
+This object is everything a pipeline stage does; the gRPC service wraps it without adding
+logic. It is safe to call from several threads (one model forward at a time).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import CacheError, TreeKVCache
+from .messages import Activation, Prune
+from .model import StageModel
+
+
+class RequestError(RuntimeError):
+    """The request cannot proceed on this stage (unknown, already open, out of memory)."""
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    start: int
+    end: int
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+    device: str
+    weight_bytes: int
+    cache_bytes_used: int
+    cache_bytes_limit: int
+    active_requests: int
+
+
+class StageRuntime:
+    def __init__(self, model: StageModel, max_cache_bytes: int | None = None) -> None:
+        self.model = model
+        cfg = model.cfg
+        self._row_bytes = (
+            2 * model.layer_range.size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        )
+        self.max_cache_bytes = max_cache_bytes if max_cache_bytes is not None else 8 << 30
+        self._caches: dict[str, TreeKVCache] = {}
+        self._lock = threading.Lock()
+        self._compute_lock = threading.Lock()
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.layer_range.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.layer_range.is_last
+
+    def cache_bytes_for(self, capacity: int) -> int:
+        return capacity * self._row_bytes
+
+    @property
+    def cache_bytes_used(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for c in self._caches.values())
+
+    def info(self) -> StageInfo:
+        r = self.model.layer_range
+        return StageInfo(
+            start=r.start,
+            end=r.end,
+            num_layers=r.num_layers,
+            hidden_size=self.model.cfg.hidden_size,
+            vocab_size=self.model.cfg.vocab_size,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device=str(self.model.device),
+            weight_bytes=self.model.num_bytes(),
+            cache_bytes_used=self.cache_bytes_used,
+            cache_bytes_limit=self.max_cache_bytes,
+            active_requests=len(self._caches),
+        )
+
+    # -- request lifecycle -------------------------------------------------------------
+    def open(self, request_id: str, capacity: int) -> None:
+        """Preallocate the request's cache: `capacity` rows (prompt + output + tree)."""
+        need = self.cache_bytes_for(capacity)
+        cfg = self.model.cfg
+        with self._lock:
+            if request_id in self._caches:
+                raise RequestError(f"request {request_id!r} is already open on this stage")
+            used = sum(c.nbytes for c in self._caches.values())
+            if used + need > self.max_cache_bytes:
+                raise RequestError(
+                    f"KV cache budget exhausted: need {need} bytes, {self.max_cache_bytes - used} free"
+                )
+            self._caches[request_id] = TreeKVCache(
+                self.model.layer_range.size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                capacity,
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
+
+    def release(self, request_id: str) -> bool:
+        with self._lock:
+            return self._caches.pop(request_id, None) is not None
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._caches
+
+    def _cache(self, request_id: str) -> TreeKVCache:
+        try:
+            return self._caches[request_id]
+        except KeyError:
+            raise RequestError(f"request {request_id!r} is not open on this stage") from None
+
+    # -- the step's phases -------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, act: Activation) -> Activation:
+        """Node-wise computation: run the rows through this stage's layers.
+
+        Returns the activation for the next stage (hidden states), or, on the last stage,
+        logits for every tree node (none for a prefill chunk).
+        """
+        cache = self._cache(act.request_id)
+        with self._compute_lock:
+            if act.committed:
+                start, mask = cache.append_committed(len(act))
+            else:
+                start, mask = cache.append_nodes(act.node_ids, act.parent_ids)
+            try:
+                if self.is_first:
+                    if act.tokens is None:
+                        raise RequestError("the first stage needs token ids")
+                    hidden = self.model.embed(act.tokens.to(self.model.device))
+                else:
+                    if act.hidden is None:
+                        raise RequestError("stages after the first need hidden states")
+                    hidden = act.hidden.to(device=self.model.device, dtype=self.model.dtype)
+                positions = act.positions.to(self.model.device)
+                hidden = self.model(hidden, positions, mask.to(self.model.device), cache, start)
+            except Exception:
+                self._rollback(cache, act, start)
+                raise
+        out = Activation(
+            request_id=act.request_id,
+            positions=act.positions,
+            committed=act.committed,
+            node_ids=act.node_ids,
+            parent_ids=act.parent_ids,
+        )
+        if not self.is_last:
+            out.hidden = hidden
+        elif not act.committed:
+            out.logits = self.model.logits(hidden)
+        return out
+
+    @staticmethod
+    def _rollback(cache: TreeKVCache, act: Activation, start: int) -> None:
+        """Undo the row reservation of a failed forward so the request stays consistent."""
+        if act.committed:
+            cache.n_committed = start
+        else:
+            keep = cache.tree_ids[: cache.num_tree_rows - len(act)]
+            cache.prune(torch.empty(0, dtype=torch.int64), keep)
+
+    def prune(self, request_id: str, prune: Prune) -> None:
+        """Pruning propagation: commit verified nodes, drop the rest of the pruned tree."""
+        cache = self._cache(request_id)
+        with self._compute_lock:
+            cache.prune(prune.commit_ids, prune.keep_ids)
+
+
+__all__ = ["CacheError", "RequestError", "StageInfo", "StageRuntime"]

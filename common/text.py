@@ -1,0 +1,74 @@
+"""Tokenization, chat templates and streaming detokenization for a model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TokenizerError(ValueError):
+    """The model directory has no usable tokenizer, or the prompt cannot be encoded."""
+
+
+class TextCodec:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> TextCodec:
+        from transformers import AutoTokenizer
+
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        except (OSError, ValueError, TypeError) as e:
+            raise TokenizerError(f"{model_dir}: cannot load a tokenizer ({e.__class__.__name__})") from None
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if not text:
+            raise TokenizerError("the prompt is empty")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise TokenizerError("the model has no chat template; drop --chat")
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> StreamDecoder:
+        return StreamDecoder(self.tokenizer)
+
+
+class StreamDecoder:
+    """Turns tokens into text deltas without splitting multi-byte characters.
+
+    Decodes a short window of recent tokens and holds text back while it ends in an
+    incomplete UTF-8 sequence (U+FFFD), so byte-level BPE pieces join correctly.
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
+        prefix = decode(self.prefix_offset, self.read_offset)
+        full = decode(self.prefix_offset, len(self.ids))
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back at the end of the stream."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]

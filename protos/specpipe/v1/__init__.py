@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code for the specpipe.v1 API (built from protos/)."""

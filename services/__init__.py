@@ -1,0 +1,1 @@
+"""Network shells around the engine: gRPC services, hidden-state transport, client SDK."""
