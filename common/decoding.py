@@ -32,7 +32,7 @@ class Mode(StrEnum):
 @dataclass(frozen=True)
 class DecodeOptions:
     max_new_tokens: int
-    sampling: SamplingParams = SamplingParams()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     width: int = 8  # tree nodes kept per layer
     top_k_children: int = 4  # draft candidates per node
     specinfer_depth: int = 8  # layers of a SpecInfer tree
@@ -59,9 +59,13 @@ class DecodeStats:
     verifications: int = 0  # root verifications (specpipe/pp) or tree passes (specinfer)
     hits: int = 0  # emitted tokens that were already in the tree when verified
     finish_reason: str = "length"
-    root_children: list[int] = field(default_factory=list)  # children of the root at each verification
+    root_children: list[int] = field(
+        default_factory=list
+    )  # children of the root at each verification
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per specinfer pass
-    trace: list[list[int]] = field(default_factory=list)  # per step: rows per stage, then draft rows
+    trace: list[list[int]] = field(
+        default_factory=list
+    )  # per step: rows per stage, then draft rows
 
     @property
     def tokens_per_step(self) -> float:
@@ -124,8 +128,10 @@ class Generation:
         width = opts.width if self.draft is not None else 0
         self.stats = DecodeStats(mode=self.mode.value, stages=pipeline.num_stages, width=width)
         self.output: list[int] = []
-        self.capacity = len(prompt_ids) + opts.max_new_tokens + tree_capacity(
-            self.mode, pipeline.num_stages, opts
+        self.capacity = (
+            len(prompt_ids)
+            + opts.max_new_tokens
+            + tree_capacity(self.mode, pipeline.num_stages, opts)
         )
 
     # -- public ------------------------------------------------------------------------
@@ -150,7 +156,9 @@ class Generation:
         return self.output
 
     # -- shared pieces -----------------------------------------------------------------
-    def _step(self, prune: Prune | None, entering: Activation | None, draft_rows: int = 0) -> StepResult:
+    def _step(
+        self, prune: Prune | None, entering: Activation | None, draft_rows: int = 0
+    ) -> StepResult:
         result = self.pipeline.step(self.request_id, prune, entering)
         self.stats.trace.append([*result.nodes_per_stage, draft_rows])
         return result
@@ -195,7 +203,9 @@ class Generation:
             tokens=tree.tokens[idx],
         )
 
-    def _propose(self, layer: Activation | None, prune: Prune | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _propose(
+        self, layer: Activation | None, prune: Prune | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Draft phase of a step: apply last step's prune, expand the layer entering stage 1."""
         if self.draft is None:
             return EMPTY_IDS, EMPTY_IDS, torch.empty(0)
@@ -208,7 +218,9 @@ class Generation:
         return c.parent_ids, c.tokens, c.probs
 
     @staticmethod
-    def _grow(tree: TokenTree, parent_ids: Tensor, tokens: Tensor, probs: Tensor, width: int) -> Tensor:
+    def _grow(
+        tree: TokenTree, parent_ids: Tensor, tokens: Tensor, probs: Tensor, width: int
+    ) -> Tensor:
         """Append the best `width` candidates whose parents are still in the tree."""
         match = parent_ids[:, None] == tree.ids[None, :]
         alive = match.any(dim=1)
@@ -229,14 +241,18 @@ class Generation:
         entering: Activation | None = self._layer(tree, torch.tensor([0]), root_pos)
         prune: Prune | None = None
         while True:
-            result = self._step(prune, entering, draft_rows=len(entering) if self.draft and entering else 0)
+            result = self._step(
+                prune, entering, draft_rows=len(entering) if self.draft and entering else 0
+            )
             self.stats.decode_steps += 1
             cand = self._propose(entering, prune)
             prune, missed = None, False
             last = result.last
             if last is not None and last.logits is not None:
                 if last.node_ids.tolist() != [tree.root_id]:
-                    raise RuntimeError("pipeline desynchronized: last stage did not compute the root")
+                    raise RuntimeError(
+                        "pipeline desynchronized: last stage did not compute the root"
+                    )
                 token = self._sample(last.logits[0])
                 child = tree.child_with_token(0, token)
                 self.stats.verifications += 1
@@ -299,7 +315,9 @@ class Generation:
             self.stats.decode_steps += self.pipeline.num_stages
             last = result.last
             if last is None or last.logits is None or not torch.equal(last.node_ids, tree.ids):
-                raise RuntimeError("pipeline desynchronized: the tree did not come out of the last stage")
+                raise RuntimeError(
+                    "pipeline desynchronized: the tree did not come out of the last stage"
+                )
 
             path = [0]
             self.stats.verifications += 1

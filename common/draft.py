@@ -48,7 +48,9 @@ class DraftRuntime:
     def release(self, request_id: str) -> bool:
         return self.runtime.release(request_id)
 
-    def prefill(self, request_id: str, tokens: Tensor, start_position: int, chunk_size: int) -> None:
+    def prefill(
+        self, request_id: str, tokens: Tensor, start_position: int, chunk_size: int
+    ) -> None:
         """Cache verified tokens (prompt, or ones the draft has not seen) in chunks."""
         for s in range(0, tokens.numel(), chunk_size):
             chunk = tokens[s : s + chunk_size]

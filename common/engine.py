@@ -18,7 +18,12 @@ from .stage import StageRuntime
 
 ORACLE_DRAFT = "oracle"  # use the target itself as the draft (tests, upper bound)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:

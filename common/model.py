@@ -8,6 +8,7 @@ layers (ancestor mask) and plain decoding.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,9 @@ class LayerRange:
         return self.end - self.start
 
 
-def split_layers(num_layers: int, num_stages: int, weights: list[float] | None = None) -> list[LayerRange]:
+def split_layers(
+    num_layers: int, num_stages: int, weights: list[float] | None = None
+) -> list[LayerRange]:
     """Split layers into contiguous stages, in proportion to `weights` (e.g. measured speed)."""
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
@@ -68,7 +71,7 @@ def split_layers(num_layers: int, num_stages: int, weights: list[float] | None =
         b = min(b, num_layers - (num_stages - 1 - i))
         bounds.append(b)
     bounds.append(num_layers)
-    return [LayerRange(a, b, num_layers) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [LayerRange(a, b, num_layers) for a, b in itertools.pairwise(bounds)]
 
 
 class RMSNorm(nn.Module):
@@ -84,9 +87,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim)
+        theta
+        ** (
+            torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+            / head_dim
+        )
     )
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -111,7 +120,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: TreeKVCache, layer: int, start: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        cache: TreeKVCache,
+        layer: int,
+        start: int,
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(n, self.cfg.num_heads, d).transpose(0, 1)
@@ -145,7 +161,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache: TreeKVCache, layer: int, start: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor,
+        cache: TreeKVCache,
+        layer: int,
+        start: int,
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, start)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -157,7 +180,9 @@ class StageModel(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerRange) -> None:
         super().__init__()
         self.cfg, self.layer_range = cfg, layers
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if layers.is_first else None
+        self.embed_tokens = (
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) if layers.is_first else None
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(layers.size))
         if layers.is_last:
             self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -178,7 +203,9 @@ class StageModel(nn.Module):
             raise RuntimeError("only the first stage embeds tokens")
         return self.embed_tokens(token_ids)
 
-    def forward(self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: TreeKVCache, start: int) -> Tensor:
+    def forward(
+        self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: TreeKVCache, start: int
+    ) -> Tensor:
         """Run new rows `hidden` [n, H] at `positions`; their K/V go to cache rows [start, start+n).
 
         `mask` is boolean [n, start + n]: True where a new row may attend to a cache row.
@@ -252,7 +279,9 @@ def load_stage(
     cfg = ModelConfig.from_dir(model_dir)
     layers = layers or LayerRange(0, cfg.num_layers, cfg.num_layers)
     if layers.num_layers != cfg.num_layers:
-        raise ValueError(f"layer range is for {layers.num_layers} layers, model has {cfg.num_layers}")
+        raise ValueError(
+            f"layer range is for {layers.num_layers} layers, model has {cfg.num_layers}"
+        )
     files = _safetensors_files(model_dir)
     wanted = _checkpoint_names(cfg, layers)
     if layers.is_last and "lm_head.weight" not in files:

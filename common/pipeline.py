@@ -9,6 +9,7 @@ tree layer entering stage 1, then let every stage compute. The last stage's outp
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +35,9 @@ class Pipeline(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
-    def step(self, request_id: str, prune: Prune | None, entering: Activation | None) -> StepResult: ...
+    def step(
+        self, request_id: str, prune: Prune | None, entering: Activation | None
+    ) -> StepResult: ...
 
 
 class Draft(Protocol):
@@ -55,7 +58,7 @@ class LocalPipeline:
     def __init__(self, stages: list[StageRuntime]) -> None:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("stages must cover the model from embedding to LM head")
-        for a, b in zip(stages, stages[1:], strict=False):
+        for a, b in itertools.pairwise(stages):
             if a.model.layer_range.end != b.model.layer_range.start:
                 raise ValueError("stage layer ranges must be contiguous")
         self.stages = stages
@@ -93,7 +96,10 @@ class LocalPipeline:
                 s.prune(request_id, prune)
             in_flight = [prune.filter(a) for a in in_flight]
         inputs = [entering, *in_flight]
-        outputs = [s.forward(a) if a is not None else None for s, a in zip(self.stages, inputs, strict=True)]
+        outputs = [
+            s.forward(a) if a is not None else None
+            for s, a in zip(self.stages, inputs, strict=True)
+        ]
         self._in_flight[request_id] = outputs[:-1]
         return StepResult(last=outputs[-1], nodes_per_stage=[len(a) if a else 0 for a in inputs])
 

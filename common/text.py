@@ -20,7 +20,9 @@ class TextCodec:
         try:
             return cls(AutoTokenizer.from_pretrained(str(model_dir)))
         except (OSError, ValueError, TypeError) as e:
-            raise TokenizerError(f"{model_dir}: cannot load a tokenizer ({e.__class__.__name__})") from None
+            raise TokenizerError(
+                f"{model_dir}: cannot load a tokenizer ({e.__class__.__name__})"
+            ) from None
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if not text:
@@ -68,7 +70,9 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back at the end of the stream."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        prefix = self.tokenizer.decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True
+        )
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix) :]

@@ -32,7 +32,9 @@ def _positive_int(text: str) -> int:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from specpipe.common.decoding import Mode
 
-    p = sub.add_parser("generate", help="generate text in one process, stages stepped as a pipeline")
+    p = sub.add_parser(
+        "generate", help="generate text in one process, stages stepped as a pipeline"
+    )
     p.add_argument("--target", required=True, help="target model: name, HF directory or GGUF file")
     p.add_argument("--draft", default=None, help="draft model, or 'oracle' for the target itself")
     p.add_argument("--stages", type=_positive_int, default=1)
@@ -51,7 +53,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prefill-chunk", type=_positive_int, default=128)
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_generate)
 
@@ -146,7 +150,9 @@ def _choose_width(args: argparse.Namespace, deployment, mode, prompt_ids: list[i
         try:
             width = int(args.width)
         except ValueError:
-            raise CliError(f"--width must be a positive integer or 'auto', got {args.width!r}") from None
+            raise CliError(
+                f"--width must be a positive integer or 'auto', got {args.width!r}"
+            ) from None
         if width <= 0:
             raise CliError(f"--width must be positive, got {width}")
         return width
