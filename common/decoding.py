@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
-from torch import Tensor
 
-from .messages import EMPTY_IDS, Activation, Prune
+from .draft import Candidates
+from .messages import Activation, Prune
 from .pipeline import Draft, Pipeline, StepResult
-from .sampling import SamplingParams, sample_token
-from .tree import TokenTree
+from .sampling import SamplingParams
+from .tree_manager import OutputState, SpecInferManager, SpecPipeManager, prefill_chunks
 
 
 class Mode(StrEnum):
@@ -127,7 +127,7 @@ class Generation:
         self.request_id = request_id or f"req-{next(_request_counter)}"
         width = opts.width if self.draft is not None else 0
         self.stats = DecodeStats(mode=self.mode.value, stages=pipeline.num_stages, width=width)
-        self.output: list[int] = []
+        self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
         self.capacity = (
             len(prompt_ids)
             + opts.max_new_tokens
@@ -150,12 +150,16 @@ class Generation:
             if self.draft is not None:
                 self.draft.release(self.request_id)
 
+    @property
+    def output(self) -> list[int]:
+        return self.out.tokens
+
     def run(self) -> list[int]:
         for _ in self:
             pass
         return self.output
 
-    # -- shared pieces -----------------------------------------------------------------
+    # -- loops ---------------------------------------------------------------------------
     def _step(
         self, prune: Prune | None, entering: Activation | None, draft_rows: int = 0
     ) -> StepResult:
@@ -165,181 +169,100 @@ class Generation:
 
     def _prefill(self) -> None:
         """Verified prompt tokens (all but the last, which is the first root) through the stages."""
-        body = self.prompt[:-1]
-        chunk = self.opts.prefill_chunk
-        for s in range(0, body.numel(), chunk):
-            part = body[s : s + chunk]
-            act = Activation(
-                request_id=self.request_id,
-                positions=torch.arange(s, s + part.numel()),
-                committed=True,
-                tokens=part,
-            )
-            self._step(None, act)
+        for chunk in prefill_chunks(self.request_id, self.prompt.tolist(), self.opts.prefill_chunk):
+            self._step(None, chunk)
             self.stats.prefill_steps += 1
-        if self.draft is not None and body.numel():
-            self.draft.prefill(self.request_id, body, 0, chunk)
+        if self.draft is not None and self.prompt.numel() > 1:
+            self.draft.prefill(self.request_id, self.prompt[:-1], 0, self.opts.prefill_chunk)
 
-    def _emit(self, token: int) -> bool:
-        """Record a verified token; True when generation must stop."""
-        self.output.append(token)
-        self.stats.new_tokens += 1
-        if token in self.opts.stop_token_ids:
-            self.stats.finish_reason = "stop"
-            return True
-        return len(self.output) >= self.opts.max_new_tokens
+    def _emitted(self, tokens: list[int]) -> Iterator[int]:
+        self.stats.new_tokens += len(tokens)
+        self.stats.hits = self.out.hits
+        self.stats.finish_reason = self.out.finish_reason
+        yield from tokens
 
-    def _sample(self, logits: Tensor) -> int:
-        return sample_token(logits, self.opts.sampling, len(self.output))
-
-    def _layer(self, tree: TokenTree, idx: Tensor, root_pos: int) -> Activation:
-        parents = tree.parent[idx]
-        parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)], -1)
-        return Activation(
-            request_id=self.request_id,
-            positions=root_pos + tree.depth[idx],
-            node_ids=tree.ids[idx],
-            parent_ids=parent_ids,
-            tokens=tree.tokens[idx],
-        )
-
-    def _propose(
-        self, layer: Activation | None, prune: Prune | None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Draft phase of a step: apply last step's prune, expand the layer entering stage 1."""
-        if self.draft is None:
-            return EMPTY_IDS, EMPTY_IDS, torch.empty(0)
-        if prune is not None:
-            self.draft.prune(self.request_id, prune)
-        if layer is None or layer.committed:
-            return EMPTY_IDS, EMPTY_IDS, torch.empty(0)
-        k = min(self.opts.top_k_children, self.opts.width)
-        c = self.draft.propose(layer, k, self.opts.sampling.temperature)
-        return c.parent_ids, c.tokens, c.probs
-
-    @staticmethod
-    def _grow(
-        tree: TokenTree, parent_ids: Tensor, tokens: Tensor, probs: Tensor, width: int
-    ) -> Tensor:
-        """Append the best `width` candidates whose parents are still in the tree."""
-        match = parent_ids[:, None] == tree.ids[None, :]
-        alive = match.any(dim=1)
-        if not bool(alive.any()):
-            return EMPTY_IDS
-        parents = match[alive].to(torch.int8).argmax(dim=1)
-        return tree.append_layer(parents, tokens[alive], probs[alive], width)
-
-    # -- specpipe / pp / autoregressive ------------------------------------------------
     def _specpipe(self) -> Iterator[int]:
-        """One tree layer enters stage 1 per step; the root is verified at the last stage.
+        """Lockstep: each step, verify what left the last stage, then feed the next layer.
 
         Without a draft the tree is only ever its root, which is plain pipeline decoding
         (one token per S steps); with one stage it is plain autoregressive decoding.
         """
-        root_pos = self.prompt.numel() - 1
-        tree = TokenTree(int(self.prompt[-1]))
-        entering: Activation | None = self._layer(tree, torch.tensor([0]), root_pos)
+        width = self.opts.width if self.draft is not None else 0
+        mgr = SpecPipeManager(
+            self.request_id, self.prompt.tolist(), self.out, width, self.pipeline.num_stages
+        )
+        entering: Activation | None = mgr.root_layer()
         prune: Prune | None = None
         while True:
-            result = self._step(
-                prune, entering, draft_rows=len(entering) if self.draft and entering else 0
-            )
+            draft_rows = len(entering) if self.draft is not None and entering is not None else 0
+            result = self._step(prune, entering, draft_rows)
             self.stats.decode_steps += 1
             cand = self._propose(entering, prune)
-            prune, missed = None, False
+            prune, entering = None, None
             last = result.last
             if last is not None and last.logits is not None:
-                if last.node_ids.tolist() != [tree.root_id]:
+                if not mgr.is_root(last):
                     raise RuntimeError(
                         "pipeline desynchronized: last stage did not compute the root"
                     )
-                token = self._sample(last.logits[0])
-                child = tree.child_with_token(0, token)
-                self.stats.verifications += 1
-                self.stats.root_children.append(int(tree.children(0).numel()))
-                old_root = torch.tensor([tree.root_id])
-                if child is not None:
-                    self.stats.hits += 1
-                    tree.prune_to(child)
-                    prune = Prune(commit_ids=old_root, keep_ids=tree.ids.clone())
-                else:
-                    tree.reset(token)
-                    prune = Prune(commit_ids=old_root, keep_ids=EMPTY_IDS)
-                    missed = True
-                root_pos += 1
-                done = self._emit(token)
-                yield token
-                if done:
+                verdict = mgr.verify(last.logits[0])
+                self.stats.verifications = mgr.verifications
+                self.stats.root_children = mgr.root_children
+                yield from self._emitted(verdict.tokens)
+                if verdict.done:
                     return
-            if missed:
-                entering = self._layer(tree, torch.tensor([0]), root_pos)
-            else:
-                new = self._grow(tree, *cand, self.opts.width)
-                entering = self._layer(tree, new, root_pos) if new.numel() else None
+                prune, entering = verdict.prune, verdict.restart
+            if entering is None:
+                entering = mgr.grow(cand)
 
-    # -- specinfer ---------------------------------------------------------------------
+    def _propose(self, layer: Activation | None, prune: Prune | None) -> Candidates:
+        """Draft phase of a step: apply last step's prune, expand the layer entering stage 1."""
+        if self.draft is None:
+            return Candidates.empty()
+        if prune is not None:
+            self.draft.prune(self.request_id, prune)
+        if layer is None or layer.committed:
+            return Candidates.empty()
+        k = min(self.opts.top_k_children, self.opts.width)
+        return self.draft.propose(layer, k, self.opts.sampling.temperature)
+
     def _specinfer(self) -> Iterator[int]:
-        """The draft grows a whole tree, it crosses all stages in one pass (S steps), the
-        longest verified path plus one token is emitted."""
+        """Per pass: the draft grows a whole tree, the tree crosses all S stages (S steps),
+        the longest verified path plus one token is emitted."""
         assert self.draft is not None
-        root_pos = self.prompt.numel() - 1
-        root_token = int(self.prompt[-1])
+        mgr = SpecInferManager(
+            self.request_id,
+            self.prompt.tolist(),
+            self.out,
+            self.opts.width,
+            self.opts.specinfer_depth,
+        )
+        k = min(self.opts.top_k_children, self.opts.width)
         prune: Prune | None = None
-        prune_for_draft: Prune | None = None
-        next_id = 0
-        unseen_by_draft: list[int] = []  # verified tokens the draft still has to cache
         while True:
-            tree = TokenTree(root_token, first_id=next_id)
-            if prune_for_draft is not None:
-                self.draft.prune(self.request_id, prune_for_draft)
-            if unseen_by_draft:
-                start = root_pos - len(unseen_by_draft)
-                self.draft.prefill(
-                    self.request_id, torch.tensor(unseen_by_draft), start, self.opts.prefill_chunk
-                )
-                unseen_by_draft = []
-            draft_computed = []
-            for _ in range(self.opts.specinfer_depth):
-                frontier = tree.frontier()
-                layer = self._layer(tree, frontier, root_pos)
-                k = min(self.opts.top_k_children, self.opts.width)
-                c = self.draft.propose(layer, k, self.opts.sampling.temperature)
-                draft_computed.append(layer.node_ids)
-                if self._grow(tree, c.parent_ids, c.tokens, c.probs, self.opts.width).numel() == 0:
+            if mgr.unseen_by_draft:
+                start = mgr.root_pos - len(mgr.unseen_by_draft)
+                unseen = torch.tensor(mgr.unseen_by_draft)
+                self.draft.prefill(self.request_id, unseen, start, self.opts.prefill_chunk)
+                mgr.unseen_by_draft = []
+            while (layer := mgr.draft_layer()) is not None:
+                cand = self.draft.propose(layer, k, self.opts.sampling.temperature)
+                if not mgr.grow(cand):
                     break
-            next_id = int(tree.ids.max()) + 1
-            whole = self._layer(tree, torch.arange(len(tree)), root_pos)
-            result = self._step(prune, whole, draft_rows=len(tree))
+            whole = mgr.whole_tree()
+            result = self._step(prune, whole, draft_rows=len(whole))
             for _ in range(self.pipeline.num_stages - 1):
                 result = self._step(None, None)
             self.stats.decode_steps += self.pipeline.num_stages
-            last = result.last
-            if last is None or last.logits is None or not torch.equal(last.node_ids, tree.ids):
-                raise RuntimeError(
-                    "pipeline desynchronized: the tree did not come out of the last stage"
-                )
-
-            path = [0]
-            self.stats.verifications += 1
-            self.stats.root_children.append(int(tree.children(0).numel()))
-            emitted = 0
-            while True:
-                token = self._sample(last.logits[path[-1]])
-                emitted += 1
-                done = self._emit(token)
-                yield token
-                child = tree.child_with_token(path[-1], token)
-                if child is None or done:
-                    break
-                self.stats.hits += 1
-                path.append(child)
-            self.stats.accepted_lengths.append(emitted)
-            if done:
+            if result.last is None:
+                raise RuntimeError("pipeline desynchronized: the tree did not leave the last stage")
+            verdict = mgr.verify(result.last)
+            self.stats.verifications = mgr.verifications
+            self.stats.root_children = mgr.root_children
+            self.stats.accepted_lengths = mgr.accepted_lengths
+            yield from self._emitted(verdict.tokens)
+            if verdict.done:
                 return
-            path_ids = tree.ids[torch.tensor(path)]
-            prune = Prune(commit_ids=path_ids, keep_ids=EMPTY_IDS)
-            seen = torch.isin(path_ids, torch.cat(draft_computed))
-            prune_for_draft = Prune(commit_ids=path_ids[seen], keep_ids=EMPTY_IDS)
-            unseen_by_draft = tree.tokens[torch.tensor(path)][~seen].tolist()
-            root_pos += len(path)
-            root_token = token
+            prune = verdict.prune
+            assert verdict.draft_prune is not None
+            self.draft.prune(self.request_id, verdict.draft_prune)

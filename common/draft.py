@@ -64,12 +64,14 @@ class DraftRuntime:
         if len(layer) == 0 or top_k <= 0:
             return Candidates.empty()
         out = self.runtime.forward(layer)
+        if out is None:  # every node was pruned before it got here
+            return Candidates.empty()
         assert out.logits is not None
         probs = draft_probs(out.logits, temperature)
         k = min(top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1)
         return Candidates(
-            parent_ids=layer.node_ids.repeat_interleave(k),
+            parent_ids=out.node_ids.repeat_interleave(k),
             tokens=top.indices.reshape(-1),
             probs=top.values.reshape(-1),
         )

@@ -114,10 +114,14 @@ class TreeKVCache:
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
     # -- shrinking ---------------------------------------------------------------------
-    def prune(self, commit_ids: Tensor, keep_ids: Tensor) -> None:
-        """Commit verified nodes (in order) and keep only `keep_ids` among the other tree rows."""
+    def prune(self, commit_ids: Tensor, keep_ids: Tensor, horizon: int | None = None) -> None:
+        """Commit verified nodes (in order); of the other tree rows with ids up to `horizon`
+        (default: all), keep only `keep_ids`."""
         commit_rows = self._rows_of(commit_ids)
-        keep = torch.isin(self.tree_ids, keep_ids) & ~torch.isin(self.tree_ids, commit_ids)
+        keep = torch.isin(self.tree_ids, keep_ids)
+        if horizon is not None:
+            keep |= self.tree_ids > horizon
+        keep &= ~torch.isin(self.tree_ids, commit_ids)
         keep_rows = keep.nonzero().squeeze(1)
         order = torch.cat([commit_rows, keep_rows])
         nc = self.n_committed

@@ -59,17 +59,25 @@ class Activation:
 class Prune:
     """Verification outcome: tree nodes to commit (in sequence order) and tree nodes to keep.
 
-    Every other tree node is dropped from caches and from activations in flight.
+    `horizon` is the largest node id the router had created when it decided this prune
+    (the tree version). Nodes with larger ids were created later and are untouched, so a
+    prune that reaches a stage late never drops newer nodes; every node up to the horizon
+    that is neither committed nor kept is dropped from caches and from activations.
     """
 
     commit_ids: Tensor
     keep_ids: Tensor
+    horizon: int
+
+    def alive(self, node_ids: Tensor) -> Tensor:
+        """Which of `node_ids` survive this prune (committed ones do not: they left the tree)."""
+        return (node_ids > self.horizon) | torch.isin(node_ids, self.keep_ids)
 
     def filter(self, act: Activation | None) -> Activation | None:
         """Drop pruned nodes from an in-flight activation; None when nothing survives."""
         if act is None or act.committed:
             return act
-        rows = torch.isin(act.node_ids, self.keep_ids).nonzero().squeeze(1)
+        rows = self.alive(act.node_ids).nonzero().squeeze(1)
         if rows.numel() == 0:
             return None
         return act if rows.numel() == len(act) else act.select(rows)

@@ -44,6 +44,7 @@ class StageRuntime:
         )
         self.max_cache_bytes = max_cache_bytes if max_cache_bytes is not None else 8 << 30
         self._caches: dict[str, TreeKVCache] = {}
+        self._last_prune: dict[str, Prune] = {}
         self._lock = threading.Lock()
         self._compute_lock = threading.Lock()
 
@@ -103,6 +104,7 @@ class StageRuntime:
 
     def release(self, request_id: str) -> bool:
         with self._lock:
+            self._last_prune.pop(request_id, None)
             return self._caches.pop(request_id, None) is not None
 
     def has_request(self, request_id: str) -> bool:
@@ -116,14 +118,20 @@ class StageRuntime:
 
     # -- the step's phases -------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, act: Activation) -> Activation:
+    def forward(self, act: Activation) -> Activation | None:
         """Node-wise computation: run the rows through this stage's layers.
 
         Returns the activation for the next stage (hidden states), or, on the last stage,
-        logits for every tree node (none for a prefill chunk).
+        logits for every tree node (none for a prefill chunk). Nodes that a prune already
+        applied here has dropped are skipped (they arrived late); None if none are left.
         """
         cache = self._cache(act.request_id)
         with self._compute_lock:
+            last_prune = self._last_prune.get(act.request_id)
+            if last_prune is not None:
+                act = last_prune.filter(act)
+                if act is None:
+                    return None
             if act.committed:
                 start, mask = cache.append_committed(len(act))
             else:
@@ -168,7 +176,8 @@ class StageRuntime:
         """Pruning propagation: commit verified nodes, drop the rest of the pruned tree."""
         cache = self._cache(request_id)
         with self._compute_lock:
-            cache.prune(prune.commit_ids, prune.keep_ids)
+            cache.prune(prune.commit_ids, prune.keep_ids, prune.horizon)
+            self._last_prune[request_id] = prune
 
 
 __all__ = ["CacheError", "RequestError", "StageInfo", "StageRuntime"]
