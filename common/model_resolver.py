@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -9,11 +10,32 @@ class ModelNotFoundError(ValueError):
     """MODEL names nothing this machine has or can fetch."""
 
 
-def resolve_model(spec: str) -> Path:
-    """A local Hugging Face directory is used as is."""
+def resolve_model(
+    spec: str, *, cache_dir: str | Path | None = None, progress: bool | None = None
+) -> Path:
+    """A Hugging Face directory as is; a GGUF file or a store name via the model store.
+
+    GGUF files are converted once (cached by content hash); store names are pulled on first
+    use, with progress on stderr. `progress` defaults to "stderr is a terminal".
+    """
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec}: directory has no config.json")
         return path
-    raise ModelNotFoundError(f"model {spec!r} not found (not a directory)")
+    from . import model_store
+
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if path.is_file():
+        from .gguf_convert import is_gguf
+
+        if path.suffix.lower() != ".gguf" and not is_gguf(path):
+            raise ModelNotFoundError(f"{spec}: not a model directory or a .gguf file")
+        return model_store.ModelStore(cache_dir, progress=progress).from_gguf(path)
+    if spec.strip().lower() in model_store.MODELS:
+        return model_store.ModelStore(cache_dir, progress=progress).pull(spec)
+    if "/" in spec or spec.startswith((".", "~")) or spec.lower().endswith(".gguf"):
+        raise ModelNotFoundError(f"{spec}: no such file or directory")
+    model_store.lookup(spec)  # raises, listing the known names
+    raise AssertionError("unreachable")

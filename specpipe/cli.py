@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specpipe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_generate(sub)
+    from specpipe import cli_models
+
+    cli_models.register(sub)
     return parser
 
 
