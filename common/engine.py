@@ -19,6 +19,7 @@ from .stage import StageRuntime
 ORACLE_DRAFT = "oracle"  # use the target itself as the draft (tests, upper bound)
 
 DTYPES = {
+    "float64": torch.float64,  # for exactness tests: rounding noise far below any CDF gap
     "float32": torch.float32,
     "fp32": torch.float32,
     "bfloat16": torch.bfloat16,

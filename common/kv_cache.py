@@ -118,10 +118,13 @@ class TreeKVCache:
         """Commit verified nodes (in order); of the other tree rows with ids up to `horizon`
         (default: all), keep only `keep_ids`."""
         commit_rows = self._rows_of(commit_ids)
+        committed = torch.isin(self.tree_ids, commit_ids)
         keep = torch.isin(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
-        keep &= ~torch.isin(self.tree_ids, commit_ids)
+        # A node survives only if every tree ancestor survives or is being committed.
+        ok = keep | committed
+        keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(dim=1)
         keep_rows = keep.nonzero().squeeze(1)
         order = torch.cat([commit_rows, keep_rows])
         nc = self.n_committed

@@ -126,6 +126,8 @@ class StageRuntime:
         applied here has dropped are skipped (they arrived late); None if none are left.
         """
         cache = self._cache(act.request_id)
+        if len(act) == 0:
+            return None
         with self._compute_lock:
             last_prune = self._last_prune.get(act.request_id)
             if last_prune is not None:

@@ -1,0 +1,138 @@
+"""The `specpipe generate` contract: JSON shape, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from specpipe.cli import main
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse errors
+        code = int(e.code)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_contract(capsys, llama_dir) -> None:
+    code, out, _ = run(
+        capsys,
+        "generate",
+        "--target",
+        str(llama_dir),
+        "--draft",
+        "oracle",
+        "--stages",
+        "3",
+        "--mode",
+        "specpipe",
+        "--prompt-ids",
+        "5,17,33,2",
+        "--max-new-tokens",
+        "10",
+        "--json",
+        "--ignore-eos",
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert len(result["token_ids"]) == 10 and result["text"] is None
+    stats = result["stats"]
+    assert set(stats) == {
+        "mode",
+        "stages",
+        "width",
+        "prefill_steps",
+        "decode_steps",
+        "new_tokens",
+        "tokens_per_step",
+        "hit_rate",
+    }
+    assert stats["mode"] == "specpipe" and stats["stages"] == 3 and stats["new_tokens"] == 10
+    assert stats["tokens_per_step"] == pytest.approx(10 / stats["decode_steps"], abs=1e-6)
+
+
+def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_dir) -> None:
+    outs = {}
+    for mode in ("specpipe", "pp", "specinfer", "autoregressive"):
+        code, out, _ = run(
+            capsys,
+            "generate",
+            "--target",
+            str(llama_dir),
+            "--draft",
+            str(unrelated_draft_dir),
+            "--stages",
+            "2",
+            "--mode",
+            mode,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--ignore-eos",
+        )
+        assert code == 0
+        outs[mode] = json.loads(out)["token_ids"]
+    assert len({tuple(v) for v in outs.values()}) == 1
+    assert outs["pp"] and json.loads(out)["stats"]["mode"] == "autoregressive"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mode", "fastest"], "invalid choice"),
+        (["--stages", "99"], "exceeds"),
+        (["--stages", "0"], "must be positive"),
+        (["--prompt-ids", "1,2,100000"], "outside the vocabulary"),
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", ","], "empty"),
+        (["--max-new-tokens", "0"], "must be positive"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--width", "zero"], "--width"),
+        (["--target", "/nonexistent/model"], "not found|no such"),
+        (["--mode", "specpipe", "--no-draft"], "needs --draft"),
+        (["--prompt", "hello"], "tokenizer"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, llama_dir, args, message) -> None:
+    base = {
+        "--target": str(llama_dir),
+        "--stages": "2",
+        "--mode": "pp",
+        "--prompt-ids": "1,2,3",
+        "--max-new-tokens": "4",
+    }
+    no_draft = "--no-draft" in args
+    args = [a for a in args if a != "--no-draft"]
+    override = dict(zip(args[::2], args[1::2], strict=True))
+    merged = {**base, **override}
+    if "--prompt" in merged:
+        merged.pop("--prompt-ids")
+    argv = ["generate"]
+    for k, v in merged.items():
+        argv += [k, v]
+    if not no_draft and merged["--mode"] in ("specpipe", "specinfer"):
+        argv += ["--draft", "oracle"]
+    code, out, err = run(capsys, *argv)
+    assert code == 2, err
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert re.search(message, err), err
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("specpipe")
+    assert exe, "pip install should provide the specpipe command"
+    proc = subprocess.run(
+        [exe, "generate", "--target", "/nope", "--prompt-ids", "1"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and re.search("not found|no such", proc.stderr)

@@ -1,0 +1,220 @@
+"""Tree-aware KV cache: after any appends, commits and prunes, attention over the cache
+equals attention recomputed from scratch on the committed tokens plus the node's path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from specpipe.common.kv_cache import CacheError, TreeKVCache
+from specpipe.common.messages import EMPTY_IDS, Activation, Prune
+from specpipe.common.model import load_stage
+from specpipe.common.stage import StageRuntime
+from specpipe.common.tree import TokenTree
+
+from ..conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("m"), layers=2, hidden=24, heads=3, kv_heads=1, vocab=31
+    )
+    return load_stage(path, dtype=torch.float64)
+
+
+def scratch_logits(model, tokens: list[int]) -> torch.Tensor:
+    n = len(tokens)
+    cfg = model.cfg
+    cache = TreeKVCache(len(model.layers), cfg.num_kv_heads, cfg.head_dim, n, torch.float64)
+    hidden = model.embed(torch.tensor(tokens))
+    out = model(hidden, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache, 0)
+    return model.logits(out)[-1]
+
+
+class Mirror:
+    """A router-side tree plus one stage; checks every computed node against scratch."""
+
+    def __init__(self, model, prompt: list[int]) -> None:
+        self.model, self.stage = model, StageRuntime(model)
+        self.stage.open("r", 64)
+        self.committed = prompt[:-1]
+        if self.committed:
+            self.stage.forward(
+                Activation(
+                    "r",
+                    torch.arange(len(self.committed)),
+                    committed=True,
+                    tokens=torch.tensor(self.committed),
+                )
+            )
+        self.tree = TokenTree(prompt[-1])
+        self.run(torch.tensor([0]))
+
+    def run(self, idx: torch.Tensor) -> None:
+        t = self.tree
+        parents = t.parent[idx]
+        act = Activation(
+            "r",
+            positions=len(self.committed) + t.depth[idx],
+            node_ids=t.ids[idx],
+            parent_ids=torch.where(parents >= 0, t.ids[parents.clamp(min=0)], -1),
+            tokens=t.tokens[idx],
+        )
+        out = self.stage.forward(act)
+        for row, node in enumerate(idx.tolist()):
+            path = t.tokens[t.path_to(node)].tolist()
+            ref = scratch_logits(self.model, self.committed + path)
+            torch.testing.assert_close(out.logits[row], ref.float(), atol=1e-9, rtol=1e-9)
+
+    def append(self, k: int, width: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        parents = self.tree.frontier().repeat_interleave(k)
+        if parents.numel() == 0:
+            return
+        toks = torch.randint(0, 31, (parents.numel(),), generator=g)
+        new = self.tree.append_layer(parents, toks, torch.rand(parents.numel(), generator=g), width)
+        self.run(new)
+
+    def verify(self, seed: int, hit: bool) -> None:
+        t = self.tree
+        kids = t.children(0)
+        old_root, horizon = t.ids[:1].clone(), int(t.ids.max())
+        self.committed = [*self.committed, t.root_token]
+        if hit and kids.numel():
+            t.prune_to(int(kids[seed % kids.numel()]))
+            self.stage.prune("r", Prune(old_root, t.ids.clone(), horizon))
+        else:
+            t.reset(seed % 31)
+            self.stage.prune("r", Prune(old_root, EMPTY_IDS, horizon))
+            self.run(torch.tensor([0]))
+        cache = self.stage._cache("r")
+        assert cache.n_committed == len(self.committed)
+        assert sorted(cache.tree_ids.tolist()) == sorted(t.ids.tolist())
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(st.integers(1, 30), min_size=1, max_size=6),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["grow", "hit", "miss"]),
+            st.integers(1, 3),
+            st.integers(1, 5),
+            st.integers(0, 999),
+        ),
+        max_size=12,
+    ),
+)
+def test_pruned_cache_attention_equals_scratch(model, prompt, ops) -> None:
+    mirror = Mirror(model, prompt)
+    for op, k, width, seed in ops:
+        if op == "grow":
+            mirror.append(k, width, seed)
+        else:
+            mirror.verify(seed, hit=op == "hit")
+    # After everything, a fresh layer still attends correctly.
+    mirror.append(2, 3, 1)
+
+
+def test_cache_full_is_an_error_and_state_survives(model) -> None:
+    stage = StageRuntime(model)
+    stage.open("r", 4)
+    stage.forward(Activation("r", torch.arange(3), committed=True, tokens=torch.tensor([1, 2, 3])))
+    layer = Activation(
+        "r",
+        torch.tensor([3, 3]),
+        node_ids=torch.tensor([0, 1]),
+        parent_ids=torch.tensor([-1, -1]),
+        tokens=torch.tensor([4, 5]),
+    )
+    with pytest.raises(CacheError, match="full"):
+        stage.forward(layer)
+    cache = stage._cache("r")
+    assert cache.length == 3
+    out = stage.forward(layer.select(torch.tensor([0])))
+    assert out.logits.shape[0] == 1
+
+
+def test_unknown_parent_is_rejected(model) -> None:
+    stage = StageRuntime(model)
+    stage.open("r", 8)
+    bad = Activation(
+        "r",
+        torch.tensor([0]),
+        node_ids=torch.tensor([5]),
+        parent_ids=torch.tensor([4]),
+        tokens=torch.tensor([1]),
+    )
+    with pytest.raises(CacheError, match="neither cached nor committed"):
+        stage.forward(bad)
+    assert stage._cache("r").length == 0
+
+
+def test_late_prune_keeps_newer_nodes(model) -> None:
+    """The router decided prune v (root 0 verified, child 1 kept, 2 dropped; ids <= 2 existed)
+    and then created node 3 under 1. Node 3 reaches this stage before prune v does; the
+    prune must keep it. A late activation for dropped node 2 is filtered, not an error."""
+    stage = StageRuntime(model)
+    stage.open("r", 16)
+    ids = torch.tensor([0, 1, 2])
+    stage.forward(
+        Activation(
+            "r",
+            torch.tensor([0, 1, 1]),
+            node_ids=ids,
+            parent_ids=torch.tensor([-1, 0, 0]),
+            tokens=torch.tensor([1, 2, 3]),
+        )
+    )
+    stage.forward(
+        Activation(
+            "r",
+            torch.tensor([2]),
+            node_ids=torch.tensor([3]),
+            parent_ids=torch.tensor([1]),
+            tokens=torch.tensor([4]),
+        )
+    )
+    stage.prune("r", Prune(torch.tensor([0]), torch.tensor([1]), horizon=2))
+    cache = stage._cache("r")
+    assert cache.tree_ids.tolist() == [1, 3]
+    assert cache.n_committed == 1
+    late = Activation(
+        "r",
+        torch.tensor([1]),
+        node_ids=torch.tensor([2]),
+        parent_ids=torch.tensor([0]),
+        tokens=torch.tensor([3]),
+    )
+    assert stage.forward(late) is None
+
+
+def test_prune_drops_descendants_of_dropped_nodes() -> None:
+    cache = TreeKVCache(1, 1, 2, 16)
+    cache.append_nodes(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))
+    cache.append_nodes(torch.tensor([3, 4]), torch.tensor([1, 2]))
+    # Node 4 is newer than the horizon but hangs under dropped node 2.
+    cache.prune(torch.tensor([0]), torch.tensor([1]), horizon=2)
+    assert cache.tree_ids.tolist() == [1, 3]
+    assert cache.tree_mask.tolist() == [[True, False], [True, True]]
+
+
+def test_budget_and_release(model) -> None:
+    stage = StageRuntime(model, max_cache_bytes=stage_bytes(model, 10))
+    stage.open("a", 10)
+    with pytest.raises(RuntimeError, match="budget"):
+        stage.open("b", 1)
+    with pytest.raises(RuntimeError, match="already open"):
+        stage.open("a", 1)
+    assert stage.release("a") and not stage.release("a")
+    stage.open("b", 10)
+    assert stage.info().cache_bytes_used == stage_bytes(model, 10)
+
+
+def stage_bytes(model, rows: int) -> int:
+    cfg = model.cfg
+    return 2 * len(model.layers) * cfg.num_kv_heads * cfg.head_dim * rows * 8

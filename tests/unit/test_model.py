@@ -1,0 +1,95 @@
+"""Our model code against transformers' own implementation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specpipe.common.config import ModelConfig
+from specpipe.common.kv_cache import TreeKVCache
+from specpipe.common.model import LayerRange, StageModel, load_stage, split_layers
+from transformers import AutoModelForCausalLM
+
+
+def run_chain(stages: list[StageModel], tokens: torch.Tensor) -> torch.Tensor:
+    """Causal forward of a whole sequence through a chain of stages; returns logits."""
+    n = tokens.numel()
+    positions = torch.arange(n)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    hidden = stages[0].embed(tokens)
+    for stage in stages:
+        cfg = stage.cfg
+        cache = TreeKVCache(stage.layer_range.size, cfg.num_kv_heads, cfg.head_dim, n, stage.dtype)
+        hidden = stage(hidden, positions, mask, cache, 0)
+    return stages[-1].logits(hidden)
+
+
+def hf_logits(model_dir, tokens: torch.Tensor) -> torch.Tensor:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(tokens[None]).logits[0].float()
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen_dir"])
+def test_full_model_logits_match_transformers(fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    tokens = torch.tensor([3, 17, 42, 5, 88, 13, 2, 64, 31, 7, 19])
+    ours = run_chain([load_stage(model_dir)], tokens)
+    ref = hf_logits(model_dir, tokens)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-5)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen_dir"])
+def test_every_stage_split_equals_whole_model(fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(fixture)
+    cfg = ModelConfig.from_dir(model_dir)
+    tokens = torch.tensor([9, 8, 7, 6, 5, 4, 3])
+    whole = run_chain([load_stage(model_dir)], tokens)
+    for num_stages in range(1, cfg.num_layers + 1):
+        stages = [load_stage(model_dir, r) for r in split_layers(cfg.num_layers, num_stages)]
+        torch.testing.assert_close(run_chain(stages, tokens), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_stage_loads_only_its_share(llama_dir) -> None:
+    cfg = ModelConfig.from_dir(llama_dir)
+    middle = load_stage(llama_dir, LayerRange(1, 3, cfg.num_layers))
+    whole = load_stage(llama_dir)
+    assert middle.embed_tokens is None and middle.lm_head is None and len(middle.layers) == 2
+    layer_bytes = sum(p.numel() * 4 for p in whole.layers[0].parameters())
+    assert middle.num_bytes() == 2 * layer_bytes
+
+
+def test_tied_head_shares_embedding(qwen_dir) -> None:
+    model = load_stage(qwen_dir)
+    assert ModelConfig.from_dir(qwen_dir).tie_word_embeddings
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_bfloat16_stays_close_to_float32(llama_dir) -> None:
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6])
+    f32 = run_chain([load_stage(llama_dir)], tokens)
+    bf16 = run_chain([load_stage(llama_dir, dtype=torch.bfloat16)], tokens)
+    assert bf16.dtype == torch.float32  # logits are always returned in fp32
+    rel = (bf16 - f32).norm() / f32.norm()
+    assert rel < 0.05
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "weights", "expect"),
+    [
+        (5, 1, None, [(0, 5)]),
+        (5, 2, None, [(0, 2), (2, 5)]),
+        (5, 5, None, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+        (12, 3, [1.0, 2.0, 1.0], [(0, 3), (3, 9), (9, 12)]),
+        (4, 3, [100.0, 1.0, 1.0], [(0, 2), (2, 3), (3, 4)]),
+    ],
+)
+def test_split_layers(layers, stages, weights, expect) -> None:
+    got = [(r.start, r.end) for r in split_layers(layers, stages, weights)]
+    assert got == expect
+
+
+def test_split_layers_rejects_more_stages_than_layers() -> None:
+    with pytest.raises(ValueError, match="cannot split"):
+        split_layers(3, 4)
