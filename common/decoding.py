@@ -63,9 +63,10 @@ class DecodeStats:
         default_factory=list
     )  # children of the root at each verification
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per specinfer pass
-    trace: list[list[int]] = field(
-        default_factory=list
-    )  # per step: rows per stage, then draft rows
+    # per step: rows each stage computed, then rows the draft computed
+    trace: list[list[int]] = field(default_factory=list)
+    # specinfer: rows of every draft forward, per pass (the draft works before each pass)
+    draft_layers: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -245,7 +246,9 @@ class Generation:
                 unseen = torch.tensor(mgr.unseen_by_draft)
                 self.draft.prefill(self.request_id, unseen, start, self.opts.prefill_chunk)
                 mgr.unseen_by_draft = []
+            self.stats.draft_layers.append([])
             while (layer := mgr.draft_layer()) is not None:
+                self.stats.draft_layers[-1].append(len(layer))
                 cand = self.draft.propose(layer, k, self.opts.sampling.temperature)
                 if not mgr.grow(cand):
                     break

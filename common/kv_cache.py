@@ -138,6 +138,8 @@ class TreeKVCache:
         self._committed_ids.update(commit_ids.tolist())
 
     def _rows_of(self, node_ids: Tensor) -> Tensor:
+        if node_ids.numel() == 0:
+            return torch.empty(0, dtype=torch.int64)
         match = node_ids[:, None] == self.tree_ids[None, :]
         found = match.any(dim=1)
         if not bool(found.all()):

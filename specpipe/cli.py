@@ -112,7 +112,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     stages = 1 if mode == Mode.AUTOREGRESSIVE else args.stages
     deployment = build_local(target, stages, draft, parse_dtype(args.dtype))
-    width = _choose_width(args, deployment, mode, prompt_ids)
+    width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:
         opts = DecodeOptions(
             max_new_tokens=args.max_new_tokens,
@@ -145,20 +145,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _choose_width(args: argparse.Namespace, deployment, mode, prompt_ids: list[int]) -> int:
+def _choose_width(args: argparse.Namespace, deployment, mode, prompt_ids: list[int], sampling) -> int:
     if args.width != "auto":
         try:
             width = int(args.width)
         except ValueError:
-            raise CliError(
-                f"--width must be a positive integer or 'auto', got {args.width!r}"
-            ) from None
+            raise CliError(f"--width must be a positive integer or 'auto', got {args.width!r}") from None
         if width <= 0:
             raise CliError(f"--width must be positive, got {width}")
         return width
+    from specpipe.common.decoding import Mode
     from specpipe.common.width import choose_width
 
-    choice = choose_width(deployment, prompt_ids, args)
+    if mode != Mode.SPECPIPE or deployment.draft is None:
+        return 8  # width only shapes specpipe's tree; specinfer keeps its default
+    choice = choose_width(deployment, [prompt_ids], sampling, args.top_k_children)
     print(choice.explain(), file=sys.stderr)
     return choice.width
 
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specpipe import cli_models
 
     cli_models.register(sub)
+    from specpipe import cli_services
+
+    cli_services.register(sub)
     return parser
 
 

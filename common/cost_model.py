@@ -1,0 +1,142 @@
+"""Measured stage costs and the projected time between tokens of a recorded run.
+
+DESIGN section 6: tokens per step and hit rate come from the algorithm; time between
+tokens on a pipeline with one device per stage is projected from a run's per-step trace
+(how many rows every stage and the draft computed) and each stage's measured cost for
+that many rows. Stages run in parallel, so a step costs as much as its slowest stage; in
+`specpipe` the draft runs in parallel too (its own device, the relaxed speculative
+window); in `specinfer` the draft must finish the whole tree before the pass starts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .messages import Activation, Prune
+from .stage import StageRuntime
+
+_MEASURE_ID = "__cost_probe__"
+
+
+@dataclass
+class CostCurve:
+    """Seconds to run n rows through one runtime at a fixed context length (interpolated)."""
+
+    rows: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        return float(np.interp(n, self.rows, self.seconds))
+
+    def to_dict(self) -> dict[str, list]:
+        return {"rows": self.rows, "seconds": self.seconds}
+
+
+@torch.inference_mode()
+def measure_runtime(
+    runtime: StageRuntime, rows: Sequence[int], context: int, repeats: int = 3
+) -> CostCurve:
+    """Median time of a forward of n tree rows attending to `context` cached rows."""
+    runtime.open(_MEASURE_ID, context + max(rows) + 1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        vocab, hidden = runtime.model.cfg.vocab_size, runtime.model.cfg.hidden_size
+        dtype = runtime.model.dtype
+
+        def payload(n: int) -> dict[str, torch.Tensor]:
+            if runtime.is_first:
+                return {"tokens": torch.randint(0, vocab, (n,), generator=gen)}
+            return {"hidden": torch.randn(n, hidden, generator=gen).to(dtype)}
+
+        if context:
+            runtime.forward(
+                Activation(_MEASURE_ID, torch.arange(context), committed=True, **payload(context))
+            )
+        next_id, seconds = 0, []
+        for n in rows:
+            samples = []
+            for _ in range(repeats + 1):  # first run warms up
+                ids = torch.arange(next_id, next_id + n)
+                next_id += n
+                act = Activation(
+                    _MEASURE_ID,
+                    positions=torch.full((n,), context),
+                    node_ids=ids,
+                    parent_ids=torch.full((n,), -1),
+                    **payload(n),
+                )
+                t0 = time.perf_counter()
+                runtime.forward(act)
+                samples.append(time.perf_counter() - t0)
+                empty = torch.empty(0, dtype=torch.int64)
+                runtime.prune(_MEASURE_ID, Prune(empty, empty, horizon=next_id))
+            seconds.append(statistics.median(samples[1:]))
+        return CostCurve(list(rows), seconds)
+    finally:
+        runtime.release(_MEASURE_ID)
+
+
+@dataclass
+class DeploymentCosts:
+    """Measured cost curves of every stage and of the draft at one context length."""
+
+    context: int
+    stages: list[CostCurve]
+    draft: CostCurve | None = None
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def measure(
+        cls,
+        stages: Sequence[StageRuntime],
+        draft: StageRuntime | None,
+        rows: Sequence[int],
+        context: int,
+        repeats: int = 3,
+    ) -> DeploymentCosts:
+        return cls(
+            context=context,
+            stages=[measure_runtime(s, rows, context, repeats) for s in stages],
+            draft=measure_runtime(draft, rows, context, repeats) if draft is not None else None,
+        )
+
+    def step_seconds(self, rows_per_stage: Sequence[int], draft_rows: int, draft_parallel: bool) -> float:
+        stage_time = max((c(n) for c, n in zip(self.stages, rows_per_stage, strict=True)), default=0.0)
+        draft_time = self.draft(draft_rows) if self.draft is not None else 0.0
+        return max(stage_time, draft_time) if draft_parallel else stage_time
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "context": self.context,
+            "stages": [c.to_dict() for c in self.stages],
+            "draft": self.draft.to_dict() if self.draft else None,
+        }
+
+
+def project_decode_seconds(trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str) -> float:
+    """Projected wall time of a run's decode steps (each trace row: rows per stage, then draft).
+
+    In `specpipe` the draft expands the layer entering stage 1 in parallel with the stages;
+    other modes' steps cost only their slowest stage (add `specinfer_draft_seconds` for the
+    draft work that precedes each SpecInfer pass).
+    """
+    total = 0.0
+    for row in trace:
+        *stage_rows, draft_rows = row
+        total += costs.step_seconds(stage_rows, draft_rows, draft_parallel=mode == "specpipe")
+    return total
+
+
+def specinfer_draft_seconds(layer_sizes: Sequence[Sequence[int]], costs: DeploymentCosts) -> float:
+    """Sequential draft time of SpecInfer passes: one draft forward per tree layer."""
+    if costs.draft is None:
+        return 0.0
+    return sum(costs.draft(n) for layers in layer_sizes for n in layers)
