@@ -1,0 +1,76 @@
+"""Projection of time between tokens from step traces, and width selection."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpipe.common.cost_model import (
+    CostCurve,
+    DeploymentCosts,
+    measure_runtime,
+    project_decode_seconds,
+    specinfer_draft_seconds,
+)
+from specpipe.common.decoding import DecodeOptions, Generation, Mode
+from specpipe.common.engine import ORACLE_DRAFT, build_local
+from specpipe.common.sampling import SamplingParams
+from specpipe.common.width import choose_width
+
+ROWS = [1, 2, 4, 8, 16, 32]
+
+
+def curve(fn) -> CostCurve:
+    return CostCurve(ROWS, [fn(n) for n in ROWS])
+
+
+def test_curve_interpolates_and_zero_rows_are_free() -> None:
+    c = CostCurve([1, 4], [1.0, 4.0])
+    assert c(0) == 0.0 and c(1) == 1.0 and c(2) == pytest.approx(2.0) and c(8) == 4.0
+
+
+def test_pp_projection_is_the_sum_of_stage_costs_per_token(llama_dir) -> None:
+    stages = 4
+    costs = DeploymentCosts(
+        context=16, stages=[curve(lambda n, k=k: (k + 1) * n) for k in range(stages)]
+    )
+    dep = build_local(llama_dir, stages)
+    gen = Generation(dep.pipeline, None, [7], Mode.PP, DecodeOptions(max_new_tokens=6))
+    gen.run()
+    total = project_decode_seconds(gen.stats.trace[gen.stats.prefill_steps :], costs, "pp")
+    assert total / 6 == pytest.approx(1 + 2 + 3 + 4)
+
+
+def test_specpipe_step_costs_its_slowest_stage_or_the_draft() -> None:
+    costs = DeploymentCosts(
+        context=16,
+        stages=[curve(lambda n: n), curve(lambda n: 2 * n)],
+        draft=curve(lambda n: 10 * n),
+    )
+    trace = [[3, 1, 2], [0, 1, 0]]
+    assert project_decode_seconds(trace, costs, "specpipe") == pytest.approx(20 + 2)
+    assert project_decode_seconds(trace, costs, "specinfer") == pytest.approx(3 + 2)
+    assert specinfer_draft_seconds([[1, 4], [1]], costs) == pytest.approx(10 + 40 + 10)
+
+
+def test_measured_curve_covers_requested_rows_and_leaves_no_state(llama_dir) -> None:
+    dep = build_local(llama_dir, 2)
+    c = measure_runtime(dep.pipeline.stages[1], [1, 4], context=8, repeats=1)
+    assert c.rows == [1, 4] and all(s > 0 for s in c.seconds)
+    assert dep.pipeline.stages[1].cache_bytes_used == 0
+
+
+@pytest.mark.parametrize(("cost", "expect"), [("flat", "best_hit"), ("steep", 1)])
+def test_width_auto_trades_hit_rate_against_cost(llama_dir, cost, expect) -> None:
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT)
+    widths = [1, 4, 16]
+    fn = (lambda n: 1.0) if cost == "flat" else (lambda n: float(n**2))
+    synthetic = DeploymentCosts(context=32, stages=[curve(fn)] * 3, draft=curve(lambda n: 0.0))
+    sampling = SamplingParams(temperature=1.5, seed=1)  # oracle top-1 is then often wrong
+    choice = choose_width(dep, [[1, 2, 3], [9, 8]], sampling, 4, widths, 12, costs=synthetic)
+    hits = {o.width: o.hit_rate for o in choice.options}
+    assert hits[16] > hits[1]
+    if expect == "best_hit":
+        assert hits[choice.width] == max(hits.values())
+    else:
+        assert choice.width == 1
+    assert f"W={choice.width:>3}" in choice.explain()
