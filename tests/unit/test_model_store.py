@@ -633,3 +633,35 @@ def test_env_var_selects_the_cache(
     monkeypatch.setattr(model_store, "convert_gguf", FakeConverter())
     monkeypatch.setenv(model_store.CACHE_ENV, str(tmp_path / "env-cache"))
     assert resolve_model(model.name) == tmp_path / "env-cache" / model.name
+
+
+def test_concurrent_pulls_convert_once(
+    store: ModelStore, index: FakeIndex, blob: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage servers on one host may all resolve the same name at start-up."""
+    import threading
+    import time
+
+    model = fake_model(index, blob)
+    monkeypatch.setitem(MODELS, model.name, model)
+    converter = _converter(store)
+
+    def convert(gguf: Path, out: Path) -> None:
+        time.sleep(0.3)
+        converter(gguf, out)
+
+    store._converter = convert
+    other = ModelStore(
+        store.root, progress=False, downloader=index, converter=convert, say=lambda m: None
+    )
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda s=s: results.append(s.pull(model.name)))
+        for s in (store, other)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [store.entry_dir(model.name)] * 2
+    assert converter.calls == 1 and len(index.calls) == 1
