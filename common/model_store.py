@@ -336,6 +336,10 @@ class ModelStore:
             return "no manifest (an interrupted pull or conversion)"
         except (OSError, ValueError, KeyError, TypeError):
             return "unreadable manifest"
+        if not isinstance(source, dict) or not isinstance(files, dict):
+            return "unreadable manifest"
+        if not all(isinstance(meta, dict) for meta in files.values()):
+            return "unreadable manifest"
         if manifest.get("format") != MANIFEST_FORMAT:
             return f"manifest format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}"
         if source.get("gguf_sha256") != gguf_sha256:

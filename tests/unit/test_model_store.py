@@ -401,6 +401,12 @@ def _garble_manifest(entry: Path) -> None:
     (entry / MANIFEST).write_text('{"format": 1, "files": ')
 
 
+def _wrong_shape_manifest(entry: Path) -> None:
+    manifest = json.loads((entry / MANIFEST).read_text())
+    manifest["files"] = ["config.json"]
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+
+
 def _truncate_weights(entry: Path) -> None:
     w = entry / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-10])
@@ -419,6 +425,7 @@ def _drop_tokenizer(entry: Path) -> None:
     [
         (_drop_manifest, "no manifest"),
         (_garble_manifest, "unreadable manifest"),
+        (_wrong_shape_manifest, "unreadable manifest"),
         (_truncate_weights, "model.safetensors has"),
         (_extra_weights, "unlisted weight files"),
         (_drop_tokenizer, "tokenizer.json is missing"),
