@@ -45,6 +45,11 @@ class TokenTree:
     def root_id(self) -> int:
         return int(self.ids[0])
 
+    @property
+    def last_id(self) -> int:
+        """Largest node id ever created (also of nodes pruned since): the tree version."""
+        return self._next_id - 1
+
     def frontier(self) -> Tensor:
         """Indices of the newest layer: the leaves the draft expands next."""
         return (self.depth == self.frontier_depth).nonzero().squeeze(1)

@@ -132,7 +132,7 @@ class SpecPipeManager:
         self.verifications += 1
         self.root_children.append(int(tree.children(0).numel()))
         old_root = torch.tensor([tree.root_id])
-        horizon = int(tree.ids.max())
+        horizon = tree.last_id
         restart = None
         if child is not None:
             self.out.hits += 1
@@ -211,7 +211,7 @@ class SpecInferManager:
         self.accepted_lengths.append(len(emitted))
         path_t = torch.tensor(path)
         path_ids = tree.ids[path_t]
-        horizon = int(tree.ids.max())
+        horizon = tree.last_id
         seen = torch.isin(path_ids, torch.cat(self.draft_computed))
         verdict = Verdict(
             emitted,

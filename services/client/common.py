@@ -1,0 +1,143 @@
+"""What the sync and asyncio clients share: request building and result types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specpipe.v1 import generation_pb2 as gen
+
+from ..grpc_util import MESSAGE_OPTIONS
+
+CHANNEL_OPTIONS = MESSAGE_OPTIONS
+
+
+@dataclass
+class Chunk:
+    """Tokens verified together (one, or a SpecInfer path) and their text."""
+
+    token_ids: list[int]
+    text: str
+    index: int  # position of the first token in the output
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, object] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, object]:
+        """The stats keys `specpipe generate --json` prints."""
+        keys = (
+            "mode",
+            "stages",
+            "width",
+            "prefill_steps",
+            "decode_steps",
+            "new_tokens",
+            "tokens_per_step",
+            "hit_rate",
+        )
+        return {k: self.stats[k] for k in keys if k in self.stats}
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    chat: bool = False,
+    model: str = "",
+    mode: str = "specpipe",
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float | None = None,
+    seed: int = 0,
+    width: int | None = None,
+    top_k_children: int | None = None,
+    depth: int | None = None,
+    ignore_eos: bool = False,
+    stop_token_ids: Sequence[int] = (),
+    prefill_chunk: int | None = None,
+) -> gen.GenerateRequest:
+    if prompt is not None and prompt_ids is not None:
+        raise ValueError("give either prompt text or prompt_ids, not both")
+    req = gen.GenerateRequest(
+        model=model,
+        chat=chat,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        sampling=gen.SamplingOptions(temperature=temperature, top_k=top_k, seed=seed),
+        ignore_eos=ignore_eos,
+        stop_token_ids=list(stop_token_ids),
+    )
+    if top_p is not None:
+        req.sampling.top_p = top_p
+    if prompt is not None:
+        req.text = prompt
+    elif prompt_ids is not None:
+        req.token_ids.ids.extend(prompt_ids)
+    for name, value in (
+        ("width", width),
+        ("top_k_children", top_k_children),
+        ("depth", depth),
+        ("prefill_chunk", prefill_chunk),
+    ):
+        if value is not None:
+            setattr(req, name, value)
+    return req
+
+
+class _Collector:
+    """Accumulates a Generate stream into chunks and the final Completion."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.prompt_tokens = 0
+        self.token_ids: list[int] = []
+        self.text: list[str] = []
+        self.completion: Completion | None = None
+
+    def add(self, resp: gen.GenerateResponse) -> Chunk | None:
+        kind = resp.WhichOneof("event")
+        if kind == "started":
+            self.request_id = resp.started.request_id
+            self.prompt_tokens = resp.started.prompt_tokens
+        elif kind == "delta":
+            d = resp.delta
+            self.token_ids.extend(d.token_ids)
+            self.text.append(d.text)
+            return Chunk(list(d.token_ids), d.text, d.index)
+        elif kind == "finished":
+            f = resp.finished
+            self.text.append(f.text)
+            s = f.stats
+            self.completion = Completion(
+                request_id=self.request_id,
+                token_ids=list(self.token_ids),
+                text="".join(self.text),
+                finish_reason=f.finish_reason,
+                prompt_tokens=f.usage.prompt_tokens,
+                completion_tokens=f.usage.completion_tokens,
+                stats={
+                    "mode": s.mode,
+                    "stages": s.stages,
+                    "width": s.width,
+                    "prefill_steps": s.prefill_steps,
+                    "decode_steps": s.decode_steps,
+                    "new_tokens": s.new_tokens,
+                    "tokens_per_step": round(s.tokens_per_step, 6),
+                    "hit_rate": round(s.hit_rate, 6),
+                    "verifications": s.verifications,
+                    "time_to_first_token_ms": s.time_to_first_token_ms,
+                    "mean_time_between_tokens_ms": s.mean_time_between_tokens_ms,
+                },
+            )
+            if f.text:
+                return Chunk([], f.text, len(self.token_ids))
+        return None

@@ -1,0 +1,83 @@
+"""gRPC plumbing shared by the three services: servers with health and reflection,
+channels with raised message caps, and status-code mapping of engine errors."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Logits of a tree layer (rows x vocab x 4 bytes) exceed gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 1 << 30
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+# Reconnect quickly to a restarted backend (gRPC's default backoff grows to 2 minutes).
+CHANNEL_OPTIONS = [
+    *MESSAGE_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+]
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+log = logging.getLogger(__name__)
+
+
+class Server:
+    """A grpc.aio server plus the standard health and reflection services."""
+
+    def __init__(self, service_names: Sequence[str]) -> None:
+        self.server = grpc.aio.server(options=MESSAGE_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        await self.server.start()
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def status_name(code: grpc.StatusCode) -> str:
+    return code.name
+
+
+def code_from_number(number: int) -> grpc.StatusCode:
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+def rpc_error_text(e: grpc.RpcError) -> str:
+    """`CODE: details` of a failed call, for messages that name the backend."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else 'UNKNOWN'}: {details}"

@@ -1,0 +1,271 @@
+"""`specpipe up`: router, draft and S stages as separate OS processes on this machine.
+
+Each child is a plain `specpipe stage|draft|router` process (the same command a
+container runs), started with free ports chosen here; a child reports readiness by
+writing a small JSON file. The launcher waits until all are ready, then stays in the
+foreground; stopping it stops every child (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpipe.common.config import ModelConfig
+from specpipe.common.model import LayerRange, split_layers
+
+
+class LaunchError(RuntimeError):
+    """A child did not come up; the message includes the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def parse_layers(text: str, num_layers: int) -> list[LayerRange]:
+    """`0:7,7:14,...` -> contiguous layer ranges covering the model."""
+    ranges = []
+    for part in text.split(","):
+        a, sep, b = part.strip().partition(":")
+        if not sep or not a.isdigit() or not b.isdigit():
+            raise ValueError(f"--layers: expected START:END,START:END,..., got {text!r}")
+        ranges.append(LayerRange(int(a), int(b), num_layers))
+    if ranges[0].start != 0 or ranges[-1].end != num_layers:
+        raise ValueError(f"--layers must cover layers 0 to {num_layers}, got {text!r}")
+    for x, y in itertools.pairwise(ranges):
+        if x.end != y.start:
+            raise ValueError(f"--layers ranges must be contiguous, got {text!r}")
+    return ranges
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    ready_file: Path
+    log_file: Path
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalDeployment:
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None,
+        stages: int,
+        transport: str = "tcp",
+        router_port: int = 0,
+        layers: str | None = None,
+        host: str = "127.0.0.1",
+        dtype: str = "float32",
+        threads: int | None = None,
+        log_dir: str | Path | None = None,
+        startup_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.target = Path(target)
+        self.draft = (
+            None if draft in (None, "none") else Path(self.target if draft == "oracle" else draft)
+        )
+        cfg = ModelConfig.from_dir(self.target)
+        if stages < 1 or stages > cfg.num_layers:
+            raise ValueError(f"--stages must be in [1, {cfg.num_layers}], got {stages}")
+        self.ranges = (
+            parse_layers(layers, cfg.num_layers) if layers else split_layers(cfg.num_layers, stages)
+        )
+        if layers and len(self.ranges) != stages:
+            raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")
+        self.transport, self.host, self.dtype = transport, host, dtype
+        self.router_port = router_port
+        cpus = os.cpu_count() or 1
+        self.threads = threads or max(1, cpus // (stages + (1 if self.draft else 0)))
+        self._own_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.startup_timeout = startup_timeout
+        self.env = {**os.environ, **(env or {})}
+        self.children: dict[str, Child] = {}
+        self.router_address = ""
+
+    # -- children --------------------------------------------------------------------------
+    def _child(self, name: str, args: list[str]) -> Child:
+        ready = self.log_dir / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "specpipe.cli", *args, "--ready-file", str(ready)]
+        child = Child(name, argv, ready, self.log_dir / f"{name}.log")
+        self.children[name] = child
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        with child.log_file.open("ab") as log:
+            child.proc = subprocess.Popen(
+                child.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher
+            )
+
+    def start(self) -> str:
+        """Start every process, wait until all are ready; returns the router address."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        common = ["--host", self.host, "--threads", str(self.threads)]
+        stage_addrs = []
+        for i, r in enumerate(self.ranges):
+            port, data_port = free_port(self.host), free_port(self.host)
+            stage_addrs.append(f"{self.host}:{port}")
+            self._child(
+                f"stage{i}",
+                [
+                    "stage",
+                    "--model", str(self.target),
+                    "--layers", f"{r.start}:{r.end}",
+                    "--port", str(port),
+                    "--data-port", str(data_port),
+                    "--transport", self.transport,
+                    "--dtype", self.dtype,
+                    *common,
+                ],
+            )  # fmt: skip
+        router_args = [
+            "router",
+            "--target", str(self.target),
+            "--stages", ",".join(stage_addrs),
+            "--port", str(self.router_port or free_port(self.host)),
+            "--data-port", str(free_port(self.host)),
+            "--transport", self.transport,
+            "--startup-timeout", str(self.startup_timeout),
+            "--host", self.host,
+        ]  # fmt: skip
+        if self.draft is not None:
+            port = free_port(self.host)
+            self._child(
+                "draft",
+                [
+                    "draft",
+                    "--model",
+                    str(self.draft),
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    self.dtype,
+                    *common,
+                ],
+            )
+            router_args += ["--draft", f"{self.host}:{port}"]
+        self._child("router", router_args)
+        # All at once: the router waits for the stages itself.
+        for child in self.children.values():
+            self._spawn(child)
+        self._wait_ready()
+        self.router_address = self.children["router"].info["grpc"]
+        return self.router_address
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        waiting = set(self.children)
+        while waiting:
+            for name in list(waiting):
+                child = self.children[name]
+                assert child.proc is not None
+                if child.proc.poll() is not None:
+                    raise LaunchError(
+                        f"{name} exited with code {child.proc.returncode}:\n{child.log_tail()}"
+                    )
+                if child.ready_file.is_file():
+                    child.info = json.loads(child.ready_file.read_text())
+                    waiting.discard(name)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"not ready after {self.startup_timeout:.0f}s: {sorted(waiting)}")
+            time.sleep(0.05)
+
+    # -- running -------------------------------------------------------------------------
+    def dead_children(self) -> list[str]:
+        return [
+            n for n, c in self.children.items() if c.proc is not None and c.proc.poll() is not None
+        ]
+
+    def wait(self) -> int:
+        """Foreground until interrupted (0) or until a child dies (1)."""
+        stop = {"flag": False}
+
+        def handler(signum, frame) -> None:
+            stop["flag"] = True
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not stop["flag"]:
+                dead = self.dead_children()
+                if dead:
+                    for n in dead:
+                        c = self.children[n]
+                        print(
+                            f"{n} exited (code {c.proc.returncode}):\n{c.log_tail()}",
+                            file=sys.stderr,
+                        )
+                    return 1
+                time.sleep(0.2)
+            return 0
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one child (tests: a stage dying mid-request)."""
+        child = self.children[name]
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every child (router first), SIGKILL what is left after `grace`."""
+        order = ["router", *[n for n in self.children if n != "router"]]
+        procs = [self.children[n].proc for n in order if n in self.children]
+        for p in procs:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            if p is None:
+                continue
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self._own_dir and os.environ.get("SPECPIPE_KEEP_LOGS") != "1":
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,349 @@
+"""The router: the client-facing Generation service, request validation, and one
+`RequestDriver` per request over a path of healthy stage and draft replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+from pathlib import Path as FsPath
+
+import grpc
+from specpipe.common.decoding import DecodeOptions, Mode
+from specpipe.common.sampling import SamplingParams
+from specpipe.v1 import generation_pb2 as gen
+from specpipe.v1 import generation_pb2_grpc
+
+from ..grpc_util import Server
+from ..transport import Inbox, Transport, make_transport
+from .backends import Backend, Backends, ModelInfo, NoPath
+from .driver import DriverError, Plan, RequestDriver
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specpipe.v1.Generation"
+
+# Request sanity limits beyond the model's own (context length, vocabulary).
+MAX_WIDTH = 256
+MAX_TOP_K_CHILDREN = 64
+MAX_DEPTH = 64
+MAX_NEW_TOKENS = 1 << 20
+MODES = ("specpipe", "pp", "specinfer", "autoregressive")
+
+
+class InvalidRequest(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _load_codec(model_dir: str | None):
+    """The target's tokenizer, when its directory has one (random test models do not)."""
+    if not model_dir:
+        return None
+    d = FsPath(model_dir)
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from specpipe.common.text import TextCodec
+
+    return TextCodec.from_dir(d)
+
+
+class RouterService(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        stage_addresses: list[str],
+        draft_address: str | None,
+        tokenizer_dir: str | None = None,
+        transport_kind: str = "tcp",
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        model_id: str = "",
+        check_interval: float = 0.5,
+    ) -> None:
+        self.inbox = Inbox()
+        self.transport: Transport = make_transport(
+            transport_kind, self.inbox, bind_host=bind_host, advertise_host=advertise_host
+        )
+        self.transport_kind = transport_kind
+        self.backends = Backends(
+            stage_addresses,
+            draft_address,
+            on_down=self._backend_down,
+            on_readiness=self._readiness,
+            check_interval=check_interval,
+        )
+        self.tokenizer_dir = tokenizer_dir
+        self.codec = None
+        self.model_id_override = model_id
+        self.model: ModelInfo | None = None
+        self.drivers: dict[str, RequestDriver] = {}
+        self._cleanup: set[asyncio.Task] = set()
+        self._ids = itertools.count()
+        self._prefix = f"r{os.getpid():x}"
+        self.server = Server([SERVICE_NAME])
+        generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        data_port: int = 0,
+        startup_timeout: float = 120.0,
+    ) -> int:
+        await self.transport.start(data_port)
+        port = await self.server.start(host, port)
+        await self.server.set_serving(False)
+        self.codec = await asyncio.get_running_loop().run_in_executor(
+            None, _load_codec, self.tokenizer_dir
+        )
+        self.model = await self.backends.connect(startup_timeout)
+        if self.model_id_override:
+            self.model.model_id = self.model_id_override
+        await self._readiness(self.backends.ready)
+        return port
+
+    async def stop(self) -> None:
+        for d in list(self.drivers.values()):
+            d.fail(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+        await self.server.stop()
+        if self._cleanup:
+            await asyncio.wait(self._cleanup, timeout=5.0)
+        await self.backends.close()
+        await self.transport.close()
+
+    async def _readiness(self, ready: bool) -> None:
+        await self.server.set_serving(ready)
+
+    def _backend_down(self, b: Backend, error: str) -> None:
+        for d in list(self.drivers.values()):
+            if b in d.path.backends and (b.kind == "stage" or d.draft is not None):
+                d.fail(grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {error}")
+
+    # -- validation ----------------------------------------------------------------------
+    def _check_model(self, name: str) -> ModelInfo:
+        model = self.model
+        if model is None:
+            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the router is still starting")
+        if name and name != model.model_id:
+            raise InvalidRequest(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} is not served here (this deployment serves {model.model_id!r})",
+            )
+        return model
+
+    def _tokenize(self, text: str, chat: bool) -> list[int]:
+        if self.codec is None:
+            raise InvalidRequest(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the served model has no tokenizer: send prompt token ids instead of text",
+            )
+        from specpipe.common.text import TokenizerError
+
+        try:
+            return self.codec.encode(text, chat=chat)
+        except TokenizerError as e:
+            raise _invalid(str(e)) from None
+
+    def plan(self, r: gen.GenerateRequest) -> Plan:
+        """Validate a request against the deployment; every problem is a clear status."""
+        model = self._check_model(r.model)
+        which = r.WhichOneof("prompt")
+        if which == "text":
+            if not r.text:
+                raise _invalid("the prompt is empty")
+            prompt = self._tokenize(r.text, r.chat)
+        elif which == "token_ids":
+            if r.chat:
+                raise _invalid("chat needs a text prompt")
+            prompt = list(r.token_ids.ids)
+        else:
+            prompt = []
+        if not prompt:
+            raise _invalid("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+        if bad:
+            raise _invalid(
+                f"token ids {bad[:4]} are outside the vocabulary [0, {model.vocab_size})"
+            )
+        mode_name = r.mode or "specpipe"
+        if mode_name not in MODES:
+            raise _invalid(f"unknown mode {r.mode!r} (choose from {', '.join(MODES)})")
+        mode = Mode.PP if mode_name == "autoregressive" else Mode(mode_name)
+        if mode in (Mode.SPECPIPE, Mode.SPECINFER) and self.backends.draft is None:
+            raise InvalidRequest(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"mode {mode_name} needs a draft and this deployment has none (use pp)",
+            )
+        context = model.max_positions
+        if len(prompt) >= context:
+            raise _invalid(
+                f"the prompt has {len(prompt)} tokens; the context holds {context}, "
+                "including at least one new token"
+            )
+        n = r.max_new_tokens
+        if n <= 0:
+            raise _invalid(f"max_new_tokens must be positive, got {n}")
+        room = context - len(prompt)
+        if n > room or n > MAX_NEW_TOKENS:
+            raise _invalid(
+                f"max_new_tokens {n} is too large: the prompt ({len(prompt)} tokens) leaves "
+                f"room for {room} in a context of {context}"
+            )
+        s = r.sampling
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not math.isfinite(s.temperature) or s.temperature < 0:
+            raise _invalid(f"temperature must be >= 0, got {s.temperature}")
+        if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+            raise _invalid(f"top_p must be in (0, 1], got {top_p}")
+        try:
+            sampling = SamplingParams(s.temperature, s.top_k, top_p, s.seed)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+
+        def opt(field: str, default: int, low: int, high: int) -> int:
+            value = getattr(r, field) if r.HasField(field) else default
+            if not low <= value <= high:
+                raise _invalid(f"{field} must be in [{low}, {high}], got {value}")
+            return value
+
+        stops = list(r.stop_token_ids)
+        bad = [t for t in stops if not 0 <= t < model.vocab_size]
+        if bad:
+            raise _invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
+        if not r.ignore_eos:
+            stops = [*model.eos_token_ids, *stops]
+        opts = DecodeOptions(
+            max_new_tokens=n,
+            sampling=sampling,
+            width=opt("width", 8, 1, MAX_WIDTH),
+            top_k_children=opt("top_k_children", 4, 1, MAX_TOP_K_CHILDREN),
+            specinfer_depth=opt("depth", 8, 1, MAX_DEPTH),
+            prefill_chunk=opt("prefill_chunk", 128, 1, 1 << 16),
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+        )
+        return Plan(prompt=prompt, mode=mode, mode_name=mode_name, opts=opts)
+
+    # -- RPCs ------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        try:
+            plan = self.plan(request)
+            path = self.backends.path()
+        except InvalidRequest as e:
+            await context.abort(e.code, e.message)
+        except NoPath as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}")
+        rid = f"{self._prefix}-{next(self._ids)}"
+        events = self.inbox.open(rid)
+        driver = RequestDriver(rid, path, plan, self.transport.address, events)
+        self.drivers[rid] = driver
+        log.info(
+            "%s: %s, %d prompt tokens, %d new",
+            rid,
+            plan.mode_name,
+            len(plan.prompt),
+            plan.opts.max_new_tokens,
+        )
+        stream = self.codec.stream() if self.codec else None
+        index = 0
+        try:
+            yield gen.GenerateResponse(
+                started=gen.Started(
+                    request_id=rid, model=self.model.model_id, prompt_tokens=len(plan.prompt)
+                )
+            )
+            async for tokens in driver.run():
+                text = "".join(stream.push(t) for t in tokens) if stream else ""
+                yield gen.GenerateResponse(
+                    delta=gen.TokenDelta(token_ids=tokens, text=text, index=index)
+                )
+                index += len(tokens)
+            yield gen.GenerateResponse(finished=self._finished(driver, stream, len(plan.prompt)))
+        except DriverError as e:
+            log.warning("%s failed: %s %s", rid, e.code.name, e.message)
+            await context.abort(e.code, e.message)
+        except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
+            log.exception("%s failed", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}")
+        finally:
+            self.drivers.pop(rid, None)
+            self.inbox.close(rid)
+            # Runs even when the client cancelled (this generator is being closed).
+            task = asyncio.ensure_future(driver.release())
+            self._cleanup.add(task)
+            task.add_done_callback(self._cleanup.discard)
+
+    def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
+        st = driver.stats
+        ttft, tbt = driver.timing()
+        return gen.Finished(
+            finish_reason=driver.out.finish_reason,
+            usage=gen.Usage(prompt_tokens=prompt_tokens, completion_tokens=st.new_tokens),
+            stats=gen.SpeculationStats(
+                mode=st.mode,
+                stages=st.stages,
+                width=st.width,
+                prefill_steps=st.prefill_steps,
+                decode_steps=st.decode_steps,
+                new_tokens=st.new_tokens,
+                tokens_per_step=st.tokens_per_step,
+                hit_rate=st.hit_rate,
+                verifications=st.verifications,
+                time_to_first_token_ms=ttft,
+                mean_time_between_tokens_ms=tbt,
+            ),
+            text=stream.flush() if stream else "",
+        )
+
+    async def Tokenize(self, request, context) -> gen.TokenizeResponse:
+        try:
+            self._check_model(request.model)
+            if not request.text:
+                raise _invalid("the text is empty")
+            ids = self._tokenize(request.text, request.chat)
+        except InvalidRequest as e:
+            await context.abort(e.code, e.message)
+        return gen.TokenizeResponse(token_ids=ids)
+
+    async def ListModels(self, request, context) -> gen.ListModelsResponse:
+        m = self.model
+        if m is None:
+            return gen.ListModelsResponse()
+        modes = ["pp", "autoregressive"]
+        if self.backends.draft is not None:
+            modes = ["specpipe", "pp", "specinfer", "autoregressive"]
+        card = gen.ModelCard(
+            id=m.model_id,
+            vocab_size=m.vocab_size,
+            max_context=m.max_positions,
+            num_layers=m.num_layers,
+            stages=len(m.ranges),
+            draft_model=m.draft_model,
+            weight_hash=m.weight_hash,
+            modes=modes,
+            has_tokenizer=self.codec is not None,
+        )
+        return gen.ListModelsResponse(models=[card])
+
+    async def Describe(self, request, context) -> gen.RouterDescription:
+        backends = []
+        for b in self.backends.all:
+            layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
+            backends.append(
+                gen.Backend(
+                    kind=b.kind, address=b.address, healthy=b.healthy, layers=layers, error=b.error
+                )
+            )
+        return gen.RouterDescription(
+            ready=self.backends.ready,
+            active_requests=len(self.drivers),
+            backends=backends,
+            transport=self.transport_kind,
+            data_address=self.transport.address,
+        )

@@ -1,0 +1,121 @@
+"""Process entry points of the three services (used by `specpipe stage|draft|router`).
+
+Each runs one asyncio loop until SIGINT/SIGTERM, then stops gracefully. With
+`ready_file`, the process writes its addresses there once it serves, which is how
+`specpipe up` and the tests learn that a child is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+log = logging.getLogger("specpipe.services")
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+    )
+
+
+def write_ready(path: str | None, **info) -> None:
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+    tmp.replace(path)
+
+
+async def _until_stopped() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def run_stage(args) -> None:
+    from .stage_service import StageService, load_model
+
+    model = None
+    if args.model:
+        layers = _parse_range(args.layers) if args.layers else None
+        model = load_model(
+            args.model, layers, args.dtype, args.model_id, max_cache_bytes=_gib(args.max_cache_gib)
+        )
+    svc = StageService(
+        model,
+        transport_kind=args.transport,
+        bind_host=args.host,
+        advertise_host=args.advertise_host,
+        max_cache_bytes=_gib(args.max_cache_gib),
+    )
+    port = await svc.start(args.host, args.port, args.data_port)
+    addr = f"{svc.transport.advertise_host}:{port}"
+    write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
+    log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
+    try:
+        await _until_stopped()
+    finally:
+        await svc.stop()
+
+
+async def run_draft(args) -> None:
+    from .draft_service import DraftService
+
+    svc = DraftService(
+        args.model, args.dtype, args.model_id, max_cache_bytes=_gib(args.max_cache_gib)
+    )
+    port = await svc.start(args.host, args.port)
+    addr = f"{args.advertise_host or _local(args.host)}:{port}"
+    write_ready(args.ready_file, grpc=addr)
+    log.info("draft %s ready at %s", svc.model_id, addr)
+    try:
+        await _until_stopped()
+    finally:
+        await svc.stop()
+
+
+async def run_router(args) -> None:
+    from .router import RouterService
+
+    svc = RouterService(
+        stage_addresses=args.stages,
+        draft_address=args.draft,
+        tokenizer_dir=args.target,
+        transport_kind=args.transport,
+        bind_host=args.host,
+        advertise_host=args.advertise_host,
+        model_id=args.model_id,
+    )
+    port = await svc.start(args.host, args.port, args.data_port, args.startup_timeout)
+    addr = f"{args.advertise_host or _local(args.host)}:{port}"
+    write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
+    log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
+    try:
+        await _until_stopped()
+    finally:
+        await svc.stop()
+
+
+def _local(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * (1 << 30))
+
+
+def _parse_range(text: str) -> tuple[int, int]:
+    a, sep, b = text.partition(":")
+    if not sep or not a.isdigit() or not b.isdigit():
+        raise ValueError(f"layer range must look like START:END, got {text!r}")
+    return int(a), int(b)

@@ -1,0 +1,377 @@
+"""The Stage service: a `StageRuntime` behind gRPC (control) and a transport (data).
+
+Per request the stage keeps a small inbox: activations wait there until it is their
+turn (`seq`, the order the router created them in) and until the prunes they were
+created after (`after_prune`) have been applied; prunes are applied in their own order
+as soon as they arrive. The stage computes as soon as an activation is ready (no
+global barrier) and sends the output to the request's next hop; the last stage sends
+logits to the router. Everything else is the engine's `StageRuntime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from specpipe.common.engine import parse_dtype
+from specpipe.common.kv_cache import CacheError
+from specpipe.common.messages import Activation, Prune
+from specpipe.common.model import LayerRange, load_stage
+from specpipe.common.stage import RequestError, StageRuntime
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import stage_pb2, stage_pb2_grpc
+
+from .grpc_util import Server
+from .modelinfo import free_memory_bytes, weight_fingerprint
+from .transport import Frame, FrameError, Transport, TransportError, decode, make_transport
+from .transport.codec import (
+    Kind,
+    empty_header,
+    error_header,
+    prune_from_proto,
+    token_activation,
+)
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "specpipe.v1.Stage"
+
+
+@dataclass
+class _Pending:
+    act: Activation
+    after_prune: int
+    empty: bool = False  # pruned away upstream: only passes the turn on
+
+
+@dataclass
+class _Request:
+    """One request's routing and ordering state on this stage."""
+
+    request_id: str
+    next_hop: str
+    report_to: str
+    pending: dict[int, _Pending] = field(default_factory=dict)
+    prunes: dict[int, Prune] = field(default_factory=dict)
+    applied: int = 0  # prune signals applied so far
+    next_seq: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+    closed: bool = False
+
+
+@dataclass
+class LoadedModel:
+    runtime: StageRuntime
+    model_id: str
+    weight_hash: str
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(
+    model_dir: str | Path,
+    layers: tuple[int, int] | None,
+    dtype: str = "float32",
+    model_id: str = "",
+    device: str = "cpu",
+    max_cache_bytes: int | None = None,
+) -> LoadedModel:
+    """Load layers [a, b) of a model directory (None: all layers) as a stage."""
+    from specpipe.common.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    rng = None
+    if layers is not None:
+        a, b = layers
+        rng = LayerRange(a, b or cfg.num_layers, cfg.num_layers)
+    model = load_stage(model_dir, rng, parse_dtype(dtype), device)
+    return LoadedModel(
+        runtime=StageRuntime(model, max_cache_bytes),
+        model_id=model_id or Path(model_dir).name,
+        weight_hash=weight_fingerprint(model_dir),
+        max_positions=cfg.max_position_embeddings,
+        eos_token_ids=cfg.eos_token_ids,
+    )
+
+
+def _code_for(e: Exception) -> grpc.StatusCode:
+    text = str(e)
+    if "budget" in text or "full" in text:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if "already open" in text:
+        return grpc.StatusCode.ALREADY_EXISTS
+    if "not open" in text:
+        return grpc.StatusCode.NOT_FOUND
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+class StageService(stage_pb2_grpc.StageServicer):
+    def __init__(
+        self,
+        model: LoadedModel | None,
+        transport_kind: str = "tcp",
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        max_cache_bytes: int | None = None,
+    ) -> None:
+        self.model = model
+        self.max_cache_bytes = max_cache_bytes
+        self._requests: dict[str, _Request] = {}
+        self._background: set[asyncio.Task] = set()
+        # One model forward at a time, off the event loop (gRPC stays responsive).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        device = str(model.runtime.model.device) if model else "cpu"
+        self.transport: Transport = make_transport(
+            transport_kind,
+            self._on_frame,
+            bind_host=bind_host,
+            advertise_host=advertise_host,
+            device=device,
+        )
+        self.server = Server([SERVICE_NAME])
+        stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
+
+    # -- process lifecycle ---------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
+        await self.transport.start(data_port)
+        port = await self.server.start(host, port)
+        await self.server.set_serving(self.model is not None)
+        log.info("%s serving on %s, data plane %s", self.name, port, self.transport.address)
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        for rid in list(self._requests):
+            self._drop(rid)
+        await self.transport.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def name(self) -> str:
+        if self.model is None:
+            return "stage (no model)"
+        r = self.model.runtime.model.layer_range
+        return f"stage layers {r.start}:{r.end}/{r.num_layers}"
+
+    @property
+    def runtime(self) -> StageRuntime:
+        assert self.model is not None
+        return self.model.runtime
+
+    # -- RPCs ------------------------------------------------------------------------------
+    async def Describe(self, request, context) -> stage_pb2.StageDescription:
+        return self._describe()
+
+    def _describe(self) -> stage_pb2.StageDescription:
+        desc = stage_pb2.StageDescription(
+            data_address=self.transport.address,
+            active_requests=len(self._requests),
+            ready=self.model is not None,
+        )
+        if self.model is None:
+            desc.free_memory_bytes = free_memory_bytes("cpu")
+            return desc
+        info = self.runtime.info()
+        desc.model_id = self.model.model_id
+        desc.weight_hash = self.model.weight_hash
+        desc.layer_start, desc.layer_end, desc.num_layers = info.start, info.end, info.num_layers
+        desc.hidden_size, desc.vocab_size = info.hidden_size, info.vocab_size
+        desc.max_position_embeddings = self.model.max_positions
+        desc.eos_token_ids.extend(self.model.eos_token_ids)
+        desc.dtype, desc.device = info.dtype, info.device
+        desc.weight_bytes = info.weight_bytes
+        desc.free_memory_bytes = free_memory_bytes(self.runtime.model.device)
+        desc.cache_bytes_used, desc.cache_bytes_limit = (
+            info.cache_bytes_used,
+            info.cache_bytes_limit,
+        )
+        return desc
+
+    async def Configure(self, request, context) -> stage_pb2.StageDescription:
+        if self._requests:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{len(self._requests)} requests are open on this stage; configure it when idle",
+            )
+        layers = (request.layer_start, request.layer_end)
+        loop = asyncio.get_running_loop()
+        try:
+            self.model = await loop.run_in_executor(
+                self._executor,
+                lambda: load_model(
+                    request.model_path,
+                    layers,
+                    request.dtype or "float32",
+                    request.model_id,
+                    max_cache_bytes=self.max_cache_bytes,
+                ),
+            )
+        except (ValueError, OSError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load the model: {e}")
+        self.transport.device = str(self.runtime.model.device)
+        await self.server.set_serving(True)
+        return self._describe()
+
+    async def Open(self, request, context) -> stage_pb2.OpenStageResponse:
+        if self.model is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no model is loaded")
+        rid = request.request_id
+        if not rid or not request.next_hop:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id and next_hop are required"
+            )
+        if request.capacity <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capacity must be positive")
+        try:
+            self.runtime.open(rid, int(request.capacity))
+        except RequestError as e:
+            await context.abort(_code_for(e), f"{self.name}: {e}")
+        st = _Request(rid, request.next_hop, request.report_to)
+        st.task = asyncio.create_task(self._run(st), name=f"stage-{rid}")
+        self._requests[rid] = st
+        return stage_pb2.OpenStageResponse()
+
+    async def Feed(self, request, context) -> stage_pb2.FeedResponse:
+        if self.model is None or not self.runtime.is_first:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} is not the first stage"
+            )
+        st = await self._request(request.request_id, context)
+        try:
+            act = token_activation(request.request_id, request.rows, request.token_ids)
+        except FrameError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        vocab = self.runtime.model.cfg.vocab_size
+        if act.tokens.numel() and not (
+            int(act.tokens.min()) >= 0 and int(act.tokens.max()) < vocab
+        ):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids outside [0, {vocab})")
+        self._enqueue(st, request.seq, _Pending(act, request.after_prune))
+        return stage_pb2.FeedResponse()
+
+    async def Prune(self, request, context) -> pb.PruneResponse:
+        st = await self._request(request.request_id, context)
+        seq = request.prune.seq
+        if seq <= st.applied or seq in st.prunes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"prune {seq} was already received"
+            )
+        st.prunes[seq] = prune_from_proto(request.prune)
+        st.wake.set()
+        return pb.PruneResponse()
+
+    async def Release(self, request, context) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self._drop(request.request_id))
+
+    async def _request(self, rid: str, context) -> _Request:
+        st = self._requests.get(rid)
+        if st is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not open on {self.name}"
+            )
+        return st
+
+    # -- data plane ----------------------------------------------------------------------
+    def _on_frame(self, frame: Frame) -> None:
+        st = self._requests.get(frame.request_id)
+        if st is None:  # released already (cancelled or failed): late frames are dropped
+            return
+        h = frame.header
+        if h.kind == Kind.PAYLOAD_KIND_ERROR:
+            return
+        try:
+            act = decode(frame)
+        except FrameError as e:
+            self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
+            return
+        self._enqueue(st, h.seq, _Pending(act, h.after_prune, h.kind == Kind.PAYLOAD_KIND_EMPTY))
+
+    def _enqueue(self, st: _Request, seq: int, item: _Pending) -> None:
+        st.pending[seq] = item
+        st.wake.set()
+
+    async def _run(self, st: _Request) -> None:
+        """Apply prunes in order; compute activations in order once their prunes are in."""
+        loop = asyncio.get_running_loop()
+        rt = self.runtime
+        try:
+            while not st.closed:
+                while st.applied + 1 in st.prunes:
+                    prune = st.prunes.pop(st.applied + 1)
+                    await loop.run_in_executor(self._executor, rt.prune, st.request_id, prune)
+                    st.applied += 1
+                item = st.pending.get(st.next_seq)
+                if item is None or item.after_prune > st.applied:
+                    st.wake.clear()
+                    await st.wake.wait()
+                    continue
+                del st.pending[st.next_seq]
+                seq = st.next_seq
+                st.next_seq += 1
+                out = None
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug(
+                        "%s seq %d after prune %d/%d: nodes %s",
+                        st.request_id, seq, item.after_prune, st.applied, item.act.node_ids.tolist(),
+                    )  # fmt: skip
+                if not item.empty:
+                    out = await loop.run_in_executor(self._executor, rt.forward, item.act)
+                if st.closed:
+                    return
+                await self._send(st, seq, item.after_prune, out)
+        except asyncio.CancelledError:
+            raise
+        except TransportError as e:
+            self._report(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
+        except (RequestError, CacheError, FrameError, RuntimeError, ValueError) as e:
+            log.exception("request %s failed", st.request_id)
+            self._report(st, f"{self.name} failed: {e}")
+
+    async def _send(self, st: _Request, seq: int, after_prune: int, out: Activation | None) -> None:
+        if self.runtime.is_last:
+            if out is not None and out.logits is not None:
+                await self.transport.send(st.next_hop, out, seq, after_prune, self.name)
+            return  # prefill chunks and pruned rows: nothing for the router
+        if out is None:
+            await self.transport.send_frame(
+                st.next_hop, empty_header(st.request_id, seq, self.name)
+            )
+        else:
+            await self.transport.send(st.next_hop, out, seq, after_prune, self.name)
+
+    def _report(self, st: _Request, message: str, unavailable: bool = False) -> None:
+        """Tell the router this request failed here (it fails the request for the client)."""
+        header = error_header(st.request_id, message, self.name)
+        header.error_code = (
+            grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.INTERNAL
+        ).value[0]
+
+        async def send() -> None:
+            try:
+                await self.transport.send_frame(st.report_to, header)
+            except TransportError as e:
+                log.warning("cannot report failure of %s: %s", st.request_id, e)
+
+        if st.report_to:
+            task = asyncio.ensure_future(send())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _drop(self, rid: str) -> bool:
+        st = self._requests.pop(rid, None)
+        if st is not None:
+            st.closed = True
+            if st.task is not None:
+                st.task.cancel()
+        released = self.model is not None and self.runtime.release(rid)
+        return st is not None or released
+
+
+def set_threads(threads: int) -> None:
+    if threads > 0:
+        torch.set_num_threads(threads)

@@ -1,0 +1,231 @@
+"""Activation <-> data-plane frame: a small protobuf header plus the raw tensor bytes.
+
+A frame is what one stage hands the next hop for one request: the rows' metadata (node
+ids, parents, positions, the request's ordering numbers) in a `FrameHeader`, and the
+hidden states (or logits) as the bytes of one C-contiguous tensor. Never pickle: the
+receiver rebuilds the tensor from dtype and shape without executing anything.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from specpipe.common.messages import Activation, Prune
+from specpipe.v1 import dataplane_pb2 as pb
+from torch import Tensor
+
+# Preamble on stream transports: header length (u32) and payload length (u64).
+PREAMBLE = struct.Struct("<IQ")
+MAX_HEADER_BYTES = 16 << 20
+MAX_PAYLOAD_BYTES = 8 << 30
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+Kind = pb.PayloadKind
+
+
+class FrameError(ValueError):
+    """A frame that cannot be decoded (corrupt, unknown dtype, sizes that disagree)."""
+
+
+@dataclass
+class Frame:
+    """One data-plane message: the decoded header and the payload tensor (or None)."""
+
+    header: pb.FrameHeader
+    payload: Tensor | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.header.request_id
+
+    @property
+    def kind(self) -> int:
+        return self.header.kind
+
+
+def rows_to_proto(act: Activation) -> pb.Rows:
+    return pb.Rows(
+        positions=act.positions.tolist(),
+        committed=act.committed,
+        node_ids=act.node_ids.tolist(),
+        parent_ids=act.parent_ids.tolist(),
+    )
+
+
+def activation_from_rows(request_id: str, rows: pb.Rows) -> Activation:
+    """An Activation with the rows' metadata and no tensor yet."""
+    i64 = torch.int64
+    return Activation(
+        request_id=request_id,
+        positions=torch.tensor(rows.positions, dtype=i64),
+        committed=rows.committed,
+        node_ids=torch.tensor(rows.node_ids, dtype=i64),
+        parent_ids=torch.tensor(rows.parent_ids, dtype=i64),
+    )
+
+
+def encode(
+    act: Activation, seq: int, after_prune: int = 0, sender: str = ""
+) -> tuple[pb.FrameHeader, Tensor | None]:
+    """Header and payload tensor of an activation (hidden states, logits or tokens)."""
+    if act.hidden is not None:
+        kind, payload = Kind.PAYLOAD_KIND_HIDDEN, act.hidden
+    elif act.logits is not None:
+        kind, payload = Kind.PAYLOAD_KIND_LOGITS, act.logits
+    elif act.tokens is not None:
+        kind, payload = Kind.PAYLOAD_KIND_TOKENS, act.tokens
+    else:
+        kind, payload = Kind.PAYLOAD_KIND_EMPTY, None
+    header = pb.FrameHeader(
+        request_id=act.request_id,
+        seq=seq,
+        after_prune=after_prune,
+        rows=rows_to_proto(act),
+        kind=kind,
+        sender=sender,
+    )
+    if payload is not None:
+        payload = payload.detach().contiguous()
+        try:
+            header.dtype = DTYPE_NAMES[payload.dtype]
+        except KeyError:
+            raise FrameError(f"cannot send tensors of dtype {payload.dtype}") from None
+        header.shape.extend(payload.shape)
+    return header, payload
+
+
+def empty_header(request_id: str, seq: int, sender: str = "") -> pb.FrameHeader:
+    """Marks that activation `seq` had no rows left after pruning (keeps the order)."""
+    return pb.FrameHeader(
+        request_id=request_id, seq=seq, kind=Kind.PAYLOAD_KIND_EMPTY, sender=sender
+    )
+
+
+def error_header(request_id: str, message: str, sender: str = "") -> pb.FrameHeader:
+    return pb.FrameHeader(
+        request_id=request_id, kind=Kind.PAYLOAD_KIND_ERROR, error=message, sender=sender
+    )
+
+
+def payload_bytes(payload: Tensor | None) -> np.ndarray | None:
+    """A uint8 numpy view of the payload's bytes (no copy for CPU tensors)."""
+    if payload is None or payload.numel() == 0:
+        return None
+    return payload.reshape(-1).view(torch.uint8).numpy()
+
+
+def payload_nbytes(header: pb.FrameHeader) -> int:
+    """Bytes of the payload the header announces (0 for none)."""
+    if not header.dtype:
+        return 0
+    try:
+        itemsize = DTYPES[header.dtype].itemsize
+    except KeyError:
+        raise FrameError(f"unknown payload dtype {header.dtype!r}") from None
+    n = 1
+    for d in header.shape:
+        if d < 0:
+            raise FrameError(f"negative dimension in payload shape {list(header.shape)}")
+        n *= d
+    return n * itemsize
+
+
+def tensor_from_bytes(header: pb.FrameHeader, buf: np.ndarray | Tensor | None) -> Tensor | None:
+    """Rebuild the payload tensor from received bytes (a uint8 buffer we own)."""
+    nbytes = payload_nbytes(header)
+    if nbytes == 0:
+        if header.dtype:
+            return torch.empty(tuple(header.shape), dtype=DTYPES[header.dtype])
+        return None
+    if buf is None:
+        raise FrameError("frame announces a payload but none arrived")
+    flat = buf if isinstance(buf, Tensor) else torch.from_numpy(buf)
+    if flat.numel() != nbytes:
+        raise FrameError(f"payload has {flat.numel()} bytes, header announces {nbytes}")
+    return flat.view(DTYPES[header.dtype]).reshape(tuple(header.shape))
+
+
+def decode(frame: Frame) -> Activation:
+    """The Activation a (non-error) frame carries."""
+    h = frame.header
+    act = activation_from_rows(h.request_id, h.rows)
+    if h.kind == Kind.PAYLOAD_KIND_HIDDEN:
+        act.hidden = frame.payload
+    elif h.kind == Kind.PAYLOAD_KIND_LOGITS:
+        act.logits = frame.payload
+    elif h.kind == Kind.PAYLOAD_KIND_TOKENS:
+        act.tokens = frame.payload
+    elif h.kind != Kind.PAYLOAD_KIND_EMPTY:
+        raise FrameError(f"frame kind {h.kind} carries no activation")
+    payload = act.hidden if act.hidden is not None else act.logits
+    if payload is None:
+        payload = act.tokens
+    if payload is not None and payload.shape[0] != len(act):
+        raise FrameError(f"payload has {payload.shape[0]} rows, header lists {len(act)} positions")
+    return act
+
+
+def pack_header(header: pb.FrameHeader, payload_len: int) -> bytes:
+    """Preamble + serialized header, as stream transports send them."""
+    hb = header.SerializeToString()
+    return PREAMBLE.pack(len(hb), payload_len) + hb
+
+
+def parse_preamble(data: bytes | memoryview) -> tuple[int, int]:
+    hlen, plen = PREAMBLE.unpack(data)
+    if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:
+        raise FrameError(f"frame too large: header {hlen} bytes, payload {plen} bytes")
+    return hlen, plen
+
+
+def parse_header(data: bytes | memoryview, payload_len: int) -> pb.FrameHeader:
+    header = pb.FrameHeader()
+    try:
+        header.ParseFromString(bytes(data))
+    except Exception as e:  # protobuf raises DecodeError, a bare Exception subclass
+        raise FrameError(f"corrupt frame header: {e}") from None
+    if payload_nbytes(header) != payload_len:
+        raise FrameError(
+            f"frame payload is {payload_len} bytes, header announces {payload_nbytes(header)}"
+        )
+    return header
+
+
+def prune_to_proto(prune: Prune, seq: int) -> pb.PruneSignal:
+    return pb.PruneSignal(
+        seq=seq,
+        commit_ids=prune.commit_ids.tolist(),
+        keep_ids=prune.keep_ids.tolist(),
+        horizon=prune.horizon,
+    )
+
+
+def prune_from_proto(sig: pb.PruneSignal) -> Prune:
+    return Prune(
+        commit_ids=torch.tensor(sig.commit_ids, dtype=torch.int64),
+        keep_ids=torch.tensor(sig.keep_ids, dtype=torch.int64),
+        horizon=sig.horizon,
+    )
+
+
+def token_activation(request_id: str, rows: pb.Rows, token_ids) -> Activation:
+    """Stage-1 or draft input: rows plus their token ids (validated lengths)."""
+    act = activation_from_rows(request_id, rows)
+    act.tokens = torch.tensor(list(token_ids), dtype=torch.int64)
+    if act.tokens.numel() != len(act):
+        raise FrameError(f"{act.tokens.numel()} token ids for {len(act)} rows")
+    if not act.committed and (
+        act.node_ids.numel() != len(act) or act.parent_ids.numel() != len(act)
+    ):
+        raise FrameError("tree rows need one node id and one parent id each")
+    return act

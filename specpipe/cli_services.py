@@ -1,0 +1,276 @@
+"""`specpipe stage|draft|router|up|client`: the network services' command lines."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from specpipe.cli import CliError, _parse_ids, _positive_int
+
+DEFAULT_ROUTER_PORT = 50051
+
+
+def _default_transport() -> str:
+    from specpipe.services.transport.ucx import available
+
+    return "ucx" if available() else "tcp"
+
+
+def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--advertise-host", default=None, help="address others reach this one at")
+    p.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
+    if data_plane:
+        p.add_argument("--data-port", type=int, default=0, help="hidden-state port (0: any)")
+        p.add_argument(
+            "--transport",
+            choices=["ucx", "tcp"],
+            default=None,
+            help="data plane (default: ucx if installed)",
+        )
+    p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
+    p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
+
+
+def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--model", required=required, help="model: name, HF directory or GGUF file")
+    p.add_argument(
+        "--model-id", default="", help="name reported to clients (default: directory name)"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stage", help="serve layers of the target model (a pipeline stage)")
+    _model_args(p, required=False)
+    p.add_argument("--layers", default=None, help="START:END decoder layers (default: all)")
+    _service_args(p, 50052, data_plane=True)
+    p.set_defaults(func=_cmd_stage)
+
+    p = sub.add_parser("draft", help="serve a draft model that proposes tree layers")
+    _model_args(p, required=True)
+    _service_args(p, 50060, data_plane=False)
+    p.set_defaults(func=_cmd_draft)
+
+    p = sub.add_parser("router", help="serve clients: trees, verification, streaming")
+    p.add_argument("--stages", required=True, help="comma-separated stage gRPC addresses HOST:PORT")
+    p.add_argument("--draft", default=None, help="draft gRPC address HOST:PORT")
+    p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
+    p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
+    p.add_argument("--startup-timeout", type=float, default=180.0)
+    _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
+    p.set_defaults(func=_cmd_router)
+
+    p = sub.add_parser("up", help="run router, draft and stages as local processes")
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
+    p.add_argument("--stages", type=_positive_int, default=2)
+    p.add_argument("--layers", default=None, help="per-stage layer ranges: 0:7,7:14,...")
+    p.add_argument("--transport", choices=["ucx", "tcp"], default=None)
+    p.add_argument("--router-port", type=int, default=DEFAULT_ROUTER_PORT)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
+    p.add_argument("--log-dir", default=None, help="keep child logs here")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.set_defaults(func=_cmd_up)
+
+    client = sub.add_parser("client", help="talk to a running router")
+    csub = client.add_subparsers(dest="client_command", required=True, parser_class=type(client))
+    g = csub.add_parser("generate", help="stream a completion")
+    _client_common(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized by the router)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--model", default="", help="model id (default: the deployment's)")
+    g.add_argument("--mode", default="specpipe", help="specpipe, pp, specinfer or autoregressive")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--width", type=int, default=None, help="tree width per layer (default 8)")
+    g.add_argument("--top-k-children", type=int, default=None)
+    g.add_argument("--depth", type=int, default=None, help="specinfer tree depth")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--prefill-chunk", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_client_generate)
+    m = csub.add_parser("models", help="list the served models")
+    _client_common(m)
+    m.set_defaults(func=_cmd_client_models)
+
+
+def _client_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+# -- services ----------------------------------------------------------------------------
+def _prepare(args: argparse.Namespace) -> None:
+    from specpipe.services.serve import setup_logging
+
+    setup_logging(args.log_level)
+    if getattr(args, "transport", "x") is None:
+        args.transport = _default_transport()
+    threads = getattr(args, "threads", 0)
+    if threads and threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _resolve(spec: str | None) -> str | None:
+    if spec is None:
+        return None
+    from specpipe.common.model_resolver import resolve_model
+
+    return str(resolve_model(spec))
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from specpipe.services.serve import run_stage
+
+    _prepare(args)
+    args.model = _resolve(args.model)
+    asyncio.run(run_stage(args))
+    return 0
+
+
+def _cmd_draft(args: argparse.Namespace) -> int:
+    from specpipe.services.serve import run_draft
+
+    _prepare(args)
+    args.model = _resolve(args.model)
+    asyncio.run(run_draft(args))
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from specpipe.services.serve import run_router
+
+    _prepare(args)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if not args.stages:
+        raise CliError("--stages lists no addresses")
+    args.target = _resolve(args.target)
+    asyncio.run(run_router(args))
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from specpipe.services.launcher import LaunchError, LocalDeployment
+
+    transport = args.transport or _default_transport()
+    target = _resolve(args.target)
+    draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
+    try:
+        dep = LocalDeployment(
+            target,
+            draft,
+            args.stages,
+            transport=transport,
+            router_port=args.router_port,
+            layers=args.layers,
+            host=args.host,
+            dtype=args.dtype,
+            threads=args.threads or None,
+            log_dir=args.log_dir,
+            startup_timeout=args.startup_timeout,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(
+        f"starting {len(dep.ranges)} stages "
+        f"({', '.join(f'{r.start}:{r.end}' for r in dep.ranges)}), "
+        f"draft={draft}, transport={transport} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        address = dep.start()
+    except LaunchError as e:
+        raise CliError(str(e)) from None
+    print(f"router: {address}", flush=True)
+    print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
+    try:
+        return dep.wait()
+    finally:
+        dep.stop()
+
+
+# -- client ------------------------------------------------------------------------------
+def _cmd_client_generate(args: argparse.Namespace) -> int:
+    from specpipe.services.client import Client, SpecPipeError
+
+    kwargs = dict(
+        model=args.model,
+        mode=args.mode,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        width=args.width,
+        top_k_children=args.top_k_children,
+        depth=args.depth,
+        ignore_eos=args.ignore_eos,
+        prefill_chunk=args.prefill_chunk,
+    )
+    if args.prompt is not None:
+        kwargs["prompt"] = args.prompt
+    else:
+        kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+    with Client(args.router, timeout=args.timeout) as client:
+        try:
+            stream = client.stream(**kwargs)
+            if args.json:
+                done = stream.result()
+                text = done.text if args.prompt is not None else None
+                print(
+                    json.dumps({"token_ids": done.token_ids, "text": text, "stats": done.summary()})
+                )
+                return 0
+            for chunk in stream:
+                if args.prompt is not None:
+                    print(chunk.text, end="", flush=True)
+                else:
+                    print("".join(f"{t} " for t in chunk.token_ids), end="", flush=True)
+            done = stream.result()
+        except SpecPipeError as e:
+            print(f"specpipe: error: {e.code_name}: {e.message}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            stream.cancel()
+            raise
+    print()
+    s = done.stats
+    print(
+        f"[{s['mode']}] S={s['stages']} tokens={s['new_tokens']} steps={s['decode_steps']} "
+        f"tokens/step={s['tokens_per_step']:.3f} hit_rate={s['hit_rate']:.3f} "
+        f"ttft={s['time_to_first_token_ms']:.1f}ms tbt={s['mean_time_between_tokens_ms']:.2f}ms",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_client_models(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from specpipe.services.client import Client, SpecPipeError
+
+    with Client(args.router, timeout=args.timeout) as client:
+        try:
+            models = client.list_models()
+        except SpecPipeError as e:
+            print(f"specpipe: error: {e.code_name}: {e.message}", file=sys.stderr)
+            return 1
+    print(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in models]))
+    return 0
