@@ -77,7 +77,7 @@ def measure_runtime(
                 runtime.forward(act)
                 samples.append(time.perf_counter() - t0)
                 empty = torch.empty(0, dtype=torch.int64)
-                runtime.prune(_MEASURE_ID, Prune(empty, empty, horizon=next_id))
+                runtime.prune(_MEASURE_ID, Prune(empty, empty, horizon=next_id - 1))
             seconds.append(statistics.median(samples[1:]))
         return CostCurve(list(rows), seconds)
     finally:
@@ -108,10 +108,28 @@ class DeploymentCosts:
             draft=measure_runtime(draft, rows, context, repeats) if draft is not None else None,
         )
 
-    def step_seconds(self, rows_per_stage: Sequence[int], draft_rows: int, draft_parallel: bool) -> float:
-        stage_time = max((c(n) for c, n in zip(self.stages, rows_per_stage, strict=True)), default=0.0)
+    def step_seconds(
+        self, rows_per_stage: Sequence[int], draft_rows: int, draft_parallel: bool
+    ) -> float:
+        stage_time = max(
+            (c(n) for c, n in zip(self.stages, rows_per_stage, strict=True)), default=0.0
+        )
         draft_time = self.draft(draft_rows) if self.draft is not None else 0.0
         return max(stage_time, draft_time) if draft_parallel else stage_time
+
+    def without_draft(self) -> DeploymentCosts:
+        """As if the draft had a device fast enough never to hold a step back."""
+        return DeploymentCosts(self.context, self.stages, None)
+
+    def flat(self) -> DeploymentCosts:
+        """Accelerator-like costs: any row count up to the measured maximum costs as much as
+        one row (DESIGN 2.2: on a GPU 64 tokens cost about as much as 1)."""
+
+        def flatten(c: CostCurve) -> CostCurve:
+            return CostCurve(c.rows, [c.seconds[0]] * len(c.rows))
+
+        draft = flatten(self.draft) if self.draft is not None else None
+        return DeploymentCosts(self.context, [flatten(c) for c in self.stages], draft)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -121,22 +139,60 @@ class DeploymentCosts:
         }
 
 
-def project_decode_seconds(trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str) -> float:
+def project_decode_seconds(
+    trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str
+) -> float:
     """Projected wall time of a run's decode steps (each trace row: rows per stage, then draft).
 
     In `specpipe` the draft expands the layer entering stage 1 in parallel with the stages;
     other modes' steps cost only their slowest stage (add `specinfer_draft_seconds` for the
     draft work that precedes each SpecInfer pass).
     """
-    total = 0.0
-    for row in trace:
-        *stage_rows, draft_rows = row
-        total += costs.step_seconds(stage_rows, draft_rows, draft_parallel=mode == "specpipe")
-    return total
+    return sum(step_seconds_of_trace(trace, costs, mode))
 
 
-def specinfer_draft_seconds(layer_sizes: Sequence[Sequence[int]], costs: DeploymentCosts) -> float:
-    """Sequential draft time of SpecInfer passes: one draft forward per tree layer."""
+def step_seconds_of_trace(
+    trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str
+) -> list[float]:
+    """Projected duration of every step of a trace."""
+    return [
+        costs.step_seconds(row[:-1], row[-1], draft_parallel=mode == "specpipe") for row in trace
+    ]
+
+
+def projected_tbt(
+    trace: Sequence[Sequence[int]],
+    emit_steps: Sequence[int],
+    costs: DeploymentCosts,
+    mode: str,
+    draft_seconds_per_pass: Sequence[float] = (),
+) -> float | None:
+    """Time between tokens: from the first emission to the last, per token after the first.
+
+    `emit_steps` are 1-based decode step counts at which tokens were emitted (the trace
+    holds decode steps only). For specinfer, `draft_seconds_per_pass` adds the draft work
+    done before each pass (a pass spans S steps and starts at steps 0, S, 2S, ...).
+    """
+    if len(emit_steps) < 2:
+        return None
+    clock = [0.0]
+    for sec in step_seconds_of_trace(trace, costs, mode):
+        clock.append(clock[-1] + sec)
+    first, last = emit_steps[0], emit_steps[-1]
+    elapsed = clock[last] - clock[first]
+    if draft_seconds_per_pass:
+        per_pass = len(trace) // len(draft_seconds_per_pass)
+        # Draft work of passes that start after the first emission and end by the last one.
+        for i, sec in enumerate(draft_seconds_per_pass):
+            if first <= i * per_pass < last:
+                elapsed += sec
+    return elapsed / (len(emit_steps) - 1)
+
+
+def specinfer_draft_seconds(
+    layer_sizes: Sequence[Sequence[int]], costs: DeploymentCosts
+) -> list[float]:
+    """Sequential draft time before each SpecInfer pass: one draft forward per tree layer."""
     if costs.draft is None:
-        return 0.0
-    return sum(costs.draft(n) for layers in layer_sizes for n in layers)
+        return [0.0] * len(layer_sizes)
+    return [sum(costs.draft(n) for n in layers) for layers in layer_sizes]

@@ -65,12 +65,21 @@ class DecodeStats:
     accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per specinfer pass
     # per step: rows each stage computed, then rows the draft computed
     trace: list[list[int]] = field(default_factory=list)
+    # decode step (1-based count) at which each token was emitted
+    emit_steps: list[int] = field(default_factory=list)
     # specinfer: rows of every draft forward, per pass (the draft works before each pass)
     draft_layers: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def steady_tokens_per_step(self) -> float:
+        """Tokens per step after the first token (which must cross the empty pipeline)."""
+        if len(self.emit_steps) < 2 or self.emit_steps[-1] == self.emit_steps[0]:
+            return 0.0
+        return (len(self.emit_steps) - 1) / (self.emit_steps[-1] - self.emit_steps[0])
 
     @property
     def hit_rate(self) -> float:
@@ -178,6 +187,7 @@ class Generation:
 
     def _emitted(self, tokens: list[int]) -> Iterator[int]:
         self.stats.new_tokens += len(tokens)
+        self.stats.emit_steps += [self.stats.decode_steps] * len(tokens)
         self.stats.hits = self.out.hits
         self.stats.finish_reason = self.out.finish_reason
         yield from tokens

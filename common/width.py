@@ -52,6 +52,43 @@ class WidthChoice:
         return "\n".join(lines)
 
 
+def evaluate_widths(
+    hit_rates: dict[int, float], costs: DeploymentCosts, num_stages: int
+) -> WidthChoice:
+    """Expected time per token for each width from measured hit rates and cost curves."""
+    options = []
+    for w, h in sorted(hit_rates.items()):
+        # Steady state: stages 1..S-1 each hold one tree layer, the last stage the root.
+        step = costs.step_seconds([w] * (num_stages - 1) + [1], w, draft_parallel=True)
+        options.append(WidthOption(w, h, step, h + (1 - h) * num_stages))
+    best = min(options, key=lambda o: o.seconds_per_token)
+    return WidthChoice(best.width, options, num_stages, costs.context)
+
+
+def measure_hit_rates(
+    deployment: LocalDeployment,
+    prompts: Sequence[Sequence[int]],
+    widths: Sequence[int],
+    sampling: SamplingParams,
+    top_k_children: int,
+    tokens: int,
+) -> dict[int, float]:
+    """Fraction of emitted tokens that were already in the tree, per width."""
+    rates = {}
+    for w in widths:
+        hits = emitted = 0
+        for prompt in prompts:
+            opts = DecodeOptions(
+                max_new_tokens=tokens, sampling=sampling, width=w, top_k_children=top_k_children
+            )
+            gen = Generation(deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, opts)
+            gen.run()
+            hits += gen.stats.hits
+            emitted += gen.stats.new_tokens
+        rates[w] = hits / emitted if emitted else 0.0
+    return rates
+
+
 def choose_width(
     deployment: LocalDeployment,
     prompts: Sequence[Sequence[int]],
@@ -66,27 +103,10 @@ def choose_width(
         raise ValueError("width auto needs a draft")
     sampling = sampling or SamplingParams()
     stages = deployment.pipeline.stages
-    num_stages = len(stages)
-    context = max(len(p) for p in prompts) + calibration_tokens
     if costs is None:
+        context = max(len(p) for p in prompts) + calibration_tokens
         costs = DeploymentCosts.measure(stages, deployment.draft.runtime, sorted(widths), context)
-    options = []
-    for w in widths:
-        hits = tokens = 0
-        for prompt in prompts:
-            opts = DecodeOptions(
-                max_new_tokens=calibration_tokens,
-                sampling=sampling,
-                width=w,
-                top_k_children=top_k_children,
-            )
-            gen = Generation(deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, opts)
-            gen.run()
-            hits += gen.stats.hits
-            tokens += gen.stats.new_tokens
-        h = hits / tokens if tokens else 0.0
-        # Steady state: stages 1..S-1 each hold one tree layer, the last stage the root.
-        step = costs.step_seconds([w] * (num_stages - 1) + [1], w, draft_parallel=True)
-        options.append(WidthOption(w, h, step, h + (1 - h) * num_stages))
-    best = min(options, key=lambda o: o.seconds_per_token)
-    return WidthChoice(best.width, options, num_stages, context)
+    rates = measure_hit_rates(
+        deployment, prompts, widths, sampling, top_k_children, calibration_tokens
+    )
+    return evaluate_widths(rates, costs, len(stages))

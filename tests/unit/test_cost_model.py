@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-
 from specpipe.common.cost_model import (
     CostCurve,
     DeploymentCosts,
     measure_runtime,
     project_decode_seconds,
+    projected_tbt,
     specinfer_draft_seconds,
 )
 from specpipe.common.decoding import DecodeOptions, Generation, Mode
@@ -49,7 +49,25 @@ def test_specpipe_step_costs_its_slowest_stage_or_the_draft() -> None:
     trace = [[3, 1, 2], [0, 1, 0]]
     assert project_decode_seconds(trace, costs, "specpipe") == pytest.approx(20 + 2)
     assert project_decode_seconds(trace, costs, "specinfer") == pytest.approx(3 + 2)
-    assert specinfer_draft_seconds([[1, 4], [1]], costs) == pytest.approx(10 + 40 + 10)
+    assert specinfer_draft_seconds([[1, 4], [1]], costs) == pytest.approx([10 + 40, 10])
+
+
+def test_tbt_counts_only_time_between_first_and_last_token() -> None:
+    costs = DeploymentCosts(context=8, stages=[curve(lambda n: 1.0)] * 2)
+    trace = [[1, 0, 0], [1, 1, 0], [0, 1, 0], [1, 1, 0]]
+    # tokens emitted at steps 2 and 4: two steps of 1 s between them
+    assert projected_tbt(trace, [2, 4], costs, "pp") == pytest.approx(2.0)
+    assert projected_tbt(trace, [2, 3, 4], costs, "pp") == pytest.approx(1.0)
+    assert projected_tbt(trace, [4], costs, "pp") is None
+    # specinfer: passes of 2 steps; the draft of the second pass falls between emissions
+    assert projected_tbt(trace, [2, 4], costs, "specinfer", [5.0, 7.0]) == pytest.approx(2.0 + 7.0)
+
+
+def test_flat_costs_are_the_one_row_cost() -> None:
+    costs = DeploymentCosts(context=8, stages=[curve(lambda n: n)], draft=curve(lambda n: n))
+    flat = costs.flat()
+    assert flat.draft(16) == 1.0 and flat.stages[0](32) == 1.0
+    assert costs.without_draft().step_seconds([4], 32, draft_parallel=True) == 4.0
 
 
 def test_measured_curve_covers_requested_rows_and_leaves_no_state(llama_dir) -> None:
