@@ -129,6 +129,11 @@ class Generation:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) + opts.max_new_tokens > pipeline.max_context:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({opts.max_new_tokens}) "
+                f"exceeds the model's context of {pipeline.max_context} tokens"
+            )
         if self.mode in (Mode.SPECPIPE, Mode.SPECINFER) and draft is None:
             raise ValueError(f"mode {self.mode} needs a draft")
         self.pipeline, self.opts = pipeline, opts

@@ -31,6 +31,9 @@ class Pipeline(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def max_context(self) -> int: ...
+
     def open(self, request_id: str, capacity: int) -> None: ...
 
     def release(self, request_id: str) -> None: ...
@@ -71,6 +74,10 @@ class LocalPipeline:
     @property
     def vocab_size(self) -> int:
         return self.stages[-1].model.cfg.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.stages[0].model.cfg.max_position_embeddings
 
     def open(self, request_id: str, capacity: int) -> None:
         opened: list[StageRuntime] = []

@@ -109,6 +109,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(f"token ids {bad[:4]} are outside the vocabulary [0, {cfg.vocab_size})")
     if not prompt_ids:
         raise CliError("the prompt is empty")
+    if len(prompt_ids) + args.max_new_tokens > cfg.max_position_embeddings:
+        raise CliError(
+            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
+            f"exceeds the model's context of {cfg.max_position_embeddings} tokens"
+        )
 
     stages = 1 if mode == Mode.AUTOREGRESSIVE else args.stages
     deployment = build_local(target, stages, draft, parse_dtype(args.dtype))
@@ -125,7 +130,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise CliError(str(e)) from None
-    gen = Generation(deployment.pipeline, deployment.draft, prompt_ids, mode, opts)
+    try:
+        gen = Generation(deployment.pipeline, deployment.draft, prompt_ids, mode, opts)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if args.json:
         tokens = gen.run()
         text = codec.decode(tokens) if codec else None

@@ -95,6 +95,7 @@ def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_d
         (["--prompt-ids", "1,x"], "comma-separated integers"),
         (["--prompt-ids", ","], "empty"),
         (["--max-new-tokens", "0"], "must be positive"),
+        (["--max-new-tokens", "100000"], "exceeds the model's context"),
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "1.5"], "top_p"),
         (["--width", "zero"], "--width"),
