@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         "--pp-prompts", type=int, default=2, help="pp is 1/S by construction; run a few"
     )
     ap.add_argument("--width", type=int, default=8)
-    ap.add_argument("--top-k-children", type=int, default=4)
+    ap.add_argument("--top-k-children", type=int, default=64, help="capped by width")
     ap.add_argument("--depth", type=int, default=8, help="specinfer tree depth")
     ap.add_argument("--sweep-widths", default="2,4,8,16,32", help="at the largest S, greedy")
     ap.add_argument("--sweep-prompts", type=int, default=3)

@@ -34,7 +34,8 @@ class DecodeOptions:
     max_new_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     width: int = 8  # tree nodes kept per layer
-    top_k_children: int = 4  # draft candidates per node
+    # draft candidates per node (capped by width; top-w of every leaf contains the global top-w)
+    top_k_children: int = 64
     specinfer_depth: int = 8  # layers of a SpecInfer tree
     prefill_chunk: int = 128
     stop_token_ids: tuple[int, ...] = ()

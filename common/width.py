@@ -93,7 +93,7 @@ def choose_width(
     deployment: LocalDeployment,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams | None = None,
-    top_k_children: int = 4,
+    top_k_children: int = 64,
     widths: Sequence[int] = CANDIDATE_WIDTHS,
     calibration_tokens: int = 16,
     costs: DeploymentCosts | None = None,

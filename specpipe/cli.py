@@ -45,7 +45,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--max-new-tokens", type=_positive_int, default=64)
     p.add_argument("--width", default="8", help="tree width per layer, or 'auto'")
-    p.add_argument("--top-k-children", type=_positive_int, default=4)
+    p.add_argument(
+        "--top-k-children",
+        type=_positive_int,
+        default=64,
+        help="draft children per node (capped by width)",
+    )
     p.add_argument("--depth", type=_positive_int, default=8, help="specinfer tree depth")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -153,12 +158,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _choose_width(args: argparse.Namespace, deployment, mode, prompt_ids: list[int], sampling) -> int:
+def _choose_width(
+    args: argparse.Namespace, deployment, mode, prompt_ids: list[int], sampling
+) -> int:
     if args.width != "auto":
         try:
             width = int(args.width)
         except ValueError:
-            raise CliError(f"--width must be a positive integer or 'auto', got {args.width!r}") from None
+            raise CliError(
+                f"--width must be a positive integer or 'auto', got {args.width!r}"
+            ) from None
         if width <= 0:
             raise CliError(f"--width must be positive, got {width}")
         return width
