@@ -60,6 +60,7 @@ class DecodeStats:
     verifications: int = 0  # root verifications (specpipe/pp) or tree passes (specinfer)
     hits: int = 0  # emitted tokens that were already in the tree when verified
     finish_reason: str = "length"
+    regrowths: int = 0  # specpipe: the newest layer was pruned away and regrown from reserves
     root_children: list[int] = field(
         default_factory=list
     )  # children of the root at each verification
@@ -231,6 +232,7 @@ class Generation:
                 prune, entering = verdict.prune, verdict.restart
             if entering is None:
                 entering = mgr.grow(cand)
+                self.stats.regrowths = mgr.regrowths
 
     def _propose(self, layer: Activation | None, prune: Prune | None) -> Candidates:
         """Draft phase of a step: apply last step's prune, expand the layer entering stage 1."""

@@ -108,7 +108,8 @@ class TokenTree:
         self.cum = self.cum[keep] / self.cum[child]
         self.mask = self.mask[keep][:, keep]
         self.ids = self.ids[keep]
-        self.frontier_depth -= 1
+        # If the newest layer lost every node, the deepest survivors become the frontier.
+        self.frontier_depth = min(self.frontier_depth - 1, int(self.depth.max()))
         return keep
 
     def path_to(self, node: int) -> Tensor:

@@ -91,6 +91,20 @@ def extend_frontier(tree: TokenTree, cand: Candidates, width: int) -> Tensor:
     return tree.append_layer(parents, cand.tokens[alive], cand.probs[alive], width)
 
 
+def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
+    """Candidates whose parent is still in the tree and that did not become a node."""
+    parent_alive = torch.isin(cand.parent_ids, tree.ids)
+    has_parent = tree.parent >= 0
+    node_parent_ids = tree.ids[tree.parent[has_parent]]
+    node_tokens = tree.tokens[has_parent]
+    taken = (
+        (cand.parent_ids[:, None] == node_parent_ids[None, :])
+        & (cand.tokens[:, None] == node_tokens[None, :])
+    ).any(dim=1)
+    keep = parent_alive & ~taken
+    return Candidates(cand.parent_ids[keep], cand.tokens[keep], cand.probs[keep])
+
+
 class SpecPipeManager:
     """SpecPipe (with a draft) and plain PP (without): one tree layer enters stage 1 at a
     time, the root is verified when it leaves the last stage (DESIGN 2.2)."""
@@ -110,6 +124,11 @@ class SpecPipeManager:
         self.tree = TokenTree(int(prompt[-1]))
         self.verifications = 0
         self.root_children: list[int] = []
+        # Draft proposals not (yet) in the tree, for nodes still in it: if a prune removes
+        # the whole newest layer, the tree regrows from the deepest survivors' proposals
+        # (a one-step bubble) instead of running dry until a miss (S steps).
+        self.reserve = Candidates.empty()
+        self.regrowths = 0
 
     def root_layer(self) -> Activation:
         return layer_activation(self.request_id, self.tree, torch.tensor([0]), self.root_pos)
@@ -140,6 +159,7 @@ class SpecPipeManager:
             prune = Prune(commit_ids=old_root, keep_ids=tree.ids.clone(), horizon=horizon)
         else:
             tree.reset(token)
+            self.reserve = Candidates.empty()
             prune = Prune(commit_ids=old_root, keep_ids=EMPTY_IDS, horizon=horizon)
         self.root_pos += 1
         if child is None:
@@ -147,10 +167,20 @@ class SpecPipeManager:
         return Verdict([token], prune, self.out.emit(token), restart=restart)
 
     def grow(self, cand: Candidates) -> Activation | None:
-        """Append the best `width` candidates whose parents are still frontier nodes."""
-        if not self.can_grow or cand.parent_ids.numel() == 0:
+        """Append the best `width` candidates whose parents are frontier nodes: the draft's
+        fresh proposals for the newest layer, or kept ones if that layer was pruned away."""
+        if not self.can_grow:
             return None
-        new = extend_frontier(self.tree, cand, self.width)
+        pool = Candidates(
+            torch.cat([cand.parent_ids, self.reserve.parent_ids]),
+            torch.cat([cand.tokens, self.reserve.tokens]),
+            torch.cat([cand.probs.to(torch.float32), self.reserve.probs.to(torch.float32)]),
+        )
+        fresh_alive = bool(torch.isin(cand.parent_ids, self.tree.ids).any())
+        new = extend_frontier(self.tree, pool, self.width)
+        if new.numel() and not fresh_alive:
+            self.regrowths += 1
+        self.reserve = unused_candidates(self.tree, pool)
         if new.numel() == 0:
             return None
         return layer_activation(self.request_id, self.tree, new, self.root_pos)

@@ -87,6 +87,14 @@ def test_unrelated_draft_misses_but_stays_exact(llama_dir, unrelated_draft_dir) 
     assert gen.output == hf_greedy(llama_dir, tuple(PROMPT), 30)
 
 
+def test_tree_regrows_when_the_newest_layer_is_pruned_away(llama_dir, unrelated_draft_dir) -> None:
+    """Width 2 and a poor draft: often both nodes of the newest layer hang under the child
+    that loses verification; the tree must regrow from the survivors, output stays exact."""
+    gen = generate(llama_dir, Mode.SPECPIPE, 4, unrelated_draft_dir, max_new_tokens=40, width=2)
+    assert gen.stats.regrowths > 0
+    assert gen.output == hf_greedy(llama_dir, tuple(PROMPT), 40)
+
+
 def test_specinfer_accepts_long_paths_with_oracle(llama_dir) -> None:
     gen = generate(
         llama_dir, Mode.SPECINFER, 3, ORACLE_DRAFT, max_new_tokens=40, width=4, specinfer_depth=6
