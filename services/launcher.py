@@ -213,26 +213,29 @@ class LocalDeployment:
         ]
 
     def wait(self) -> int:
-        """Foreground until interrupted (0) or until a child dies (1)."""
+        """Foreground until interrupted. A child that dies is reported and left dead (the
+        router then reports itself not ready, as it would in a cluster); the exit code
+        is 1 if any child died, else 0."""
         stop = {"flag": False}
 
         def handler(signum, frame) -> None:
             stop["flag"] = True
 
         old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        reported: set[str] = set()
         try:
             while not stop["flag"]:
-                dead = self.dead_children()
-                if dead:
-                    for n in dead:
+                for n in self.dead_children():
+                    if n not in reported:
+                        reported.add(n)
                         c = self.children[n]
                         print(
                             f"{n} exited (code {c.proc.returncode}):\n{c.log_tail()}",
                             file=sys.stderr,
+                            flush=True,
                         )
-                    return 1
                 time.sleep(0.2)
-            return 0
+            return 1 if reported else 0
         finally:
             for s, h in old.items():
                 signal.signal(s, h)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -32,6 +33,11 @@ class AsyncGenerationStream:
             if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
                 return
             raise error_from_rpc(e) from None
+        except asyncio.CancelledError:
+            if self._cancelled:  # grpc.aio reports our own cancel() this way
+                return
+            self._call.cancel()
+            raise
         except BaseException:
             # The consumer went away (task cancelled): cancel the request server-side too.
             self._call.cancel()

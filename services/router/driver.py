@@ -384,8 +384,10 @@ class RequestDriver:
             if verdict.restart is not None:
                 waiting = None
                 self._enter(verdict.restart)
-            elif waiting is not None:
-                layer = mgr.grow(waiting)
+            elif self.draft is not None:
+                # Room for a layer again: grow from proposals that had to wait, or regrow
+                # from kept proposals if the prune removed the whole newest layer.
+                layer = mgr.grow(waiting if waiting is not None else Candidates.empty())
                 if layer is not None:
                     waiting = None
                     self._enter(layer)

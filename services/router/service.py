@@ -26,7 +26,7 @@ SERVICE_NAME = "specpipe.v1.Generation"
 
 # Request sanity limits beyond the model's own (context length, vocabulary).
 MAX_WIDTH = 256
-MAX_TOP_K_CHILDREN = 64
+MAX_TOP_K_CHILDREN = 1024
 MAX_DEPTH = 64
 MAX_NEW_TOKENS = 1 << 20
 MODES = ("specpipe", "pp", "specinfer", "autoregressive")
@@ -219,13 +219,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise _invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
         if not r.ignore_eos:
             stops = [*model.eos_token_ids, *stops]
+        default = DecodeOptions(max_new_tokens=1)
         opts = DecodeOptions(
             max_new_tokens=n,
             sampling=sampling,
-            width=opt("width", 8, 1, MAX_WIDTH),
-            top_k_children=opt("top_k_children", 4, 1, MAX_TOP_K_CHILDREN),
-            specinfer_depth=opt("depth", 8, 1, MAX_DEPTH),
-            prefill_chunk=opt("prefill_chunk", 128, 1, 1 << 16),
+            width=opt("width", default.width, 1, MAX_WIDTH),
+            top_k_children=opt("top_k_children", default.top_k_children, 1, MAX_TOP_K_CHILDREN),
+            specinfer_depth=opt("depth", default.specinfer_depth, 1, MAX_DEPTH),
+            prefill_chunk=opt("prefill_chunk", default.prefill_chunk, 1, 1 << 16),
             stop_token_ids=tuple(dict.fromkeys(stops)),
         )
         return Plan(prompt=prompt, mode=mode, mode_name=mode_name, opts=opts)

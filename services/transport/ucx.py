@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -34,18 +35,82 @@ UCX_DEFAULTS = {
 }
 
 _initialized = False
+_progress: _Progress | None = None
+
+
+class _Progress:
+    """Progress the UCX worker from the event loop: spin while traffic flows, poll
+    gently when idle.
+
+    ucxx's "blocking" and "thread" modes were measured here to cost about half a CPU
+    per idle process (their asyncio side keeps polling), which slows every hop on a
+    small node shared by several stages. This loop polls the worker continuously for
+    `spin` seconds after any send or receive is posted (`kick`), otherwise every
+    `idle` seconds. Receivers post a receive only once a message is there (see
+    `UcxTransport._serve`), because ucxx waits for a posted request by spinning too.
+    """
+
+    def __init__(
+        self, worker, loop: asyncio.AbstractEventLoop, replaced, spin: float, idle: float
+    ) -> None:
+        self.worker, self.loop, self.spin, self.idle = worker, loop, spin, idle
+        self._replaced = replaced  # ucxx's progress object: kept alive, its tasks cancelled
+        self._event = asyncio.Event()
+        self._busy_until = 0.0
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run())
+
+    def kick(self) -> None:
+        """Traffic: poll continuously for the next `spin` seconds."""
+        self._busy_until = time.monotonic() + self.spin
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self.worker.progress()
+            self._event.set()
+            if time.monotonic() < self._busy_until:
+                await asyncio.sleep(0)
+            else:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.idle)
+
+    async def activity(self) -> None:
+        """Wait until the worker was progressed again."""
+        self._event.clear()
+        await self._event.wait()
+
+
+def _kick() -> None:
+    if _progress is not None:
+        _progress.kick()
 
 
 def _ucxx():
-    """Import and initialize ucxx once per process (blocking progress: lowest latency)."""
-    global _initialized
+    """Import and initialize ucxx once per process, with event-driven progress."""
+    global _initialized, _progress
     for k, v in UCX_DEFAULTS.items():
         os.environ.setdefault(k, v)
     import ucxx
 
     if not _initialized:
-        ucxx.init(progress_mode=os.environ.get("SPECPIPE_UCX_PROGRESS", "blocking"))
+        mode = os.environ.get("SPECPIPE_UCX_PROGRESS", "event")
+        ucxx.init(progress_mode="blocking" if mode == "event" else mode)
         _initialized = True
+        if mode == "event":
+            from ucxx._lib_async import application_context as ac
+
+            loop = asyncio.get_running_loop()
+            blocking = ac.ProgressTasks.get(loop)
+            if blocking is not None:
+                for task in blocking._tasks:
+                    task.cancel()
+                loop.remove_reader(blocking.worker.epoll_file_descriptor)
+                spin = float(os.environ.get("SPECPIPE_UCX_SPIN_MS", "20")) / 1e3
+                idle = float(os.environ.get("SPECPIPE_UCX_IDLE_POLL_MS", "1")) / 1e3
+                _progress = _Progress(blocking.worker, loop, blocking, spin, idle)
+                ac.ProgressTasks[loop] = _progress
     return ucxx
 
 
@@ -92,10 +157,20 @@ class UcxTransport(Transport):
         pre = np.empty(2, dtype=np.uint64)
         while True:
             try:
+                if _progress is not None:
+                    # Post a receive only once a message is there: ucxx waits for a
+                    # request by yielding to the loop in a spin, so an idle posted
+                    # receive would cost a CPU.
+                    while not ep.tag_probe().matched:
+                        if ep.closed:
+                            raise ConnectionError("peer closed")
+                        await _progress.activity()
+                _kick()
                 await ep.recv(pre)
                 hlen, plen = int(pre[0]), int(pre[1])
                 hbuf = np.empty(hlen, dtype=np.uint8)
                 if hlen:
+                    _kick()
                     await ep.recv(hbuf)
                 header = parse_header(hbuf.tobytes(), plen)
                 buf = None
@@ -105,6 +180,7 @@ class UcxTransport(Transport):
                         if self.device == "cpu"
                         else torch.empty(plen, dtype=torch.uint8, device=self.device)
                     )
+                    _kick()
                     await ep.recv(buf)
                 payload = tensor_from_bytes(header, buf)
             except FrameError as e:
@@ -144,10 +220,13 @@ class UcxTransport(Transport):
         async with lock:
             ep = await self._endpoint(address)
             try:
+                _kick()
                 await ep.send(pre)
                 if hb.nbytes:
+                    _kick()
                     await ep.send(hb)
                 if buf is not None:
+                    _kick()
                     await ep.send(buf)
             except Exception as e:
                 self._eps.pop(address, None)

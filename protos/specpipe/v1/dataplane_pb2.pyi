@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -25,7 +23,7 @@ PAYLOAD_KIND_EMPTY: PayloadKind
 PAYLOAD_KIND_ERROR: PayloadKind
 
 class Rows(_message.Message):
-    __slots__ = ("committed", "node_ids", "parent_ids", "positions")
+    __slots__ = ("positions", "committed", "node_ids", "parent_ids")
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -34,10 +32,10 @@ class Rows(_message.Message):
     committed: bool
     node_ids: _containers.RepeatedScalarFieldContainer[int]
     parent_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, positions: _Iterable[int] | None = ..., committed: bool | None = ..., node_ids: _Iterable[int] | None = ..., parent_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("after_prune", "dtype", "error", "error_code", "kind", "request_id", "rows", "sender", "seq", "shape")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
@@ -58,10 +56,10 @@ class FrameHeader(_message.Message):
     error: str
     sender: str
     error_code: int
-    def __init__(self, request_id: str | None = ..., seq: int | None = ..., after_prune: int | None = ..., rows: Rows | _Mapping | None = ..., kind: PayloadKind | str | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., error: str | None = ..., sender: str | None = ..., error_code: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
 
 class PruneSignal(_message.Message):
-    __slots__ = ("commit_ids", "horizon", "keep_ids", "seq")
+    __slots__ = ("seq", "commit_ids", "keep_ids", "horizon")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     COMMIT_IDS_FIELD_NUMBER: _ClassVar[int]
     KEEP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -70,7 +68,7 @@ class PruneSignal(_message.Message):
     commit_ids: _containers.RepeatedScalarFieldContainer[int]
     keep_ids: _containers.RepeatedScalarFieldContainer[int]
     horizon: int
-    def __init__(self, seq: int | None = ..., commit_ids: _Iterable[int] | None = ..., keep_ids: _Iterable[int] | None = ..., horizon: int | None = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., commit_ids: _Optional[_Iterable[int]] = ..., keep_ids: _Optional[_Iterable[int]] = ..., horizon: _Optional[int] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -80,21 +78,21 @@ class RequestRef(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: bool | None = ...) -> None: ...
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PruneRequest(_message.Message):
-    __slots__ = ("prune", "request_id")
+    __slots__ = ("request_id", "prune")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRUNE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prune: PruneSignal
-    def __init__(self, request_id: str | None = ..., prune: PruneSignal | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prune: _Optional[_Union[PruneSignal, _Mapping]] = ...) -> None: ...
 
 class PruneResponse(_message.Message):
     __slots__ = ()

@@ -1,16 +1,14 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from specpipe.v1 import dataplane_pb2 as _dataplane_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from specpipe.v1 import dataplane_pb2 as _dataplane_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftDescription(_message.Message):
-    __slots__ = ("active_requests", "device", "dtype", "free_memory_bytes", "model_id", "num_layers", "vocab_size", "weight_bytes", "weight_hash")
+    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,10 +27,10 @@ class DraftDescription(_message.Message):
     weight_bytes: int
     free_memory_bytes: int
     active_requests: int
-    def __init__(self, model_id: str | None = ..., weight_hash: str | None = ..., vocab_size: int | None = ..., num_layers: int | None = ..., dtype: str | None = ..., device: str | None = ..., weight_bytes: int | None = ..., free_memory_bytes: int | None = ..., active_requests: int | None = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
-    __slots__ = ("capacity", "prefill_chunk", "prompt_ids", "request_id")
+    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,14 +39,14 @@ class OpenDraftRequest(_message.Message):
     capacity: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
-    def __init__(self, request_id: str | None = ..., capacity: int | None = ..., prompt_ids: _Iterable[int] | None = ..., prefill_chunk: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class OpenDraftResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PrefillDraftRequest(_message.Message):
-    __slots__ = ("prefill_chunk", "request_id", "start_position", "token_ids")
+    __slots__ = ("request_id", "token_ids", "start_position", "prefill_chunk")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -57,14 +55,14 @@ class PrefillDraftRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     prefill_chunk: int
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., start_position: int | None = ..., prefill_chunk: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class PrefillDraftResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "rows", "temperature", "token_ids", "top_k")
+    __slots__ = ("request_id", "rows", "token_ids", "top_k", "temperature")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,14 +73,14 @@ class ProposeRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
     temperature: float
-    def __init__(self, request_id: str | None = ..., rows: _dataplane_pb2.Rows | _Mapping | None = ..., token_ids: _Iterable[int] | None = ..., top_k: int | None = ..., temperature: float | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("parent_ids", "probs", "token_ids")
+    __slots__ = ("parent_ids", "token_ids", "probs")
     PARENT_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     parent_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, parent_ids: _Iterable[int] | None = ..., token_ids: _Iterable[int] | None = ..., probs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(self, parent_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -12,10 +10,10 @@ class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
-    __slots__ = ("seed", "temperature", "top_k", "top_p")
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -24,10 +22,10 @@ class SamplingOptions(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: float | None = ..., top_k: int | None = ..., top_p: float | None = ..., seed: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("chat", "depth", "ignore_eos", "max_new_tokens", "mode", "model", "prefill_chunk", "sampling", "stop_token_ids", "text", "token_ids", "top_k_children", "width")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,48 +52,48 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
-    def __init__(self, model: str | None = ..., text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., chat: bool | None = ..., mode: str | None = ..., max_new_tokens: int | None = ..., sampling: SamplingOptions | _Mapping | None = ..., width: int | None = ..., top_k_children: int | None = ..., depth: int | None = ..., ignore_eos: bool | None = ..., stop_token_ids: _Iterable[int] | None = ..., prefill_chunk: int | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("delta", "finished", "started")
+    __slots__ = ("started", "delta", "finished")
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     started: Started
     delta: TokenDelta
     finished: Finished
-    def __init__(self, started: Started | _Mapping | None = ..., delta: TokenDelta | _Mapping | None = ..., finished: Finished | _Mapping | None = ...) -> None: ...
+    def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("model", "prompt_tokens", "request_id")
+    __slots__ = ("request_id", "model", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
-    def __init__(self, request_id: str | None = ..., model: str | None = ..., prompt_tokens: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("index", "text", "token_ids")
+    __slots__ = ("token_ids", "text", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     index: int
-    def __init__(self, token_ids: _Iterable[int] | None = ..., text: str | None = ..., index: int | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("completion_tokens", "prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: int | None = ..., completion_tokens: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("decode_steps", "hit_rate", "mean_time_between_tokens_ms", "mode", "new_tokens", "prefill_steps", "stages", "time_to_first_token_ms", "tokens_per_step", "verifications", "width")
+    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -118,10 +116,10 @@ class SpeculationStats(_message.Message):
     verifications: int
     time_to_first_token_ms: float
     mean_time_between_tokens_ms: float
-    def __init__(self, mode: str | None = ..., stages: int | None = ..., width: int | None = ..., prefill_steps: int | None = ..., decode_steps: int | None = ..., new_tokens: int | None = ..., tokens_per_step: float | None = ..., hit_rate: float | None = ..., verifications: int | None = ..., time_to_first_token_ms: float | None = ..., mean_time_between_tokens_ms: float | None = ...) -> None: ...
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "stats", "text", "usage")
+    __slots__ = ("finish_reason", "usage", "stats", "text")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -130,30 +128,30 @@ class Finished(_message.Message):
     usage: Usage
     stats: SpeculationStats
     text: str
-    def __init__(self, finish_reason: str | None = ..., usage: Usage | _Mapping | None = ..., stats: SpeculationStats | _Mapping | None = ..., text: str | None = ...) -> None: ...
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("chat", "model", "text")
+    __slots__ = ("model", "text", "chat")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     chat: bool
-    def __init__(self, model: str | None = ..., text: str | None = ..., chat: bool | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("draft_model", "has_tokenizer", "id", "max_context", "modes", "num_layers", "stages", "vocab_size", "weight_hash")
+    __slots__ = ("id", "vocab_size", "max_context", "num_layers", "stages", "draft_model", "weight_hash", "modes", "has_tokenizer")
     ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -172,20 +170,20 @@ class ModelCard(_message.Message):
     weight_hash: str
     modes: _containers.RepeatedScalarFieldContainer[str]
     has_tokenizer: bool
-    def __init__(self, id: str | None = ..., vocab_size: int | None = ..., max_context: int | None = ..., num_layers: int | None = ..., stages: int | None = ..., draft_model: str | None = ..., weight_hash: str | None = ..., modes: _Iterable[str] | None = ..., has_tokenizer: bool | None = ...) -> None: ...
+    def __init__(self, id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., num_layers: _Optional[int] = ..., stages: _Optional[int] = ..., draft_model: _Optional[str] = ..., weight_hash: _Optional[str] = ..., modes: _Optional[_Iterable[str]] = ..., has_tokenizer: _Optional[bool] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelCard]
-    def __init__(self, models: _Iterable[ModelCard | _Mapping] | None = ...) -> None: ...
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelCard, _Mapping]]] = ...) -> None: ...
 
 class DescribeRouterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("address", "error", "healthy", "kind", "layers")
+    __slots__ = ("kind", "address", "healthy", "layers", "error")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -196,10 +194,10 @@ class Backend(_message.Message):
     healthy: bool
     layers: str
     error: str
-    def __init__(self, kind: str | None = ..., address: str | None = ..., healthy: bool | None = ..., layers: str | None = ..., error: str | None = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
-    __slots__ = ("active_requests", "backends", "data_address", "ready", "transport")
+    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address")
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -210,4 +208,4 @@ class RouterDescription(_message.Message):
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
     transport: str
     data_address: str
-    def __init__(self, ready: bool | None = ..., active_requests: int | None = ..., backends: _Iterable[Backend | _Mapping] | None = ..., transport: str | None = ..., data_address: str | None = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...

@@ -1,16 +1,14 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from specpipe.v1 import dataplane_pb2 as _dataplane_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-from specpipe.v1 import dataplane_pb2 as _dataplane_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageDescription(_message.Message):
-    __slots__ = ("active_requests", "cache_bytes_limit", "cache_bytes_used", "data_address", "device", "dtype", "eos_token_ids", "free_memory_bytes", "hidden_size", "layer_end", "layer_start", "max_position_embeddings", "model_id", "num_layers", "ready", "vocab_size", "weight_bytes", "weight_hash")
+    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -47,10 +45,10 @@ class StageDescription(_message.Message):
     active_requests: int
     data_address: str
     ready: bool
-    def __init__(self, model_id: str | None = ..., weight_hash: str | None = ..., layer_start: int | None = ..., layer_end: int | None = ..., num_layers: int | None = ..., hidden_size: int | None = ..., vocab_size: int | None = ..., max_position_embeddings: int | None = ..., eos_token_ids: _Iterable[int] | None = ..., dtype: str | None = ..., device: str | None = ..., weight_bytes: int | None = ..., free_memory_bytes: int | None = ..., cache_bytes_used: int | None = ..., cache_bytes_limit: int | None = ..., active_requests: int | None = ..., data_address: str | None = ..., ready: bool | None = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class ConfigureStageRequest(_message.Message):
-    __slots__ = ("dtype", "layer_end", "layer_start", "model_id", "model_path")
+    __slots__ = ("model_path", "layer_start", "layer_end", "dtype", "model_id")
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
@@ -61,10 +59,10 @@ class ConfigureStageRequest(_message.Message):
     layer_end: int
     dtype: str
     model_id: str
-    def __init__(self, model_path: str | None = ..., layer_start: int | None = ..., layer_end: int | None = ..., dtype: str | None = ..., model_id: str | None = ...) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("capacity", "next_hop", "report_to", "request_id")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
@@ -73,14 +71,14 @@ class OpenStageRequest(_message.Message):
     capacity: int
     next_hop: str
     report_to: str
-    def __init__(self, request_id: str | None = ..., capacity: int | None = ..., next_hop: str | None = ..., report_to: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class FeedRequest(_message.Message):
-    __slots__ = ("after_prune", "request_id", "rows", "seq", "token_ids")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +89,7 @@ class FeedRequest(_message.Message):
     after_prune: int
     rows: _dataplane_pb2.Rows
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: str | None = ..., seq: int | None = ..., after_prune: int | None = ..., rows: _dataplane_pb2.Rows | _Mapping | None = ..., token_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FeedResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,143 @@
+"""Fixtures of the multi-process service tests: deployments of tiny random models on
+loopback (separate OS processes, free ports), always torn down, and references from
+the in-process engine."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from specpipe.common.decoding import DecodeOptions, Generation
+from specpipe.common.engine import build_local
+from specpipe.common.sampling import SamplingParams
+from specpipe.services.launcher import LocalDeployment
+
+EOS = 96  # the conftest models' eos_token_id (vocab - 1)
+
+
+def add_char_tokenizer(model_dir: Path) -> Path:
+    """A character-level tokenizer over the tiny models' 97 ids: id 0 <s>, 1..95 the
+    printable ASCII characters, 96 </s> (so text prompts and text deltas can be tested)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, **{chr(c): c - 31 for c in range(32, 127)}, "</s>": 96}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def text_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The llama test model plus a tokenizer."""
+    d = tmp_path_factory.mktemp("llama_text")
+    for f in llama_dir.iterdir():
+        shutil.copy(f, d / f.name)
+    return add_char_tokenizer(d)
+
+
+def start(target: Path, draft, stages: int, transport: str, **kw) -> LocalDeployment:
+    dep = LocalDeployment(target, draft, stages, transport=transport, threads=1, **kw)
+    dep.start()
+    return dep
+
+
+@pytest.fixture(scope="session")
+def tcp_deployment(text_model_dir: Path) -> Iterator[LocalDeployment]:
+    """2 stages over TCP, the target itself as draft (long hit streaks, deep trees)."""
+    dep = start(text_model_dir, "oracle", 2, "tcp")
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture(scope="session")
+def ucx_deployment(llama_dir: Path, unrelated_draft_dir: Path) -> Iterator[LocalDeployment]:
+    """3 stages over UCX, an unrelated random draft (mostly misses: restarts)."""
+    pytest.importorskip("ucxx")
+    dep = start(llama_dir, unrelated_draft_dir, 3, "ucx")
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+@pytest.fixture
+def fresh_deployment(llama_dir: Path) -> Iterator[LocalDeployment]:
+    """A private deployment a test may break (kill a stage)."""
+    dep = start(llama_dir, "oracle", 2, "tcp")
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+def reference(
+    target: Path,
+    draft,
+    stages: int,
+    prompt: list[int],
+    mode: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    width: int = 8,
+    stop_token_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Tokens of the in-process lockstep engine for the same request."""
+    draft_dir = target if draft == "oracle" else draft
+    dep = build_local(target, stages, draft_dir)
+    opts = DecodeOptions(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature, top_k, top_p, seed),
+        width=width,
+        stop_token_ids=stop_token_ids,
+    )
+    engine_mode = "pp" if mode == "autoregressive" else mode
+    return Generation(dep.pipeline, dep.draft, prompt, engine_mode, opts).run()
+
+
+def service_stub(address: str, kind: str):
+    """A Stage or Draft stub (for Describe) on a fresh channel."""
+    from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
+
+    ch = grpc.insecure_channel(address)
+    stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
+    return ch, stub
+
+
+def active_requests(dep: LocalDeployment) -> dict[str, int]:
+    """Requests each process of a deployment holds state for."""
+    from specpipe.v1 import dataplane_pb2
+
+    from specpipe.client import Client
+
+    counts = {}
+    with Client(dep.router_address, timeout=5) as c:
+        counts["router"] = c.describe().active_requests
+    for name, child in dep.children.items():
+        if name == "router":
+            continue
+        ch, stub = service_stub(child.info["grpc"], "draft" if name == "draft" else "stage")
+        with ch:
+            counts[name] = stub.Describe(dataplane_pb2.DescribeRequest(), timeout=5).active_requests
+    return counts
+
+
+def wait_idle(dep: LocalDeployment, timeout: float = 10.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = active_requests(dep)
+        if not any(counts.values()) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.1)

@@ -1,0 +1,72 @@
+"""The services emit exactly the tokens of the in-process engine: every mode, both
+transports, greedy and seeded sampling, multi-chunk prefill, stopping at EOS."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpipe.client import Client
+
+from .conftest import EOS, reference
+
+MODES = ["specpipe", "pp", "specinfer", "autoregressive"]
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+
+
+def _deployment(request, transport: str):
+    return request.getfixturevalue(f"{transport}_deployment")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_matches_engine(request, transport: str, mode: str) -> None:
+    dep = _deployment(request, transport)
+    stages = len(dep.ranges)
+    n = 24 if transport == "tcp" else 12  # UCX hops are slow on an oversubscribed 2-core box
+    with Client(dep.router_address, timeout=60) as client:
+        for temperature, seed, prompt in [(0.0, 0, PROMPT), (0.9, 7, PROMPT[:3]), (0.0, 0, [5])]:
+            got = client.generate(
+                prompt_ids=prompt,
+                mode=mode,
+                max_new_tokens=n,
+                temperature=temperature,
+                seed=seed,
+                ignore_eos=True,
+                prefill_chunk=4,
+            )
+            want = reference(dep.target, dep.draft, stages, prompt, mode, n, temperature, seed)
+            assert got.token_ids == want, (mode, temperature, prompt)
+            assert got.finish_reason == "length"
+            assert got.stats["new_tokens"] == n
+            assert got.stats["stages"] == stages
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_nucleus_sampling_and_eos_stop_match_engine(request, transport: str) -> None:
+    dep = _deployment(request, transport)
+    stages = len(dep.ranges)
+    with Client(dep.router_address, timeout=60) as client:
+        got = client.generate(
+            prompt_ids=PROMPT,
+            mode="specpipe",
+            max_new_tokens=40,
+            temperature=1.3,
+            top_p=0.9,
+            top_k=20,
+            seed=11,
+        )
+    want = reference(
+        dep.target,
+        dep.draft,
+        stages,
+        PROMPT,
+        "specpipe",
+        40,
+        1.3,
+        11,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=(EOS,),
+    )
+    assert got.token_ids == want
+    assert got.finish_reason == ("stop" if want[-1] == EOS and len(want) < 40 else "length")

@@ -1,0 +1,89 @@
+"""A stage dying mid-request: the request fails with UNAVAILABLE within its deadline,
+the router reports NOT_SERVING and refuses new requests clearly; and `specpipe up`
+starts and stops every process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specpipe.client import Client, Unavailable
+
+ENTRY = "import sys; from specpipe.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _router_status(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return resp.status
+
+
+def test_stage_killed_mid_request_fails_it_unavailable(fresh_deployment) -> None:
+    dep = fresh_deployment
+    with Client(dep.router_address) as client:
+        stream = client.stream(
+            prompt_ids=[3, 4, 5], max_new_tokens=250, ignore_eos=True, timeout=30
+        )
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable) as info:
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    dep.kill("stage1")
+        assert time.monotonic() - t0 < 15
+        assert "stage" in info.value.message
+        deadline = time.monotonic() + 10
+        while _router_status(dep.router_address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "router still reports SERVING"
+            time.sleep(0.1)
+        with pytest.raises(Unavailable) as info:
+            client.generate(prompt_ids=[3, 4, 5], max_new_tokens=5, timeout=10)
+        assert "layers 2:5" in info.value.message
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None:
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENTRY, "up", "--target", str(llama_dir), "--draft", "oracle", "--stages", "3",
+         "--layers", "0:1,1:3,3:5", "--transport", "tcp", "--router-port", "0", "--log-dir", str(log_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("router: "), (
+            line,
+            proc.stderr.read() if proc.poll() is not None else "",
+        )
+        address = line.split()[1]
+        with Client(address, timeout=60) as client:
+            done = client.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, ignore_eos=True)
+            assert len(done.token_ids) == 6 and done.stats["stages"] == 3
+        pids = [json.loads(f.read_text())["pid"] for f in log_dir.glob("*.ready")]
+        assert len(pids) == 5
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        time.sleep(0.2)
+        assert not [p for p in pids if _pid_alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
