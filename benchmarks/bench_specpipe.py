@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import statistics
 import sys
 import time
@@ -83,32 +84,41 @@ def cost_views(costs: DeploymentCosts) -> dict[str, DeploymentCosts]:
     return {"measured": costs, "flat": flat, "flat_free_draft": flat.without_draft()}
 
 
+def project_run(run: dict, costs: DeploymentCosts) -> dict[str, float | None]:
+    """Projected TBT (ms) of a recorded run under every cost view."""
+    tbt: dict[str, float | None] = {}
+    for view, c in cost_views(costs).items():
+        passes = (
+            specinfer_draft_seconds(run["draft_layers"], c) if run["mode"] == "specinfer" else ()
+        )
+        v = projected_tbt(run["trace"], run["emit_steps"], c, run["mode"], passes)
+        tbt[view] = None if v is None else 1e3 * v
+    return tbt
+
+
 def run_one(pipeline, draft, prompt: Prompt, mode: Mode, opts: DecodeOptions, costs) -> dict:
     gen = Generation(pipeline, draft, prompt.ids, mode, opts)
     t0 = time.perf_counter()
     tokens = gen.run()
     wall = time.perf_counter() - t0
     s = gen.stats
-    trace = s.trace[s.prefill_steps :]
-    tbt = {}
-    for view, c in cost_views(costs).items():
-        passes = specinfer_draft_seconds(s.draft_layers, c) if mode == Mode.SPECINFER else ()
-        tbt[view] = projected_tbt(trace, s.emit_steps, c, mode.value, passes)
-    return {
+    run = {
         "prompt": prompt.name,
         "kind": prompt.kind,
         "mode": mode.value,
         "tokens": tokens,
         **s.summary(),
         "steady_tokens_per_step": s.steady_tokens_per_step,
+        "regrowths": s.regrowths,
         "emit_steps": s.emit_steps,
-        "trace": trace,  # rows per stage and draft, every decode step: re-projectable
+        "trace": s.trace[s.prefill_steps :],  # rows per stage and draft per decode step
         "draft_layers": s.draft_layers,
         "root_children": s.root_children,
         "accepted_lengths": s.accepted_lengths,
-        "projected_tbt_ms": {k: None if v is None else 1e3 * v for k, v in tbt.items()},
         "wall_seconds_in_process": wall,
     }
+    run["projected_tbt_ms"] = project_run(run, costs)
+    return run
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -177,6 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/qwen-coder"))
     ap.add_argument("--quick", action="store_true", help="SmolLM2 oracle-free smoke run")
+    ap.add_argument(
+        "--reproject",
+        action="store_true",
+        help="re-measure stage costs and re-project the runs already in --out/results.json",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.target, args.draft = "smollm2-135m-instruct", "smollm2-135m-instruct"
@@ -184,6 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         args.sweep_prompts, args.out = 1, Path("benchmarks/results/quick")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.reproject:
+        reproject(args.out)
+        return
 
     target, draft_dir = resolve_model(args.target), resolve_model(args.draft)
     codec = TextCodec.from_dir(target)
@@ -202,18 +220,17 @@ def main(argv: list[str] | None = None) -> None:
     reference = autoregressive_reference(target, prompts, args.max_new_tokens, stop)
     log(f"autoregressive reference: {time.perf_counter() - t0:.0f}s")
     draft = DraftRuntime(load_stage(draft_dir))
-    results: dict = {"config": {k: str(v) for k, v in vars(args).items()}, "by_stages": {}}
+    results: dict = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "context": max_ctx,
+        "by_stages": {},
+    }
     identical = compared = 0
     for S in stages_list:
         dep = build_local(target, S)
         pipeline = dep.pipeline
-        costs = DeploymentCosts.measure(
-            pipeline.stages, draft.runtime, COST_ROWS, context=max_ctx, repeats=2
-        )
-        log(
-            f"S={S}: stage costs (ms) "
-            + "; ".join(" ".join(f"{1e3 * x:.0f}" for x in c.seconds) for c in costs.stages)
-        )
+        costs = measure_costs(pipeline.stages, draft, max_ctx)
+        log(f"S={S}: stage costs (ms) {fmt_costs(costs)}")
         entry: dict = {"costs": costs.to_dict(), "modes": {}}
         for temp in temps:
             sampling = SamplingParams(temperature=temp, seed=1234)
@@ -254,6 +271,53 @@ def main(argv: list[str] | None = None) -> None:
     log(f"greedy specpipe == autoregressive on {identical}/{compared} prompts")
 
 
+def measure_costs(stages, draft, context: int) -> DeploymentCosts:
+    costs = DeploymentCosts.measure(stages, draft.runtime, COST_ROWS, context=context, repeats=2)
+    costs.notes["load_average_1m"] = f"{os.getloadavg()[0]:.2f}"
+    costs.notes["torch_threads"] = str(torch.get_num_threads())
+    return costs
+
+
+def reproject(out: Path) -> None:
+    """Re-measure stage costs (e.g. on a quiet machine) and re-project every recorded run."""
+    results = json.loads((out / "results.json").read_text())
+    cfg = results["config"]
+    target, draft_dir = resolve_model(cfg["target"]), resolve_model(cfg["draft"])
+    draft = DraftRuntime(load_stage(draft_dir))
+    for key, entry in results["by_stages"].items():
+        dep = build_local(target, int(key))
+        costs = measure_costs(dep.pipeline.stages, draft, results["context"])
+        print(f"S={key}: stage costs (ms) {fmt_costs(costs)}", file=sys.stderr, flush=True)
+        entry["costs"] = costs.to_dict()
+        for m in entry["modes"].values():
+            for run in m["runs"]:
+                run["projected_tbt_ms"] = project_run(run, costs)
+            m["aggregate"] = aggregate(m["runs"])
+        sweep = entry.get("width_sweep")
+        if sweep:
+            for w, agg in sweep["fixed"].items():
+                for run in agg["runs"]:
+                    run["projected_tbt_ms"] = project_run(run, costs)
+                sweep["fixed"][w] = {**aggregate(agg["runs"]), "runs": agg["runs"]}
+            hit_rates = {int(w): a["hit_rate"] for w, a in sweep["fixed"].items()}
+            choice = evaluate_widths(hit_rates, costs, int(key))
+            sweep.update(
+                auto_width=choice.width,
+                auto_projected_tbt_ms=sweep["fixed"][str(choice.width)]["projected_tbt_ms"][
+                    "measured"
+                ],
+                explain=choice.explain(),
+            )
+        del dep
+    stages_list = [int(k) for k in results["by_stages"]]
+    temps = [float(t) for t in cfg["temperatures"].split(",")]
+    write_outputs(out, results, stages_list, temps)
+
+
+def fmt_costs(costs: DeploymentCosts) -> str:
+    return "; ".join(" ".join(f"{1e3 * x:.0f}" for x in c.seconds) for c in costs.stages)
+
+
 def fmt_tbt(tbt: dict) -> str:
     return " ".join(f"{k}={v:.0f}" if v is not None else f"{k}=-" for k, v in tbt.items())
 
@@ -272,7 +336,7 @@ def width_sweep(args, pipeline, draft, prompts, costs, stop, log) -> dict:
         )
         runs = [run_one(pipeline, draft, p, Mode.SPECPIPE, opts, costs) for p in subset]
         agg = aggregate(runs)
-        per_width[w], hit_rates[w] = agg, agg["hit_rate"]
+        per_width[w], hit_rates[w] = {**agg, "runs": runs}, agg["hit_rate"]
         log(
             f"  sweep S={S} W={w}: tok/step {agg['tokens_per_step']:.3f} hit {agg['hit_rate']:.3f} "
             f"TBT(ms) {fmt_tbt(agg['projected_tbt_ms'])}"

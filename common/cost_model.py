@@ -136,6 +136,7 @@ class DeploymentCosts:
             "context": self.context,
             "stages": [c.to_dict() for c in self.stages],
             "draft": self.draft.to_dict() if self.draft else None,
+            "notes": self.notes,
         }
 
 
