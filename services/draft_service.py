@@ -126,6 +126,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             layer = token_activation(request.request_id, request.rows, request.token_ids)
         except FrameError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        for sig in request.prunes:
+            await self._call(context, self.runtime.prune, request.request_id, prune_from_proto(sig))
         cand = await self._call(
             context, self.runtime.propose, layer, int(request.top_k), float(request.temperature)
         )

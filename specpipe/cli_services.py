@@ -71,7 +71,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
     p.add_argument("--stages", type=_positive_int, default=2)
     p.add_argument("--layers", default=None, help="per-stage layer ranges: 0:7,7:14,...")
-    p.add_argument("--transport", choices=["ucx", "tcp"], default=None)
+    p.add_argument(
+        "--transport",
+        choices=["ucx", "tcp"],
+        default="tcp",
+        help="data plane between the local processes (default tcp: on one host UCX has no "
+        "RDMA/NVLink to use, and its polling progress was measured slower on small CPU nodes)",
+    )
     p.add_argument("--router-port", type=int, default=DEFAULT_ROUTER_PORT)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -167,7 +173,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from specpipe.services.launcher import LaunchError, LocalDeployment
 
-    transport = args.transport or _default_transport()
+    transport = args.transport
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     try:

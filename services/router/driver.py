@@ -125,6 +125,7 @@ class RequestDriver:
         self._prunes = 0  # prune signals broadcast
         self._tasks: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue = asyncio.Queue()
+        self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, sent with the next layer
         self._lane: asyncio.Task | None = None
         # Lockstep-equivalent step numbers (see SpeculationStats.decode_steps).
         self._node_step: dict[int, int] = {}
@@ -286,7 +287,11 @@ class RequestDriver:
             req = pb.PruneRequest(request_id=self.request_id, prune=sig)
             self._spawn(s, "applying a prune", s.stub.Prune(req, timeout=self.rpc_timeout))
         if self.draft is not None:
-            self._prune_draft(verdict.draft_prune or verdict.prune)
+            prune = verdict.draft_prune or verdict.prune
+            if self.plan.mode == Mode.SPECPIPE:  # rides on the next Propose call
+                self._draft_prunes.append(prune_to_proto(prune, self._prunes))
+            else:
+                self._prune_draft(prune)
 
     def _prune_draft(self, prune: Prune, wait: bool = False) -> asyncio.Future | None:
         draft = self.draft
@@ -306,7 +311,9 @@ class RequestDriver:
             token_ids=layer.tokens.tolist(),
             top_k=min(opts.top_k_children, opts.width),
             temperature=opts.sampling.temperature,
+            prunes=self._draft_prunes,
         )
+        self._draft_prunes = []
 
         async def call() -> Candidates:
             resp = await draft.stub.Propose(req, timeout=self.rpc_timeout)

@@ -34,6 +34,10 @@ UCX_DEFAULTS = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
 
+# UCX reads its environment when ucxx is imported: set the defaults before any import.
+for _k, _v in UCX_DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
+
 _initialized = False
 _progress: _Progress | None = None
 
@@ -90,8 +94,6 @@ def _kick() -> None:
 def _ucxx():
     """Import and initialize ucxx once per process, with event-driven progress."""
     global _initialized, _progress
-    for k, v in UCX_DEFAULTS.items():
-        os.environ.setdefault(k, v)
     import ucxx
 
     if not _initialized:

@@ -62,18 +62,20 @@ class PrefillDraftResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "rows", "token_ids", "top_k", "temperature")
+    __slots__ = ("request_id", "rows", "token_ids", "top_k", "temperature", "prunes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    PRUNES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     rows: _dataplane_pb2.Rows
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_k: int
     temperature: float
-    def __init__(self, request_id: _Optional[str] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ...) -> None: ...
+    prunes: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.PruneSignal]
+    def __init__(self, request_id: _Optional[str] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ..., temperature: _Optional[float] = ..., prunes: _Optional[_Iterable[_Union[_dataplane_pb2.PruneSignal, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("parent_ids", "token_ids", "probs")

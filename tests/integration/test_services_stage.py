@@ -1,0 +1,154 @@
+"""The stage service's ordering rules, in one process: activations are computed in
+`seq` order whatever order they arrive in, wait for the prunes they were created after,
+late nodes a prune dropped are skipped (also after several prunes), and the logits are
+the engine's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import torch
+from specpipe.common.messages import Activation, Prune
+from specpipe.common.model import LayerRange, load_stage
+from specpipe.common.stage import StageRuntime
+from specpipe.services.stage_service import LoadedModel, StageService
+from specpipe.services.transport import Inbox, decode, make_transport
+from specpipe.services.transport.codec import prune_to_proto, rows_to_proto
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import stage_pb2, stage_pb2_grpc
+
+
+def _stage(model_dir, a: int, b: int, n: int) -> LoadedModel:
+    model = load_stage(model_dir, LayerRange(a, b, n))
+    return LoadedModel(StageRuntime(model), "m", "h", 256, ())
+
+
+def _rows(positions, node_ids, parent_ids, committed=False) -> Activation:
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return Activation(
+        "r", t(positions), committed=committed, node_ids=t(node_ids), parent_ids=t(parent_ids)
+    )
+
+
+def _feed(seq: int, after: int, act: Activation, tokens: list[int]) -> stage_pb2.FeedRequest:
+    return stage_pb2.FeedRequest(
+        request_id="r", seq=seq, after_prune=after, rows=rows_to_proto(act), token_ids=tokens
+    )
+
+
+def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
+    prompt = [5, 9, 13]
+
+    async def main() -> None:
+        inbox = Inbox()
+        out = inbox.open("r")
+        router = make_transport("tcp", inbox)
+        router_addr = await router.start()
+        first, last = (
+            StageService(_stage(llama_dir, 0, 2, 5)),
+            StageService(_stage(llama_dir, 2, 5, 5)),
+        )
+        p0, p1 = await first.start(), await last.start()
+        ch0, ch1 = (
+            grpc.aio.insecure_channel(f"127.0.0.1:{p0}"),
+            grpc.aio.insecure_channel(f"127.0.0.1:{p1}"),
+        )
+        s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+        try:
+            await s1.Open(
+                stage_pb2.OpenStageRequest(request_id="r", capacity=64, next_hop=router_addr)
+            )
+            await s0.Open(
+                stage_pb2.OpenStageRequest(
+                    request_id="r",
+                    capacity=64,
+                    next_hop=last.transport.address,
+                    report_to=router_addr,
+                )
+            )
+            # Root (node 0) and its children (1: token 7, 2: token 8) arrive before the prefill.
+            await s0.Feed(_feed(2, 0, _rows([3, 3], [1, 2], [0, 0]), [7, 8]))
+            await s0.Feed(_feed(1, 0, _rows([2], [0], [-1]), [13]))
+            await asyncio.sleep(0.2)
+            assert out.empty()  # nothing computed before seq 0
+            await s0.Feed(_feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9]))
+            root = decode(await asyncio.wait_for(out.get(), 10))
+            kids = decode(await asyncio.wait_for(out.get(), 10))
+            assert root.node_ids.tolist() == [0] and kids.node_ids.tolist() == [1, 2]
+            # Grandchildren 3 (under 1) and 4 (under 2), made before the first prune.
+            await s0.Feed(_feed(3, 0, _rows([4, 4], [3, 4], [1, 2]), [11, 12]))
+            # Prune 1: hit on node 1 (keeps 1 and 3). Prune 2: miss at node 1 (keeps
+            # nothing); its horizon is the largest id ever created (4), not the largest id
+            # still in the tree (3). The restart root waits for prune 2; a late copy of
+            # node 4 (dropped by prune 1, parent gone) arrives after both and is skipped.
+            await s0.Feed(_feed(5, 2, _rows([4], [5], [-1]), [30]))  # restart root, early
+            grand = decode(await asyncio.wait_for(out.get(), 10))
+            assert grand.node_ids.tolist() == [3, 4]
+            await asyncio.sleep(0.2)
+            assert out.empty()
+            prunes = [
+                Prune(torch.tensor([0]), torch.tensor([1, 3]), horizon=4),
+                Prune(torch.tensor([1]), torch.empty(0, dtype=torch.int64), horizon=4),
+            ]
+            for seq in (2, 1):  # out of order: applied in order
+                for stub in (s0, s1):
+                    sig = prune_to_proto(prunes[seq - 1], seq)
+                    await stub.Prune(pb.PruneRequest(request_id="r", prune=sig))
+            await s0.Feed(_feed(4, 0, _rows([4], [4], [2]), [12]))  # the late copy
+            restart = decode(await asyncio.wait_for(out.get(), 10))
+            assert restart.node_ids.tolist() == [5]
+            await asyncio.sleep(0.2)
+            assert out.empty()
+
+            # The same computation in one process: prompt, root, child 1, grandchild 3.
+            ref = [
+                StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5)))
+                for a, b in ((0, 2), (2, 5))
+            ]
+            acts = [
+                Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor(prompt[:2])),
+                Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
+                           parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
+            ]  # fmt: skip
+            for s in ref:
+                s.open("x", 64)
+            logits = None
+            for act in acts:
+                for s in ref:
+                    act = s.forward(act)
+                logits = act.logits
+            torch.testing.assert_close(root.logits[0], logits[0])
+            torch.testing.assert_close(kids.logits[0], logits[1])
+            torch.testing.assert_close(grand.logits[0], logits[2])
+        finally:
+            await ch0.close()
+            await ch1.close()
+            for svc in (first, last):
+                await svc.stop()
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
+    """After a hit keeps a subtree without the newest ids, the next prune's horizon must
+    still cover them, or a late copy of a dropped node would pass as newer."""
+    from specpipe.common.draft import Candidates
+    from specpipe.common.sampling import SamplingParams
+    from specpipe.common.tree_manager import OutputState, SpecPipeManager
+
+    def logits_for(token: int) -> torch.Tensor:
+        x = torch.zeros(97)
+        x[token] = 10.0
+        return x
+
+    mgr = SpecPipeManager("r", [5, 9, 13], OutputState(10, SamplingParams()), width=2, max_depth=4)
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    assert mgr.grow(Candidates(t(0, 0), t(7, 8), t(0.6, 0.4))).node_ids.tolist() == [1, 2]
+    assert mgr.grow(Candidates(t(1, 2), t(11, 12), t(0.9, 0.9))).node_ids.tolist() == [3, 4]
+    hit = mgr.verify(logits_for(7))
+    assert hit.prune.keep_ids.tolist() == [1, 3] and hit.prune.horizon == 4
+    miss = mgr.verify(logits_for(40))
+    assert miss.restart is not None and miss.prune.horizon == 4  # not 3 = max id left
+    assert not bool(miss.prune.alive(t(4)))
