@@ -1,0 +1,419 @@
+{{/* Names ------------------------------------------------------------------------------ */}}
+
+{{/* Chart name, short enough to leave room for "-<version>-stage-<k>-<ordinal>". */}}
+{{- define "specpipe.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 24 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "specpipe.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 24 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 24 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 24 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specpipe.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Workload names; argument: dict "root" $ "model" $m ("stage" k). */}}
+{{- define "specpipe.stageName" -}}
+{{- printf "%s-%s-stage-%d" (include "specpipe.fullname" .root) .model.version (int .stage) -}}
+{{- end -}}
+
+{{- define "specpipe.draftName" -}}
+{{- printf "%s-%s-draft" (include "specpipe.fullname" .root) .model.version -}}
+{{- end -}}
+
+{{- define "specpipe.routerName" -}}
+{{- printf "%s-router" (include "specpipe.fullname" .) -}}
+{{- end -}}
+
+{{- define "specpipe.modelCacheClaim" -}}
+{{- .Values.modelCache.persistentVolumeClaim.existingClaim | default (printf "%s-model-cache" (include "specpipe.fullname" .)) -}}
+{{- end -}}
+
+{{/* Labels ----------------------------------------------------------------------------- */}}
+
+{{- define "specpipe.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specpipe.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels that are never part of a selector. */}}
+{{- define "specpipe.metaLabels" -}}
+helm.sh/chart: {{ include "specpipe.chart" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specpipe
+{{- end -}}
+
+{{- define "specpipe.labels" -}}
+{{ include "specpipe.metaLabels" . }}
+{{ include "specpipe.selectorLabels" . }}
+{{- end -}}
+
+{{/* Selector of one stage's pods; argument: dict "root" "model" "stage". */}}
+{{- define "specpipe.stageSelector" -}}
+{{ include "specpipe.selectorLabels" .root }}
+app.kubernetes.io/component: stage
+specpipe.dev/model-version: {{ .model.version | quote }}
+specpipe.dev/stage: {{ .stage | quote }}
+{{- end -}}
+
+{{- define "specpipe.draftSelector" -}}
+{{ include "specpipe.selectorLabels" .root }}
+app.kubernetes.io/component: draft
+specpipe.dev/model-version: {{ .model.version | quote }}
+{{- end -}}
+
+{{- define "specpipe.routerSelector" -}}
+{{ include "specpipe.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{/* Pod annotations naming the model version; argument: dict "model" $m. */}}
+{{- define "specpipe.modelAnnotations" -}}
+specpipe.dev/target-model: {{ .model.target | quote }}
+specpipe.dev/target-weight-hash: {{ .model.targetWeightHash | default "" | quote }}
+specpipe.dev/draft-model: {{ .model.draft | default "" | quote }}
+specpipe.dev/draft-weight-hash: {{ .model.draftWeightHash | default "" | quote }}
+{{- end -}}
+
+{{/* Model versions ---------------------------------------------------------------------- */}}
+
+{{/* Every served model version, current first, validated; JSON list. */}}
+{{- define "specpipe.models" -}}
+{{- $models := concat (list .Values.model) (.Values.previousModels | default list) -}}
+{{- $seen := dict -}}
+{{- range $models -}}
+{{- $v := toString .version -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$" $v) -}}
+{{- fail (printf "model version %q must be a DNS label of at most 20 characters (lowercase letters, digits, '-')" $v) -}}
+{{- end -}}
+{{- if hasKey $seen $v -}}
+{{- fail (printf "model version %q is listed twice (model and previousModels must differ)" $v) -}}
+{{- end -}}
+{{- $_ := set $seen $v true -}}
+{{- if not .target -}}
+{{- fail (printf "model %q: target is required" $v) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $models -}}
+{{- end -}}
+
+{{/* Decoder layers of a model's target; argument: the model dict. */}}
+{{- define "specpipe.numLayers" -}}
+{{- $known := dict "qwen2.5-coder-1.5b-instruct" 28 "qwen2.5-coder-0.5b-instruct" 24 "smollm2-135m-instruct" 30 -}}
+{{- if .numLayers -}}
+{{- int .numLayers -}}
+{{- else if hasKey $known (lower (toString .target)) -}}
+{{- get $known (lower (toString .target)) -}}
+{{- else -}}
+{{- fail (printf "model %q: set numLayers (decoder layers of %s); it is only known for %s" (toString .version) (toString .target) (keys $known | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Layer ranges [[a, b], ...] of a model's stages, as JSON; argument: the model dict.
+The even split is `split_layers` of specpipe.common.model: boundary i is
+round((i + 1) * L / S) with Python's round-half-to-even, kept at least one layer from
+its neighbours.
+*/}}
+{{- define "specpipe.layerRanges" -}}
+{{- $m := . -}}
+{{- $L := int (include "specpipe.numLayers" $m) -}}
+{{- $S := int $m.stages -}}
+{{- if or (lt $S 1) (gt $S $L) -}}
+{{- fail (printf "model %q: stages must be in [1, %d], got %d" (toString $m.version) $L $S) -}}
+{{- end -}}
+{{- $ranges := list -}}
+{{- if $m.layers -}}
+{{- $end := 0 -}}
+{{- range $m.layers -}}
+{{- $r := toString . -}}
+{{- if not (regexMatch "^[0-9]+:[0-9]+$" $r) -}}
+{{- fail (printf "model %q: layer range %q must look like START:END" (toString $m.version) $r) -}}
+{{- end -}}
+{{- $a := atoi (first (splitList ":" $r)) -}}
+{{- $b := atoi (last (splitList ":" $r)) -}}
+{{- if ne $a $end -}}
+{{- fail (printf "model %q: layer range %s must start at %d (ranges are contiguous from 0)" (toString $m.version) $r $end) -}}
+{{- end -}}
+{{- if le $b $a -}}
+{{- fail (printf "model %q: layer range %s is empty" (toString $m.version) $r) -}}
+{{- end -}}
+{{- $ranges = append $ranges (list $a $b) -}}
+{{- $end = $b -}}
+{{- end -}}
+{{- if ne $end $L -}}
+{{- fail (printf "model %q: layer ranges end at %d, the target has %d layers" (toString $m.version) $end $L) -}}
+{{- end -}}
+{{- if ne (len $ranges) $S -}}
+{{- fail (printf "model %q: layers lists %d ranges, stages is %d" (toString $m.version) (len $ranges) $S) -}}
+{{- end -}}
+{{- else -}}
+{{- $prev := 0 -}}
+{{- range $i := until (sub $S 1 | int) -}}
+{{- $num := mul (add $i 1) $L -}}
+{{- $q := div $num $S -}}
+{{- $twice := mul 2 (mod $num $S) -}}
+{{- if or (gt $twice $S) (and (eq $twice $S) (eq (mod $q 2) 1)) -}}
+{{- $q = add $q 1 -}}
+{{- end -}}
+{{- $q = max $q (add $prev 1) -}}
+{{- $q = min $q (sub $L (sub $S (add $i 1))) -}}
+{{- $ranges = append $ranges (list $prev $q) -}}
+{{- $prev = $q -}}
+{{- end -}}
+{{- $ranges = append $ranges (list $prev $L) -}}
+{{- end -}}
+{{- toJson $ranges -}}
+{{- end -}}
+
+{{/* float32 without GPUs, bfloat16 with them, unless the model says. */}}
+{{- define "specpipe.dtype" -}}
+{{- if .model.dtype -}}
+{{- .model.dtype -}}
+{{- else if .root.Values.gpu.enabled -}}
+bfloat16
+{{- else -}}
+float32
+{{- end -}}
+{{- end -}}
+
+{{/* Pod parts ---------------------------------------------------------------------------- */}}
+
+{{- define "specpipe.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Environment shared by every container; argument: root. */}}
+{{- define "specpipe.env" -}}
+- name: SPECPIPE_MODEL_CACHE
+  value: {{ .Values.modelCache.mountPath | quote }}
+- name: SPECPIPE_LOG_LEVEL
+  value: {{ .Values.logLevel | quote }}
+- name: HOME
+  value: /tmp
+- name: PIP_NO_CACHE_DIR
+  value: "1"
+{{- end -}}
+
+{{/* The init container that pulls models; argument: dict "root" "names" (list). */}}
+{{- define "specpipe.pullInit" -}}
+- name: pull-models
+  image: {{ include "specpipe.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  args:
+    - models
+    - pull
+    {{- range .names }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    {{- include "specpipe.env" .root | nindent 4 }}
+    {{- with .root.Values.modelPull.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  resources:
+    {{- toYaml .root.Values.modelPull.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .root.Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    {{- include "specpipe.volumeMounts" .root | nindent 4 }}
+{{- end -}}
+
+{{- define "specpipe.volumeMounts" -}}
+- name: model-cache
+  mountPath: {{ .Values.modelCache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{/* Volumes; argument: dict "root" "shm" (size or ""). */}}
+{{- define "specpipe.volumes" -}}
+- name: model-cache
+{{- if .root.Values.modelCache.persistentVolumeClaim.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ include "specpipe.modelCacheClaim" .root }}
+{{- else }}
+  emptyDir:
+    {{- with .root.Values.modelCache.emptyDir.sizeLimit }}
+    sizeLimit: {{ . }}
+    {{- end }}
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- if .shm }}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .shm }}
+{{- end }}
+{{- end -}}
+
+{{/* Resources, plus the GPU when `gpu` is true; argument: dict "root" "resources" "gpu". */}}
+{{- define "specpipe.resources" -}}
+{{- $res := deepCopy (.resources | default dict) -}}
+{{- if .gpu -}}
+{{- $g := .root.Values.gpu -}}
+{{- $limits := deepCopy (get $res "limits" | default dict) -}}
+{{- $requests := deepCopy (get $res "requests" | default dict) -}}
+{{- $_ := set $limits $g.resourceName (int $g.count) -}}
+{{- $_ := set $requests $g.resourceName (int $g.count) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- $_ := set $res "requests" $requests -}}
+{{- end -}}
+{{- toYaml $res -}}
+{{- end -}}
+
+{{/* Scheduling and pod-level settings; argument: dict "root" "svc" (values block) "gpu". */}}
+{{- define "specpipe.podSpecCommon" -}}
+{{- $root := .root -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ add (int .svc.drainSeconds) 30 }}
+{{- if and .gpu $root.Values.gpu.runtimeClassName }}
+runtimeClassName: {{ $root.Values.gpu.runtimeClassName }}
+{{- end }}
+{{- $nodeSelector := deepCopy (.svc.nodeSelector | default dict) -}}
+{{- if .gpu }}
+{{- $nodeSelector = merge $nodeSelector (deepCopy ($root.Values.gpu.nodeSelector | default dict)) -}}
+{{- end }}
+{{- with $nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $tolerations := .svc.tolerations | default list -}}
+{{- if .gpu }}
+{{- $tolerations = concat $tolerations ($root.Values.gpu.tolerations | default list) -}}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .svc.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* preStop: keep serving while endpoints and peers notice the pod is going. */}}
+{{- define "specpipe.lifecycle" -}}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", {{ .drainSeconds | int | toString | quote }}]
+{{- end -}}
+
+{{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"). */}}
+{{- define "specpipe.probes" -}}
+startupProbe:
+  {{- if eq .live "tcp" }}
+  tcpSocket:
+    port: grpc
+  {{- else }}
+  grpc:
+    port: {{ .port }}
+  {{- end }}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: {{ div (int .startupSeconds) 5 | max 1 }}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  {{- if eq .live "tcp" }}
+  tcpSocket:
+    port: grpc
+  {{- else }}
+  grpc:
+    port: {{ .port }}
+  {{- end }}
+  periodSeconds: 20
+  timeoutSeconds: 10
+  failureThreshold: 6
+{{- end -}}
+
+{{/* PodDisruptionBudget; argument: dict "root" "name" "component" "selector" (YAML) "pdb". */}}
+{{- define "specpipe.pdb" -}}
+{{- if .pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "specpipe.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  {{- if hasKey .pdb "maxUnavailable" }}
+  maxUnavailable: {{ .pdb.maxUnavailable }}
+  {{- else }}
+  minAvailable: {{ .pdb.minAvailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- .selector | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* HorizontalPodAutoscaler; argument: dict "root" "name" "kind" "component" "hpa". */}}
+{{- define "specpipe.hpa" -}}
+{{- if .hpa.enabled }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "specpipe.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ .kind }}
+    name: {{ .name }}
+  minReplicas: {{ .hpa.minReplicas }}
+  maxReplicas: {{ .hpa.maxReplicas }}
+  metrics:
+    {{- toYaml .hpa.metrics | nindent 4 }}
+  behavior:
+    # Model pods start slowly (model pull and load): scale down carefully.
+    scaleDown:
+      stabilizationWindowSeconds: 600
+      policies:
+        - type: Pods
+          value: 1
+          periodSeconds: 300
+{{- end }}
+{{- end -}}
+
+{{/* Replicas of stage k: the HPA's minimum when autoscaled, else replicasPerStage[k]
+or replicas; argument: dict "stage" (values block) "k". */}}
+{{- define "specpipe.stageReplicas" -}}
+{{- $s := .stage -}}
+{{- if $s.autoscaling.enabled -}}
+{{- $s.autoscaling.minReplicas | int -}}
+{{- else if lt (int .k) (len ($s.replicasPerStage | default list)) -}}
+{{- index $s.replicasPerStage (int .k) | int -}}
+{{- else -}}
+{{- $s.replicas | int -}}
+{{- end -}}
+{{- end -}}

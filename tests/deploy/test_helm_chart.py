@@ -1,0 +1,429 @@
+"""The Helm chart (helm/specpipe) and the rendered manifests (k8s/): rendered with the real
+helm, linted, validated against Kubernetes' own schemas, and checked for what a
+SpecPipe deployment needs. No cluster involved."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from specpipe.common.model import split_layers
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "specpipe"
+# The chart's minimum (gRPC probes are GA from 1.27) and the newest schemas we have.
+KUBE_VERSIONS = ("1.27.0", "1.37.0")
+CURRENT = "v1"
+GPU = "nvidia.com/gpu"
+
+EVERYTHING_ON = {
+    "gpu": {"enabled": True},
+    "modelCache": {"persistentVolumeClaim": {"enabled": True}},
+    "stage": {"autoscaling": {"enabled": True, "minReplicas": 2}},
+    "draft": {"autoscaling": {"enabled": True}},
+    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+    "transport": "ucx",
+}
+WITH_PREVIOUS = {
+    "model": {"version": "v2", "stages": 3},
+    "previousModels": [
+        {
+            "version": "v1",
+            "target": "qwen2.5-coder-1.5b-instruct",
+            "draft": "qwen2.5-coder-0.5b-instruct",
+            "stages": 2,
+        }
+    ],
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def of_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def named(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in of_kind(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind} {name}: {len(found)} found"
+    return found[0]
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def component(d: dict) -> str:
+    return d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+
+
+def main_container(d: dict) -> dict:
+    (c,) = d["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def arg(container: dict, flag: str) -> str | None:
+    args = container["args"]
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def stage_sets(docs: list[dict], version: str = CURRENT) -> list[dict]:
+    """The stage StatefulSets of one model version, in stage order."""
+    sets = [
+        d
+        for d in of_kind(docs, "StatefulSet")
+        if d["spec"]["template"]["metadata"]["labels"]["specpipe.dev/model-version"] == version
+    ]
+    return sorted(
+        sets, key=lambda d: int(d["spec"]["selector"]["matchLabels"]["specpipe.dev/stage"])
+    )
+
+
+def layer_ranges(docs: list[dict], version: str = CURRENT) -> list[tuple[int, int]]:
+    out = []
+    for d in stage_sets(docs, version):
+        a, b = arg(main_container(d), "--layers").split(":")
+        out.append((int(a), int(b)))
+    return out
+
+
+def selects(service: dict, workload: dict) -> bool:
+    labels = workload["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+def router(docs: list[dict]) -> dict:
+    (r,) = [d for d in workloads(docs) if component(d) == "router"]
+    return r
+
+
+# -- lint and schema validation --------------------------------------------------------------
+@pytest.mark.parametrize("values", [None, EVERYTHING_ON], ids=["defaults", "everything-on"])
+def test_chart_lints_clean(helm, tmp_path, values):
+    cmd = [str(helm), "lint", "--strict", str(CHART)]
+    if values:
+        (tmp_path / "v.yaml").write_text(json.dumps(values))
+        cmd += ["-f", str(tmp_path / "v.yaml")]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "values",
+    [None, EVERYTHING_ON, WITH_PREVIOUS, {"model": {"draft": ""}}],
+    ids=["defaults", "everything-on", "previous-model", "no-draft"],
+)
+def test_every_manifest_is_valid_kubernetes(render, values):
+    docs = render(values, tests=True)
+    assert {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "Pod"} <= {
+        d["kind"] for d in docs
+    }
+    for version in KUBE_VERSIONS:
+        for d in docs:
+            try:
+                kubernetes_validate.validate(d, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{d['kind']} {d['metadata']['name']} (Kubernetes {version}): {e}")
+
+
+# -- stages and layers -----------------------------------------------------------------------
+def test_default_install_is_two_stages_of_the_coder_target(render):
+    docs = render()
+    assert layer_ranges(docs) == [(0, 14), (14, 28)]
+    for d in stage_sets(docs):
+        c = main_container(d)
+        assert arg(c, "--model") == "qwen2.5-coder-1.5b-instruct"
+        assert d["spec"]["template"]["metadata"]["annotations"]["specpipe.dev/layers"] == arg(
+            c, "--layers"
+        )
+    (draft,) = [d for d in workloads(docs) if component(d) == "draft"]
+    assert arg(main_container(draft), "--model") == "qwen2.5-coder-0.5b-instruct"
+
+
+def test_even_split_matches_specpipe_up_for_many_layouts(render):
+    """One render with many model versions (previousModels): each version's stages hold
+    the ranges `split_layers` gives, contiguous from layer 0 to the last."""
+    layouts = [(L, S) for L in (7, 9, 24, 28, 30) for S in range(1, min(L, 8) + 1)]
+    models = [
+        {"version": f"l{L}s{S}", "target": "qwen2.5-coder-1.5b-instruct", "draft": "",
+         "numLayers": L, "stages": S}
+        for L, S in layouts
+    ]  # fmt: skip
+    docs = render(
+        {
+            "model": models[0],
+            "previousModels": models[1:],
+            "stage": {"podDisruptionBudget": {"enabled": False}},
+        }
+    )
+    for L, S in layouts:
+        got = layer_ranges(docs, f"l{L}s{S}")
+        assert got == [(r.start, r.end) for r in split_layers(L, S)], (L, S)
+        assert got[0][0] == 0 and got[-1][1] == L
+        assert all(a < b for a, b in got)
+        assert all(x[1] == y[0] for x, y in itertools.pairwise(got))
+
+
+def test_layer_ranges_can_be_set_by_hand(render):
+    docs = render({"model": {"stages": 3, "layers": ["0:6", "6:20", "20:28"]}})
+    assert layer_ranges(docs) == [(0, 6), (6, 20), (20, 28)]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"layers": ["0:10", "11:28"]}, "must start at 10"),
+        ({"layers": ["0:10", "10:27"]}, "end at 27, the target has 28"),
+        ({"stages": 3, "layers": ["0:10", "10:28"]}, "lists 2 ranges, stages is 3"),
+        ({"stages": 29}, r"stages must be in \[1, 28\]"),
+        ({"target": "my-own-model"}, "set numLayers"),
+        ({"version": "V1.0"}, "version"),
+    ],
+)
+def test_bad_layouts_fail_to_render_with_a_reason(render, model, message):
+    with pytest.raises(render.error, match=message):
+        render({"model": model})
+
+
+def test_the_chart_knows_the_layer_count_of_every_store_model(render):
+    from specpipe.common import model_store
+
+    for name in model_store.MODELS:
+        docs = render({"model": {"target": name, "draft": "", "stages": 1}})
+        (only,) = layer_ranges(docs)
+        config = model_store.cache_root() / name / "config.json"
+        if config.is_file():  # pulled here: the count must be the real one
+            assert only == (0, json.loads(config.read_text())["num_hidden_layers"]), name
+
+
+# -- wiring ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("stage", "replicas"),
+    [({}, [1, 1, 1]), ({"replicas": 2}, [2, 2, 2]), ({"replicasPerStage": [1, 2]}, [1, 2, 1])],
+)
+def test_router_names_every_stage_pod_and_the_draft(render, stage, replicas):
+    docs = render({"model": {"stages": 3}, "stage": stage})
+    r = main_container(router(docs))
+    addresses = arg(r, "--stages").split(",")
+    expected = []
+    for sts, n in zip(stage_sets(docs), replicas, strict=True):
+        name = sts["metadata"]["name"]
+        svc = named(docs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None" and selects(svc, sts)
+        (port,) = [p["port"] for p in svc["spec"]["ports"] if p["name"] == "grpc"]
+        container_ports = {p["name"]: p["containerPort"] for p in main_container(sts)["ports"]}
+        assert port == container_ports["grpc"] == int(arg(main_container(sts), "--port"))
+        assert container_ports["data"] == int(arg(main_container(sts), "--data-port"))
+        assert sts["spec"]["replicas"] == n
+        expected += [f"{name}-{i}.{svc['metadata']['name']}:{port}" for i in range(n)]
+    assert addresses == expected
+
+    draft_host, draft_port = arg(r, "--draft").split(":")
+    draft_svc = named(docs, "Service", draft_host)
+    (draft,) = [d for d in workloads(docs) if component(d) == "draft"]
+    assert selects(draft_svc, draft)
+    assert int(draft_port) == draft_svc["spec"]["ports"][0]["port"]
+    assert int(draft_port) == int(arg(main_container(draft), "--port"))
+
+
+def test_services_listen_on_all_interfaces_and_advertise_the_pod_ip(render):
+    docs = render()
+    for d in workloads(docs):
+        c = main_container(d)
+        assert arg(c, "--host") == "0.0.0.0"
+        assert arg(c, "--advertise-host") == "$(POD_IP)"
+        (env,) = [e for e in c["env"] if e["name"] == "POD_IP"]
+        assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        if component(d) != "draft":
+            assert arg(c, "--transport") == "tcp"
+    ucx = render({"transport": "ucx", "ucxEnv": [{"name": "UCX_TLS", "value": "rc,tcp"}]})
+    for d in workloads(ucx):
+        c = main_container(d)
+        assert arg(c, "--transport") == (None if component(d) == "draft" else "ucx")
+        assert any(e["name"] == "UCX_TLS" for e in c["env"]) == (component(d) != "draft")
+
+
+@pytest.mark.parametrize("values", [None, EVERYTHING_ON], ids=["defaults", "everything-on"])
+def test_every_container_command_line_is_one_specpipe_accepts(render, values, capsys):
+    """The chart's arguments against the real `specpipe` parser (catches flag drift)."""
+    from specpipe.cli import build_parser
+
+    docs = render(values, tests=True)
+    pods = [d["spec"]["template"]["spec"] for d in workloads(docs)] + [
+        d["spec"] for d in of_kind(docs, "Pod")
+    ]
+    seen = set()
+    for spec in pods:
+        for c in [*spec.get("initContainers", []), *spec["containers"]]:
+            try:
+                parsed = build_parser().parse_args(c["args"])
+            except SystemExit:
+                pytest.fail(
+                    f"{c['name']}: specpipe {' '.join(c['args'])}: {capsys.readouterr().err}"
+                )
+            seen.add(parsed.command)
+    assert seen == {"models", "stage", "draft", "router", "client"}
+
+
+def test_router_service_is_the_client_entry_point(render):
+    docs = render()
+    svc = named(docs, "Service", "specpipe-router")
+    assert selects(svc, router(docs))
+    assert svc["spec"]["ports"][0]["port"] == int(arg(main_container(router(docs)), "--port"))
+
+
+def test_no_draft_means_no_draft_workload(render):
+    docs = render({"model": {"draft": ""}}, tests=True)
+    assert not [d for d in workloads(docs) if component(d) == "draft"]
+    assert arg(main_container(router(docs)), "--draft") is None
+    (test_pod,) = of_kind(docs, "Pod")
+    assert arg(test_pod["spec"]["containers"][0], "--mode") == "pp"
+
+
+# -- models, GPUs, probes ----------------------------------------------------------------------
+def test_each_pod_pulls_its_model_into_the_cache_first(render):
+    for values in (None, {"modelCache": {"persistentVolumeClaim": {"enabled": True}}}):
+        docs = render(values)
+        for d in workloads(docs):
+            spec = d["spec"]["template"]["spec"]
+            (init,) = spec["initContainers"]
+            c = main_container(d)
+            model = arg(c, "--model") or arg(c, "--target")
+            assert init["args"] == ["models", "pull", model]
+            for container in (init, c):
+                env = {e["name"]: e.get("value") for e in container["env"]}
+                (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model-cache"]
+                assert env["SPECPIPE_MODEL_CACHE"] == mount["mountPath"]
+            (vol,) = [v for v in spec["volumes"] if v["name"] == "model-cache"]
+            if values is None:
+                assert "emptyDir" in vol
+            else:
+                claim = vol["persistentVolumeClaim"]["claimName"]
+                named(docs, "PersistentVolumeClaim", claim)
+            assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_gpu_per_stage_and_draft_pod_when_enabled(render, enabled):
+    docs = render({"gpu": {"enabled": enabled}})
+    for d in workloads(docs):
+        res = main_container(d)["resources"]
+        wants_gpu = enabled and component(d) in ("stage", "draft")
+        assert res.get("limits", {}).get(GPU) == (1 if wants_gpu else None), d["metadata"]["name"]
+        assert res.get("requests", {}).get(GPU) == (1 if wants_gpu else None)
+        tolerations = d["spec"]["template"]["spec"].get("tolerations", [])
+        assert any(t.get("key") == GPU for t in tolerations) == wants_gpu
+        if component(d) != "router":
+            assert arg(main_container(d), "--dtype") == ("bfloat16" if enabled else "float32")
+        for init in d["spec"]["template"]["spec"]["initContainers"]:
+            assert GPU not in init["resources"].get("limits", {})
+
+
+def test_probes_use_grpc_health_on_the_service_port(render):
+    for d in workloads(render()):
+        c = main_container(d)
+        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        assert c["readinessProbe"]["grpc"]["port"] == port
+        assert "startupProbe" in c
+        if component(d) == "router":
+            # The router's health follows its backends: a stage outage must not restart it.
+            assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
+        else:
+            assert c["livenessProbe"]["grpc"]["port"] == port
+            assert c["startupProbe"]["grpc"]["port"] == port
+
+
+# -- scaling and rollouts ------------------------------------------------------------------------
+def test_an_hpa_per_service_when_autoscaling_is_on(render):
+    assert not of_kind(render(), "HorizontalPodAutoscaler")  # off by default (values.yaml)
+    docs = render(EVERYTHING_ON)
+    hpas = {
+        h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")
+    }
+    assert set(hpas) == {d["metadata"]["name"] for d in workloads(docs)}
+    for d in workloads(docs):
+        hpa = hpas[d["metadata"]["name"]]
+        assert hpa["spec"]["scaleTargetRef"]["kind"] == d["kind"]
+        assert "replicas" not in d["spec"]  # the HPA owns it
+        assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    # The router knows the replicas every stage always has: the HPA minimum.
+    addresses = arg(main_container(router(docs)), "--stages").split(",")
+    assert len(addresses) == 2 * len(stage_sets(docs))
+
+
+def test_pod_disruption_budget_per_workload(render):
+    docs = render()
+    pdbs = of_kind(docs, "PodDisruptionBudget")
+    for d in workloads(docs):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        matching = [
+            p for p in pdbs
+            if all(labels.get(k) == v for k, v in p["spec"]["selector"]["matchLabels"].items())
+        ]  # fmt: skip
+        assert len(matching) == 1, d["metadata"]["name"]
+
+
+def test_rollouts_keep_capacity_and_drain(render):
+    docs = render()
+    for d in workloads(docs):
+        if d["kind"] == "Deployment":
+            rolling = d["spec"]["strategy"]["rollingUpdate"]
+            assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
+        else:
+            assert d["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+        spec = d["spec"]["template"]["spec"]
+        command = main_container(d)["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep"
+        assert 0 < int(command[1]) < spec["terminationGracePeriodSeconds"]
+
+
+def test_model_version_is_on_every_pod_and_in_stage_and_draft_names(render):
+    docs = render()
+    for d in workloads(docs):
+        meta = d["spec"]["template"]["metadata"]
+        assert meta["labels"]["specpipe.dev/model-version"] == CURRENT
+        assert meta["annotations"]["specpipe.dev/target-weight-hash"]
+        if component(d) != "router":
+            assert f"-{CURRENT}-" in d["metadata"]["name"]
+            assert d["spec"]["selector"]["matchLabels"]["specpipe.dev/model-version"] == CURRENT
+        else:  # one router Deployment across versions: its selector must not change
+            assert "specpipe.dev/model-version" not in d["spec"]["selector"]["matchLabels"]
+
+
+def test_previous_model_keeps_running_while_the_router_moves_on(render):
+    docs = render(WITH_PREVIOUS)
+    assert layer_ranges(docs, "v2") == [(0, 9), (9, 19), (19, 28)]
+    assert layer_ranges(docs, "v1") == [(0, 14), (14, 28)]
+    r = router(docs)
+    assert r["spec"]["template"]["metadata"]["labels"]["specpipe.dev/model-version"] == "v2"
+    c = main_container(r)
+    assert all("-v2-stage-" in a for a in arg(c, "--stages").split(","))
+    assert arg(c, "--draft").startswith("specpipe-v2-draft:")
+    with pytest.raises(render.error, match="listed twice"):
+        render({"previousModels": WITH_PREVIOUS["previousModels"]})
+
+
+# -- k8s/ ------------------------------------------------------------------------------------
+def test_k8s_manifests_match_a_fresh_render(helm):
+    env = {**os.environ, "SPECPIPE_HELM": str(helm)}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "render_k8s.sh"), "--check"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, f"run scripts/render_k8s.sh:\n{result.stderr[-3000:]}"
+
+
+def test_kustomization_builds_the_rendered_manifests(kubectl, render):
+    result = subprocess.run(
+        [str(kubectl), "kustomize", str(ROOT / "k8s")], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    built = [d for d in yaml.safe_load_all(result.stdout) if d]
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(map(key, built)) == sorted(map(key, render()))
