@@ -104,6 +104,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             None, _load_codec, self.tokenizer_dir
         )
         self.model = await self.backends.connect(startup_timeout)
+        for b in self.backends.stages:
+            scheme = b.desc.data_address.partition("://")[0]
+            if scheme != self.transport_kind:
+                raise RuntimeError(
+                    f"{b.label} uses the {scheme} data plane, this router {self.transport_kind}: "
+                    "start every service of a deployment with the same --transport"
+                )
         if self.model_id_override:
             self.model.model_id = self.model_id_override
         await self._readiness(self.backends.ready)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 import torch
 from specpipe.common.messages import Activation, Prune
 from specpipe.common.model import LayerRange, load_stage
@@ -152,3 +153,35 @@ def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
     miss = mgr.verify(logits_for(40))
     assert miss.restart is not None and miss.prune.horizon == 4  # not 3 = max id left
     assert not bool(miss.prune.alive(t(4)))
+
+
+def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:
+    async def main() -> None:
+        svc = StageService(None)
+        port = await svc.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = stage_pb2_grpc.StageStub(ch)
+                desc = await stub.Describe(pb.DescribeRequest())
+                assert not desc.ready and desc.data_address.startswith("tcp://")
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Open(
+                        stage_pb2.OpenStageRequest(request_id="r", capacity=8, next_hop="tcp://x:1")
+                    )
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                req = stage_pb2.ConfigureStageRequest(model_path=str(llama_dir), layer_start=2)
+                desc = await stub.Configure(req)
+                assert desc.ready and (desc.layer_start, desc.layer_end, desc.num_layers) == (
+                    2,
+                    5,
+                    5,
+                )
+                assert desc.vocab_size == 97 and desc.weight_hash and desc.free_memory_bytes > 0
+                bad = stage_pb2.ConfigureStageRequest(model_path="/nonexistent", layer_start=0)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.Configure(bad)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
