@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import logging
 import math
-import os
+import secrets
 from pathlib import Path as FsPath
 
 import grpc
@@ -40,6 +40,19 @@ class InvalidRequest(Exception):
 
 def _invalid(message: str) -> InvalidRequest:
     return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class RequestIds:
+    """Request ids unique across router processes and pods: a random per-process prefix
+    plus a counter. (A process id is no prefix: it is the same in every container, and
+    two routers sharing a stage must never open equal ids there.)"""
+
+    def __init__(self) -> None:
+        self.prefix = f"r{secrets.token_hex(6)}"
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.prefix}-{next(self._count)}"
 
 
 def _load_codec(model_dir: str | None):
@@ -84,8 +97,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.model: ModelInfo | None = None
         self.drivers: dict[str, RequestDriver] = {}
         self._cleanup: set[asyncio.Task] = set()
-        self._ids = itertools.count()
-        self._prefix = f"r{os.getpid():x}"
+        self._ids = RequestIds()
         self.server = Server([SERVICE_NAME])
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
@@ -247,7 +259,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.message)
         except NoPath as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}")
-        rid = f"{self._prefix}-{next(self._ids)}"
+        rid = self._ids.next()
         events = self.inbox.open(rid)
         driver = RequestDriver(rid, path, plan, self.transport.address, events)
         self.drivers[rid] = driver
