@@ -98,7 +98,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--mode", default="specpipe", help="specpipe, pp, specinfer or autoregressive")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--width", type=int, default=None, help="tree width per layer (default 8)")
-    g.add_argument("--top-k-children", type=int, default=None)
+    g.add_argument(
+        "--top-k-children",
+        type=int,
+        default=None,
+        help="draft candidates per node, capped by the width (default 64, the engine's)",
+    )
     g.add_argument("--depth", type=int, default=None, help="specinfer tree depth")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -23,3 +23,31 @@ def test_request_ids_are_unique_across_routers_with_the_same_pid(monkeypatch) ->
 def test_request_ids_of_one_router_count_up() -> None:
     r = RequestIds()
     assert [r.next() for _ in range(3)] == [f"{r.prefix}-{i}" for i in range(3)]
+
+
+def _router():
+    from specpipe.services.router.backends import ModelInfo
+    from specpipe.services.router.service import RouterService
+
+    svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
+    svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
+                          eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
+    return svc
+
+
+def test_router_defaults_are_the_engines() -> None:
+    """A request that leaves width/top_k_children unset gets the engine's defaults
+    (64 children per node, capped by the width), not a router-specific number."""
+    from specpipe.common.decoding import DecodeOptions
+    from specpipe.services.client import build_request
+
+    req = build_request(prompt_ids=[1, 2, 3], max_new_tokens=4)
+    assert not req.HasField("top_k_children") and not req.HasField("width")
+    opts = _router().plan(req).opts
+    engine = DecodeOptions(max_new_tokens=4)
+    assert opts.top_k_children == engine.top_k_children == 64
+    assert opts.width == engine.width
+    assert opts.specinfer_depth == engine.specinfer_depth
+    assert opts.prefill_chunk == engine.prefill_chunk
+    explicit = _router().plan(build_request(prompt_ids=[1], max_new_tokens=4, top_k_children=3))
+    assert explicit.opts.top_k_children == 3
