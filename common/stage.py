@@ -7,7 +7,7 @@ logic. It is safe to call from several threads (one model forward at a time).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -152,13 +152,7 @@ class StageRuntime:
             except Exception:
                 self._rollback(cache, act, start)
                 raise
-        out = Activation(
-            request_id=act.request_id,
-            positions=act.positions,
-            committed=act.committed,
-            node_ids=act.node_ids,
-            parent_ids=act.parent_ids,
-        )
+        out = replace(act, tokens=None, hidden=None, logits=None)
         if not self.is_last:
             out.hidden = hidden
         elif not act.committed:
