@@ -142,7 +142,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         tokens = gen.run()
         text = codec.decode(tokens) if codec else None
-        print(json.dumps({"token_ids": tokens, "text": text, "stats": gen.stats.summary()}))
+        st = gen.stats
+        # Beside "stats" (whose keys are a contract), the same extras `client generate` prints.
+        extra = {
+            "regrowths": st.regrowths,
+            "steady_tokens_per_step": round(st.steady_tokens_per_step, 6),
+        }
+        print(
+            json.dumps(
+                {"token_ids": tokens, "text": text, "stats": st.summary(), "speculation": extra}
+            )
+        )
     else:
         stream = codec.stream() if codec else None
         for tok in gen:

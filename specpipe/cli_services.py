@@ -245,9 +245,8 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
             if args.json:
                 done = stream.result()
                 text = done.text if args.prompt is not None else None
-                print(
-                    json.dumps({"token_ids": done.token_ids, "text": text, "stats": done.summary()})
-                )
+                out = {"token_ids": done.token_ids, "text": text, "stats": done.summary()}
+                print(json.dumps({**out, "speculation": done.speculation()}))
                 return 0
             for chunk in stream:
                 if args.prompt is not None:

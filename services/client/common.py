@@ -45,6 +45,12 @@ class Completion:
         )
         return {k: self.stats[k] for k in keys if k in self.stats}
 
+    def speculation(self) -> dict[str, object]:
+        """Stats beyond `summary()`, which `--json` prints beside "stats" (not inside it,
+        so "stats" keeps exactly the keys of `specpipe generate --json`)."""
+        keys = ("regrowths", "steady_tokens_per_step")
+        return {k: self.stats[k] for k in keys if k in self.stats}
+
 
 def build_request(
     prompt: str | None = None,
@@ -136,6 +142,8 @@ class _Collector:
                     "verifications": s.verifications,
                     "time_to_first_token_ms": s.time_to_first_token_ms,
                     "mean_time_between_tokens_ms": s.mean_time_between_tokens_ms,
+                    "regrowths": s.regrowths,
+                    "steady_tokens_per_step": round(s.steady_tokens_per_step, 6),
                 },
             )
             if f.text:

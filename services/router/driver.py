@@ -147,6 +147,7 @@ class RequestDriver:
             now = time.monotonic()
             self.token_times.extend([now] * len(tokens))
             self.stats.new_tokens += len(tokens)
+            self.stats.emit_steps += [self.stats.decode_steps] * len(tokens)
             self.stats.hits = self.out.hits
             self.stats.finish_reason = self.out.finish_reason
             yield tokens
@@ -362,6 +363,7 @@ class RequestDriver:
             ev = await self._next_event()
             if isinstance(ev, _Proposal):
                 layer = mgr.grow(ev.cand)
+                self.stats.regrowths = mgr.regrowths
                 if layer is not None:
                     self._enter(layer)
                     waiting = None
@@ -395,6 +397,7 @@ class RequestDriver:
                 # Room for a layer again: grow from proposals that had to wait, or regrow
                 # from kept proposals if the prune removed the whole newest layer.
                 layer = mgr.grow(waiting if waiting is not None else Candidates.empty())
+                self.stats.regrowths = mgr.regrowths
                 if layer is not None:
                     waiting = None
                     self._enter(layer)

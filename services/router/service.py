@@ -317,6 +317,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 verifications=st.verifications,
                 time_to_first_token_ms=ttft,
                 mean_time_between_tokens_ms=tbt,
+                regrowths=st.regrowths,
+                steady_tokens_per_step=st.steady_tokens_per_step,
             ),
             text=stream.flush() if stream else "",
         )

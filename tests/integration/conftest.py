@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from specpipe.common.decoding import DecodeOptions, Generation
+from specpipe.common.decoding import DecodeOptions, DecodeStats, Generation
 from specpipe.common.engine import build_local
 from specpipe.common.sampling import SamplingParams
 from specpipe.services.launcher import LocalDeployment
@@ -78,6 +78,16 @@ def fresh_deployment(llama_dir: Path) -> Iterator[LocalDeployment]:
         yield dep
     finally:
         dep.stop()
+
+
+def reference_stats(
+    target: Path, draft, stages: int, prompt: list[int], mode: str, max_new_tokens: int
+) -> DecodeStats:
+    """Stats of the in-process lockstep engine for a greedy request."""
+    dep = build_local(target, stages, target if draft == "oracle" else draft)
+    gen = Generation(dep.pipeline, dep.draft, prompt, mode, DecodeOptions(max_new_tokens))
+    gen.run()
+    return gen.stats
 
 
 def reference(

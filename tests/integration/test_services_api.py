@@ -23,7 +23,7 @@ from specpipe.client import (
     NotFound,
 )
 
-from .conftest import reference, wait_idle
+from .conftest import reference, reference_stats, wait_idle
 
 PROMPT = [3, 14, 15, 92, 65]
 ENTRY = "import sys; from specpipe.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -46,6 +46,14 @@ def test_stream_order_and_final_message(tcp_deployment) -> None:
     assert done.prompt_tokens == len(PROMPT)
     assert done.stats["mode"] == "specinfer" and done.stats["decode_steps"] > 0
     assert done.stats["mean_time_between_tokens_ms"] > 0
+    # SpecInfer's step count does not depend on timing: the engine's, exactly.
+    engine = reference_stats(
+        tcp_deployment.target, tcp_deployment.draft, 2, PROMPT, "specinfer", 30
+    )
+    assert done.stats["decode_steps"] == engine.decode_steps
+    assert done.stats["steady_tokens_per_step"] == round(engine.steady_tokens_per_step, 6)
+    assert done.stats["steady_tokens_per_step"] > 1  # several tokens per pass
+    assert done.stats["regrowths"] == 0  # specpipe only
 
 
 def test_text_prompt_tokenize_and_text_deltas(tcp_deployment) -> None:
@@ -244,6 +252,13 @@ def test_client_cli_json_and_errors(tcp_deployment) -> None:
     assert set(data["stats"]) == {
         "mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate",
     }  # fmt: skip
+    assert set(data) == {"token_ids", "text", "stats", "speculation"}  # as `specpipe generate`
+    assert set(data["speculation"]) == {"regrowths", "steady_tokens_per_step"}
+    pp = _cli("client", "generate", "--router", addr, "--prompt-ids", "3,14,15", "--mode", "pp",
+              "--max-new-tokens", "6", "--ignore-eos", "--json")  # fmt: skip
+    assert pp.returncode == 0, pp.stderr
+    # pp: one token per pass through the 2 stages once the first token is out.
+    assert json.loads(pp.stdout)["speculation"] == {"regrowths": 0, "steady_tokens_per_step": 0.5}
     text = _cli(
         "client",
         "generate",

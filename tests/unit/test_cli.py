@@ -56,6 +56,10 @@ def test_generate_json_contract(capsys, llama_dir) -> None:
     }
     assert stats["mode"] == "specpipe" and stats["stages"] == 3 and stats["new_tokens"] == 10
     assert stats["tokens_per_step"] == pytest.approx(10 / stats["decode_steps"], abs=1e-6)
+    # Extras beside "stats" (`specpipe client generate --json` prints the same shape).
+    assert set(result) == {"token_ids", "text", "stats", "speculation"}
+    assert set(result["speculation"]) == {"regrowths", "steady_tokens_per_step"}
+    assert result["speculation"]["steady_tokens_per_step"] > 0
 
 
 def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_dir) -> None:

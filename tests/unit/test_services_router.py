@@ -51,3 +51,24 @@ def test_router_defaults_are_the_engines() -> None:
     assert opts.prefill_chunk == engine.prefill_chunk
     explicit = _router().plan(build_request(prompt_ids=[1], max_new_tokens=4, top_k_children=3))
     assert explicit.opts.top_k_children == 3
+
+
+def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None:
+    from types import SimpleNamespace
+
+    from specpipe.common.decoding import DecodeStats
+    from specpipe.services.client.common import _Collector
+    from specpipe.v1 import generation_pb2 as gen
+
+    st = DecodeStats(mode="specpipe", stages=4, width=8, decode_steps=12, new_tokens=7)
+    st.regrowths, st.emit_steps = 3, [4, 5, 6, 8, 9, 10, 12]  # 6 tokens in 8 steps
+    driver = SimpleNamespace(
+        stats=st, out=SimpleNamespace(finish_reason="length"), timing=lambda: (1.0, 2.0)
+    )
+    finished = _router()._finished(driver, None, 5)
+    assert finished.stats.regrowths == 3 and finished.stats.steady_tokens_per_step == 0.75
+    collector = _Collector()
+    collector.add(gen.GenerateResponse(finished=finished))
+    done = collector.completion
+    assert done.speculation() == {"regrowths": 3, "steady_tokens_per_step": 0.75}
+    assert "regrowths" not in done.summary()  # the `generate --json` stats keys stay as they are
