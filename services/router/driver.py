@@ -107,11 +107,13 @@ class RequestDriver:
         router_address: str,
         events: asyncio.Queue,
         rpc_timeout: float = 60.0,
+        deadline: float | None = None,
     ) -> None:
         self.request_id, self.path, self.plan = request_id, path, plan
         self.router_address = router_address
         self.events = events
-        self.rpc_timeout = rpc_timeout
+        self.max_rpc_timeout = rpc_timeout
+        self.deadline = deadline  # the client's, on time.monotonic(); None: no deadline
         self.num_stages = len(path.stages)
         self.draft = path.draft if plan.mode in (Mode.SPECPIPE, Mode.SPECINFER) else None
         opts = plan.opts
@@ -134,6 +136,28 @@ class RequestDriver:
         self.t_start = time.monotonic()
         self.token_times: list[float] = []
         self.failed: DriverError | None = None
+
+    @property
+    def rpc_timeout(self) -> float:
+        """Timeout of the next backend call: what is left of the client's deadline, at
+        most `max_rpc_timeout`. A call that outlives the client only keeps a stage busy."""
+        if self.deadline is None:
+            return self.max_rpc_timeout
+        return min(self.max_rpc_timeout, max(self.deadline - time.monotonic(), 0.01))
+
+    def _error(self, b: Backend, what: str, e: BaseException) -> DriverError:
+        """A backend call's failure; a call cut short by the client's deadline says so."""
+        err = backend_error(b, what, e)
+        if (
+            isinstance(e, grpc.aio.AioRpcError)
+            and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            and self.deadline is not None
+            and time.monotonic() >= self.deadline - 0.05
+        ):
+            return DriverError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed while {what} on {b.label}"
+            )
+        return err
 
     # -- public ------------------------------------------------------------------------
     async def run(self) -> AsyncIterator[list[int]]:
@@ -191,7 +215,7 @@ class RequestDriver:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                err = backend_error(b, what, e)
+                err = self._error(b, what, e)
                 self.events.put_nowait(_Failure(err.code, err.message))
 
         task = asyncio.create_task(run())
@@ -207,7 +231,7 @@ class RequestDriver:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                err = backend_error(self.path.draft, what, e)
+                err = self._error(self.path.draft, what, e)
                 if fut is None:
                     self.events.put_nowait(_Failure(err.code, err.message))
                 elif not fut.done():
@@ -247,7 +271,7 @@ class RequestDriver:
         results = await asyncio.gather(*calls, return_exceptions=True)
         for s, r in zip(stages, results, strict=True):
             if isinstance(r, BaseException):
-                raise backend_error(s, "opening the request", r)
+                raise self._error(s, "opening the request", r)
         if self.draft is not None:
             draft = self.draft
             req = draft_pb2.OpenDraftRequest(

@@ -8,6 +8,7 @@ import itertools
 import logging
 import math
 import secrets
+import time
 from pathlib import Path as FsPath
 
 import grpc
@@ -261,7 +262,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}")
         rid = self._ids.next()
         events = self.inbox.open(rid)
-        driver = RequestDriver(rid, path, plan, self.transport.address, events)
+        remaining = context.time_remaining()  # None: the client set no deadline
+        deadline = None if remaining is None else time.monotonic() + remaining
+        driver = RequestDriver(rid, path, plan, self.transport.address, events, deadline=deadline)
         self.drivers[rid] = driver
         log.info(
             "%s: %s, %d prompt tokens, %d new",

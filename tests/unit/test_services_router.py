@@ -72,3 +72,52 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
     done = collector.completion
     assert done.speculation() == {"regrowths": 3, "steady_tokens_per_step": 0.75}
     assert "regrowths" not in done.summary()  # the `generate --json` stats keys stay as they are
+
+
+class _RecordingStub:
+    """A stage stub that records the timeout of every call."""
+
+    def __init__(self) -> None:
+        self.timeouts: list[float] = []
+
+    async def Open(self, request, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+    async def Feed(self, request, timeout: float) -> None:
+        self.timeouts.append(timeout)
+
+
+def _open_timeouts(deadline_in: float | None) -> list[float]:
+    """Timeouts a request's first stage calls get, with the client's deadline that far off."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from specpipe.common.decoding import DecodeOptions, Mode
+    from specpipe.services.router.backends import Path
+    from specpipe.services.router.driver import Plan, RequestDriver
+
+    stub = _RecordingStub()
+    stages = [
+        SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"), active=0)
+        for i in range(2)
+    ]
+    plan = Plan([1, 2, 3, 4, 5], Mode.PP, "pp", DecodeOptions(max_new_tokens=4, prefill_chunk=2))
+
+    async def main() -> None:
+        deadline = None if deadline_in is None else time.monotonic() + deadline_in
+        driver = RequestDriver("r", Path(stages, None), plan, "tcp://r:1", asyncio.Queue(),
+                               deadline=deadline)  # fmt: skip
+        await driver._open()
+        await asyncio.gather(*driver._tasks)
+
+    asyncio.run(main())
+    assert len(stub.timeouts) == 4  # Open on both stages, two prefill chunks
+    return stub.timeouts
+
+
+def test_backend_calls_get_the_rest_of_the_clients_deadline() -> None:
+    assert all(0 < t <= 5.0 for t in _open_timeouts(5.0))
+    assert _open_timeouts(None) == [60.0] * 4  # no client deadline: the cap
+    assert _open_timeouts(500.0) == [60.0] * 4
+    assert all(t == 0.01 for t in _open_timeouts(-1.0))  # already past: fail fast
