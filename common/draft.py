@@ -70,10 +70,10 @@ class DraftRuntime:
         probs = draft_probs(out.logits, temperature)
         k = min(top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1)
-        return Candidates(
+        return Candidates(  # on the CPU, like the router's tree, whatever the model's device
             parent_ids=out.node_ids.repeat_interleave(k),
-            tokens=top.indices.reshape(-1),
-            probs=top.values.reshape(-1),
+            tokens=top.indices.reshape(-1).cpu(),
+            probs=top.values.reshape(-1).cpu(),
         )
 
     def prune(self, request_id: str, prune: Prune) -> None:

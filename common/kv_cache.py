@@ -128,7 +128,7 @@ class TreeKVCache:
         keep_rows = keep.nonzero().squeeze(1)
         order = torch.cat([commit_rows, keep_rows])
         nc = self.n_committed
-        src = nc + order
+        src = (nc + order).to(self.k.device)  # row bookkeeping is on the CPU, K/V may not be
         dst = slice(nc, nc + order.numel())
         self.k[:, :, dst] = self.k.index_select(2, src)
         self.v[:, :, dst] = self.v.index_select(2, src)

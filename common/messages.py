@@ -41,7 +41,7 @@ class Activation:
         """The same activation restricted to `rows` (tree activations only)."""
 
         def pick(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.index_select(0, rows)
+            return None if t is None else t.index_select(0, rows.to(t.device))
 
         return Activation(
             request_id=self.request_id,

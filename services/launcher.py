@@ -79,6 +79,7 @@ class LocalDeployment:
         host: str = "127.0.0.1",
         dtype: str = "float32",
         threads: int | None = None,
+        device: str = "cpu",
         log_dir: str | Path | None = None,
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
@@ -96,6 +97,7 @@ class LocalDeployment:
         if layers and len(self.ranges) != stages:
             raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")
         self.transport, self.host, self.dtype = transport, host, dtype
+        self.device = device  # every stage and the draft (one GPU shared on one host)
         self.router_port = router_port
         cpus = os.cpu_count() or 1
         self.threads = threads or max(1, cpus // (stages + (1 if self.draft else 0)))
@@ -136,7 +138,7 @@ class LocalDeployment:
             raise
 
     def _start(self) -> str:
-        common = ["--host", self.host, "--threads", str(self.threads)]
+        common = ["--host", self.host, "--threads", str(self.threads), "--device", self.device]
         stage_addrs = []
         for i, r in enumerate(self.ranges):
             port, data_port = free_port(self.host), free_port(self.host)

@@ -46,3 +46,23 @@ def free_memory_bytes(device: torch.device | str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def resolve_device(spec: str) -> str:
+    """The torch device a service runs on: `cpu`, `cuda`, `cuda:N`, or `auto` (cuda when
+    available, else cpu). Raises ValueError with a one-line reason for anything else, or
+    for CUDA on a machine without it (better at start-up than at the first request)."""
+    text = spec.strip().lower()
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text == "cpu":
+        return "cpu"
+    kind, colon, index = text.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"unknown device {spec!r} (choose cpu, cuda, cuda:N or auto)")
+    if not torch.cuda.is_available():
+        why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+        raise ValueError(f"device {spec!r} needs CUDA, and {why} here (use --device cpu or auto)")
+    if colon and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {spec!r}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return text

@@ -49,7 +49,12 @@ async def run_stage(args) -> None:
     if args.model:
         layers = _parse_range(args.layers) if args.layers else None
         model = load_model(
-            args.model, layers, args.dtype, args.model_id, max_cache_bytes=_gib(args.max_cache_gib)
+            args.model,
+            layers,
+            args.dtype,
+            args.model_id,
+            device=args.device,
+            max_cache_bytes=_gib(args.max_cache_gib),
         )
     svc = StageService(
         model,
@@ -57,6 +62,7 @@ async def run_stage(args) -> None:
         bind_host=args.host,
         advertise_host=args.advertise_host,
         max_cache_bytes=_gib(args.max_cache_gib),
+        device=args.device,
     )
     port = await svc.start(args.host, args.port, args.data_port)
     addr = f"{svc.transport.advertise_host}:{port}"
@@ -72,7 +78,11 @@ async def run_draft(args) -> None:
     from .draft_service import DraftService
 
     svc = DraftService(
-        args.model, args.dtype, args.model_id, max_cache_bytes=_gib(args.max_cache_gib)
+        args.model,
+        args.dtype,
+        args.model_id,
+        device=args.device,
+        max_cache_bytes=_gib(args.max_cache_gib),
     )
     port = await svc.start(args.host, args.port)
     addr = f"{args.advertise_host or _local(args.host)}:{port}"

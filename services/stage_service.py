@@ -118,20 +118,22 @@ class StageService(stage_pb2_grpc.StageServicer):
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         max_cache_bytes: int | None = None,
+        device: str | None = None,
     ) -> None:
         self.model = model
         self.max_cache_bytes = max_cache_bytes
+        # Where Configure loads models (default: where the given model lives, else cpu).
+        self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, _Request] = {}
         self._background: set[asyncio.Task] = set()
         # One model forward at a time, off the event loop (gRPC stays responsive).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
-        device = str(model.runtime.model.device) if model else "cpu"
         self.transport: Transport = make_transport(
             transport_kind,
             self._on_frame,
             bind_host=bind_host,
             advertise_host=advertise_host,
-            device=device,
+            device=str(model.runtime.model.device) if model else self.device,
         )
         self.server = Server([SERVICE_NAME])
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
@@ -174,7 +176,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             ready=self.model is not None,
         )
         if self.model is None:
-            desc.free_memory_bytes = free_memory_bytes("cpu")
+            desc.free_memory_bytes = free_memory_bytes(self.device)
             return desc
         info = self.runtime.info()
         desc.model_id = self.model.model_id
@@ -208,6 +210,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     layers,
                     request.dtype or "float32",
                     request.model_id,
+                    device=self.device,
                     max_cache_bytes=self.max_cache_bytes,
                 ),
             )
@@ -320,7 +323,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                         st.request_id, seq, item.after_prune, st.applied, item.act.node_ids.tolist(),
                     )  # fmt: skip
                 if not item.empty:
-                    out = await loop.run_in_executor(self._executor, rt.forward, item.act)
+                    out = await loop.run_in_executor(self._executor, self._compute, item.act)
                 if st.closed:
                     return
                 await self._send(st, seq, item.after_prune, out)
@@ -331,6 +334,27 @@ class StageService(stage_pb2_grpc.StageServicer):
         except (RequestError, CacheError, FrameError, RuntimeError, ValueError) as e:
             log.exception("request %s failed", st.request_id)
             self._report(st, f"{self.name} failed: {e}")
+
+    def _compute(self, act: Activation) -> Activation | None:
+        """The forward, on the compute thread, with its output made ready to send."""
+        return self._for_wire(self.runtime.forward(act))
+
+    def _for_wire(self, out: Activation | None) -> Activation | None:
+        """Put device outputs where the transport sends from, still on the compute thread
+        (a device-to-host copy waits for the GPU; the event loop must not). TCP, and UCX
+        without a CUDA transport, send host memory; UCX with one reads the device buffer
+        itself, once the stream has finished writing it."""
+        if out is None:
+            return None
+        for name in ("hidden", "logits"):
+            t = getattr(out, name)
+            if t is None or t.device.type == "cpu":
+                continue
+            if self.transport.host_payloads:
+                setattr(out, name, t.cpu())
+            elif t.device.type == "cuda":
+                torch.cuda.current_stream(t.device).synchronize()
+        return out
 
     async def _send(self, st: _Request, seq: int, after_prune: int, out: Activation | None) -> None:
         if self.runtime.is_last:

@@ -43,6 +43,16 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget")
+    _device_arg(p)
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
+        "(cuda if available, else cpu)",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
+    _device_arg(p)
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.set_defaults(func=_cmd_up)
@@ -137,6 +148,15 @@ def _prepare(args: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
 
 
+def _device(spec: str) -> str:
+    from specpipe.services.modelinfo import resolve_device
+
+    try:
+        return resolve_device(spec)
+    except ValueError as e:
+        raise CliError(f"--device: {e}") from None
+
+
 def _resolve(spec: str | None) -> str | None:
     if spec is None:
         return None
@@ -148,6 +168,7 @@ def _resolve(spec: str | None) -> str | None:
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_stage
 
+    args.device = _device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_stage(args))
@@ -157,6 +178,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 def _cmd_draft(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_draft
 
+    args.device = _device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_draft(args))
@@ -179,6 +201,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from specpipe.services.launcher import LaunchError, LocalDeployment
 
     transport = args.transport
+    device = _device(args.device)
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     try:
@@ -192,6 +215,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             host=args.host,
             dtype=args.dtype,
             threads=args.threads or None,
+            device=device,
             log_dir=args.log_dir,
             startup_timeout=args.startup_timeout,
         )
@@ -200,7 +224,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(
         f"starting {len(dep.ranges)} stages "
         f"({', '.join(f'{r.start}:{r.end}' for r in dep.ranges)}), "
-        f"draft={draft}, transport={transport} ...",
+        f"draft={draft}, transport={transport}, device={device} ...",
         file=sys.stderr,
         flush=True,
     )

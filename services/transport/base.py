@@ -61,8 +61,16 @@ class Transport(ABC):
         self.advertise_host = advertise_host or (
             "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
         )
-        self.device = device  # where received payloads are placed (GPU buffers with UCX)
+        # Where received payloads are placed: host memory unless the transport moves
+        # device memory itself (UCX with a CUDA transport); compute moves them on.
+        self.device = device
         self.port = 0
+
+    @property
+    def host_payloads(self) -> bool:
+        """Whether payloads must be in host memory to be sent (senders copy device
+        tensors first); received payloads are then in host memory too."""
+        return True
 
     @property
     def address(self) -> str:

@@ -3,9 +3,12 @@ and TCP otherwise (DESIGN 5).
 
 A frame is three tagged messages on one endpoint: a 16-byte preamble (header and
 payload lengths), the protobuf header, then the payload sent straight from the
-tensor's memory (a numpy view on CPU, the CUDA buffer on GPU). The receiver allocates
-the payload on its own device and receives into it. Messages of one endpoint are
-matched in order, so frames to one address arrive in the order they were sent.
+tensor's memory (a numpy view on CPU). GPU tensors go as CUDA buffers, and receivers
+on a GPU receive into one, only when `UCX_TLS` names a CUDA transport (`cuda_copy`,
+`cuda_ipc`, or `all`); otherwise (the default, `UCX_TLS=tcp`) UCX would read a device
+pointer as host memory, so payloads are staged through host memory like TCP's.
+Messages of one endpoint are matched in order, so frames to one address arrive in the
+order they were sent.
 """
 
 from __future__ import annotations
@@ -116,6 +119,14 @@ def _ucxx():
     return ucxx
 
 
+def gpu_direct() -> bool:
+    """Whether UCX is configured to move CUDA memory itself (see the module docstring)."""
+    tls = os.environ.get("UCX_TLS", "")
+    if tls.startswith("^"):
+        return False  # an exclusion list: cannot tell, stage through host memory
+    return any(t.strip() == "all" or t.strip().startswith("cuda") for t in tls.split(","))
+
+
 def available() -> bool:
     try:
         import ucxx  # noqa: F401
@@ -134,6 +145,10 @@ class UcxTransport(Transport):
         self._locks: dict[str, asyncio.Lock] = {}
         self._handlers: set[asyncio.Task] = set()
         self._peers: set = set()  # endpoints that connected to our listener
+
+    @property
+    def host_payloads(self) -> bool:
+        return not gpu_direct()
 
     async def start(self, port: int = 0) -> str:
         ucxx = _ucxx()
@@ -179,7 +194,7 @@ class UcxTransport(Transport):
                 if plen:
                     buf = (
                         np.empty(plen, dtype=np.uint8)
-                        if self.device == "cpu"
+                        if self.device == "cpu" or self.host_payloads
                         else torch.empty(plen, dtype=torch.uint8, device=self.device)
                     )
                     _kick()
@@ -212,9 +227,9 @@ class UcxTransport(Transport):
     ) -> None:
         if payload is None or payload.numel() == 0:
             buf = None
-        elif payload.device.type == "cpu":
-            buf = payload_bytes(payload)
-        else:  # CUDA buffers go as they are (UCX_TLS must include a CUDA transport)
+        elif payload.device.type == "cpu" or self.host_payloads:
+            buf = payload_bytes(payload.cpu())  # stages copy device outputs before this
+        else:  # CUDA buffers go as they are (UCX_TLS names a CUDA transport)
             buf = payload.reshape(-1).view(torch.uint8)
         hb = np.frombuffer(header.SerializeToString(), dtype=np.uint8)
         pre = np.array([hb.nbytes, 0 if buf is None else buf.nbytes], dtype=np.uint64)

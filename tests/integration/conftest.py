@@ -51,8 +51,9 @@ def start(target: Path, draft, stages: int, transport: str, **kw) -> LocalDeploy
 
 @pytest.fixture(scope="session")
 def tcp_deployment(text_model_dir: Path) -> Iterator[LocalDeployment]:
-    """2 stages over TCP, the target itself as draft (long hit streaks, deep trees)."""
-    dep = start(text_model_dir, "oracle", 2, "tcp")
+    """2 stages over TCP, the target itself as draft (long hit streaks, deep trees);
+    `--device auto` (the CPU here)."""
+    dep = start(text_model_dir, "oracle", 2, "tcp", device="auto")
     try:
         yield dep
     finally:

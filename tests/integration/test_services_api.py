@@ -219,6 +219,25 @@ def test_health_and_reflection_on_every_service(tcp_deployment) -> None:
             assert {service, "grpc.health.v1.Health"} <= names
 
 
+def test_stages_and_draft_run_on_the_device_they_were_given(tcp_deployment) -> None:
+    import torch
+    from specpipe.services.modelinfo import resolve_device
+    from specpipe.v1 import dataplane_pb2
+
+    from .conftest import service_stub
+
+    want = torch.device(resolve_device("auto")).type  # the fixture's --device auto
+    for name in ("stage0", "stage1", "draft"):
+        argv = tcp_deployment.children[name].argv
+        assert argv[argv.index("--device") + 1] == "auto"
+        kind = "draft" if name == "draft" else "stage"
+        ch, stub = service_stub(tcp_deployment.children[name].info["grpc"], kind)
+        with ch:
+            desc = stub.Describe(dataplane_pb2.DescribeRequest(), timeout=5)
+        assert torch.device(desc.device).type == want, (name, desc.device)
+        assert desc.free_memory_bytes > 0
+
+
 def test_draft_mode_without_a_draft_is_a_failed_precondition() -> None:
     from specpipe.services.client.errors import error_from_rpc
 

@@ -1,0 +1,116 @@
+"""`--device` of the stage and draft services: validation (one-line error, exit 2), the
+UCX choice between GPU buffers and host staging, and, where CUDA exists, the engine and
+a stage's outputs on a GPU (skipped on machines without one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specpipe.services.modelinfo import resolve_device
+
+from specpipe.cli import main
+
+CUDA = torch.cuda.is_available()
+
+
+def test_resolve_device_without_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == "cpu"
+    assert resolve_device(" CPU ") == "cpu"
+    for spec in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="needs CUDA"):
+            resolve_device(spec)
+    for spec in ("tpu", "gpu", "cuda:x", "cuda:", "", "mps"):
+        with pytest.raises(ValueError, match="unknown device"):
+            resolve_device(spec)
+
+
+def test_resolve_device_with_cuda(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == "cuda"
+    assert resolve_device("cuda") == "cuda"
+    assert resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match="2 GPU"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stage", "--layers", "0:2", "--device", "tpu"],
+        ["draft", "--device", "cuda:x"],
+        ["up", "--draft", "oracle", "--device", "nope"],
+        *([] if CUDA else [["stage", "--device", "cuda"], ["draft", "--device", "cuda:0"]]),
+    ],
+)
+def test_bad_device_is_one_line_and_exit_2(argv, llama_dir, capsys) -> None:
+    flag = "--target" if argv[0] == "up" else "--model"
+    code = main([*argv, flag, str(llama_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("specpipe: error: --device:") and err.count("\n") == 1, err
+
+
+def test_ucx_moves_gpu_buffers_only_with_a_cuda_transport(monkeypatch) -> None:
+    from specpipe.services.transport.ucx import gpu_direct
+
+    for tls, direct in [
+        ("tcp", False),
+        ("rc,tcp", False),
+        ("tcp,cuda_copy", True),
+        ("rc,cuda_copy,cuda_ipc", True),
+        ("all", True),
+        ("^cuda_ipc", False),
+    ]:
+        monkeypatch.setenv("UCX_TLS", tls)
+        assert gpu_direct() is direct, tls
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_stages_on_cuda_match_cpu(llama_dir) -> None:
+    """Two stages with model and caches on the GPU: prefill, a tree layer, a prune
+    (index_select on device K/V) and a late activation whose device hidden states a prune
+    filters; the logits are the CPU's."""
+    from specpipe.common.messages import Activation, Prune
+    from specpipe.common.model import LayerRange, load_stage
+    from specpipe.common.stage import StageRuntime
+
+    t = torch.tensor
+    outs = {}
+    for device in ("cpu", "cuda"):
+        a, b = (
+            StageRuntime(load_stage(llama_dir, LayerRange(x, y, 5), torch.float32, device))
+            for x, y in ((0, 2), (2, 5))
+        )
+        for s in (a, b):
+            s.open("r", 32)
+        b.forward(a.forward(Activation("r", t([0, 1]), committed=True, tokens=t([5, 9]))))
+        tree = Activation("r", t([2, 3, 3]), node_ids=t([0, 1, 2]), parent_ids=t([-1, 0, 0]),
+                          tokens=t([13, 7, 8]))  # fmt: skip
+        first = b.forward(a.forward(tree))
+        late = a.forward(Activation("r", t([4, 4]), node_ids=t([3, 4]), parent_ids=t([1, 2]),
+                                    tokens=t([11, 12])))  # fmt: skip
+        assert late.hidden.device.type == torch.device(device).type
+        for s in (a, b):
+            s.prune("r", Prune(t([0]), t([1, 3]), horizon=4))
+        second = b.forward(late)  # node 4 was pruned while in flight
+        assert second.node_ids.tolist() == [3]
+        outs[device] = (first.logits.cpu(), second.logits.cpu())
+    for x, y in zip(outs["cpu"], outs["cuda"], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_stage_service_sends_gpu_outputs_from_host_memory_over_tcp(llama_dir) -> None:
+    from specpipe.common.messages import Activation
+    from specpipe.services.stage_service import StageService, load_model
+
+    svc = StageService(load_model(llama_dir, (0, 2), device="cuda"), transport_kind="tcp")
+    assert svc.transport.host_payloads
+    rt = svc.runtime
+    rt.open("r", 8)
+    t = torch.tensor
+    out = svc._compute(Activation("r", t([0, 1]), committed=True, tokens=t([5, 9])))
+    assert out.hidden.device.type == "cpu" and rt.model.device.type == "cuda"
