@@ -22,7 +22,7 @@ from specpipe.common.stage import RequestError
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .grpc_util import Server
+from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes, weight_fingerprint
 from .transport import FrameError
 from .transport.codec import prune_from_proto, token_activation
@@ -46,6 +46,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self.draining = False
         self.server = Server([SERVICE_NAME])
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
 
@@ -53,6 +54,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         port = await self.server.start(host, port)
         await self.server.set_serving(True)
         return port
+
+    async def drain(self, seconds: float) -> None:
+        """Graceful shutdown, first half: NOT_SERVING, refuse new requests, and keep
+        serving open ones until their router releases them or `seconds` pass."""
+        self.draining = True
+        await self.server.enter_drain()
+        await wait_until_idle(lambda: self.runtime.runtime.info().active_requests, seconds)
 
     async def stop(self) -> None:
         await self.server.stop()
@@ -89,6 +97,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         )
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "draft is shutting down (draining): open the request on another replica",
+            )
         rid = request.request_id
         if not rid or request.capacity <= 0 or not request.prompt_ids:
             await context.abort(

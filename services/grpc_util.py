@@ -3,8 +3,10 @@ channels with raised message caps, and status-code mapping of engine errors."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -56,9 +58,22 @@ class Server:
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
+    async def enter_drain(self) -> None:
+        """NOT_SERVING for good (later `set_serving` calls are ignored): load balancers and
+        routers stop sending new work while open work finishes."""
+        await self.health.enter_graceful_shutdown()
+
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+
+
+async def wait_until_idle(open_work: Callable[[], int], seconds: float) -> int:
+    """Wait until `open_work()` is 0 or `seconds` pass; returns what is still open."""
+    deadline = time.monotonic() + seconds
+    while open_work() and time.monotonic() < deadline:
+        await asyncio.sleep(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    return open_work()
 
 
 def channel(address: str) -> grpc.aio.Channel:

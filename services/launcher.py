@@ -80,6 +80,7 @@ class LocalDeployment:
         dtype: str = "float32",
         threads: int | None = None,
         device: str = "cpu",
+        drain_seconds: float = 25.0,
         log_dir: str | Path | None = None,
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
@@ -98,6 +99,7 @@ class LocalDeployment:
             raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")
         self.transport, self.host, self.dtype = transport, host, dtype
         self.device = device  # every stage and the draft (one GPU shared on one host)
+        self.drain_seconds = drain_seconds
         self.router_port = router_port
         cpus = os.cpu_count() or 1
         self.threads = threads or max(1, cpus // (stages + (1 if self.draft else 0)))
@@ -138,7 +140,10 @@ class LocalDeployment:
             raise
 
     def _start(self) -> str:
-        common = ["--host", self.host, "--threads", str(self.threads), "--device", self.device]
+        drain = ["--drain-seconds", str(self.drain_seconds)]
+        common = [
+            "--host", self.host, "--threads", str(self.threads), "--device", self.device, *drain,
+        ]  # fmt: skip
         stage_addrs = []
         for i, r in enumerate(self.ranges):
             port, data_port = free_port(self.host), free_port(self.host)
@@ -165,6 +170,7 @@ class LocalDeployment:
             "--transport", self.transport,
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
+            *drain,
         ]  # fmt: skip
         if self.draft is not None:
             port = free_port(self.host)
@@ -249,8 +255,11 @@ class LocalDeployment:
             child.proc.kill()
             child.proc.wait()
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every child (router first), SIGKILL what is left after `grace`."""
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM every child (router first; each drains its open requests), SIGKILL
+        what is left after `grace` (default: the drain time plus 5 s)."""
+        if grace is None:
+            grace = self.drain_seconds + 5.0
         order = ["router", *[n for n in self.children if n != "router"]]
         procs = [self.children[n].proc for n in order if n in self.children]
         for p in procs:

@@ -1,6 +1,8 @@
 """Process entry points of the three services (used by `specpipe stage|draft|router`).
 
-Each runs one asyncio loop until SIGINT/SIGTERM, then stops gracefully. With
+Each runs one asyncio loop until SIGINT/SIGTERM, then drains (NOT_SERVING in gRPC
+health, new requests refused with UNAVAILABLE, open ones finish for up to
+`--drain-seconds`) and stops; a second signal stops at once. With
 `ready_file`, the process writes its addresses there once it serves, which is how
 `specpipe up` and the tests learn that a child is up.
 """
@@ -33,13 +35,29 @@ def write_ready(path: str | None, **info) -> None:
     tmp.replace(path)
 
 
-async def _until_stopped() -> None:
-    stop = asyncio.Event()
+async def _serve_until_stopped(svc, drain_seconds: float) -> None:
+    """Serve until SIGTERM/SIGINT, drain for up to `drain_seconds` (a second signal cuts
+    the drain short), then stop. Returns normally, so the process exits 0."""
+    signals = [asyncio.Event(), asyncio.Event()]  # first, second signal
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        signals[1 if signals[0].is_set() else 0].set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+            loop.add_signal_handler(sig, on_signal)
+    try:
+        await signals[0].wait()
+        log.info("stopping: draining for up to %.0f s (signal again to stop now)", drain_seconds)
+        drain = asyncio.ensure_future(svc.drain(drain_seconds))
+        hurry = asyncio.ensure_future(signals[1].wait())
+        await asyncio.wait({drain, hurry}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (drain, hurry):
+            task.cancel()
+        await asyncio.gather(drain, hurry, return_exceptions=True)
+    finally:
+        await svc.stop()
 
 
 async def run_stage(args) -> None:
@@ -68,10 +86,7 @@ async def run_stage(args) -> None:
     addr = f"{svc.transport.advertise_host}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
-    try:
-        await _until_stopped()
-    finally:
-        await svc.stop()
+    await _serve_until_stopped(svc, args.drain_seconds)
 
 
 async def run_draft(args) -> None:
@@ -88,10 +103,7 @@ async def run_draft(args) -> None:
     addr = f"{args.advertise_host or _local(args.host)}:{port}"
     write_ready(args.ready_file, grpc=addr)
     log.info("draft %s ready at %s", svc.model_id, addr)
-    try:
-        await _until_stopped()
-    finally:
-        await svc.stop()
+    await _serve_until_stopped(svc, args.drain_seconds)
 
 
 async def run_router(args) -> None:
@@ -110,10 +122,7 @@ async def run_router(args) -> None:
     addr = f"{args.advertise_host or _local(args.host)}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
-    try:
-        await _until_stopped()
-    finally:
-        await svc.stop()
+    await _serve_until_stopped(svc, args.drain_seconds)
 
 
 def _local(host: str) -> str:

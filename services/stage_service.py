@@ -26,7 +26,7 @@ from specpipe.common.stage import RequestError, StageRuntime
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
-from .grpc_util import Server
+from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes, weight_fingerprint
 from .transport import Frame, FrameError, Transport, TransportError, decode, make_transport
 from .transport.codec import (
@@ -125,6 +125,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, _Request] = {}
+        self.draining = False
         self._background: set[asyncio.Task] = set()
         # One model forward at a time, off the event loop (gRPC stays responsive).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -145,6 +146,13 @@ class StageService(stage_pb2_grpc.StageServicer):
         await self.server.set_serving(self.model is not None)
         log.info("%s serving on %s, data plane %s", self.name, port, self.transport.address)
         return port
+
+    async def drain(self, seconds: float) -> None:
+        """Graceful shutdown, first half: NOT_SERVING, refuse new requests, and keep
+        computing open ones until their router releases them or `seconds` pass."""
+        self.draining = True
+        await self.server.enter_drain()
+        await wait_until_idle(lambda: len(self._requests), seconds)
 
     async def stop(self) -> None:
         await self.server.stop()
@@ -195,6 +203,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is shutting down")
         if self._requests:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -221,6 +231,11 @@ class StageService(stage_pb2_grpc.StageServicer):
         return self._describe()
 
     async def Open(self, request, context) -> stage_pb2.OpenStageResponse:
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.name} is shutting down (draining): open the request on another replica",
+            )
         if self.model is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no model is loaded")
         rid = request.request_id

@@ -11,6 +11,7 @@ import sys
 from specpipe.cli import CliError, _parse_ids, _positive_int
 
 DEFAULT_ROUTER_PORT = 50051
+DEFAULT_DRAIN_SECONDS = 25.0
 
 
 def _default_transport() -> str:
@@ -31,6 +32,13 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
             default=None,
             help="data plane (default: ucx if installed)",
         )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_SECONDS,
+        help="on SIGTERM: NOT_SERVING, refuse new requests, let open ones finish this long "
+        "(keep it below the pod's terminationGracePeriodSeconds)",
+    )
     p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
     p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
 
@@ -93,6 +101,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
     _device_arg(p)
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_SECONDS,
+        help="on Ctrl-C/SIGTERM: how long open requests may finish before the processes stop",
+    )
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.set_defaults(func=_cmd_up)
@@ -216,6 +230,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             threads=args.threads or None,
             device=device,
+            drain_seconds=args.drain_seconds,
             log_dir=args.log_dir,
             startup_timeout=args.startup_timeout,
         )

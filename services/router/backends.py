@@ -35,6 +35,7 @@ class Backend:
     error: str = "not contacted yet"
     slow_checks: int = 0
     active: int = 0  # requests of this router on this replica
+    draining: bool = False  # reports NOT_SERVING: takes no new requests, finishes its own
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -210,26 +211,33 @@ class Backends:
             resp = await b.health.Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout
             )
-            ok, err = resp.status == SERVING, "reports NOT_SERVING"
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 b.slow_checks += 1
                 if b.slow_checks < 3:
                     return  # busy, not necessarily dead
-            ok, err = False, rpc_error_text(e)
-        if ok:
-            b.slow_checks = 0
-            if not b.healthy:
-                try:  # it came back, maybe restarted: its data address may have changed
-                    b.desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
-                except grpc.aio.AioRpcError:
-                    return
-                b.healthy, b.error = True, ""
-                log.info("%s is back", b.label)
-        elif b.healthy:
-            b.healthy, b.error = False, err
-            log.warning("%s is down: %s", b.label, err)
-            self.on_down(b, err)
+            if b.healthy or b.draining:
+                err = rpc_error_text(e)
+                b.healthy, b.draining, b.error = False, False, err
+                log.warning("%s is down: %s", b.label, err)
+                self.on_down(b, err)
+            return
+        b.slow_checks = 0
+        if resp.status != SERVING:
+            # Draining (shutting down): no new requests go there, but it still serves the
+            # ones it has, so they are not failed; if it dies, the next check says so.
+            if b.healthy:
+                log.warning("%s reports NOT_SERVING (draining?)", b.label)
+            b.healthy, b.draining = False, True
+            b.error = "reports NOT_SERVING (shutting down or not loaded)"
+            return
+        if not b.healthy:
+            try:  # it came back, maybe restarted: its data address may have changed
+                b.desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
+            except grpc.aio.AioRpcError:
+                return
+            b.healthy, b.draining, b.error = True, False, ""
+            log.info("%s is back", b.label)
 
     async def close(self) -> None:
         if self._monitor is not None:

@@ -17,7 +17,7 @@ from specpipe.common.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from ..grpc_util import Server
+from ..grpc_util import Server, wait_until_idle
 from ..transport import Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .driver import DriverError, Plan, RequestDriver
@@ -99,6 +99,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.drivers: dict[str, RequestDriver] = {}
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
+        self.draining = False
         self.server = Server([SERVICE_NAME])
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
@@ -129,9 +130,22 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         await self._readiness(self.backends.ready)
         return port
 
+    async def drain(self, seconds: float) -> None:
+        """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
+        let open ones finish for up to `seconds` (then `stop` fails what is left)."""
+        self.draining = True
+        await self.server.enter_drain()
+        log.info("draining %d open requests for up to %.0f s", len(self.drivers), seconds)
+        left = await wait_until_idle(lambda: len(self.drivers), seconds)
+        if left:
+            log.warning("drain deadline passed with %d requests open", left)
+
     async def stop(self) -> None:
         for d in list(self.drivers.values()):
-            d.fail(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+            d.fail(
+                grpc.StatusCode.UNAVAILABLE,
+                "the router shut down before this request finished (retry it)",
+            )
         await self.server.stop()
         if self._cleanup:
             await asyncio.wait(self._cleanup, timeout=5.0)
@@ -253,6 +267,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        if self.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the router is shutting down (draining its open requests): "
+                "send new requests to another replica",
+            )
         try:
             plan = self.plan(request)
             path = self.backends.path()

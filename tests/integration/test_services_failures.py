@@ -1,6 +1,6 @@
 """A stage dying mid-request: the request fails with UNAVAILABLE within its deadline,
-the router reports NOT_SERVING and refuses new requests clearly; and `specpipe up`
-starts and stops every process."""
+the router reports NOT_SERVING and refuses new requests clearly; `specpipe up` starts
+and stops every process; a router drains its open requests on SIGTERM."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specpipe.client import Client, Unavailable
+
+from .conftest import reference, wait_idle
 
 ENTRY = "import sys; from specpipe.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -83,6 +85,58 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
         assert proc.wait(timeout=30) == 0
         time.sleep(0.2)
         assert not [p for p in pids if _pid_alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_router_drains_on_sigterm(tcp_deployment, tmp_path) -> None:
+    """A second router on the session's stages and draft (two routers sharing stages also
+    need distinct request ids): SIGTERM turns it NOT_SERVING and refuses new requests
+    with UNAVAILABLE, its open request completes with the engine's tokens, and it exits 0."""
+    dep = tcp_deployment
+    ready = tmp_path / "router.ready"
+    stages = ",".join(dep.children[f"stage{i}"].info["grpc"] for i in range(len(dep.ranges)))
+    with (tmp_path / "router.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", ENTRY, "router", "--stages", stages, "--target", str(dep.target),
+             "--draft", dep.children["draft"].info["grpc"], "--transport", "tcp", "--port", "0",
+             "--data-port", "0", "--drain-seconds", "300", "--ready-file", str(ready)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.is_file():
+            assert proc.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.monotonic() < deadline, "the router did not start"
+            time.sleep(0.05)
+        address = json.loads(ready.read_text())["grpc"]
+        prompt = [3, 14, 15]
+        with Client(address, timeout=120) as client, Client(dep.router_address) as other:
+            # pp: one token per pass through both stages, the slowest mode.
+            stream = client.stream(
+                prompt_ids=prompt, mode="pp", max_new_tokens=240, ignore_eos=True
+            )
+            chunks = iter(stream)
+            first = next(chunks)
+            also = other.generate(prompt_ids=prompt, mode="pp", max_new_tokens=4, ignore_eos=True)
+            proc.send_signal(signal.SIGTERM)
+            while _router_status(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "router still reports SERVING"
+                time.sleep(0.02)
+            with pytest.raises(Unavailable) as info:
+                client.generate(prompt_ids=prompt, max_new_tokens=2, timeout=30)
+            assert "shutting down" in info.value.message
+            rest = [t for chunk in chunks for t in chunk.token_ids]
+            done = stream.result()
+        tokens = first.token_ids + rest
+        assert tokens == done.token_ids and done.finish_reason == "length"
+        assert tokens == reference(dep.target, None, 2, prompt, "pp", 240)
+        assert also.token_ids == tokens[:4]
+        assert proc.wait(timeout=60) == 0
+        counts = wait_idle(dep)
+        assert not any(counts.values()), counts
     finally:
         if proc.poll() is None:
             proc.kill()

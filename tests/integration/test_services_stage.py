@@ -185,3 +185,52 @@ def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:
             await svc.stop()
 
     asyncio.run(main())
+
+
+def test_stage_and_draft_drain_refuse_new_requests_and_finish_open_ones(llama_dir) -> None:
+    """SIGTERM's first half: NOT_SERVING at once, Open refused UNAVAILABLE, open requests
+    keep being served; the drain ends when the router releases them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from specpipe.services.draft_service import DraftService
+    from specpipe.v1 import draft_pb2, draft_pb2_grpc
+
+    async def main() -> None:
+        stage = StageService(_stage(llama_dir, 0, 5, 5))
+        draft = DraftService(llama_dir)
+        ports = [await stage.start(), await draft.start()]
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
+        s, d = stage_pb2_grpc.StageStub(channels[0]), draft_pb2_grpc.DraftStub(channels[1])
+        health = [health_pb2_grpc.HealthStub(ch) for ch in channels]
+        open_stage = stage_pb2.OpenStageRequest(capacity=16, next_hop="tcp://127.0.0.1:9")
+        open_draft = draft_pb2.OpenDraftRequest(capacity=16, prompt_ids=[1, 2, 3])
+        try:
+            open_stage.request_id = open_draft.request_id = "r"
+            await s.Open(open_stage)
+            await d.Open(open_draft)
+            drains = [asyncio.create_task(svc.drain(600)) for svc in (stage, draft)]
+            await asyncio.sleep(0.1)
+            for h in health:
+                resp = await h.Check(health_pb2.HealthCheckRequest(service=""))
+                assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            open_stage.request_id = open_draft.request_id = "new"
+            for call, req in ((s.Open, open_stage), (d.Open, open_draft)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call(req)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in info.value.details()
+            # The open request is still served while draining.
+            await s.Feed(_feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9]))
+            layer = rows_to_proto(_rows([3], [0], [-1]))
+            await d.Propose(draft_pb2.ProposeRequest(request_id="r", rows=layer, token_ids=[3],
+                                                     top_k=2))  # fmt: skip
+            assert not any(t.done() for t in drains)
+            await s.Release(pb.RequestRef(request_id="r"))
+            await d.Release(pb.RequestRef(request_id="r"))
+            await asyncio.wait_for(asyncio.gather(*drains), 30)
+        finally:
+            for ch in channels:
+                await ch.close()
+            await stage.stop()
+            await draft.stop()
+
+    asyncio.run(main())
