@@ -4,6 +4,8 @@ a stage's outputs on a GPU (skipped on machines without one)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from specpipe.services.modelinfo import resolve_device
@@ -107,10 +109,13 @@ def test_stage_service_sends_gpu_outputs_from_host_memory_over_tcp(llama_dir) ->
     from specpipe.common.messages import Activation
     from specpipe.services.stage_service import StageService, load_model
 
-    svc = StageService(load_model(llama_dir, (0, 2), device="cuda"), transport_kind="tcp")
-    assert svc.transport.host_payloads
-    rt = svc.runtime
-    rt.open("r", 8)
-    t = torch.tensor
-    out = svc._compute(Activation("r", t([0, 1]), committed=True, tokens=t([5, 9])))
-    assert out.hidden.device.type == "cpu" and rt.model.device.type == "cuda"
+    async def main() -> None:  # gRPC's asyncio server needs a running loop
+        svc = StageService(load_model(llama_dir, (0, 2), device="cuda"), transport_kind="tcp")
+        assert svc.transport.host_payloads
+        rt = svc.runtime
+        rt.open("r", 8)
+        t = torch.tensor
+        out = svc._compute(Activation("r", t([0, 1]), committed=True, tokens=t([5, 9])))
+        assert out.hidden.device.type == "cpu" and rt.model.device.type == "cuda"
+
+    asyncio.run(main())

@@ -25,14 +25,24 @@ def test_request_ids_of_one_router_count_up() -> None:
     assert [r.next() for _ in range(3)] == [f"{r.prefix}-{i}" for i in range(3)]
 
 
-def _router():
+def _with_router(fn):
+    """fn(router) for a router that knows its model (built in a running event loop, as
+    gRPC's asyncio objects need one)."""
+    import asyncio
+
     from specpipe.services.router.backends import ModelInfo
     from specpipe.services.router.service import RouterService
 
-    svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
-    svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
-                          eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
-    return svc
+    async def main():
+        svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
+        svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
+                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
+        try:
+            return fn(svc)
+        finally:
+            await svc.backends.close()
+
+    return asyncio.run(main())
 
 
 def test_router_defaults_are_the_engines() -> None:
@@ -43,13 +53,14 @@ def test_router_defaults_are_the_engines() -> None:
 
     req = build_request(prompt_ids=[1, 2, 3], max_new_tokens=4)
     assert not req.HasField("top_k_children") and not req.HasField("width")
-    opts = _router().plan(req).opts
+    opts = _with_router(lambda r: r.plan(req)).opts
     engine = DecodeOptions(max_new_tokens=4)
     assert opts.top_k_children == engine.top_k_children == 64
     assert opts.width == engine.width
     assert opts.specinfer_depth == engine.specinfer_depth
     assert opts.prefill_chunk == engine.prefill_chunk
-    explicit = _router().plan(build_request(prompt_ids=[1], max_new_tokens=4, top_k_children=3))
+    req = build_request(prompt_ids=[1], max_new_tokens=4, top_k_children=3)
+    explicit = _with_router(lambda r: r.plan(req))
     assert explicit.opts.top_k_children == 3
 
 
@@ -65,7 +76,7 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
     driver = SimpleNamespace(
         stats=st, out=SimpleNamespace(finish_reason="length"), timing=lambda: (1.0, 2.0)
     )
-    finished = _router()._finished(driver, None, 5)
+    finished = _with_router(lambda r: r._finished(driver, None, 5))
     assert finished.stats.regrowths == 3 and finished.stats.steady_tokens_per_step == 0.75
     collector = _Collector()
     collector.add(gen.GenerateResponse(finished=finished))
