@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass, replace
 
 import torch
+from torch import Tensor
 
 from .kv_cache import CacheError, TreeKVCache
 from .messages import Activation, Prune
@@ -45,6 +46,9 @@ class StageRuntime:
         self.max_cache_bytes = max_cache_bytes if max_cache_bytes is not None else 8 << 30
         self._caches: dict[str, TreeKVCache] = {}
         self._last_prune: dict[str, Prune] = {}
+        # Last stage, requests opened with root_logits_only: tree rows computed before
+        # they became the root, with their final hidden states (logits not yet computed).
+        self._held: dict[str, Activation | None] = {}
         self._lock = threading.Lock()
         self._compute_lock = threading.Lock()
 
@@ -81,8 +85,14 @@ class StageRuntime:
         )
 
     # -- request lifecycle -------------------------------------------------------------
-    def open(self, request_id: str, capacity: int) -> None:
-        """Preallocate the request's cache: `capacity` rows (prompt + output + tree)."""
+    def open(self, request_id: str, capacity: int, root_logits_only: bool = False) -> None:
+        """Preallocate the request's cache: `capacity` rows (prompt + output + tree).
+
+        `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
+        a time): compute and return logits only for tree rows that are the root, i.e. whose
+        parent is committed. Other rows keep their final hidden states until the prune
+        that commits their parent makes them the root (`prune` returns their logits), or
+        drops them. Without it, every tree row's logits come out (specinfer)."""
         need = self.cache_bytes_for(capacity)
         cfg = self.model.cfg
         with self._lock:
@@ -101,10 +111,13 @@ class StageRuntime:
                 dtype=self.model.dtype,
                 device=self.model.device,
             )
+            if root_logits_only and self.is_last:
+                self._held[request_id] = None
 
     def release(self, request_id: str) -> bool:
         with self._lock:
             self._last_prune.pop(request_id, None)
+            self._held.pop(request_id, None)
             return self._caches.pop(request_id, None) is not None
 
     def has_request(self, request_id: str) -> bool:
@@ -122,8 +135,9 @@ class StageRuntime:
         """Node-wise computation: run the rows through this stage's layers.
 
         Returns the activation for the next stage (hidden states), or, on the last stage,
-        logits for every tree node (none for a prefill chunk). Nodes that a prune already
-        applied here has dropped are skipped (they arrived late); None if none are left.
+        logits for every tree node (none for a prefill chunk; only the root's, if any, for
+        a `root_logits_only` request). Nodes that a prune already applied here has dropped
+        are skipped (they arrived late); None if none are left.
         """
         cache = self._cache(act.request_id)
         if len(act) == 0:
@@ -134,6 +148,11 @@ class StageRuntime:
                 act = last_prune.filter(act)
                 if act is None:
                     return None
+            is_root = None
+            if act.request_id in self._held and not act.committed:
+                # Rows whose parent is committed (not a cached or new tree row) are roots.
+                tree = torch.cat([cache.tree_ids, act.node_ids])
+                is_root = ~torch.isin(act.parent_ids, tree)
             if act.committed:
                 start, mask = cache.append_committed(len(act))
             else:
@@ -156,7 +175,28 @@ class StageRuntime:
         if not self.is_last:
             out.hidden = hidden
         elif not act.committed:
+            if is_root is not None:
+                return self._roots_now(out, hidden, is_root)
             out.logits = self.model.logits(hidden)
+        return out
+
+    def _roots_now(self, out: Activation, hidden: Tensor, is_root: Tensor) -> Activation | None:
+        """`root_logits_only`: logits of the root rows; hold the other rows' hidden states."""
+        out.hidden = hidden
+        later = (~is_root).nonzero().squeeze(1)
+        if later.numel():
+            held = self._held[out.request_id]
+            new = out.select(later)
+            self._held[out.request_id] = new if held is None else _concat(held, new)
+        return self._logits_of(out, is_root.nonzero().squeeze(1))
+
+    def _logits_of(self, rows: Activation, idx: Tensor) -> Activation | None:
+        """`rows` (holding final hidden states) restricted to `idx`, with their logits."""
+        if idx.numel() == 0:
+            return None
+        out = rows.select(idx)
+        assert out.hidden is not None
+        out.logits, out.hidden = self.model.logits(out.hidden), None
         return out
 
     @staticmethod
@@ -168,12 +208,39 @@ class StageRuntime:
             keep = cache.tree_ids[: cache.num_tree_rows - len(act)]
             cache.prune(torch.empty(0, dtype=torch.int64), keep)
 
-    def prune(self, request_id: str, prune: Prune) -> None:
-        """Pruning propagation: commit verified nodes, drop the rest of the pruned tree."""
+    @torch.inference_mode()
+    def prune(self, request_id: str, prune: Prune) -> Activation | None:
+        """Pruning propagation: commit verified nodes, drop the rest of the pruned tree.
+
+        For a `root_logits_only` request on the last stage, returns the logits of held
+        rows this prune made the root (their parent was committed), if any."""
         cache = self._cache(request_id)
         with self._compute_lock:
             cache.prune(prune.commit_ids, prune.keep_ids, prune.horizon)
             self._last_prune[request_id] = prune
+            held = self._held.get(request_id)
+            if held is None:
+                return None
+            held = prune.filter(held)
+            if held is None:
+                self._held[request_id] = None
+                return None
+            now_root = torch.isin(held.parent_ids, prune.commit_ids)
+            later = (~now_root).nonzero().squeeze(1)
+            self._held[request_id] = held.select(later) if later.numel() else None
+            return self._logits_of(held, now_root.nonzero().squeeze(1))
+
+
+def _concat(a: Activation, b: Activation) -> Activation:
+    """Tree rows of two activations of one request, in order (hidden states only)."""
+    assert a.hidden is not None and b.hidden is not None
+    return Activation(
+        request_id=a.request_id,
+        positions=torch.cat([a.positions, b.positions]),
+        node_ids=torch.cat([a.node_ids, b.node_ids]),
+        parent_ids=torch.cat([a.parent_ids, b.parent_ids]),
+        hidden=torch.cat([a.hidden, b.hidden]),
+    )
 
 
 __all__ = ["CacheError", "RequestError", "StageInfo", "StageRuntime"]

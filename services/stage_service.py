@@ -5,7 +5,8 @@ turn (`seq`, the order the router created them in) and until the prunes they wer
 created after (`after_prune`) have been applied; prunes are applied in their own order
 as soon as they arrive. The stage computes as soon as an activation is ready (no
 global barrier) and sends the output to the request's next hop; the last stage sends
-logits to the router. Everything else is the engine's `StageRuntime`.
+logits to the router (for specpipe/pp only the root's, possibly once a prune makes a
+computed row the root). Everything else is the engine's `StageRuntime`.
 """
 
 from __future__ import annotations
@@ -246,7 +247,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         if request.capacity <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capacity must be positive")
         try:
-            self.runtime.open(rid, int(request.capacity))
+            self.runtime.open(rid, int(request.capacity), request.root_logits_only)
         except RequestError as e:
             await context.abort(_code_for(e), f"{self.name}: {e}")
         st = _Request(rid, request.next_hop, request.report_to)
@@ -316,13 +317,16 @@ class StageService(stage_pb2_grpc.StageServicer):
     async def _run(self, st: _Request) -> None:
         """Apply prunes in order; compute activations in order once their prunes are in."""
         loop = asyncio.get_running_loop()
-        rt = self.runtime
         try:
             while not st.closed:
                 while st.applied + 1 in st.prunes:
                     prune = st.prunes.pop(st.applied + 1)
-                    await loop.run_in_executor(self._executor, rt.prune, st.request_id, prune)
+                    root = await loop.run_in_executor(
+                        self._executor, self._prune, st.request_id, prune
+                    )
                     st.applied += 1
+                    if root is not None:  # last stage: a held row became the root
+                        await self._send(st, st.next_seq, st.applied, root)
                 item = st.pending.get(st.next_seq)
                 if item is None or item.after_prune > st.applied:
                     st.wake.clear()
@@ -353,6 +357,10 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _compute(self, act: Activation) -> Activation | None:
         """The forward, on the compute thread, with its output made ready to send."""
         return self._for_wire(self.runtime.forward(act))
+
+    def _prune(self, request_id: str, prune: Prune) -> Activation | None:
+        """The prune, on the compute thread; logits it releases are made ready to send."""
+        return self._for_wire(self.runtime.prune(request_id, prune))
 
     def _for_wire(self, out: Activation | None) -> Activation | None:
         """Put device outputs where the transport sends from, still on the compute thread

@@ -263,6 +263,8 @@ class RequestDriver:
                     capacity=self.capacity,
                     next_hop=hop,
                     report_to=self.router_address,
+                    # specpipe/pp verify one root at a time: no logits of other rows.
+                    root_logits_only=self.plan.mode != Mode.SPECINFER,
                 ),
                 timeout=self.rpc_timeout,
             )

@@ -234,3 +234,91 @@ def test_stage_and_draft_drain_refuse_new_requests_and_finish_open_ones(llama_di
             await draft.stop()
 
     asyncio.run(main())
+
+
+def test_last_stage_sends_only_root_logits_when_asked(llama_dir) -> None:
+    """specpipe/pp (`root_logits_only`): a tree layer computed before its parent is
+    verified sends nothing; the prune that commits the parent sends the new root's logits
+    (one row, the engine's); rows a prune drops never send any."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        out = inbox.open("r")
+        router = make_transport("tcp", inbox)
+        router_addr = await router.start()
+        first, last = (
+            StageService(_stage(llama_dir, 0, 2, 5)),
+            StageService(_stage(llama_dir, 2, 5, 5)),
+        )
+        p0, p1 = await first.start(), await last.start()
+        ch0, ch1 = (
+            grpc.aio.insecure_channel(f"127.0.0.1:{p0}"),
+            grpc.aio.insecure_channel(f"127.0.0.1:{p1}"),
+        )
+        s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+
+        async def prune(seq: int, p: Prune) -> None:
+            for stub in (s0, s1):
+                await stub.Prune(pb.PruneRequest(request_id="r", prune=prune_to_proto(p, seq)))
+
+        async def no_frame() -> None:
+            await asyncio.sleep(0.3)
+            assert out.empty()
+
+        try:
+            await s1.Open(
+                stage_pb2.OpenStageRequest(
+                    request_id="r", capacity=64, next_hop=router_addr, root_logits_only=True
+                )
+            )
+            await s0.Open(
+                stage_pb2.OpenStageRequest(
+                    request_id="r", capacity=64, next_hop=last.transport.address
+                )
+            )
+            await s0.Feed(_feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9]))
+            await s0.Feed(_feed(1, 0, _rows([2], [0], [-1]), [13]))  # root
+            await s0.Feed(_feed(2, 0, _rows([3, 3], [1, 2], [0, 0]), [7, 8]))  # children
+            await s0.Feed(_feed(3, 0, _rows([4, 4], [3, 4], [1, 2]), [11, 12]))  # grandchildren
+            root = decode(await asyncio.wait_for(out.get(), 10))
+            assert root.node_ids.tolist() == [0] and root.logits.shape[0] == 1
+            await no_frame()  # children and grandchildren are held, not sent
+            await prune(1, Prune(torch.tensor([0]), torch.tensor([1, 3]), horizon=4))  # hit: 1
+            child = decode(await asyncio.wait_for(out.get(), 10))
+            assert child.node_ids.tolist() == [1] and child.logits.shape[0] == 1
+            await no_frame()
+            await prune(2, Prune(torch.tensor([1]), torch.tensor([3]), horizon=4))  # hit: 3
+            grand = decode(await asyncio.wait_for(out.get(), 10))
+            assert grand.node_ids.tolist() == [3]
+            await prune(3, Prune(torch.tensor([3]), torch.empty(0, dtype=torch.int64), horizon=4))
+            await s0.Feed(_feed(4, 3, _rows([5], [5], [-1]), [30]))  # miss: restart root
+            restart = decode(await asyncio.wait_for(out.get(), 10))
+            assert restart.node_ids.tolist() == [5]
+
+            # The same rows, every row's logits, in one process.
+            ref = [
+                StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5)))
+                for a, b in ((0, 2), (2, 5))
+            ]
+            acts = [
+                Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor([5, 9])),
+                Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
+                           parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
+            ]  # fmt: skip
+            for s in ref:
+                s.open("x", 64)
+            logits = None
+            for act in acts:
+                for s in ref:
+                    act = s.forward(act)
+                logits = act.logits
+            for got, row in ((root, 0), (child, 1), (grand, 2)):
+                torch.testing.assert_close(got.logits[0], logits[row])
+        finally:
+            await ch0.close()
+            await ch1.close()
+            for svc in (first, last):
+                await svc.stop()
+            await router.close()
+
+    asyncio.run(main())

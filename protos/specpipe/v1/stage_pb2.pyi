@@ -62,16 +62,18 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
     REPORT_TO_FIELD_NUMBER: _ClassVar[int]
+    ROOT_LOGITS_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     next_hop: str
     report_to: str
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ...) -> None: ...
+    root_logits_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ()
