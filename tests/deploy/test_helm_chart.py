@@ -30,6 +30,11 @@ EVERYTHING_ON = {
     "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
     "transport": "ucx",
 }
+TWO_GPUS = {
+    "gpu": {"enabled": True, "count": 2},
+    "stage": {"device": "cuda:1"},
+    "draft": {"device": "auto"},
+}
 WITH_PREVIOUS = {
     "model": {"version": "v2", "stages": 3},
     "previousModels": [
@@ -249,11 +254,20 @@ def test_services_listen_on_all_interfaces_and_advertise_the_pod_ip(render):
         assert any(e["name"] == "UCX_TLS" for e in c["env"]) == (component(d) != "draft")
 
 
-@pytest.mark.parametrize("values", [None, EVERYTHING_ON], ids=["defaults", "everything-on"])
-def test_every_container_command_line_is_one_specpipe_accepts(render, values, capsys):
-    """The chart's arguments against the real `specpipe` parser (catches flag drift)."""
+@pytest.mark.parametrize(
+    "values", [None, EVERYTHING_ON, TWO_GPUS], ids=["defaults", "everything-on", "two-gpus"]
+)
+def test_every_container_command_line_is_one_specpipe_accepts(render, values, capsys, monkeypatch):
+    """The chart's arguments against the real `specpipe` parser (catches flag drift), and
+    the --device values against the services' own check (as if the pod's GPUs were here)."""
+    import torch
+    from specpipe.services.modelinfo import resolve_device
+
     from specpipe.cli import build_parser
 
+    gpus = ((values or {}).get("gpu") or {}).get("count", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     docs = render(values, tests=True)
     pods = [d["spec"]["template"]["spec"] for d in workloads(docs)] + [
         d["spec"] for d in of_kind(docs, "Pod")
@@ -268,6 +282,11 @@ def test_every_container_command_line_is_one_specpipe_accepts(render, values, ca
                     f"{c['name']}: specpipe {' '.join(c['args'])}: {capsys.readouterr().err}"
                 )
             seen.add(parsed.command)
+            if parsed.command in ("stage", "draft", "router"):
+                assert "--drain-seconds" in c["args"], c["name"]
+            if parsed.command in ("stage", "draft"):
+                assert "--device" in c["args"], c["name"]
+                resolve_device(parsed.device)  # raises ValueError for a device it refuses
     assert seen == {"models", "stage", "draft", "router", "client"}
 
 
@@ -319,10 +338,42 @@ def test_gpu_per_stage_and_draft_pod_when_enabled(render, enabled):
         assert res.get("requests", {}).get(GPU) == (1 if wants_gpu else None)
         tolerations = d["spec"]["template"]["spec"].get("tolerations", [])
         assert any(t.get("key") == GPU for t in tolerations) == wants_gpu
-        if component(d) != "router":
-            assert arg(main_container(d), "--dtype") == ("bfloat16" if enabled else "float32")
+        c = main_container(d)
+        if component(d) == "router":
+            assert arg(c, "--device") is None  # the router never touches the model
+        else:
+            assert arg(c, "--dtype") == ("bfloat16" if enabled else "float32")
+            # --device cuda exactly where the GPU is; cpu (or the services' default) elsewhere
+            assert arg(c, "--device") in (("cuda",) if enabled else ("cpu", None))
         for init in d["spec"]["template"]["spec"]["initContainers"]:
             assert GPU not in init["resources"].get("limits", {})
+            assert "--device" not in init["args"]
+
+
+@pytest.mark.parametrize(
+    ("values", "stage", "draft"),
+    [
+        ({"stage": {"device": "auto"}}, "auto", "cpu"),
+        ({"gpu": {"enabled": True}, "draft": {"device": "cpu"}}, "cuda", "cpu"),
+        ({"gpu": {"enabled": True, "count": 2}, "stage": {"device": "cuda:1"}}, "cuda:1", "cuda"),
+    ],
+)
+def test_device_can_be_set_per_service(render, values, stage, draft):
+    docs = render(values)
+    devices = {component(d): arg(main_container(d), "--device") for d in workloads(docs)}
+    assert devices == {"stage": stage, "draft": draft, "router": None}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"stage": {"device": "gpu"}}, "does not match pattern"),
+        ({"gpu": {"enabled": True}, "stage": {"device": "cuda:1"}}, "gpu.count=1"),
+    ],
+)
+def test_bad_devices_fail_to_render_with_a_reason(render, values, message):
+    with pytest.raises(render.error, match=message):
+        render(values)
 
 
 def test_probes_use_grpc_health_on_the_service_port(render):
@@ -369,6 +420,14 @@ def test_pod_disruption_budget_per_workload(render):
         assert len(matching) == 1, d["metadata"]["name"]
 
 
+def prestop_sleep(container: dict) -> int:
+    if "lifecycle" not in container:
+        return 0
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep"
+    return int(command[1])
+
+
 def test_rollouts_keep_capacity_and_drain(render):
     docs = render()
     for d in workloads(docs):
@@ -378,9 +437,32 @@ def test_rollouts_keep_capacity_and_drain(render):
         else:
             assert d["spec"]["updateStrategy"]["type"] == "RollingUpdate"
         spec = d["spec"]["template"]["spec"]
-        command = main_container(d)["lifecycle"]["preStop"]["exec"]["command"]
-        assert command[0] == "sleep"
-        assert 0 < int(command[1]) < spec["terminationGracePeriodSeconds"]
+        c = main_container(d)
+        # A short preStop sleep covers endpoint propagation; the service drains by itself
+        # on SIGTERM, and the grace period (counted from preStop) covers both.
+        assert 0 < prestop_sleep(c) <= 10
+        drain = int(arg(c, "--drain-seconds"))
+        assert drain > 0
+        assert spec["terminationGracePeriodSeconds"] > prestop_sleep(c) + drain
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        {"preStopSeconds": 2, "drainSeconds": 600},
+        {"preStopSeconds": 0, "drainSeconds": 0},
+        {"preStopSeconds": 30, "drainSeconds": 5},
+    ],
+)
+def test_drain_seconds_and_grace_period_follow_the_values(render, service):
+    docs = render({"stage": service, "draft": service, "router": service})
+    for d in workloads(docs):
+        c = main_container(d)
+        spec = d["spec"]["template"]["spec"]
+        assert int(arg(c, "--drain-seconds")) == service["drainSeconds"], d["metadata"]["name"]
+        assert prestop_sleep(c) == service["preStopSeconds"]
+        grace = spec["terminationGracePeriodSeconds"]
+        assert grace == service["preStopSeconds"] + service["drainSeconds"] + 15
 
 
 def test_model_version_is_on_every_pod_and_in_stage_and_draft_names(render):

@@ -188,6 +188,31 @@ float32
 {{- end -}}
 {{- end -}}
 
+{{/*
+--device of a stage or draft; argument: dict "root" "svc" (values block) "what" (its
+name, for messages). The service's `device`, or cuda with gpu.enabled and cpu without.
+cuda:N must name one of the gpu.count GPUs the pod sees (they are numbered from 0).
+*/}}
+{{- define "specpipe.device" -}}
+{{- $gpu := .root.Values.gpu -}}
+{{- $device := .svc.device | default "" | toString | lower -}}
+{{- if and (not $device) $gpu.enabled -}}
+{{- $device = "cuda" -}}
+{{- else if not $device -}}
+{{- $device = "cpu" -}}
+{{- end -}}
+{{- if not (regexMatch "^(cpu|auto|cuda|cuda:[0-9]+)$" $device) -}}
+{{- fail (printf "%s.device %q: choose cpu, cuda, cuda:N or auto" .what $device) -}}
+{{- end -}}
+{{- if and $gpu.enabled (hasPrefix "cuda:" $device) -}}
+{{- $n := atoi (trimPrefix "cuda:" $device) -}}
+{{- if ge $n (int $gpu.count) -}}
+{{- fail (printf "%s.device %q: a pod sees gpu.count=%d GPU(s), cuda:0 to cuda:%d" .what $device (int $gpu.count) (sub (int $gpu.count) 1)) -}}
+{{- end -}}
+{{- end -}}
+{{- $device -}}
+{{- end -}}
+
 {{/* Pod parts ---------------------------------------------------------------------------- */}}
 
 {{- define "specpipe.image" -}}
@@ -285,7 +310,7 @@ imagePullSecrets:
 {{- end }}
 securityContext:
   {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
-terminationGracePeriodSeconds: {{ add (int .svc.drainSeconds) 30 }}
+terminationGracePeriodSeconds: {{ include "specpipe.terminationGrace" .svc }}
 {{- if and .gpu $root.Values.gpu.runtimeClassName }}
 runtimeClassName: {{ $root.Values.gpu.runtimeClassName }}
 {{- end }}
@@ -311,12 +336,26 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* preStop: keep serving while endpoints and peers notice the pod is going. */}}
+{{/*
+Stopping a pod; argument: the service's values block. Kubernetes removes the pod from
+Service endpoints and runs preStop at the same time; the sleep keeps the pod serving
+normally while that reaches every node and load balancer (preStopSeconds). Then SIGTERM:
+the service drains by itself (--drain-seconds: health NOT_SERVING, new requests refused
+UNAVAILABLE, open ones finish for up to drainSeconds, then it exits 0). The grace period
+counts from the start of preStop, so it must cover both plus the service's stop (closing
+its server and data plane; 15 s of margin) before the kubelet sends SIGKILL:
+  terminationGracePeriodSeconds = preStopSeconds + drainSeconds + 15
+*/}}
+{{- define "specpipe.terminationGrace" -}}
+{{- add (int .preStopSeconds) (int .drainSeconds) 15 -}}
+{{- end -}}
+
+{{/* The preStop sleep (callers skip it when preStopSeconds is 0). */}}
 {{- define "specpipe.lifecycle" -}}
 lifecycle:
   preStop:
     exec:
-      command: ["sleep", {{ .drainSeconds | int | toString | quote }}]
+      command: ["sleep", {{ .preStopSeconds | int | toString | quote }}]
 {{- end -}}
 
 {{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"). */}}
