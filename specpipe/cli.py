@@ -158,7 +158,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for tok in gen:
             piece = stream.push(tok) if stream else f"{tok} "
             print(piece, end="", flush=True)
-        print()
+        print(stream.flush() if stream else "")
         s = gen.stats.summary()
         print(
             f"[{s['mode']}] S={s['stages']} tokens={s['new_tokens']} steps={s['decode_steps']} "

@@ -96,3 +96,24 @@ def test_cli_chat_prompt_streams_text(model_with_tokenizer, capsys) -> None:
     assert code == 0 and len(result["token_ids"]) == 6
     codec = TextCodec.from_dir(model_with_tokenizer)
     assert result["text"] == codec.decode(result["token_ids"])
+
+
+def test_cli_streamed_text_equals_the_json_text(model_with_tokenizer, capsys) -> None:
+    argv = [
+        "generate",
+        "--target",
+        str(model_with_tokenizer),
+        "--draft",
+        "oracle",
+        "--stages",
+        "2",
+        "--prompt",
+        "日本語",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+    ]
+    assert main([*argv, "--json"]) == 0
+    expect = json.loads(capsys.readouterr().out)["text"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == expect + "\n"
