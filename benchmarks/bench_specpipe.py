@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-widths", default="2,4,8,16,32", help="at the largest S, greedy")
     ap.add_argument("--sweep-prompts", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument(
+        "--split",
+        choices=["even", "balanced"],
+        default="even",
+        help="stage layer split (balanced counts the LM head; token traces do not depend on it)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/qwen-coder"))
     ap.add_argument("--quick", action="store_true", help="SmolLM2 oracle-free smoke run")
     ap.add_argument(
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.reproject:
-        reproject(args.out)
+        reproject(args.out, args.split)
         return
 
     target, draft_dir = resolve_model(args.target), resolve_model(args.draft)
@@ -227,9 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     }
     identical = compared = 0
     for S in stages_list:
-        dep = build_local(target, S)
+        dep = build_local(target, S, split=args.split)
         pipeline = dep.pipeline
         costs = measure_costs(pipeline.stages, draft, max_ctx)
+        costs.notes["layers"] = " ".join(
+            f"{s.model.layer_range.start}:{s.model.layer_range.end}" for s in pipeline.stages
+        )
         log(f"S={S}: stage costs (ms) {fmt_costs(costs)}")
         entry: dict = {"costs": costs.to_dict(), "modes": {}}
         for temp in temps:
@@ -278,15 +287,21 @@ def measure_costs(stages, draft, context: int) -> DeploymentCosts:
     return costs
 
 
-def reproject(out: Path) -> None:
-    """Re-measure stage costs (e.g. on a quiet machine) and re-project every recorded run."""
+def reproject(out: Path, split: str) -> None:
+    """Re-measure stage costs (e.g. on a quiet machine, or for another layer split) and
+    re-project every recorded run: which rows each stage computed does not depend on
+    which layers it holds, so the traces stay valid."""
     results = json.loads((out / "results.json").read_text())
     cfg = results["config"]
+    cfg["split"] = split
     target, draft_dir = resolve_model(cfg["target"]), resolve_model(cfg["draft"])
     draft = DraftRuntime(load_stage(draft_dir))
     for key, entry in results["by_stages"].items():
-        dep = build_local(target, int(key))
+        dep = build_local(target, int(key), split=split)
         costs = measure_costs(dep.pipeline.stages, draft, results["context"])
+        costs.notes["layers"] = " ".join(
+            f"{s.model.layer_range.start}:{s.model.layer_range.end}" for s in dep.pipeline.stages
+        )
         print(f"S={key}: stage costs (ms) {fmt_costs(costs)}", file=sys.stderr, flush=True)
         entry["costs"] = costs.to_dict()
         for m in entry["modes"].values():

@@ -12,7 +12,7 @@ import torch
 
 from .config import ModelConfig
 from .draft import DraftRuntime
-from .model import LayerRange, load_stage, split_layers
+from .model import LayerRange, load_stage, parameter_layer_costs, split_layers, split_layers_by_cost
 from .pipeline import LocalPipeline
 from .stage import StageRuntime
 
@@ -34,6 +34,14 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from {sorted(DTYPES)})") from None
 
 
+def plan_stages(cfg: ModelConfig, num_stages: int, split: str = "even") -> list[LayerRange]:
+    if split == "even":
+        return split_layers(cfg.num_layers, num_stages)
+    if split == "balanced":
+        return split_layers_by_cost(parameter_layer_costs(cfg), num_stages)
+    raise ValueError(f"unknown split {split!r} (even or balanced)")
+
+
 @dataclass
 class LocalDeployment:
     pipeline: LocalPipeline
@@ -47,10 +55,14 @@ def build_local(
     draft_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
     layer_ranges: list[LayerRange] | None = None,
+    split: str = "even",
 ) -> LocalDeployment:
-    """Load the target split into `num_stages` stages, and the draft (or the oracle draft)."""
+    """Load the target split into `num_stages` stages, and the draft (or the oracle draft).
+
+    `split`: "even" (same number of layers per stage) or "balanced" (equal estimated cost
+    per stage, counting the LM head; see `parameter_layer_costs`)."""
     cfg = ModelConfig.from_dir(target_dir)
-    ranges = layer_ranges or split_layers(cfg.num_layers, num_stages)
+    ranges = layer_ranges or plan_stages(cfg, num_stages, split)
     stages = [StageRuntime(load_stage(target_dir, r, dtype)) for r in ranges]
     draft = None
     if draft_dir is not None:

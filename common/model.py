@@ -74,6 +74,46 @@ def split_layers(
     return [LayerRange(a, b, num_layers) for a, b in itertools.pairwise(bounds)]
 
 
+def split_layers_by_cost(layer_costs: list[float], num_stages: int) -> list[LayerRange]:
+    """Contiguous stages minimizing the slowest stage's cost (a pipeline step waits for it).
+
+    `layer_costs[i]` is layer i's cost with the embedding folded into the first layer and
+    the final norm + LM head into the last. Exact linear partition by dynamic programming.
+    """
+    n = len(layer_costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} stages")
+    prefix = list(itertools.accumulate(layer_costs, initial=0.0))
+    inf = float("inf")
+    # best[s][i]: smallest max-stage cost covering layers [0, i) with s stages; cut[s][i]: last cut.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                c = max(best[s - 1][j], prefix[i] - prefix[j])
+                if c < best[s][i]:
+                    best[s][i], cut[s][i] = c, j
+    bounds, i = [n], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [LayerRange(a, b, n) for a, b in itertools.pairwise(bounds)]
+
+
+def parameter_layer_costs(cfg: ModelConfig) -> list[float]:
+    """Per-layer cost proxy: weights read per step (small batches are memory-bound), with the
+    LM head folded into the last layer. A large-vocabulary head is worth several layers
+    (Qwen2.5-1.5B: 233M head parameters against 47M per layer)."""
+    d, h, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = d * h * 2 + d * kv * 2 + 3 * d * cfg.intermediate_size
+    costs = [1.0] * cfg.num_layers
+    costs[-1] += cfg.vocab_size * d / layer
+    return costs
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

@@ -59,6 +59,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prefill-chunk", type=_positive_int, default=128)
     p.add_argument(
+        "--split",
+        choices=["even", "balanced"],
+        default="even",
+        help="layers per stage: even, or balanced by estimated cost (counts the LM head)",
+    )
+    p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -121,7 +127,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
 
     stages = 1 if mode == Mode.AUTOREGRESSIVE else args.stages
-    deployment = build_local(target, stages, draft, parse_dtype(args.dtype))
+    deployment = build_local(target, stages, draft, parse_dtype(args.dtype), split=args.split)
     width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:
         opts = DecodeOptions(

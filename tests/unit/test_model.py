@@ -6,7 +6,14 @@ import pytest
 import torch
 from specpipe.common.config import ModelConfig
 from specpipe.common.kv_cache import TreeKVCache
-from specpipe.common.model import LayerRange, StageModel, load_stage, split_layers
+from specpipe.common.model import (
+    LayerRange,
+    StageModel,
+    load_stage,
+    parameter_layer_costs,
+    split_layers,
+    split_layers_by_cost,
+)
 from transformers import AutoModelForCausalLM
 
 
@@ -93,3 +100,39 @@ def test_split_layers(layers, stages, weights, expect) -> None:
 def test_split_layers_rejects_more_stages_than_layers() -> None:
     with pytest.raises(ValueError, match="cannot split"):
         split_layers(3, 4)
+
+
+def _max_cost(costs: list[float], ranges) -> float:
+    return max(sum(costs[r.start : r.end]) for r in ranges)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_cost_split_is_contiguous_and_optimal(seed: int) -> None:
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    stages = rng.randint(1, n)
+    costs = [rng.uniform(0.1, 5.0) for _ in range(n)]
+    ranges = split_layers_by_cost(costs, stages)
+    assert ranges[0].start == 0 and ranges[-1].end == n and len(ranges) == stages
+    assert all(a.end == b.start for a, b in itertools.pairwise(ranges))
+    best = min(
+        _max_cost(costs, [LayerRange(a, b, n) for a, b in itertools.pairwise((0, *cuts, n))])
+        for cuts in itertools.combinations(range(1, n), stages - 1)
+    )
+    assert _max_cost(costs, ranges) == pytest.approx(best)
+
+
+def test_balanced_split_gives_the_lm_head_stage_fewer_layers(llama_dir) -> None:
+    from dataclasses import replace
+
+    from specpipe.common.engine import plan_stages
+
+    cfg = replace(ModelConfig.from_dir(llama_dir), num_layers=8, vocab_size=48 * 40)
+    costs = parameter_layer_costs(cfg)
+    assert costs[-1] > 2 and costs[0] == 1.0
+    ranges = plan_stages(cfg, 4, "balanced")
+    assert ranges[-1].size < ranges[0].size
+    assert _max_cost(costs, ranges) < _max_cost(costs, plan_stages(cfg, 4, "even"))
