@@ -55,6 +55,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         is_qwen = model_type == "qwen2"
+        max_positions = raw.get("max_position_embeddings", 4096)
+        window = raw.get("sliding_window")
+        if window and (raw.get("use_sliding_window", model_type == "mistral")):
+            # No sliding-window attention here: stay exact by never exceeding the window.
+            max_positions = min(max_positions, int(window))
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -70,7 +75,7 @@ class ModelConfig:
             o_bias=(not is_qwen) and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             eos_token_ids=eos_ids,
         )
 

@@ -136,3 +136,15 @@ def test_balanced_split_gives_the_lm_head_stage_fewer_layers(llama_dir) -> None:
     ranges = plan_stages(cfg, 4, "balanced")
     assert ranges[-1].size < ranges[0].size
     assert _max_cost(costs, ranges) < _max_cost(costs, plan_stages(cfg, 4, "even"))
+
+
+def test_sliding_window_models_are_capped_to_the_window(llama_dir) -> None:
+    import json
+
+    raw = json.loads((llama_dir / "config.json").read_text())
+    mistral = ModelConfig.from_dict({**raw, "model_type": "mistral", "sliding_window": 64})
+    assert mistral.max_position_embeddings == 64
+    qwen_off = ModelConfig.from_dict(
+        {**raw, "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": False}
+    )
+    assert qwen_off.max_position_embeddings == raw["max_position_embeddings"]
