@@ -6,6 +6,7 @@ the engine's."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -38,25 +39,47 @@ def _feed(seq: int, after: int, act: Activation, tokens: list[int]) -> stage_pb2
     )
 
 
-def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
-    prompt = [5, 9, 13]
+@contextlib.asynccontextmanager
+async def _two_stages(llama_dir):
+    """Stages [0, 2) and [2, 5) as services, plus a router-side data-plane inbox."""
+    inbox = Inbox()
+    out = inbox.open("r")
+    router = make_transport("tcp", inbox)
+    router_addr = await router.start()
+    first, last = StageService(_stage(llama_dir, 0, 2, 5)), StageService(_stage(llama_dir, 2, 5, 5))
+    p0, p1 = await first.start(), await last.start()
+    ch0 = grpc.aio.insecure_channel(f"127.0.0.1:{p0}")
+    ch1 = grpc.aio.insecure_channel(f"127.0.0.1:{p1}")
+    try:
+        yield out, router_addr, last, stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+    finally:
+        await ch0.close()
+        await ch1.close()
+        for svc in (first, last):
+            await svc.stop()
+        await router.close()
 
+
+def _reference_logits(llama_dir) -> torch.Tensor:
+    """In one process: prompt [5, 9], then root 13 (node 0), child 7 (node 1) and
+    grandchild 11 (node 3); logits of the three tree rows."""
+    ref = [StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5))) for a, b in ((0, 2), (2, 5))]
+    acts = [
+        Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor([5, 9])),
+        Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
+                   parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
+    ]  # fmt: skip
+    for s in ref:
+        s.open("x", 64)
+    for act in acts:
+        for s in ref:
+            act = s.forward(act)
+    return act.logits
+
+
+def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
     async def main() -> None:
-        inbox = Inbox()
-        out = inbox.open("r")
-        router = make_transport("tcp", inbox)
-        router_addr = await router.start()
-        first, last = (
-            StageService(_stage(llama_dir, 0, 2, 5)),
-            StageService(_stage(llama_dir, 2, 5, 5)),
-        )
-        p0, p1 = await first.start(), await last.start()
-        ch0, ch1 = (
-            grpc.aio.insecure_channel(f"127.0.0.1:{p0}"),
-            grpc.aio.insecure_channel(f"127.0.0.1:{p1}"),
-        )
-        s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
-        try:
+        async with _two_stages(llama_dir) as (out, router_addr, last, s0, s1):
             await s1.Open(
                 stage_pb2.OpenStageRequest(request_id="r", capacity=64, next_hop=router_addr)
             )
@@ -103,31 +126,10 @@ def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
             assert out.empty()
 
             # The same computation in one process: prompt, root, child 1, grandchild 3.
-            ref = [
-                StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5)))
-                for a, b in ((0, 2), (2, 5))
-            ]
-            acts = [
-                Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor(prompt[:2])),
-                Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
-                           parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
-            ]  # fmt: skip
-            for s in ref:
-                s.open("x", 64)
-            logits = None
-            for act in acts:
-                for s in ref:
-                    act = s.forward(act)
-                logits = act.logits
+            logits = _reference_logits(llama_dir)
             torch.testing.assert_close(root.logits[0], logits[0])
             torch.testing.assert_close(kids.logits[0], logits[1])
             torch.testing.assert_close(grand.logits[0], logits[2])
-        finally:
-            await ch0.close()
-            await ch1.close()
-            for svc in (first, last):
-                await svc.stop()
-            await router.close()
 
     asyncio.run(main())
 
@@ -242,30 +244,16 @@ def test_last_stage_sends_only_root_logits_when_asked(llama_dir) -> None:
     (one row, the engine's); rows a prune drops never send any."""
 
     async def main() -> None:
-        inbox = Inbox()
-        out = inbox.open("r")
-        router = make_transport("tcp", inbox)
-        router_addr = await router.start()
-        first, last = (
-            StageService(_stage(llama_dir, 0, 2, 5)),
-            StageService(_stage(llama_dir, 2, 5, 5)),
-        )
-        p0, p1 = await first.start(), await last.start()
-        ch0, ch1 = (
-            grpc.aio.insecure_channel(f"127.0.0.1:{p0}"),
-            grpc.aio.insecure_channel(f"127.0.0.1:{p1}"),
-        )
-        s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+        async with _two_stages(llama_dir) as (out, router_addr, last, s0, s1):
 
-        async def prune(seq: int, p: Prune) -> None:
-            for stub in (s0, s1):
-                await stub.Prune(pb.PruneRequest(request_id="r", prune=prune_to_proto(p, seq)))
+            async def prune(seq: int, p: Prune) -> None:
+                for stub in (s0, s1):
+                    await stub.Prune(pb.PruneRequest(request_id="r", prune=prune_to_proto(p, seq)))
 
-        async def no_frame() -> None:
-            await asyncio.sleep(0.3)
-            assert out.empty()
+            async def no_frame() -> None:
+                await asyncio.sleep(0.3)
+                assert out.empty()
 
-        try:
             await s1.Open(
                 stage_pb2.OpenStageRequest(
                     request_id="r", capacity=64, next_hop=router_addr, root_logits_only=True
@@ -296,29 +284,8 @@ def test_last_stage_sends_only_root_logits_when_asked(llama_dir) -> None:
             assert restart.node_ids.tolist() == [5]
 
             # The same rows, every row's logits, in one process.
-            ref = [
-                StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5)))
-                for a, b in ((0, 2), (2, 5))
-            ]
-            acts = [
-                Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor([5, 9])),
-                Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
-                           parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
-            ]  # fmt: skip
-            for s in ref:
-                s.open("x", 64)
-            logits = None
-            for act in acts:
-                for s in ref:
-                    act = s.forward(act)
-                logits = act.logits
+            logits = _reference_logits(llama_dir)
             for got, row in ((root, 0), (child, 1), (grand, 2)):
                 torch.testing.assert_close(got.logits[0], logits[row])
-        finally:
-            await ch0.close()
-            await ch1.close()
-            for svc in (first, last):
-                await svc.stop()
-            await router.close()
 
     asyncio.run(main())
