@@ -140,18 +140,6 @@ class DeploymentCosts:
         }
 
 
-def project_decode_seconds(
-    trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str
-) -> float:
-    """Projected wall time of a run's decode steps (each trace row: rows per stage, then draft).
-
-    In `specpipe` the draft expands the layer entering stage 1 in parallel with the stages;
-    other modes' steps cost only their slowest stage (add `specinfer_draft_seconds` for the
-    draft work that precedes each SpecInfer pass).
-    """
-    return sum(step_seconds_of_trace(trace, costs, mode))
-
-
 def step_seconds_of_trace(
     trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str
 ) -> list[float]:

@@ -13,7 +13,9 @@ import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
-from .draft import Candidates, DraftRuntime
+from torch import Tensor
+
+from .draft import Candidates
 from .messages import Activation, Prune
 from .stage import StageRuntime
 
@@ -48,7 +50,9 @@ class Draft(Protocol):
 
     def release(self, request_id: str) -> bool: ...
 
-    def prefill(self, request_id: str, tokens, start_position: int, chunk_size: int) -> None: ...
+    def prefill(
+        self, request_id: str, tokens: Tensor, start_position: int, chunk_size: int
+    ) -> None: ...
 
     def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates: ...
 
@@ -111,4 +115,4 @@ class LocalPipeline:
         return StepResult(last=outputs[-1], nodes_per_stage=[len(a) if a else 0 for a in inputs])
 
 
-__all__ = ["Draft", "DraftRuntime", "LocalPipeline", "Pipeline", "StepResult"]
+__all__ = ["Draft", "LocalPipeline", "Pipeline", "StepResult"]

@@ -120,9 +120,6 @@ class StageRuntime:
             self._held.pop(request_id, None)
             return self._caches.pop(request_id, None) is not None
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._caches
-
     def _cache(self, request_id: str) -> TreeKVCache:
         try:
             return self._caches[request_id]

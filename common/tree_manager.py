@@ -133,9 +133,6 @@ class SpecPipeManager:
     def root_layer(self) -> Activation:
         return layer_activation(self.request_id, self.tree, torch.tensor([0]), self.root_pos)
 
-    def frontier_layer(self) -> Activation:
-        return layer_activation(self.request_id, self.tree, self.tree.frontier(), self.root_pos)
-
     @property
     def can_grow(self) -> bool:
         return self.width > 0 and self.tree.frontier_depth < self.max_depth

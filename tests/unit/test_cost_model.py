@@ -7,9 +7,9 @@ from specpipe.common.cost_model import (
     CostCurve,
     DeploymentCosts,
     measure_runtime,
-    project_decode_seconds,
     projected_tbt,
     specinfer_draft_seconds,
+    step_seconds_of_trace,
 )
 from specpipe.common.decoding import DecodeOptions, Generation, Mode
 from specpipe.common.engine import ORACLE_DRAFT, build_local
@@ -36,7 +36,7 @@ def test_pp_projection_is_the_sum_of_stage_costs_per_token(llama_dir) -> None:
     dep = build_local(llama_dir, stages)
     gen = Generation(dep.pipeline, None, [7], Mode.PP, DecodeOptions(max_new_tokens=6))
     gen.run()
-    total = project_decode_seconds(gen.stats.trace[gen.stats.prefill_steps :], costs, "pp")
+    total = sum(step_seconds_of_trace(gen.stats.trace[gen.stats.prefill_steps :], costs, "pp"))
     assert total / 6 == pytest.approx(1 + 2 + 3 + 4)
 
 
@@ -47,8 +47,8 @@ def test_specpipe_step_costs_its_slowest_stage_or_the_draft() -> None:
         draft=curve(lambda n: 10 * n),
     )
     trace = [[3, 1, 2], [0, 1, 0]]
-    assert project_decode_seconds(trace, costs, "specpipe") == pytest.approx(20 + 2)
-    assert project_decode_seconds(trace, costs, "specinfer") == pytest.approx(3 + 2)
+    assert sum(step_seconds_of_trace(trace, costs, "specpipe")) == pytest.approx(20 + 2)
+    assert sum(step_seconds_of_trace(trace, costs, "specinfer")) == pytest.approx(3 + 2)
     assert specinfer_draft_seconds([[1, 4], [1]], costs) == pytest.approx([10 + 40, 10])
 
 
