@@ -109,6 +109,23 @@ def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
     return 2
 
 
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
+    """Reject a prompt no mode can serve (the CLI, the engine and the router share this)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
+    if prompt_len + max_new_tokens > max_context:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {max_context} tokens"
+        )
+
+
 _request_counter = itertools.count()
 
 
@@ -125,17 +142,8 @@ class Generation:
         request_id: str | None = None,
     ) -> None:
         self.mode = Mode(mode)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        vocab = pipeline.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab})")
-        if len(prompt_ids) + opts.max_new_tokens > pipeline.max_context:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({opts.max_new_tokens}) "
-                f"exceeds the model's context of {pipeline.max_context} tokens"
-            )
+        check_prompt_ids(prompt_ids, pipeline.vocab_size)
+        check_context(len(prompt_ids), opts.max_new_tokens, pipeline.max_context)
         if self.mode in (Mode.SPECPIPE, Mode.SPECINFER) and draft is None:
             raise ValueError(f"mode {self.mode} needs a draft")
         self.pipeline, self.opts = pipeline, opts

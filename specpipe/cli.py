@@ -83,7 +83,13 @@ def _parse_ids(text: str) -> list[int]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specpipe.common.config import ModelConfig, ModelConfigError
-    from specpipe.common.decoding import DecodeOptions, Generation, Mode
+    from specpipe.common.decoding import (
+        DecodeOptions,
+        Generation,
+        Mode,
+        check_context,
+        check_prompt_ids,
+    )
     from specpipe.common.engine import ORACLE_DRAFT, build_local, parse_dtype
     from specpipe.common.model_resolver import resolve_model
     from specpipe.common.sampling import SamplingParams
@@ -115,16 +121,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.chat:
             raise CliError("--chat needs --prompt text")
         prompt_ids = _parse_ids(args.prompt_ids)
-    bad = [t for t in prompt_ids if not 0 <= t < cfg.vocab_size]
-    if bad:
-        raise CliError(f"token ids {bad[:4]} are outside the vocabulary [0, {cfg.vocab_size})")
-    if not prompt_ids:
-        raise CliError("the prompt is empty")
-    if len(prompt_ids) + args.max_new_tokens > cfg.max_position_embeddings:
-        raise CliError(
-            f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) "
-            f"exceeds the model's context of {cfg.max_position_embeddings} tokens"
-        )
+    try:  # before loading any weights
+        check_prompt_ids(prompt_ids, cfg.vocab_size)
+        check_context(len(prompt_ids), args.max_new_tokens, cfg.max_position_embeddings)
+    except ValueError as e:
+        raise CliError(str(e)) from None
 
     stages = 1 if mode == Mode.AUTOREGRESSIVE else args.stages
     deployment = build_local(target, stages, draft, parse_dtype(args.dtype), split=args.split)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path as FsPath
 
 import grpc
-from specpipe.common.decoding import DecodeOptions, Mode
+from specpipe.common.decoding import DecodeOptions, Mode, check_prompt_ids
 from specpipe.common.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
@@ -199,13 +199,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             prompt = list(r.token_ids.ids)
         else:
             prompt = []
-        if not prompt:
-            raise _invalid("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < model.vocab_size]
-        if bad:
-            raise _invalid(
-                f"token ids {bad[:4]} are outside the vocabulary [0, {model.vocab_size})"
-            )
+        try:
+            check_prompt_ids(prompt, model.vocab_size)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
         mode_name = r.mode or "specpipe"
         if mode_name not in MODES:
             raise _invalid(f"unknown mode {r.mode!r} (choose from {', '.join(MODES)})")
