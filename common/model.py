@@ -258,7 +258,9 @@ class StageModel(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("only the last stage computes logits")
-        return self.lm_head(self.norm(hidden)).float()
+        logits = self.lm_head(self.norm(hidden))
+        # At least fp32 (sampling needs it); fp64 models keep fp64 (exactness checks).
+        return logits if logits.dtype == torch.float64 else logits.float()
 
     def num_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())

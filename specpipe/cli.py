@@ -56,7 +56,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float64"],
+        help="float64: exactness checks (no rounding noise between cache shapes)",
+    )
     p.add_argument("--prefill-chunk", type=_positive_int, default=128)
     p.add_argument(
         "--split",

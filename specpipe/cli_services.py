@@ -48,7 +48,12 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument(
         "--model-id", default="", help="name reported to clients (default: directory name)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float64"],
+        help="float64: exactness checks (no rounding noise between cache shapes)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget")
     _device_arg(p)
@@ -98,7 +103,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--router-port", type=int, default=DEFAULT_ROUTER_PORT)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float64"],
+        help="float64: exactness checks (no rounding noise between cache shapes)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
     _device_arg(p)
     p.add_argument(

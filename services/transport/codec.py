@@ -23,6 +23,7 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_PAYLOAD_BYTES = 8 << 30
 
 DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,  # exactness deployments (tests): no rounding noise between shapes
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,

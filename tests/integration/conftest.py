@@ -12,11 +12,17 @@ from pathlib import Path
 import grpc
 import pytest
 from specpipe.common.decoding import DecodeOptions, DecodeStats, Generation
-from specpipe.common.engine import build_local
+from specpipe.common.engine import build_local, parse_dtype
 from specpipe.common.sampling import SamplingParams
 from specpipe.services.launcher import LocalDeployment
 
 EOS = 96  # the conftest models' eos_token_id (vocab - 1)
+
+# Deployments and their in-process references compute in fp64. They run the same rows in
+# other groupings (cache shapes, one stage per process), and fp32 results differ by ~1e-5
+# with shape and with the CPU's BLAS kernels: enough, on some machine, for a seeded draw
+# near a CDF step or a near-tie to come out differently. fp64 noise (~1e-13) cannot.
+DTYPE = "float64"
 
 
 def add_char_tokenizer(model_dir: Path) -> Path:
@@ -44,6 +50,7 @@ def text_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def start(target: Path, draft, stages: int, transport: str, **kw) -> LocalDeployment:
+    kw.setdefault("dtype", DTYPE)
     dep = LocalDeployment(target, draft, stages, transport=transport, threads=1, **kw)
     dep.start()
     return dep
@@ -85,7 +92,7 @@ def reference_stats(
     target: Path, draft, stages: int, prompt: list[int], mode: str, max_new_tokens: int
 ) -> DecodeStats:
     """Stats of the in-process lockstep engine for a greedy request."""
-    dep = build_local(target, stages, target if draft == "oracle" else draft)
+    dep = build_local(target, stages, target if draft == "oracle" else draft, parse_dtype(DTYPE))
     gen = Generation(dep.pipeline, dep.draft, prompt, mode, DecodeOptions(max_new_tokens))
     gen.run()
     return gen.stats
@@ -107,7 +114,7 @@ def reference(
 ) -> list[int]:
     """Tokens of the in-process lockstep engine for the same request."""
     draft_dir = target if draft == "oracle" else draft
-    dep = build_local(target, stages, draft_dir)
+    dep = build_local(target, stages, draft_dir, parse_dtype(DTYPE))
     opts = DecodeOptions(
         max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature, top_k, top_p, seed),

@@ -14,16 +14,24 @@ from specpipe.common.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
 PROMPT = [5, 17, 33, 2, 8, 90, 41, 12, 60]
+MIN_MARGIN = 1e-3  # top-1 minus top-2 logit of every greedy reference step (fp32 noise ~1e-5)
 
 
 @functools.cache
 def hf_greedy(model_dir: Path, prompt: tuple[int, ...], n: int) -> list[int]:
-    """Greedy tokens of transformers' own model, recomputing the full sequence each time."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """Greedy tokens of transformers' own model, recomputing the full sequence each time.
+
+    Computed in fp64, and every step's margin between the best and second-best logit is
+    checked: our engine runs fp32 with other shapes, which moves logits by ~1e-5, so a
+    margin far above that makes the token comparison exact on any machine."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            logits = hf(torch.tensor([seq])).logits[0, -1]
+            top2 = logits.topk(2).values
+            assert top2[0] - top2[1] > MIN_MARGIN, f"near-tie after {seq}: pick another prompt"
+            seq.append(int(logits.argmax()))
     return seq[len(prompt) :]
 
 

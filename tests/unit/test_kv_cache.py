@@ -66,7 +66,7 @@ class Mirror:
         for row, node in enumerate(idx.tolist()):
             path = t.tokens[t.path_to(node)].tolist()
             ref = scratch_logits(self.model, self.committed + path)
-            torch.testing.assert_close(out.logits[row], ref.float(), atol=1e-9, rtol=1e-9)
+            torch.testing.assert_close(out.logits[row], ref, atol=1e-9, rtol=1e-9)
 
     def append(self, k: int, width: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -578,18 +578,19 @@ def test_real_conversion_of_a_tiny_gguf(
     assert chat[0] == im_start and chat.count(im_start) == 2  # user turn + assistant header
 
     ids = torch.tensor(codec.encode("the cat sat in the hat, then ate"))
-    stage = load_stage(model_dir)
+    # fp64 on both sides: the converted weights are compared, not two kernels' fp32 noise.
+    stage = load_stage(model_dir, dtype=torch.float64)
     n = ids.numel()
-    kv = TreeKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n)
+    kv = TreeKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n, torch.float64)
     start, mask = kv.append_committed(n)
     with torch.no_grad():
         ours = stage.logits(stage(stage.embed(ids), torch.arange(n), mask, kv, start))
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        ref = hf(ids[None]).logits[0].float()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+        ref = hf(ids[None]).logits[0]
         direct = AutoModelForCausalLM.from_pretrained(
             tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32
         )(ids[None]).logits[0]
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, ref, atol=1e-9, rtol=1e-9)
     # The saved weights are the GGUF's, rounded to bf16.
     assert (ours - direct).abs().max().item() < 0.05 * direct.abs().max().item()
 
