@@ -143,7 +143,7 @@ def run_autoregressive(target: Path, prompt_set, max_new: int, threads: int) -> 
 
 
 def bench_tbt(args, target: Path, draft: Path) -> dict:
-    from specpipe.common.config import ModelConfig
+    from specpipe.common.model.config import ModelConfig
     from specpipe.services.launcher import LocalDeployment
 
     prompt_set = prompts(args.prompts, args.prompt_len, ModelConfig.from_dir(target).vocab_size)

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from specpipe.common.config import ModelConfig
 from specpipe.common.cost_model import DeploymentCosts, projected_tbt, specinfer_draft_seconds
 from specpipe.common.decoding import DecodeOptions, Generation, Mode
 from specpipe.common.draft import DraftRuntime
 from specpipe.common.engine import build_local
-from specpipe.common.model import load_stage
+from specpipe.common.model.config import ModelConfig
+from specpipe.common.model.loading import load_stage
 from specpipe.common.model_resolver import resolve_model
 from specpipe.common.pipeline import LocalPipeline
 from specpipe.common.sampling import SamplingParams

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .messages import Activation, Prune
-from .model import StageModel
+from .model.layers import StageModel
 from .sampling import draft_probs
 from .stage import StageRuntime
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
 from .draft import DraftRuntime
-from .model import LayerRange, load_stage, parameter_layer_costs, split_layers, split_layers_by_cost
+from .model.config import ModelConfig
+from .model.loading import load_stage
+from .model.partition import LayerRange, plan_stages
 from .pipeline import LocalPipeline
 from .stage import StageRuntime
 
@@ -32,14 +33,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r} (choose from {sorted(DTYPES)})") from None
-
-
-def plan_stages(cfg: ModelConfig, num_stages: int, split: str = "even") -> list[LayerRange]:
-    if split == "even":
-        return split_layers(cfg.num_layers, num_stages)
-    if split == "balanced":
-        return split_layers_by_cost(parameter_layer_costs(cfg), num_stages)
-    raise ValueError(f"unknown split {split!r} (even or balanced)")
 
 
 @dataclass

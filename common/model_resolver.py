@@ -28,7 +28,7 @@ def resolve_model(
     if progress is None:
         progress = sys.stderr.isatty()
     if path.is_file():
-        from .gguf_convert import is_gguf
+        from .model.gguf import is_gguf
 
         if path.suffix.lower() != ".gguf" and not is_gguf(path):
             raise ModelNotFoundError(f"{spec}: not a model directory or a .gguf file")

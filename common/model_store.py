@@ -275,7 +275,7 @@ def pip_download(requirements: Sequence[str], dest: Path, progress: bool) -> Non
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    from .gguf_convert import convert_gguf as convert
+    from .model.gguf import convert_gguf as convert
 
     convert(gguf_path, out_dir)
 
@@ -448,7 +448,7 @@ class ModelStore:
 
     def from_gguf(self, path: str | Path, *, verify: bool = False) -> Path:
         """The converted directory of a local GGUF file, keyed by its content hash."""
-        from .gguf_convert import GGUFError, check_supported
+        from .model.gguf import GGUFError, check_supported
 
         path = Path(path).expanduser().resolve()
         try:
@@ -602,8 +602,8 @@ class ModelStore:
 
     def _convert_into(self, name: str, gguf: Path, source: dict[str, Any], need: int) -> None:
         """Convert into a private temp dir, write the manifest, then rename into place."""
-        from .config import ModelConfigError
-        from .gguf_convert import GGUFError
+        from .model.config import ModelConfigError
+        from .model.gguf import GGUFError
 
         tmp_root = self.root / ".tmp"
         tmp_root.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .kv_cache import CacheError, TreeKVCache
 from .messages import Activation, Prune
-from .model import StageModel
+from .model.layers import StageModel
 
 
 class RequestError(RuntimeError):

@@ -17,7 +17,7 @@ import torch
 from specpipe.common.draft import DraftRuntime
 from specpipe.common.engine import parse_dtype
 from specpipe.common.kv_cache import CacheError
-from specpipe.common.model import load_stage
+from specpipe.common.model.loading import load_stage
 from specpipe.common.stage import RequestError
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc

@@ -8,7 +8,6 @@ foreground; stopping it stops every child (SIGTERM, then SIGKILL after a grace p
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -21,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpipe.common.config import ModelConfig
-from specpipe.common.model import LayerRange, split_layers
+from specpipe.common.model.config import ModelConfig
+from specpipe.common.model.partition import parse_layer_ranges, split_layers
 
 
 class LaunchError(RuntimeError):
@@ -33,22 +32,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def parse_layers(text: str, num_layers: int) -> list[LayerRange]:
-    """`0:7,7:14,...` -> contiguous layer ranges covering the model."""
-    ranges = []
-    for part in text.split(","):
-        a, sep, b = part.strip().partition(":")
-        if not sep or not a.isdigit() or not b.isdigit():
-            raise ValueError(f"--layers: expected START:END,START:END,..., got {text!r}")
-        ranges.append(LayerRange(int(a), int(b), num_layers))
-    if ranges[0].start != 0 or ranges[-1].end != num_layers:
-        raise ValueError(f"--layers must cover layers 0 to {num_layers}, got {text!r}")
-    for x, y in itertools.pairwise(ranges):
-        if x.end != y.start:
-            raise ValueError(f"--layers ranges must be contiguous, got {text!r}")
-    return ranges
 
 
 @dataclass
@@ -93,7 +76,9 @@ class LocalDeployment:
         if stages < 1 or stages > cfg.num_layers:
             raise ValueError(f"--stages must be in [1, {cfg.num_layers}], got {stages}")
         self.ranges = (
-            parse_layers(layers, cfg.num_layers) if layers else split_layers(cfg.num_layers, stages)
+            parse_layer_ranges(layers, cfg.num_layers)
+            if layers
+            else split_layers(cfg.num_layers, stages)
         )
         if layers and len(self.ranges) != stages:
             raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")

@@ -61,11 +61,18 @@ async def _serve_until_stopped(svc, drain_seconds: float) -> None:
 
 
 async def run_stage(args) -> None:
+    from specpipe.common.model.config import ModelConfig
+    from specpipe.common.model.partition import parse_layer_range
+
     from .stage_service import StageService, load_model
 
     model = None
     if args.model:
-        layers = _parse_range(args.layers) if args.layers else None
+        layers = None
+        if args.layers:
+            num_layers = ModelConfig.from_dir(args.model).num_layers
+            r = parse_layer_range(args.layers, num_layers)
+            layers = (r.start, r.end)
         model = load_model(
             args.model,
             layers,
@@ -131,10 +138,3 @@ def _local(host: str) -> str:
 
 def _gib(value: float | None) -> int | None:
     return None if value is None else int(value * (1 << 30))
-
-
-def _parse_range(text: str) -> tuple[int, int]:
-    a, sep, b = text.partition(":")
-    if not sep or not a.isdigit() or not b.isdigit():
-        raise ValueError(f"layer range must look like START:END, got {text!r}")
-    return int(a), int(b)

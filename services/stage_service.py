@@ -22,7 +22,8 @@ import torch
 from specpipe.common.engine import parse_dtype
 from specpipe.common.kv_cache import CacheError
 from specpipe.common.messages import Activation, Prune
-from specpipe.common.model import LayerRange, load_stage
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import LayerRange
 from specpipe.common.stage import RequestError, StageRuntime
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -83,7 +84,7 @@ def load_model(
     max_cache_bytes: int | None = None,
 ) -> LoadedModel:
     """Load layers [a, b) of a model directory (None: all layers) as a stage."""
-    from specpipe.common.config import ModelConfig
+    from specpipe.common.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(model_dir)
     rng = None

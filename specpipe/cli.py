@@ -87,7 +87,6 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specpipe.common.config import ModelConfig, ModelConfigError
     from specpipe.common.decoding import (
         DecodeOptions,
         Generation,
@@ -96,6 +95,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         check_prompt_ids,
     )
     from specpipe.common.engine import ORACLE_DRAFT, build_local, parse_dtype
+    from specpipe.common.model.config import ModelConfig, ModelConfigError
     from specpipe.common.model_resolver import resolve_model
     from specpipe.common.sampling import SamplingParams
     from specpipe.common.text import TextCodec
@@ -204,7 +204,7 @@ def _choose_width(
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
-    from specpipe.common.config import ModelConfigError
+    from specpipe.common.model.config import ModelConfigError
     from specpipe.common.model_resolver import ModelNotFoundError
     from specpipe.common.text import TokenizerError
 

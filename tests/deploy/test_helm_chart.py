@@ -13,7 +13,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from specpipe.common.model import split_layers
+from specpipe.common.model.partition import split_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specpipe"

@@ -12,7 +12,8 @@ import grpc
 import pytest
 import torch
 from specpipe.common.messages import Activation, Prune
-from specpipe.common.model import LayerRange, load_stage
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import LayerRange
 from specpipe.common.stage import StageRuntime
 from specpipe.services.stage_service import LoadedModel, StageService
 from specpipe.services.transport import Inbox, decode, make_transport

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from specpipe.common.config import ModelConfig
 from specpipe.common.decoding import DecodeOptions, Generation, Mode
 from specpipe.common.engine import ORACLE_DRAFT, build_local
+from specpipe.common.model.config import ModelConfig
 from specpipe.common.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specpipe.common.kv_cache import CacheError, TreeKVCache
 from specpipe.common.messages import EMPTY_IDS, Activation, Prune
-from specpipe.common.model import load_stage
+from specpipe.common.model.loading import load_stage
 from specpipe.common.stage import StageRuntime
 from specpipe.common.tree import TokenTree
 

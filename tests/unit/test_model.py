@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specpipe.common.config import ModelConfig
 from specpipe.common.kv_cache import TreeKVCache
-from specpipe.common.model import (
+from specpipe.common.model.config import ModelConfig
+from specpipe.common.model.layers import StageModel
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import (
     LayerRange,
-    StageModel,
-    load_stage,
     parameter_layer_costs,
     split_layers,
     split_layers_by_cost,
@@ -136,7 +136,7 @@ def test_cost_split_is_contiguous_and_optimal(seed: int) -> None:
 def test_balanced_split_gives_the_lm_head_stage_fewer_layers(llama_dir) -> None:
     from dataclasses import replace
 
-    from specpipe.common.engine import plan_stages
+    from specpipe.common.model.partition import plan_stages
 
     cfg = replace(ModelConfig.from_dir(llama_dir), num_layers=8, vocab_size=48 * 40)
     costs = parameter_layer_costs(cfg)

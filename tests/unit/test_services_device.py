@@ -76,7 +76,8 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
     (index_select on device K/V) and a late activation whose device hidden states a prune
     filters; the logits are the CPU's."""
     from specpipe.common.messages import Activation, Prune
-    from specpipe.common.model import LayerRange, load_stage
+    from specpipe.common.model.loading import load_stage
+    from specpipe.common.model.partition import LayerRange
     from specpipe.common.stage import StageRuntime
 
     t = torch.tensor

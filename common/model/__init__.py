@@ -1,0 +1,1 @@
+"""The target model: configuration, decoder layers, checkpoint loading, stage partition, GGUF."""
