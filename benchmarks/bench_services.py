@@ -118,8 +118,9 @@ def run_service_mode(address: str, mode: str, prompt_set, max_new: int, width: i
 
 
 def run_autoregressive(target: Path, prompt_set, max_new: int, threads: int) -> dict:
-    from specpipe.common.decoding import DecodeOptions, Generation
-    from specpipe.common.engine import build_local
+    from specpipe.common.runtime.loader import build_local
+    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.spec.options import DecodeOptions
 
     torch.set_num_threads(threads)
     dep = build_local(target, 1)
@@ -196,7 +197,7 @@ def bench_tbt(args, target: Path, draft: Path) -> dict:
 
 # -- per-hop latency ----------------------------------------------------------------------
 async def _hops(kind: str, hidden: int, sizes: list[int], iters: int) -> dict:
-    from specpipe.common.messages import Activation
+    from specpipe.common.spec.messages import Activation
     from specpipe.services.transport import make_transport
     from specpipe.services.transport.codec import encode
 

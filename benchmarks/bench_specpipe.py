@@ -26,17 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from specpipe.common.cost_model import DeploymentCosts, projected_tbt, specinfer_draft_seconds
-from specpipe.common.decoding import DecodeOptions, Generation, Mode
-from specpipe.common.draft import DraftRuntime
-from specpipe.common.engine import build_local
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model_resolver import resolve_model
-from specpipe.common.pipeline import LocalPipeline
-from specpipe.common.sampling import SamplingParams
+from specpipe.common.perf.cost_model import DeploymentCosts, projected_tbt, specinfer_draft_seconds
+from specpipe.common.perf.width import evaluate_widths
+from specpipe.common.runtime.draft import DraftRuntime
+from specpipe.common.runtime.loader import build_local
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.pipeline import LocalPipeline
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.text import TextCodec
-from specpipe.common.width import evaluate_widths
 
 CHAT_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -154,7 +155,7 @@ def autoregressive_reference(
     target: Path, prompts: list[Prompt], n: int, stop
 ) -> dict[str, list[int]]:
     """Greedy tokens of the target in one process, no pipeline: the reference."""
-    from specpipe.common.stage import StageRuntime
+    from specpipe.common.runtime.stage import StageRuntime
 
     pipeline = LocalPipeline([StageRuntime(load_stage(target))])
     out = {}

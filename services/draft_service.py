@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 import torch
-from specpipe.common.draft import DraftRuntime
-from specpipe.common.engine import parse_dtype
-from specpipe.common.kv_cache import CacheError
 from specpipe.common.model.loading import load_stage
-from specpipe.common.stage import RequestError
+from specpipe.common.runtime.draft import DraftRuntime
+from specpipe.common.runtime.kv_cache import CacheError
+from specpipe.common.runtime.loader import parse_dtype
+from specpipe.common.runtime.stage import RequestError
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 

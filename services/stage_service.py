@@ -19,12 +19,12 @@ from pathlib import Path
 
 import grpc
 import torch
-from specpipe.common.engine import parse_dtype
-from specpipe.common.kv_cache import CacheError
-from specpipe.common.messages import Activation, Prune
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
-from specpipe.common.stage import RequestError, StageRuntime
+from specpipe.common.runtime.kv_cache import CacheError
+from specpipe.common.runtime.loader import parse_dtype
+from specpipe.common.runtime.stage import RequestError, StageRuntime
+from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 

@@ -30,7 +30,7 @@ def _positive_int(text: str) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specpipe.common.decoding import Mode
+    from specpipe.common.spec.options import Mode
 
     p = sub.add_parser(
         "generate", help="generate text in one process, stages stepped as a pipeline"
@@ -87,17 +87,12 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specpipe.common.decoding import (
-        DecodeOptions,
-        Generation,
-        Mode,
-        check_context,
-        check_prompt_ids,
-    )
-    from specpipe.common.engine import ORACLE_DRAFT, build_local, parse_dtype
     from specpipe.common.model.config import ModelConfig, ModelConfigError
     from specpipe.common.model_resolver import resolve_model
-    from specpipe.common.sampling import SamplingParams
+    from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, parse_dtype
+    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+    from specpipe.common.spec.sampling import SamplingParams
     from specpipe.common.text import TextCodec
 
     mode = Mode(args.mode)
@@ -193,8 +188,8 @@ def _choose_width(
         if width <= 0:
             raise CliError(f"--width must be positive, got {width}")
         return width
-    from specpipe.common.decoding import Mode
-    from specpipe.common.width import choose_width
+    from specpipe.common.perf.width import choose_width
+    from specpipe.common.spec.options import Mode
 
     if mode != Mode.SPECPIPE or deployment.draft is None:
         return 8  # width only shapes specpipe's tree; specinfer keeps its default

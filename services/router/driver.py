@@ -1,5 +1,5 @@
 """Drives one request over the network: the asynchronous counterpart of
-`decoding.Generation`, using the same tree managers (`SpecPipeManager`,
+`runtime.lockstep.Generation`, using the same tree managers (`SpecPipeManager`,
 `SpecInferManager`) for every decision.
 
 There is no global step. Stage 1 receives tree layers from here over gRPC; each stage
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-from specpipe.common.decoding import DecodeOptions, DecodeStats, Mode, tree_capacity
-from specpipe.common.draft import Candidates
-from specpipe.common.messages import Activation, Prune
-from specpipe.common.tree_manager import (
+from specpipe.common.spec.messages import Activation, Candidates, Prune
+from specpipe.common.spec.options import DecodeOptions, Mode, tree_capacity
+from specpipe.common.spec.stats import DecodeStats
+from specpipe.common.spec.tree_manager import (
     OutputState,
     SpecInferManager,
     SpecPipeManager,

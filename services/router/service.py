@@ -12,8 +12,8 @@ import time
 from pathlib import Path as FsPath
 
 import grpc
-from specpipe.common.decoding import DecodeOptions, Mode, check_prompt_ids
-from specpipe.common.sampling import SamplingParams
+from specpipe.common.spec.options import DecodeOptions, Mode, check_prompt_ids
+from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 

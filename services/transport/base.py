@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from specpipe.common.messages import Activation
+from specpipe.common.spec.messages import Activation
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from specpipe.common.decoding import DecodeOptions, DecodeStats, Generation
-from specpipe.common.engine import build_local, parse_dtype
-from specpipe.common.sampling import SamplingParams
+from specpipe.common.runtime.loader import build_local, parse_dtype
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.stats import DecodeStats
 from specpipe.services.launcher import LocalDeployment
 
 EOS = 96  # the conftest models' eos_token_id (vocab - 1)

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from specpipe.common.decoding import DecodeOptions, Generation, Mode
-from specpipe.common.engine import ORACLE_DRAFT, build_local
-from specpipe.common.kv_cache import TreeKVCache
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import split_layers
 from specpipe.common.model_resolver import resolve_model
 from specpipe.common.model_store import MODELS, ModelStore
+from specpipe.common.runtime.kv_cache import TreeKVCache
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.text import TextCodec
 
 pytestmark = pytest.mark.slow

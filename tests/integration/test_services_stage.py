@@ -11,10 +11,10 @@ import contextlib
 import grpc
 import pytest
 import torch
-from specpipe.common.messages import Activation, Prune
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
-from specpipe.common.stage import StageRuntime
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.stage_service import LoadedModel, StageService
 from specpipe.services.transport import Inbox, decode, make_transport
 from specpipe.services.transport.codec import prune_to_proto, rows_to_proto
@@ -146,9 +146,9 @@ def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
 def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
     """After a hit keeps a subtree without the newest ids, the next prune's horizon must
     still cover them, or a late copy of a dropped node would pass as newer."""
-    from specpipe.common.draft import Candidates
-    from specpipe.common.sampling import SamplingParams
-    from specpipe.common.tree_manager import OutputState, SpecPipeManager
+    from specpipe.common.spec.messages import Candidates
+    from specpipe.common.spec.sampling import SamplingParams
+    from specpipe.common.spec.tree_manager import OutputState, SpecPipeManager
 
     def logits_for(token: int) -> torch.Tensor:
         x = torch.zeros(97)

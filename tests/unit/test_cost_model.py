@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from specpipe.common.cost_model import (
+from specpipe.common.perf.cost_model import (
     CostCurve,
     DeploymentCosts,
     measure_runtime,
@@ -11,10 +11,11 @@ from specpipe.common.cost_model import (
     specinfer_draft_seconds,
     step_seconds_of_trace,
 )
-from specpipe.common.decoding import DecodeOptions, Generation, Mode
-from specpipe.common.engine import ORACLE_DRAFT, build_local
-from specpipe.common.sampling import SamplingParams
-from specpipe.common.width import choose_width
+from specpipe.common.perf.width import choose_width
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import SamplingParams
 
 ROWS = [1, 2, 4, 8, 16, 32]
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from specpipe.common.decoding import DecodeOptions, Generation, Mode
-from specpipe.common.engine import ORACLE_DRAFT, build_local
 from specpipe.common.model.config import ModelConfig
-from specpipe.common.sampling import SamplingParams
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
 
 PROMPT = [5, 17, 33, 2, 8, 90, 41, 12, 60]

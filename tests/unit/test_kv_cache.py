@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from specpipe.common.kv_cache import CacheError, TreeKVCache
-from specpipe.common.messages import EMPTY_IDS, Activation, Prune
 from specpipe.common.model.loading import load_stage
-from specpipe.common.stage import StageRuntime
-from specpipe.common.tree import TokenTree
+from specpipe.common.runtime.kv_cache import CacheError, TreeKVCache
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
+from specpipe.common.spec.tree import TokenTree
 
 from ..conftest import make_tiny_model
 

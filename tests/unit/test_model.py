@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specpipe.common.kv_cache import TreeKVCache
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.layers import StageModel
 from specpipe.common.model.loading import load_stage
@@ -14,6 +13,7 @@ from specpipe.common.model.partition import (
     split_layers,
     split_layers_by_cost,
 )
+from specpipe.common.runtime.kv_cache import TreeKVCache
 from transformers import AutoModelForCausalLM
 
 

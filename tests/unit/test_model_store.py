@@ -549,9 +549,9 @@ def test_real_conversion_of_a_tiny_gguf(
     tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """GGUF -> safetensors dir via transformers; our model code must load it and agree."""
-    from specpipe.common.kv_cache import TreeKVCache
     from specpipe.common.model.config import ModelConfig
     from specpipe.common.model.loading import load_stage
+    from specpipe.common.runtime.kv_cache import TreeKVCache
     from specpipe.common.text import TextCodec
     from transformers import AutoModelForCausalLM
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specpipe.common.decoding import DecodeOptions, Generation, Mode
-from specpipe.common.engine import ORACLE_DRAFT, build_local
-from specpipe.common.sampling import SamplingParams, position_uniform, sample_token, target_probs
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import (
+    SamplingParams,
+    position_uniform,
+    sample_token,
+    target_probs,
+)
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,

@@ -75,10 +75,10 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
     """Two stages with model and caches on the GPU: prefill, a tree layer, a prune
     (index_select on device K/V) and a late activation whose device hidden states a prune
     filters; the logits are the CPU's."""
-    from specpipe.common.messages import Activation, Prune
     from specpipe.common.model.loading import load_stage
     from specpipe.common.model.partition import LayerRange
-    from specpipe.common.stage import StageRuntime
+    from specpipe.common.runtime.stage import StageRuntime
+    from specpipe.common.spec.messages import Activation, Prune
 
     t = torch.tensor
     outs = {}
@@ -107,7 +107,7 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_stage_service_sends_gpu_outputs_from_host_memory_over_tcp(llama_dir) -> None:
-    from specpipe.common.messages import Activation
+    from specpipe.common.spec.messages import Activation
     from specpipe.services.stage_service import StageService, load_model
 
     async def main() -> None:  # gRPC's asyncio server needs a running loop

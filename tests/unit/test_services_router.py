@@ -48,7 +48,7 @@ def _with_router(fn):
 def test_router_defaults_are_the_engines() -> None:
     """A request that leaves width/top_k_children unset gets the engine's defaults
     (64 children per node, capped by the width), not a router-specific number."""
-    from specpipe.common.decoding import DecodeOptions
+    from specpipe.common.spec.options import DecodeOptions
     from specpipe.services.client import build_request
 
     req = build_request(prompt_ids=[1, 2, 3], max_new_tokens=4)
@@ -67,7 +67,7 @@ def test_router_defaults_are_the_engines() -> None:
 def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None:
     from types import SimpleNamespace
 
-    from specpipe.common.decoding import DecodeStats
+    from specpipe.common.spec.stats import DecodeStats
     from specpipe.services.client.common import _Collector
     from specpipe.v1 import generation_pb2 as gen
 
@@ -104,7 +104,7 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     import time
     from types import SimpleNamespace
 
-    from specpipe.common.decoding import DecodeOptions, Mode
+    from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import Path
     from specpipe.services.router.driver import Plan, RequestDriver
 

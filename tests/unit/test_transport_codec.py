@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from specpipe.common.messages import Activation, Prune
+from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.transport import Address, Frame, FrameError, decode, encode
 from specpipe.services.transport.codec import (
     Kind,

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from specpipe.common.messages import Activation
+from specpipe.common.spec.messages import Activation
 from specpipe.services.transport import Inbox, TransportError, decode, make_transport
 
 KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(

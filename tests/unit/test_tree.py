@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specpipe.common.tree import TokenTree
+from specpipe.common.spec.tree import TokenTree
 
 
 def candidates(

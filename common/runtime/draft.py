@@ -7,29 +7,13 @@ owns the tree: the draft returns top-k candidates per node, the router keeps the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from .messages import Activation, Prune
-from .model.layers import StageModel
-from .sampling import draft_probs
+from ..model.layers import StageModel
+from ..spec.messages import Activation, Candidates, Prune
+from ..spec.sampling import draft_probs
 from .stage import StageRuntime
-
-
-@dataclass
-class Candidates:
-    """Proposed children: for candidate i, parent node id, token and draft probability."""
-
-    parent_ids: Tensor
-    tokens: Tensor
-    probs: Tensor
-
-    @classmethod
-    def empty(cls) -> Candidates:
-        e = torch.empty(0, dtype=torch.int64)
-        return cls(e, e, torch.empty(0, dtype=torch.float32))
 
 
 class DraftRuntime:

@@ -10,121 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 
-from .draft import Candidates
-from .messages import Activation, Prune
+from ..spec.messages import Activation, Candidates, Prune
+from ..spec.options import DecodeOptions, Mode, check_context, check_prompt_ids, tree_capacity
+from ..spec.stats import DecodeStats
+from ..spec.tree_manager import OutputState, SpecInferManager, SpecPipeManager, prefill_chunks
 from .pipeline import Draft, Pipeline, StepResult
-from .sampling import SamplingParams
-from .tree_manager import OutputState, SpecInferManager, SpecPipeManager, prefill_chunks
-
-
-class Mode(StrEnum):
-    SPECPIPE = "specpipe"
-    PP = "pp"
-    SPECINFER = "specinfer"
-    AUTOREGRESSIVE = "autoregressive"
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    width: int = 8  # tree nodes kept per layer
-    # draft candidates per node (capped by width; top-w of every leaf contains the global top-w)
-    top_k_children: int = 64
-    specinfer_depth: int = 8  # layers of a SpecInfer tree
-    prefill_chunk: int = 128
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.width < 1 or self.top_k_children < 1 or self.specinfer_depth < 1:
-            raise ValueError("width, top_k_children and specinfer_depth must be >= 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
-
-
-@dataclass
-class DecodeStats:
-    mode: str
-    stages: int
-    width: int
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    new_tokens: int = 0
-    verifications: int = 0  # root verifications (specpipe/pp) or tree passes (specinfer)
-    hits: int = 0  # emitted tokens that were already in the tree when verified
-    finish_reason: str = "length"
-    regrowths: int = 0  # specpipe: the newest layer was pruned away and regrown from reserves
-    root_children: list[int] = field(
-        default_factory=list
-    )  # children of the root at each verification
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens emitted per specinfer pass
-    # per step: rows each stage computed, then rows the draft computed
-    trace: list[list[int]] = field(default_factory=list)
-    # decode step (1-based count) at which each token was emitted
-    emit_steps: list[int] = field(default_factory=list)
-    # specinfer: rows of every draft forward, per pass (the draft works before each pass)
-    draft_layers: list[list[int]] = field(default_factory=list)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.decode_steps if self.decode_steps else 0.0
-
-    @property
-    def steady_tokens_per_step(self) -> float:
-        """Tokens per step after the first token (which must cross the empty pipeline)."""
-        if len(self.emit_steps) < 2 or self.emit_steps[-1] == self.emit_steps[0]:
-            return 0.0
-        return (len(self.emit_steps) - 1) / (self.emit_steps[-1] - self.emit_steps[0])
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.new_tokens if self.new_tokens else 0.0
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "mode": self.mode,
-            "stages": self.stages,
-            "width": self.width,
-            "prefill_steps": self.prefill_steps,
-            "decode_steps": self.decode_steps,
-            "new_tokens": self.new_tokens,
-            "tokens_per_step": round(self.tokens_per_step, 6),
-            "hit_rate": round(self.hit_rate, 6),
-        }
-
-
-def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
-    """Upper bound on tree rows a stage or the draft caches at once for this mode."""
-    if mode == Mode.SPECPIPE:
-        return (stages + 2) * opts.width + 2
-    if mode == Mode.SPECINFER:
-        return opts.specinfer_depth * opts.width + 2
-    return 2
-
-
-def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
-    """Reject a prompt no mode can serve (the CLI, the engine and the router share this)."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})")
-
-
-def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
-    if prompt_len + max_new_tokens > max_context:
-        raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {max_context} tokens"
-        )
-
 
 _request_counter = itertools.count()
 

@@ -15,8 +15,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from .draft import Candidates
-from .messages import Activation, Prune
+from ..spec.messages import Activation, Candidates, Prune
 from .stage import StageRuntime
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from ..model.config import ModelConfig
+from ..model.loading import load_stage
+from ..model.partition import LayerRange, plan_stages
 from .draft import DraftRuntime
-from .model.config import ModelConfig
-from .model.loading import load_stage
-from .model.partition import LayerRange, plan_stages
 from .pipeline import LocalPipeline
 from .stage import StageRuntime
 
@@ -36,7 +36,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 @dataclass
-class LocalDeployment:
+class InProcessDeployment:
     pipeline: LocalPipeline
     draft: DraftRuntime | None
     target_config: ModelConfig
@@ -49,7 +49,7 @@ def build_local(
     dtype: torch.dtype = torch.float32,
     layer_ranges: list[LayerRange] | None = None,
     split: str = "even",
-) -> LocalDeployment:
+) -> InProcessDeployment:
     """Load the target split into `num_stages` stages, and the draft (or the oracle draft).
 
     `split`: "even" (same number of layers per stage) or "balanced" (equal estimated cost
@@ -66,4 +66,4 @@ def build_local(
                 f"draft vocabulary ({draft_cfg.vocab_size}) is larger than the target's ({cfg.vocab_size})"
             )
         draft = DraftRuntime(load_stage(draft_path, None, dtype))
-    return LocalDeployment(LocalPipeline(stages), draft, cfg)
+    return InProcessDeployment(LocalPipeline(stages), draft, cfg)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .messages import Activation, Prune
-from .stage import StageRuntime
+from ..runtime.stage import StageRuntime
+from ..spec.messages import Activation, Prune
 
 _MEASURE_ID = "__cost_probe__"
 

@@ -2,7 +2,8 @@
 
 `Activation` is the data plane: what one stage hands the next for one request in one
 step. `Prune` is the control plane: the verification outcome every stage and the draft
-apply to their caches and to activations still in flight.
+apply to their caches and to activations still in flight. `Candidates` are what the draft
+proposes as children of tree nodes.
 """
 
 from __future__ import annotations
@@ -81,3 +82,17 @@ class Prune:
         if rows.numel() == 0:
             return None
         return act if rows.numel() == len(act) else act.select(rows)
+
+
+@dataclass
+class Candidates:
+    """Proposed children: for candidate i, parent node id, token and draft probability."""
+
+    parent_ids: Tensor
+    tokens: Tensor
+    probs: Tensor
+
+    @classmethod
+    def empty(cls) -> Candidates:
+        e = torch.empty(0, dtype=torch.int64)
+        return cls(e, e, torch.empty(0, dtype=torch.float32))

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..runtime.loader import InProcessDeployment
+from ..runtime.lockstep import Generation
+from ..spec.options import DEFAULT_TOP_K_CHILDREN, DecodeOptions, Mode
+from ..spec.sampling import SamplingParams
 from .cost_model import DeploymentCosts
-from .decoding import DecodeOptions, Generation, Mode
-from .engine import LocalDeployment
-from .sampling import SamplingParams
 
 CANDIDATE_WIDTHS = (1, 2, 4, 8, 16, 32)
 
@@ -66,7 +67,7 @@ def evaluate_widths(
 
 
 def measure_hit_rates(
-    deployment: LocalDeployment,
+    deployment: InProcessDeployment,
     prompts: Sequence[Sequence[int]],
     widths: Sequence[int],
     sampling: SamplingParams,
@@ -90,10 +91,10 @@ def measure_hit_rates(
 
 
 def choose_width(
-    deployment: LocalDeployment,
+    deployment: InProcessDeployment,
     prompts: Sequence[Sequence[int]],
     sampling: SamplingParams | None = None,
-    top_k_children: int = 64,
+    top_k_children: int = DEFAULT_TOP_K_CHILDREN,
     widths: Sequence[int] = CANDIDATE_WIDTHS,
     calibration_tokens: int = 16,
     costs: DeploymentCosts | None = None,

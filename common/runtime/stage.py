@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from ..model.layers import StageModel
+from ..spec.messages import Activation, Prune
 from .kv_cache import CacheError, TreeKVCache
-from .messages import Activation, Prune
-from .model.layers import StageModel
 
 
 class RequestError(RuntimeError):

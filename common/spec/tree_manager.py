@@ -1,8 +1,8 @@
 """The router's per-request tree managers: verification, pruning and growth decisions.
 
 They hold no model and do no I/O, so the same logic drives the in-process lockstep loop
-(`decoding.Generation`) and the asynchronous network router: feed them the last stage's
-logits and the draft's candidates as they arrive, send what they return.
+(`runtime.lockstep.Generation`) and the asynchronous network router: feed them the last
+stage's logits and the draft's candidates as they arrive, send what they return.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .draft import Candidates
-from .messages import EMPTY_IDS, Activation, Prune
+from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .sampling import SamplingParams, sample_token
 from .tree import TokenTree
 

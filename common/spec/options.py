@@ -1,0 +1,70 @@
+"""What a request asks for: the decoding mode and its options, and the checks every
+entry point (the command line, the in-process engine, the router) runs on a prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .sampling import SamplingParams
+
+# Defaults of `DecodeOptions`, also the command line's (`specpipe generate`, `client generate`).
+DEFAULT_MAX_NEW_TOKENS = 64  # the command line's; `DecodeOptions` requires a value
+DEFAULT_WIDTH = 8  # tree nodes kept per layer
+# draft candidates per node (capped by width; top-w of every leaf contains the global top-w)
+DEFAULT_TOP_K_CHILDREN = 64
+DEFAULT_SPECINFER_DEPTH = 8  # layers of a SpecInfer tree
+DEFAULT_PREFILL_CHUNK = 128
+
+
+class Mode(StrEnum):
+    SPECPIPE = "specpipe"
+    PP = "pp"
+    SPECINFER = "specinfer"
+    AUTOREGRESSIVE = "autoregressive"
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    width: int = DEFAULT_WIDTH
+    top_k_children: int = DEFAULT_TOP_K_CHILDREN
+    specinfer_depth: int = DEFAULT_SPECINFER_DEPTH
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.width < 1 or self.top_k_children < 1 or self.specinfer_depth < 1:
+            raise ValueError("width, top_k_children and specinfer_depth must be >= 1")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
+
+
+def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
+    """Upper bound on tree rows a stage or the draft caches at once for this mode."""
+    if mode == Mode.SPECPIPE:
+        return (stages + 2) * opts.width + 2
+    if mode == Mode.SPECINFER:
+        return opts.specinfer_depth * opts.width + 2
+    return 2
+
+
+def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
+    """Reject a prompt no mode can serve (the CLI, the engine and the router share this)."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
+    if prompt_len + max_new_tokens > max_context:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the model's context of {max_context} tokens"
+        )
