@@ -300,7 +300,7 @@ def main() -> None:
                     f"synthetic Llama {args.model_layers}x{args.model_hidden}, vocab {args.vocab}; draft = its first layer"
                 )
             else:
-                from specpipe.common.model_resolver import resolve_model
+                from specpipe.common.store.resolver import resolve_model
 
                 target, draft = resolve_model(args.target), resolve_model(args.draft)
                 report["models"] = f"target {args.target}, draft {args.draft}"

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
-from specpipe.common.model_resolver import resolve_model
 from specpipe.common.perf.cost_model import DeploymentCosts, projected_tbt, specinfer_draft_seconds
 from specpipe.common.perf.width import evaluate_widths
 from specpipe.common.runtime.draft import DraftRuntime
@@ -37,6 +36,7 @@ from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.runtime.pipeline import LocalPipeline
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.store.resolver import resolve_model
 from specpipe.common.text import TextCodec
 
 CHAT_PROMPTS = [

@@ -88,11 +88,11 @@ def _parse_ids(text: str) -> list[int]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specpipe.common.model.config import ModelConfig, ModelConfigError
-    from specpipe.common.model_resolver import resolve_model
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, parse_dtype
     from specpipe.common.runtime.lockstep import Generation
     from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
     from specpipe.common.spec.sampling import SamplingParams
+    from specpipe.common.store.resolver import resolve_model
     from specpipe.common.text import TextCodec
 
     mode = Mode(args.mode)
@@ -200,7 +200,7 @@ def _choose_width(
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from specpipe.common.model.config import ModelConfigError
-    from specpipe.common.model_resolver import ModelNotFoundError
+    from specpipe.common.store.errors import ModelNotFoundError
     from specpipe.common.text import TokenizerError
 
     return (ModelConfigError, ModelNotFoundError, TokenizerError)

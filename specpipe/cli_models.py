@@ -46,7 +46,9 @@ def _add_cache_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from specpipe.common.model_store import ModelStore, dir_size, format_bytes, lookup
+    from specpipe.common.store.files import dir_size, format_bytes
+    from specpipe.common.store.registry import lookup
+    from specpipe.common.store.store import ModelStore
 
     store = ModelStore(args.cache_dir, progress=True)
     for name in args.names:
@@ -68,7 +70,8 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from specpipe.common.model_store import ModelStore, format_bytes
+    from specpipe.common.store.files import format_bytes
+    from specpipe.common.store.store import ModelStore
 
     store = ModelStore(args.cache_dir, progress=False)
     rows = store.list()

@@ -184,7 +184,7 @@ def _device(spec: str) -> str:
 def _resolve(spec: str | None) -> str | None:
     if spec is None:
         return None
-    from specpipe.common.model_resolver import resolve_model
+    from specpipe.common.store.resolver import resolve_model
 
     return str(resolve_model(spec))
 

@@ -197,12 +197,13 @@ def test_bad_layouts_fail_to_render_with_a_reason(render, model, message):
 
 
 def test_the_chart_knows_the_layer_count_of_every_store_model(render):
-    from specpipe.common import model_store
+    from specpipe.common.store.registry import MODELS
+    from specpipe.common.store.store import cache_root
 
-    for name in model_store.MODELS:
+    for name in MODELS:
         docs = render({"model": {"target": name, "draft": "", "stages": 1}})
         (only,) = layer_ranges(docs)
-        config = model_store.cache_root() / name / "config.json"
+        config = cache_root() / name / "config.json"
         if config.is_file():  # pulled here: the count must be the real one
             assert only == (0, json.loads(config.read_text())["num_hidden_layers"]), name
 

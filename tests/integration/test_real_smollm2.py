@@ -17,12 +17,13 @@ import torch
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import split_layers
-from specpipe.common.model_resolver import resolve_model
-from specpipe.common.model_store import MODELS, ModelStore
 from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
 from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.store.registry import MODELS
+from specpipe.common.store.resolver import resolve_model
+from specpipe.common.store.store import ModelStore
 from specpipe.common.text import TextCodec
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from specpipe.common import model_store
 from specpipe.common.model.gguf import (
     GGUFError,
     check_supported,
@@ -26,16 +25,14 @@ from specpipe.common.model.gguf import (
     is_gguf,
     read_gguf_header,
 )
-from specpipe.common.model_resolver import ModelNotFoundError, resolve_model
-from specpipe.common.model_store import (
-    MANIFEST,
-    MODELS,
-    ModelStore,
-    StoreError,
-    StoreModel,
-    WheelPart,
-    cache_root,
-)
+from specpipe.common.store import manifest as store_manifest
+from specpipe.common.store import store as model_store
+from specpipe.common.store import wheels
+from specpipe.common.store.errors import ModelNotFoundError, StoreError
+from specpipe.common.store.manifest import MANIFEST
+from specpipe.common.store.registry import MODELS, StoreModel, WheelPart
+from specpipe.common.store.resolver import resolve_model
+from specpipe.common.store.store import ModelStore, cache_root
 
 # -- a tiny GGUF ------------------------------------------------------------------------------
 
@@ -127,7 +124,7 @@ def make_wheel(
     directory: Path, part: WheelPart, data: bytes, recorded: bytes | None = None
 ) -> Path:
     """A wheel holding `data` as `part.member`; RECORD lists `recorded` (default: `data`)."""
-    dist = f"{model_store._normalize(part.project)}-{part.version}"
+    dist = f"{wheels._normalize(part.project)}-{part.version}"
     path = directory / f"{dist}-py3-none-any.whl"
     recorded = data if recorded is None else recorded
     record = f"{part.member},sha256={_record_hash(recorded)},{len(recorded)}\n"
@@ -155,7 +152,7 @@ class FakeIndex:
         self.calls.append(list(requirements))
         dest.mkdir(parents=True, exist_ok=True)
         for req in requirements:
-            name = model_store._normalize(req.split("==")[0])
+            name = wheels._normalize(req.split("==")[0])
             seen = self._served.get(req, 0)
             self._served[req] = seen + 1
             bad = list(self.bad.glob(f"{name}-*.whl"))
@@ -278,14 +275,14 @@ def test_record_entry_decodes_the_wheel_hash(tmp_path: Path) -> None:
     part = WheelPart("x-y", "2.0", "x_y/blob.bin")
     wheel = make_wheel(tmp_path, part, b"payload")
     with zipfile.ZipFile(wheel) as z:
-        assert model_store.record_entry(z, part.member) == (
+        assert wheels.record_entry(z, part.member) == (
             hashlib.sha256(b"payload").hexdigest(),
             7,
         )
         with pytest.raises(ValueError, match="does not list"):
-            model_store.record_entry(z, "x_y/other.bin")
-    assert model_store.find_wheel(tmp_path, part) == wheel
-    assert model_store.find_wheel(tmp_path, WheelPart("x-y", "2.1", part.member)) is None
+            wheels.record_entry(z, "x_y/other.bin")
+    assert wheels.find_wheel(tmp_path, part) == wheel
+    assert wheels.find_wheel(tmp_path, WheelPart("x-y", "2.1", part.member)) is None
 
 
 # -- pulling ----------------------------------------------------------------------------------
@@ -567,6 +564,7 @@ def test_real_conversion_of_a_tiny_gguf(
     # Cached by content hash: a second resolve neither hashes nor converts again.
     monkeypatch.setattr(model_store, "convert_gguf", _no_network)
     monkeypatch.setattr(model_store, "sha256_file", _no_network)
+    monkeypatch.setattr(store_manifest, "sha256_file", _no_network)
     assert resolve_model(str(tiny_gguf), cache_dir=cache) == model_dir
     monkeypatch.undo()
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
-class ModelNotFoundError(ValueError):
-    """MODEL names nothing this machine has or can fetch."""
+from .errors import ModelNotFoundError
+from .registry import MODELS, lookup
+from .store import ModelStore
 
 
 def resolve_model(
@@ -23,19 +23,17 @@ def resolve_model(
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec}: directory has no config.json")
         return path
-    from . import model_store
-
     if progress is None:
         progress = sys.stderr.isatty()
     if path.is_file():
-        from .model.gguf import is_gguf
+        from ..model.gguf import is_gguf
 
         if path.suffix.lower() != ".gguf" and not is_gguf(path):
             raise ModelNotFoundError(f"{spec}: not a model directory or a .gguf file")
-        return model_store.ModelStore(cache_dir, progress=progress).from_gguf(path)
-    if spec.strip().lower() in model_store.MODELS:
-        return model_store.ModelStore(cache_dir, progress=progress).pull(spec)
+        return ModelStore(cache_dir, progress=progress).from_gguf(path)
+    if spec.strip().lower() in MODELS:
+        return ModelStore(cache_dir, progress=progress).pull(spec)
     if "/" in spec or spec.startswith((".", "~")) or spec.lower().endswith(".gguf"):
         raise ModelNotFoundError(f"{spec}: no such file or directory")
-    model_store.lookup(spec)  # raises, listing the known names
+    lookup(spec)  # raises, listing the known names
     raise AssertionError("unreachable")
