@@ -14,16 +14,15 @@ from pathlib import Path
 
 import grpc
 import torch
-from specpipe.common.model.loading import load_stage
-from specpipe.common.runtime.draft import DraftRuntime
+from specpipe.common.model.loading import weight_fingerprint
 from specpipe.common.runtime.kv_cache import CacheError
-from specpipe.common.runtime.loader import parse_dtype
+from specpipe.common.runtime.loader import load_draft, parse_dtype
 from specpipe.common.runtime.stage import RequestError
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .grpc_util import Server, wait_until_idle
-from .modelinfo import free_memory_bytes, weight_fingerprint
+from .modelinfo import free_memory_bytes
 from .transport import FrameError
 from .transport.codec import prune_from_proto, token_activation
 
@@ -40,9 +39,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         device: str = "cpu",
         max_cache_bytes: int | None = None,
     ) -> None:
-        self.runtime = DraftRuntime(
-            load_stage(model_dir, None, parse_dtype(dtype), device), max_cache_bytes
-        )
+        self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")

@@ -63,8 +63,9 @@ async def _serve_until_stopped(svc, drain_seconds: float) -> None:
 async def run_stage(args) -> None:
     from specpipe.common.model.config import ModelConfig
     from specpipe.common.model.partition import parse_layer_range
+    from specpipe.common.runtime.loader import load_model
 
-    from .stage_service import StageService, load_model
+    from .stage_service import StageService
 
     model = None
     if args.model:

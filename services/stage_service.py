@@ -15,21 +15,18 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import torch
-from specpipe.common.model.loading import load_stage
-from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.kv_cache import CacheError
-from specpipe.common.runtime.loader import parse_dtype
+from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.stage import RequestError, StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .grpc_util import Server, wait_until_idle
-from .modelinfo import free_memory_bytes, weight_fingerprint
+from .modelinfo import free_memory_bytes
 from .transport import Frame, FrameError, Transport, TransportError, decode, make_transport
 from .transport.codec import (
     Kind,
@@ -64,41 +61,6 @@ class _Request:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     closed: bool = False
-
-
-@dataclass
-class LoadedModel:
-    runtime: StageRuntime
-    model_id: str
-    weight_hash: str
-    max_positions: int
-    eos_token_ids: tuple[int, ...]
-
-
-def load_model(
-    model_dir: str | Path,
-    layers: tuple[int, int] | None,
-    dtype: str = "float32",
-    model_id: str = "",
-    device: str = "cpu",
-    max_cache_bytes: int | None = None,
-) -> LoadedModel:
-    """Load layers [a, b) of a model directory (None: all layers) as a stage."""
-    from specpipe.common.model.config import ModelConfig
-
-    cfg = ModelConfig.from_dir(model_dir)
-    rng = None
-    if layers is not None:
-        a, b = layers
-        rng = LayerRange(a, b or cfg.num_layers, cfg.num_layers)
-    model = load_stage(model_dir, rng, parse_dtype(dtype), device)
-    return LoadedModel(
-        runtime=StageRuntime(model, max_cache_bytes),
-        model_id=model_id or Path(model_dir).name,
-        weight_hash=weight_fingerprint(model_dir),
-        max_positions=cfg.max_position_embeddings,
-        eos_token_ids=cfg.eos_token_ids,
-    )
 
 
 def _code_for(e: Exception) -> grpc.StatusCode:

@@ -1,9 +1,11 @@
 """Loading one stage's tensors from a Hugging Face safetensors checkpoint, and the
-checkpoint fingerprint services report."""
+checkpoint fingerprint (the "weight hash" services report and paths are matched on)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -93,3 +95,26 @@ def load_stage(
         model = StageModel(cfg, layers)
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def weight_fingerprint(model_dir: str | Path) -> str:
+    """SHA-256 over config.json and every safetensors file's header and size.
+
+    The header lists every tensor's name, dtype, shape and byte offsets, so two
+    checkpoints that differ in any tensor layout, or in size, differ here; hashing the
+    headers instead of gigabytes of weights keeps start-up fast. (Two checkpoints with
+    identical layout and different values are told apart by the file-level metadata
+    that converters write, not guaranteed.)
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256()
+    cfg = model_dir / "config.json"
+    if cfg.is_file():
+        h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True).encode())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            h.update(f.name.encode())
+            h.update(fh.read(min(n, 64 << 20)))
+        h.update(str(f.stat().st_size).encode())
+    return h.hexdigest()[:16]

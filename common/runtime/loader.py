@@ -1,6 +1,8 @@
-"""Builds an in-process deployment (stages + draft) from model directories.
+"""Loads models into runtimes: the in-process deployment (stages + draft) the command line
+and the tests step, and the one stage or draft a network service holds.
 
-The network deployment builds the same objects, one per process.
+Both build the same objects from the same loaders; the network deployment builds one per
+process.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
-from ..model.loading import load_stage
+from ..model.loading import load_stage, weight_fingerprint
 from ..model.partition import LayerRange, plan_stages
 from .draft import DraftRuntime
 from .pipeline import LocalPipeline
@@ -35,6 +37,27 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from {sorted(DTYPES)})") from None
 
 
+def load_runtime(
+    model_dir: str | Path,
+    layers: LayerRange | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_cache_bytes: int | None = None,
+) -> StageRuntime:
+    """A stage runtime holding `layers` of a model directory (None: every layer)."""
+    return StageRuntime(load_stage(model_dir, layers, dtype, device), max_cache_bytes)
+
+
+def load_draft(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_cache_bytes: int | None = None,
+) -> DraftRuntime:
+    """A draft runtime holding the whole model of a directory."""
+    return DraftRuntime(load_stage(model_dir, None, dtype, device), max_cache_bytes)
+
+
 @dataclass
 class InProcessDeployment:
     pipeline: LocalPipeline
@@ -56,7 +79,7 @@ def build_local(
     per stage, counting the LM head; see `parameter_layer_costs`)."""
     cfg = ModelConfig.from_dir(target_dir)
     ranges = layer_ranges or plan_stages(cfg, num_stages, split)
-    stages = [StageRuntime(load_stage(target_dir, r, dtype)) for r in ranges]
+    stages = [load_runtime(target_dir, r, dtype) for r in ranges]
     draft = None
     if draft_dir is not None:
         draft_path = target_dir if str(draft_dir) == ORACLE_DRAFT else draft_dir
@@ -65,5 +88,41 @@ def build_local(
             raise ValueError(
                 f"draft vocabulary ({draft_cfg.vocab_size}) is larger than the target's ({cfg.vocab_size})"
             )
-        draft = DraftRuntime(load_stage(draft_path, None, dtype))
+        draft = load_draft(draft_path, dtype)
     return InProcessDeployment(LocalPipeline(stages), draft, cfg)
+
+
+@dataclass
+class LoadedModel:
+    """A network stage's model: its runtime and what the stage reports about it."""
+
+    runtime: StageRuntime
+    model_id: str
+    weight_hash: str
+    max_positions: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(
+    model_dir: str | Path,
+    layers: tuple[int, int] | None,
+    dtype: str = "float32",
+    model_id: str = "",
+    device: str = "cpu",
+    max_cache_bytes: int | None = None,
+) -> LoadedModel:
+    """Load layers [a, b) of a model directory as a stage (None: all layers; b = 0: to the
+    last layer, as in `ConfigureStageRequest`)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    rng = None
+    if layers is not None:
+        a, b = layers
+        rng = LayerRange(a, b or cfg.num_layers, cfg.num_layers)
+    runtime = load_runtime(model_dir, rng, parse_dtype(dtype), device, max_cache_bytes)
+    return LoadedModel(
+        runtime=runtime,
+        model_id=model_id or Path(model_dir).name,
+        weight_hash=weight_fingerprint(model_dir),
+        max_positions=cfg.max_position_embeddings,
+        eos_token_ids=cfg.eos_token_ids,
+    )

@@ -13,9 +13,10 @@ import pytest
 import torch
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
+from specpipe.common.runtime.loader import LoadedModel
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
-from specpipe.services.stage_service import LoadedModel, StageService
+from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Inbox, decode, make_transport
 from specpipe.services.transport.codec import prune_to_proto, rows_to_proto
 from specpipe.v1 import dataplane_pb2 as pb

@@ -107,8 +107,9 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_stage_service_sends_gpu_outputs_from_host_memory_over_tcp(llama_dir) -> None:
+    from specpipe.common.runtime.loader import load_model
     from specpipe.common.spec.messages import Activation
-    from specpipe.services.stage_service import StageService, load_model
+    from specpipe.services.stage_service import StageService
 
     async def main() -> None:  # gRPC's asyncio server needs a running loop
         svc = StageService(load_model(llama_dir, (0, 2), device="cuda"), transport_kind="tcp")
