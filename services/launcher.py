@@ -23,6 +23,8 @@ from pathlib import Path
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.partition import parse_layer_ranges, split_layers
 
+from .transport import TCP
+
 
 class LaunchError(RuntimeError):
     """A child did not come up; the message includes the tail of its log."""
@@ -56,7 +58,7 @@ class LocalDeployment:
         target: str | Path,
         draft: str | Path | None,
         stages: int,
-        transport: str = "tcp",
+        transport: str = TCP,
         router_port: int = 0,
         layers: str | None = None,
         host: str = "127.0.0.1",

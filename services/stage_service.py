@@ -27,7 +27,7 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
-from .transport import Frame, FrameError, Transport, TransportError, decode, make_transport
+from .transport import TCP, Frame, FrameError, Transport, TransportError, decode, make_transport
 from .transport.codec import (
     Kind,
     empty_header,
@@ -78,7 +78,7 @@ class StageService(stage_pb2_grpc.StageServicer):
     def __init__(
         self,
         model: LoadedModel | None,
-        transport_kind: str = "tcp",
+        transport_kind: str = TCP,
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         max_cache_bytes: int | None = None,

@@ -18,7 +18,7 @@ from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..grpc_util import Server, wait_until_idle
-from ..transport import Inbox, Transport, make_transport
+from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .driver import DriverError, Plan, RequestDriver
 
@@ -74,7 +74,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stage_addresses: list[str],
         draft_address: str | None,
         tokenizer_dir: str | None = None,
-        transport_kind: str = "tcp",
+        transport_kind: str = TCP,
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         model_id: str = "",

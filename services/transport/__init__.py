@@ -5,16 +5,17 @@ from __future__ import annotations
 from .base import Address, FrameHandler, Inbox, Transport, TransportError
 from .codec import Frame, FrameError, decode, encode
 
-TRANSPORTS = ("ucx", "tcp")
+TRANSPORTS = ("ucx", "tcp")  # every data plane: UCX where ucxx imports, TCP anywhere
+UCX, TCP = TRANSPORTS
 
 
 def make_transport(kind: str, on_frame: FrameHandler, **kwargs) -> Transport:
     """The transport of a deployment: "ucx" (default where ucxx imports) or "tcp"."""
-    if kind == "ucx":
+    if kind == UCX:
         from .ucx import UcxTransport
 
         return UcxTransport(on_frame, **kwargs)
-    if kind == "tcp":
+    if kind == TCP:
         from .tcp import TcpTransport
 
         return TcpTransport(on_frame, **kwargs)
@@ -22,7 +23,9 @@ def make_transport(kind: str, on_frame: FrameHandler, **kwargs) -> Transport:
 
 
 __all__ = [
+    "TCP",
     "TRANSPORTS",
+    "UCX",
     "Address",
     "Frame",
     "FrameError",

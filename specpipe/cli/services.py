@@ -8,19 +8,30 @@ import json
 import os
 import sys
 
-from specpipe.cli import CliError, _parse_ids, _positive_int
+from .args import (
+    CliError,
+    add_device_arg,
+    add_dtype_arg,
+    add_sampling_args,
+    parse_device,
+    parse_ids,
+    positive_int,
+)
 
 DEFAULT_ROUTER_PORT = 50051
 DEFAULT_DRAIN_SECONDS = 25.0
 
 
 def _default_transport() -> str:
+    from specpipe.services.transport import TCP, UCX
     from specpipe.services.transport.ucx import available
 
-    return "ucx" if available() else "tcp"
+    return UCX if available() else TCP
 
 
 def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> None:
+    from specpipe.services.transport import TRANSPORTS
+
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--advertise-host", default=None, help="address others reach this one at")
     p.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
@@ -28,7 +39,7 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
         p.add_argument("--data-port", type=int, default=0, help="hidden-state port (0: any)")
         p.add_argument(
             "--transport",
-            choices=["ucx", "tcp"],
+            choices=list(TRANSPORTS),
             default=None,
             help="data plane (default: ucx if installed)",
         )
@@ -48,27 +59,22 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument(
         "--model-id", default="", help="name reported to clients (default: directory name)"
     )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float64"],
-        help="float64: exactness checks (no rounding noise between cache shapes)",
-    )
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget")
-    _device_arg(p)
-
-
-def _device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
-        "(cuda if available, else cpu)",
-    )
+    add_device_arg(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `stage`, `draft`, `router`, `up` and `client` commands."""
+    from specpipe.common.spec.options import (
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_TOP_K_CHILDREN,
+        DEFAULT_WIDTH,
+        Mode,
+    )
+    from specpipe.services.transport import TCP, TRANSPORTS
+
     p = sub.add_parser("stage", help="serve layers of the target model (a pipeline stage)")
     _model_args(p, required=False)
     p.add_argument("--layers", default=None, help="START:END decoder layers (default: all)")
@@ -92,25 +98,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run router, draft and stages as local processes")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
-    p.add_argument("--stages", type=_positive_int, default=2)
+    p.add_argument("--stages", type=positive_int, default=2)
     p.add_argument("--layers", default=None, help="per-stage layer ranges: 0:7,7:14,...")
     p.add_argument(
         "--transport",
-        choices=["ucx", "tcp"],
-        default="tcp",
+        choices=list(TRANSPORTS),
+        default=TCP,
         help="data plane between the local processes (default tcp: on one host UCX has no "
         "RDMA/NVLink to use, and its polling progress was measured slower on small CPU nodes)",
     )
     p.add_argument("--router-port", type=int, default=DEFAULT_ROUTER_PORT)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float64"],
-        help="float64: exactness checks (no rounding noise between cache shapes)",
-    )
+    add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
-    _device_arg(p)
+    add_device_arg(p)
     p.add_argument(
         "--drain-seconds",
         type=float,
@@ -130,20 +131,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--model", default="", help="model id (default: the deployment's)")
-    g.add_argument("--mode", default="specpipe", help="specpipe, pp, specinfer or autoregressive")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--width", type=int, default=None, help="tree width per layer (default 8)")
+    g.add_argument(
+        "--mode", default=Mode.SPECPIPE.value, help="specpipe, pp, specinfer or autoregressive"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    g.add_argument(
+        "--width", type=int, default=None, help=f"tree width per layer (default {DEFAULT_WIDTH})"
+    )
     g.add_argument(
         "--top-k-children",
         type=int,
         default=None,
-        help="draft candidates per node, capped by the width (default 64, the engine's)",
+        help="draft candidates per node, capped by the width "
+        f"(default {DEFAULT_TOP_K_CHILDREN}, the engine's)",
     )
     g.add_argument("--depth", type=int, default=None, help="specinfer tree depth")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    add_sampling_args(g)
     g.add_argument("--prefill-chunk", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -172,15 +175,6 @@ def _prepare(args: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
 
 
-def _device(spec: str) -> str:
-    from specpipe.services.modelinfo import resolve_device
-
-    try:
-        return resolve_device(spec)
-    except ValueError as e:
-        raise CliError(f"--device: {e}") from None
-
-
 def _resolve(spec: str | None) -> str | None:
     if spec is None:
         return None
@@ -192,7 +186,7 @@ def _resolve(spec: str | None) -> str | None:
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_stage
 
-    args.device = _device(args.device)
+    args.device = parse_device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_stage(args))
@@ -202,7 +196,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
 def _cmd_draft(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_draft
 
-    args.device = _device(args.device)
+    args.device = parse_device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_draft(args))
@@ -225,7 +219,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from specpipe.services.launcher import LaunchError, LocalDeployment
 
     transport = args.transport
-    device = _device(args.device)
+    device = parse_device(args.device)
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     try:
@@ -287,7 +281,7 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         kwargs["prompt"] = args.prompt
     else:
-        kwargs["prompt_ids"] = _parse_ids(args.prompt_ids)
+        kwargs["prompt_ids"] = parse_ids(args.prompt_ids)
     with Client(args.router, timeout=args.timeout) as client:
         try:
             stream = client.stream(**kwargs)

@@ -1,68 +1,50 @@
-"""The `specpipe` command line."""
+"""`specpipe generate`: decoding in one process, the stages stepped as a pipeline."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import NoReturn
+
+from .args import CliError, add_dtype_arg, add_sampling_args, parse_ids, positive_int
 
 
-class CliError(Exception):
-    """A user error: printed as one line, exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from specpipe.common.spec.options import Mode
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `generate` command to the top-level subparsers."""
+    from specpipe.common.spec.options import (
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_PREFILL_CHUNK,
+        DEFAULT_SPECINFER_DEPTH,
+        DEFAULT_TOP_K_CHILDREN,
+        DEFAULT_WIDTH,
+        Mode,
+    )
 
     p = sub.add_parser(
         "generate", help="generate text in one process, stages stepped as a pipeline"
     )
     p.add_argument("--target", required=True, help="target model: name, HF directory or GGUF file")
     p.add_argument("--draft", default=None, help="draft model, or 'oracle' for the target itself")
-    p.add_argument("--stages", type=_positive_int, default=1)
+    p.add_argument("--stages", type=positive_int, default=1)
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPECPIPE.value)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the target's tokenizer)")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64)
-    p.add_argument("--width", default="8", help="tree width per layer, or 'auto'")
+    p.add_argument("--max-new-tokens", type=positive_int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--width", default=str(DEFAULT_WIDTH), help="tree width per layer, or 'auto'")
     p.add_argument(
         "--top-k-children",
-        type=_positive_int,
-        default=64,
+        type=positive_int,
+        default=DEFAULT_TOP_K_CHILDREN,
         help="draft children per node (capped by width)",
     )
-    p.add_argument("--depth", type=_positive_int, default=8, help="specinfer tree depth")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float64"],
-        help="float64: exactness checks (no rounding noise between cache shapes)",
+        "--depth", type=positive_int, default=DEFAULT_SPECINFER_DEPTH, help="specinfer tree depth"
     )
-    p.add_argument("--prefill-chunk", type=_positive_int, default=128)
+    add_sampling_args(p)
+    add_dtype_arg(p)
+    p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK)
     p.add_argument(
         "--split",
         choices=["even", "balanced"],
@@ -74,16 +56,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_generate)
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise CliError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise CliError("--prompt-ids is empty")
-    return ids
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -120,7 +92,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         if args.chat:
             raise CliError("--chat needs --prompt text")
-        prompt_ids = _parse_ids(args.prompt_ids)
+        prompt_ids = parse_ids(args.prompt_ids)
     try:  # before loading any weights
         check_prompt_ids(prompt_ids, cfg.vocab_size)
         check_context(len(prompt_ids), args.max_new_tokens, cfg.max_position_embeddings)
@@ -189,55 +161,10 @@ def _choose_width(
             raise CliError(f"--width must be positive, got {width}")
         return width
     from specpipe.common.perf.width import choose_width
-    from specpipe.common.spec.options import Mode
+    from specpipe.common.spec.options import DEFAULT_WIDTH, Mode
 
     if mode != Mode.SPECPIPE or deployment.draft is None:
-        return 8  # width only shapes specpipe's tree; specinfer keeps its default
+        return DEFAULT_WIDTH  # width only shapes specpipe's tree; specinfer keeps its default
     choice = choose_width(deployment, [prompt_ids], sampling, args.top_k_children)
     print(choice.explain(), file=sys.stderr)
     return choice.width
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from specpipe.common.model.config import ModelConfigError
-    from specpipe.common.store.errors import ModelNotFoundError
-    from specpipe.common.text import TokenizerError
-
-    return (ModelConfigError, ModelNotFoundError, TokenizerError)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specpipe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    _add_generate(sub)
-    from specpipe import cli_models
-
-    cli_models.register(sub)
-    from specpipe import cli_services
-
-    cli_services.register(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except CliError as e:
-        print(f"specpipe: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        if isinstance(e, _user_errors()):
-            print(f"specpipe: error: {e}", file=sys.stderr)
-            return 2
-        raise
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
-__all__ = ["CliError", "Path", "build_parser", "main"]

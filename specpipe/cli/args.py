@@ -1,0 +1,79 @@
+"""Argument helpers shared by the `specpipe` subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float64")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Argument errors as one line and exit code 2 (no usage text)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def parse_ids(text: str) -> list[int]:
+    """`--prompt-ids`: comma-separated token ids."""
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise CliError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise CliError("--prompt-ids is empty")
+    return ids
+
+
+def add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPE_CHOICES),
+        help="float64: exactness checks (no rounding noise between cache shapes)",
+    )
+
+
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
+        "(cuda if available, else cpu)",
+    )
+
+
+def parse_device(spec: str) -> str:
+    """The torch device a `--device` value names (a CliError for one the services refuse)."""
+    from specpipe.services.modelinfo import resolve_device
+
+    try:
+        return resolve_device(spec)
+    except ValueError as e:
+        raise CliError(f"--device: {e}") from None
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """--temperature, --top-k, --top-p and --seed, defaulting to `SamplingParams`' defaults."""
+    from specpipe.common.spec.sampling import SamplingParams
+
+    default = SamplingParams()
+    p.add_argument("--temperature", type=float, default=default.temperature)
+    p.add_argument("--top-k", type=int, default=default.top_k)
+    p.add_argument("--top-p", type=float, default=default.top_p)
+    p.add_argument("--seed", type=int, default=default.seed)
