@@ -15,14 +15,14 @@ from pathlib import Path
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
-from specpipe.common.runtime.kv_cache import CacheError
+from specpipe.common.runtime.errors import RequestError
 from specpipe.common.runtime.loader import load_draft, parse_dtype
-from specpipe.common.runtime.stage import RequestError
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
+from .status import status_code
 from .transport import FrameError
 from .transport.codec import prune_from_proto, token_activation
 
@@ -67,17 +67,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         """Run an engine call on the compute thread; engine errors become gRPC statuses."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        except RequestError as e:
-            code = (
-                grpc.StatusCode.NOT_FOUND
-                if "not open" in str(e)
-                else grpc.StatusCode.FAILED_PRECONDITION
-            )
-            if "budget" in str(e):
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED
-            await context.abort(code, f"draft: {e}")
-        except (CacheError, FrameError, ValueError) as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"draft: {e}")
+        except (RequestError, FrameError, ValueError) as e:
+            await context.abort(status_code(e), f"draft: {e}")
 
     async def Describe(self, request, context) -> draft_pb2.DraftDescription:
         info = self.runtime.runtime.info()

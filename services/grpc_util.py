@@ -1,5 +1,5 @@
 """gRPC plumbing shared by the three services: servers with health and reflection,
-channels with raised message caps, and status-code mapping of engine errors."""
+channels with raised message caps, and status codes carried as numbers."""
 
 from __future__ import annotations
 

@@ -18,15 +18,16 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from specpipe.common.runtime.kv_cache import CacheError
+from specpipe.common.runtime.errors import RequestError
 from specpipe.common.runtime.loader import LoadedModel, load_model
-from specpipe.common.runtime.stage import RequestError, StageRuntime
+from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
+from .status import status_code
 from .transport import TCP, Frame, FrameError, Transport, TransportError, decode, make_transport
 from .transport.codec import (
     Kind,
@@ -61,17 +62,6 @@ class _Request:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     closed: bool = False
-
-
-def _code_for(e: Exception) -> grpc.StatusCode:
-    text = str(e)
-    if "budget" in text or "full" in text:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if "already open" in text:
-        return grpc.StatusCode.ALREADY_EXISTS
-    if "not open" in text:
-        return grpc.StatusCode.NOT_FOUND
-    return grpc.StatusCode.FAILED_PRECONDITION
 
 
 class StageService(stage_pb2_grpc.StageServicer):
@@ -212,7 +202,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             self.runtime.open(rid, int(request.capacity), request.root_logits_only)
         except RequestError as e:
-            await context.abort(_code_for(e), f"{self.name}: {e}")
+            await context.abort(status_code(e), f"{self.name}: {e}")
         st = _Request(rid, request.next_hop, request.report_to)
         st.task = asyncio.create_task(self._run(st), name=f"stage-{rid}")
         self._requests[rid] = st
@@ -313,7 +303,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise
         except TransportError as e:
             self._report(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
-        except (RequestError, CacheError, FrameError, RuntimeError, ValueError) as e:
+        except (RequestError, FrameError, RuntimeError, ValueError) as e:
             log.exception("request %s failed", st.request_id)
             self._report(st, f"{self.name} failed: {e}")
 

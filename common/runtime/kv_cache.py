@@ -11,9 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-class CacheError(RuntimeError):
-    """A cache operation that would corrupt the request (full cache, unknown node, ...)."""
+from .errors import BadInput, CacheFull
 
 
 class TreeKVCache:
@@ -49,13 +47,13 @@ class TreeKVCache:
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
-            raise CacheError(f"KV cache full: {self.length} + {n} rows > capacity {self.capacity}")
+            raise CacheFull(f"KV cache full: {self.length} + {n} rows > capacity {self.capacity}")
 
     # -- growing -----------------------------------------------------------------------
     def append_committed(self, n: int) -> tuple[int, Tensor]:
         """Reserve `n` rows of verified tokens (a prefill chunk); returns (start row, mask)."""
         if self.num_tree_rows:
-            raise CacheError("committed rows can only be appended while no tree rows are cached")
+            raise BadInput("committed rows can only be appended while no tree rows are cached")
         self._check_room(n)
         start = self.n_committed
         causal = torch.ones(n, n, dtype=torch.bool).tril_()
@@ -74,16 +72,16 @@ class TreeKVCache:
         t0 = self.num_tree_rows
         all_ids = torch.cat([self.tree_ids, node_ids])
         if torch.unique(all_ids).numel() != all_ids.numel():
-            raise CacheError("duplicate tree node ids")
+            raise BadInput("duplicate tree node ids")
         match = parent_ids[:, None] == all_ids[None, :]
         has_parent = match.any(dim=1)
         pidx = match.to(torch.int8).argmax(dim=1)
         if bool((has_parent & (pidx >= t0 + torch.arange(n))).any()):
-            raise CacheError("tree nodes must come after their parent (BFS order)")
+            raise BadInput("tree nodes must come after their parent (BFS order)")
         orphans = parent_ids[~has_parent].tolist()
         unknown = [p for p in orphans if p != -1 and p not in self._committed_ids]
         if unknown:
-            raise CacheError(f"parent node ids {unknown[:4]} are neither cached nor committed")
+            raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
 
         rows = torch.zeros(n, t0 + n, dtype=torch.bool)
         rows[torch.arange(n), t0 + torch.arange(n)] = True
@@ -144,5 +142,5 @@ class TreeKVCache:
         found = match.any(dim=1)
         if not bool(found.all()):
             missing = node_ids[~found].tolist()
-            raise CacheError(f"cannot commit node ids {missing[:4]}: not cached at this stage")
+            raise BadInput(f"cannot commit node ids {missing[:4]}: not cached at this stage")
         return match.to(torch.int8).argmax(dim=1)

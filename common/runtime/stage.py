@@ -14,11 +14,8 @@ from torch import Tensor
 
 from ..model.layers import StageModel
 from ..spec.messages import Activation, Prune
-from .kv_cache import CacheError, TreeKVCache
-
-
-class RequestError(RuntimeError):
-    """The request cannot proceed on this stage (unknown, already open, out of memory)."""
+from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen
+from .kv_cache import TreeKVCache
 
 
 @dataclass(frozen=True)
@@ -97,10 +94,10 @@ class StageRuntime:
         cfg = self.model.cfg
         with self._lock:
             if request_id in self._caches:
-                raise RequestError(f"request {request_id!r} is already open on this stage")
+                raise AlreadyOpen(f"request {request_id!r} is already open on this stage")
             used = sum(c.nbytes for c in self._caches.values())
             if used + need > self.max_cache_bytes:
-                raise RequestError(
+                raise CacheFull(
                     f"KV cache budget exhausted: need {need} bytes, {self.max_cache_bytes - used} free"
                 )
             self._caches[request_id] = TreeKVCache(
@@ -124,7 +121,7 @@ class StageRuntime:
         try:
             return self._caches[request_id]
         except KeyError:
-            raise RequestError(f"request {request_id!r} is not open on this stage") from None
+            raise NotOpen(f"request {request_id!r} is not open on this stage") from None
 
     # -- the step's phases -------------------------------------------------------------
     @torch.inference_mode()
@@ -157,11 +154,11 @@ class StageRuntime:
             try:
                 if self.is_first:
                     if act.tokens is None:
-                        raise RequestError("the first stage needs token ids")
+                        raise BadInput("the first stage needs token ids")
                     hidden = self.model.embed(act.tokens.to(self.model.device))
                 else:
                     if act.hidden is None:
-                        raise RequestError("stages after the first need hidden states")
+                        raise BadInput("stages after the first need hidden states")
                     hidden = act.hidden.to(device=self.model.device, dtype=self.model.dtype)
                 positions = act.positions.to(self.model.device)
                 hidden = self.model(hidden, positions, mask.to(self.model.device), cache, start)
@@ -238,6 +235,3 @@ def _concat(a: Activation, b: Activation) -> Activation:
         parent_ids=torch.cat([a.parent_ids, b.parent_ids]),
         hidden=torch.cat([a.hidden, b.hidden]),
     )
-
-
-__all__ = ["CacheError", "RequestError", "StageInfo", "StageRuntime"]

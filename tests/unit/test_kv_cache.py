@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specpipe.common.model.loading import load_stage
-from specpipe.common.runtime.kv_cache import CacheError, TreeKVCache
+from specpipe.common.runtime.errors import BadInput, CacheFull
+from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
 from specpipe.common.spec.tree import TokenTree
@@ -131,7 +132,7 @@ def test_cache_full_is_an_error_and_state_survives(model) -> None:
         parent_ids=torch.tensor([-1, -1]),
         tokens=torch.tensor([4, 5]),
     )
-    with pytest.raises(CacheError, match="full"):
+    with pytest.raises(CacheFull, match="full"):
         stage.forward(layer)
     cache = stage._cache("r")
     assert cache.length == 3
@@ -149,7 +150,7 @@ def test_unknown_parent_is_rejected(model) -> None:
         parent_ids=torch.tensor([4]),
         tokens=torch.tensor([1]),
     )
-    with pytest.raises(CacheError, match="neither cached nor committed"):
+    with pytest.raises(BadInput, match="neither cached nor committed"):
         stage.forward(bad)
     assert stage._cache("r").length == 0
 

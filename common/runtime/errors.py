@@ -1,0 +1,28 @@
+"""Why a request cannot proceed on a stage or the draft, by type.
+
+The runtimes raise these; the services answer each type with one gRPC status
+(`services/status.py`), so no caller matches error messages.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(RuntimeError):
+    """The request cannot proceed on this stage or draft."""
+
+
+class CacheFull(RequestError):
+    """No room: the KV cache budget is exhausted, or the request's cache is full."""
+
+
+class NotOpen(RequestError):
+    """The request is not open here (never opened, or released)."""
+
+
+class AlreadyOpen(RequestError):
+    """A request with this id is already open here."""
+
+
+class BadInput(RequestError):
+    """Rows this request cannot take: a missing tensor, unknown or duplicate node ids,
+    nodes before their parent, committed rows behind tree rows."""
