@@ -1,12 +1,12 @@
 """The Stage service: a `StageRuntime` behind gRPC (control) and a transport (data).
 
-Per request the stage keeps a small inbox: activations wait there until it is their
-turn (`seq`, the order the router created them in) and until the prunes they were
-created after (`after_prune`) have been applied; prunes are applied in their own order
-as soon as they arrive. The stage computes as soon as an activation is ready (no
-global barrier) and sends the output to the request's next hop; the last stage sends
-logits to the router (for specpipe/pp only the root's, possibly once a prune makes a
-computed row the root). Everything else is the engine's `StageRuntime`.
+Per request the stage keeps a `RequestOrder` (common/runtime/ordering.py): activations
+wait there until it is their turn and the prunes they were created after are applied;
+prunes are applied in their own order as soon as they arrive. The stage computes as soon
+as an activation is ready (no global barrier) and sends the output to the request's next
+hop; the last stage sends logits to the router (for specpipe/pp only the root's, possibly
+once a prune makes a computed row the root). Everything else is the runtime's
+`StageRuntime`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from specpipe.common.runtime.errors import RequestError
+from specpipe.common.runtime.errors import DuplicatePrune, RequestError
 from specpipe.common.runtime.loader import LoadedModel, load_model
+from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
@@ -42,23 +43,13 @@ SERVICE_NAME = "specpipe.v1.Stage"
 
 
 @dataclass
-class _Pending:
-    act: Activation
-    after_prune: int
-    empty: bool = False  # pruned away upstream: only passes the turn on
-
-
-@dataclass
 class _Request:
     """One request's routing and ordering state on this stage."""
 
     request_id: str
     next_hop: str
     report_to: str
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    prunes: dict[int, Prune] = field(default_factory=dict)
-    applied: int = 0  # prune signals applied so far
-    next_seq: int = 0
+    order: RequestOrder = field(default_factory=RequestOrder)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     closed: bool = False
@@ -223,17 +214,15 @@ class StageService(stage_pb2_grpc.StageServicer):
             int(act.tokens.min()) >= 0 and int(act.tokens.max()) < vocab
         ):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids outside [0, {vocab})")
-        self._enqueue(st, request.seq, _Pending(act, request.after_prune))
+        self._enqueue(st, request.seq, Pending(act, request.after_prune))
         return stage_pb2.FeedResponse()
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         st = await self._request(request.request_id, context)
-        seq = request.prune.seq
-        if seq <= st.applied or seq in st.prunes:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"prune {seq} was already received"
-            )
-        st.prunes[seq] = prune_from_proto(request.prune)
+        try:
+            st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
+        except DuplicatePrune as e:
+            await context.abort(status_code(e), str(e))
         st.wake.set()
         return pb.PruneResponse()
 
@@ -261,38 +250,37 @@ class StageService(stage_pb2_grpc.StageServicer):
         except FrameError as e:
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
             return
-        self._enqueue(st, h.seq, _Pending(act, h.after_prune, h.kind == Kind.PAYLOAD_KIND_EMPTY))
+        self._enqueue(st, h.seq, Pending(act, h.after_prune, h.kind == Kind.PAYLOAD_KIND_EMPTY))
 
-    def _enqueue(self, st: _Request, seq: int, item: _Pending) -> None:
-        st.pending[seq] = item
+    def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:
+        st.order.add_activation(seq, item)
         st.wake.set()
 
     async def _run(self, st: _Request) -> None:
-        """Apply prunes in order; compute activations in order once their prunes are in."""
+        """Do what the request's order says: apply prunes, compute activations, send."""
         loop = asyncio.get_running_loop()
+        order = st.order
         try:
             while not st.closed:
-                while st.applied + 1 in st.prunes:
-                    prune = st.prunes.pop(st.applied + 1)
+                while (ready := order.next_prune()) is not None:
+                    prune_seq, prune = ready
                     root = await loop.run_in_executor(
                         self._executor, self._prune, st.request_id, prune
                     )
-                    st.applied += 1
+                    order.prune_applied(prune_seq)
                     if root is not None:  # last stage: a held row became the root
-                        await self._send(st, st.next_seq, st.applied, root)
-                item = st.pending.get(st.next_seq)
-                if item is None or item.after_prune > st.applied:
+                        await self._send(st, order.next_seq, order.applied, root)
+                turn = order.next_activation()
+                if turn is None:
                     st.wake.clear()
                     await st.wake.wait()
                     continue
-                del st.pending[st.next_seq]
-                seq = st.next_seq
-                st.next_seq += 1
+                seq, item = turn
                 out = None
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug(
                         "%s seq %d after prune %d/%d: nodes %s",
-                        st.request_id, seq, item.after_prune, st.applied, item.act.node_ids.tolist(),
+                        st.request_id, seq, item.after_prune, order.applied, item.act.node_ids.tolist(),
                     )  # fmt: skip
                 if not item.empty:
                     out = await loop.run_in_executor(self._executor, self._compute, item.act)

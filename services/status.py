@@ -4,13 +4,21 @@ stage and the draft service."""
 from __future__ import annotations
 
 import grpc
-from specpipe.common.runtime.errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
+from specpipe.common.runtime.errors import (
+    AlreadyOpen,
+    BadInput,
+    CacheFull,
+    DuplicatePrune,
+    NotOpen,
+    RequestError,
+)
 
 CODES: dict[type[RequestError], grpc.StatusCode] = {
     CacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotOpen: grpc.StatusCode.NOT_FOUND,
     AlreadyOpen: grpc.StatusCode.ALREADY_EXISTS,
     BadInput: grpc.StatusCode.FAILED_PRECONDITION,
+    DuplicatePrune: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

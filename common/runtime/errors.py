@@ -26,3 +26,7 @@ class AlreadyOpen(RequestError):
 class BadInput(RequestError):
     """Rows this request cannot take: a missing tensor, unknown or duplicate node ids,
     nodes before their parent, committed rows behind tree rows."""
+
+
+class DuplicatePrune(RequestError):
+    """A prune this request has already received (each is sent once, numbered 1, 2, ...)."""

@@ -1,0 +1,73 @@
+"""The order in which a stage runs one request's activations and prunes (no I/O).
+
+The router numbers a request's activations by `seq` (0, 1, ...: the order it created
+them in) and its prunes 1, 2, ...; each activation carries `after_prune`, the number of
+prunes the router had sent when it created the activation. Activations and prunes reach
+a stage on different channels and in any order. The rules:
+
+- prunes are applied in their own order as soon as they arrive;
+- activation `seq` is computed only after activation `seq - 1`, and only once the
+  prunes it was created after are applied (`after_prune <= applied`);
+- an activation that was pruned away upstream (`empty`) still takes its turn: it is not
+  computed, it only passes the turn on (the stage forwards an empty frame);
+- a prune that was already received is refused.
+
+`RequestOrder` holds one request's waiting work and says what to do next; the stage
+service only awaits what it says, computes and sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec.messages import Activation, Prune
+from .errors import DuplicatePrune
+
+
+@dataclass
+class Pending:
+    """An activation waiting for its turn."""
+
+    act: Activation
+    after_prune: int
+    empty: bool = False  # pruned away upstream: only passes the turn on
+
+
+@dataclass
+class RequestOrder:
+    pending: dict[int, Pending] = field(default_factory=dict)  # activations by seq
+    prunes: dict[int, Prune] = field(default_factory=dict)  # received, not yet applied
+    applied: int = 0  # prunes applied so far
+    next_seq: int = 0  # the activation whose turn it is
+
+    def add_activation(self, seq: int, item: Pending) -> None:
+        self.pending[seq] = item
+
+    def add_prune(self, seq: int, prune: Prune) -> None:
+        """Accept prune `seq`; DuplicatePrune if it was received before."""
+        if seq <= self.applied or seq in self.prunes:
+            raise DuplicatePrune(f"prune {seq} was already received")
+        self.prunes[seq] = prune
+
+    def next_prune(self) -> tuple[int, Prune] | None:
+        """The prune to apply now, if it has arrived; report it with `prune_applied`."""
+        seq = self.applied + 1
+        prune = self.prunes.get(seq)
+        return None if prune is None else (seq, prune)
+
+    def prune_applied(self, seq: int) -> None:
+        if seq != self.applied + 1 or seq not in self.prunes:
+            raise ValueError(f"prune {seq} is not the one to apply (applied {self.applied})")
+        del self.prunes[seq]
+        self.applied = seq
+
+    def next_activation(self) -> tuple[int, Pending] | None:
+        """The activation whose turn it is, taken, once it has arrived and the prunes it
+        was created after are applied (and no prune waits to be applied first)."""
+        item = self.pending.get(self.next_seq)
+        if item is None or item.after_prune > self.applied or self.next_prune() is not None:
+            return None
+        seq = self.next_seq
+        del self.pending[seq]
+        self.next_seq += 1
+        return seq, item
