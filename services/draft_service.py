@@ -20,11 +20,10 @@ from specpipe.common.runtime.loader import load_draft, parse_dtype
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
+from .control import FrameError, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
 from .status import status_code
-from .transport import FrameError
-from .transport.codec import prune_from_proto, token_activation
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Draft"

@@ -26,17 +26,12 @@ from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
+from .control import prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
 from .status import status_code
 from .transport import TCP, Frame, FrameError, Transport, TransportError, decode, make_transport
-from .transport.codec import (
-    Kind,
-    empty_header,
-    error_header,
-    prune_from_proto,
-    token_activation,
-)
+from .transport.codec import Kind, empty_header, error_header
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Stage"

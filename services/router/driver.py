@@ -42,9 +42,10 @@ from specpipe.common.spec.tree_manager import (
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
+from ..control import prune_to_proto, rows_to_proto
 from ..grpc_util import code_from_number
 from ..transport import Frame, FrameError, decode
-from ..transport.codec import Kind, prune_to_proto, rows_to_proto
+from ..transport.codec import Kind
 from .backends import Backend, Path
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 A frame is what one stage hands the next hop for one request: the rows' metadata (node
 ids, parents, positions, the request's ordering numbers) in a `FrameHeader`, and the
 hidden states (or logits) as the bytes of one C-contiguous tensor. Never pickle: the
-receiver rebuilds the tensor from dtype and shape without executing anything.
+receiver rebuilds the tensor from dtype and shape without executing anything. The rows
+are converted as on the control plane (`services/control.py`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from specpipe.common.spec.messages import Activation, Prune
+from specpipe.common.spec.messages import Activation
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
+
+from ..control import FrameError, activation_from_rows, rows_to_proto
 
 # Preamble on stream transports: header length (u32) and payload length (u64).
 PREAMBLE = struct.Struct("<IQ")
@@ -34,10 +37,6 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Kind = pb.PayloadKind
 
 
-class FrameError(ValueError):
-    """A frame that cannot be decoded (corrupt, unknown dtype, sizes that disagree)."""
-
-
 @dataclass
 class Frame:
     """One data-plane message: the decoded header and the payload tensor (or None)."""
@@ -52,27 +51,6 @@ class Frame:
     @property
     def kind(self) -> int:
         return self.header.kind
-
-
-def rows_to_proto(act: Activation) -> pb.Rows:
-    return pb.Rows(
-        positions=act.positions.tolist(),
-        committed=act.committed,
-        node_ids=act.node_ids.tolist(),
-        parent_ids=act.parent_ids.tolist(),
-    )
-
-
-def activation_from_rows(request_id: str, rows: pb.Rows) -> Activation:
-    """An Activation with the rows' metadata and no tensor yet."""
-    i64 = torch.int64
-    return Activation(
-        request_id=request_id,
-        positions=torch.tensor(rows.positions, dtype=i64),
-        committed=rows.committed,
-        node_ids=torch.tensor(rows.node_ids, dtype=i64),
-        parent_ids=torch.tensor(rows.parent_ids, dtype=i64),
-    )
 
 
 def encode(
@@ -200,33 +178,3 @@ def parse_header(data: bytes | memoryview, payload_len: int) -> pb.FrameHeader:
             f"frame payload is {payload_len} bytes, header announces {payload_nbytes(header)}"
         )
     return header
-
-
-def prune_to_proto(prune: Prune, seq: int) -> pb.PruneSignal:
-    return pb.PruneSignal(
-        seq=seq,
-        commit_ids=prune.commit_ids.tolist(),
-        keep_ids=prune.keep_ids.tolist(),
-        horizon=prune.horizon,
-    )
-
-
-def prune_from_proto(sig: pb.PruneSignal) -> Prune:
-    return Prune(
-        commit_ids=torch.tensor(sig.commit_ids, dtype=torch.int64),
-        keep_ids=torch.tensor(sig.keep_ids, dtype=torch.int64),
-        horizon=sig.horizon,
-    )
-
-
-def token_activation(request_id: str, rows: pb.Rows, token_ids) -> Activation:
-    """Stage-1 or draft input: rows plus their token ids (validated lengths)."""
-    act = activation_from_rows(request_id, rows)
-    act.tokens = torch.tensor(list(token_ids), dtype=torch.int64)
-    if act.tokens.numel() != len(act):
-        raise FrameError(f"{act.tokens.numel()} token ids for {len(act)} rows")
-    if not act.committed and (
-        act.node_ids.numel() != len(act) or act.parent_ids.numel() != len(act)
-    ):
-        raise FrameError("tree rows need one node id and one parent id each")
-    return act

@@ -16,9 +16,9 @@ from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.loader import LoadedModel
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
+from specpipe.services.control import prune_to_proto, rows_to_proto
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Inbox, decode, make_transport
-from specpipe.services.transport.codec import prune_to_proto, rows_to_proto
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from specpipe.common.spec.messages import Activation, Prune
+from specpipe.services.control import prune_from_proto, prune_to_proto, token_activation
 from specpipe.services.transport import Address, Frame, FrameError, decode, encode
 from specpipe.services.transport.codec import (
     Kind,
@@ -14,10 +15,7 @@ from specpipe.services.transport.codec import (
     parse_header,
     parse_preamble,
     payload_bytes,
-    prune_from_proto,
-    prune_to_proto,
     tensor_from_bytes,
-    token_activation,
 )
 
 
