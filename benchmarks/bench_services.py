@@ -145,10 +145,10 @@ def run_autoregressive(target: Path, prompt_set, max_new: int, threads: int) -> 
 
 def bench_tbt(args, target: Path, draft: Path) -> dict:
     from specpipe.common.model.config import ModelConfig
-    from specpipe.services.launcher import LocalDeployment
+    from specpipe.services.launcher import ServicesDeployment
 
     prompt_set = prompts(args.prompts, args.prompt_len, ModelConfig.from_dir(target).vocab_size)
-    dep = LocalDeployment(
+    dep = ServicesDeployment(
         target, draft, args.stages, transport=args.transport, threads=args.threads
     )
     print(f"starting {args.stages} stages + draft + router ({args.transport}) ...", flush=True)

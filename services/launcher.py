@@ -52,7 +52,7 @@ class Child:
             return ""
 
 
-class LocalDeployment:
+class ServicesDeployment:
     def __init__(
         self,
         target: str | Path,
@@ -264,7 +264,7 @@ class LocalDeployment:
         if self._own_dir and os.environ.get("SPECPIPE_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def __enter__(self) -> LocalDeployment:
+    def __enter__(self) -> ServicesDeployment:
         self.start()
         return self
 

@@ -9,14 +9,14 @@ import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Completion, _Collector, build_request
+from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, build_request
 from .errors import InternalError, error_from_rpc
 
 
 class AsyncGenerationStream:
     def __init__(self, call) -> None:
         self._call = call
-        self._collector = _Collector()
+        self._collector = Collector()
         self._cancelled = False
 
     @property

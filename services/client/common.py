@@ -99,7 +99,7 @@ def build_request(
     return req
 
 
-class _Collector:
+class Collector:
     """Accumulates a Generate stream into chunks and the final Completion."""
 
     def __init__(self) -> None:

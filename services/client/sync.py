@@ -8,7 +8,7 @@ import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Completion, _Collector, build_request
+from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, build_request
 from .errors import InternalError, error_from_rpc
 
 
@@ -17,7 +17,7 @@ class GenerationStream:
 
     def __init__(self, call) -> None:
         self._call = call
-        self._collector = _Collector()
+        self._collector = Collector()
         self._cancelled = False
 
     @property

@@ -51,7 +51,7 @@ class Backend:
 
 
 @dataclass
-class Path:
+class RequestPath:
     """One replica per stage (in layer order) and the draft, for one request."""
 
     stages: list[Backend]
@@ -172,7 +172,7 @@ class Backends:
         return info
 
     # -- paths ---------------------------------------------------------------------------
-    def path(self) -> Path:
+    def path(self) -> RequestPath:
         """The least loaded healthy replica of every stage, and the draft."""
         assert self.model is not None
         chosen = []
@@ -186,7 +186,7 @@ class Backends:
         draft = self.draft
         if draft is not None and not draft.healthy:
             raise NoPath(f"{draft.label} is down: {draft.error}")
-        return Path(chosen, draft)
+        return RequestPath(chosen, draft)
 
     # -- health ----------------------------------------------------------------------------
     def _set_ready(self) -> None:

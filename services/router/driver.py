@@ -46,7 +46,7 @@ from ..control import prune_to_proto, rows_to_proto
 from ..grpc_util import code_from_number
 from ..transport import Frame, FrameError, decode
 from ..transport.codec import Kind
-from .backends import Backend, Path
+from .backends import Backend, RequestPath
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RequestDriver:
     def __init__(
         self,
         request_id: str,
-        path: Path,
+        path: RequestPath,
         plan: Plan,
         router_address: str,
         events: asyncio.Queue,

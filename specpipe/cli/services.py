@@ -216,14 +216,14 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from specpipe.services.launcher import LaunchError, LocalDeployment
+    from specpipe.services.launcher import LaunchError, ServicesDeployment
 
     transport = args.transport
     device = parse_device(args.device)
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     try:
-        dep = LocalDeployment(
+        dep = ServicesDeployment(
             target,
             draft,
             args.stages,

@@ -16,7 +16,7 @@ from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.stats import DecodeStats
-from specpipe.services.launcher import LocalDeployment
+from specpipe.services.launcher import ServicesDeployment
 
 EOS = 96  # the conftest models' eos_token_id (vocab - 1)
 
@@ -51,15 +51,15 @@ def text_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return add_char_tokenizer(d)
 
 
-def start(target: Path, draft, stages: int, transport: str, **kw) -> LocalDeployment:
+def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
     kw.setdefault("dtype", DTYPE)
-    dep = LocalDeployment(target, draft, stages, transport=transport, threads=1, **kw)
+    dep = ServicesDeployment(target, draft, stages, transport=transport, threads=1, **kw)
     dep.start()
     return dep
 
 
 @pytest.fixture(scope="session")
-def tcp_deployment(text_model_dir: Path) -> Iterator[LocalDeployment]:
+def tcp_deployment(text_model_dir: Path) -> Iterator[ServicesDeployment]:
     """2 stages over TCP, the target itself as draft (long hit streaks, deep trees);
     `--device auto` (the CPU here)."""
     dep = start(text_model_dir, "oracle", 2, "tcp", device="auto")
@@ -70,7 +70,7 @@ def tcp_deployment(text_model_dir: Path) -> Iterator[LocalDeployment]:
 
 
 @pytest.fixture(scope="session")
-def ucx_deployment(llama_dir: Path, unrelated_draft_dir: Path) -> Iterator[LocalDeployment]:
+def ucx_deployment(llama_dir: Path, unrelated_draft_dir: Path) -> Iterator[ServicesDeployment]:
     """3 stages over UCX, an unrelated random draft (mostly misses: restarts)."""
     pytest.importorskip("ucxx")
     dep = start(llama_dir, unrelated_draft_dir, 3, "ucx")
@@ -81,7 +81,7 @@ def ucx_deployment(llama_dir: Path, unrelated_draft_dir: Path) -> Iterator[Local
 
 
 @pytest.fixture
-def fresh_deployment(llama_dir: Path) -> Iterator[LocalDeployment]:
+def fresh_deployment(llama_dir: Path) -> Iterator[ServicesDeployment]:
     """A private deployment a test may break (kill a stage)."""
     dep = start(llama_dir, "oracle", 2, "tcp")
     try:
@@ -136,7 +136,7 @@ def service_stub(address: str, kind: str):
     return ch, stub
 
 
-def active_requests(dep: LocalDeployment) -> dict[str, int]:
+def active_requests(dep: ServicesDeployment) -> dict[str, int]:
     """Requests each process of a deployment holds state for."""
     from specpipe.v1 import dataplane_pb2
 
@@ -154,7 +154,7 @@ def active_requests(dep: LocalDeployment) -> dict[str, int]:
     return counts
 
 
-def wait_idle(dep: LocalDeployment, timeout: float = 10.0) -> dict[str, int]:
+def wait_idle(dep: ServicesDeployment, timeout: float = 10.0) -> dict[str, int]:
     deadline = time.monotonic() + timeout
     while True:
         counts = active_requests(dep)

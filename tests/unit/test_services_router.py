@@ -68,7 +68,7 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
     from types import SimpleNamespace
 
     from specpipe.common.spec.stats import DecodeStats
-    from specpipe.services.client.common import _Collector
+    from specpipe.services.client.common import Collector
     from specpipe.v1 import generation_pb2 as gen
 
     st = DecodeStats(mode="specpipe", stages=4, width=8, decode_steps=12, new_tokens=7)
@@ -78,7 +78,7 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
     )
     finished = _with_router(lambda r: r._finished(driver, None, 5))
     assert finished.stats.regrowths == 3 and finished.stats.steady_tokens_per_step == 0.75
-    collector = _Collector()
+    collector = Collector()
     collector.add(gen.GenerateResponse(finished=finished))
     done = collector.completion
     assert done.speculation() == {"regrowths": 3, "steady_tokens_per_step": 0.75}
@@ -105,7 +105,7 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     from types import SimpleNamespace
 
     from specpipe.common.spec.options import DecodeOptions, Mode
-    from specpipe.services.router.backends import Path
+    from specpipe.services.router.backends import RequestPath
     from specpipe.services.router.driver import Plan, RequestDriver
 
     stub = _RecordingStub()
@@ -117,7 +117,7 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
 
     async def main() -> None:
         deadline = None if deadline_in is None else time.monotonic() + deadline_in
-        driver = RequestDriver("r", Path(stages, None), plan, "tcp://r:1", asyncio.Queue(),
+        driver = RequestDriver("r", RequestPath(stages, None), plan, "tcp://r:1", asyncio.Queue(),
                                deadline=deadline)  # fmt: skip
         await driver._open()
         await asyncio.gather(*driver._tasks)
