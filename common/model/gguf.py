@@ -1,10 +1,11 @@
 """Reading GGUF headers and converting a GGUF checkpoint into a Hugging Face directory.
 
-Stage processes load only their own layers from safetensors (DESIGN 4), so a GGUF is
-dequantized once, by `transformers`, and saved as a plain bf16 safetensors directory
-with its tokenizer and chat template. The header reader here is deliberately tiny: it
-reads the first metadata keys without parsing the (large) vocabulary arrays, so a bad or
-unsupported file is rejected in milliseconds instead of after minutes of conversion.
+Stage processes load only their own layers from safetensors
+(docs/architecture.md, "8. Deployment"), so a GGUF is dequantized once, by
+`transformers`, and saved as a plain bf16 safetensors directory with its tokenizer and
+chat template. The header reader here is deliberately tiny: it reads the first metadata
+keys without parsing the (large) vocabulary arrays, so a bad or unsupported file is
+rejected in milliseconds instead of after minutes of conversion.
 """
 
 from __future__ import annotations

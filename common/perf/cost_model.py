@@ -1,11 +1,12 @@
 """Measured stage costs and the projected time between tokens of a recorded run.
 
-DESIGN section 6: tokens per step and hit rate come from the algorithm; time between
-tokens on a pipeline with one device per stage is projected from a run's per-step trace
-(how many rows every stage and the draft computed) and each stage's measured cost for
-that many rows. Stages run in parallel, so a step costs as much as its slowest stage; in
-`specpipe` the draft runs in parallel too (its own device, the relaxed speculative
-window); in `specinfer` the draft must finish the whole tree before the pass starts.
+Tokens per step and hit rate come from the algorithm; time between tokens on a pipeline
+with one device per stage is projected from a run's per-step trace (how many rows every
+stage and the draft computed) and each stage's measured cost for that many rows
+(docs/architecture.md, "4. Modes and baselines"). Stages run in parallel, so a step costs
+as much as its slowest stage; in `specpipe` the draft runs in parallel too (its own
+device, the relaxed speculative window); in `specinfer` the draft must finish the whole
+tree before the pass starts.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ class DeploymentCosts:
 
     def flat(self) -> DeploymentCosts:
         """Accelerator-like costs: any row count up to the measured maximum costs as much as
-        one row (DESIGN 2.2: on a GPU 64 tokens cost about as much as 1)."""
+        one row (on a GPU 64 tokens cost about as much as 1: docs/architecture.md,
+        "3. The pipeline step")."""
 
         def flatten(c: CostCurve) -> CostCurve:
             return CostCurve(c.rows, [c.seconds[0]] * len(c.rows))

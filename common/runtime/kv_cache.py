@@ -1,9 +1,10 @@
 """Per-request, per-stage KV cache that holds a committed prefix followed by token-tree rows.
 
 Rows ``[0, n_committed)`` are verified tokens, in order. Rows after them belong to tree
-nodes this stage has computed, identified by the router's stable node ids; the cache also
-keeps the ancestor mask among those rows, so a new node's attention mask is its parent's
-row plus its own bit (DESIGN 2.1). Commit and prune are index operations on tensors.
+nodes this stage has computed, identified by the router's stable node ids; the cache
+also keeps the ancestor mask among those rows, so a new node's attention mask is its
+parent's row plus its own bit (docs/architecture.md, "2. Token tree"). Commit and prune
+are index operations on tensors.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Each loop drives a `Pipeline` (in-process or remote) and optionally a `Draft`, one
 pipeline step at a time, and yields verified tokens as soon as they are known. Every
 token is drawn from the target's distribution at its position with a draw that depends
-only on (seed, position), so all modes emit the same tokens (DESIGN 2.2).
+only on (seed, position), so all modes emit the same tokens
+(docs/architecture.md, "4. Modes and baselines").
 """
 
 from __future__ import annotations

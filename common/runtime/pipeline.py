@@ -1,10 +1,11 @@
 """Pipelines the router steps: the interface, and the in-process implementation.
 
-One call to `step` is one pipeline step for one request (DESIGN 2.2, phases in the order
-the network version runs them): apply the previous step's prune to every stage's cache and
-to the activations in flight, move surviving activations one stage forward with the new
-tree layer entering stage 1, then let every stage compute. The last stage's output
-(logits for its tree nodes) comes back to the router.
+One call to `step` is one pipeline step for one request
+(docs/architecture.md, "3. The pipeline step"; phases in the order the network version
+runs them): apply the previous step's prune to every stage's cache and to the
+activations in flight, move surviving activations one stage forward with the new tree
+layer entering stage 1, then let every stage compute. The last stage's output (logits
+for its tree nodes) comes back to the router.
 """
 
 from __future__ import annotations

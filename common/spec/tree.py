@@ -1,4 +1,5 @@
-"""The dynamic speculative token tree of one request (DESIGN 2.1).
+"""The dynamic speculative token tree of one request
+(docs/architecture.md, "2. Token tree").
 
 Nodes are stored in BFS order: token ids `I`, draft probabilities `P` (and cumulative
 path probabilities for width limiting), the ancestor mask `M` (`M[i, j]` iff j is i or an

@@ -106,7 +106,8 @@ def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
 
 class SpecPipeManager:
     """SpecPipe (with a draft) and plain PP (without): one tree layer enters stage 1 at a
-    time, the root is verified when it leaves the last stage (DESIGN 2.2)."""
+    time, the root is verified when it leaves the last stage
+    (docs/architecture.md, "3. The pipeline step")."""
 
     def __init__(
         self,

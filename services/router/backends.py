@@ -1,5 +1,6 @@
 """The router's view of the deployment: stage and draft replicas, their health, and
-the path (one replica per stage, one draft) each new request runs on (DESIGN 2.5)."""
+the path (one replica per stage, one draft) each new request runs on (docs/architecture.md,
+"1. Services")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The data-plane interface shared by the UCX and TCP transports.
 
-A transport listens at one address and sends frames to any address: the next hop of
-each request is named in the request's route (DESIGN 2.5), not fixed per process.
-Received frames are handed to a callback in the event loop; `Inbox` turns them into
-one asyncio queue per request.
+A transport listens at one address and sends frames to any address: the next hop of each
+request is named in the request's route
+(docs/architecture.md, "6. Control plane and data plane"), not fixed per process.
+Received frames are handed to a callback in the event loop; `Inbox` turns them into one
+asyncio queue per request.
 """
 
 from __future__ import annotations

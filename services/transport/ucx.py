@@ -1,5 +1,5 @@
 """Primary data plane: frames over UCX (`ucxx`), which uses RDMA/NVLink where present
-and TCP otherwise (DESIGN 5).
+and TCP otherwise (docs/architecture.md, "6. Control plane and data plane").
 
 A frame is three tagged messages on one endpoint: a 16-byte preamble (header and
 payload lengths), the protobuf header, then the payload sent straight from the
@@ -29,7 +29,8 @@ from .codec import Frame, FrameError, parse_header, payload_bytes, tensor_from_b
 
 log = logging.getLogger(__name__)
 
-# Defaults measured on loopback TCP (DESIGN 5); an operator's environment wins.
+# Defaults measured on loopback TCP (docs/architecture.md, "6. Control plane and data
+# plane"); an operator's environment wins.
 UCX_DEFAULTS = {
     "UCX_TLS": "tcp",
     "UCX_TCP_TX_SEG_SIZE": "1m",
