@@ -1,1 +1,1 @@
-"""The algorithm: model slices, KV cache, token tree, stage runtime, decoding loops."""
+"""Everything but the network: the model, the algorithm, its runtimes, the model store, costs."""

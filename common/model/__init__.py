@@ -1,1 +1,1 @@
-"""The target model: configuration, decoder layers, checkpoint loading, stage partition, GGUF."""
+"""The target model: config, decoder layers, checkpoint loading, stage partition, GGUF."""

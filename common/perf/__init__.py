@@ -1,1 +1,1 @@
-"""Performance: measured stage costs, projected time between tokens, and the tree width chosen from them."""
+"""Performance: measured stage costs, projected time between tokens, the width they pick."""

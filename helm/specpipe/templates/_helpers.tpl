@@ -122,7 +122,7 @@ specpipe.dev/draft-weight-hash: {{ .model.draftWeightHash | default "" | quote }
 
 {{/*
 Layer ranges [[a, b], ...] of a model's stages, as JSON; argument: the model dict.
-The even split is `split_layers` of specpipe.common.model: boundary i is
+The even split is `split_layers` of specpipe.common.model.partition: boundary i is
 round((i + 1) * L / S) with Python's round-half-to-even, kept at least one layer from
 its neighbours.
 */}}
