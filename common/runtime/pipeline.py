@@ -2,8 +2,8 @@
 
 One call to `step` is one pipeline step for one request
 (docs/architecture.md, "3. The pipeline step"; phases in the order the network version
-runs them): apply the previous step's prune to every stage's cache and to the
-activations in flight, move surviving activations one stage forward with the new tree
+runs them): apply the prunes decided since the previous step to every stage's cache and
+to the activations in flight, move surviving activations one stage forward with the new tree
 layer entering stage 1, then let every stage compute. The last stage's output (logits
 for its tree nodes) comes back to the router.
 """
@@ -11,6 +11,7 @@ for its tree nodes) comes back to the router.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,8 +41,12 @@ class Pipeline(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether rows of the request are between stages (a later step computes them)."""
+        ...
+
     def step(
-        self, request_id: str, prune: Prune | None, entering: Activation | None
+        self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
     ) -> StepResult: ...
 
 
@@ -100,9 +105,14 @@ class LocalPipeline:
             s.release(request_id)
         self._in_flight.pop(request_id, None)
 
-    def step(self, request_id: str, prune: Prune | None, entering: Activation | None) -> StepResult:
+    def in_flight(self, request_id: str) -> bool:
+        return any(a is not None for a in self._in_flight[request_id])
+
+    def step(
+        self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
+    ) -> StepResult:
         in_flight = self._in_flight[request_id]
-        if prune is not None:
+        for prune in prunes:
             for s in self.stages:
                 s.prune(request_id, prune)
             in_flight = [prune.filter(a) for a in in_flight]

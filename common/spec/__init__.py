@@ -1,1 +1,1 @@
-"""The algorithm without I/O: token tree, sampling, messages, options, tree managers."""
+"""The algorithm without I/O: token tree, sampling, options, the request controllers."""

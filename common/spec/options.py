@@ -17,12 +17,25 @@ DEFAULT_TOP_K_CHILDREN = 64
 DEFAULT_SPECINFER_DEPTH = 8  # layers of a SpecInfer tree
 DEFAULT_PREFILL_CHUNK = 128
 
+# Sanity bounds, checked by `DecodeOptions` for every entry point.
+MAX_WIDTH = 256
+MAX_TOP_K_CHILDREN = 1024
+MAX_SPECINFER_DEPTH = 64
+MAX_PREFILL_CHUNK = 1 << 16
+MAX_NEW_TOKENS = 1 << 20
+
 
 class Mode(StrEnum):
+    """How a request decodes (docs/architecture.md, "4. Modes and baselines")."""
+
     SPECPIPE = "specpipe"
     PP = "pp"
     SPECINFER = "specinfer"
     AUTOREGRESSIVE = "autoregressive"
+
+    @property
+    def uses_draft(self) -> bool:
+        return self in (Mode.SPECPIPE, Mode.SPECINFER)
 
 
 @dataclass(frozen=True)
@@ -38,10 +51,17 @@ class DecodeOptions:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.width < 1 or self.top_k_children < 1 or self.specinfer_depth < 1:
-            raise ValueError("width, top_k_children and specinfer_depth must be >= 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens {self.max_new_tokens} is too large")
+        for name, high in (
+            ("width", MAX_WIDTH),
+            ("top_k_children", MAX_TOP_K_CHILDREN),
+            ("specinfer_depth", MAX_SPECINFER_DEPTH),
+            ("prefill_chunk", MAX_PREFILL_CHUNK),
+        ):
+            value = getattr(self, name)
+            if not 1 <= value <= high:
+                raise ValueError(f"{name} must be in [1, {high}], got {value}")
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
@@ -63,8 +83,15 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
 
 
 def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
-    if prompt_len + max_new_tokens > max_context:
+    """Reject a request whose prompt plus output cannot fit the model's context."""
+    if prompt_len >= max_context:
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
-            f"exceeds the model's context of {max_context} tokens"
+            f"the prompt has {prompt_len} tokens; the context holds {max_context}, "
+            "including at least one new token"
+        )
+    if prompt_len + max_new_tokens > max_context:
+        room = max_context - prompt_len
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context of {max_context} tokens: the prompt leaves room for {room}"
         )

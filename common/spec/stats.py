@@ -1,8 +1,29 @@
-"""What one request's decoding did: steps, tokens, hits and a per-step trace."""
+"""What one request's decoding did: steps, tokens, hits and a per-step trace.
+
+The figures a request reports have one set of names everywhere: `record()` gives them
+(ratios rounded to `RATIO_DIGITS`); the router sends them as `SpeculationStats`, whose
+fields carry the same names (`services/stats_wire.py`); `--json` output prints
+`SUMMARY_KEYS` under "stats" and `SPECULATION_KEYS` under "speculation".
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+SUMMARY_KEYS = (
+    "mode",
+    "stages",
+    "width",
+    "prefill_steps",
+    "decode_steps",
+    "new_tokens",
+    "tokens_per_step",
+    "hit_rate",
+)
+SPECULATION_KEYS = ("regrowths", "steady_tokens_per_step")
+RECORD_KEYS = (*SUMMARY_KEYS, "verifications", *SPECULATION_KEYS, "late_draft_answers")
+RATIO_DIGITS = 6
 
 
 @dataclass
@@ -27,6 +48,9 @@ class DecodeStats:
     emit_steps: list[int] = field(default_factory=list)
     # specinfer: rows of every draft forward, per pass (the draft works before each pass)
     draft_layers: list[list[int]] = field(default_factory=list)
+    # specpipe: draft answers still outstanding at a later step's verification (only an
+    # asynchronous executor sees any; while there are none, its steps are lockstep's)
+    late_draft_answers: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -43,14 +67,25 @@ class DecodeStats:
     def hit_rate(self) -> float:
         return self.hits / self.new_tokens if self.new_tokens else 0.0
 
+    def record(self) -> dict[str, object]:
+        """Every reported figure by its name (see the module docstring)."""
+        out: dict[str, object] = {k: getattr(self, k) for k in RECORD_KEYS}
+        for k in ("tokens_per_step", "hit_rate", "steady_tokens_per_step"):
+            out[k] = round(float(out[k]), RATIO_DIGITS)
+        return out
+
     def summary(self) -> dict[str, object]:
-        return {
-            "mode": self.mode,
-            "stages": self.stages,
-            "width": self.width,
-            "prefill_steps": self.prefill_steps,
-            "decode_steps": self.decode_steps,
-            "new_tokens": self.new_tokens,
-            "tokens_per_step": round(self.tokens_per_step, 6),
-            "hit_rate": round(self.hit_rate, 6),
-        }
+        """The "stats" object of `--json` output."""
+        return summary_of(self.record())
+
+    def speculation(self) -> dict[str, object]:
+        """The "speculation" object of `--json` output (beside "stats")."""
+        return speculation_of(self.record())
+
+
+def summary_of(record: Mapping[str, object]) -> dict[str, object]:
+    return {k: record[k] for k in SUMMARY_KEYS if k in record}
+
+
+def speculation_of(record: Mapping[str, object]) -> dict[str, object]:
+    return {k: record[k] for k in SPECULATION_KEYS if k in record}

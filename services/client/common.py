@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specpipe.common.spec.stats import speculation_of, summary_of
 from specpipe.v1 import generation_pb2 as gen
 
 from ..grpc_util import MESSAGE_OPTIONS
+from ..stats_wire import stats_from_proto
 
 CHANNEL_OPTIONS = MESSAGE_OPTIONS
 
@@ -33,23 +35,12 @@ class Completion:
 
     def summary(self) -> dict[str, object]:
         """The stats keys `specpipe generate --json` prints."""
-        keys = (
-            "mode",
-            "stages",
-            "width",
-            "prefill_steps",
-            "decode_steps",
-            "new_tokens",
-            "tokens_per_step",
-            "hit_rate",
-        )
-        return {k: self.stats[k] for k in keys if k in self.stats}
+        return summary_of(self.stats)
 
     def speculation(self) -> dict[str, object]:
         """Stats beyond `summary()`, which `--json` prints beside "stats" (not inside it,
         so "stats" keeps exactly the keys of `specpipe generate --json`)."""
-        keys = ("regrowths", "steady_tokens_per_step")
-        return {k: self.stats[k] for k in keys if k in self.stats}
+        return speculation_of(self.stats)
 
 
 def build_request(
@@ -122,7 +113,6 @@ class Collector:
         elif kind == "finished":
             f = resp.finished
             self.text.append(f.text)
-            s = f.stats
             self.completion = Completion(
                 request_id=self.request_id,
                 token_ids=list(self.token_ids),
@@ -130,21 +120,7 @@ class Collector:
                 finish_reason=f.finish_reason,
                 prompt_tokens=f.usage.prompt_tokens,
                 completion_tokens=f.usage.completion_tokens,
-                stats={
-                    "mode": s.mode,
-                    "stages": s.stages,
-                    "width": s.width,
-                    "prefill_steps": s.prefill_steps,
-                    "decode_steps": s.decode_steps,
-                    "new_tokens": s.new_tokens,
-                    "tokens_per_step": round(s.tokens_per_step, 6),
-                    "hit_rate": round(s.hit_rate, 6),
-                    "verifications": s.verifications,
-                    "time_to_first_token_ms": s.time_to_first_token_ms,
-                    "mean_time_between_tokens_ms": s.mean_time_between_tokens_ms,
-                    "regrowths": s.regrowths,
-                    "steady_tokens_per_step": round(s.steady_tokens_per_step, 6),
-                },
+                stats=stats_from_proto(f.stats),
             )
             if f.text:
                 return Chunk([], f.text, len(self.token_ids))

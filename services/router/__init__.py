@@ -1,6 +1,7 @@
-"""The router / tree manager service: owns every request's tree and drives it."""
+"""The router: the client-facing Generation service and the network executor of every
+request's controller."""
 
-from .driver import DriverError, Plan, RequestDriver
-from .service import RouterService
+from .driver import DriverError, RequestDriver
+from .service import Plan, RouterService
 
 __all__ = ["DriverError", "Plan", "RequestDriver", "RouterService"]

@@ -6,31 +6,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path as FsPath
 
 import grpc
-from specpipe.common.spec.options import DecodeOptions, Mode, check_prompt_ids
+from specpipe.common.spec.controller import make_controller
+from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..grpc_util import Server, wait_until_idle
+from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
-from .driver import DriverError, Plan, RequestDriver
+from .driver import DriverError, RequestDriver
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
 
-# Request sanity limits beyond the model's own (context length, vocabulary).
-MAX_WIDTH = 256
-MAX_TOP_K_CHILDREN = 1024
-MAX_DEPTH = 64
-MAX_NEW_TOKENS = 1 << 20
-MODES = ("specpipe", "pp", "specinfer", "autoregressive")
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request."""
+
+    prompt: list[int]
+    mode: Mode
+    opts: DecodeOptions
 
 
 class InvalidRequest(Exception):
@@ -203,64 +207,49 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             check_prompt_ids(prompt, model.vocab_size)
         except ValueError as e:
             raise _invalid(str(e)) from None
-        mode_name = r.mode or "specpipe"
-        if mode_name not in MODES:
-            raise _invalid(f"unknown mode {r.mode!r} (choose from {', '.join(MODES)})")
-        mode = Mode.PP if mode_name == "autoregressive" else Mode(mode_name)
-        if mode in (Mode.SPECPIPE, Mode.SPECINFER) and self.backends.draft is None:
+        try:
+            mode = Mode(r.mode or Mode.SPECPIPE)
+        except ValueError:
+            modes = ", ".join(m.value for m in Mode)
+            raise _invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
+        if mode.uses_draft and self.backends.draft is None:
             raise InvalidRequest(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"mode {mode_name} needs a draft and this deployment has none (use pp)",
+                f"mode {mode} needs a draft and this deployment has none (use pp)",
             )
-        context = model.max_positions
-        if len(prompt) >= context:
-            raise _invalid(
-                f"the prompt has {len(prompt)} tokens; the context holds {context}, "
-                "including at least one new token"
-            )
-        n = r.max_new_tokens
-        if n <= 0:
-            raise _invalid(f"max_new_tokens must be positive, got {n}")
-        room = context - len(prompt)
-        if n > room or n > MAX_NEW_TOKENS:
-            raise _invalid(
-                f"max_new_tokens {n} is too large: the prompt ({len(prompt)} tokens) leaves "
-                f"room for {room} in a context of {context}"
-            )
-        s = r.sampling
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not math.isfinite(s.temperature) or s.temperature < 0:
-            raise _invalid(f"temperature must be >= 0, got {s.temperature}")
-        if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-            raise _invalid(f"top_p must be in (0, 1], got {top_p}")
-        try:
-            sampling = SamplingParams(s.temperature, s.top_k, top_p, s.seed)
-        except ValueError as e:
-            raise _invalid(str(e)) from None
-
-        def opt(field: str, default: int, low: int, high: int) -> int:
-            value = getattr(r, field) if r.HasField(field) else default
-            if not low <= value <= high:
-                raise _invalid(f"{field} must be in [{low}, {high}], got {value}")
-            return value
-
         stops = list(r.stop_token_ids)
         bad = [t for t in stops if not 0 <= t < model.vocab_size]
         if bad:
             raise _invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
         if not r.ignore_eos:
             stops = [*model.eos_token_ids, *stops]
-        default = DecodeOptions(max_new_tokens=1)
-        opts = DecodeOptions(
-            max_new_tokens=n,
-            sampling=sampling,
-            width=opt("width", default.width, 1, MAX_WIDTH),
-            top_k_children=opt("top_k_children", default.top_k_children, 1, MAX_TOP_K_CHILDREN),
-            specinfer_depth=opt("depth", default.specinfer_depth, 1, MAX_DEPTH),
-            prefill_chunk=opt("prefill_chunk", default.prefill_chunk, 1, 1 << 16),
-            stop_token_ids=tuple(dict.fromkeys(stops)),
-        )
-        return Plan(prompt=prompt, mode=mode, mode_name=mode_name, opts=opts)
+        # The same checks as every other entry point (DecodeOptions, SamplingParams);
+        # fields the request leaves unset take DecodeOptions' defaults.
+        s = r.sampling
+        given = {
+            name: getattr(r, field)
+            for field, name in (
+                ("width", "width"),
+                ("top_k_children", "top_k_children"),
+                ("depth", "specinfer_depth"),
+                ("prefill_chunk", "prefill_chunk"),
+            )
+            if r.HasField(field)
+        }
+        try:
+            sampling = SamplingParams(
+                s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed
+            )
+            opts = DecodeOptions(
+                max_new_tokens=r.max_new_tokens,
+                sampling=sampling,
+                stop_token_ids=tuple(dict.fromkeys(stops)),
+                **given,
+            )
+            check_context(len(prompt), opts.max_new_tokens, model.max_positions)
+        except ValueError as e:
+            raise _invalid(str(e)) from None
+        return Plan(prompt=prompt, mode=mode, opts=opts)
 
     # -- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -281,12 +270,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         events = self.inbox.open(rid)
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
-        driver = RequestDriver(rid, path, plan, self.transport.address, events, deadline=deadline)
+        controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
+        driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
         self.drivers[rid] = driver
         log.info(
             "%s: %s, %d prompt tokens, %d new",
             rid,
-            plan.mode_name,
+            plan.mode,
             len(plan.prompt),
             plan.opts.max_new_tokens,
         )
@@ -321,25 +311,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
         st = driver.stats
-        ttft, tbt = driver.timing()
         return gen.Finished(
-            finish_reason=driver.out.finish_reason,
+            finish_reason=driver.finish_reason,
             usage=gen.Usage(prompt_tokens=prompt_tokens, completion_tokens=st.new_tokens),
-            stats=gen.SpeculationStats(
-                mode=st.mode,
-                stages=st.stages,
-                width=st.width,
-                prefill_steps=st.prefill_steps,
-                decode_steps=st.decode_steps,
-                new_tokens=st.new_tokens,
-                tokens_per_step=st.tokens_per_step,
-                hit_rate=st.hit_rate,
-                verifications=st.verifications,
-                time_to_first_token_ms=ttft,
-                mean_time_between_tokens_ms=tbt,
-                regrowths=st.regrowths,
-                steady_tokens_per_step=st.steady_tokens_per_step,
-            ),
+            stats=stats_to_proto(st, *driver.timing()),
             text=stream.flush() if stream else "",
         )
 
@@ -357,9 +332,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         m = self.model
         if m is None:
             return gen.ListModelsResponse()
-        modes = ["pp", "autoregressive"]
-        if self.backends.draft is not None:
-            modes = ["specpipe", "pp", "specinfer", "autoregressive"]
+        has_draft = self.backends.draft is not None
+        modes = [m.value for m in Mode if has_draft or not m.uses_draft]
         card = gen.ModelCard(
             id=m.model_id,
             vocab_size=m.vocab_size,

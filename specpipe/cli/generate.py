@@ -79,9 +79,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if args.stages > cfg.num_layers:
         raise CliError(f"--stages {args.stages} exceeds the target's {cfg.num_layers} layers")
-    needs_draft = mode in (Mode.SPECPIPE, Mode.SPECINFER)
     draft = None
-    if needs_draft:
+    if mode.uses_draft:
         if args.draft is None:
             raise CliError(f"--mode {mode} needs --draft (a model, or 'oracle')")
         draft = ORACLE_DRAFT if args.draft == ORACLE_DRAFT else resolve_model(args.draft)
@@ -99,7 +98,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
 
-    stages = 1 if mode == Mode.AUTOREGRESSIVE else args.stages
+    stages = args.stages
     deployment = build_local(target, stages, draft, parse_dtype(args.dtype), split=args.split)
     width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:
@@ -123,15 +122,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         text = codec.decode(tokens) if codec else None
         st = gen.stats
         # Beside "stats" (whose keys are a contract), the same extras `client generate` prints.
-        extra = {
-            "regrowths": st.regrowths,
-            "steady_tokens_per_step": round(st.steady_tokens_per_step, 6),
-        }
-        print(
-            json.dumps(
-                {"token_ids": tokens, "text": text, "stats": st.summary(), "speculation": extra}
-            )
-        )
+        out = {"token_ids": tokens, "text": text, "stats": st.summary()}
+        print(json.dumps({**out, "speculation": st.speculation()}))
     else:
         stream = codec.stream() if codec else None
         for tok in gen:

@@ -94,13 +94,10 @@ def reference_stats(
     target: Path, draft, stages: int, prompt: list[int], mode: str, max_new_tokens: int
 ) -> DecodeStats:
     """Stats of the in-process lockstep engine for a greedy request."""
-    dep = build_local(target, stages, target if draft == "oracle" else draft, parse_dtype(DTYPE))
-    gen = Generation(dep.pipeline, dep.draft, prompt, mode, DecodeOptions(max_new_tokens))
-    gen.run()
-    return gen.stats
+    return reference_run(target, draft, stages, prompt, mode, max_new_tokens).stats
 
 
-def reference(
+def reference_run(
     target: Path,
     draft,
     stages: int,
@@ -113,8 +110,9 @@ def reference(
     top_k: int = 0,
     width: int = 8,
     stop_token_ids: tuple[int, ...] = (),
-) -> list[int]:
-    """Tokens of the in-process lockstep engine for the same request."""
+    prefill_chunk: int = 128,
+) -> Generation:
+    """The same request through the in-process lockstep engine (tokens and stats)."""
     draft_dir = target if draft == "oracle" else draft
     dep = build_local(target, stages, draft_dir, parse_dtype(DTYPE))
     opts = DecodeOptions(
@@ -122,9 +120,16 @@ def reference(
         sampling=SamplingParams(temperature, top_k, top_p, seed),
         width=width,
         stop_token_ids=stop_token_ids,
+        prefill_chunk=prefill_chunk,
     )
-    engine_mode = "pp" if mode == "autoregressive" else mode
-    return Generation(dep.pipeline, dep.draft, prompt, engine_mode, opts).run()
+    gen = Generation(dep.pipeline, dep.draft, prompt, mode, opts)
+    gen.run()
+    return gen
+
+
+def reference(target: Path, draft, stages: int, prompt: list[int], mode: str, *args, **kw):
+    """Tokens of the in-process lockstep engine for the same request."""
+    return reference_run(target, draft, stages, prompt, mode, *args, **kw).output
 
 
 def service_stub(address: str, kind: str):

@@ -7,7 +7,7 @@ import pytest
 
 from specpipe.client import Client
 
-from .conftest import EOS, reference
+from .conftest import EOS, reference, reference_run
 
 MODES = ["specpipe", "pp", "specinfer", "autoregressive"]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -34,11 +34,24 @@ def test_mode_matches_engine(request, transport: str, mode: str) -> None:
                 ignore_eos=True,
                 prefill_chunk=4,
             )
-            want = reference(dep.target, dep.draft, stages, prompt, mode, n, temperature, seed)
-            assert got.token_ids == want, (mode, temperature, prompt)
+            ref = reference_run(
+                dep.target, dep.draft, stages, prompt, mode, n, temperature, seed, prefill_chunk=4
+            )
+            assert got.token_ids == ref.output, (mode, temperature, prompt)
             assert got.finish_reason == "length"
             assert got.stats["new_tokens"] == n
-            assert got.stats["stages"] == stages
+            # autoregressive is plain decoding: one stage in the accounting, wherever it runs
+            assert got.stats["stages"] == (1 if mode == "autoregressive" else stages)
+            # One controller behind both executors: the same step accounting, whenever the
+            # draft answered in time (pp, autoregressive and specinfer never wait for it).
+            assert got.stats["prefill_steps"] == ref.stats.prefill_steps
+            if got.stats["late_draft_answers"] == 0:
+                assert got.stats["decode_steps"] == ref.stats.decode_steps, (mode, prompt)
+                assert got.stats["hit_rate"] == round(ref.stats.hit_rate, 6)
+                assert got.stats["regrowths"] == ref.stats.regrowths
+            else:
+                assert mode == "specpipe"
+                assert got.stats["decode_steps"] >= ref.stats.decode_steps
 
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])

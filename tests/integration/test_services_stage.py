@@ -147,24 +147,34 @@ def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
 def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
     """After a hit keeps a subtree without the newest ids, the next prune's horizon must
     still cover them, or a late copy of a dropped node would pass as newer."""
+    from specpipe.common.spec.commands import BroadcastPrune, Feed, Propose
+    from specpipe.common.spec.controller import make_controller
     from specpipe.common.spec.messages import Candidates
-    from specpipe.common.spec.sampling import SamplingParams
-    from specpipe.common.spec.tree_manager import OutputState, SpecPipeManager
+    from specpipe.common.spec.options import DecodeOptions, Mode
 
-    def logits_for(token: int) -> torch.Tensor:
-        x = torch.zeros(97)
-        x[token] = 10.0
-        return x
+    def root_logits(node: int, token: int) -> Activation:
+        x = torch.zeros(1, 97)
+        x[0, token] = 10.0
+        return Activation("r", t(2), node_ids=t(node), parent_ids=t(-1), logits=x)
 
-    mgr = SpecPipeManager("r", [5, 9, 13], OutputState(10, SamplingParams()), width=2, max_depth=4)
+    def first(cmds, kind):
+        return next(c for c in cmds if isinstance(c, kind))
+
+    c = make_controller(Mode.SPECPIPE, "r", [5, 9, 13], DecodeOptions(10, width=2), 4)
     t = lambda *x: torch.tensor(x)  # noqa: E731
-    assert mgr.grow(Candidates(t(0, 0), t(7, 8), t(0.6, 0.4))).node_ids.tolist() == [1, 2]
-    assert mgr.grow(Candidates(t(1, 2), t(11, 12), t(0.9, 0.9))).node_ids.tolist() == [3, 4]
-    hit = mgr.verify(logits_for(7))
-    assert hit.prune.keep_ids.tolist() == [1, 3] and hit.prune.horizon == 4
-    miss = mgr.verify(logits_for(40))
-    assert miss.restart is not None and miss.prune.horizon == 4  # not 3 = max id left
-    assert not bool(miss.prune.alive(t(4)))
+    out = c.on_candidates(
+        first(c.start(), Propose).ticket, Candidates(t(0, 0), t(7, 8), t(0.6, 0.4))
+    )
+    assert first(out, Feed).act.node_ids.tolist() == [1, 2]
+    out = c.on_candidates(first(out, Propose).ticket, Candidates(t(1, 2), t(11, 12), t(0.9, 0.9)))
+    assert first(out, Feed).act.node_ids.tolist() == [3, 4]
+    hit = first(c.on_logits(root_logits(0, 7)), BroadcastPrune).prune
+    assert hit.keep_ids.tolist() == [1, 3] and hit.horizon == 4
+    out = c.on_logits(root_logits(1, 40))
+    miss = first(out, BroadcastPrune).prune
+    assert first(out, Feed).act.tokens.tolist() == [40]  # the restart root
+    assert miss.horizon == 4  # not 3 = max id left
+    assert not bool(miss.alive(t(4)))
 
 
 def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:

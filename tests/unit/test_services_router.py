@@ -73,9 +73,7 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
 
     st = DecodeStats(mode="specpipe", stages=4, width=8, decode_steps=12, new_tokens=7)
     st.regrowths, st.emit_steps = 3, [4, 5, 6, 8, 9, 10, 12]  # 6 tokens in 8 steps
-    driver = SimpleNamespace(
-        stats=st, out=SimpleNamespace(finish_reason="length"), timing=lambda: (1.0, 2.0)
-    )
+    driver = SimpleNamespace(stats=st, finish_reason="length", timing=lambda: (1.0, 2.0))
     finished = _with_router(lambda r: r._finished(driver, None, 5))
     assert finished.stats.regrowths == 3 and finished.stats.steady_tokens_per_step == 0.75
     collector = Collector()
@@ -104,31 +102,35 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     import time
     from types import SimpleNamespace
 
+    from specpipe.common.spec.controller import make_controller
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import RequestPath
-    from specpipe.services.router.driver import Plan, RequestDriver
+    from specpipe.services.router.driver import RequestDriver
 
     stub = _RecordingStub()
     stages = [
         SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"), active=0)
         for i in range(2)
     ]
-    plan = Plan([1, 2, 3, 4, 5], Mode.PP, "pp", DecodeOptions(max_new_tokens=4, prefill_chunk=2))
+    opts = DecodeOptions(max_new_tokens=4, prefill_chunk=2)
+    controller = make_controller(Mode.PP, "r", [1, 2, 3, 4, 5], opts, 2)
 
     async def main() -> None:
         deadline = None if deadline_in is None else time.monotonic() + deadline_in
-        driver = RequestDriver("r", RequestPath(stages, None), plan, "tcp://r:1", asyncio.Queue(),
+        driver = RequestDriver(controller, RequestPath(stages, None), "tcp://r:1", asyncio.Queue(),
                                deadline=deadline)  # fmt: skip
-        await driver._open()
+        await driver._open_stages()
+        for cmd in controller.start():
+            driver._execute(cmd)
         await asyncio.gather(*driver._tasks)
 
     asyncio.run(main())
-    assert len(stub.timeouts) == 4  # Open on both stages, two prefill chunks
+    assert len(stub.timeouts) == 5  # Open on both stages, two prefill chunks, the root
     return stub.timeouts
 
 
 def test_backend_calls_get_the_rest_of_the_clients_deadline() -> None:
     assert all(0 < t <= 5.0 for t in _open_timeouts(5.0))
-    assert _open_timeouts(None) == [60.0] * 4  # no client deadline: the cap
-    assert _open_timeouts(500.0) == [60.0] * 4
+    assert _open_timeouts(None) == [60.0] * 5  # no client deadline: the cap
+    assert _open_timeouts(500.0) == [60.0] * 5
     assert all(t == 0.01 for t in _open_timeouts(-1.0))  # already past: fail fast

@@ -93,7 +93,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step")
+    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step", "late_draft_answers")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class SpeculationStats(_message.Message):
     MEAN_TIME_BETWEEN_TOKENS_MS_FIELD_NUMBER: _ClassVar[int]
     REGROWTHS_FIELD_NUMBER: _ClassVar[int]
     STEADY_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LATE_DRAFT_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     stages: int
     width: int
@@ -120,7 +121,8 @@ class SpeculationStats(_message.Message):
     mean_time_between_tokens_ms: float
     regrowths: int
     steady_tokens_per_step: float
-    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ...) -> None: ...
+    late_draft_answers: int
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "text")

@@ -1,0 +1,118 @@
+"""SpecInfer's controller, on the same pipeline: per pass the draft grows a whole tree
+(one layer per draft forward, `specinfer_depth` layers), the tree crosses all S stages
+in one feed, and the longest verified path plus one token is emitted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .commands import Command, DraftPrefill, Propose
+from .controller import Controller
+from .growth import extend_frontier, layer_activation
+from .messages import EMPTY_IDS, Activation, Candidates, Prune
+from .options import DecodeOptions, Mode
+from .tree import TokenTree
+
+
+class SpecInferController(Controller):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        mode: Mode,
+        opts: DecodeOptions,
+        num_stages: int,
+    ) -> None:
+        super().__init__(request_id, prompt, mode, opts, num_stages)
+        self.root_pos = len(self.prompt) - 1
+        self.tree = TokenTree(self.prompt[-1])
+        self._draft_computed: list[Tensor] = []  # node ids the draft has cached this pass
+        self._unseen: list[int] = []  # verified tokens the draft must still cache
+        self._ticket: int | None = None  # the outstanding Propose
+        self._fed = False  # the pass's tree is in the pipeline
+
+    # -- events ----------------------------------------------------------------------------
+    def start(self) -> list[Command]:
+        return [*self._prefill(), *self._next_pass()]
+
+    def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
+        if self.done or ticket != self._ticket:
+            return []
+        self._ticket = None
+        if extend_frontier(self.tree, cand, self.opts.width).numel() == 0:
+            return self._feed_tree()
+        return self._propose_or_feed()
+
+    def on_logits(self, act: Activation) -> list[Command]:
+        tree = self.tree
+        if self.done or not self._fed or act.logits is None:
+            return []
+        if not torch.equal(act.node_ids, tree.ids):
+            return []  # not this pass's tree (a stale frame)
+        return self._verify(act.logits)
+
+    # -- decisions -------------------------------------------------------------------------
+    def _next_pass(self) -> list[Command]:
+        cmds: list[Command] = []
+        if self._unseen:
+            start = self.root_pos - len(self._unseen)
+            cmds.append(DraftPrefill(self._unseen, start, self.opts.prefill_chunk))
+            self._unseen = []
+        self.stats.draft_layers.append([])
+        return cmds + self._propose_or_feed()
+
+    def _propose_or_feed(self) -> list[Command]:
+        """Ask the draft for the next layer, or feed the tree once it is complete."""
+        tree = self.tree
+        if tree.frontier_depth >= self.opts.specinfer_depth:
+            return self._feed_tree()
+        layer = layer_activation(self.request_id, tree, tree.frontier(), self.root_pos)
+        self._draft_computed.append(layer.node_ids)
+        self.stats.draft_layers[-1].append(len(layer))
+        self._ticket = next(self._tickets)
+        top_k = min(self.opts.top_k_children, self.opts.width)
+        return [Propose(layer, top_k, self.opts.sampling.temperature, self._ticket)]
+
+    def _feed_tree(self) -> list[Command]:
+        whole = layer_activation(
+            self.request_id, self.tree, torch.arange(len(self.tree)), self.root_pos
+        )
+        self._fed = True
+        return [self._feed(whole, self._entry_step(whole))]
+
+    def _verify(self, logits: Tensor) -> list[Command]:
+        tree = self.tree
+        self.stats.root_children.append(int(tree.children(0).numel()))
+        self._verified(tree.root_id)
+        path, emitted = [0], []
+        while True:
+            token = self.out.sample(logits[path[-1]])
+            emitted.append(token)
+            done = self.out.emit(token)
+            child = tree.child_with_token(path[-1], token)
+            if child is None or done:
+                break
+            self.out.hits += 1
+            path.append(child)
+        self.stats.accepted_lengths.append(len(emitted))
+        cmds = self._emit(emitted, done)
+        if self.done:
+            return cmds
+        path_t = torch.tensor(path)
+        path_ids = tree.ids[path_t]
+        horizon = tree.last_id
+        seen = torch.isin(path_ids, torch.cat(self._draft_computed))
+        cmds += self._prune(
+            Prune(commit_ids=path_ids, keep_ids=EMPTY_IDS, horizon=horizon),
+            draft_prune=Prune(commit_ids=path_ids[seen], keep_ids=EMPTY_IDS, horizon=horizon),
+        )
+        self._unseen = tree.tokens[path_t][~seen].tolist()
+        # The next tree is rooted at the last emitted token; ids keep increasing.
+        self.root_pos += len(path)
+        self.tree = TokenTree(emitted[-1], first_id=horizon + 1)
+        self._draft_computed, self._fed = [], False
+        self._forget_nodes([])
+        return cmds + self._next_pass()

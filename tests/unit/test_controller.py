@@ -1,0 +1,419 @@
+"""The request controller without a model: scripted events in, commands out; and the
+lockstep executor over a model-free pipeline whose target and draft are rules on tokens.
+
+The target's next token after a sequence is `rule(seq)`; a stage computes nothing, the
+last one returns one-hot logits of the rule for every tree row. The oracle draft
+proposes the rule's token first; the blind draft never does.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.pipeline import StepResult
+from specpipe.common.spec.commands import (
+    BroadcastPrune,
+    DraftOpen,
+    DraftPrefill,
+    DraftPrune,
+    Emit,
+    Feed,
+    Finish,
+    Propose,
+)
+from specpipe.common.spec.controller import make_controller
+from specpipe.common.spec.messages import Activation, Candidates, Prune
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import SamplingParams
+
+VOCAB = 50
+PROMPT = [3, 14, 15, 9, 2, 6]
+
+
+def rule(seq: Sequence[int]) -> int:
+    """The target: a deterministic next token with long-range dependence."""
+    return (7 * seq[-1] + 3 * len(seq) + (seq[-2] if len(seq) > 1 else 0)) % VOCAB
+
+
+def one_hot(token: int) -> torch.Tensor:
+    x = torch.zeros(VOCAB)
+    x[token] = 20.0
+    return x
+
+
+def plain_decoding(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(rule(seq))
+    return seq[len(prompt) :]
+
+
+class RuleRequest:
+    """Tokens a request's stages know: committed ones, and tree nodes (id -> token, parent)."""
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+        self.nodes: dict[int, tuple[int, int]] = {}
+
+    def path(self, node: int) -> list[int]:
+        out = []
+        while node >= 0 and node in self.nodes:
+            token, node = self.nodes[node]
+            out.append(token)
+        return self.committed + out[::-1]
+
+    def add(self, act: Activation) -> None:
+        assert act.tokens is not None
+        if act.committed:
+            self.committed += act.tokens.tolist()
+            return
+        for nid, pid, tok in zip(
+            act.node_ids.tolist(), act.parent_ids.tolist(), act.tokens.tolist(), strict=True
+        ):
+            self.nodes[nid] = (tok, pid)
+
+    def prune(self, p: Prune) -> None:
+        for nid in p.commit_ids.tolist():
+            self.committed.append(self.nodes[nid][0])
+        keep = set(p.keep_ids.tolist())
+        self.nodes = {i: v for i, v in self.nodes.items() if i in keep or i > p.horizon}
+
+
+class RulePipeline:
+    """S stages that pass rows along; the last returns the rule's one-hot logits."""
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages, self.vocab_size, self.max_context = num_stages, VOCAB, 10_000
+        self.requests: dict[str, RuleRequest] = {}
+        self.flight: dict[str, list[Activation | None]] = {}
+
+    def open(self, request_id: str, capacity: int) -> None:
+        self.requests[request_id] = RuleRequest()
+        self.flight[request_id] = [None] * self.num_stages
+
+    def release(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.flight.pop(request_id, None)
+
+    def in_flight(self, request_id: str) -> bool:
+        return any(a is not None for a in self.flight[request_id][:-1])
+
+    def step(self, request_id, prunes, entering) -> StepResult:
+        req, flight = self.requests[request_id], self.flight[request_id]
+        for p in prunes:
+            req.prune(p)
+            flight = [p.filter(a) for a in flight]
+        flight = [entering, *flight[:-1]]
+        self.flight[request_id] = flight
+        if entering is not None:
+            req.add(entering)
+        last = flight[-1]
+        out = None
+        if last is not None and not last.committed:
+            logits = torch.stack([one_hot(rule(req.path(n))) for n in last.node_ids.tolist()])
+            out = Activation(request_id, last.positions, node_ids=last.node_ids,
+                             parent_ids=last.parent_ids, logits=logits)  # fmt: skip
+        return StepResult(out, [len(a) if a is not None else 0 for a in flight])
+
+
+class RuleDraft:
+    """Proposes `k` children per node: the rule's token first (oracle) or never (blind)."""
+
+    def __init__(self, oracle: bool = True) -> None:
+        self.oracle = oracle
+        self.requests: dict[str, RuleRequest] = {}
+
+    def open(self, request_id: str, capacity: int) -> None:
+        self.requests[request_id] = RuleRequest()
+
+    def release(self, request_id: str) -> bool:
+        return self.requests.pop(request_id, None) is not None
+
+    def prefill(self, request_id, tokens, start_position, chunk_size) -> None:
+        req = self.requests[request_id]
+        assert start_position == len(req.committed)
+        req.committed += tokens.tolist()
+
+    def prune(self, request_id: str, prune: Prune) -> None:
+        self.requests[request_id].prune(prune)
+
+    def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates:
+        req = self.requests[layer.request_id]
+        req.add(layer)
+        parents, tokens, probs = [], [], []
+        for nid in layer.node_ids.tolist():
+            best = rule(req.path(nid))
+            picks = [best] if self.oracle else []
+            picks += [t for t in range(VOCAB) if t != best][: top_k - len(picks)]
+            for rank, t in enumerate(picks):
+                parents.append(nid)
+                tokens.append(t)
+                probs.append(0.9 if rank == 0 else 0.1 / top_k)
+        return Candidates(torch.tensor(parents), torch.tensor(tokens), torch.tensor(probs))
+
+
+def run(mode, stages, draft=None, n=24, prompt=PROMPT, **opts) -> Generation:
+    gen = Generation(RulePipeline(stages), draft, prompt, mode, DecodeOptions(n, **opts))
+    gen.run()
+    return gen
+
+
+# -- whole requests through the lockstep executor --------------------------------------
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("stages", [1, 2, 3, 5])
+@pytest.mark.parametrize("oracle", [True, False])
+def test_every_mode_emits_plain_decoding(mode, stages, oracle) -> None:
+    gen = run(mode, stages, RuleDraft(oracle), width=3, prefill_chunk=4)
+    assert gen.output == plain_decoding(PROMPT, 24)
+    assert gen.stats.new_tokens == 24 and gen.stats.finish_reason == "length"
+
+
+def test_pp_takes_one_pass_per_token_and_autoregressive_one_step() -> None:
+    pp = run(Mode.PP, 4)
+    assert pp.stats.decode_steps == 4 * 24 and pp.stats.stages == 4
+    ar = run(Mode.AUTOREGRESSIVE, 4)
+    assert ar.stats.decode_steps == 24 and ar.stats.stages == 1
+    assert ar.output == pp.output
+
+
+def test_oracle_draft_emits_one_token_per_step_after_the_pipeline_fills() -> None:
+    gen = run(Mode.SPECPIPE, 4, RuleDraft(oracle=True), n=40, width=2)
+    st = gen.stats
+    assert st.hits == st.new_tokens  # every token was in the tree when verified
+    assert st.decode_steps == 40 + 3  # S - 1 steps to fill, then one token per step
+    assert st.regrowths == 0
+
+
+def test_blind_draft_misses_every_token() -> None:
+    gen = run(Mode.SPECPIPE, 3, RuleDraft(oracle=False), n=10, width=2)
+    assert gen.stats.hits == 0 and gen.stats.decode_steps == 3 * 10
+
+
+def test_specinfer_accepts_the_whole_depth_plus_one() -> None:
+    gen = run(Mode.SPECINFER, 3, RuleDraft(oracle=True), n=20, width=2, specinfer_depth=4)
+    assert gen.stats.accepted_lengths == [5, 5, 5, 5]
+    assert gen.stats.decode_steps == 3 * 4
+    assert gen.stats.draft_layers == [[1, 2, 2, 2]] * 4  # the root, then `width` nodes a layer
+
+
+def test_stops_at_a_stop_token() -> None:
+    full = plain_decoding(PROMPT, 24)
+    stop = full[7]
+    for mode in Mode:
+        gen = run(mode, 3, RuleDraft(), stop_token_ids=(stop,))
+        assert gen.output == full[: full.index(stop) + 1]
+        assert gen.stats.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_the_same_in_every_mode() -> None:
+    """With soft logits the draw matters; it depends only on (seed, position)."""
+
+    class Soft(RulePipeline):
+        def step(self, request_id, prunes, entering):
+            result = super().step(request_id, prunes, entering)
+            if result.last is not None:
+                result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
+            return result
+
+    outs = set()
+    for mode in Mode:
+        for stages in (1, 3):
+            opts = DecodeOptions(20, SamplingParams(temperature=1.0, seed=5), width=3)
+            gen = Generation(Soft(stages), RuleDraft(), PROMPT, mode, opts)
+            outs.add(tuple(gen.run()))
+    assert len(outs) == 1
+
+
+# -- the controller alone, events scripted ----------------------------------------------
+
+
+def cmds_of(cmds, kind):
+    return [c for c in cmds if isinstance(c, kind)]
+
+
+def logits_for(node: int, token: int) -> Activation:
+    return Activation("r", torch.tensor([0]), node_ids=torch.tensor([node]),
+                      parent_ids=torch.tensor([-1]), logits=one_hot(token)[None])  # fmt: skip
+
+
+def cand(pairs: list[tuple[int, int, float]]) -> Candidates:
+    p, t, q = zip(*pairs, strict=True)
+    return Candidates(torch.tensor(p), torch.tensor(t), torch.tensor(q))
+
+
+def test_pp_controller_script() -> None:
+    c = make_controller(Mode.PP, "r", [5, 6, 7], DecodeOptions(2, prefill_chunk=1), 3)
+    start = c.start()
+    feeds = cmds_of(start, Feed)
+    assert [f.step for f in feeds] == [-2, -1, 0] and not cmds_of(start, Propose)
+    assert c.capacity == 3 + 2 + 2 and c.root_logits_only
+    out = c.on_logits(logits_for(0, 11))
+    assert cmds_of(out, Emit)[0].tokens == [11]
+    prune = cmds_of(out, BroadcastPrune)[0]
+    assert (
+        prune.seq == 1
+        and prune.prune.commit_ids.tolist() == [0]
+        and not prune.prune.keep_ids.numel()
+    )
+    (restart,) = cmds_of(out, Feed)
+    assert restart.step == 3 and restart.after_prune == 1 and restart.act.tokens.tolist() == [11]
+    out = c.on_logits(logits_for(1, 12))
+    assert isinstance(out[-1], Finish) and out[-1].reason == "length"
+    assert c.stats.decode_steps == 6 and c.tokens == [11, 12]
+    assert c.on_logits(logits_for(2, 13)) == []  # done: later events change nothing
+
+
+def _specpipe(stages=2, width=2, n=8):
+    c = make_controller(Mode.SPECPIPE, "r", [5, 6], DecodeOptions(n, width=width), stages)
+    start = c.start()
+    assert isinstance(start[0], DraftOpen) and start[0].prompt == [5, 6]
+    return c, cmds_of(start, Propose)[0]
+
+
+def test_specpipe_holds_the_draft_answer_until_the_verification_due_first() -> None:
+    c, p0 = _specpipe()
+    out = c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)]))
+    (l1,) = cmds_of(out, Feed)
+    assert l1.step == 1 and l1.act.node_ids.tolist() == [1, 2]
+    p1 = cmds_of(out, Propose)[0]
+    # Children of both layer-1 nodes; the root's verification is due at step 1 = l1.step.
+    assert c.on_candidates(p1.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])) == []
+    out = c.on_logits(logits_for(0, 7))  # hit on node 1 (token 7)
+    assert cmds_of(out, Emit)[0].tokens == [7]
+    assert cmds_of(out, BroadcastPrune)[0].prune.keep_ids.tolist() == [1]
+    assert cmds_of(out, DraftPrune)[0].seq == 1
+    (l2,) = cmds_of(out, Feed)
+    # Grown after the prune, from node 1's children only: the width is not wasted.
+    assert l2.step == 2 and l2.act.tokens.tolist() == [9] and l2.after_prune == 1
+    assert c.stats.hits == 1 and c.stats.decode_steps == 2
+
+
+def test_a_late_draft_answer_gives_the_same_decision() -> None:
+    c, p0 = _specpipe()
+    out = c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)]))
+    p1 = cmds_of(out, Propose)[0]
+    out = c.on_logits(logits_for(0, 7))  # verification before the draft answered
+    assert not cmds_of(out, Feed)  # the newest layer survived: wait for its children
+    (l2,) = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])), Feed)
+    assert l2.step == 2 and l2.act.tokens.tolist() == [9]
+
+
+def test_an_answer_outstanding_at_a_later_verification_is_counted_late() -> None:
+    c, p0 = _specpipe()
+    p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)])), Propose)[0]
+    c.on_logits(logits_for(0, 7))  # step 1: the answer for layer 1 may still come in time
+    assert c.stats.late_draft_answers == 0
+    out = c.on_logits(logits_for(1, 9))  # step 2: node 1 has no children yet, a miss
+    assert c.stats.late_draft_answers == 1 and c.stats.hits == 1
+    assert cmds_of(out, Feed)[0].act.tokens.tolist() == [9]  # restart
+    assert c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])) == []  # too late to use
+    assert c.stats.late_draft_answers == 1
+
+
+def test_miss_restarts_from_the_drawn_token() -> None:
+    c, p0 = _specpipe()
+    c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)]))
+    out = c.on_logits(logits_for(0, 30))
+    prune = cmds_of(out, BroadcastPrune)[0].prune
+    assert prune.keep_ids.numel() == 0 and prune.horizon == 2
+    (restart,) = cmds_of(out, Feed)
+    assert restart.act.tokens.tolist() == [30] and restart.act.node_ids.tolist() == [3]
+    assert restart.step == 2 and c.stats.hits == 0
+
+
+def test_regrowth_from_kept_proposals_when_the_newest_layer_is_pruned_away() -> None:
+    c, p0 = _specpipe(stages=3, width=2)
+    p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.5), (0, 8, 0.5)])), Propose)[0]
+    # Layer 2 is all under node 1 (token 7); node 2's proposals are kept in reserve.
+    kids = cand([(1, 20, 0.9), (1, 21, 0.9), (2, 30, 0.1), (2, 31, 0.1)])
+    out = c.on_candidates(p1.ticket, kids)
+    assert sorted(cmds_of(out, Feed)[0].act.tokens.tolist()) == [20, 21]
+    p2 = cmds_of(out, Propose)[0]
+    assert c.on_candidates(p2.ticket, cand([(3, 40, 0.9), (4, 41, 0.9)])) == []  # held
+    out = c.on_logits(logits_for(0, 8))  # hit on node 2: layer 2 is pruned away
+    assert cmds_of(out, BroadcastPrune)[0].prune.keep_ids.tolist() == [2]
+    (regrown,) = cmds_of(out, Feed)
+    assert sorted(regrown.act.tokens.tolist()) == [30, 31] and regrown.step == 3
+    assert c.stats.regrowths == 1
+
+
+def test_specinfer_controller_script() -> None:
+    c = make_controller(
+        Mode.SPECINFER, "r", [5, 6], DecodeOptions(4, width=2, specinfer_depth=2), 3
+    )
+    p = cmds_of(c.start(), Propose)[0]
+    assert p.step is None and p.layer.node_ids.tolist() == [0]
+    p = cmds_of(c.on_candidates(p.ticket, cand([(0, 7, 0.9), (0, 8, 0.1)])), Propose)[0]
+    (feed,) = cmds_of(c.on_candidates(p.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])), Feed)
+    assert feed.step == 0 and feed.act.node_ids.tolist() == [0, 1, 2, 3, 4]
+    logits = torch.stack([one_hot(t) for t in (7, 9, 0, 42, 0)])
+    act = Activation("r", feed.act.positions, node_ids=feed.act.node_ids,
+                     parent_ids=feed.act.parent_ids, logits=logits)  # fmt: skip
+    out = c.on_logits(act)
+    assert cmds_of(out, Emit)[0].tokens == [7, 9, 42]  # root -> 7 -> 9, then the bonus token
+    assert c.stats.accepted_lengths == [3] and c.stats.decode_steps == 3
+    draft_prune = cmds_of(out, DraftPrune)[0].prune
+    assert draft_prune.commit_ids.tolist() == [0, 1]  # node 3 (token 9) the draft never ran
+    assert cmds_of(out, DraftPrefill)[0].tokens == [9]
+
+
+def test_failure_finishes_with_an_error() -> None:
+    c, _ = _specpipe()
+    (fin,) = c.on_failure("stage down")
+    assert fin.reason == "error" and fin.error == "stage down" and c.done
+    assert c.on_failure("again") == []
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -> None:
+    """An asynchronous executor sees a step's draft answer and its logits in either order;
+    while the draft keeps up, decisions and step counts are those of lockstep."""
+    rng = random.Random(seed)
+    ref = run(Mode.SPECPIPE, 3, RuleDraft(), n=30, width=2)
+    c = make_controller(Mode.SPECPIPE, "r", PROMPT, DecodeOptions(30, width=2), 3)
+    pipe, draft = RulePipeline(3), RuleDraft()
+    pipe.open("r", c.capacity)
+    feeds: dict[int, Activation] = {}
+    prunes: list[Prune] = []
+    answers: dict[int, list] = {}  # step -> draft answers for the layer entering then
+    done = False
+
+    def execute(cmds) -> None:
+        nonlocal done
+        for cmd in cmds:
+            if isinstance(cmd, Feed):
+                feeds[cmd.step] = cmd.act
+            elif isinstance(cmd, BroadcastPrune):
+                prunes.append(cmd.prune)
+            elif isinstance(cmd, DraftOpen):
+                draft.open("r", 0)
+                draft.prefill("r", torch.tensor(cmd.prompt[:-1]), 0, 128)
+            elif isinstance(cmd, DraftPrune):
+                draft.prune("r", cmd.prune)
+            elif isinstance(cmd, Propose):
+                answer = (cmd.ticket, draft.propose(cmd.layer, cmd.top_k))
+                answers.setdefault(cmd.step, []).append(answer)
+            elif isinstance(cmd, Finish):
+                done = True
+
+    execute(c.start())
+    step = min(feeds)
+    while not done:
+        result = pipe.step("r", prunes, feeds.pop(step, None))
+        prunes = []
+        events = [("answer", a) for a in answers.pop(step, [])]
+        if result.last is not None and result.last.logits is not None:
+            events.append(("logits", result.last))
+        rng.shuffle(events)
+        for kind, ev in events:
+            execute(c.on_candidates(*ev) if kind == "answer" else c.on_logits(ev))
+        step += 1
+    assert c.tokens == ref.output
+    assert c.stats.decode_steps == ref.stats.decode_steps
+    assert c.stats.hits == ref.stats.hits
