@@ -19,6 +19,7 @@ from specpipe.common.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
+from ..auth import ApiKeys
 from ..grpc_util import Server, wait_until_idle
 from ..transport import Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
@@ -94,6 +95,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         advertise_host: str | None = None,
         model_id: str = "",
         check_interval: float = 0.5,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
@@ -115,7 +117,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         self.draining = False
-        self.server = Server([SERVICE_NAME])
+        self.api_keys = api_keys or ApiKeys()
+        auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
+        self.server = Server([SERVICE_NAME], interceptors=auth)
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
