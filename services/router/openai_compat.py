@@ -142,6 +142,7 @@ class _Common(BaseModel):
             raise bad_request("response_format is not supported by SpecPipe", "response_format")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
+        self.stops  # noqa: B018 (validates)
 
     @property
     def stops(self) -> list[str]:
@@ -161,8 +162,10 @@ class _Common(BaseModel):
     ) -> gen.GenerateRequest:
         """The Generation API's request for this body and prompt (text or token ids).
         Values are passed on as given: the router validates them like a gRPC request's."""
-        n = self.max_completion_tokens if self.max_completion_tokens is not None else None
-        n = self.max_tokens if n is None else n
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        n = getattr(self, name)
+        if n is not None and n <= 0:
+            raise bad_request(f"{name} must be positive, got {n}", name)
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         seed = self.seed
         if seed is None:  # OpenAI: without a seed, every sampled request differs
