@@ -195,7 +195,7 @@ def _client_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("SPECPIPE_API_KEY"),
+        default=os.environ.get("SPECPIPE_API_KEY", "").strip() or None,
         help="for a router with API keys (default: $SPECPIPE_API_KEY)",
     )
 
