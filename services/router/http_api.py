@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from specpipe.v1 import generation_pb2 as gen
 from starlette.exceptions import HTTPException
 
 from .openai_compat import (
@@ -96,30 +97,27 @@ class HttpApi:
         down = [f"{b.label}: {b.error or 'down'}" for b in r.backends.all if not b.healthy]
         return JSONResponse({"status": status, "unhealthy": down}, status_code=503)
 
-    def _cards(self) -> list[dict[str, Any]]:
-        m = self.router.model
-        if m is None:
-            return []
-        draft = self.router.backends.draft is not None
+    async def _cards(self) -> list[dict[str, Any]]:
+        """The gRPC API's model cards, in OpenAI's shape."""
+        listed = await self.router.ListModels(gen.ListModelsRequest(), None)
         return [
             model_card(
-                m.model_id,
+                c.id,
                 self.created,
-                m.max_positions,
-                stages=len(m.ranges),
-                draft_model=m.draft_model,
-                weight_hash=m.weight_hash,
-                modes=["specpipe", "pp", "specinfer", "autoregressive"]
-                if draft
-                else ["pp", "autoregressive"],
+                c.max_context,
+                stages=c.stages,
+                draft_model=c.draft_model,
+                weight_hash=c.weight_hash,
+                modes=list(c.modes),
             )
+            for c in listed.models
         ]
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": self._cards()}
+        return {"object": "list", "data": await self._cards()}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        for card in self._cards():
+        for card in await self._cards():
             if card["id"] == model_id:
                 return card
         raise ApiError(404, f"model {model_id!r} is not served here", "model_not_found", "model")
