@@ -211,7 +211,9 @@ class LocalDeployment:
         return [] if self.max_cache_gib is None else ["--max-cache-gib", str(self.max_cache_gib)]
 
     def _router_api_args(self) -> list[str]:
-        args = [] if self.http_port is None else ["--http-port", str(self.http_port)]
+        args = []
+        if self.http_port is not None:  # 0: a free port picked here, like every other one
+            args += ["--http-port", str(self.http_port or free_port(self.host))]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
