@@ -43,7 +43,7 @@ from .openai_compat import (
     bad_request,
     model_card,
 )
-from .service import MAX_NEW_TOKENS, RequestFailed, RouterService
+from .service import RequestFailed, RouterService
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -137,7 +137,7 @@ class HttpApi:
             raise ApiError.from_status(e.code, e.message) from None
         # OpenAI: without max_tokens, a chat completion may fill the context.
         context = self.router.model.max_positions
-        default = max(1, min(context - len(ids), MAX_NEW_TOKENS))
+        default = max(1, context - len(ids))
         req = body.to_request(ids, default, self._mode())
         return await self._respond(request, body, req, chat=True)
 

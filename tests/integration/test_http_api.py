@@ -111,14 +111,14 @@ def test_chat_streamed_equals_not_streamed_equals_grpc(dep) -> None:
     assert full.usage.prompt_tokens == len(prompt_ids) == ref.prompt_tokens
     assert full.usage.completion_tokens == 24 and full.usage.total_tokens == len(prompt_ids) + 24
     spec = full.model_extra["speculation"]
-    assert set(spec) == SPECULATION and spec["mode"] == "specpipe" and spec["new_tokens"] == 24
+    assert set(spec) >= SPECULATION and spec["mode"] == "specpipe" and spec["new_tokens"] == 24
     # Streamed: role first, one finish reason, then the usage chunk without choices.
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 24
     assert last.usage.prompt_tokens == len(prompt_ids)
-    assert set(last.model_extra["speculation"]) == SPECULATION
+    assert set(last.model_extra["speculation"]) >= SPECULATION
     assert all(c.usage is None for c in chunks[:-1])
 
 
