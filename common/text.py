@@ -28,15 +28,28 @@ class TextCodec:
         if not text:
             raise TokenizerError("the prompt is empty")
         if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise TokenizerError("the model has no chat template; drop --chat")
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_chat([{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation ({role, content} messages) through the model's chat template,
+        ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise TokenizerError(
+                "the model has no chat template: send the prompt as plain text "
+                "(no --chat; over HTTP, to /v1/completions)"
+            )
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except TemplateError as e:  # e.g. the template's own check of role order
+            raise TokenizerError(f"the chat template refused these messages: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

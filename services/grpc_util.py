@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 class Server:
     """A grpc.aio server plus the standard health and reflection services."""
 
-    def __init__(self, service_names: Sequence[str]) -> None:
-        self.server = grpc.aio.server(options=MESSAGE_OPTIONS)
+    def __init__(
+        self, service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    ) -> None:
+        self.server = grpc.aio.server(options=MESSAGE_OPTIONS, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

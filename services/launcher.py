@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +70,9 @@ class ServicesDeployment:
         log_dir: str | Path | None = None,
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
+        max_cache_gib: float | None = None,
+        http_port: int | None = None,
+        api_keys: Sequence[str] = (),
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -95,8 +99,12 @@ class ServicesDeployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
+        self.max_cache_gib = max_cache_gib  # per stage; None: the service default
+        self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
+        self.api_keys = list(api_keys)
         self.children: dict[str, Child] = {}
         self.router_address = ""
+        self.http_address = ""  # HOST:PORT of the HTTP API once started
 
     # -- children --------------------------------------------------------------------------
     def _child(self, name: str, args: list[str]) -> Child:
@@ -145,6 +153,7 @@ class ServicesDeployment:
                     "--data-port", str(data_port),
                     "--transport", self.transport,
                     "--dtype", self.dtype,
+                    *self._cache_args(),
                     *common,
                 ],
             )  # fmt: skip
@@ -158,6 +167,7 @@ class ServicesDeployment:
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
             *drain,
+            *self._router_api_args(),
         ]  # fmt: skip
         if self.draft is not None:
             port = free_port(self.host)
@@ -181,7 +191,26 @@ class ServicesDeployment:
             self._spawn(child)
         self._wait_ready()
         self.router_address = self.children["router"].info["grpc"]
+        self.http_address = self.children["router"].info.get("http", "")
         return self.router_address
+
+    def _cache_args(self) -> list[str]:
+        return [] if self.max_cache_gib is None else ["--max-cache-gib", str(self.max_cache_gib)]
+
+    def _router_api_args(self) -> list[str]:
+        args = []
+        if self.http_port is not None:  # 0: a free port picked here, like every other one
+            args += ["--http-port", str(self.http_port or free_port(self.host))]
+        if self.api_keys:  # in a private file, not on the command line (ps shows that)
+            path = self._keys_file()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(f"{k}\n" for k in self.api_keys))
+            args += ["--api-key-file", str(path)]
+        return args
+
+    def _keys_file(self) -> Path:
+        return self.log_dir / "router.api-keys"
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -261,6 +290,7 @@ class ServicesDeployment:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._keys_file().unlink(missing_ok=True)
         if self._own_dir and os.environ.get("SPECPIPE_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -35,9 +35,10 @@ def write_ready(path: str | None, **info) -> None:
     tmp.replace(path)
 
 
-async def _serve_until_stopped(svc, drain_seconds: float) -> None:
+async def _serve_until_stopped(svc, drain_seconds: float, also_stop=()) -> None:
     """Serve until SIGTERM/SIGINT, drain for up to `drain_seconds` (a second signal cuts
-    the drain short), then stop. Returns normally, so the process exits 0."""
+    the drain short), then stop (`svc`, then the `also_stop` coroutine functions).
+    Returns normally, so the process exits 0."""
     signals = [asyncio.Event(), asyncio.Event()]  # first, second signal
     loop = asyncio.get_running_loop()
 
@@ -58,6 +59,8 @@ async def _serve_until_stopped(svc, drain_seconds: float) -> None:
         await asyncio.gather(drain, hurry, return_exceptions=True)
     finally:
         await svc.stop()
+        for stop in also_stop:
+            await stop()
 
 
 async def run_stage(args) -> None:
@@ -117,6 +120,7 @@ async def run_draft(args) -> None:
 async def run_router(args) -> None:
     from .router import RouterService
 
+    api_keys = args.api_keys  # an ApiKeys (the command line loaded it)
     svc = RouterService(
         stage_addresses=args.stages,
         draft_address=args.draft,
@@ -125,12 +129,28 @@ async def run_router(args) -> None:
         bind_host=args.host,
         advertise_host=args.advertise_host,
         model_id=args.model_id,
+        api_keys=api_keys,
     )
-    port = await svc.start(args.host, args.port, args.data_port, args.startup_timeout)
-    addr = f"{args.advertise_host or _local(args.host)}:{port}"
-    write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
+    host = args.advertise_host or _local(args.host)
+    http, info = None, {}
+    if args.http_port is not None:  # first: /health says "starting" while stages load
+        from .router.http_api import HttpServer
+
+        http = HttpServer(svc)
+        info["http"] = f"{host}:{await http.start(args.host, args.http_port)}"
+        log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])
+    try:
+        port = await svc.start(args.host, args.port, args.data_port, args.startup_timeout)
+    except BaseException:
+        if http:
+            await http.stop()
+        raise
+    addr = f"{host}:{port}"
+    if api_keys.enabled:
+        log.info("API keys on: %d key(s)", len(api_keys))
+    write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **info)
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
-    await _serve_until_stopped(svc, args.drain_seconds)
+    await _serve_until_stopped(svc, args.drain_seconds, [http.stop] if http else [])
 
 
 def _local(host: str) -> str:

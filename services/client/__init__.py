@@ -17,6 +17,7 @@ from .errors import (
     NotFound,
     ResourceExhausted,
     SpecPipeError,
+    Unauthenticated,
     Unavailable,
     error_from_rpc,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "NotFound",
     "ResourceExhausted",
     "SpecPipeError",
+    "Unauthenticated",
     "Unavailable",
     "build_request",
     "error_from_rpc",

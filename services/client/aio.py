@@ -9,7 +9,7 @@ import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, build_request
+from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, auth_metadata, build_request
 from .errors import InternalError, error_from_rpc
 
 
@@ -57,8 +57,11 @@ class AsyncGenerationStream:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, address: str, timeout: float | None = None, api_key: str | None = None
+    ) -> None:
         self.address = address
+        self._metadata = auth_metadata(api_key)  # for a router started with --api-key
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -79,7 +82,9 @@ class AsyncClient:
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
     ) -> AsyncGenerationStream:
         req = build_request(prompt, **kwargs)
-        return AsyncGenerationStream(self._stub.Generate(req, timeout=self._deadline(timeout)))
+        return AsyncGenerationStream(
+            self._stub.Generate(req, timeout=self._deadline(timeout), metadata=self._metadata)
+        )
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
@@ -93,6 +98,7 @@ class AsyncClient:
             resp = await self._stub.Tokenize(
                 gen.TokenizeRequest(model=model, text=text, chat=chat),
                 timeout=self._deadline(timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
@@ -101,7 +107,7 @@ class AsyncClient:
     async def list_models(self, timeout: float | None = None) -> list[gen.ModelCard]:
         try:
             resp = await self._stub.ListModels(
-                gen.ListModelsRequest(), timeout=self._deadline(timeout)
+                gen.ListModelsRequest(), timeout=self._deadline(timeout), metadata=self._metadata
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
@@ -110,7 +116,9 @@ class AsyncClient:
     async def describe(self, timeout: float | None = None) -> gen.RouterDescription:
         try:
             return await self._stub.Describe(
-                gen.DescribeRouterRequest(), timeout=self._deadline(timeout)
+                gen.DescribeRouterRequest(),
+                timeout=self._deadline(timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None

@@ -14,6 +14,11 @@ from ..stats_wire import stats_from_proto
 CHANNEL_OPTIONS = MESSAGE_OPTIONS
 
 
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata for a router started with API keys (`--api-key`)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 @dataclass
 class Chunk:
     """Tokens verified together (one, or a SpecInfer path) and their text."""

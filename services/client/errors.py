@@ -58,6 +58,12 @@ class InternalError(SpecPipeError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unauthenticated(SpecPipeError):
+    """The router has API keys and the call carried none, or a wrong one (`api_key=`)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -69,6 +75,7 @@ _BY_CODE = {
         DeadlineExceeded,
         Cancelled,
         InternalError,
+        Unauthenticated,
     )
 }
 

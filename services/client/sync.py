@@ -8,7 +8,7 @@ import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, build_request
+from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, auth_metadata, build_request
 from .errors import InternalError, error_from_rpc
 
 
@@ -49,8 +49,11 @@ class GenerationStream:
 
 
 class Client:
-    def __init__(self, address: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, address: str, timeout: float | None = None, api_key: str | None = None
+    ) -> None:
         self.address = address
+        self._metadata = auth_metadata(api_key)  # for a router started with --api-key
         self.timeout = timeout  # default deadline of every call, seconds
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -72,7 +75,9 @@ class Client:
     ) -> GenerationStream:
         """Start a request (keyword arguments as `build_request`)."""
         req = build_request(prompt, **kwargs)
-        return GenerationStream(self._stub.Generate(req, timeout=self._deadline(timeout)))
+        return GenerationStream(
+            self._stub.Generate(req, timeout=self._deadline(timeout), metadata=self._metadata)
+        )
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
@@ -86,6 +91,7 @@ class Client:
             resp = self._stub.Tokenize(
                 gen.TokenizeRequest(model=model, text=text, chat=chat),
                 timeout=self._deadline(timeout),
+                metadata=self._metadata,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None
@@ -95,7 +101,9 @@ class Client:
         try:
             return list(
                 self._stub.ListModels(
-                    gen.ListModelsRequest(), timeout=self._deadline(timeout)
+                    gen.ListModelsRequest(),
+                    timeout=self._deadline(timeout),
+                    metadata=self._metadata,
                 ).models
             )
         except grpc.RpcError as e:
@@ -103,6 +111,10 @@ class Client:
 
     def describe(self, timeout: float | None = None) -> gen.RouterDescription:
         try:
-            return self._stub.Describe(gen.DescribeRouterRequest(), timeout=self._deadline(timeout))
+            return self._stub.Describe(
+                gen.DescribeRouterRequest(),
+                timeout=self._deadline(timeout),
+                metadata=self._metadata,
+            )
         except grpc.RpcError as e:
             raise error_from_rpc(e) from None

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 
@@ -18,6 +20,7 @@ from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
+from ..auth import ApiKeys
 from ..grpc_util import Server, wait_until_idle
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
@@ -37,10 +40,23 @@ class Plan:
     opts: DecodeOptions
 
 
-class InvalidRequest(Exception):
+class RequestFailed(Exception):
+    """A request refused or failed: the gRPC status a client receives and why. What
+    `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
+    it into an OpenAI-shaped error."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class InvalidRequest(RequestFailed):
+    """Refused before it starts (validation)."""
+
+
+class StopGeneration(Exception):
+    """Thrown into `RouterService.generate` at a delta (`athrow`): end the request now,
+    as finished with reason "stop" (the HTTP API's stop strings)."""
 
 
 def _invalid(message: str) -> InvalidRequest:
@@ -83,6 +99,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         advertise_host: str | None = None,
         model_id: str = "",
         check_interval: float = 0.5,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
@@ -104,7 +121,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         self.draining = False
-        self.server = Server([SERVICE_NAME])
+        self.api_keys = api_keys or ApiKeys()
+        auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
+        self.server = Server([SERVICE_NAME], interceptors=auth)
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -252,24 +271,29 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return Plan(prompt=prompt, mode=mode, opts=opts)
 
     # -- RPCs ------------------------------------------------------------------------------
-    async def Generate(self, request, context):
+    async def generate(
+        self, request: gen.GenerateRequest, deadline: float | None = None
+    ) -> AsyncIterator[gen.GenerateResponse]:
+        """One request: `started`, then `delta`s, then `finished`; raises RequestFailed.
+        `deadline` is on time.monotonic() (None: none). The gRPC and HTTP APIs both serve
+        requests through this. Closing the generator early (the client went away)
+        releases the request on every stage and the draft; throwing StopGeneration in at
+        a delta ends it as finished ("stop") and yields the final message."""
         if self.draining:
-            await context.abort(
+            raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE,
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
             )
+        plan = self.plan(request)
         try:
-            plan = self.plan(request)
             path = self.backends.path()
-        except InvalidRequest as e:
-            await context.abort(e.code, e.message)
         except NoPath as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}")
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
+            ) from None
         rid = self._ids.next()
         events = self.inbox.open(rid)
-        remaining = context.time_remaining()  # None: the client set no deadline
-        deadline = None if remaining is None else time.monotonic() + remaining
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
         driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
         self.drivers[rid] = driver
@@ -282,25 +306,34 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         )
         stream = self.codec.stream() if self.codec else None
         index = 0
+        stopped = False
         try:
             yield gen.GenerateResponse(
                 started=gen.Started(
                     request_id=rid, model=self.model.model_id, prompt_tokens=len(plan.prompt)
                 )
             )
-            async for tokens in driver.run():
-                text = "".join(stream.push(t) for t in tokens) if stream else ""
-                yield gen.GenerateResponse(
-                    delta=gen.TokenDelta(token_ids=tokens, text=text, index=index)
-                )
-                index += len(tokens)
-            yield gen.GenerateResponse(finished=self._finished(driver, stream, len(plan.prompt)))
+            async with contextlib.aclosing(driver.run()) as batches:
+                async for tokens in batches:
+                    text = "".join(stream.push(t) for t in tokens) if stream else ""
+                    try:
+                        yield gen.GenerateResponse(
+                            delta=gen.TokenDelta(token_ids=tokens, text=text, index=index)
+                        )
+                    except StopGeneration:
+                        stopped = True
+                        break
+                    index += len(tokens)
+            finished = self._finished(driver, stream, len(plan.prompt))
+            if stopped:
+                finished.finish_reason = "stop"
+            yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
             log.warning("%s failed: %s %s", rid, e.code.name, e.message)
-            await context.abort(e.code, e.message)
+            raise RequestFailed(e.code, e.message) from None
         except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
             log.exception("%s failed", rid)
-            await context.abort(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}")
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}") from None
         finally:
             self.drivers.pop(rid, None)
             self.inbox.close(rid)
@@ -308,6 +341,16 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             task = asyncio.ensure_future(driver.release())
             self._cleanup.add(task)
             task.add_done_callback(self._cleanup.discard)
+
+    async def Generate(self, request, context):
+        remaining = context.time_remaining()  # None: the client set no deadline
+        deadline = None if remaining is None else time.monotonic() + remaining
+        async with contextlib.aclosing(self.generate(request, deadline)) as responses:
+            try:
+                async for response in responses:
+                    yield response
+            except RequestFailed as e:
+                await context.abort(e.code, e.message)
 
     def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
         st = driver.stats

@@ -93,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
+    _http_args(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("up", help="run router, draft and stages as local processes")
@@ -120,6 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
+    _http_args(p)
     p.set_defaults(func=_cmd_up)
 
     client = sub.add_parser("client", help="talk to a running router")
@@ -156,9 +159,48 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=_cmd_client_models)
 
 
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health) on this port (0: any free port; default: no HTTP API)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY) on the HTTP API and the gRPC "
+        "Generation API; repeatable",
+    )
+    p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="require one of the keys in FILE (one a line, '#' comments); repeatable",
+    )
+
+
+def _api_keys(args: argparse.Namespace):
+    from specpipe.services.auth import ApiKeyError, ApiKeys
+
+    try:
+        return ApiKeys.load(args.api_key, args.api_key_file)
+    except ApiKeyError as e:
+        raise CliError(str(e)) from None
+
+
 def _client_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECPIPE_API_KEY", "").strip() or None,
+        help="for a router with API keys (default: $SPECPIPE_API_KEY)",
+    )
 
 
 # -- services ----------------------------------------------------------------------------
@@ -210,6 +252,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     if not args.stages:
         raise CliError("--stages lists no addresses")
+    args.api_keys = _api_keys(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
     return 0
@@ -222,6 +265,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     device = parse_device(args.device)
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
+    api_keys = _api_keys(args)
     try:
         dep = ServicesDeployment(
             target,
@@ -237,6 +281,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             drain_seconds=args.drain_seconds,
             log_dir=args.log_dir,
             startup_timeout=args.startup_timeout,
+            max_cache_gib=args.max_cache_gib,
+            http_port=args.http_port,
+            api_keys=api_keys.keys,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -252,6 +299,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     except LaunchError as e:
         raise CliError(str(e)) from None
     print(f"router: {address}", flush=True)
+    if dep.http_address:
+        print(f"http: http://{dep.http_address}/v1", flush=True)
     print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
     try:
         return dep.wait()
@@ -282,7 +331,7 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["prompt_ids"] = parse_ids(args.prompt_ids)
-    with Client(args.router, timeout=args.timeout) as client:
+    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
         try:
             stream = client.stream(**kwargs)
             if args.json:
@@ -319,7 +368,7 @@ def _cmd_client_models(args: argparse.Namespace) -> int:
 
     from specpipe.services.client import Client, SpecPipeError
 
-    with Client(args.router, timeout=args.timeout) as client:
+    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
         try:
             models = client.list_models()
         except SpecPipeError as e:

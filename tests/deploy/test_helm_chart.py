@@ -27,7 +27,11 @@ EVERYTHING_ON = {
     "modelCache": {"persistentVolumeClaim": {"enabled": True}},
     "stage": {"autoscaling": {"enabled": True, "minReplicas": 2}},
     "draft": {"autoscaling": {"enabled": True}},
-    "router": {"autoscaling": {"enabled": True}, "service": {"type": "LoadBalancer"}},
+    "router": {
+        "autoscaling": {"enabled": True},
+        "service": {"type": "LoadBalancer"},
+        "apiKeys": {"existingSecret": "specpipe-keys"},
+    },
     "transport": "ucx",
 }
 TWO_GPUS = {
@@ -295,7 +299,40 @@ def test_router_service_is_the_client_entry_point(render):
     docs = render()
     svc = named(docs, "Service", "specpipe-router")
     assert selects(svc, router(docs))
-    assert svc["spec"]["ports"][0]["port"] == int(arg(main_container(router(docs)), "--port"))
+    c = main_container(router(docs))
+    grpc_port, http_port = svc["spec"]["ports"]
+    assert grpc_port["port"] == int(arg(c, "--port"))
+    # The OpenAI-compatible HTTP API: on by default, port "http" of the same Service.
+    container_ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert http_port["name"] == http_port["targetPort"] == "http"
+    assert container_ports["http"] == int(arg(c, "--http-port")) == http_port["port"]
+
+
+def test_http_api_can_be_turned_off(render):
+    docs = render({"router": {"http": {"enabled": False}}})
+    c = main_container(router(docs))
+    assert arg(c, "--http-port") is None and "http" not in {p["name"] for p in c["ports"]}
+    assert [p["name"] for p in named(docs, "Service", "specpipe-router")["spec"]["ports"]] == [
+        "grpc"
+    ]
+    assert c["readinessProbe"]["grpc"]["port"] == int(arg(c, "--port"))
+
+
+def test_api_keys_come_from_a_secret_file(render):
+    assert arg(main_container(router(render())), "--api-key-file") is None  # off by default
+    values = {"router": {"apiKeys": {"existingSecret": "keys", "testSecretKey": "one"}}}
+    docs = render(values, tests=True)
+    r = router(docs)
+    c = main_container(r)
+    path = arg(c, "--api-key-file")
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-keys"]
+    assert path == f"{mount['mountPath']}/api-keys" and mount["readOnly"]
+    (vol,) = [v for v in r["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys"]
+    assert vol["secret"]["secretName"] == "keys"
+    assert vol["secret"]["items"] == [{"key": "api-keys", "path": "api-keys"}]
+    (pod,) = of_kind(docs, "Pod")  # helm test: the client's key from the Secret
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}["SPECPIPE_API_KEY"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "one"}
 
 
 def test_no_draft_means_no_draft_workload(render):
@@ -381,12 +418,14 @@ def test_probes_use_grpc_health_on_the_service_port(render):
     for d in workloads(render()):
         c = main_container(d)
         (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
-        assert c["readinessProbe"]["grpc"]["port"] == port
         assert "startupProbe" in c
         if component(d) == "router":
+            # Ready: the HTTP API's /health (200 only while every backend is up).
+            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
             # The router's health follows its backends: a stage outage must not restart it.
             assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
         else:
+            assert c["readinessProbe"]["grpc"]["port"] == port
             assert c["livenessProbe"]["grpc"]["port"] == port
             assert c["startupProbe"]["grpc"]["port"] == port
 

@@ -27,9 +27,17 @@ EOS = 96  # the conftest models' eos_token_id (vocab - 1)
 DTYPE = "float64"
 
 
+# A chat template in the char tokenizer's alphabet (printable ASCII, no newline).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}|{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
 def add_char_tokenizer(model_dir: Path) -> Path:
     """A character-level tokenizer over the tiny models' 97 ids: id 0 <s>, 1..95 the
-    printable ASCII characters, 96 </s> (so text prompts and text deltas can be tested)."""
+    printable ASCII characters, 96 </s> (so text prompts and text deltas can be tested),
+    with a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -38,6 +46,7 @@ def add_char_tokenizer(model_dir: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(model_dir)
     return model_dir
 
@@ -148,7 +157,8 @@ def active_requests(dep: ServicesDeployment) -> dict[str, int]:
     from specpipe.client import Client
 
     counts = {}
-    with Client(dep.router_address, timeout=5) as c:
+    key = dep.api_keys[0] if dep.api_keys else None
+    with Client(dep.router_address, timeout=5, api_key=key) as c:
         counts["router"] = c.describe().active_requests
     for name, child in dep.children.items():
         if name == "router":

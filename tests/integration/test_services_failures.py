@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -64,7 +65,8 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-c", ENTRY, "up", "--target", str(llama_dir), "--draft", "oracle", "--stages", "3",
-         "--layers", "0:1,1:3,3:5", "--transport", "tcp", "--router-port", "0", "--log-dir", str(log_dir)],
+         "--layers", "0:1,1:3,3:5", "--transport", "tcp", "--router-port", "0", "--log-dir", str(log_dir),
+         "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -76,6 +78,10 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
             proc.stderr.read() if proc.poll() is not None else "",
         )
         address = line.split()[1]
+        http = proc.stdout.readline().split()  # the HTTP API's base URL
+        assert http[0] == "http:" and http[1].endswith("/v1"), http
+        with urllib.request.urlopen(http[1].removesuffix("/v1") + "/health", timeout=10) as r:
+            assert json.loads(r.read())["status"] == "ok"
         with Client(address, timeout=60) as client:
             done = client.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, ignore_eos=True)
             assert len(done.token_ids) == 6 and done.stats["stages"] == 3

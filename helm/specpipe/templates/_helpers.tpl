@@ -358,7 +358,7 @@ lifecycle:
       command: ["sleep", {{ .preStopSeconds | int | toString | quote }}]
 {{- end -}}
 
-{{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"). */}}
+{{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"), and optionally "httpReady" (a container port name: readiness is GET /health there instead). */}}
 {{- define "specpipe.probes" -}}
 startupProbe:
   {{- if eq .live "tcp" }}
@@ -372,8 +372,14 @@ startupProbe:
   timeoutSeconds: 5
   failureThreshold: {{ div (int .startupSeconds) 5 | max 1 }}
 readinessProbe:
+  {{- if .httpReady }}
+  httpGet:
+    path: /health
+    port: {{ .httpReady }}
+  {{- else }}
   grpc:
     port: {{ .port }}
+  {{- end }}
   periodSeconds: 5
   timeoutSeconds: 5
   failureThreshold: 2

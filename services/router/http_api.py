@@ -1,0 +1,335 @@
+"""The router's OpenAI-compatible HTTP API: FastAPI served by uvicorn inside the
+router's own asyncio loop.
+
+Same loop, no hop: a request here calls `RouterService.generate` directly, exactly as
+the gRPC handler does, so both APIs give the same tokens for the same request and share
+validation, draining and cancellation. (A separate process or thread would need a
+gRPC hop or cross-loop plumbing for every token, for nothing: the router's work per
+token is small and asynchronous.) uvicorn runs without its signal handlers; the
+router's process owns SIGTERM and its drain.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
+ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health. Errors come in
+OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
+request on every stage and the draft.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from specpipe.v1 import generation_pb2 as gen
+from starlette.exceptions import HTTPException
+
+from .openai_compat import (
+    DEFAULT_COMPLETION_TOKENS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Generation,
+    ResponseShape,
+    bad_request,
+    model_card,
+)
+from .service import RequestFailed, RouterService
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never received
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response was ready."""
+
+
+class HttpApi:
+    def __init__(self, router: RouterService) -> None:
+        self.router = router
+        self.created = int(time.time())
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="SpecPipe", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(HTTPException, _http_error)
+        app.add_exception_handler(ClientGone, _client_gone)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        auth = [Depends(self.authorize)]
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route(
+            "/v1/models/{model_id:path}", self.model, methods=["GET"], dependencies=auth
+        )
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
+        return app
+
+    # -- routes ------------------------------------------------------------------------
+    async def authorize(self, request: Request) -> None:
+        why = self.router.api_keys.check(request.headers.get("authorization"))
+        if why is not None:
+            code = "missing_api_key" if "needs" in why else "invalid_api_key"
+            raise ApiError(401, why, code)
+
+    async def health(self) -> JSONResponse:
+        """200 while the router takes requests (every backend up), else 503."""
+        r = self.router
+        if r.draining:
+            status = "draining"
+        elif r.model is None:
+            status = "starting"
+        elif not r.backends.ready:
+            status = "unavailable"
+        else:
+            return JSONResponse({"status": "ok", "model": r.model.model_id})
+        down = [f"{b.label}: {b.error or 'down'}" for b in r.backends.all if not b.healthy]
+        return JSONResponse({"status": status, "unhealthy": down}, status_code=503)
+
+    async def _cards(self) -> list[dict[str, Any]]:
+        """The gRPC API's model cards, in OpenAI's shape."""
+        listed = await self.router.ListModels(gen.ListModelsRequest(), None)
+        return [
+            model_card(
+                c.id,
+                self.created,
+                c.max_context,
+                stages=c.stages,
+                draft_model=c.draft_model,
+                weight_hash=c.weight_hash,
+                modes=list(c.modes),
+            )
+            for c in listed.models
+        ]
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": await self._cards()}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        for card in await self._cards():
+            if card["id"] == model_id:
+                return card
+        raise ApiError(404, f"model {model_id!r} is not served here", "model_not_found", "model")
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        body.check()
+        req = body.to_request(body.prompt_value(), DEFAULT_COMPLETION_TOKENS, self._mode())
+        return await self._respond(request, body, req, chat=False)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        body.check()
+        messages = body.rendered_messages()
+        try:
+            self.router._check_model(body.model)
+            ids = self._render(messages)
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
+        # OpenAI: without max_tokens, a chat completion may fill the context.
+        context = self.router.model.max_positions
+        default = max(1, context - len(ids))
+        req = body.to_request(ids, default, self._mode())
+        return await self._respond(request, body, req, chat=True)
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _mode(self) -> str:
+        """Without `mode`: specpipe, or pp on a deployment without a draft."""
+        return "specpipe" if self.router.backends.draft is not None else "pp"
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages through the model's chat template, as token ids."""
+        codec = self.router.codec
+        if codec is None:
+            raise RequestFailed(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the served model has no tokenizer: chat completions need one",
+            )
+        from specpipe.common.text import TokenizerError
+
+        try:
+            return codec.encode_chat(messages)
+        except TokenizerError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    async def _respond(
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, req, chat: bool
+    ) -> Response:
+        run = Generation(self.router.generate(req), body.stops)
+        try:
+            # Up to the first text (or the end): until then, a failure (bad request,
+            # overload, ...) can still be an HTTP status rather than an event.
+            first = await _unless_disconnected(request, run.next())
+            shape = ResponseShape(chat, run.request_id, self.router.model.model_id)
+            if body.stream:
+                events = _events(run, shape, first, body.include_usage)
+                return EventStream(events, headers={"Cache-Control": "no-cache"})
+            rest = "" if first is None else await _unless_disconnected(request, run.text())
+        except RequestFailed as e:
+            await run.close()
+            raise ApiError.from_status(e.code, e.message) from None
+        except BaseException:
+            await run.close()
+            raise
+        ids = list(run.token_ids) if body.return_token_ids else None
+        text = (first or "") + rest
+        return JSONResponse(
+            shape.completion(text, run.finish_reason, run.usage, run.speculation, ids)
+        )
+
+
+async def _events(
+    run: Generation, shape: ResponseShape, first: str | None, include_usage: bool
+) -> AsyncIterator[str]:
+    """The server-sent events of a streamed completion. Without include_usage the last
+    chunk (the one with the finish reason) carries usage and speculation stats; with it,
+    they come in OpenAI's extra last chunk without choices instead."""
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk(text="", first=True))
+        piece = first
+        while piece is not None:
+            yield _sse(shape.chunk(text=piece))
+            piece = await run.next()
+        extra = {} if include_usage else {"usage": run.usage, "speculation": run.speculation}
+        yield _sse(shape.chunk(finish_reason=run.finish_reason, **extra))
+        if include_usage:
+            yield _sse(shape.usage_chunk(run.usage, run.speculation))
+    except RequestFailed as e:
+        yield _sse(ApiError.from_status(e.code, e.message).body())
+    finally:
+        await run.close()
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; the event generator is closed however the response ends (a
+    client that disconnects cancels the stream task: Starlette watches for it)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled if the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server is stopping: wait for the work to unwind
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- errors --------------------------------------------------------------------------------
+def _error_response(e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    return _error_response(e)
+
+
+async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+    """A body that does not parse or fit the schema: 400 (FastAPI's default is 422)."""
+    errors = e.errors()
+    first = errors[0] if errors else {}
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    field = str(loc[0]) if loc else None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', message)})"
+        field = None
+    # A union (prompt, stop, content) fails once per accepted shape: name the field only.
+    same = [x for x in errors if [p for p in x.get("loc", ()) if p != "body"][:1] == loc[:1]]
+    if len(same) > 1:
+        message = f"{message}, nor any other accepted shape"
+    return _error_response(bad_request(f"{field}: {message}" if field else message, field))
+
+
+async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return _error_response(ApiError(e.status_code, str(e.detail), code))
+
+
+async def _client_gone(request: Request, e: ClientGone) -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
+# -- server --------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    def capture_signals(self):  # the router's process handles SIGTERM/SIGINT (its drain)
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """uvicorn serving the HTTP API as a task of the running loop."""
+
+    def __init__(self, router: RouterService) -> None:
+        self.api = HttpApi(router)
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, reuse_port=False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.api.app,
+            log_config=None,  # the process's logging, not uvicorn's own setup
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        """Close the listener and end open connections (streams the router has already
+        failed end at once); at most `timeout_graceful_shutdown` seconds."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, timeout=10.0)
+        except (TimeoutError, asyncio.CancelledError):
+            self._task.cancel()

@@ -1,0 +1,438 @@
+"""OpenAI's request and response shapes, and their translation to and from the
+Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP here:
+`http_api` serves these; everything in this module can be tested without a server.
+
+Requests are pydantic models, so a malformed body is refused field by field. Fields of
+OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
+refused with 400 when set to anything but their default; unknown fields are ignored,
+as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
+`width`, `top_k_children`, `depth`, `prefill_chunk`, `top_k`, `ignore_eos`,
+`stop_token_ids`, `return_token_ids`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, Literal
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field
+from specpipe.v1 import generation_pb2 as gen
+
+from .service import StopGeneration
+
+# OpenAI's defaults: 16 new tokens for text completions, sampling at temperature 1.
+DEFAULT_COMPLETION_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+MAX_STOP_STRINGS = 16
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+
+class ApiError(Exception):
+    """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    @classmethod
+    def from_status(cls, code: grpc.StatusCode, message: str) -> ApiError:
+        status = HTTP_STATUS.get(code, 500)
+        if code == grpc.StatusCode.NOT_FOUND and "model" in message:
+            return cls(status, message, "model_not_found", "model")
+        return cls(status, message, code.name.lower())
+
+    def body(self) -> dict[str, Any]:
+        kind = ERROR_TYPES.get(self.status, "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param)
+
+
+# -- requests ------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+# Fields OpenAI defines that SpecPipe does not implement: refused unless at these values.
+_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "audio": (None,),
+    "prediction": (None,),
+}
+
+
+class _Common(BaseModel):
+    """What chat and text completions share (OpenAI's fields, then SpecPipe's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    # SpecPipe's own.
+    mode: str | None = None
+    width: int | None = None
+    top_k_children: int | None = None
+    depth: int | None = None
+    prefill_chunk: int | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    return_token_ids: bool = False
+
+    def check(self) -> None:
+        """Refuse what the model validates but SpecPipe cannot do."""
+        if self.n not in (None, 1):
+            raise bad_request(
+                f"n must be 1 (SpecPipe generates one choice per request), got {self.n}", "n"
+            )
+        for name, allowed in _UNSUPPORTED_UNLESS.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value not in allowed:
+                raise bad_request(f"{name} is not supported by SpecPipe", name)
+        fmt = (self.model_extra or {}).get("response_format")
+        if fmt not in (None, {"type": "text"}):
+            raise bad_request("response_format is not supported by SpecPipe", "response_format")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options needs stream: true", "stream_options")
+        self.stops  # noqa: B018 (validates)
+
+    @property
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if any(not s for s in stops):
+            raise bad_request("stop strings must not be empty", "stop")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def to_request(
+        self, prompt: str | Sequence[int], default_max_tokens: int, default_mode: str
+    ) -> gen.GenerateRequest:
+        """The Generation API's request for this body and prompt (text or token ids).
+        Values are passed on as given: the router validates them like a gRPC request's."""
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        n = getattr(self, name)
+        if n is not None and n <= 0:
+            raise bad_request(f"{name} must be positive, got {n}", name)
+        temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        seed = self.seed
+        if seed is None:  # OpenAI: without a seed, every sampled request differs
+            seed = secrets.randbelow(1 << 31) if temperature > 0 else 0
+        req = gen.GenerateRequest(
+            model=self.model,
+            mode=self.mode or default_mode,
+            max_new_tokens=default_max_tokens if n is None else n,
+            sampling=gen.SamplingOptions(temperature=temperature, top_k=self.top_k or 0, seed=seed),
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+        )
+        if self.top_p is not None:
+            req.sampling.top_p = self.top_p
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+        for name in ("width", "top_k_children", "depth", "prefill_chunk"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(req, name, value)
+        return req
+
+
+class CompletionRequest(_Common):
+    # A text, or token ids; a list of one of either (OpenAI's batches of one).
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def prompt_value(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise bad_request(
+                    f"one prompt per request (SpecPipe does not batch), got {len(p)}", "prompt"
+                )
+            return p[0]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def rendered(self) -> dict[str, str]:
+        """{role, content} for the model's chat template (developer is OpenAI's newer
+        name for system; text parts are joined)."""
+        content = self.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(p.text for p in content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+
+    def rendered_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        return [m.rendered() for m in self.messages]
+
+
+# -- stop strings --------------------------------------------------------------------------
+class StopMatcher:
+    """Cuts streamed text at the first stop string. Text that could be the start of a
+    stop string is held back until the next piece decides; once a stop string has
+    appeared, `stopped` is set and nothing more comes out (the stop string included)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.stopped = False
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        """The text that is safe to emit after this piece."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return buf[: min(hits)]
+        keep = self._partial(buf)
+        self._held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """At the end of the output: what was held back (no stop string came)."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+    def _partial(self, buf: str) -> int:
+        """Length of the longest end of `buf` that begins some stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+# -- one request's events ------------------------------------------------------------------
+class Generation:
+    """The `GenerateResponse` events of one request (from `RouterService.generate`) as
+    OpenAI text: `next()` gives the pieces of text left after stop strings; at the end,
+    the finish reason, usage and speculation stats. A stop string ends the request at
+    once (StopGeneration thrown in: the stages free it, the stats come back). Raises
+    what the events raise (RequestFailed)."""
+
+    def __init__(self, responses: AsyncGenerator[gen.GenerateResponse, None], stops=()) -> None:
+        self._responses = responses
+        self.matcher = StopMatcher(stops)
+        self.request_id = ""
+        self.prompt_tokens = 0
+        self.token_ids: list[int] = []
+        self.finished: gen.Finished | None = None
+        self.finish_reason = ""
+        self._pieces = self._run()
+
+    async def next(self) -> str | None:
+        """The next non-empty piece of text; None once the request has finished."""
+        return await anext(self._pieces, None)
+
+    async def text(self) -> str:
+        """All of the (rest of the) text."""
+        parts = []
+        while (piece := await self.next()) is not None:
+            parts.append(piece)
+        return "".join(parts)
+
+    async def close(self) -> None:
+        """Stop early (the client went away): the router releases the request."""
+        await self._pieces.aclose()
+
+    async def _run(self) -> AsyncIterator[str]:
+        async with contextlib.aclosing(self._responses) as responses:
+            async for resp in responses:
+                kind = resp.WhichOneof("event")
+                if kind == "started":
+                    self.request_id = resp.started.request_id
+                    self.prompt_tokens = resp.started.prompt_tokens
+                    continue
+                if kind == "delta":
+                    self.token_ids.extend(resp.delta.token_ids)
+                    text = self.matcher.push(resp.delta.text)
+                    if self.matcher.stopped:
+                        final = await responses.athrow(StopGeneration())
+                        self._finish(final.finished)
+                elif kind == "finished":
+                    text = self.matcher.push(resp.finished.text) + self.matcher.flush()
+                    self._finish(resp.finished)
+                if text:
+                    yield text
+                if self.finished is not None:
+                    return
+
+    def _finish(self, finished: gen.Finished) -> None:
+        self.finished = finished
+        self.finish_reason = "stop" if self.matcher.stopped else finished.finish_reason
+
+    @property
+    def usage(self) -> dict[str, int]:
+        f = self.finished
+        completion = f.usage.completion_tokens if f else len(self.token_ids)
+        return usage(self.prompt_tokens, completion)
+
+    @property
+    def speculation(self) -> dict[str, Any] | None:
+        return speculation(self.finished.stats) if self.finished else None
+
+
+# -- responses -----------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def speculation(stats: gen.SpeculationStats) -> dict[str, Any]:
+    """`Finished.stats` as JSON (numbers stay numbers, unlike protobuf's JSON mapping of
+    64-bit integers)."""
+    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+
+
+class ResponseShape:
+    """Builds the JSON objects of one chat or text completion (ids, times, model)."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def completion(
+        self,
+        text: str,
+        finish_reason: str,
+        usage: dict[str, int],
+        stats: dict[str, Any],
+        token_ids: list[int] | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        obj = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(obj, [choice], usage=usage, speculation=stats)
+
+    def chunk(
+        self,
+        text: str | None = None,
+        finish_reason: str | None = None,
+        first: bool = False,
+        **extra,
+    ) -> dict[str, Any]:
+        """A streamed piece: `text`, or the last piece of the choice (`finish_reason`)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.chat:
+            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [choice], **extra)
+
+    def usage_chunk(self, usage: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
+        """`stream_options.include_usage`: the extra last chunk, with no choices."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._envelope(obj, [], usage=usage, speculation=stats)
+
+
+def model_card(model_id: str, created: int, max_context: int, **specpipe: Any) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "specpipe",
+        "max_model_len": max_context,
+        "specpipe": specpipe,
+    }

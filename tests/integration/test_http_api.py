@@ -1,0 +1,293 @@
+"""The router's OpenAI-compatible HTTP API, through the official `openai` client, on a
+local multi-process deployment with API keys: chat and text completions, streamed and
+not, the same tokens as the gRPC API, usage and speculation stats, stop strings, every
+error status, and cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from openai import OpenAI
+
+from specpipe.client import Client, Unauthenticated
+
+from .conftest import start, wait_idle
+
+KEY = "sk-specpipe-test"
+OTHER_KEY = "sk-second"
+ENTRY = "import sys; from specpipe.cli import main; sys.exit(main(sys.argv[1:]))"
+SPECULATION = {
+    "mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens",
+    "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms",
+    "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dep(text_model_dir: Path) -> Iterator:
+    """2 stages, the target as its own draft, the HTTP API on, two API keys."""
+    d = start(text_model_dir, "oracle", 2, "tcp", http_port=0, api_keys=[KEY, OTHER_KEY])
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def client(dep, key: str = KEY, timeout: float = 60) -> OpenAI:
+    """The official client (it always sends a key; a deployment without keys ignores it)."""
+    url = f"http://{dep.http_address}/v1"
+    return OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout)
+
+
+def http(dep, path: str, body: dict | None = None, key: str | None = KEY, raw: bytes = b""):
+    """(status, JSON body) of a plain request, for what the openai client cannot send."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = raw or (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(f"http://{dep.http_address}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def streamed(chunks) -> tuple[str, list]:
+    chunks = list(chunks)
+    text = ""
+    for c in chunks:
+        for ch in c.choices:
+            text += (ch.delta.content or "") if hasattr(ch, "delta") else ch.text
+    return text, chunks
+
+
+def test_models_and_health(dep) -> None:
+    with client(dep) as c:
+        (card,) = c.models.list().data
+        assert card.id == dep.target.name and card.owned_by == "specpipe"
+        assert c.models.retrieve(card.id).id == card.id
+        with pytest.raises(openai.NotFoundError):
+            c.models.retrieve("gpt-17")
+    assert http(dep, "/health", key=None) == (200, {"status": "ok", "model": dep.target.name})
+
+
+def test_chat_streamed_equals_not_streamed_equals_grpc(dep) -> None:
+    msg = "Hello, pipeline!"
+    kw = dict(model=dep.target.name, temperature=0, max_tokens=24)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    with client(dep) as c:
+        full = c.chat.completions.create(
+            messages=[{"role": "user", "content": msg}], extra_body=extra, **kw
+        )
+        text, chunks = streamed(
+            c.chat.completions.create(
+                messages=[{"role": "user", "content": [{"type": "text", "text": msg}]}],
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+                **kw,
+            )
+        )
+    with Client(dep.router_address, timeout=60, api_key=KEY) as g:
+        ref = g.generate(msg, chat=True, max_new_tokens=24, ignore_eos=True)
+        prompt_ids = g.tokenize(msg, chat=True)
+    (choice,) = full.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.message.content == text == ref.text
+    assert choice.model_extra["token_ids"] == ref.token_ids
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.usage.prompt_tokens == len(prompt_ids) == ref.prompt_tokens
+    assert full.usage.completion_tokens == 24 and full.usage.total_tokens == len(prompt_ids) + 24
+    spec = full.model_extra["speculation"]
+    assert set(spec) >= SPECULATION and spec["mode"] == "specpipe" and spec["new_tokens"] == 24
+    # Streamed: role first, one finish reason, then the usage chunk without choices.
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 24
+    assert last.usage.prompt_tokens == len(prompt_ids)
+    assert set(last.model_extra["speculation"]) >= SPECULATION
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_text_completion_sampled_with_specpipe_options_equals_grpc(dep) -> None:
+    prompt = "def fib(n):"
+    opts = dict(temperature=0.8, top_p=0.9, seed=7, max_tokens=20)
+    extra = {"mode": "specinfer", "width": 4, "top_k": 20, "ignore_eos": True}
+    with client(dep) as c:
+        full = c.completions.create(model="", prompt=prompt, extra_body=extra, **opts)
+        text, chunks = streamed(
+            c.completions.create(model="", prompt=prompt, stream=True, extra_body=extra, **opts)
+        )
+        # Token ids as the prompt give the same (a list of one prompt too).
+        ids = [ord(ch) - 31 for ch in prompt]
+        by_ids = c.completions.create(model="", prompt=[ids], extra_body=extra, **opts)
+    with Client(dep.router_address, timeout=60, api_key=KEY) as g:
+        ref = g.generate(
+            prompt, mode="specinfer", width=4, max_new_tokens=20, temperature=0.8,
+            top_p=0.9, seed=7, top_k=20, ignore_eos=True,
+        )  # fmt: skip
+    assert full.choices[0].text == text == by_ids.choices[0].text == ref.text
+    assert full.object == "text_completion" and full.usage.completion_tokens == 20
+    assert full.model_extra["speculation"]["mode"] == "specinfer"
+    assert full.model_extra["speculation"]["width"] == 4
+    # Without include_usage the finishing chunk carries usage and the stats.
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].model_extra["speculation"]["new_tokens"] == 20
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(dep) -> None:
+    kw = dict(model="", prompt="Stop here:", temperature=0, extra_body={"ignore_eos": True})
+    with client(dep) as c:
+        whole = c.completions.create(max_tokens=40, **kw).choices[0].text
+        stop = whole[12:14]
+        expected = whole[: whole.find(stop)]
+        cut = c.completions.create(max_tokens=40, stop=[stop, "~never~"], **kw)
+        text, chunks = streamed(c.completions.create(max_tokens=40, stop=stop, stream=True, **kw))
+    assert cut.choices[0].text == text == expected
+    assert cut.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+    # The request ended at the stop string, not after 40 tokens, and was freed everywhere.
+    assert len(expected) <= cut.usage.completion_tokens < 40
+    assert cut.model_extra["speculation"]["new_tokens"] == cut.usage.completion_tokens
+    counts = wait_idle(dep)
+    assert not any(counts.values()), counts
+
+
+BAD = [
+    (dict(n=2), "n must be 1"),
+    (dict(temperature=-1), "temperature must be >= 0"),
+    (dict(max_tokens=0), "max_tokens must be positive"),
+    (dict(max_completion_tokens=10**9), "too large"),
+    (dict(top_p=0), "top_p must be in (0, 1]"),
+    (dict(seed=-2), "seed"),
+    (dict(logprobs=True), "logprobs is not supported"),
+    (dict(presence_penalty=0.5), "presence_penalty is not supported"),
+    (dict(messages=[]), "messages must not be empty"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
+    (dict(messages=[{"role": "user", "content": "x" * 300}]), "context holds 256"),
+    (dict(extra_body={"mode": "beam"}), "unknown mode 'beam'"),
+    (dict(extra_body={"width": 0}), "width must be in"),
+    (dict(stop=""), "stop strings must not be empty"),
+]
+
+
+def test_errors_have_openais_shape_and_status(dep) -> None:
+    base = dict(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    with client(dep) as c:
+        for kwargs, fragment in BAD:
+            with pytest.raises(openai.BadRequestError) as info:
+                c.chat.completions.create(**{**base, **kwargs})
+            assert fragment in info.value.message, (kwargs, info.value.message)
+            assert info.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError, match="one prompt per request"):
+            c.completions.create(model="", prompt=["a", "b"], max_tokens=2)
+        with pytest.raises(openai.NotFoundError) as info:
+            c.chat.completions.create(**{**base, "model": "gpt-17"})
+        assert info.value.body["code"] == "model_not_found"
+        ok = c.chat.completions.create(**base)  # still serving
+        assert ok.usage.completion_tokens >= 1
+    with client(dep, key="sk-wrong") as c:
+        with pytest.raises(openai.AuthenticationError) as info:
+            c.chat.completions.create(**base)
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            c.models.list()
+    for path, body in (("/v1/chat/completions", base), ("/v1/models", None)):
+        status, answer = http(dep, path, body, key=None)  # no Authorization header at all
+        assert status == 401 and answer["error"]["code"] == "missing_api_key", answer
+    with client(dep, key=OTHER_KEY) as c:  # any of the keys
+        assert c.models.list().data
+    status, body = http(dep, "/v1/chat/completions", raw=b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = http(dep, "/v1/nothing")
+    assert status == 404 and body["error"]["code"] == "not_found"
+
+
+def test_grpc_needs_the_key_too_and_the_cli_sends_it(dep) -> None:
+    with Client(dep.router_address, timeout=10) as g, pytest.raises(Unauthenticated):
+        g.generate("hi", max_new_tokens=2)
+    with (
+        Client(dep.router_address, timeout=10, api_key="wrong") as g,
+        pytest.raises(Unauthenticated, match="not valid"),
+    ):
+        g.list_models()
+    cmd = [sys.executable, "-c", ENTRY, "client", "models", "--router", dep.router_address]
+    env = {**os.environ, "SPECPIPE_API_KEY": KEY}  # --api-key's default
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)[0]["id"] == dep.target.name, ok.stderr
+
+
+def test_a_client_that_goes_away_cancels_its_request_everywhere(dep) -> None:
+    n = 230
+    kw = dict(model="", prompt="x", max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    with client(dep) as c:
+        stream = c.completions.create(stream=True, **kw)
+        times = []
+        for _ in stream:
+            times.append(time.monotonic())
+            if len(times) == 6:
+                break
+        stream.close()
+        gone = time.monotonic()
+    counts = wait_idle(dep)
+    idle = time.monotonic() - gone
+    assert not any(counts.values()), counts
+    # Freed well before the rest of the tokens could have been generated.
+    rest = (n - len(times)) * (times[-1] - times[0]) / (len(times) - 1)
+    assert idle < rest / 2, (idle, rest)
+    with client(dep, timeout=0.5) as c, pytest.raises(openai.APITimeoutError):
+        c.completions.create(**kw)  # not streamed: the client gives up mid-way
+    gone = time.monotonic()
+    counts = wait_idle(dep)
+    idle = time.monotonic() - gone
+    assert not any(counts.values()), counts
+    assert idle < rest / 2, (idle, rest)
+
+
+# -- overload and draining, on a deployment of its own ------------------------------------
+# One stage of the 5-layer model in fp64 caches 5 x 2 x 2 heads x 8 dims x 8 bytes =
+# 1280 bytes per row; this budget holds about 300 rows: one long request, not two.
+BUDGET_GIB = 300 * 1280 / (1 << 30)
+
+
+def test_overload_is_429_and_draining_is_503(text_model_dir: Path) -> None:
+    dep = start(text_model_dir, None, 1, "tcp", http_port=0, max_cache_gib=BUDGET_GIB)
+    try:
+        with client(dep, key="unused") as c:
+            long = c.completions.create(
+                model="", prompt="abc", max_tokens=230, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            chunks = iter(long)
+            next(chunks)
+            with pytest.raises(openai.RateLimitError) as info:  # the stage's KV budget
+                c.completions.create(model="", prompt="abc", max_tokens=100, temperature=0)
+            assert "budget" in info.value.message
+            assert info.value.response.headers["retry-after"]
+            os.kill(dep.children["router"].proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while http(dep, "/health", key=None)[0] != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert http(dep, "/health", key=None)[1]["status"] == "draining"
+            with pytest.raises(openai.InternalServerError) as info:
+                c.completions.create(model="", prompt="abc", max_tokens=2)
+            assert info.value.status_code == 503 and "shutting down" in info.value.message
+            rest = list(chunks)  # the open stream still finishes
+            assert rest[-1].choices[0].finish_reason == "length"
+            assert rest[-1].usage.completion_tokens == 230
+    finally:
+        dep.stop()
