@@ -4,10 +4,18 @@ A `StageModel` owns decoder layers ``[start, end)``; the first stage also owns t
 embedding, the last also the final norm and LM head. Attention takes an explicit boolean
 mask over [cached rows + new rows], so the same code runs prefill chunks (causal), tree
 layers (ancestor mask) and plain decoding.
+
+Several requests run in one forward (SpecPipe-DB): their rows are concatenated, so the
+projections and the MLP are one GEMM over all rows, and attention runs per request
+(`Segment`) against that request's own cache and mask. A loop over requests is exact,
+needs no padding and no kernel we do not have on every device; attention is the small
+part of a step at these row counts (see benchmarks/README.md, "Batched forward").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +27,18 @@ from .partition import LayerRange
 
 if TYPE_CHECKING:
     from ..runtime.kv_cache import TreeKVCache
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows within a forward: `rows` of the concatenated batch, written to
+    cache rows [start, start + n); `mask` [n, start + n] says which cache rows each new
+    row attends to."""
+
+    rows: slice
+    cache: TreeKVCache
+    start: int
+    mask: Tensor
 
 
 class RMSNorm(nn.Module):
@@ -67,25 +87,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
-        cache: TreeKVCache,
-        layer: int,
-        start: int,
+        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(n, self.cfg.num_heads, d).transpose(0, 1)
         k = self.k_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
         v = self.v_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = cache.write(layer, start, k, v)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, enable_gqa=True
-        )
-        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+        outs = []
+        for seg in segments:
+            keys, values = seg.cache.write(layer, seg.start, k[:, seg.rows], v[:, seg.rows])
+            out = F.scaled_dot_product_attention(
+                q[None, :, seg.rows], keys[None], values[None], attn_mask=seg.mask, enable_gqa=True
+            )
+            outs.append(out[0])
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -108,16 +125,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
-        cache: TreeKVCache,
-        layer: int,
-        start: int,
+        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, start)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -157,9 +167,17 @@ class StageModel(nn.Module):
 
         `mask` is boolean [n, start + n]: True where a new row may attend to a cache row.
         """
+        seg = Segment(slice(0, hidden.shape[0]), cache, start, mask)
+        return self.forward_batch(hidden, positions, [seg])
+
+    def forward_batch(
+        self, hidden: Tensor, positions: Tensor, segments: Sequence[Segment]
+    ) -> Tensor:
+        """The rows of several requests, concatenated in `hidden` [N, H]; `segments` say
+        which rows are whose (in order, covering all N rows)."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, mask, cache, i, start)
+            hidden = layer(hidden, cos, sin, segments, i)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:

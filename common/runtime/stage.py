@@ -7,15 +7,35 @@ logic. It is safe to call from several threads (one model forward at a time).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from ..model.layers import StageModel
+from ..model.layers import Segment, StageModel
 from ..spec.messages import Activation, Prune
-from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen
+from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import TreeKVCache
+
+# What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
+StageOutput = Activation | None | RequestError
+
+
+@dataclass
+class _Prepared:
+    """One request's rows in a batch, with their reserved cache rows."""
+
+    index: int
+    act: Activation
+    cache: TreeKVCache
+    start: int
+    mask: Tensor
+    is_root: Tensor | None
+
+
+def _split(hidden: Tensor, batch: Sequence[_Prepared]) -> list[Tensor]:
+    return list(hidden.split([len(b.act) for b in batch]))
 
 
 @dataclass(frozen=True)
@@ -124,65 +144,118 @@ class StageRuntime:
             raise NotOpen(f"request {request_id!r} is not open on this stage") from None
 
     # -- the step's phases -------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, act: Activation) -> Activation | None:
-        """Node-wise computation: run the rows through this stage's layers.
+        """Node-wise computation of one request's rows (see `forward_many`)."""
+        (result,) = self.forward_many([act])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-        Returns the activation for the next stage (hidden states), or, on the last stage,
-        logits for every tree node (none for a prefill chunk; only the root's, if any, for
-        a `root_logits_only` request). Nodes that a prune already applied here has dropped
-        are skipped (they arrived late); None if none are left.
+    @torch.inference_mode()
+    def forward_many(self, acts: Sequence[Activation]) -> list[StageOutput]:
+        """Node-wise computation of one step: the rows of several requests in one batched
+        forward (docs/architecture.md, "3. The pipeline step").
+
+        For each activation, in order: the activation for the next stage (hidden states),
+        or, on the last stage, logits for its tree nodes (none for a prefill chunk; only
+        the roots', if any, for a `root_logits_only` request); None when nothing is left
+        (nodes a prune already applied here has dropped arrived late, and are skipped); or
+        the `RequestError` that request failed with, which fails no other request.
         """
+        results: list[StageOutput] = [None] * len(acts)
+        with self._compute_lock:
+            batch: list[_Prepared] = []
+            for i, act in enumerate(acts):
+                try:
+                    prepared = self._prepare(i, act)
+                except RequestError as e:
+                    results[i] = e
+                    continue
+                if prepared is not None:
+                    batch.append(prepared)
+            if not batch:
+                return results
+            try:
+                hidden = self._run(batch)
+            except Exception:
+                for b in batch:
+                    self._rollback(b.cache, b.act, b.start)
+                raise
+        need_logits: list[tuple[int, Activation]] = []  # rows whose hidden states go on
+        for b, rows in zip(batch, _split(hidden, batch), strict=True):
+            out: Activation | None = replace(b.act, tokens=None, hidden=rows, logits=None)
+            if self.is_last:
+                if b.act.committed:
+                    out.hidden = None  # type: ignore[union-attr]
+                else:
+                    if b.is_root is not None:
+                        out = self._hold_later_rows(out, b.is_root)  # type: ignore[arg-type]
+                    if out is not None:
+                        need_logits.append((b.index, out))
+                        continue
+            results[b.index] = out
+        if need_logits:  # one LM head GEMM over every request's rows
+            outs = [out for _, out in need_logits]
+            logits = self.model.logits(torch.cat([o.hidden for o in outs]))  # type: ignore[misc]
+            for (index, out), lg in zip(
+                need_logits, logits.split([len(o) for o in outs]), strict=True
+            ):
+                out.hidden, out.logits = None, lg
+                results[index] = out
+        return results
+
+    def _prepare(self, index: int, act: Activation) -> _Prepared | None:
+        """Check one request's rows and reserve their cache rows; None: nothing to run."""
         cache = self._cache(act.request_id)
         if len(act) == 0:
             return None
-        with self._compute_lock:
-            last_prune = self._last_prune.get(act.request_id)
-            if last_prune is not None:
-                act = last_prune.filter(act)
-                if act is None:
-                    return None
-            is_root = None
-            if act.request_id in self._held and not act.committed:
-                # Rows whose parent is committed (not a cached or new tree row) are roots.
-                tree = torch.cat([cache.tree_ids, act.node_ids])
-                is_root = ~torch.isin(act.parent_ids, tree)
-            if act.committed:
-                start, mask = cache.append_committed(len(act))
-            else:
-                start, mask = cache.append_nodes(act.node_ids, act.parent_ids)
-            try:
-                if self.is_first:
-                    if act.tokens is None:
-                        raise BadInput("the first stage needs token ids")
-                    hidden = self.model.embed(act.tokens.to(self.model.device))
-                else:
-                    if act.hidden is None:
-                        raise BadInput("stages after the first need hidden states")
-                    hidden = act.hidden.to(device=self.model.device, dtype=self.model.dtype)
-                positions = act.positions.to(self.model.device)
-                hidden = self.model(hidden, positions, mask.to(self.model.device), cache, start)
-            except Exception:
-                self._rollback(cache, act, start)
-                raise
-        out = replace(act, tokens=None, hidden=None, logits=None)
-        if not self.is_last:
-            out.hidden = hidden
-        elif not act.committed:
-            if is_root is not None:
-                return self._roots_now(out, hidden, is_root)
-            out.logits = self.model.logits(hidden)
-        return out
+        last_prune = self._last_prune.get(act.request_id)
+        if last_prune is not None:
+            act = last_prune.filter(act)
+            if act is None:
+                return None
+        if self.is_first and act.tokens is None:
+            raise BadInput("the first stage needs token ids")
+        if not self.is_first and act.hidden is None:
+            raise BadInput("stages after the first need hidden states")
+        is_root = None
+        if act.request_id in self._held and not act.committed:
+            # Rows whose parent is committed (not a cached or new tree row) are roots.
+            tree = torch.cat([cache.tree_ids, act.node_ids])
+            is_root = ~torch.isin(act.parent_ids, tree)
+        if act.committed:
+            start, mask = cache.append_committed(len(act))
+        else:
+            start, mask = cache.append_nodes(act.node_ids, act.parent_ids)
+        return _Prepared(index, act, cache, start, mask, is_root)
 
-    def _roots_now(self, out: Activation, hidden: Tensor, is_root: Tensor) -> Activation | None:
-        """`root_logits_only`: logits of the root rows; hold the other rows' hidden states."""
-        out.hidden = hidden
+    def _run(self, batch: Sequence[_Prepared]) -> Tensor:
+        """One forward over the concatenated rows of `batch`."""
+        device = self.model.device
+        if self.is_first:
+            tokens = torch.cat([b.act.tokens for b in batch])  # type: ignore[misc]
+            hidden = self.model.embed(tokens.to(device))
+        else:
+            parts = [b.act.hidden.to(device=device, dtype=self.model.dtype) for b in batch]  # type: ignore[union-attr]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        positions = torch.cat([b.act.positions for b in batch]).to(device)
+        segments, row = [], 0
+        for b in batch:
+            n = len(b.act)
+            segments.append(Segment(slice(row, row + n), b.cache, b.start, b.mask.to(device)))
+            row += n
+        return self.model.forward_batch(hidden, positions, segments)
+
+    def _hold_later_rows(self, out: Activation, is_root: Tensor) -> Activation | None:
+        """`root_logits_only`: keep the root rows (their logits go out now); hold the other
+        rows' final hidden states until a prune makes one of them the root."""
         later = (~is_root).nonzero().squeeze(1)
         if later.numel():
             held = self._held[out.request_id]
             new = out.select(later)
             self._held[out.request_id] = new if held is None else _concat(held, new)
-        return self._logits_of(out, is_root.nonzero().squeeze(1))
+        roots = is_root.nonzero().squeeze(1)
+        return out.select(roots) if roots.numel() else None
 
     def _logits_of(self, rows: Activation, idx: Tensor) -> Activation | None:
         """`rows` (holding final hidden states) restricted to `idx`, with their logits."""
