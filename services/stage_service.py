@@ -2,11 +2,13 @@
 
 Per request the stage keeps a `RequestOrder` (common/runtime/ordering.py): activations
 wait there until it is their turn and the prunes they were created after are applied;
-prunes are applied in their own order as soon as they arrive. The stage computes as soon
-as an activation is ready (no global barrier) and sends the output to the request's next
-hop; the last stage sends logits to the router (for specpipe/pp only the root's, possibly
-once a prune makes a computed row the root). Everything else is the runtime's
-`StageRuntime`.
+prunes are applied in their own order as soon as they arrive. One compute loop serves
+every request (SpecPipe-DB): each round it takes whatever is ready, across all requests,
+applies the prunes and runs every ready activation in one batched forward
+(`StageRuntime.forward_many`), then sends each output to its request's next hop; the
+last stage sends logits to the router (for specpipe/pp only the root's, possibly once a
+prune makes a computed row the root). Requests join and leave between rounds; a request
+that fails fails alone. Everything else is the runtime's `StageRuntime`.
 """
 
 from __future__ import annotations
@@ -45,9 +47,20 @@ class _Request:
     next_hop: str
     report_to: str
     order: RequestOrder = field(default_factory=RequestOrder)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task | None = None
-    closed: bool = False
+    closed: bool = False  # released, or failed here: takes no more work
+
+
+@dataclass
+class _Work:
+    """What one round does for one request: prunes to apply, then activations to run."""
+
+    st: _Request
+    prunes: list[tuple[int, Prune]]
+    turns: list[tuple[int, Pending]]
+    root_seq: int  # seq to send a root released by a prune under
+    released: list[Activation] = field(default_factory=list)  # roots the prunes released
+    outputs: list[Activation | None] = field(default_factory=list)  # one per turn
+    error: RequestError | None = None
 
 
 class StageService(stage_pb2_grpc.StageServicer):
@@ -67,6 +80,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._requests: dict[str, _Request] = {}
         self.draining = False
         self._background: set[asyncio.Task] = set()
+        self._wake = asyncio.Event()  # new work for the compute loop
+        self._loop_task: asyncio.Task | None = None
         # One model forward at a time, off the event loop (gRPC stays responsive).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self.transport: Transport = make_transport(
@@ -81,6 +96,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     # -- process lifecycle ---------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
+        self._loop_task = asyncio.create_task(self._compute_loop(), name="stage-compute")
         await self.transport.start(data_port)
         port = await self.server.start(host, port)
         await self.server.set_serving(self.model is not None)
@@ -98,6 +114,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         await self.server.stop()
         for rid in list(self._requests):
             self._drop(rid)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
         await self.transport.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -189,9 +207,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             self.runtime.open(rid, int(request.capacity), request.root_logits_only)
         except RequestError as e:
             await context.abort(status_code(e), f"{self.name}: {e}")
-        st = _Request(rid, request.next_hop, request.report_to)
-        st.task = asyncio.create_task(self._run(st), name=f"stage-{rid}")
-        self._requests[rid] = st
+        self._requests[rid] = _Request(rid, request.next_hop, request.report_to)
         return stage_pb2.OpenStageResponse()
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
@@ -218,7 +234,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
         except DuplicatePrune as e:
             await context.abort(status_code(e), str(e))
-        st.wake.set()
+        self._wake.set()
         return pb.PruneResponse()
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
@@ -249,54 +265,96 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:
         st.order.add_activation(seq, item)
-        st.wake.set()
+        self._wake.set()
 
-    async def _run(self, st: _Request) -> None:
-        """Do what the request's order says: apply prunes, compute activations, send."""
+    # -- the compute loop ------------------------------------------------------------------
+    async def _compute_loop(self) -> None:
+        """Each round: collect every request's ready work, run it on the compute thread as
+        one batch, send the outputs; sleep while nothing is ready."""
         loop = asyncio.get_running_loop()
-        order = st.order
-        try:
-            while not st.closed:
-                while (ready := order.next_prune()) is not None:
-                    prune_seq, prune = ready
-                    root = await loop.run_in_executor(
-                        self._executor, self._prune, st.request_id, prune
-                    )
-                    order.prune_applied(prune_seq)
+        while True:
+            work = self._collect()
+            if not work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await loop.run_in_executor(self._executor, self._compute, work)
+            except Exception as e:  # the batched forward itself failed: every request in it
+                log.exception("%s: a batched forward of %d requests failed", self.name, len(work))
+                for w in work:
+                    self._fail(w.st, f"{self.name} failed: {e}")
+                continue
+            await asyncio.gather(*(self._deliver(w) for w in work))
+
+    def _collect(self) -> list[_Work]:
+        """Every request's prunes that can be applied and activations whose turn it is."""
+        work = []
+        for st in self._requests.values():
+            if st.closed:
+                continue
+            order, prunes, turns = st.order, [], []
+            root_seq = order.next_seq
+            while (ready := order.next_prune()) is not None:
+                prunes.append(ready)
+                order.prune_applied(ready[0])
+            while (turn := order.next_activation()) is not None:
+                turns.append(turn)
+            if prunes or turns:
+                work.append(_Work(st, prunes, turns, root_seq))
+        return work
+
+    def _compute(self, work: list[_Work]) -> None:
+        """On the compute thread: the round's prunes, then one forward over every ready
+        activation; outputs made ready to send."""
+        runtime = self.runtime
+        for w in work:
+            try:
+                for _, prune in w.prunes:
+                    root = runtime.prune(w.st.request_id, prune)
                     if root is not None:  # last stage: a held row became the root
-                        await self._send(st, order.next_seq, order.applied, root)
-                turn = order.next_activation()
-                if turn is None:
-                    st.wake.clear()
-                    await st.wake.wait()
-                    continue
-                seq, item = turn
-                out = None
+                        w.released.append(self._for_wire(root))
+            except RequestError as e:
+                w.error = e
+        batch = [(w, i) for w in work if w.error is None for i, (_, p) in enumerate(w.turns)]
+        acts = [w.turns[i][1].act for w, i in batch if not w.turns[i][1].empty]
+        results = iter(runtime.forward_many(acts))
+        for w in work:
+            w.outputs = [None] * len(w.turns)
+        for w, i in batch:
+            if w.turns[i][1].empty:
+                continue
+            out = next(results)
+            if isinstance(out, RequestError):
+                w.error = w.error or out
+            else:
+                w.outputs[i] = self._for_wire(out)
+
+    async def _deliver(self, w: _Work) -> None:
+        st = w.st
+        if st.closed:
+            return
+        if w.error is not None:
+            self._fail(st, f"{self.name} failed: {w.error}")
+            return
+        try:
+            for root in w.released:
+                await self._send(st, w.root_seq, st.order.applied, root)
+            for (seq, item), out in zip(w.turns, w.outputs, strict=True):
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug(
-                        "%s seq %d after prune %d/%d: nodes %s",
-                        st.request_id, seq, item.after_prune, order.applied, item.act.node_ids.tolist(),
+                        "%s seq %d after prune %d: nodes %s",
+                        st.request_id, seq, item.after_prune, item.act.node_ids.tolist(),
                     )  # fmt: skip
-                if not item.empty:
-                    out = await loop.run_in_executor(self._executor, self._compute, item.act)
-                if st.closed:
-                    return
                 await self._send(st, seq, item.after_prune, out)
-        except asyncio.CancelledError:
-            raise
         except TransportError as e:
-            self._report(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
-        except (RequestError, FrameError, RuntimeError, ValueError) as e:
-            log.exception("request %s failed", st.request_id)
-            self._report(st, f"{self.name} failed: {e}")
+            self._fail(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
 
-    def _compute(self, act: Activation) -> Activation | None:
-        """The forward, on the compute thread, with its output made ready to send."""
-        return self._for_wire(self.runtime.forward(act))
-
-    def _prune(self, request_id: str, prune: Prune) -> Activation | None:
-        """The prune, on the compute thread; logits it releases are made ready to send."""
-        return self._for_wire(self.runtime.prune(request_id, prune))
+    def _fail(self, st: _Request, message: str, unavailable: bool = False) -> None:
+        """This request takes no more work here; the router hears why (and releases it)."""
+        st.closed = True
+        log.warning("request %s failed: %s", st.request_id, message)
+        self._report(st, message, unavailable)
 
     def _for_wire(self, out: Activation | None) -> Activation | None:
         """Put device outputs where the transport sends from, still on the compute thread
@@ -349,8 +407,6 @@ class StageService(stage_pb2_grpc.StageServicer):
         st = self._requests.pop(rid, None)
         if st is not None:
             st.closed = True
-            if st.task is not None:
-                st.task.cancel()
         released = self.model is not None and self.runtime.release(rid)
         return st is not None or released
 
