@@ -2,7 +2,9 @@
 
 The router calls it in order for each request (it awaits each call of a request before
 the next), so the service adds no ordering of its own: it runs each call's forward on
-its one compute thread and answers.
+its one compute thread and answers. `Propose` calls of different requests that wait
+while a forward runs are answered together by the next batched forward
+(`DraftRuntime.propose_many`, SpecPipe-DB).
 """
 
 from __future__ import annotations
@@ -10,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
+from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import RequestError
 from specpipe.common.runtime.loader import load_draft, parse_dtype
+from specpipe.common.spec.messages import Candidates, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
@@ -27,6 +32,17 @@ from .status import status_code
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Draft"
+
+
+@dataclass
+class _Ask:
+    """One Propose call waiting for the next batch."""
+
+    prunes: list[Prune]
+    proposal: Proposal
+    answer: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class DraftService(draft_pb2_grpc.DraftServicer):
@@ -42,11 +58,15 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        self._asks: list[_Ask] = []  # Propose calls waiting for the next batch
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
         self.draining = False
         self.server = Server([SERVICE_NAME])
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._loop_task = asyncio.create_task(self._propose_loop(), name="draft-propose")
         port = await self.server.start(host, port)
         await self.server.set_serving(True)
         return port
@@ -60,6 +80,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def stop(self) -> None:
         await self.server.stop()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, context, fn, *args):
@@ -126,16 +148,57 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             layer = token_activation(request.request_id, request.rows, request.token_ids)
         except FrameError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        for sig in request.prunes:
-            await self._call(context, self.runtime.prune, request.request_id, prune_from_proto(sig))
-        cand = await self._call(
-            context, self.runtime.propose, layer, int(request.top_k), float(request.temperature)
-        )
+        prunes = [prune_from_proto(sig) for sig in request.prunes]
+        ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
+        self._asks.append(ask)
+        self._wake.set()
+        try:
+            cand = await ask.answer
+        except (RequestError, ValueError) as e:
+            await context.abort(status_code(e), f"draft: {e}")
         return draft_pb2.ProposeResponse(
             parent_ids=cand.parent_ids.tolist(),
             token_ids=cand.tokens.tolist(),
             probs=cand.probs.tolist(),
         )
+
+    async def _propose_loop(self) -> None:
+        """Answer every waiting Propose with one batched forward, then the next batch."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._asks:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            asks, self._asks = self._asks, []
+            try:
+                results = await loop.run_in_executor(self._executor, self._propose, asks)
+            except Exception as e:  # the batched forward itself failed
+                log.exception("draft: a batched forward of %d requests failed", len(asks))
+                results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)
+            for ask, result in zip(asks, results, strict=True):
+                if ask.answer.done():  # the caller went away
+                    continue
+                if isinstance(result, Exception):
+                    ask.answer.set_exception(result)
+                else:
+                    ask.answer.set_result(result)
+
+    def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError]:
+        """On the compute thread: each request's prunes, then one forward for all."""
+        results: list[Candidates | RequestError | None] = [None] * len(asks)
+        for i, ask in enumerate(asks):
+            try:
+                for prune in ask.prunes:
+                    self.runtime.prune(ask.proposal.layer.request_id, prune)
+            except RequestError as e:
+                results[i] = e
+        todo = [i for i, r in enumerate(results) if r is None]
+        for i, r in zip(
+            todo, self.runtime.propose_many([asks[i].proposal for i in todo]), strict=True
+        ):
+            results[i] = r
+        return results  # type: ignore[return-value]
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         await self._call(

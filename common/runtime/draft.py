@@ -3,9 +3,13 @@
 It keeps its own tree-aware KV cache per request (the same `StageRuntime` as a target
 stage, holding every layer), so each step it only runs the newest tree layer. The router
 owns the tree: the draft returns top-k candidates per node, the router keeps the best `w`.
+The layers of several requests grow in one batched forward (`propose_many`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -13,7 +17,29 @@ from torch import Tensor
 from ..model.layers import StageModel
 from ..spec.messages import Activation, Candidates, Prune
 from ..spec.sampling import draft_probs
+from .errors import RequestError
 from .stage import StageRuntime
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One request's ask: expand `layer`, `top_k` children per node."""
+
+    layer: Activation
+    top_k: int
+    temperature: float = 0.0
+
+
+def _top_children(out: Activation, top_k: int, temperature: float) -> Candidates:
+    assert out.logits is not None
+    probs = draft_probs(out.logits, temperature)
+    k = min(top_k, probs.shape[-1])
+    top = torch.topk(probs, k, dim=-1)
+    return Candidates(  # on the CPU, like the router's tree, whatever the model's device
+        parent_ids=out.node_ids.repeat_interleave(k),
+        tokens=top.indices.reshape(-1).cpu(),
+        probs=top.values.reshape(-1).cpu(),
+    )
 
 
 class DraftRuntime:
@@ -45,20 +71,26 @@ class DraftRuntime:
 
     def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates:
         """Run the nodes of a tree layer; return their top-k children each."""
-        if len(layer) == 0 or top_k <= 0:
-            return Candidates.empty()
-        out = self.runtime.forward(layer)
-        if out is None:  # every node was pruned before it got here
-            return Candidates.empty()
-        assert out.logits is not None
-        probs = draft_probs(out.logits, temperature)
-        k = min(top_k, probs.shape[-1])
-        top = torch.topk(probs, k, dim=-1)
-        return Candidates(  # on the CPU, like the router's tree, whatever the model's device
-            parent_ids=out.node_ids.repeat_interleave(k),
-            tokens=top.indices.reshape(-1).cpu(),
-            probs=top.values.reshape(-1).cpu(),
-        )
+        (result,) = self.propose_many([Proposal(layer, top_k, temperature)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def propose_many(self, asks: Sequence[Proposal]) -> list[Candidates | RequestError]:
+        """The next layer of several requests in one batched forward; a request whose
+        rows are bad gets its error, the others their candidates."""
+        live = [a for a in asks if len(a.layer) and a.top_k > 0]
+        outs = iter(self.runtime.forward_many([a.layer for a in live]))
+        results: list[Candidates | RequestError] = []
+        for ask in asks:
+            out = next(outs) if len(ask.layer) and ask.top_k > 0 else None
+            if isinstance(out, RequestError):
+                results.append(out)
+            elif out is None:  # nothing asked, or every node was pruned before it got here
+                results.append(Candidates.empty())
+            else:
+                results.append(_top_children(out, ask.top_k, ask.temperature))
+        return results
 
     def prune(self, request_id: str, prune: Prune) -> None:
         self.runtime.prune(request_id, prune)
