@@ -1,10 +1,13 @@
 """The in-process executor: every stage (and the draft) stepped in lockstep.
 
 One executor of the request controller (docs/architecture.md, "5. The request controller
-and its executors"): it carries out the controller's commands on a `Pipeline` and a
-`Draft` in this process and steps the pipeline one step at a time, so the step counts are
-real, and it records which rows every stage computed at every step (the trace that cost
-projections and benchmarks use). Tests use it as the reference the services must match.
+and its executors"): it carries out the controllers' commands on a `Pipeline` and a
+`Draft` in this process and steps the pipeline one step at a time for every active
+request together (SpecPipe-DB: each stage runs all requests' rows in one batched
+forward). Requests join and leave at step boundaries. Step counts are real, and it
+records which rows every stage computed at every step, per request and in total (the
+traces that cost projections and benchmarks use). Tests use it as the reference the
+services must match; `Generation` is one request on an engine of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,12 +31,180 @@ from ..spec.commands import (
     Propose,
 )
 from ..spec.controller import Controller, make_controller
-from ..spec.messages import Prune
+from ..spec.messages import Activation, Prune
 from ..spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
 from ..spec.stats import DecodeStats
 from .pipeline import Draft, Pipeline
 
 _request_counter = itertools.count()
+
+
+@dataclass
+class Run:
+    """One request on the engine: its controller and the commands in flight."""
+
+    controller: Controller
+    cmds: deque[Command] = field(default_factory=deque)
+    feeds: deque[Feed] = field(default_factory=deque)
+    prunes: list[Prune] = field(default_factory=list)
+    draft_rows: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    step: int | None = None  # this request's next step in its own accounting
+    emitted: list[int] = field(default_factory=list)  # tokens not yet taken by the caller
+    done: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.controller.request_id
+
+    @property
+    def stats(self) -> DecodeStats:
+        return self.controller.stats
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.controller.tokens
+
+
+def new_controller(
+    pipeline: Pipeline,
+    prompt_ids: Sequence[int],
+    mode: Mode | str,
+    opts: DecodeOptions,
+    request_id: str | None = None,
+) -> Controller:
+    """The controller of a request on `pipeline`, its prompt checked first."""
+    check_prompt_ids(prompt_ids, pipeline.vocab_size)
+    check_context(len(prompt_ids), opts.max_new_tokens, pipeline.max_context)
+    rid = request_id or f"req-{next(_request_counter)}"
+    return make_controller(mode, rid, prompt_ids, opts, pipeline.num_stages)
+
+
+class LockstepEngine:
+    def __init__(self, pipeline: Pipeline, draft: Draft | None) -> None:
+        self.pipeline, self.draft = pipeline, draft
+        self.runs: dict[str, Run] = {}
+        self.steps = 0
+        # per engine step: rows each stage computed over all requests, then the draft's
+        self.trace: list[list[int]] = []
+
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        mode: Mode | str,
+        opts: DecodeOptions,
+        request_id: str | None = None,
+    ) -> Run:
+        """A new request; it joins at the next step."""
+        return self.add_controller(
+            new_controller(self.pipeline, prompt_ids, mode, opts, request_id)
+        )
+
+    def add_controller(self, ctrl: Controller) -> Run:
+        if ctrl.uses_draft and self.draft is None:
+            raise ValueError(f"mode {ctrl.mode} needs a draft")
+        self.pipeline.open(ctrl.request_id, ctrl.capacity)
+        run = Run(ctrl, deque(ctrl.start()))
+        self.runs[ctrl.request_id] = run
+        return run
+
+    def release(self, run: Run) -> None:
+        if self.runs.pop(run.request_id, None) is None:
+            return
+        run.done = True
+        self.pipeline.release(run.request_id)
+        if self.draft is not None and run.controller.uses_draft:
+            self.draft.release(run.request_id)
+
+    def run_all(self) -> None:
+        while self.runs:
+            self.step()
+
+    # -- one step ----------------------------------------------------------------------
+    def step(self) -> None:
+        """Carry out every request's commands, then one pipeline step for all of them."""
+        for run in list(self.runs.values()):
+            self._execute(run)
+        active = list(self.runs.values())
+        if not active:
+            return
+        inputs = {run.request_id: (run.prunes, self._entering(run)) for run in active}
+        results = self.pipeline.step_many(inputs)
+        total = [0] * (self.pipeline.num_stages + 1)
+        for run in active:
+            result = results[run.request_id]
+            assert run.step is not None
+            row = [*result.nodes_per_stage, run.draft_rows.pop(run.step, 0)]
+            run.stats.trace.append(row)
+            total = [a + b for a, b in zip(total, row, strict=True)]
+            run.prunes = []
+            run.step += 1
+            last = result.last
+            if last is not None and last.logits is not None:
+                cmds = run.controller.on_logits(last)
+                if not any(isinstance(c, Emit) for c in cmds):
+                    raise RuntimeError(
+                        "pipeline desynchronized: the last stage did not compute the root"
+                    )
+                run.cmds.extend(cmds)
+        self.trace.append(total)
+        self.steps += 1
+
+    def _execute(self, run: Run) -> None:
+        ctrl = run.controller
+        while run.cmds and not run.done:
+            cmd = run.cmds.popleft()
+            if isinstance(cmd, Emit):
+                run.emitted.extend(cmd.tokens)
+            elif isinstance(cmd, Finish):
+                self.release(run)
+                if cmd.error:
+                    raise RuntimeError(f"request {run.request_id} failed: {cmd.error}")
+            elif isinstance(cmd, Feed):
+                run.feeds.append(cmd)
+            elif isinstance(cmd, BroadcastPrune):
+                run.prunes.append(cmd.prune)
+            elif isinstance(cmd, Propose):
+                if cmd.step is not None:
+                    run.draft_rows[cmd.step] += len(cmd.layer)
+                assert self.draft is not None
+                cand = self.draft.propose(cmd.layer, cmd.top_k, cmd.temperature)
+                run.cmds.extend(ctrl.on_candidates(cmd.ticket, cand))
+            else:
+                self._draft_command(run.request_id, cmd)
+
+    def _entering(self, run: Run) -> Activation | None:
+        """The rows entering stage 1 this step for `run` (the controller's accounting is
+        the real step, unless it counts another pipeline depth: autoregressive)."""
+        if run.step is None:
+            run.step = run.feeds[0].step if run.feeds else 0
+        feeds = run.feeds
+        if feeds and feeds[0].step <= run.step:
+            feed = feeds.popleft()
+            if run.controller.num_stages == self.pipeline.num_stages and feed.step != run.step:
+                raise RuntimeError(
+                    f"step accounting: feed {feed.seq} entered at step {run.step}, "
+                    f"the controller counted {feed.step}"
+                )
+            return feed.act
+        if not feeds and not self.pipeline.in_flight(run.request_id):
+            raise RuntimeError("pipeline desynchronized: nothing to compute, nothing emitted")
+        return None
+
+    def _draft_command(self, rid: str, cmd: Command) -> None:
+        draft = self.draft
+        assert draft is not None
+        if isinstance(cmd, DraftOpen):
+            draft.open(rid, cmd.capacity)
+            if len(cmd.prompt) > 1:
+                prompt = torch.tensor(cmd.prompt[:-1], dtype=torch.int64)
+                draft.prefill(rid, prompt, 0, cmd.prefill_chunk)
+        elif isinstance(cmd, DraftPrune):
+            draft.prune(rid, cmd.prune)
+        elif isinstance(cmd, DraftPrefill):
+            tokens = torch.tensor(cmd.tokens, dtype=torch.int64)
+            draft.prefill(rid, tokens, cmd.start_position, cmd.prefill_chunk)
+        else:
+            raise TypeError(f"unknown command {cmd!r}")
 
 
 class Generation:
@@ -47,17 +219,11 @@ class Generation:
         opts: DecodeOptions,
         request_id: str | None = None,
     ) -> None:
-        self.mode = Mode(mode)
-        check_prompt_ids(prompt_ids, pipeline.vocab_size)
-        check_context(len(prompt_ids), opts.max_new_tokens, pipeline.max_context)
-        self.pipeline, self.opts = pipeline, opts
-        self.request_id = request_id or f"req-{next(_request_counter)}"
-        self.controller: Controller = make_controller(
-            self.mode, self.request_id, prompt_ids, opts, pipeline.num_stages
-        )
+        self.controller = new_controller(pipeline, prompt_ids, mode, opts, request_id)
+        self.mode, self.request_id = self.controller.mode, self.controller.request_id
         if self.controller.uses_draft and draft is None:
             raise ValueError(f"mode {self.mode} needs a draft")
-        self.draft = draft if self.controller.uses_draft else None
+        self.pipeline, self.draft = pipeline, draft if self.controller.uses_draft else None
 
     @property
     def stats(self) -> DecodeStats:
@@ -73,86 +239,15 @@ class Generation:
         return self.output
 
     def __iter__(self) -> Iterator[int]:
-        ctrl = self.controller
-        self.pipeline.open(self.request_id, ctrl.capacity)
+        engine = LockstepEngine(self.pipeline, self.draft)
+        run = engine.add_controller(self.controller)
         try:
-            yield from self._execute()
-        finally:
-            self.pipeline.release(self.request_id)
-            if self.draft is not None:
-                self.draft.release(self.request_id)
-
-    # -- the executor ----------------------------------------------------------------------
-    def _execute(self) -> Iterator[int]:
-        ctrl = self.controller
-        # The accounting's steps are the real ones unless the controller counts another
-        # pipeline depth (autoregressive: one stage, whatever pipeline runs it).
-        exact = ctrl.num_stages == self.pipeline.num_stages
-        cmds: deque[Command] = deque(ctrl.start())
-        feeds: deque[Feed] = deque()
-        prunes: list[Prune] = []
-        draft_rows: dict[int, int] = defaultdict(int)
-        step: int | None = None
-        while True:
-            while cmds:
-                cmd = cmds.popleft()
-                if isinstance(cmd, Emit):
-                    yield from cmd.tokens
-                elif isinstance(cmd, Finish):
-                    if cmd.error:
-                        raise RuntimeError(f"request {self.request_id} failed: {cmd.error}")
+            while True:
+                engine._execute(run)
+                yield from run.emitted
+                run.emitted.clear()
+                if run.done:
                     return
-                elif isinstance(cmd, Feed):
-                    feeds.append(cmd)
-                elif isinstance(cmd, BroadcastPrune):
-                    prunes.append(cmd.prune)
-                elif isinstance(cmd, Propose):
-                    if cmd.step is not None:
-                        draft_rows[cmd.step] += len(cmd.layer)
-                    cmds.extend(ctrl.on_candidates(cmd.ticket, self._propose(cmd)))
-                else:
-                    self._draft_command(cmd)
-            if step is None:
-                step = feeds[0].step if feeds else 0
-            entering = None
-            if feeds and feeds[0].step <= step:
-                feed = feeds.popleft()
-                if exact and feed.step != step:
-                    raise RuntimeError(
-                        f"step accounting: feed {feed.seq} entered at step {step}, "
-                        f"the controller counted {feed.step}"
-                    )
-                entering = feed.act
-            elif not feeds and not self.pipeline.in_flight(self.request_id):
-                raise RuntimeError("pipeline desynchronized: nothing to compute, nothing emitted")
-            result = self.pipeline.step(self.request_id, prunes, entering)
-            prunes = []
-            self.stats.trace.append([*result.nodes_per_stage, draft_rows.pop(step, 0)])
-            step += 1
-            last = result.last
-            if last is not None and last.logits is not None:
-                cmds.extend(ctrl.on_logits(last))
-                if not any(isinstance(c, Emit) for c in cmds):
-                    raise RuntimeError(
-                        "pipeline desynchronized: the last stage did not compute the root"
-                    )
-
-    def _propose(self, cmd: Propose):
-        assert self.draft is not None
-        return self.draft.propose(cmd.layer, cmd.top_k, cmd.temperature)
-
-    def _draft_command(self, cmd: Command) -> None:
-        draft, rid = self.draft, self.request_id
-        assert draft is not None
-        if isinstance(cmd, DraftOpen):
-            draft.open(rid, cmd.capacity)
-            if len(cmd.prompt) > 1:
-                prompt = torch.tensor(cmd.prompt[:-1], dtype=torch.int64)
-                draft.prefill(rid, prompt, 0, cmd.prefill_chunk)
-        elif isinstance(cmd, DraftPrune):
-            draft.prune(rid, cmd.prune)
-        elif isinstance(cmd, DraftPrefill):
-            tokens = torch.tensor(cmd.tokens, dtype=torch.int64)
-            draft.prefill(rid, tokens, cmd.start_position, cmd.prefill_chunk)
-        else:
-            raise TypeError(f"unknown command {cmd!r}")
+                engine.step()
+        finally:
+            engine.release(run)

@@ -11,7 +11,7 @@ for its tree nodes) comes back to the router.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,9 +45,11 @@ class Pipeline(Protocol):
         """Whether rows of the request are between stages (a later step computes them)."""
         ...
 
-    def step(
-        self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
-    ) -> StepResult: ...
+    def step_many(
+        self, inputs: Mapping[str, tuple[Sequence[Prune], Activation | None]]
+    ) -> dict[str, StepResult]:
+        """One step of every request in `inputs` (prunes to apply, rows entering stage 1)."""
+        ...
 
 
 class Draft(Protocol):
@@ -111,18 +113,37 @@ class LocalPipeline:
     def step(
         self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
     ) -> StepResult:
-        in_flight = self._in_flight[request_id]
-        for prune in prunes:
-            for s in self.stages:
-                s.prune(request_id, prune)
-            in_flight = [prune.filter(a) for a in in_flight]
-        inputs = [entering, *in_flight]
-        outputs = [
-            s.forward(a) if a is not None else None
-            for s, a in zip(self.stages, inputs, strict=True)
-        ]
-        self._in_flight[request_id] = outputs[:-1]
-        return StepResult(last=outputs[-1], nodes_per_stage=[len(a) if a else 0 for a in inputs])
+        return self.step_many({request_id: (prunes, entering)})[request_id]
+
+    def step_many(
+        self, inputs: Mapping[str, tuple[Sequence[Prune], Activation | None]]
+    ) -> dict[str, StepResult]:
+        """One step for several requests: their prunes, then every stage runs the rows of
+        all of them in one batched forward (SpecPipe-DB)."""
+        flight: dict[str, list[Activation | None]] = {}
+        for rid, (prunes, entering) in inputs.items():
+            held = self._in_flight[rid]
+            for prune in prunes:
+                for s in self.stages:
+                    s.prune(rid, prune)
+                held = [prune.filter(a) for a in held]
+            flight[rid] = [entering, *held]  # the input of every stage this step
+        outputs: dict[str, list[Activation | None]] = {rid: [] for rid in inputs}
+        for k, stage in enumerate(self.stages):
+            rids = [rid for rid in inputs if flight[rid][k] is not None]
+            results = stage.forward_many([flight[rid][k] for rid in rids])  # type: ignore[misc]
+            done = dict(zip(rids, results, strict=True))
+            for rid in inputs:
+                out = done.get(rid)
+                if isinstance(out, Exception):
+                    raise out
+                outputs[rid].append(out)
+        result = {}
+        for rid in inputs:
+            self._in_flight[rid] = outputs[rid][:-1]
+            rows = [len(a) if a is not None else 0 for a in flight[rid]]
+            result[rid] = StepResult(last=outputs[rid][-1], nodes_per_stage=rows)
+        return result
 
 
 __all__ = ["Draft", "LocalPipeline", "Pipeline", "StepResult"]

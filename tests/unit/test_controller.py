@@ -102,6 +102,9 @@ class RulePipeline:
     def in_flight(self, request_id: str) -> bool:
         return any(a is not None for a in self.flight[request_id][:-1])
 
+    def step_many(self, inputs) -> dict[str, StepResult]:
+        return {rid: self.step(rid, *args) for rid, args in inputs.items()}
+
     def step(self, request_id, prunes, entering) -> StepResult:
         req, flight = self.requests[request_id], self.flight[request_id]
         for p in prunes:
