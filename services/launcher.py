@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +73,7 @@ class ServicesDeployment:
         max_cache_gib: float | None = None,
         http_port: int | None = None,
         api_keys: Sequence[str] = (),
+        scheduling: Mapping[str, object] | None = None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -102,6 +103,8 @@ class ServicesDeployment:
         self.max_cache_gib = max_cache_gib  # per stage; None: the service default
         self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
         self.api_keys = list(api_keys)
+        # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
+        self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
         self.children: dict[str, Child] = {}
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
@@ -154,6 +157,7 @@ class ServicesDeployment:
                     "--transport", self.transport,
                     "--dtype", self.dtype,
                     *self._cache_args(),
+                    *(["--measure-costs"] if self.scheduling.get("row_budget") == "auto" else []),
                     *common,
                 ],
             )  # fmt: skip
@@ -168,6 +172,7 @@ class ServicesDeployment:
             "--host", self.host,
             *drain,
             *self._router_api_args(),
+            *(a for k, v in self.scheduling.items() for a in (f"--{k.replace('_', '-')}", str(v))),
         ]  # fmt: skip
         if self.draft is not None:
             port = free_port(self.host)

@@ -85,6 +85,12 @@ async def run_stage(args) -> None:
             device=args.device,
             max_cache_bytes=_gib(args.max_cache_gib),
         )
+    if model is not None and args.measure_costs:
+        from specpipe.common.perf.cost_model import BUDGET_ROWS, measure_runtime, row_budget
+
+        curve = measure_runtime(model.runtime, BUDGET_ROWS, context=128, repeats=2)
+        model.row_budget = row_budget(curve)
+        log.info("cost per row count %s: row budget %d", curve.to_dict(), model.row_budget)
     svc = StageService(
         model,
         transport_kind=args.transport,
@@ -117,6 +123,14 @@ async def run_draft(args) -> None:
     await _serve_until_stopped(svc, args.drain_seconds)
 
 
+def scheduling_options(args) -> dict[str, object]:
+    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`) as
+    keyword arguments of RouterService (and of `specpipe up`'s launcher)."""
+    return dict(
+        max_running=args.max_running, max_waiting=args.max_waiting, row_budget=args.row_budget
+    )
+
+
 async def run_router(args) -> None:
     from .router import RouterService
 
@@ -130,6 +144,7 @@ async def run_router(args) -> None:
         advertise_host=args.advertise_host,
         model_id=args.model_id,
         api_keys=api_keys,
+        **scheduling_options(args),
     )
     host = args.advertise_host or _local(args.host)
     http, info = None, {}

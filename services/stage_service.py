@@ -154,6 +154,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         desc.dtype, desc.device = info.dtype, info.device
         desc.weight_bytes = info.weight_bytes
         desc.free_memory_bytes = free_memory_bytes(self.runtime.model.device)
+        desc.row_budget = self.model.row_budget
         desc.cache_bytes_used, desc.cache_bytes_limit = (
             info.cache_bytes_used,
             info.cache_bytes_limit,

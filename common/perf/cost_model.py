@@ -85,6 +85,17 @@ def measure_runtime(
         runtime.release(_MEASURE_ID)
 
 
+BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def row_budget(curve: CostCurve, slack: float = 2.0) -> int:
+    """Rows one step can take while nearly free: the most measured rows that cost at
+    most `slack` times one row (accelerators: dozens; CPUs: a few)."""
+    one = curve(1)
+    fits = [n for n, sec in zip(curve.rows, curve.seconds, strict=True) if sec <= slack * one]
+    return max(fits, default=1)
+
+
 @dataclass
 class DeploymentCosts:
     """Measured cost curves of every stage and of the draft at one context length."""

@@ -101,6 +101,7 @@ class LoadedModel:
     weight_hash: str
     max_positions: int
     eos_token_ids: tuple[int, ...]
+    row_budget: int = 0  # rows a step takes nearly free, once measured (0: not measured)
 
 
 def load_model(

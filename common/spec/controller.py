@@ -43,8 +43,8 @@ class Controller(ABC):
         self.prompt = [int(t) for t in prompt]
         self.num_stages = num_stages
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
-        width = opts.width if self.uses_draft else 0
-        self.stats = DecodeStats(mode=mode.value, stages=num_stages, width=width)
+        self.width = opts.width if self.uses_draft else 0  # tree nodes per layer, for now
+        self.stats = DecodeStats(mode=mode.value, stages=num_stages, width=self.width)
         self.done = False
         self._feeds = 0  # feeds created
         self._prunes = 0  # prunes broadcast
@@ -77,6 +77,17 @@ class Controller(ABC):
     @property
     def tokens(self) -> list[int]:
         return self.out.tokens
+
+    @property
+    def max_width(self) -> int:
+        """The width the request asked for (its caches are sized for it)."""
+        return self.opts.width if self.uses_draft else 0
+
+    def set_width(self, width: int) -> None:
+        """Tree nodes per layer from the next growth on (elastic width under load);
+        between 1 and the width asked for. Tokens do not depend on it."""
+        if self.uses_draft:
+            self.width = max(1, min(int(width), self.max_width))
 
     # -- events ----------------------------------------------------------------------------
     @abstractmethod

@@ -42,7 +42,7 @@ class SpecInferController(Controller):
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        if extend_frontier(self.tree, cand, self.opts.width).numel() == 0:
+        if extend_frontier(self.tree, cand, self.width).numel() == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 
@@ -73,7 +73,7 @@ class SpecInferController(Controller):
         self._draft_computed.append(layer.node_ids)
         self.stats.draft_layers[-1].append(len(layer))
         self._ticket = next(self._tickets)
-        top_k = min(self.opts.top_k_children, self.opts.width)
+        top_k = min(self.opts.top_k_children, self.width)
         return [Propose(layer, top_k, self.opts.sampling.temperature, self._ticket)]
 
     def _feed_tree(self) -> list[Command]:

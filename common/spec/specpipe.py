@@ -34,7 +34,6 @@ class SpecPipeController(Controller):
         num_stages: int,
     ) -> None:
         super().__init__(request_id, prompt, mode, opts, num_stages)
-        self.width = opts.width if self.uses_draft else 0
         self.max_depth = num_stages  # layers in flight ahead of the root: one per stage
         self.root_pos = len(self.prompt) - 1
         self.tree = TokenTree(self.prompt[-1])

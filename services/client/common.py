@@ -66,6 +66,7 @@ def build_request(
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
     prefill_chunk: int | None = None,
+    priority: int = 0,
 ) -> gen.GenerateRequest:
     if prompt is not None and prompt_ids is not None:
         raise ValueError("give either prompt text or prompt_ids, not both")
@@ -77,6 +78,7 @@ def build_request(
         sampling=gen.SamplingOptions(temperature=temperature, top_k=top_k, seed=seed),
         ignore_eos=ignore_eos,
         stop_token_ids=list(stop_token_ids),
+        priority=priority,
     )
     if top_p is not None:
         req.sampling.top_p = top_p

@@ -6,7 +6,7 @@ Requests are pydantic models, so a malformed body is refused field by field. Fie
 OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
-`width`, `top_k_children`, `depth`, `prefill_chunk`, `top_k`, `ignore_eos`,
+`width`, `top_k_children`, `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`,
 `stop_token_ids`, `return_token_ids`).
 """
 
@@ -126,6 +126,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     return_token_ids: bool = False
+    priority: int = 0
 
     def check(self) -> None:
         """Refuse what the model validates but SpecPipe cannot do."""
@@ -177,6 +178,7 @@ class _Common(BaseModel):
             sampling=gen.SamplingOptions(temperature=temperature, top_k=self.top_k or 0, seed=seed),
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
+            priority=self.priority,
         )
         if self.top_p is not None:
             req.sampling.top_p = self.top_p

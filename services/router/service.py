@@ -17,6 +17,7 @@ import grpc
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
 from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.scheduler import QueueFull, Scheduler, Ticket
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
@@ -29,6 +30,8 @@ from .driver import DriverError, RequestDriver
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
+DEFAULT_MAX_RUNNING = 64  # requests decoding at once
+DEFAULT_MAX_WAITING = 256  # requests queued beyond those; more are refused
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         model_id: str = "",
         check_interval: float = 0.5,
         api_keys: ApiKeys | None = None,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        row_budget: int | str | None = None,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
@@ -118,6 +124,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.model_id_override = model_id
         self.model: ModelInfo | None = None
         self.drivers: dict[str, RequestDriver] = {}
+        # Admission and elastic width; the row budget may come from the stages ("auto").
+        self.row_budget_spec = row_budget
+        self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
+        self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         self.draining = False
@@ -150,8 +160,27 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 )
         if self.model_id_override:
             self.model.model_id = self.model_id_override
+        self.scheduler.num_stages = len(self.model.ranges)
+        self.scheduler.row_budget = self._row_budget()
         await self._readiness(self.backends.ready)
         return port
+
+    def _row_budget(self) -> int | None:
+        """--row-budget: a number, "auto" (the smallest a stage measured), or None."""
+        spec = self.row_budget_spec
+        if spec in (None, "", "none"):
+            return None
+        if spec != "auto":
+            return int(spec)
+        measured = [b.desc.row_budget for b in self.backends.stages if b.desc.row_budget]
+        if len(measured) < len(self.backends.stages):
+            raise RuntimeError(
+                "--row-budget auto needs every stage's measured cost curve: "
+                "start the stages with --measure-costs"
+            )
+        budget = min(measured)
+        log.info("row budget %d rows per step (the smallest of %s)", budget, measured)
+        return budget
 
     async def drain(self, seconds: float) -> None:
         """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
@@ -286,17 +315,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "send new requests to another replica",
             )
         plan = self.plan(request)
+        rid = self._ids.next()
+        await self._admit(rid, plan, request.priority, deadline)
         try:
             path = self.backends.path()
         except NoPath as e:
+            self._leave(rid)
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
             ) from None
-        rid = self._ids.next()
         events = self.inbox.open(rid)
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
         driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
         self.drivers[rid] = driver
+        self._apply_widths()
         log.info(
             "%s: %s, %d prompt tokens, %d new",
             rid,
@@ -336,11 +368,48 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}") from None
         finally:
             self.drivers.pop(rid, None)
+            self._leave(rid)
             self.inbox.close(rid)
             # Runs even when the client cancelled (this generator is being closed).
             task = asyncio.ensure_future(driver.release())
             self._cleanup.add(task)
             task.add_done_callback(self._cleanup.discard)
+
+    async def _admit(self, rid: str, plan: Plan, priority: int, deadline: float | None) -> None:
+        """Run now, or wait in the queue (by priority) until a running request leaves."""
+        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.specinfer_depth)
+        try:
+            if self.scheduler.submit(ticket):
+                return
+        except QueueFull as e:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        admitted = self._admissions[rid] = asyncio.get_running_loop().create_future()
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(asyncio.shield(admitted), timeout)
+        except TimeoutError:
+            raise RequestFailed(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the deadline passed while the request waited for a slot (the router is busy)",
+            ) from None
+        finally:
+            if not admitted.done():  # gave up waiting (deadline, or the client left)
+                self._leave(rid)
+
+    def _leave(self, rid: str) -> None:
+        """`rid` no longer runs or waits: admit whom it makes room for, share the width."""
+        self._admissions.pop(rid, None)
+        for t in self.scheduler.finish(rid):
+            fut = self._admissions.pop(t.request_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._apply_widths()
+
+    def _apply_widths(self) -> None:
+        for rid, ticket in self.scheduler.running.items():
+            driver = self.drivers.get(rid)
+            if driver is not None:
+                driver.controller.set_width(ticket.granted)
 
     async def Generate(self, request, context):
         remaining = context.time_remaining()  # None: the client set no deadline
@@ -405,4 +474,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             backends=backends,
             transport=self.transport_kind,
             data_address=self.transport.address,
+            waiting_requests=len(self.scheduler.waiting),
+            max_running=self.scheduler.max_running,
+            max_waiting=self.scheduler.max_waiting,
+            row_budget=self.scheduler.row_budget or 0,
         )

@@ -78,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stage", help="serve layers of the target model (a pipeline stage)")
     _model_args(p, required=False)
     p.add_argument("--layers", default=None, help="START:END decoder layers (default: all)")
+    p.add_argument(
+        "--measure-costs",
+        action="store_true",
+        help="measure this stage's cost per row count at start and report the rows a step "
+        "can take nearly free (for the router's --row-budget auto)",
+    )
     _service_args(p, 50052, data_plane=True)
     p.set_defaults(func=_cmd_stage)
 
@@ -94,6 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=180.0)
     _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
     _http_args(p)
+    _scheduling_args(p)
     p.set_defaults(func=_cmd_router)
 
     p = sub.add_parser("up", help="run router, draft and stages as local processes")
@@ -123,6 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
     _http_args(p)
+    _scheduling_args(p)
     p.set_defaults(func=_cmd_up)
 
     client = sub.add_parser("client", help="talk to a running router")
@@ -152,11 +160,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(g)
     g.add_argument("--prefill-chunk", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--priority", type=int, default=0, help="higher runs first when the router is busy"
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")
     _client_common(m)
     m.set_defaults(func=_cmd_client_models)
+
+
+def _scheduling_args(p: argparse.ArgumentParser) -> None:
+    from specpipe.services.router.service import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
+
+    p.add_argument(
+        "--max-running",
+        type=positive_int,
+        default=DEFAULT_MAX_RUNNING,
+        help="requests decoding at once; more wait, by priority",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=DEFAULT_MAX_WAITING,
+        help="requests queued beyond --max-running; more are refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--row-budget",
+        default=None,
+        type=_row_budget_arg,
+        help="tree rows per pipeline step shared by the running requests (elastic width: "
+        "best-effort requests shrink first); N, or 'auto' from the stages' measured costs "
+        "(default: every request keeps its width)",
+    )
+
+
+def _row_budget_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    return positive_int(text)
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
@@ -260,6 +302,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from specpipe.services.launcher import LaunchError, ServicesDeployment
+    from specpipe.services.serve import scheduling_options
 
     transport = args.transport
     device = parse_device(args.device)
@@ -284,6 +327,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             max_cache_gib=args.max_cache_gib,
             http_port=args.http_port,
             api_keys=api_keys.keys,
+            scheduling=scheduling_options(args),
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -326,6 +370,7 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         depth=args.depth,
         ignore_eos=args.ignore_eos,
         prefill_chunk=args.prefill_chunk,
+        priority=args.priority,
     )
     if args.prompt is not None:
         kwargs["prompt"] = args.prompt

@@ -295,3 +295,23 @@ def test_client_cli_json_and_errors(tcp_deployment) -> None:
     )
     assert bad.returncode != 0
     assert "INVALID_ARGUMENT" in bad.stderr and "outside the vocabulary" in bad.stderr
+
+
+def test_bench_serve_loads_the_router_and_reports(tcp_deployment, tmp_path, capsys) -> None:
+    import json
+
+    from specpipe.cli import main
+
+    out = tmp_path / "serve.json"
+    code = main(
+        ["bench", "serve", "--router", tcp_deployment.router_address, "--dataset", "random:5",
+         "--num-requests", "6", "--concurrency", "3", "--max-new-tokens", "8", "--ignore-eos",
+         "--mode", "pp", "--json", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] == 6 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 48 and summary["output_throughput"] > 0
+    assert 0 < summary["ttft_ms"]["p50"] <= summary["ttft_ms"]["p99"]
+    saved = json.loads(out.read_text())
+    assert len(saved["requests"]) == 6 and saved["summary"]["config"]["concurrency"] == 3

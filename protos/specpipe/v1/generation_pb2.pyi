@@ -25,7 +25,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -52,7 +53,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
@@ -203,15 +205,23 @@ class Backend(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
-    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address")
+    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget")
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ROW_BUDGET_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     active_requests: int
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
     transport: str
     data_address: str
-    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+    waiting_requests: int
+    max_running: int
+    max_waiting: int
+    row_budget: int
+    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ...) -> None: ...
