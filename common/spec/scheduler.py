@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 
 from .options import Mode
 
+DEFAULT_MAX_RUNNING = 64  # requests decoding at once
+DEFAULT_MAX_WAITING = 256  # requests queued beyond those; more are refused
+
 
 class QueueFull(Exception):
     """The waiting queue is full: refuse the request now."""

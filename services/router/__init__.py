@@ -2,6 +2,7 @@
 request's controller."""
 
 from .driver import DriverError, RequestDriver
-from .service import Plan, RouterService
+from .requests import Plan
+from .service import RouterService
 
 __all__ = ["DriverError", "Plan", "RequestDriver", "RouterService"]

@@ -43,7 +43,8 @@ from .openai_compat import (
     bad_request,
     model_card,
 )
-from .service import RequestFailed, RouterService
+from .requests import RequestFailed
+from .service import RouterService
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

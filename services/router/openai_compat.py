@@ -22,7 +22,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from specpipe.v1 import generation_pb2 as gen
 
-from .service import StopGeneration
+from .requests import StopGeneration
 
 # OpenAI's defaults: 16 new tokens for text completions, sampling at temperature 1.
 DEFAULT_COMPLETION_TOKENS = 16

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path as FsPath
 
 import grpc
 from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
-from specpipe.common.spec.sampling import SamplingParams
-from specpipe.common.spec.scheduler import QueueFull, Scheduler, Ticket
+from specpipe.common.spec.options import Mode
+from specpipe.common.spec.scheduler import (
+    DEFAULT_MAX_RUNNING,
+    DEFAULT_MAX_WAITING,
+    QueueFull,
+    Scheduler,
+    Ticket,
+)
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
@@ -27,68 +28,21 @@ from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .driver import DriverError, RequestDriver
+from .requests import (
+    InvalidRequest,
+    Plan,
+    RequestFailed,
+    RequestIds,
+    StopGeneration,
+    check_model,
+    invalid,
+    load_codec,
+    plan_request,
+    tokenize,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
-DEFAULT_MAX_RUNNING = 64  # requests decoding at once
-DEFAULT_MAX_WAITING = 256  # requests queued beyond those; more are refused
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A validated request."""
-
-    prompt: list[int]
-    mode: Mode
-    opts: DecodeOptions
-
-
-class RequestFailed(Exception):
-    """A request refused or failed: the gRPC status a client receives and why. What
-    `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
-    it into an OpenAI-shaped error."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class InvalidRequest(RequestFailed):
-    """Refused before it starts (validation)."""
-
-
-class StopGeneration(Exception):
-    """Thrown into `RouterService.generate` at a delta (`athrow`): end the request now,
-    as finished with reason "stop" (the HTTP API's stop strings)."""
-
-
-def _invalid(message: str) -> InvalidRequest:
-    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-class RequestIds:
-    """Request ids unique across router processes and pods: a random per-process prefix
-    plus a counter. (A process id is no prefix: it is the same in every container, and
-    two routers sharing a stage must never open equal ids there.)"""
-
-    def __init__(self) -> None:
-        self.prefix = f"r{secrets.token_hex(6)}"
-        self._count = itertools.count()
-
-    def next(self) -> str:
-        return f"{self.prefix}-{next(self._count)}"
-
-
-def _load_codec(model_dir: str | None):
-    """The target's tokenizer, when its directory has one (random test models do not)."""
-    if not model_dir:
-        return None
-    d = FsPath(model_dir)
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    from specpipe.common.text import TextCodec
-
-    return TextCodec.from_dir(d)
 
 
 class RouterService(generation_pb2_grpc.GenerationServicer):
@@ -148,7 +102,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         port = await self.server.start(host, port)
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(
-            None, _load_codec, self.tokenizer_dir
+            None, load_codec, self.tokenizer_dir
         )
         self.model = await self.backends.connect(startup_timeout)
         for b in self.backends.stages:
@@ -214,90 +168,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     # -- validation ----------------------------------------------------------------------
     def _check_model(self, name: str) -> ModelInfo:
-        model = self.model
-        if model is None:
-            raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the router is still starting")
-        if name and name != model.model_id:
-            raise InvalidRequest(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {name!r} is not served here (this deployment serves {model.model_id!r})",
-            )
-        return model
-
-    def _tokenize(self, text: str, chat: bool) -> list[int]:
-        if self.codec is None:
-            raise InvalidRequest(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "the served model has no tokenizer: send prompt token ids instead of text",
-            )
-        from specpipe.common.text import TokenizerError
-
-        try:
-            return self.codec.encode(text, chat=chat)
-        except TokenizerError as e:
-            raise _invalid(str(e)) from None
+        return check_model(self.model, name)
 
     def plan(self, r: gen.GenerateRequest) -> Plan:
-        """Validate a request against the deployment; every problem is a clear status."""
-        model = self._check_model(r.model)
-        which = r.WhichOneof("prompt")
-        if which == "text":
-            if not r.text:
-                raise _invalid("the prompt is empty")
-            prompt = self._tokenize(r.text, r.chat)
-        elif which == "token_ids":
-            if r.chat:
-                raise _invalid("chat needs a text prompt")
-            prompt = list(r.token_ids.ids)
-        else:
-            prompt = []
-        try:
-            check_prompt_ids(prompt, model.vocab_size)
-        except ValueError as e:
-            raise _invalid(str(e)) from None
-        try:
-            mode = Mode(r.mode or Mode.SPECPIPE)
-        except ValueError:
-            modes = ", ".join(m.value for m in Mode)
-            raise _invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
-        if mode.uses_draft and self.backends.draft is None:
-            raise InvalidRequest(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"mode {mode} needs a draft and this deployment has none (use pp)",
-            )
-        stops = list(r.stop_token_ids)
-        bad = [t for t in stops if not 0 <= t < model.vocab_size]
-        if bad:
-            raise _invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
-        if not r.ignore_eos:
-            stops = [*model.eos_token_ids, *stops]
-        # The same checks as every other entry point (DecodeOptions, SamplingParams);
-        # fields the request leaves unset take DecodeOptions' defaults.
-        s = r.sampling
-        given = {
-            name: getattr(r, field)
-            for field, name in (
-                ("width", "width"),
-                ("top_k_children", "top_k_children"),
-                ("depth", "specinfer_depth"),
-                ("prefill_chunk", "prefill_chunk"),
-            )
-            if r.HasField(field)
-        }
-        try:
-            sampling = SamplingParams(
-                s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed
-            )
-            opts = DecodeOptions(
-                max_new_tokens=r.max_new_tokens,
-                sampling=sampling,
-                stop_token_ids=tuple(dict.fromkeys(stops)),
-                **given,
-            )
-            check_context(len(prompt), opts.max_new_tokens, model.max_positions)
-        except ValueError as e:
-            raise _invalid(str(e)) from None
-        return Plan(prompt=prompt, mode=mode, opts=opts)
+        return plan_request(r, self.model, self.codec, self.backends.draft is not None)
 
     # -- RPCs ------------------------------------------------------------------------------
     async def generate(
@@ -434,8 +308,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         try:
             self._check_model(request.model)
             if not request.text:
-                raise _invalid("the text is empty")
-            ids = self._tokenize(request.text, request.chat)
+                raise invalid("the text is empty")
+            ids = tokenize(self.codec, request.text, request.chat)
         except InvalidRequest as e:
             await context.abort(e.code, e.message)
         return gen.TokenizeResponse(token_ids=ids)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import bench, generate, models, services
+from . import bench, client, generate, models, services
 from .args import CliError, Parser
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.register(sub)
     models.register(sub)
     services.register(sub)
+    client.register(sub)
     bench.register(sub)
     return parser
 

@@ -7,6 +7,8 @@ from typing import NoReturn
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float64")
 
+DEFAULT_ROUTER_PORT = 50051  # the router's gRPC port unless told otherwise
+
 
 class CliError(Exception):
     """A user error: printed as one line, exit code 2."""

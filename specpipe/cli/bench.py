@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .args import CliError, positive_int
+from .args import DEFAULT_ROUTER_PORT, CliError, positive_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="closed-loop (or Poisson) load through the router: throughput, TTFT, TBT, errors",
     )
-    p.add_argument("--router", default="127.0.0.1:50051", help="HOST:PORT")
+    p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
     p.add_argument("--api-key", default=None)
     p.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight")
     p.add_argument("--num-requests", type=positive_int, default=32)

@@ -20,7 +20,7 @@ from specpipe.services.router.openai_compat import (
     Generation,
     StopMatcher,
 )
-from specpipe.services.router.service import RequestFailed, StopGeneration
+from specpipe.services.router.requests import RequestFailed, StopGeneration
 from specpipe.v1 import generation_pb2 as gen
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from specpipe.services.router.service import RequestIds
+from specpipe.services.router.requests import RequestIds
 
 
 def test_request_ids_are_unique_across_routers_with_the_same_pid(monkeypatch) -> None:

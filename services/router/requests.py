@@ -1,0 +1,163 @@
+"""What a client request becomes before it runs: validated against the deployment
+(`plan_request`, the same DecodeOptions/SamplingParams checks as every entry point),
+with an id that names it on every stage; and how a refused or failed request is told."""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.v1 import generation_pb2 as gen
+
+from .backends import ModelInfo
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request."""
+
+    prompt: list[int]
+    mode: Mode
+    opts: DecodeOptions
+
+
+class RequestFailed(Exception):
+    """A request refused or failed: the gRPC status a client receives and why. What
+    `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
+    it into an OpenAI-shaped error."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class InvalidRequest(RequestFailed):
+    """Refused before it starts (validation)."""
+
+
+class StopGeneration(Exception):
+    """Thrown into `RouterService.generate` at a delta (`athrow`): end the request now,
+    as finished with reason "stop" (the HTTP API's stop strings)."""
+
+
+def invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class RequestIds:
+    """Request ids unique across router processes and pods: a random per-process prefix
+    plus a counter. (A process id is no prefix: it is the same in every container, and
+    two routers sharing a stage must never open equal ids there.)"""
+
+    def __init__(self) -> None:
+        self.prefix = f"r{secrets.token_hex(6)}"
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.prefix}-{next(self._count)}"
+
+
+def load_codec(model_dir: str | None):
+    """The target's tokenizer, when its directory has one (random test models do not)."""
+    if not model_dir:
+        return None
+    d = Path(model_dir)
+    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from specpipe.common.text import TextCodec
+
+    return TextCodec.from_dir(d)
+
+
+def check_model(model: ModelInfo | None, name: str) -> ModelInfo:
+    """The served model, if `name` (empty: any) names it."""
+    if model is None:
+        raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the router is still starting")
+    if name and name != model.model_id:
+        raise InvalidRequest(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {name!r} is not served here (this deployment serves {model.model_id!r})",
+        )
+    return model
+
+
+def tokenize(codec, text: str, chat: bool) -> list[int]:
+    if codec is None:
+        raise InvalidRequest(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the served model has no tokenizer: send prompt token ids instead of text",
+        )
+    from specpipe.common.text import TokenizerError
+
+    try:
+        return codec.encode(text, chat=chat)
+    except TokenizerError as e:
+        raise invalid(str(e)) from None
+
+
+def plan_request(r: gen.GenerateRequest, model: ModelInfo | None, codec, has_draft: bool) -> Plan:
+    """Validate a request against the deployment; every problem is a clear status."""
+    model = check_model(model, r.model)
+    which = r.WhichOneof("prompt")
+    if which == "text":
+        if not r.text:
+            raise invalid("the prompt is empty")
+        prompt = tokenize(codec, r.text, r.chat)
+    elif which == "token_ids":
+        if r.chat:
+            raise invalid("chat needs a text prompt")
+        prompt = list(r.token_ids.ids)
+    else:
+        prompt = []
+    try:
+        check_prompt_ids(prompt, model.vocab_size)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    try:
+        mode = Mode(r.mode or Mode.SPECPIPE)
+    except ValueError:
+        modes = ", ".join(m.value for m in Mode)
+        raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
+    if mode.uses_draft and not has_draft:
+        raise InvalidRequest(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"mode {mode} needs a draft and this deployment has none (use pp)",
+        )
+    stops = list(r.stop_token_ids)
+    bad = [t for t in stops if not 0 <= t < model.vocab_size]
+    if bad:
+        raise invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
+    if not r.ignore_eos:
+        stops = [*model.eos_token_ids, *stops]
+    # The same checks as every other entry point (DecodeOptions, SamplingParams);
+    # fields the request leaves unset take DecodeOptions' defaults.
+    s = r.sampling
+    given = {
+        name: getattr(r, field)
+        for field, name in (
+            ("width", "width"),
+            ("top_k_children", "top_k_children"),
+            ("depth", "specinfer_depth"),
+            ("prefill_chunk", "prefill_chunk"),
+        )
+        if r.HasField(field)
+    }
+    try:
+        sampling = SamplingParams(
+            s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed
+        )
+        opts = DecodeOptions(
+            max_new_tokens=r.max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=tuple(dict.fromkeys(stops)),
+            **given,
+        )
+        check_context(len(prompt), opts.max_new_tokens, model.max_positions)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    return Plan(prompt=prompt, mode=mode, opts=opts)

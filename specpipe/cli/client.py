@@ -1,0 +1,137 @@
+"""`specpipe client generate|models`: talk to a running router."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .args import DEFAULT_ROUTER_PORT, add_sampling_args, parse_ids
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `client` command group."""
+    from specpipe.common.spec.options import (
+        DEFAULT_MAX_NEW_TOKENS,
+        DEFAULT_TOP_K_CHILDREN,
+        DEFAULT_WIDTH,
+        Mode,
+    )
+
+    client = sub.add_parser("client", help="talk to a running router")
+    csub = client.add_subparsers(dest="client_command", required=True, parser_class=type(client))
+    g = csub.add_parser("generate", help="stream a completion")
+    _client_common(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (tokenized by the router)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--model", default="", help="model id (default: the deployment's)")
+    g.add_argument(
+        "--mode", default=Mode.SPECPIPE.value, help="specpipe, pp, specinfer or autoregressive"
+    )
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    g.add_argument(
+        "--width", type=int, default=None, help=f"tree width per layer (default {DEFAULT_WIDTH})"
+    )
+    g.add_argument(
+        "--top-k-children",
+        type=int,
+        default=None,
+        help="draft candidates per node, capped by the width "
+        f"(default {DEFAULT_TOP_K_CHILDREN}, the engine's)",
+    )
+    g.add_argument("--depth", type=int, default=None, help="specinfer tree depth")
+    add_sampling_args(g)
+    g.add_argument("--prefill-chunk", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument(
+        "--priority", type=int, default=0, help="higher runs first when the router is busy"
+    )
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=_cmd_client_generate)
+    m = csub.add_parser("models", help="list the served models")
+    _client_common(m)
+    m.set_defaults(func=_cmd_client_models)
+
+
+def _client_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECPIPE_API_KEY", "").strip() or None,
+        help="for a router with API keys (default: $SPECPIPE_API_KEY)",
+    )
+
+
+# -- services ----------------------------------------------------------------------------
+def _cmd_client_generate(args: argparse.Namespace) -> int:
+    from specpipe.services.client import Client, SpecPipeError
+
+    kwargs = dict(
+        model=args.model,
+        mode=args.mode,
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        width=args.width,
+        top_k_children=args.top_k_children,
+        depth=args.depth,
+        ignore_eos=args.ignore_eos,
+        prefill_chunk=args.prefill_chunk,
+        priority=args.priority,
+    )
+    if args.prompt is not None:
+        kwargs["prompt"] = args.prompt
+    else:
+        kwargs["prompt_ids"] = parse_ids(args.prompt_ids)
+    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+        try:
+            stream = client.stream(**kwargs)
+            if args.json:
+                done = stream.result()
+                text = done.text if args.prompt is not None else None
+                out = {"token_ids": done.token_ids, "text": text, "stats": done.summary()}
+                print(json.dumps({**out, "speculation": done.speculation()}))
+                return 0
+            for chunk in stream:
+                if args.prompt is not None:
+                    print(chunk.text, end="", flush=True)
+                else:
+                    print("".join(f"{t} " for t in chunk.token_ids), end="", flush=True)
+            done = stream.result()
+        except SpecPipeError as e:
+            print(f"specpipe: error: {e.code_name}: {e.message}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            stream.cancel()
+            raise
+    print()
+    s = done.stats
+    print(
+        f"[{s['mode']}] S={s['stages']} tokens={s['new_tokens']} steps={s['decode_steps']} "
+        f"tokens/step={s['tokens_per_step']:.3f} hit_rate={s['hit_rate']:.3f} "
+        f"ttft={s['time_to_first_token_ms']:.1f}ms tbt={s['mean_time_between_tokens_ms']:.2f}ms",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_client_models(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from specpipe.services.client import Client, SpecPipeError
+
+    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+        try:
+            models = client.list_models()
+        except SpecPipeError as e:
+            print(f"specpipe: error: {e.code_name}: {e.message}", file=sys.stderr)
+            return 1
+    print(json.dumps([MessageToDict(m, preserving_proto_field_name=True) for m in models]))
+    return 0
