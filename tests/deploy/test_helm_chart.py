@@ -7,7 +7,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import shlex
 import subprocess
+import tomllib
 from pathlib import Path
 
 import kubernetes_validate
@@ -17,6 +20,7 @@ from specpipe.common.model.partition import split_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "specpipe"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
 # The chart's minimum (gRPC probes are GA from 1.27) and the newest schemas we have.
 KUBE_VERSIONS = ("1.27.0", "1.37.0")
 CURRENT = "v1"
@@ -109,6 +113,26 @@ def selects(service: dict, workload: dict) -> bool:
 def router(docs: list[dict]) -> dict:
     (r,) = [d for d in workloads(docs) if component(d) == "router"]
     return r
+
+
+def image_config() -> dict[str, str]:
+    """The final stage of docker/Dockerfile: instruction -> its argument (the last one)."""
+    stage: dict[str, str] = {}
+    for line in re.sub(r"\\\n", " ", DOCKERFILE.read_text()).splitlines():
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            stage = {}
+        if instruction and not instruction.startswith("#"):
+            stage[instruction.upper()] = rest.strip()
+    return stage
+
+
+def specpipe_argv(container: dict) -> list[str]:
+    """What a container runs, as the image runs it: no pod sets `command`, so the image's
+    ENTRYPOINT (an init, then `specpipe`) gets the container's args."""
+    assert "command" not in container, f"{container['name']} overrides the image's entrypoint"
+    line = [*json.loads(image_config()["ENTRYPOINT"]), *container["args"]]
+    return line[line.index("specpipe") + 1 :]
 
 
 # -- lint and schema validation --------------------------------------------------------------
@@ -281,7 +305,7 @@ def test_every_container_command_line_is_one_specpipe_accepts(render, values, ca
     for spec in pods:
         for c in [*spec.get("initContainers", []), *spec["containers"]]:
             try:
-                parsed = build_parser().parse_args(c["args"])
+                parsed = build_parser().parse_args(specpipe_argv(c))
             except SystemExit:
                 pytest.fail(
                     f"{c['name']}: specpipe {' '.join(c['args'])}: {capsys.readouterr().err}"
@@ -414,10 +438,58 @@ def test_bad_devices_fail_to_render_with_a_reason(render, values, message):
         render(values)
 
 
-def test_probes_use_grpc_health_on_the_service_port(render):
+def test_the_image_runs_specpipe_as_the_pods_user_with_the_model_cache(render, capsys):
+    """docker/Dockerfile against the chart: the entrypoint the pods rely on, the user they
+    run as, the cache volume's path and the ports (scripts/container_e2e.sh runs it)."""
+    from specpipe.cli import build_parser
+
+    image = image_config()
+    entrypoint = json.loads(image["ENTRYPOINT"])
+    # dumb-init is PID 1 (it forwards SIGTERM, for the drain); it comes from the wheelhouse.
+    assert entrypoint == ["/opt/specpipe/bin/dumb-init", "--", "specpipe"]
+    assert "dumb-init==" in (ROOT / "scripts" / "build_image.sh").read_text()
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["specpipe"] == "specpipe.cli:main"  # the parser of build_parser()
+    with pytest.raises(SystemExit) as done:  # the default command: `specpipe --help`
+        build_parser().parse_args(json.loads(image["CMD"]))
+    assert done.value.code == 0
+    env = dict(kv.split("=", 1) for kv in shlex.split(image["ENV"]))
+    exposed = {int(p) for p in image["EXPOSE"].split()}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert image["USER"] == "{runAsUser}:{runAsGroup}".format(**values["podSecurityContext"])
+    assert env["SPECPIPE_MODEL_CACHE"] == values["modelCache"]["mountPath"]
+    assert exposed == set(values["ports"].values())
     for d in workloads(render()):
+        for c in [*d["spec"]["template"]["spec"]["initContainers"], main_container(d)]:
+            cache = {e["name"]: e.get("value") for e in c["env"]}["SPECPIPE_MODEL_CACHE"]
+            assert cache == env["SPECPIPE_MODEL_CACHE"], c["name"]
+
+
+def test_models_already_in_a_volume_are_not_pulled(render):
+    """A model directory given by path needs no init container (`models pull` takes store
+    names and .gguf files only); a .gguf path is converted into the cache first."""
+    model = {"target": "/models/target", "draft": "/models/draft.gguf", "numLayers": 4}
+    for d in workloads(render({"model": model})):
+        spec = d["spec"]["template"]["spec"]
+        if component(d) == "draft":
+            (init,) = spec["initContainers"]
+            assert specpipe_argv(init) == ["models", "pull", "/models/draft.gguf"]
+        else:
+            assert "initContainers" not in spec, d["metadata"]["name"]
+
+
+def test_probes_use_grpc_health_on_the_port_the_command_listens_on(render):
+    from specpipe.cli import build_parser
+
+    for d in workloads(render(EVERYTHING_ON)) + workloads(render()):
         c = main_container(d)
-        (port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
+        parsed = build_parser().parse_args(specpipe_argv(c))
+        port = parsed.port
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["grpc"] == port
+        if "data" in ports:
+            assert ports["data"] == parsed.data_port
+        assert parsed.host == "0.0.0.0"  # the kubelet probes the pod IP
         assert "startupProbe" in c
         if component(d) == "router":
             # Ready: the HTTP API's /health (200 only while every backend is up).

@@ -231,6 +231,25 @@ cuda:N must name one of the gpu.count GPUs the pod sees (they are numbered from 
   value: "1"
 {{- end -}}
 
+{{/*
+A pod's initContainers block, or nothing; argument: dict "root" "names" (list). Models
+given as absolute paths, other than .gguf files, are model directories already in a
+volume: nothing to pull (`specpipe models pull` takes store names and .gguf files only).
+*/}}
+{{- define "specpipe.initContainers" -}}
+{{- $pull := list -}}
+{{- range .names -}}
+{{- $n := toString . -}}
+{{- if or (not (hasPrefix "/" $n)) (hasSuffix ".gguf" (lower $n)) -}}
+{{- $pull = append $pull $n -}}
+{{- end -}}
+{{- end -}}
+{{- if $pull -}}
+initContainers:
+  {{- include "specpipe.pullInit" (dict "root" .root "names" $pull) | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
 {{/* The init container that pulls models; argument: dict "root" "names" (list). */}}
 {{- define "specpipe.pullInit" -}}
 - name: pull-models

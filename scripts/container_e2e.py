@@ -1,0 +1,529 @@
+"""The deployment in Docker containers, end to end (scripts/container_e2e.sh runs this
+after it has a Docker engine and the image).
+
+What it does, as a kubelet would with the chart's pods, on one host:
+  1. makes a tiny random target and draft (with a character tokenizer) in a directory
+     that is mounted at the image's SPECPIPE_MODEL_CACHE (/models) in every container;
+  2. renders helm/specpipe (pinned helm) for those models, and runs each pod's init and
+     main container with the chart's own arguments, environment, volumes, user and
+     security settings: `docker run --network host` with the image's entrypoint. The only
+     rewrites are the ones one host instead of a pod network needs: `--host 0.0.0.0`
+     becomes 127.0.0.1 (loopback only), `$(POD_IP)` 127.0.0.1, each `--port` and
+     `--data-port` a distinct free port, and the router's stage/draft DNS names those
+     addresses;
+  3. waits for each container's readiness probe (gRPC health on the probe's port), one
+     after the other, and records start-to-ready;
+  4. sends requests from the host with `specpipe client generate --json` and checks the
+     tokens against the in-process engine (`specpipe generate --json`);
+  5. opens long streams, stops the last stage's container with `docker stop` (SIGTERM)
+     while they run, and checks that they finish with the right tokens, that the router
+     refuses new requests meanwhile (UNAVAILABLE), and that the stage exits 0 after them;
+  6. stops every container (SIGTERM, router first), checks they exit 0, removes them.
+
+Prints a JSON report on stdout; exit code 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import json
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+def log(msg: str) -> None:
+    print(f"[container_e2e {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Failed(Exception):
+    pass
+
+
+def check(ok: bool, what: str, failures: list[str]) -> bool:
+    log(("ok: " if ok else "FAILED: ") + what)
+    if not ok:
+        failures.append(what)
+    return ok
+
+
+def run(cmd: list[str], timeout: float = 600, check: bool = True) -> str:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise Failed(f"{shlex.join(cmd)} exited {res.returncode}:\n{res.stderr[-3000:]}")
+    return res.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# -- models ------------------------------------------------------------------------------------
+def make_models(models: Path, layers: int) -> None:
+    """A tiny random Llama target and an unrelated smaller draft (same 97-id vocabulary),
+    with a character tokenizer, as the tests make them (tests/conftest.py)."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tok_models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, **{chr(c): c - 31 for c in range(32, 127)}, "</s>": 96}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    for name, n, seed in (("target", layers, 0), ("draft", 2, 1)):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=97,
+            hidden_size=48,
+            intermediate_size=90,
+            num_hidden_layers=n,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            initializer_range=0.6,
+            eos_token_id=96,
+            bos_token_id=0,
+        )
+        LlamaForCausalLM(cfg).eval().save_pretrained(models / name)
+        fast.save_pretrained(models / name)
+
+
+# -- the chart's pods --------------------------------------------------------------------------
+def render(image: str, stages: int, layers: int, drain: int) -> list[dict]:
+    spec = importlib.util.spec_from_file_location("k8s_tools", ROOT / "scripts" / "k8s_tools.py")
+    k8s_tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(k8s_tools)
+    repo, _, tag = image.rpartition(":")
+    values = {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "model": {
+            "version": "e2e",
+            "target": "/models/target",
+            "draft": "/models/draft",
+            "numLayers": layers,
+            "stages": stages,
+            "dtype": "float64",
+        },
+        "stage": {"threads": 1, "drainSeconds": drain},
+        "draft": {"threads": 1, "drainSeconds": drain},
+        "router": {"drainSeconds": drain, "startupTimeoutSeconds": 300},
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        yaml.safe_dump(values, f)
+        f.flush()
+        out = run(
+            [
+                str(k8s_tools.binary("helm")),
+                "template",
+                "specpipe",
+                str(ROOT / "helm" / "specpipe"),
+                "-f",
+                f.name,
+                "--skip-tests",
+            ]
+        )
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def arg(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+class Pod:
+    """One workload's pod, as `docker run` arguments."""
+
+    def __init__(self, doc: dict) -> None:
+        tmpl = doc["spec"]["template"]
+        self.component = tmpl["metadata"]["labels"]["app.kubernetes.io/component"]
+        self.name = doc["metadata"]["name"]
+        self.pod_name = f"{self.name}-0" if doc["kind"] == "StatefulSet" else self.name
+        self.service = doc["spec"].get("serviceName")
+        self.spec = tmpl["spec"]
+        (self.main,) = self.spec["containers"]
+        self.grace = int(self.spec["terminationGracePeriodSeconds"])
+        self.args = list(self.main["args"])
+        self.port = int(self.arg("--port"))
+        probe = self.main["readinessProbe"]["grpc"]["port"]
+        if int(probe) != self.port:
+            raise Failed(
+                f"{self.name}: readiness probe on {probe}, the command listens on {self.port}"
+            )
+        self.host_port = free_port()
+        self.host_data_port = free_port() if "--data-port" in self.args else None
+        self.container = ""
+
+    def arg(self, flag: str) -> str | None:
+        return arg(self.args, flag)
+
+    def host_args(self, addresses: dict[str, str]) -> list[str]:
+        """The chart's arguments for one host: loopback, distinct ports, host addresses."""
+        a = list(self.args)
+
+        def put(flag: str, value: str) -> None:
+            a[a.index(flag) + 1] = value
+
+        if arg(a, "--host") == "0.0.0.0":
+            put("--host", HOST)
+        put("--port", str(self.host_port))
+        if self.host_data_port is not None:
+            put("--data-port", str(self.host_data_port))
+        for flag in ("--stages", "--draft"):
+            if arg(a, flag) is not None:
+                put(flag, ",".join(addresses[x] for x in arg(a, flag).split(",")))
+        return [x.replace("$(POD_IP)", HOST) for x in a]
+
+    def docker_args(self, container: dict, run_id: str, models: Path, name: str) -> list[str]:
+        ctx = self.spec.get("securityContext", {})
+        sec = container.get("securityContext", {})
+        cmd = [
+            "docker",
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--label",
+            f"specpipe-e2e={run_id}",
+            "--network",
+            "host",
+            "--user",
+            f"{ctx['runAsUser']}:{ctx['runAsGroup']}",
+        ]
+        if sec.get("readOnlyRootFilesystem"):
+            cmd.append("--read-only")
+        if "ALL" in sec.get("capabilities", {}).get("drop", []):
+            cmd += ["--cap-drop", "ALL"]
+        if sec.get("allowPrivilegeEscalation") is False:
+            cmd += ["--security-opt", "no-new-privileges"]
+        volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
+        for m in container.get("volumeMounts", []):
+            v = volumes[m["name"]]
+            if m["name"] == "model-cache":
+                cmd += ["-v", f"{models}:{m['mountPath']}"]
+            elif v.get("emptyDir", {}).get("medium") == "Memory" and m["mountPath"] == "/dev/shm":
+                cmd += [
+                    "--shm-size",
+                    str(v["emptyDir"].get("sizeLimit", "64Mi"))
+                    .replace("Gi", "g")
+                    .replace("Mi", "m"),
+                ]
+            elif "emptyDir" in v:
+                cmd += ["--tmpfs", f"{m['mountPath']}:mode=1777"]
+            else:
+                raise Failed(f"{self.name}: volume {m['name']} not handled")
+        for e in container.get("env", []):
+            if "value" in e:
+                cmd += ["-e", f"{e['name']}={e['value']}"]
+            elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                cmd += ["-e", f"{e['name']}={HOST}"]
+        if "command" in container:  # the chart relies on the image's entrypoint
+            raise Failed(f"{self.name}: sets command {container['command']}")
+        return cmd
+
+
+def health(port: int, timeout: float = 2.0) -> str:
+    """The kubelet's gRPC probe: grpc.health.v1 Check of service "" on 127.0.0.1:port."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"{HOST}:{port}") as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout
+            )
+        except grpc.RpcError as e:
+            return e.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def docker_logs(container: str) -> str:
+    res = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
+    return res.stdout + res.stderr
+
+
+def state(container: str) -> dict:
+    return json.loads(run(["docker", "inspect", "-f", "{{json .State}}", container]))
+
+
+def docker_time(text: str) -> float:
+    """Docker's RFC 3339 timestamps (nanoseconds, Z) as a Unix time."""
+    text = re.sub(r"(\.\d{6})\d*", r"\1", text).replace("Z", "+00:00")
+    return datetime.fromisoformat(text).timestamp()
+
+
+# -- references and requests ------------------------------------------------------------------
+def cli(*args: str) -> dict:
+    out = run([sys.executable, "-m", "specpipe.cli", *args], timeout=600)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+CASES = [
+    ("specpipe, prompt ids", ["--prompt-ids", "5,17,42,8,3", "--mode", "specpipe"]),
+    ("pp", ["--prompt-ids", "5,17,42,8,3", "--mode", "pp"]),
+    ("specinfer", ["--prompt-ids", "11,12,13", "--mode", "specinfer"]),
+    ("autoregressive", ["--prompt-ids", "11,12,13", "--mode", "autoregressive"]),
+    ("text prompt", ["--prompt", "def fib(n):", "--mode", "specpipe"]),
+    ("sampled", ["--prompt-ids", "7,7,7", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--image", required=True)
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny target")
+    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--drain-tokens", type=int, default=160, help="length of the drained streams")
+    p.add_argument("--drain-seconds", type=int, default=60)
+    p.add_argument("--work", type=Path, required=True, help="scratch directory (models)")
+    p.add_argument("--run-id", required=True, help="label value of every container")
+    args = p.parse_args()
+    started = time.monotonic()
+    failures: list[str] = []
+    report: dict = {"image": args.image, "stages": args.stages}
+
+    models = args.work / "models"
+    models.mkdir(parents=True)
+    make_models(models, args.layers)
+    run(["chown", "-R", "10001:10001", str(models)])  # the chart's fsGroup makes it the pods'
+    target, draft = str(models / "target"), str(models / "draft")
+
+    docs = render(args.image, args.stages, args.layers, args.drain_seconds)
+    pods = [Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    order = {"stage": 0, "draft": 1, "router": 2}
+    pods.sort(key=lambda x: (order[x.component], x.name))
+    addresses: dict[str, str] = {}
+    for pod in pods:
+        host = f"{HOST}:{pod.host_port}"
+        if pod.service:  # a stage pod's DNS name: <pod>.<headless service>:<port>
+            addresses[f"{pod.pod_name}.{pod.service}:{pod.port}"] = host
+        else:  # the draft's and router's ClusterIP Service names
+            addresses[f"{pod.name}:{pod.port}"] = host
+
+    # In-process references first (nothing else running): the engine in one process.
+    common = [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--stages",
+        str(args.stages),
+        "--dtype",
+        "float64",
+    ]
+    t = time.monotonic()
+    refs = {
+        n: cli("generate", *common, *a, "--max-new-tokens", str(args.max_new_tokens), "--json")
+        for n, a in CASES
+    }
+    drain_prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
+    drain_refs = [
+        cli(
+            "generate",
+            *common,
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--max-new-tokens",
+            str(args.drain_tokens),
+            "--ignore-eos",
+            "--json",
+        )["token_ids"]
+        for ids in drain_prompts
+    ]
+    log(f"in-process references: {len(refs) + len(drain_refs)} in {time.monotonic() - t:.1f} s")
+
+    # Start the pods one by one: init containers to completion, then the service until
+    # its readiness probe passes.
+    report["start_to_ready_s"] = {}
+    for pod in pods:
+        for i, init in enumerate(pod.spec.get("initContainers", [])):
+            name = f"specpipe-e2e-{args.run_id}-{pod.name}-init{i}"
+            log(f"{pod.name}: init container {init['name']}: specpipe {shlex.join(init['args'])}")
+            run([*pod.docker_args(init, args.run_id, models, name), args.image, *init["args"]])
+            run(["docker", "wait", name], timeout=3600)
+            if state(name)["ExitCode"] != 0:
+                raise Failed(f"{name} failed:\n{docker_logs(name)[-3000:]}")
+        name = f"specpipe-e2e-{args.run_id}-{pod.name}"
+        argv = pod.host_args(addresses)
+        log(f"{pod.name}: specpipe {shlex.join(argv)}")
+        t0 = time.monotonic()
+        pod.container = name
+        run([*pod.docker_args(pod.main, args.run_id, models, name), args.image, *argv])
+        t_run = time.monotonic() - t0
+        while (status := health(pod.host_port)) != "SERVING":
+            if not state(name)["Running"]:
+                raise Failed(f"{name} exited:\n{docker_logs(name)[-3000:]}")
+            if time.monotonic() - t0 > 600:
+                raise Failed(f"{name}: not ready after 600 s (health {status})")
+            time.sleep(0.2)
+        ready = time.monotonic() - t0
+        report["start_to_ready_s"][pod.name] = {
+            "docker_run": round(t_run, 1),
+            "ready": round(ready, 1),
+        }
+        log(f"{pod.name}: ready in {ready:.1f} s (docker run returned after {t_run:.1f} s)")
+    router = next(x for x in pods if x.component == "router")
+    router_addr = f"{HOST}:{router.host_port}"
+
+    # Requests from the host through the router, against the in-process engine.
+    report["cases"] = {}
+    for n, a in CASES:
+        got = cli(
+            "client",
+            "generate",
+            "--router",
+            router_addr,
+            *a,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--timeout",
+            "300",
+            "--json",
+        )
+        same = got["token_ids"] == refs[n]["token_ids"] and got["text"] == refs[n]["text"]
+        report["cases"][n] = {
+            "tokens": len(got["token_ids"]),
+            "same": same,
+            "tokens_per_step": got["stats"].get("tokens_per_step"),
+        }
+        check(
+            same,
+            f"{n}: {len(got['token_ids'])} tokens through the containers == in-process",
+            failures,
+        )
+
+    # Graceful drain: stop the last stage while long streams are open.
+    from specpipe.client import Client, SpecPipeError
+
+    victim = [x for x in pods if x.component == "stage"][-1]
+    first = [threading.Event() for _ in drain_prompts]
+    results: list[dict] = [{} for _ in drain_prompts]
+
+    counts = [0 for _ in drain_prompts]
+
+    def consume(i: int) -> None:
+        try:
+            with Client(router_addr, timeout=600) as c:
+                stream = c.stream(
+                    prompt_ids=drain_prompts[i], max_new_tokens=args.drain_tokens, ignore_eos=True
+                )
+                for chunk in stream:
+                    counts[i] += len(chunk.token_ids)
+                    first[i].set()
+                done = stream.result()
+            results[i] = {"tokens": done.token_ids, "finished": time.time()}
+        except Exception as e:
+            results[i] = {"error": repr(e), "finished": time.time()}
+        finally:
+            first[i].set()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(drain_prompts))]
+    for th in threads:
+        th.start()
+    for ev in first:
+        ev.wait(300)
+    t_stop = time.time()
+    at_sigterm = list(counts)
+    log(
+        f"stopping {victim.container} (docker stop -t {victim.grace}) with {len(threads)} streams open"
+    )
+    stopper = concurrent.futures.ThreadPoolExecutor(1).submit(
+        lambda: run(
+            ["docker", "stop", "-t", str(victim.grace), victim.container], timeout=victim.grace + 60
+        )
+    )
+    deadline = time.monotonic() + 10
+    while health(router.host_port) == "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = None
+    try:
+        with Client(router_addr, timeout=30) as c:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
+        refused = "accepted"
+    except SpecPipeError as e:
+        refused = e.code_name
+    t_refused = time.time()
+    for th in threads:
+        th.join(600)
+    stopper.result()
+    stop_s = time.time() - t_stop
+    st = state(victim.container)
+    exited = docker_time(st["FinishedAt"])
+    logs = docker_logs(victim.container)
+    finish = [r["finished"] for r in results]
+    report["drain"] = {
+        "streams": len(results),
+        "tokens_each": args.drain_tokens,
+        "docker_stop_s": round(stop_s, 1),
+        "stage_exit_code": st["ExitCode"],
+        "tokens_before_sigterm": at_sigterm,
+        "streams_finished_after_sigterm_s": [round(f - t_stop, 2) for f in finish],
+        "stage_exited_after_sigterm_s": round(exited - t_stop, 2),
+        "new_request_while_draining": refused,
+    }
+    streamed = all(r.get("tokens") == ref for r, ref in zip(results, drain_refs, strict=True))
+    check(
+        streamed,
+        f"drain: {len(results)} open streams of {args.drain_tokens} tokens finished == in-process "
+        f"({[r.get('error') for r in results if 'error' in r] or 'no errors'})",
+        failures,
+    )
+    check(
+        all(n < args.drain_tokens for n in at_sigterm) and t_refused < max(finish),
+        f"drain: the streams were open when the stage got SIGTERM ({at_sigterm} tokens of "
+        f"{args.drain_tokens}; the last finished {max(finish) - t_stop:.1f} s later)",
+        failures,
+    )
+    check(
+        streamed
+        and st["ExitCode"] == 0
+        and not st["OOMKilled"]
+        and exited >= max(finish) - 0.5
+        and stop_s < victim.grace,
+        f"drain: the stage exited {st['ExitCode']} after the streams, {stop_s:.1f} s after "
+        f"SIGTERM (grace {victim.grace} s: no SIGKILL)",
+        failures,
+    )
+    check("draining" in logs, "drain: the stage logged its drain", failures)
+    check(refused == "UNAVAILABLE", f"drain: a new request meanwhile was {refused}", failures)
+
+    # Stop the rest, router first (as the launcher does); each must exit 0.
+    for pod in [router, *[x for x in pods if x is not router and x is not victim]]:
+        t = time.monotonic()
+        run(["docker", "stop", "-t", str(pod.grace), pod.container], timeout=pod.grace + 60)
+        code = state(pod.container)["ExitCode"]
+        check(
+            code == 0,
+            f"{pod.name}: docker stop -> exit {code} in {time.monotonic() - t:.1f} s",
+            failures,
+        )
+    report["failures"] = failures
+    report["e2e_seconds"] = round(time.monotonic() - started, 1)
+    report["result"] = "passed" if not failures else "FAILED"
+    print(json.dumps(report, indent=1))
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Failed as e:
+        log(f"FAILED: {e}")
+        sys.exit(1)
