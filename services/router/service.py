@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import secrets
 import time
@@ -64,16 +63,14 @@ def _invalid(message: str) -> InvalidRequest:
 
 
 class RequestIds:
-    """Request ids unique across router processes and pods: a random per-process prefix
-    plus a counter. (A process id is no prefix: it is the same in every container, and
-    two routers sharing a stage must never open equal ids there.)"""
+    """Request ids that are capabilities (docs/architecture.md, "9. Security"): 128
+    random bits each, no counter, so no client can predict another's id from its own
+    `Started.request_id`, and routers sharing stages never collide."""
 
-    def __init__(self) -> None:
-        self.prefix = f"r{secrets.token_hex(6)}"
-        self._count = itertools.count()
+    BITS = 128
 
     def next(self) -> str:
-        return f"{self.prefix}-{next(self._count)}"
+        return secrets.token_urlsafe(self.BITS // 8)
 
 
 def _load_codec(model_dir: str | None):
@@ -287,7 +284,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             )
         plan = self.plan(request)
         try:
-            path = self.backends.path()
+            path = self.backends.path(needs_draft=plan.mode.uses_draft)
         except NoPath as e:
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
