@@ -153,8 +153,9 @@ def deployment(model: Path, log_dir: Path, **extra):
 
 # -- 1. oversized inputs ---------------------------------------------------------------------
 def bench_oversize(tmp: Path) -> dict:
-    from specpipe.client import Client
     from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+    from specpipe.client import Client
 
     model = make_model(tmp)
     dep = deployment(model, tmp / "logs-oversize")

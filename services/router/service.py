@@ -9,6 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path as FsPath
 
@@ -24,6 +25,7 @@ from ..grpc_util import Server, wait_until_idle
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
+from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .driver import DriverError, RequestDriver
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
-        self.server = Server([SERVICE_NAME], interceptors=auth)
+        # Requests larger than any prompt that fits the context are refused by gRPC
+        # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
+        self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
+        self.server = Server(
+            [SERVICE_NAME], interceptors=auth, max_receive_bytes=self.max_request_bytes
+        )
+        # Tokenizing (and chat templates) off the event loop: a long prompt never delays
+        # other requests' tokens or the health checks.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -171,6 +181,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await asyncio.wait(self._cleanup, timeout=5.0)
         await self.backends.close()
         await self.transport.close()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
@@ -205,20 +216,50 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         except TokenizerError as e:
             raise _invalid(str(e)) from None
 
-    def plan(self, r: gen.GenerateRequest) -> Plan:
-        """Validate a request against the deployment; every problem is a clear status."""
-        model = self._check_model(r.model)
+    def _check_size(self, r: gen.GenerateRequest, model: ModelInfo) -> None:
+        """Refuse a prompt that cannot fit the context from its length alone, before it is
+        copied or tokenized."""
+        which = r.WhichOneof("prompt")
+        if which == "text" and len(r.text) > max_prompt_chars(model.max_positions):
+            raise _invalid(
+                f"the prompt has {len(r.text)} characters: more than any prompt that fits "
+                f"the model's context of {model.max_positions} tokens"
+            )
+        if which == "token_ids" and len(r.token_ids.ids) >= model.max_positions:
+            try:
+                check_context(len(r.token_ids.ids), 1, model.max_positions)
+            except ValueError as e:
+                raise _invalid(str(e)) from None
+
+    def _prompt(self, r: gen.GenerateRequest) -> list[int]:
         which = r.WhichOneof("prompt")
         if which == "text":
             if not r.text:
                 raise _invalid("the prompt is empty")
-            prompt = self._tokenize(r.text, r.chat)
-        elif which == "token_ids":
+            return self._tokenize(r.text, r.chat)
+        if which == "token_ids":
             if r.chat:
                 raise _invalid("chat needs a text prompt")
-            prompt = list(r.token_ids.ids)
-        else:
-            prompt = []
+            return list(r.token_ids.ids)
+        return []
+
+    async def tokenize_off_loop(self, fn, *args):
+        """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def prepare(self, r: gen.GenerateRequest) -> Plan:
+        """`plan`, with the prompt tokenized off the event loop."""
+        self._check_size(r, self._check_model(r.model))
+        return self.plan(r, await self.tokenize_off_loop(self._prompt, r))
+
+    def plan(self, r: gen.GenerateRequest, prompt: list[int] | None = None) -> Plan:
+        """Validate a request against the deployment; every problem is a clear status.
+        `prompt`: the request's prompt already tokenized (see `prepare`)."""
+        model = self._check_model(r.model)
+        if prompt is None:
+            self._check_size(r, model)
+            prompt = self._prompt(r)
         try:
             check_prompt_ids(prompt, model.vocab_size)
         except ValueError as e:
@@ -282,7 +323,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
             )
-        plan = self.plan(request)
+        plan = await self.prepare(request)
         try:
             path = self.backends.path(needs_draft=plan.mode.uses_draft)
         except NoPath as e:
@@ -363,7 +404,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model)
             if not request.text:
                 raise _invalid("the text is empty")
-            ids = self._tokenize(request.text, request.chat)
+            model = self._check_model(request.model)
+            if len(request.text) > max_prompt_chars(model.max_positions):
+                raise _invalid(f"the text has {len(request.text)} characters: too long")
+            ids = await self.tokenize_off_loop(self._tokenize, request.text, request.chat)
         except InvalidRequest as e:
             await context.abort(e.code, e.message)
         return gen.TokenizeResponse(token_ids=ids)
