@@ -6,6 +6,8 @@ data-plane frame header carries, and the error for a message that cannot be deco
 from __future__ import annotations
 
 import torch
+from specpipe.common.runtime.errors import InvalidInput
+from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 
@@ -13,6 +15,21 @@ from specpipe.v1 import dataplane_pb2 as pb
 class FrameError(ValueError):
     """A frame or a control message that cannot be decoded (corrupt, unknown dtype, sizes or
     row counts that disagree)."""
+
+
+# Bytes per row of a control message: a position, node and parent id and a token id as
+# varints (at most 10 bytes each, far less in practice) and field tags.
+BYTES_PER_ROW = 48
+DEFAULT_MAX_CONTROL_BYTES = 4 << 20  # a stage without a model (gRPC's default)
+
+
+def max_control_bytes(limits: Limits | None) -> int:
+    """The largest control message a stage or the draft reads: a prefill chunk or tree of
+    `MAX_ROWS` rows, a prune naming every cached row, or a prompt filling the context.
+    gRPC refuses larger ones (RESOURCE_EXHAUSTED) before reading them."""
+    if limits is None:
+        return DEFAULT_MAX_CONTROL_BYTES
+    return (1 << 20) + BYTES_PER_ROW * (limits.max_capacity + limits.max_rows)
 
 
 def rows_to_proto(act: Activation) -> pb.Rows:
@@ -24,8 +41,18 @@ def rows_to_proto(act: Activation) -> pb.Rows:
     )
 
 
-def activation_from_rows(request_id: str, rows: pb.Rows) -> Activation:
-    """An Activation with the rows' metadata and no tensor yet."""
+def activation_from_rows(
+    request_id: str, rows: pb.Rows, tokens: int | None = None, max_rows: int = MAX_ROWS
+) -> Activation:
+    """An Activation with the rows' metadata and no tensor yet. The counts are checked
+    first, from the message's lengths (`tokens`: the token ids that come with them)."""
+    try:
+        check_counts(
+            len(rows.positions), len(rows.node_ids), len(rows.parent_ids), rows.committed,
+            tokens, max_rows,
+        )  # fmt: skip
+    except InvalidInput as e:
+        raise FrameError(str(e)) from None
     i64 = torch.int64
     return Activation(
         request_id=request_id,
@@ -53,14 +80,11 @@ def prune_from_proto(sig: pb.PruneSignal) -> Prune:
     )
 
 
-def token_activation(request_id: str, rows: pb.Rows, token_ids) -> Activation:
-    """Stage-1 or draft input: rows plus their token ids (validated lengths)."""
-    act = activation_from_rows(request_id, rows)
-    act.tokens = torch.tensor(list(token_ids), dtype=torch.int64)
-    if act.tokens.numel() != len(act):
-        raise FrameError(f"{act.tokens.numel()} token ids for {len(act)} rows")
-    if not act.committed and (
-        act.node_ids.numel() != len(act) or act.parent_ids.numel() != len(act)
-    ):
-        raise FrameError("tree rows need one node id and one parent id each")
+def token_activation(
+    request_id: str, rows: pb.Rows, token_ids, max_rows: int = MAX_ROWS
+) -> Activation:
+    """Stage-1 or draft input: rows plus their token ids (counts checked before the
+    tensors are built)."""
+    act = activation_from_rows(request_id, rows, len(token_ids), max_rows)
+    act.tokens = torch.tensor(token_ids, dtype=torch.int64)
     return act

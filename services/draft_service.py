@@ -19,18 +19,30 @@ import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
 from specpipe.common.runtime.draft import Proposal
-from specpipe.common.runtime.errors import RequestError
+from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.loader import load_draft, parse_dtype
+from specpipe.common.runtime.validation import (
+    MAX_ROWS,
+    Limits,
+    check_capacity,
+    check_rows,
+    check_span,
+    check_token_ids,
+    check_tokens,
+)
 from specpipe.common.spec.messages import Candidates, Prune
+from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .control import FrameError, prune_from_proto, token_activation
+from .control import FrameError, max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
 from .modelinfo import free_memory_bytes
+from .ratelog import RateLimitedLog
 from .status import status_code
 
 log = logging.getLogger(__name__)
+rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Draft"
 
 
@@ -57,12 +69,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
+        self.limits = Limits.of(self.runtime.runtime.model)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._asks: list[_Ask] = []  # Propose calls waiting for the next batch
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.draining = False
-        self.server = Server([SERVICE_NAME])
+        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(self.limits))
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -85,11 +98,30 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, context, fn, *args):
-        """Run an engine call on the compute thread; engine errors become gRPC statuses."""
+        """Run an engine call on the compute thread; engine errors become gRPC statuses,
+        anything else INTERNAL with one (rate-limited) log line."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except (RequestError, FrameError, ValueError) as e:
             await context.abort(status_code(e), f"draft: {e}")
+        except Exception as e:
+            rlog.error("compute", "draft: %s failed: %s: %s", fn.__name__, type(e).__name__, e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"draft failed: {type(e).__name__}: {e}")
+
+    async def _check(self, context, check, *args) -> None:
+        """A validation of the request's input; InvalidInput becomes INVALID_ARGUMENT."""
+        try:
+            check(*args)
+        except (InvalidInput, FrameError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
+
+    async def _prefill(self, context, rid: str, tokens: torch.Tensor, start: int, chunk: int):
+        """Cache verified tokens one chunk per compute call: other requests' calls run in
+        between, so one long prefill never stalls every draft user."""
+        chunk = min(chunk or DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK)
+        for s in range(0, tokens.numel(), chunk):
+            part = tokens[s : s + chunk]
+            await self._call(context, self.runtime.prefill, rid, part, start + s, chunk)
 
     async def Describe(self, request, context) -> draft_pb2.DraftDescription:
         info = self.runtime.runtime.info()
@@ -116,38 +148,41 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "request_id, capacity and prompt_ids are required"
             )
-        vocab = self.runtime.vocab_size
-        prompt = torch.tensor(list(request.prompt_ids), dtype=torch.int64)
-        if int(prompt.min()) < 0 or int(prompt.max()) >= vocab:
+        n = len(request.prompt_ids)  # checked before anything is built from it
+        await self._check(context, check_capacity, int(request.capacity), self.limits)
+        await self._check(context, check_span, 0, n, self.limits)
+        if n > request.capacity:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt ids outside the draft vocabulary [0, {vocab})",
+                f"draft: a prompt of {n} tokens needs a capacity above {request.capacity}",
             )
+        prompt = torch.tensor(request.prompt_ids, dtype=torch.int64)
+        await self._check(
+            context, check_token_ids, prompt, self.runtime.vocab_size, "prompt ids (draft)"
+        )
         await self._call(context, self.runtime.open, rid, int(request.capacity))
         if prompt.numel() > 1:
-            chunk = request.prefill_chunk or 128
-            await self._call(context, self.runtime.prefill, rid, prompt[:-1], 0, chunk)
+            await self._prefill(context, rid, prompt[:-1], 0, request.prefill_chunk)
         return draft_pb2.OpenDraftResponse()
 
     async def Prefill(self, request, context) -> draft_pb2.PrefillDraftResponse:
-        tokens = torch.tensor(list(request.token_ids), dtype=torch.int64)
+        n = len(request.token_ids)
+        await self._check(context, check_span, request.start_position, n, self.limits)
+        tokens = torch.tensor(request.token_ids, dtype=torch.int64)
+        await self._check(context, check_token_ids, tokens, self.runtime.vocab_size)
         if tokens.numel():
-            chunk = request.prefill_chunk or 128
-            await self._call(
-                context,
-                self.runtime.prefill,
-                request.request_id,
-                tokens,
-                request.start_position,
-                chunk,
+            await self._prefill(
+                context, request.request_id, tokens, request.start_position, request.prefill_chunk
             )
         return draft_pb2.PrefillDraftResponse()
 
     async def Propose(self, request, context) -> draft_pb2.ProposeResponse:
         try:
-            layer = token_activation(request.request_id, request.rows, request.token_ids)
-        except FrameError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            layer = token_activation(request.request_id, request.rows, request.token_ids, MAX_ROWS)
+            check_rows(layer, self.limits)
+            check_tokens(layer, self.limits)
+        except (FrameError, InvalidInput) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
         prunes = [prune_from_proto(sig) for sig in request.prunes]
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)

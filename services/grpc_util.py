@@ -37,9 +37,18 @@ class Server:
     """A grpc.aio server plus the standard health and reflection services."""
 
     def __init__(
-        self, service_names: Sequence[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+        self,
+        service_names: Sequence[str],
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
-        self.server = grpc.aio.server(options=MESSAGE_OPTIONS, interceptors=list(interceptors))
+        """`max_receive_bytes`: larger messages are refused (RESOURCE_EXHAUSTED) by gRPC
+        before they are read; each service derives it from its model."""
+        options = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ]
+        self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)

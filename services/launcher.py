@@ -100,7 +100,7 @@ class ServicesDeployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout = startup_timeout
         self.env = {**os.environ, **(env or {})}
-        self.max_cache_gib = max_cache_gib  # per stage; None: the service default
+        self.max_cache_gib = max_cache_gib  # per stage and draft; None: a share of free memory
         self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
         self.api_keys = list(api_keys)
         # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
@@ -186,6 +186,7 @@ class ServicesDeployment:
                     str(port),
                     "--dtype",
                     self.dtype,
+                    *self._cache_args(),
                     *common,
                 ],
             )
@@ -200,7 +201,14 @@ class ServicesDeployment:
         return self.router_address
 
     def _cache_args(self) -> list[str]:
-        return [] if self.max_cache_gib is None else ["--max-cache-gib", str(self.max_cache_gib)]
+        """A fixed budget, or an equal share of the free memory of the one device every
+        stage and the draft share here."""
+        if self.max_cache_gib is not None:
+            return ["--max-cache-gib", str(self.max_cache_gib)]
+        from .modelinfo import DEFAULT_CACHE_FRACTION
+
+        share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
+        return ["--cache-fraction", f"{share:.4f}"]
 
     def _router_api_args(self) -> list[str]:
         args = []

@@ -22,6 +22,18 @@ def free_memory_bytes(device: torch.device | str) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# Share of the device's free memory (after the weights are loaded) a stage or the draft
+# gives its KV caches when no --max-cache-gib is given.
+DEFAULT_CACHE_FRACTION = 0.8
+
+
+def cache_budget(device: torch.device | str, fraction: float = DEFAULT_CACHE_FRACTION) -> int:
+    """KV cache bytes a service may hold: `fraction` of its device's free memory now."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"the cache fraction must be in (0, 1], got {fraction}")
+    return int(free_memory_bytes(device) * fraction)
+
+
 def resolve_device(spec: str) -> str:
     """The torch device a service runs on: `cpu`, `cuda`, `cuda:N`, or `auto` (cuda when
     available, else cpu). Raises ValueError with a one-line reason for anything else, or

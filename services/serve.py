@@ -85,6 +85,7 @@ async def run_stage(args) -> None:
             device=args.device,
             max_cache_bytes=_gib(args.max_cache_gib),
         )
+        _set_cache_budget(model.runtime, args)
     if model is not None and args.measure_costs:
         from specpipe.common.perf.cost_model import BUDGET_ROWS, measure_runtime, row_budget
 
@@ -98,6 +99,7 @@ async def run_stage(args) -> None:
         advertise_host=args.advertise_host,
         max_cache_bytes=_gib(args.max_cache_gib),
         device=args.device,
+        cache_fraction=args.cache_fraction,
     )
     port = await svc.start(args.host, args.port, args.data_port)
     addr = f"{svc.transport.advertise_host}:{port}"
@@ -116,6 +118,7 @@ async def run_draft(args) -> None:
         device=args.device,
         max_cache_bytes=_gib(args.max_cache_gib),
     )
+    _set_cache_budget(svc.runtime.runtime, args)
     port = await svc.start(args.host, args.port)
     addr = f"{args.advertise_host or _local(args.host)}:{port}"
     write_ready(args.ready_file, grpc=addr)
@@ -166,6 +169,16 @@ async def run_router(args) -> None:
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **info)
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
     await _serve_until_stopped(svc, args.drain_seconds, [http.stop] if http else [])
+
+
+def _set_cache_budget(runtime, args) -> None:
+    """Without --max-cache-gib: a share of the device's free memory once the weights are
+    loaded (--cache-fraction), not a fixed size whatever the machine."""
+    from .modelinfo import cache_budget
+
+    if args.max_cache_gib is None:
+        runtime.max_cache_bytes = cache_budget(runtime.model.device, args.cache_fraction)
+    log.info("KV cache budget %.2f GiB", runtime.max_cache_bytes / (1 << 30))
 
 
 def _local(host: str) -> str:

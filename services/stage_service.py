@@ -20,22 +20,34 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from specpipe.common.runtime.errors import DuplicatePrune, RequestError
+from specpipe.common.runtime.errors import DuplicatePrune, InvalidInput, RequestError
 from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_capacity, check_input
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
-from .control import prune_from_proto, token_activation
+from .control import max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
-from .modelinfo import free_memory_bytes
+from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
+from .ratelog import RateLimitedLog
 from .status import status_code
-from .transport import TCP, Frame, FrameError, Transport, TransportError, decode, make_transport
+from .transport import (
+    TCP,
+    Address,
+    Frame,
+    FrameError,
+    Transport,
+    TransportError,
+    decode,
+    make_transport,
+)
 from .transport.codec import Kind, empty_header, error_header
 
 log = logging.getLogger(__name__)
+rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Stage"
 
 
@@ -46,6 +58,7 @@ class _Request:
     request_id: str
     next_hop: str
     report_to: str
+    capacity: int = MAX_ROWS
     order: RequestOrder = field(default_factory=RequestOrder)
     closed: bool = False  # released, or failed here: takes no more work
 
@@ -72,9 +85,11 @@ class StageService(stage_pb2_grpc.StageServicer):
         advertise_host: str | None = None,
         max_cache_bytes: int | None = None,
         device: str | None = None,
+        cache_fraction: float = DEFAULT_CACHE_FRACTION,
     ) -> None:
         self.model = model
         self.max_cache_bytes = max_cache_bytes
+        self.cache_fraction = cache_fraction
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, _Request] = {}
@@ -91,7 +106,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             advertise_host=advertise_host,
             device=str(model.runtime.model.device) if model else self.device,
         )
-        self.server = Server([SERVICE_NAME])
+        limits = Limits.of(model.runtime.model) if model else None
+        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(limits))
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
 
     # -- process lifecycle ---------------------------------------------------------------
@@ -130,6 +146,12 @@ class StageService(stage_pb2_grpc.StageServicer):
     def runtime(self) -> StageRuntime:
         assert self.model is not None
         return self.model.runtime
+
+    @property
+    def limits(self) -> Limits:
+        """What this stage's model accepts (context, vocabulary, width, dtype)."""
+        assert self.model is not None
+        return Limits.of(self.runtime.model)
 
     # -- RPCs ------------------------------------------------------------------------------
     async def Describe(self, request, context) -> stage_pb2.StageDescription:
@@ -186,6 +208,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         except (ValueError, OSError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load the model: {e}")
         self.transport.device = str(self.runtime.model.device)
+        if self.max_cache_bytes is None:
+            self.runtime.max_cache_bytes = cache_budget(self.device, self.cache_fraction)
         await self.server.set_serving(True)
         return self._describe()
 
@@ -202,13 +226,20 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "request_id and next_hop are required"
             )
-        if request.capacity <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "capacity must be positive")
         try:
+            check_capacity(int(request.capacity), self.limits)
+            for hop in (request.next_hop, request.report_to):
+                if hop:
+                    self._check_hop(hop)
             self.runtime.open(rid, int(request.capacity), request.root_logits_only)
         except RequestError as e:
             await context.abort(status_code(e), f"{self.name}: {e}")
-        self._requests[rid] = _Request(rid, request.next_hop, request.report_to)
+        capacity = int(request.capacity)
+        st = _Request(rid, request.next_hop, request.report_to, capacity)
+        # Every prefill chunk may be sent at once (one row each at least), then the layers
+        # in flight: nothing legitimate is numbered further ahead.
+        st.order.window = capacity + 64
+        self._requests[rid] = st
         return stage_pb2.OpenStageResponse()
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
@@ -218,22 +249,20 @@ class StageService(stage_pb2_grpc.StageServicer):
             )
         st = await self._request(request.request_id, context)
         try:
-            act = token_activation(request.request_id, request.rows, request.token_ids)
-        except FrameError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        vocab = self.runtime.model.cfg.vocab_size
-        if act.tokens.numel() and not (
-            int(act.tokens.min()) >= 0 and int(act.tokens.max()) < vocab
-        ):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids outside [0, {vocab})")
-        self._enqueue(st, request.seq, Pending(act, request.after_prune))
+            act = token_activation(
+                request.request_id, request.rows, request.token_ids, min(st.capacity, MAX_ROWS)
+            )
+            check_input(act, self.limits, first=True)
+            self._enqueue(st, request.seq, Pending(act, request.after_prune))
+        except (FrameError, RequestError) as e:
+            await context.abort(status_code(e), f"{self.name}: {e}")
         return stage_pb2.FeedResponse()
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         st = await self._request(request.request_id, context)
         try:
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
-        except DuplicatePrune as e:
+        except (DuplicatePrune, InvalidInput) as e:
             await context.abort(status_code(e), str(e))
         self._wake.set()
         return pb.PruneResponse()
@@ -250,6 +279,18 @@ class StageService(stage_pb2_grpc.StageServicer):
         return st
 
     # -- data plane ----------------------------------------------------------------------
+    def _check_hop(self, address: str) -> None:
+        """A next hop or report address must be a data-plane address of this deployment's
+        transport (the TLS/HMAC data plane then only talks to peers holding its secret)."""
+        try:
+            addr = Address.parse(address)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
+        if addr.scheme != self.transport.scheme:
+            raise InvalidInput(
+                f"{address}: this deployment's data plane is {self.transport.scheme}"
+            )
+
     def _on_frame(self, frame: Frame) -> None:
         st = self._requests.get(frame.request_id)
         if st is None:  # released already (cancelled or failed): late frames are dropped
@@ -257,12 +298,18 @@ class StageService(stage_pb2_grpc.StageServicer):
         h = frame.header
         if h.kind == Kind.PAYLOAD_KIND_ERROR:
             return
+        empty = h.kind == Kind.PAYLOAD_KIND_EMPTY
         try:
+            if h.kind not in (Kind.PAYLOAD_KIND_HIDDEN, Kind.PAYLOAD_KIND_EMPTY):
+                raise FrameError(f"a stage takes hidden states, not frames of kind {h.kind}")
             act = decode(frame)
-        except FrameError as e:
+            if not empty:
+                check_input(act, self.limits, first=False)
+            self._enqueue(st, h.seq, Pending(act, h.after_prune, empty))
+        except (FrameError, RequestError) as e:
+            rlog.warning("bad-frame", "%s: bad frame for %s from %s: %s",
+                         self.name, st.request_id, h.sender, e)  # fmt: skip
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
-            return
-        self._enqueue(st, h.seq, Pending(act, h.after_prune, h.kind == Kind.PAYLOAD_KIND_EMPTY))
 
     def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:
         st.order.add_activation(seq, item)
@@ -282,7 +329,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             try:
                 await loop.run_in_executor(self._executor, self._compute, work)
             except Exception as e:  # the batched forward itself failed: every request in it
-                log.exception("%s: a batched forward of %d requests failed", self.name, len(work))
+                rlog.error("batch", "%s: a batched forward of %d requests failed: %s: %s",
+                           self.name, len(work), type(e).__name__, e)  # fmt: skip
+                log.debug("the batch failed", exc_info=True)
                 for w in work:
                     self._fail(w.st, f"{self.name} failed: {e}")
                 continue
@@ -350,11 +399,14 @@ class StageService(stage_pb2_grpc.StageServicer):
                 await self._send(st, seq, item.after_prune, out)
         except TransportError as e:
             self._fail(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
+        except Exception as e:  # any failure of the delivery path fails the request, loudly
+            log.debug("request %s failed", st.request_id, exc_info=True)
+            self._fail(st, f"{self.name} failed: {type(e).__name__}: {e}")
 
     def _fail(self, st: _Request, message: str, unavailable: bool = False) -> None:
         """This request takes no more work here; the router hears why (and releases it)."""
         st.closed = True
-        log.warning("request %s failed: %s", st.request_id, message)
+        rlog.error("compute", "%s: request %s failed: %s", self.name, st.request_id, message)
         self._report(st, message, unavailable)
 
     def _for_wire(self, out: Activation | None) -> Activation | None:

@@ -9,16 +9,20 @@ from specpipe.common.runtime.errors import (
     BadInput,
     CacheFull,
     DuplicatePrune,
+    InvalidInput,
     NotOpen,
-    RequestError,
 )
 
-CODES: dict[type[RequestError], grpc.StatusCode] = {
+from .control import FrameError
+
+CODES: dict[type[Exception], grpc.StatusCode] = {
+    FrameError: grpc.StatusCode.INVALID_ARGUMENT,
     CacheFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotOpen: grpc.StatusCode.NOT_FOUND,
     AlreadyOpen: grpc.StatusCode.ALREADY_EXISTS,
     BadInput: grpc.StatusCode.FAILED_PRECONDITION,
     DuplicatePrune: grpc.StatusCode.INVALID_ARGUMENT,
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 

@@ -30,3 +30,11 @@ class BadInput(RequestError):
 
 class DuplicatePrune(RequestError):
     """A prune this request has already received (each is sent once, numbered 1, 2, ...)."""
+
+
+class InvalidInput(RequestError):
+    """Input no well-behaved router or stage sends: row counts that disagree, positions
+    outside the context, token ids outside the vocabulary, a payload of the wrong shape,
+    dtype or with non-finite values, a sequence number far ahead of the request's or seen
+    before. Checked before anything is computed or allocated for it
+    (`common/runtime/validation.py`)."""

@@ -10,7 +10,9 @@ a stage on different channels and in any order. The rules:
   prunes it was created after are applied (`after_prune <= applied`);
 - an activation that was pruned away upstream (`empty`) still takes its turn: it is not
   computed, it only passes the turn on (the stage forwards an empty frame);
-- a prune that was already received is refused.
+- a prune or an activation that was already received is refused, and so is one
+  numbered more than `window` ahead of the request's (it could never be reached, and
+  would be held forever).
 
 `RequestOrder` holds one request's waiting work and says what to do next; the stage
 service only awaits what it says, computes and sends.
@@ -21,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec.messages import Activation, Prune
-from .errors import DuplicatePrune
+from .errors import DuplicatePrune, InvalidInput
 
 
 @dataclass
@@ -39,14 +41,32 @@ class RequestOrder:
     prunes: dict[int, Prune] = field(default_factory=dict)  # received, not yet applied
     applied: int = 0  # prunes applied so far
     next_seq: int = 0  # the activation whose turn it is
+    # How far ahead of the request's turn an activation or prune may be numbered (the
+    # stage sets it from the request's cache capacity: every prefill chunk may be sent at
+    # once, and each has at least one row).
+    window: int = 1 << 20
 
     def add_activation(self, seq: int, item: Pending) -> None:
+        """Accept activation `seq`; InvalidInput if it was received before or is more
+        than `window` ahead."""
+        if seq < self.next_seq or seq in self.pending:
+            raise InvalidInput(f"activation {seq} was already received")
+        if seq >= self.next_seq + self.window:
+            raise InvalidInput(
+                f"activation {seq} is more than {self.window} ahead of the request's "
+                f"turn ({self.next_seq})"
+            )
         self.pending[seq] = item
 
     def add_prune(self, seq: int, prune: Prune) -> None:
-        """Accept prune `seq`; DuplicatePrune if it was received before."""
+        """Accept prune `seq`; DuplicatePrune if it was received before, InvalidInput if
+        it is more than `window` ahead of the prunes applied."""
         if seq <= self.applied or seq in self.prunes:
             raise DuplicatePrune(f"prune {seq} was already received")
+        if seq > self.applied + self.window:
+            raise InvalidInput(
+                f"prune {seq} is more than {self.window} ahead of the prunes applied ({self.applied})"
+            )
         self.prunes[seq] = prune
 
     def next_prune(self) -> tuple[int, Prune] | None:

@@ -21,7 +21,7 @@ DEFAULT_PREFILL_CHUNK = 128
 MAX_WIDTH = 256
 MAX_TOP_K_CHILDREN = 1024
 MAX_SPECINFER_DEPTH = 64
-MAX_PREFILL_CHUNK = 1 << 16
+MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
 MAX_NEW_TOKENS = 1 << 20
 
 

@@ -173,8 +173,10 @@ class Backends:
         return info
 
     # -- paths ---------------------------------------------------------------------------
-    def path(self) -> RequestPath:
-        """The least loaded healthy replica of every stage, and the draft."""
+    def path(self, needs_draft: bool = True) -> RequestPath:
+        """The least loaded healthy replica of every stage, and the draft (not needed, and
+        not in the path, for modes without one: pp and autoregressive run while the draft
+        is down)."""
         assert self.model is not None
         chosen = []
         for rng in self.model.ranges:
@@ -184,7 +186,7 @@ class Backends:
                 down = "; ".join(f"{b.label}: {b.error}" for b in replicas)
                 raise NoPath(f"no healthy replica of layers {rng[0]}:{rng[1]} ({down})")
             chosen.append(min(healthy, key=lambda b: b.active))
-        draft = self.draft
+        draft = self.draft if needs_draft else None
         if draft is not None and not draft.healthy:
             raise NoPath(f"{draft.label} is down: {draft.error}")
         return RequestPath(chosen, draft)

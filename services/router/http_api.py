@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specpipe.v1 import generation_pb2 as gen
 from starlette.exceptions import HTTPException
 
+from .bounds import max_prompt_chars
 from .openai_compat import (
     DEFAULT_COMPLETION_TOKENS,
     ApiError,
@@ -75,6 +76,7 @@ class HttpApi:
         )
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
+        app.add_middleware(BodyLimit, limit=lambda: self.router.max_request_bytes)
         return app
 
     # -- routes ------------------------------------------------------------------------
@@ -132,8 +134,15 @@ class HttpApi:
         body.check()
         messages = body.rendered_messages()
         try:
-            self.router._check_model(body.model)
-            ids = self._render(messages)
+            model = self.router._check_model(body.model)
+            chars = sum(len(m.get("content") or "") for m in messages)
+            if chars > max_prompt_chars(model.max_positions):
+                raise bad_request(
+                    f"the messages have {chars} characters: more than any prompt that fits "
+                    f"the model's context of {model.max_positions} tokens",
+                    "messages",
+                )
+            ids = await self.router.tokenize_off_loop(self._render, messages)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
         # OpenAI: without max_tokens, a chat completion may fill the context.
@@ -251,6 +260,47 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit()` bytes is refused 413 before it is
+    parsed: by its Content-Length, or by reading a chunked body up to the limit (the
+    body is then passed on as read)."""
+
+    def __init__(self, app, limit) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cap = self.limit()
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            await self._refuse(cap, scope, receive, send)
+            return
+        read, seen = [], 0
+        while True:
+            message = await receive()
+            read.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                await self._refuse(cap, scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+
+        async def replay():
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(cap: int, scope, receive, send) -> None:
+        e = ApiError(413, f"the request body is larger than {cap} bytes", "request_too_large")
+        await _error_response(e)(scope, receive, send)
 
 
 # -- errors --------------------------------------------------------------------------------

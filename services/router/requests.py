@@ -4,7 +4,6 @@ with an id that names it on every stage; and how a refused or failed request is 
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 
 from .backends import ModelInfo
+from .bounds import max_prompt_chars
 
 
 @dataclass(frozen=True)
@@ -50,16 +50,14 @@ def invalid(message: str) -> InvalidRequest:
 
 
 class RequestIds:
-    """Request ids unique across router processes and pods: a random per-process prefix
-    plus a counter. (A process id is no prefix: it is the same in every container, and
-    two routers sharing a stage must never open equal ids there.)"""
+    """Request ids that are capabilities (docs/architecture.md, "9. Security"): 128
+    random bits each, no counter, so no client can predict another's id from its own
+    `Started.request_id`, and routers sharing stages never collide."""
 
-    def __init__(self) -> None:
-        self.prefix = f"r{secrets.token_hex(6)}"
-        self._count = itertools.count()
+    BITS = 128
 
     def next(self) -> str:
-        return f"{self.prefix}-{next(self._count)}"
+        return secrets.token_urlsafe(self.BITS // 8)
 
 
 def load_codec(model_dir: str | None):
@@ -100,20 +98,41 @@ def tokenize(codec, text: str, chat: bool) -> list[int]:
         raise invalid(str(e)) from None
 
 
-def plan_request(r: gen.GenerateRequest, model: ModelInfo | None, codec, has_draft: bool) -> Plan:
-    """Validate a request against the deployment; every problem is a clear status."""
-    model = check_model(model, r.model)
+def check_size(r: gen.GenerateRequest, model: ModelInfo) -> None:
+    """Refuse a prompt that cannot fit the context from its length alone, before it is
+    copied or tokenized."""
+    which = r.WhichOneof("prompt")
+    if which == "text" and len(r.text) > max_prompt_chars(model.max_positions):
+        raise invalid(
+            f"the prompt has {len(r.text)} characters: more than any prompt that fits "
+            f"the model's context of {model.max_positions} tokens"
+        )
+    if which == "token_ids" and len(r.token_ids.ids) >= model.max_positions:
+        try:
+            check_context(len(r.token_ids.ids), 1, model.max_positions)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+
+
+def prompt_of(r: gen.GenerateRequest, codec) -> list[int]:
+    """The request's prompt as token ids (text tokenized, with the chat template)."""
     which = r.WhichOneof("prompt")
     if which == "text":
         if not r.text:
             raise invalid("the prompt is empty")
-        prompt = tokenize(codec, r.text, r.chat)
-    elif which == "token_ids":
+        return tokenize(codec, r.text, r.chat)
+    if which == "token_ids":
         if r.chat:
             raise invalid("chat needs a text prompt")
-        prompt = list(r.token_ids.ids)
-    else:
-        prompt = []
+        return list(r.token_ids.ids)
+    return []
+
+
+def plan_request(
+    r: gen.GenerateRequest, model: ModelInfo, prompt: list[int], has_draft: bool
+) -> Plan:
+    """Validate a request (its prompt already as token ids) against the deployment;
+    every problem is a clear status."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from specpipe.common.spec.controller import make_controller
@@ -27,6 +28,7 @@ from ..grpc_util import Server, wait_until_idle
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
+from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .driver import DriverError, RequestDriver
 from .requests import (
     InvalidRequest,
@@ -35,9 +37,11 @@ from .requests import (
     RequestIds,
     StopGeneration,
     check_model,
+    check_size,
     invalid,
     load_codec,
     plan_request,
+    prompt_of,
     tokenize,
 )
 
@@ -87,7 +91,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
-        self.server = Server([SERVICE_NAME], interceptors=auth)
+        # Requests larger than any prompt that fits the context are refused by gRPC
+        # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
+        self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
+        self.server = Server(
+            [SERVICE_NAME], interceptors=auth, max_receive_bytes=self.max_request_bytes
+        )
+        # Tokenizing (and chat templates) off the event loop: a long prompt never delays
+        # other requests' tokens or the health checks.
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -157,6 +169,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await asyncio.wait(self._cleanup, timeout=5.0)
         await self.backends.close()
         await self.transport.close()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
@@ -170,8 +183,24 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     def _check_model(self, name: str) -> ModelInfo:
         return check_model(self.model, name)
 
-    def plan(self, r: gen.GenerateRequest) -> Plan:
-        return plan_request(r, self.model, self.codec, self.backends.draft is not None)
+    def plan(self, r: gen.GenerateRequest, prompt: list[int] | None = None) -> Plan:
+        """Validate a request against the deployment; every problem is a clear status.
+        `prompt`: the request's prompt already tokenized (see `prepare`)."""
+        model = self._check_model(r.model)
+        if prompt is None:
+            check_size(r, model)
+            prompt = prompt_of(r, self.codec)
+        return plan_request(r, model, prompt, self.backends.draft is not None)
+
+    async def tokenize_off_loop(self, fn, *args):
+        """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def prepare(self, r: gen.GenerateRequest) -> Plan:
+        """`plan`, with the prompt tokenized off the event loop."""
+        check_size(r, self._check_model(r.model))
+        return self.plan(r, await self.tokenize_off_loop(prompt_of, r, self.codec))
 
     # -- RPCs ------------------------------------------------------------------------------
     async def generate(
@@ -188,11 +217,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
             )
-        plan = self.plan(request)
+        plan = await self.prepare(request)
         rid = self._ids.next()
         await self._admit(rid, plan, request.priority, deadline)
         try:
-            path = self.backends.path()
+            path = self.backends.path(needs_draft=plan.mode.uses_draft)
         except NoPath as e:
             self._leave(rid)
             raise RequestFailed(
@@ -309,7 +338,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model)
             if not request.text:
                 raise invalid("the text is empty")
-            ids = tokenize(self.codec, request.text, request.chat)
+            model = self._check_model(request.model)
+            if len(request.text) > max_prompt_chars(model.max_positions):
+                raise invalid(f"the text has {len(request.text)} characters: too long")
+            ids = await self.tokenize_off_loop(tokenize, self.codec, request.text, request.chat)
         except InvalidRequest as e:
             await context.abort(e.code, e.message)
         return gen.TokenizeResponse(token_ids=ids)

@@ -149,6 +149,8 @@ def decode(frame: Frame) -> Activation:
     payload = act.hidden if act.hidden is not None else act.logits
     if payload is None:
         payload = act.tokens
+    if payload is not None and payload.ndim == 0:
+        raise FrameError("a payload needs one row per position, got a 0-dim tensor")
     if payload is not None and payload.shape[0] != len(act):
         raise FrameError(f"payload has {payload.shape[0]} rows, header lists {len(act)} positions")
     return act

@@ -58,7 +58,19 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     )
     add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget")
+    p.add_argument(
+        "--max-cache-gib",
+        type=float,
+        default=None,
+        help="KV cache budget (default: --cache-fraction of the device's free memory)",
+    )
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.8,
+        help="without --max-cache-gib: this share of the device's free memory once the "
+        "weights are loaded",
+    )
     add_device_arg(p)
 
 

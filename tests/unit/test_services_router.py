@@ -9,40 +9,29 @@ import re
 from specpipe.services.router.requests import RequestIds
 
 
-def test_request_ids_are_unique_across_routers_with_the_same_pid(monkeypatch) -> None:
-    # Every container's router is pid 1: the prefix must not come from the pid.
+def test_request_ids_are_unguessable_capabilities(monkeypatch) -> None:
+    """128 random bits each (no counter, no pid): one client's id says nothing about
+    another's, and routers sharing stages never collide (every container's pid is 1)."""
     monkeypatch.setattr(os, "getpid", lambda: 1)
     routers = [RequestIds() for _ in range(20)]
-    assert len({r.prefix for r in routers}) == len(routers)
-    ids = [r.next() for r in routers for _ in range(3)]
+    ids = [r.next() for r in routers for _ in range(50)]
     assert len(set(ids)) == len(ids)
     for rid in ids:
-        assert re.fullmatch(r"r[0-9a-f]{12}-\d+", rid), rid
-
-
-def test_request_ids_of_one_router_count_up() -> None:
+        assert re.fullmatch(r"[A-Za-z0-9_-]{22}", rid), rid  # 16 bytes, base64url
+    # Consecutive ids of one router share no prefix beyond chance.
     r = RequestIds()
-    assert [r.next() for _ in range(3)] == [f"{r.prefix}-{i}" for i in range(3)]
+    a, b = r.next(), r.next()
+    assert a[:6] != b[:6]
 
 
 def _with_router(fn):
     """fn(router) for a router that knows its model (built in a running event loop, as
     gRPC's asyncio objects need one)."""
-    import asyncio
 
-    from specpipe.services.router.backends import ModelInfo
-    from specpipe.services.router.service import RouterService
+    async def call(router):
+        return fn(router)
 
-    async def main():
-        svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
-        svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
-                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
-        try:
-            return fn(svc)
-        finally:
-            await svc.backends.close()
-
-    return asyncio.run(main())
+    return _with_router_async(call)
 
 
 def test_router_defaults_are_the_engines() -> None:
@@ -134,3 +123,66 @@ def test_backend_calls_get_the_rest_of_the_clients_deadline() -> None:
     assert _open_timeouts(None) == [60.0] * 5  # no client deadline: the cap
     assert _open_timeouts(500.0) == [60.0] * 5
     assert all(t == 0.01 for t in _open_timeouts(-1.0))  # already past: fail fast
+
+
+def test_modes_without_a_draft_run_while_the_draft_is_down() -> None:
+    """pp and autoregressive never call the draft, so a dead draft must not refuse them;
+    specpipe and specinfer are refused UNAVAILABLE with the draft's error."""
+    from types import SimpleNamespace
+
+    import grpc
+    import pytest
+    from specpipe.services.client import build_request
+    from specpipe.services.router.backends import NoPath
+    from specpipe.services.router.service import RequestFailed
+
+    def check(router):
+        backends = router.backends
+        backends.model = router.model
+        (stage,) = backends.stages
+        stage.desc = SimpleNamespace(layer_start=0, layer_end=4)
+        stage.healthy = True
+        backends.draft.healthy, backends.draft.error = False, "connection refused"
+        path = backends.path(needs_draft=False)
+        assert path.stages == [stage] and path.draft is None
+        with pytest.raises(NoPath, match="connection refused"):
+            backends.path(needs_draft=True)
+        return path
+
+    _with_router(check)
+
+    async def asked(router, mode):  # what the service asks the backends for, per mode
+        seen = []
+
+        def path(needs_draft=True):
+            seen.append(needs_draft)
+            raise NoPath("none")
+
+        router.backends.path = path
+        agen = router.generate(build_request(prompt_ids=[1, 2], mode=mode, max_new_tokens=2))
+        with pytest.raises(RequestFailed) as info:
+            await agen.__anext__()
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        return seen
+
+    for mode, needs in (("pp", False), ("autoregressive", False), ("specpipe", True)):
+        assert _with_router_async(lambda r, m=mode: asked(r, m)) == [needs]
+
+
+def _with_router_async(fn):
+    """await fn(router), for a router as in `_with_router`."""
+    import asyncio
+
+    from specpipe.services.router.backends import ModelInfo
+    from specpipe.services.router.service import RouterService
+
+    async def main():
+        svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
+        svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
+                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
+        try:
+            return await fn(svc)
+        finally:
+            await svc.backends.close()
+
+    return asyncio.run(main())

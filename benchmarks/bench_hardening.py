@@ -1,0 +1,420 @@
+"""Measurements of issue 13 ("Hardening"), not a test: what oversized inputs cost the
+services, how long a killed router's requests stay on the stages, and what frame
+authentication costs per hop.
+
+1. `oversize`: a local deployment (`specpipe up`'s launcher, 2 stages over TCP, the
+   target as its own draft, a tiny random model with a character tokenizer). Against
+   the router's public port: a 47 MB text prompt, a 47 MB token-id prompt, and four
+   47 MB text prompts at once: the status, the time until the refusal and the router's
+   peak memory above its resting memory (RSS sampled every 5 ms). Against the stages
+   and the draft directly (the deployment started without --secure, so these measure
+   the input bounds, not the refusal of unauthenticated calls): a 57 MB `Feed` on an
+   open request, and a draft `Open` with a 6000-token prompt; for each, the time until
+   refused and the slowest health check of that service meanwhile (checked every 20 ms).
+2. `lease`: a request runs, the router is killed with SIGKILL; the time until every
+   stage and the draft hold no request (polling Describe), then the same with a router
+   restarted on the same port (it frees its predecessor's requests at once).
+3. `frame`: one process, two transports on loopback TCP: frames of 6, 96 and 384 KiB sent
+   one after another and waited for at the receiver; the mean time per frame, plaintext
+   and with per-frame HMAC (the `--secure` data plane).
+
+Prints a summary and writes JSON (`--out`). Run from the repository root:
+
+    python benchmarks/bench_hardening.py [--only oversize,lease,frame] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # tests/ for the tiny models
+
+MB = 1 << 20
+
+
+# -- helpers -------------------------------------------------------------------------------
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Peak RSS of a process while the block runs, sampled in a thread."""
+
+    def __init__(self, pid: int, every: float = 0.005) -> None:
+        self.pid, self.every = pid, every
+        self.base = self.peak = rss_bytes(pid)
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                self.peak = max(self.peak, rss_bytes(self.pid))
+            time.sleep(self.every)
+
+    def __enter__(self) -> PeakRss:
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def increase_mb(self) -> float:
+        return (self.peak - self.base) / MB
+
+
+class HealthProbe:
+    """The slowest grpc.health.v1 check of one address while the block runs."""
+
+    def __init__(self, address: str, every: float = 0.02) -> None:
+        self.address, self.every = address, every
+        self.worst = 0.0
+        self.failures = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+                except grpc.RpcError:
+                    self.failures += 1
+                self.worst = max(self.worst, time.monotonic() - t0)
+                time.sleep(self.every)
+
+    def __enter__(self) -> HealthProbe:
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def timed_call(fn) -> tuple[str, float, str]:
+    """(status name, seconds, details) of one call that is expected to fail."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        code, details = "OK", ""
+    except grpc.RpcError as e:
+        code, details = e.code().name, (e.details() or "")[:160]
+    except Exception as e:  # the SDK's typed errors
+        code, details = getattr(e, "code_name", type(e).__name__), str(e)[:160]
+    return code, time.monotonic() - t0, details
+
+
+def make_model(root: Path, max_positions: int = 512) -> Path:
+    from tests.conftest import make_tiny_model
+    from tests.integration.conftest import add_char_tokenizer
+
+    d = make_tiny_model(root / "target", "llama", layers=4, seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["max_position_embeddings"] = max_positions
+    (d / "config.json").write_text(json.dumps(cfg))
+    return add_char_tokenizer(d)
+
+
+def deployment(model: Path, log_dir: Path, **extra):
+    from specpipe.services.launcher import ServicesDeployment
+
+    kw = dict(transport="tcp", threads=1, log_dir=log_dir, dtype="float32", drain_seconds=2)
+    for k, v in extra.items():
+        kw[k] = v
+    try:
+        return ServicesDeployment(model, "oracle", 2, **kw)
+    except TypeError as e:  # an option this version does not have
+        raise SystemExit(f"this version has no {e}") from None
+
+
+# -- 1. oversized inputs ---------------------------------------------------------------------
+def bench_oversize(tmp: Path) -> dict:
+    from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+    from specpipe.client import Client
+
+    model = make_model(tmp)
+    dep = deployment(model, tmp / "logs-oversize")
+    dep.start()
+    out: dict = {}
+    try:
+        router_pid = dep.children["router"].proc.pid
+        text = "a" * (47 * MB)
+        ids = [5] * (47 * MB)  # one byte per id on the wire
+        with Client(dep.router_address, timeout=120) as c:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)  # warm
+            time.sleep(0.5)
+            for name, kwargs in (
+                ("text_47MB", {"prompt": text}),
+                ("token_ids_47MB", {"prompt_ids": ids}),
+            ):
+                with PeakRss(router_pid) as mem:
+                    code, secs, why = timed_call(
+                        lambda kw=kwargs: c.generate(max_new_tokens=2, **kw)
+                    )
+                out[name] = {"status": code, "seconds": round(secs, 3),
+                             "router_peak_increase_mb": round(mem.increase_mb, 1), "details": why}  # fmt: skip
+                time.sleep(1.0)
+            results: list = [None] * 4
+            with PeakRss(router_pid) as mem:
+                t0 = time.monotonic()
+
+                def one(i: int) -> None:
+                    results[i] = timed_call(lambda: c.generate(prompt=text, max_new_tokens=2))
+
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                secs = time.monotonic() - t0
+            out["text_47MB_x4"] = {"status": sorted({r[0] for r in results}),
+                                   "seconds": round(secs, 3),
+                                   "router_peak_increase_mb": round(mem.increase_mb, 1)}  # fmt: skip
+            code, _, why = timed_call(
+                lambda: c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
+            )
+            out["small_request_afterwards"] = {"status": code, "details": why}
+            out["router_alive"] = dep.children["router"].proc.poll() is None
+
+        # A 57 MB Feed on an open request of stage 0.
+        stage0 = dep.children["stage0"].info["grpc"]
+        opts = grpc_options()
+        with grpc.insecure_channel(stage0, options=opts) as ch:
+            stub = stage_pb2_grpc.StageStub(ch)
+            rid = "bench-feed"
+            open_req = stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
+                                                  next_hop="tcp://127.0.0.1:9")  # fmt: skip
+            code, _, why = timed_call(lambda: stub.Open(open_req, timeout=10))
+            n = 57 * MB // 2  # positions and token ids, one byte each
+            feed = stage_pb2.FeedRequest(request_id=rid, seq=0)
+            feed.rows.positions.extend([1] * n)
+            feed.rows.committed = True
+            feed.token_ids.extend([1] * n)
+            with HealthProbe(stage0) as probe:
+                code, secs, why = timed_call(lambda: stub.Feed(feed, timeout=60))
+                time.sleep(0.3)
+            out["stage_feed_57MB"] = {"status": code, "seconds": round(secs, 3),
+                                      "worst_health_check_s": round(probe.worst, 3),
+                                      "health_failures": probe.failures, "details": why}  # fmt: skip
+            with contextlib.suppress(grpc.RpcError):
+                from specpipe.v1 import dataplane_pb2
+
+                stub.Release(dataplane_pb2.RequestRef(request_id=rid), timeout=5)
+        draft = dep.children["draft"].info["grpc"]
+        with grpc.insecure_channel(draft, options=opts) as ch:
+            stub = draft_pb2_grpc.DraftStub(ch)
+            req = draft_pb2.OpenDraftRequest(request_id="bench-draft", capacity=8000,
+                                             prompt_ids=[5] * 6000, prefill_chunk=128)  # fmt: skip
+            with HealthProbe(draft) as probe:
+                code, secs, why = timed_call(lambda: stub.Open(req, timeout=60))
+                time.sleep(0.3)
+            out["draft_open_6000_tokens_context_512"] = {
+                "status": code, "seconds": round(secs, 3),
+                "worst_health_check_s": round(probe.worst, 3), "details": why}  # fmt: skip
+            with contextlib.suppress(grpc.RpcError):
+                from specpipe.v1 import dataplane_pb2
+
+                stub.Release(dataplane_pb2.RequestRef(request_id="bench-draft"), timeout=5)
+    finally:
+        dep.stop()
+    return out
+
+
+def grpc_options():
+    big = 1 << 30
+    return [("grpc.max_send_message_length", big), ("grpc.max_receive_message_length", big)]
+
+
+# -- 2. leases after a router is killed ------------------------------------------------------
+def _held(dep) -> dict[str, int]:
+    from specpipe.v1 import dataplane_pb2, draft_pb2_grpc, stage_pb2_grpc
+
+    counts = {}
+    for name, child in dep.children.items():
+        if name == "router":
+            continue
+        with grpc.insecure_channel(child.info["grpc"]) as ch:
+            cls = draft_pb2_grpc.DraftStub if name == "draft" else stage_pb2_grpc.StageStub
+            try:
+                d = cls(ch).Describe(dataplane_pb2.DescribeRequest(), timeout=5)
+                counts[name] = d.active_requests
+            except grpc.RpcError:
+                counts[name] = -1
+    return counts
+
+
+def _freed_after(dep, t0: float, limit: float) -> float | None:
+    while time.monotonic() - t0 < limit:
+        if not any(_held(dep).values()):
+            return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
+
+
+def _start_requests(address: str, n: int) -> list:
+    from specpipe.client import Client
+
+    client = Client(address, timeout=300)
+    modes = ["pp", "specpipe"] * n
+    streams = [
+        client.stream(prompt_ids=[3, 4, 5], mode=m, max_new_tokens=400, ignore_eos=True)
+        for m in modes[:n]
+    ]
+    for s in streams:
+        next(iter(s))
+    return [client, streams]
+
+
+def bench_lease(tmp: Path, lease_seconds: float, limit: float) -> dict:
+    model = make_model(tmp)
+    extra = {"lease_seconds": lease_seconds} if lease_seconds else {}
+    out: dict = {"lease_seconds": lease_seconds or None, "limit_s": limit}
+    dep = deployment(model, tmp / "logs-lease", **extra)
+    dep.start()
+    try:
+        router = dep.children["router"]
+        for case in ("killed", "restarted"):
+            client, _ = _start_requests(dep.router_address, 3)
+            held = _held(dep)
+            t0 = time.monotonic()
+            router.proc.send_signal(signal.SIGKILL)
+            router.proc.wait()
+            client.close()
+            router.ready_file.unlink(missing_ok=True)
+            if case == "restarted":
+                dep._spawn(router)  # same argv: same ports, a new process
+            freed = _freed_after(dep, t0, limit)
+            out[case] = {"held_before": held, "freed_after_s": None if freed is None else round(freed, 2),
+                         "held_at_end": _held(dep)}  # fmt: skip
+            if case == "killed":  # back for the next case
+                dep._spawn(router)
+            _wait_file(router.ready_file, 60)
+            time.sleep(1.0)
+    finally:
+        dep.stop()
+    return out
+
+
+def _wait_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{path} did not appear")
+        time.sleep(0.05)
+
+
+# -- 3. frame authentication per hop ----------------------------------------------------------
+def bench_frame(frames: int) -> dict:
+    import torch
+    from specpipe.common.spec.messages import Activation
+    from specpipe.services.transport import Inbox, make_transport
+
+    secure_kw = _secure_transport_kwargs()
+    out: dict = {}
+
+    async def run(kib: int, kw: dict) -> float:
+        inbox = Inbox()
+        q = inbox.open("r")
+        rx = make_transport("tcp", inbox, **kw.get("rx", {}))
+        tx = make_transport("tcp", lambda f: None, **kw.get("tx", {}))
+        addr = await rx.start()
+        rows = kib * 1024 // (4 * 1024)  # float32 rows of 1024
+        act = Activation("r", torch.arange(rows), node_ids=torch.arange(rows),
+                         parent_ids=torch.full((rows,), -1), hidden=torch.randn(rows, 1024))  # fmt: skip
+        if "open" in kw:
+            kw["open"](rx, tx)
+        try:
+            for _ in range(20):  # warm
+                await tx.send(addr, act, 0)
+                await q.get()
+            t0 = time.perf_counter()
+            for i in range(frames):
+                await tx.send(addr, act, i)
+                await q.get()
+            return (time.perf_counter() - t0) / frames * 1e6
+        finally:
+            await tx.close()
+            await rx.close()
+
+    for kib in (6, 96, 384):
+        plain = min(asyncio.run(run(kib, {})) for _ in range(3))
+        row = {"plaintext_us": round(plain, 1)}
+        if secure_kw is not None:
+            sec = min(asyncio.run(run(kib, secure_kw)) for _ in range(3))
+            row["hmac_us"] = round(sec, 1)
+            row["overhead_us"] = round(sec - plain, 1)
+        out[f"{kib}KiB"] = row
+    if secure_kw is None:
+        out["note"] = "this version has no authenticated data plane"
+    return out
+
+
+def _secure_transport_kwargs() -> dict | None:
+    try:
+        from specpipe.services.transport.auth import FrameAuth
+    except ImportError:
+        return None
+    key = os.urandom(32)
+    return {"rx": {"auth": FrameAuth(key)}, "tx": {"auth": FrameAuth(key)}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="oversize,lease,frame")
+    p.add_argument("--lease-seconds", type=float, default=10.0,
+                   help="--lease-seconds of the services (0: do not pass it)")  # fmt: skip
+    p.add_argument("--lease-limit", type=float, default=30.0, help="stop waiting after this")
+    p.add_argument("--frames", type=int, default=400)
+    p.add_argument("--out", default=str(REPO / "benchmarks/results/hardening.json"))
+    args = p.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                         text=True).stdout.strip()  # fmt: skip
+    result: dict = {"commit": rev, "machine": platform.machine(), "cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="bench-harden-") as d:
+        tmp = Path(d)
+        for part in args.only.split(","):
+            t0 = time.monotonic()
+            if part == "oversize":
+                result["oversize"] = bench_oversize(tmp)
+            elif part == "lease":
+                result["lease"] = bench_lease(tmp, args.lease_seconds, args.lease_limit)
+            elif part == "frame":
+                result["frame"] = bench_frame(args.frames)
+            print(f"{part}: {json.dumps(result.get(part), indent=1)} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

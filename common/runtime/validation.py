@@ -1,0 +1,168 @@
+"""Checks of what a stage or the draft is asked to compute, before it is computed
+(docs/architecture.md, "9. Security").
+
+Whatever arrives (a `Feed`, a draft call, a data-plane frame) is checked against the
+runtime that would compute it: row counts against each other and against a bound,
+positions inside the model's context, token ids inside its vocabulary, a payload that
+is 2-D, of the stage's own dtype and width, one row per position and finite. Each check
+raises `InvalidInput` (INVALID_ARGUMENT) with a message that names what is wrong; none
+computes or allocates more than the input's own size. Counts are checked first, from
+lengths alone (`check_counts`), so a message claiming a huge number of rows is refused
+before its tensors are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..model.layers import StageModel
+from ..spec.messages import Activation
+from ..spec.options import MAX_PREFILL_CHUNK, MAX_SPECINFER_DEPTH, MAX_WIDTH
+from .errors import InvalidInput
+
+# Cache rows beyond the context a request may ask for: its token tree (SpecInfer's
+# largest, which is larger than SpecPipe's layers in flight).
+MAX_TREE_ROWS = MAX_SPECINFER_DEPTH * MAX_WIDTH + 2
+# Rows of one activation: a prefill chunk or a whole SpecInfer tree.
+MAX_ROWS = max(MAX_PREFILL_CHUNK, MAX_TREE_ROWS)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one runtime accepts."""
+
+    vocab_size: int
+    hidden_size: int
+    max_positions: int
+    dtype: torch.dtype
+    max_rows: int = MAX_ROWS
+
+    @classmethod
+    def of(cls, model: StageModel) -> Limits:
+        cfg = model.cfg
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, model.dtype)
+
+    @property
+    def max_capacity(self) -> int:
+        """The largest cache a request may open: the whole context plus a token tree."""
+        return self.max_positions + MAX_TREE_ROWS
+
+    def row_bytes(self, width: int, dtype: torch.dtype | None = None) -> int:
+        return width * (dtype or self.dtype).itemsize
+
+
+def check_counts(
+    rows: int,
+    node_ids: int,
+    parent_ids: int,
+    committed: bool,
+    tokens: int | None = None,
+    max_rows: int = MAX_ROWS,
+) -> None:
+    """Row counts of a message, before its tensors exist: at most `max_rows` rows; tree
+    rows have one node id and one parent id each, committed rows none; one token per row."""
+    if rows > max_rows:
+        raise InvalidInput(f"{rows} rows in one message; at most {max_rows}")
+    if committed and (node_ids or parent_ids):
+        raise InvalidInput("committed rows (a prefill chunk) carry no node or parent ids")
+    if not committed and (node_ids != rows or parent_ids != rows):
+        raise InvalidInput(
+            f"{rows} tree rows need one node id and one parent id each, "
+            f"got {node_ids} node ids and {parent_ids} parent ids"
+        )
+    if tokens is not None and tokens != rows:
+        raise InvalidInput(f"{tokens} token ids for {rows} rows")
+
+
+def check_rows(act: Activation, limits: Limits) -> None:
+    """Counts, positions inside [0, max_positions), node ids >= 0, parents >= -1."""
+    n = len(act)
+    check_counts(
+        n,
+        int(act.node_ids.numel()),
+        int(act.parent_ids.numel()),
+        act.committed,
+        None,
+        limits.max_rows,
+    )
+    if n == 0:
+        return
+    lo, hi = int(act.positions.min()), int(act.positions.max())
+    if lo < 0 or hi >= limits.max_positions:
+        raise InvalidInput(
+            f"positions [{lo}, {hi}] are outside the model's context [0, {limits.max_positions})"
+        )
+    if not act.committed:
+        if int(act.node_ids.min()) < 0:
+            raise InvalidInput("node ids must be >= 0")
+        if int(act.parent_ids.min()) < -1:
+            raise InvalidInput("parent ids must be >= -1 (-1: the committed prefix)")
+
+
+def check_token_ids(tokens: Tensor, vocab_size: int, what: str = "token ids") -> None:
+    if tokens.numel() and not (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+        raise InvalidInput(f"{what} outside the vocabulary [0, {vocab_size})")
+
+
+def check_tokens(act: Activation, limits: Limits) -> None:
+    """The first stage's (and the draft's) input: one int64 token id per row, in the
+    vocabulary."""
+    t = act.tokens
+    if t is None:
+        raise InvalidInput("the first stage needs token ids")
+    if t.dtype != torch.int64 or t.ndim != 1 or t.numel() != len(act):
+        raise InvalidInput(
+            f"token ids must be int64 [{len(act)}], got {str(t.dtype).removeprefix('torch.')} "
+            f"{list(t.shape)}"
+        )
+    check_token_ids(t, limits.vocab_size)
+
+
+def check_payload(
+    x: Tensor, rows: int, width: int, dtypes: tuple[torch.dtype, ...], what: str
+) -> None:
+    """A 2-D [rows, width] tensor of one of `dtypes`, every value finite."""
+    if x.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise InvalidInput(f"{what} must be {names}, got {str(x.dtype).removeprefix('torch.')}")
+    if x.ndim != 2 or x.shape[0] != rows or x.shape[1] != width:
+        raise InvalidInput(f"{what} must be [{rows}, {width}], got {list(x.shape)}")
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        raise InvalidInput(f"{what} contain NaN or infinite values")
+
+
+def check_hidden(act: Activation, limits: Limits) -> None:
+    """Input of a later stage: hidden states [rows, hidden_size] of the stage's dtype."""
+    if act.hidden is None:
+        raise InvalidInput("stages after the first need hidden states")
+    check_payload(act.hidden, len(act), limits.hidden_size, (limits.dtype,), "hidden states")
+
+
+def check_input(act: Activation, limits: Limits, first: bool) -> None:
+    """Everything about an activation a stage (first: token ids; else hidden states)
+    is about to compute."""
+    check_rows(act, limits)
+    if first:
+        check_tokens(act, limits)
+    else:
+        check_hidden(act, limits)
+
+
+def check_capacity(capacity: int, limits: Limits) -> None:
+    if not 0 < capacity <= limits.max_capacity:
+        raise InvalidInput(
+            f"capacity {capacity} is outside [1, {limits.max_capacity}] "
+            f"(the context of {limits.max_positions} plus a tree of {MAX_TREE_ROWS})"
+        )
+
+
+def check_span(start: int, count: int, limits: Limits) -> None:
+    """Positions [start, start + count) of verified tokens inside the context."""
+    if start < 0 or start + count > limits.max_positions:
+        raise InvalidInput(
+            f"positions [{start}, {start + count}) are outside the model's context "
+            f"[0, {limits.max_positions})"
+        )
