@@ -54,9 +54,26 @@ class SpecInferController(Controller):
             return []  # not this pass's tree (a stale frame)
         return self._verify(act.logits)
 
+    # -- faults ----------------------------------------------------------------------------
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
+        self.root_pos = len(seq) - 1
+        self._draft_computed, self._unseen, self._ticket, self._fed = [], [], None, False
+        return self._next_pass()
+
+    def _without_draft(self) -> list[Command]:
+        self._unseen = []
+        if self._ticket is not None and not self._fed:  # the pass waited for the draft
+            self._ticket = None
+            return self._feed_tree()
+        self._ticket = None
+        return []
+
     # -- decisions -------------------------------------------------------------------------
     def _next_pass(self) -> list[Command]:
         cmds: list[Command] = []
+        if not self.uses_draft:  # one token per pass, as pp
+            return self._feed_tree()
         if self._unseen:
             start = self.root_pos - len(self._unseen)
             cmds.append(DraftPrefill(self._unseen, start, self.opts.prefill_chunk))
@@ -104,12 +121,13 @@ class SpecInferController(Controller):
         path_t = torch.tensor(path)
         path_ids = tree.ids[path_t]
         horizon = tree.last_id
-        seen = torch.isin(path_ids, torch.cat(self._draft_computed))
+        computed = torch.cat(self._draft_computed) if self._draft_computed else EMPTY_IDS
+        seen = torch.isin(path_ids, computed)
         cmds += self._prune(
             Prune(commit_ids=path_ids, keep_ids=EMPTY_IDS, horizon=horizon),
             draft_prune=Prune(commit_ids=path_ids[seen], keep_ids=EMPTY_IDS, horizon=horizon),
         )
-        self._unseen = tree.tokens[path_t][~seen].tolist()
+        self._unseen = tree.tokens[path_t][~seen].tolist() if self.uses_draft else []
         # The next tree is rooted at the last emitted token; ids keep increasing.
         self.root_pos += len(path)
         self.tree = TokenTree(emitted[-1], first_id=horizon + 1)

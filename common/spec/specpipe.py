@@ -70,6 +70,26 @@ class SpecPipeController(Controller):
             return []  # rows a prune dropped after they left the stage before
         return self._verify(act.logits[int(rows[0, 0])])
 
+    # -- faults ----------------------------------------------------------------------------
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        self.width = self.opts.width if self.uses_draft else 0
+        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
+        self.root_pos = len(seq) - 1
+        self._forget_draft_work()
+        return self._enter(self._root_layer())
+
+    def _without_draft(self) -> list[Command]:
+        # What is in the pipeline is verified as usual; a hit's subtree is already in
+        # flight, and a miss restarts from the root: nothing waits on the draft.
+        self.width = 0
+        self._forget_draft_work()
+        return []
+
+    def _forget_draft_work(self) -> None:
+        self.reserve = Candidates.empty()
+        self._held, self._asked, self._late = [], {}, set()
+        self._newest_ticket = None
+
     # -- decisions -------------------------------------------------------------------------
     def _root_layer(self) -> Activation:
         return layer_activation(self.request_id, self.tree, torch.tensor([0]), self.root_pos)
