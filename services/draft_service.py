@@ -22,6 +22,7 @@ from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .control import FrameError, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .metrics import DraftMetrics
 from .modelinfo import free_memory_bytes
 from .status import status_code
 
@@ -45,6 +46,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.draining = False
         self.server = Server([SERVICE_NAME])
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
+        self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
+        stage = self.runtime.runtime
+        self.metrics.watch(
+            lambda: self.metrics.queued,
+            lambda: stage.cache_bytes_used / stage.max_cache_bytes if stage.max_cache_bytes else 0,
+            lambda: stage.info().active_requests,
+        )
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         port = await self.server.start(host, port)
@@ -62,10 +70,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         await self.server.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _call(self, context, fn, *args):
+    async def _call(self, context, fn, *args, rows: int = 0):
         """Run an engine call on the compute thread; engine errors become gRPC statuses."""
+        timed = self.metrics.timed(fn, rows)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, timed, *args)
         except (RequestError, FrameError, ValueError) as e:
             await context.abort(status_code(e), f"draft: {e}")
 
@@ -102,9 +111,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 f"prompt ids outside the draft vocabulary [0, {vocab})",
             )
         await self._call(context, self.runtime.open, rid, int(request.capacity))
+        self.metrics.requests.inc()
         if prompt.numel() > 1:
             chunk = request.prefill_chunk or 128
-            await self._call(context, self.runtime.prefill, rid, prompt[:-1], 0, chunk)
+            await self._call(
+                context, self.runtime.prefill, rid, prompt[:-1], 0, chunk, rows=prompt.numel() - 1
+            )
         return draft_pb2.OpenDraftResponse()
 
     async def Prefill(self, request, context) -> draft_pb2.PrefillDraftResponse:
@@ -118,6 +130,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 tokens,
                 request.start_position,
                 chunk,
+                rows=tokens.numel(),
             )
         return draft_pb2.PrefillDraftResponse()
 
@@ -129,7 +142,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         for sig in request.prunes:
             await self._call(context, self.runtime.prune, request.request_id, prune_from_proto(sig))
         cand = await self._call(
-            context, self.runtime.propose, layer, int(request.top_k), float(request.temperature)
+            context,
+            self.runtime.propose,
+            layer,
+            int(request.top_k),
+            float(request.temperature),
+            rows=len(layer),
         )
         return draft_pb2.ProposeResponse(
             parent_ids=cand.parent_ids.tolist(),

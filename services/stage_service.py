@@ -28,6 +28,7 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .control import prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .metrics import StageMetrics
 from .modelinfo import free_memory_bytes
 from .status import status_code
 from .transport import TCP, Frame, FrameError, Transport, TransportError, decode, make_transport
@@ -59,6 +60,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         advertise_host: str | None = None,
         max_cache_bytes: int | None = None,
         device: str | None = None,
+        metrics: StageMetrics | None = None,
     ) -> None:
         self.model = model
         self.max_cache_bytes = max_cache_bytes
@@ -78,6 +80,22 @@ class StageService(stage_pb2_grpc.StageServicer):
         )
         self.server = Server([SERVICE_NAME])
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
+        self.metrics = metrics or StageMetrics()  # served by serve.py with --metrics-port
+        self.metrics.watch(self._queued_rows, self._kv_usage, lambda: len(self._requests))
+
+    def _queued_rows(self) -> int:
+        """Rows received and not yet computed (read by the metrics thread)."""
+        return sum(
+            len(p.act)
+            for st in list(self._requests.values())
+            for p in list(st.order.pending.values())
+            if not p.empty
+        )
+
+    def _kv_usage(self) -> float:
+        if self.model is None or not self.runtime.max_cache_bytes:
+            return 0.0
+        return self.runtime.cache_bytes_used / self.runtime.max_cache_bytes
 
     # -- process lifecycle ---------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
@@ -192,6 +210,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         st = _Request(rid, request.next_hop, request.report_to)
         st.task = asyncio.create_task(self._run(st), name=f"stage-{rid}")
         self._requests[rid] = st
+        self.metrics.requests.inc()
         return stage_pb2.OpenStageResponse()
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
@@ -292,7 +311,8 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _compute(self, act: Activation) -> Activation | None:
         """The forward, on the compute thread, with its output made ready to send."""
-        return self._for_wire(self.runtime.forward(act))
+        with self.metrics.forward(len(act)):
+            return self._for_wire(self.runtime.forward(act))
 
     def _prune(self, request_id: str, prune: Prune) -> Activation | None:
         """The prune, on the compute thread; logits it releases are made ready to send."""

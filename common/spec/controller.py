@@ -86,6 +86,12 @@ class Controller(ABC):
     def tokens(self) -> list[int]:
         return self.out.tokens
 
+    @property
+    def rows_in_flight(self) -> int:
+        """Tree rows the pipeline holds for this request now (executors weigh replicas'
+        load by it)."""
+        return 0
+
     # -- events ----------------------------------------------------------------------------
     @abstractmethod
     def start(self) -> list[Command]:

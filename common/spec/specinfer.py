@@ -34,6 +34,10 @@ class SpecInferController(Controller):
         self._ticket: int | None = None  # the outstanding Propose
         self._fed = False  # the pass's tree is in the pipeline
 
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.tree) if self._fed else 0
+
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
         return [*self._prefill(), *self._next_pass()]
@@ -114,6 +118,7 @@ class SpecInferController(Controller):
                 break
             self.out.hits += 1
             path.append(child)
+            self.stats.hit_depths.append(len(path) - 1)
         self.stats.accepted_lengths.append(len(emitted))
         cmds = self._emit(emitted, done)
         if self.done:

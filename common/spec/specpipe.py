@@ -47,6 +47,11 @@ class SpecPipeController(Controller):
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
         self._newest = EMPTY_IDS  # node ids of the newest layer fed
         self._newest_ticket: int | None = None
+        self._node_depth: dict[int, int] = {}  # depth below the root when a node was fed
+
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.tree)  # every node of the tree has been fed
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
@@ -96,6 +101,8 @@ class SpecPipeController(Controller):
 
     def _enter(self, layer: Activation) -> list[Command]:
         step = self._entry_step(layer)
+        depths = (layer.positions - self.root_pos).tolist()
+        self._node_depth.update(zip(layer.node_ids.tolist(), depths, strict=True))
         cmds: list[Command] = [self._feed(layer, step)]
         self._newest, self._newest_ticket = layer.node_ids, None
         if self.width:
@@ -119,6 +126,7 @@ class SpecPipeController(Controller):
         horizon = tree.last_id
         if child is not None:
             self.out.hits += 1
+            self.stats.hit_depths.append(self._node_depth.get(int(tree.ids[child]), 1))
             tree.prune_to(child)
             prune = Prune(commit_ids=old_root, keep_ids=tree.ids.clone(), horizon=horizon)
         else:
@@ -129,7 +137,9 @@ class SpecPipeController(Controller):
         if self.done:
             return cmds
         cmds += self._prune(prune)
-        self._forget_nodes(tree.ids.tolist())
+        live = tree.ids.tolist()
+        self._forget_nodes(live)
+        self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
         if child is None:
             self.reserve = Candidates.empty()
             self._held = []

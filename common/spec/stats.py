@@ -63,6 +63,9 @@ class DecodeStats:
     # went on without one (`Controller.drop_draft`)
     replays: int = 0
     draft_drops: int = 0
+    # per hit, the depth below the root of its time at which the draft proposed the
+    # token (specpipe: layers ahead of the verification; specinfer: place in the path)
+    hit_depths: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:

@@ -75,6 +75,10 @@ class Discovery(ABC):
     def describe(self) -> str:
         return self.name
 
+    def initial(self) -> frozenset[Endpoint] | None:
+        """The set, when it is known without running the source (a static list)."""
+        return None
+
 
 # -- static ------------------------------------------------------------------------------
 class StaticDiscovery(Discovery):
@@ -91,6 +95,9 @@ class StaticDiscovery(Discovery):
     async def run(self, publish: Publish) -> None:
         publish(self.endpoints)
         await asyncio.Event().wait()
+
+    def initial(self) -> frozenset[Endpoint]:
+        return self.endpoints
 
     def describe(self) -> str:
         return f"static list of {len(self.endpoints)} backends"

@@ -144,7 +144,7 @@ class HttpApi:
     # -- plumbing ------------------------------------------------------------------------
     def _mode(self) -> str:
         """Without `mode`: specpipe, or pp on a deployment without a draft."""
-        return "specpipe" if self.router.backends.draft is not None else "pp"
+        return "specpipe" if self.router.backends.has_draft else "pp"
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         """Chat messages through the model's chat template, as token ids."""

@@ -1,10 +1,12 @@
 """The router: the client-facing Generation service, request validation, and one
-`RequestDriver` per request over a path of healthy stage and draft replicas."""
+`RequestDriver` per request over a path of healthy stage and draft replicas, found
+through a discovery source (backends.py, discovery.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -25,6 +27,7 @@ from ..grpc_util import Server, wait_until_idle
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
+from .discovery import Discovery, StaticDiscovery
 from .driver import DriverError, RequestDriver
 
 log = logging.getLogger(__name__)
@@ -91,8 +94,8 @@ def _load_codec(model_dir: str | None):
 class RouterService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        stage_addresses: list[str],
-        draft_address: str | None,
+        stage_addresses: list[str] | None = None,
+        draft_address: str | None = None,
         tokenizer_dir: str | None = None,
         transport_kind: str = TCP,
         bind_host: str = "127.0.0.1",
@@ -100,24 +103,34 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         model_id: str = "",
         check_interval: float = 0.5,
         api_keys: ApiKeys | None = None,
+        discovery: Discovery | None = None,
+        replay_seconds: float = 10.0,
+        stall_seconds: float = 60.0,
+        metrics=None,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
             transport_kind, self.inbox, bind_host=bind_host, advertise_host=advertise_host
         )
         self.transport_kind = transport_kind
+        if discovery is None:
+            if not stage_addresses:
+                raise ValueError("a router needs at least one stage (or a discovery source)")
+            discovery = StaticDiscovery(stage_addresses, [draft_address] if draft_address else [])
         self.backends = Backends(
-            stage_addresses,
-            draft_address,
+            discovery,
             on_down=self._backend_down,
             on_readiness=self._readiness,
             check_interval=check_interval,
+            transport_kind=transport_kind,
         )
+        self.replay_seconds, self.stall_seconds = replay_seconds, stall_seconds
+        self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = tokenizer_dir
         self.codec = None
         self.model_id_override = model_id
-        self.model: ModelInfo | None = None
         self.drivers: dict[str, RequestDriver] = {}
+        self.opening = 0  # requests accepted that wait for their path to open
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         self.draining = False
@@ -140,18 +153,24 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, _load_codec, self.tokenizer_dir
         )
-        self.model = await self.backends.connect(startup_timeout)
-        for b in self.backends.stages:
-            scheme = b.desc.data_address.partition("://")[0]
-            if scheme != self.transport_kind:
-                raise RuntimeError(
-                    f"{b.label} uses the {scheme} data plane, this router {self.transport_kind}: "
-                    "start every service of a deployment with the same --transport"
-                )
-        if self.model_id_override:
-            self.model.model_id = self.model_id_override
+        try:
+            await self.backends.connect(startup_timeout)
+        except NoPath as e:
+            raise RuntimeError(f"the router cannot start: {e}") from None
         await self._readiness(self.backends.ready)
         return port
+
+    @property
+    def model(self) -> ModelInfo | None:
+        """The model version new requests go to (the newest complete one)."""
+        m = self.backends.model
+        if m is not None and self.model_id_override:
+            return dataclasses.replace(m, model_id=self.model_id_override)
+        return m
+
+    @model.setter
+    def model(self, value: ModelInfo | None) -> None:
+        self.backends.model = value
 
     async def drain(self, seconds: float) -> None:
         """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
@@ -180,8 +199,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def _backend_down(self, b: Backend, error: str) -> None:
         for d in list(self.drivers.values()):
-            if b in d.path.backends and (b.kind == "stage" or d.draft is not None):
-                d.fail(grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {error}")
+            d.backend_down(b, error)
 
     # -- validation ----------------------------------------------------------------------
     def _check_model(self, name: str) -> ModelInfo:
@@ -231,7 +249,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         except ValueError:
             modes = ", ".join(m.value for m in Mode)
             raise _invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
-        if mode.uses_draft and self.backends.draft is None:
+        if mode.uses_draft and not self.backends.has_draft:
             raise InvalidRequest(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"mode {mode} needs a draft and this deployment has none (use pp)",
@@ -286,16 +304,28 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "send new requests to another replica",
             )
         plan = self.plan(request)
+        t0 = time.perf_counter()
         try:
-            path = self.backends.path()
+            path = self.backends.path(need_draft=plan.mode.uses_draft)
         except NoPath as e:
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
             ) from None
+        if self.metrics is not None:
+            self.metrics.path_choice.observe(time.perf_counter() - t0)
         rid = self._ids.next()
-        events = self.inbox.open(rid)
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
+        driver = RequestDriver(
+            controller,
+            self.backends,
+            path,
+            self.transport.address,
+            self.inbox,
+            deadline=deadline,
+            replay_timeout=self.replay_seconds,
+            stall_timeout=self.stall_seconds,
+            on_replay=self.metrics.replayed if self.metrics is not None else None,
+        )
         self.drivers[rid] = driver
         log.info(
             "%s: %s, %d prompt tokens, %d new",
@@ -307,14 +337,24 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stream = self.codec.stream() if self.codec else None
         index = 0
         stopped = False
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.started(len(plan.prompt))
+        failed = True
         try:
+            model_id = self.model_id_override or path.stages[0].desc.model_id
             yield gen.GenerateResponse(
                 started=gen.Started(
-                    request_id=rid, model=self.model.model_id, prompt_tokens=len(plan.prompt)
+                    request_id=rid,
+                    model=model_id,
+                    prompt_tokens=len(plan.prompt),
+                    weight_hash=path.version,
                 )
             )
             async with contextlib.aclosing(driver.run()) as batches:
                 async for tokens in batches:
+                    if metrics is not None:
+                        metrics.tokens(driver, len(tokens))
                     text = "".join(stream.push(t) for t in tokens) if stream else ""
                     try:
                         yield gen.GenerateResponse(
@@ -327,6 +367,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             finished = self._finished(driver, stream, len(plan.prompt))
             if stopped:
                 finished.finish_reason = "stop"
+            failed = False
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
             log.warning("%s failed: %s %s", rid, e.code.name, e.message)
@@ -336,7 +377,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}") from None
         finally:
             self.drivers.pop(rid, None)
-            self.inbox.close(rid)
+            if metrics is not None:
+                metrics.finished(driver, failed)
             # Runs even when the client cancelled (this generator is being closed).
             task = asyncio.ensure_future(driver.release())
             self._cleanup.add(task)
@@ -375,7 +417,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         m = self.model
         if m is None:
             return gen.ListModelsResponse()
-        has_draft = self.backends.draft is not None
+        has_draft = self.backends.has_draft
         modes = [m.value for m in Mode if has_draft or not m.uses_draft]
         card = gen.ModelCard(
             id=m.model_id,
@@ -396,7 +438,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
             backends.append(
                 gen.Backend(
-                    kind=b.kind, address=b.address, healthy=b.healthy, layers=layers, error=b.error
+                    kind=b.kind,
+                    address=b.address,
+                    healthy=b.healthy,
+                    layers=layers,
+                    error=b.refused or b.error,
+                    weight_hash=b.version,
+                    active_requests=b.active,
+                    draining=b.draining or b.endpoint.draining or not b.listed,
+                    refused=bool(b.refused),
                 )
             )
         return gen.RouterDescription(

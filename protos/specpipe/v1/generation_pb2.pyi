@@ -195,18 +195,26 @@ class DescribeRouterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("kind", "address", "healthy", "layers", "error")
+    __slots__ = ("kind", "address", "healthy", "layers", "error", "weight_hash", "active_requests", "draining", "refused")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     healthy: bool
     layers: str
     error: str
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    weight_hash: str
+    active_requests: int
+    draining: bool
+    refused: bool
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ..., weight_hash: _Optional[str] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
     __slots__ = ("ready", "active_requests", "backends", "transport", "data_address")
