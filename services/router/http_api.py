@@ -169,7 +169,8 @@ class HttpApi:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
             first = await _unless_disconnected(request, run.next())
-            shape = ResponseShape(chat, run.request_id, self.router.model.model_id)
+            model = run.model or self.router.model.model_id
+            shape = ResponseShape(chat, run.request_id, model, run.weight_hash)
             if body.stream:
                 events = _events(run, shape, first, body.include_usage)
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
