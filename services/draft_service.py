@@ -37,6 +37,7 @@ from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .control import FrameError, max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .metrics import DraftMetrics
 from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
 from .status import status_code
@@ -77,6 +78,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.draining = False
         self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(self.limits))
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
+        self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
+        stage = self.runtime.runtime
+        self.metrics.watch(
+            lambda: self.metrics.queued,
+            lambda: stage.cache_bytes_used / stage.max_cache_bytes if stage.max_cache_bytes else 0,
+            lambda: stage.info().active_requests,
+        )
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         self._loop_task = asyncio.create_task(self._propose_loop(), name="draft-propose")
@@ -97,11 +105,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             self._loop_task.cancel()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _call(self, context, fn, *args):
+    async def _call(self, context, fn, *args, rows: int = 0):
         """Run an engine call on the compute thread; engine errors become gRPC statuses,
         anything else INTERNAL with one (rate-limited) log line."""
+        timed = self.metrics.timed(fn, rows)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, timed, *args)
         except (RequestError, FrameError, ValueError) as e:
             await context.abort(status_code(e), f"draft: {e}")
         except Exception as e:
@@ -121,7 +130,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         chunk = min(chunk or DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK)
         for s in range(0, tokens.numel(), chunk):
             part = tokens[s : s + chunk]
-            await self._call(context, self.runtime.prefill, rid, part, start + s, chunk)
+            await self._call(
+                context, self.runtime.prefill, rid, part, start + s, chunk, rows=part.numel()
+            )
 
     async def Describe(self, request, context) -> draft_pb2.DraftDescription:
         info = self.runtime.runtime.info()
@@ -161,6 +172,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             context, check_token_ids, prompt, self.runtime.vocab_size, "prompt ids (draft)"
         )
         await self._call(context, self.runtime.open, rid, int(request.capacity))
+        self.metrics.requests.inc()
         if prompt.numel() > 1:
             await self._prefill(context, rid, prompt[:-1], 0, request.prefill_chunk)
         return draft_pb2.OpenDraftResponse()
@@ -207,7 +219,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 continue
             asks, self._asks = self._asks, []
             try:
-                results = await loop.run_in_executor(self._executor, self._propose, asks)
+                rows = sum(len(a.proposal.layer) for a in asks)
+                timed = self.metrics.timed(self._propose, rows)
+                results = await loop.run_in_executor(self._executor, timed, asks)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))
                 results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)

@@ -4,6 +4,11 @@ Each child is a plain `specpipe stage|draft|router` process (the same command a
 container runs), started with free ports chosen here; a child reports readiness by
 writing a small JSON file. The launcher waits until all are ready, then stays in the
 foreground; stopping it stops every child (SIGTERM, then SIGKILL after a grace period).
+
+The router finds the stages and the draft through a discovery file the launcher writes
+(`--discovery file:PATH`, one `stage|draft HOST:PORT [GROUP]` a line), so replicas can
+be added and removed while it serves (`add_stage`, `add_draft`, `unlist`): the same
+live membership Kubernetes gives the chart's routers through EndpointSlices.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ class Child:
     log_file: Path
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
+    kind: str = ""  # "stage", "draft" or "router"
+    group: str = ""  # the model version it belongs to (discovery file)
+    started_at: float = 0.0  # time.monotonic() at spawn
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -74,6 +82,10 @@ class ServicesDeployment:
         http_port: int | None = None,
         api_keys: Sequence[str] = (),
         scheduling: Mapping[str, object] | None = None,
+        stage_replicas: int = 1,
+        metrics: bool = False,
+        replay_seconds: float | None = None,
+        group: str = "",
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -93,8 +105,15 @@ class ServicesDeployment:
         self.device = device  # every stage and the draft (one GPU shared on one host)
         self.drain_seconds = drain_seconds
         self.router_port = router_port
+        if stage_replicas < 1:
+            raise ValueError(f"--stage-replicas must be at least 1, got {stage_replicas}")
+        self.stage_replicas = stage_replicas
+        self.metrics = metrics  # every process gets a --metrics-port
+        self.replay_seconds = replay_seconds
+        self.group = group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
-        self.threads = threads or max(1, cpus // (stages + (1 if self.draft else 0)))
+        procs = stages * stage_replicas + (1 if self.draft else 0)
+        self.threads = threads or max(1, cpus // procs)
         self._own_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -106,19 +125,126 @@ class ServicesDeployment:
         # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
         self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
         self.children: dict[str, Child] = {}
+        self.listed: list[str] = []  # children in the discovery file, in order
+        self.discovery_file = self.log_dir / "backends"
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
 
     # -- children --------------------------------------------------------------------------
-    def _child(self, name: str, args: list[str]) -> Child:
+    def _child(self, name: str, args: list[str], kind: str = "", group: str = "") -> Child:
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
+        if self.metrics:
+            args = [*args, "--metrics-port", str(free_port(self.host))]
         argv = [sys.executable, "-m", "specpipe.cli", *args, "--ready-file", str(ready)]
-        child = Child(name, argv, ready, self.log_dir / f"{name}.log")
+        child = Child(name, argv, ready, self.log_dir / f"{name}.log", kind=kind, group=group)
         self.children[name] = child
         return child
 
+    def _stage_child(
+        self, name: str, target: Path, layers: str, group: str, dtype: str | None = None
+    ) -> Child:
+        port, data_port = free_port(self.host), free_port(self.host)
+        child = self._child(
+            name,
+            [
+                "stage",
+                "--model", str(target),
+                "--layers", layers,
+                "--port", str(port),
+                "--data-port", str(data_port),
+                "--transport", self.transport,
+                "--dtype", dtype or self.dtype,
+                *self._cache_args(),
+                *(["--measure-costs"] if self.scheduling.get("row_budget") == "auto" else []),
+                *self._common_args(),
+            ],
+            kind="stage",
+            group=group,
+        )  # fmt: skip
+        child.info["address"] = f"{self.host}:{port}"
+        return child
+
+    def _draft_child(self, name: str, model: Path, group: str) -> Child:
+        port = free_port(self.host)
+        args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
+        args += self._cache_args()
+        child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
+        child.info["address"] = f"{self.host}:{port}"
+        return child
+
+    def _common_args(self) -> list[str]:
+        return [
+            "--host", self.host, "--threads", str(self.threads), "--device", self.device,
+            "--drain-seconds", str(self.drain_seconds),
+        ]  # fmt: skip
+
+    # -- discovery -----------------------------------------------------------------------
+    def write_discovery(self) -> None:
+        """The router's discovery file: every listed child, `KIND HOST:PORT [GROUP]`."""
+        lines = []
+        for name in self.listed:
+            c = self.children[name]
+            lines.append(f"{c.kind} {c.info['address']} {c.group}".rstrip())
+        tmp = self.discovery_file.with_name(f"{self.discovery_file.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in lines))
+        tmp.replace(self.discovery_file)
+
+    def _list(self, name: str) -> None:
+        if name not in self.listed:
+            self.listed.append(name)
+        self.write_discovery()
+
+    def unlist(self, name: str) -> None:
+        """Take a child out of the discovery file: the router sends it no new requests."""
+        if name in self.listed:
+            self.listed.remove(name)
+        self.write_discovery()
+
+    def add_stage(
+        self,
+        index: int,
+        target: str | Path | None = None,
+        layers: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        wait: bool = True,
+    ) -> Child:
+        """Start one more stage process (a replica of stage `index` of this deployment's
+        layout, or `layers` of another `target`) and list it for the router at once: the
+        router describes it before it takes requests."""
+        r = self.ranges[index] if layers is None else None
+        layers = layers or f"{r.start}:{r.end}"
+        name = name or self._free_name(f"stage{index}")
+        child = self._stage_child(
+            name, Path(target or self.target), layers, self.group if group is None else group
+        )
+        self._spawn(child)
+        self._list(name)
+        if wait:
+            self._wait_ready([name])
+        return child
+
+    def add_draft(
+        self, model: str | Path, group: str | None = None, name: str | None = None
+    ) -> Child:
+        name = name or self._free_name("draft")
+        child = self._draft_child(name, Path(model), self.group if group is None else group)
+        self._spawn(child)
+        self._list(name)
+        self._wait_ready([name])
+        return child
+
+    def _free_name(self, base: str) -> str:
+        if base not in self.children:
+            return base
+        i = 1
+        while f"{base}.{i}" in self.children:
+            i += 1
+        return f"{base}.{i}"
+
     def _spawn(self, child: Child) -> None:
+        child.started_at = time.monotonic()
         with child.log_file.open("ab") as log:
             child.proc = subprocess.Popen(
                 child.argv,
@@ -138,60 +264,30 @@ class ServicesDeployment:
             raise
 
     def _start(self) -> str:
-        drain = ["--drain-seconds", str(self.drain_seconds)]
-        common = [
-            "--host", self.host, "--threads", str(self.threads), "--device", self.device, *drain,
-        ]  # fmt: skip
-        stage_addrs = []
         for i, r in enumerate(self.ranges):
-            port, data_port = free_port(self.host), free_port(self.host)
-            stage_addrs.append(f"{self.host}:{port}")
-            self._child(
-                f"stage{i}",
-                [
-                    "stage",
-                    "--model", str(self.target),
-                    "--layers", f"{r.start}:{r.end}",
-                    "--port", str(port),
-                    "--data-port", str(data_port),
-                    "--transport", self.transport,
-                    "--dtype", self.dtype,
-                    *self._cache_args(),
-                    *(["--measure-costs"] if self.scheduling.get("row_budget") == "auto" else []),
-                    *common,
-                ],
-            )  # fmt: skip
+            for j in range(self.stage_replicas):
+                name = f"stage{i}" if j == 0 else f"stage{i}.{j}"
+                self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group)
+                self.listed.append(name)
+        if self.draft is not None:
+            self._draft_child("draft", self.draft, self.group)
+            self.listed.append("draft")
+        self.write_discovery()
         router_args = [
             "router",
             "--target", str(self.target),
-            "--stages", ",".join(stage_addrs),
+            "--discovery", f"file:{self.discovery_file}",
             "--port", str(self.router_port or free_port(self.host)),
             "--data-port", str(free_port(self.host)),
             "--transport", self.transport,
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
-            *drain,
+            "--drain-seconds", str(self.drain_seconds),
+            *(["--replay-seconds", str(self.replay_seconds)] if self.replay_seconds else []),
             *self._router_api_args(),
             *(a for k, v in self.scheduling.items() for a in (f"--{k.replace('_', '-')}", str(v))),
         ]  # fmt: skip
-        if self.draft is not None:
-            port = free_port(self.host)
-            self._child(
-                "draft",
-                [
-                    "draft",
-                    "--model",
-                    str(self.draft),
-                    "--port",
-                    str(port),
-                    "--dtype",
-                    self.dtype,
-                    *self._cache_args(),
-                    *common,
-                ],
-            )
-            router_args += ["--draft", f"{self.host}:{port}"]
-        self._child("router", router_args)
+        self._child("router", router_args, kind="router")
         # All at once: the router waits for the stages itself.
         for child in self.children.values():
             self._spawn(child)
@@ -199,6 +295,10 @@ class ServicesDeployment:
         self.router_address = self.children["router"].info["grpc"]
         self.http_address = self.children["router"].info.get("http", "")
         return self.router_address
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """HOST:PORT of every process's /metrics (with `metrics`)."""
+        return {n: c.info["metrics"] for n, c in self.children.items() if "metrics" in c.info}
 
     def _cache_args(self) -> list[str]:
         """A fixed budget, or an equal share of the free memory of the one device every
@@ -225,9 +325,9 @@ class ServicesDeployment:
     def _keys_file(self) -> Path:
         return self.log_dir / "router.api-keys"
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, names: Sequence[str] | None = None) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        waiting = set(self.children)
+        waiting = set(self.children if names is None else names)
         while waiting:
             for name in list(waiting):
                 child = self.children[name]
@@ -237,7 +337,7 @@ class ServicesDeployment:
                         f"{name} exited with code {child.proc.returncode}:\n{child.log_tail()}"
                     )
                 if child.ready_file.is_file():
-                    child.info = json.loads(child.ready_file.read_text())
+                    child.info.update(json.loads(child.ready_file.read_text()))
                     waiting.discard(name)
             if time.monotonic() > deadline:
                 raise LaunchError(f"not ready after {self.startup_timeout:.0f}s: {sorted(waiting)}")
@@ -283,6 +383,15 @@ class ServicesDeployment:
         if child.proc is not None and child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
+
+    def terminate(self, name: str, wait: bool = True) -> int | None:
+        """SIGTERM one child (it drains); with `wait`, its exit code."""
+        child = self.children[name]
+        if child.proc is None:
+            return None
+        if child.proc.poll() is None:
+            child.proc.terminate()
+        return child.proc.wait(timeout=self.drain_seconds + 30) if wait else None
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM every child (router first; each drains its open requests), SIGKILL

@@ -101,11 +101,12 @@ async def run_stage(args) -> None:
         device=args.device,
         cache_fraction=args.cache_fraction,
     )
+    metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
     port = await svc.start(args.host, args.port, args.data_port)
     addr = f"{svc.transport.advertise_host}:{port}"
-    write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
+    write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **metrics)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
-    await _serve_until_stopped(svc, args.drain_seconds)
+    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
 
 
 async def run_draft(args) -> None:
@@ -119,11 +120,13 @@ async def run_draft(args) -> None:
         max_cache_bytes=_gib(args.max_cache_gib),
     )
     _set_cache_budget(svc.runtime.runtime, args)
+    host = args.advertise_host or _local(args.host)
+    metrics = _serve_metrics(svc.metrics, args, host)
     port = await svc.start(args.host, args.port)
-    addr = f"{args.advertise_host or _local(args.host)}:{port}"
-    write_ready(args.ready_file, grpc=addr)
+    addr = f"{host}:{port}"
+    write_ready(args.ready_file, grpc=addr, **metrics)
     log.info("draft %s ready at %s", svc.model_id, addr)
-    await _serve_until_stopped(svc, args.drain_seconds)
+    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
 
 
 def scheduling_options(args) -> dict[str, object]:
@@ -135,12 +138,12 @@ def scheduling_options(args) -> dict[str, object]:
 
 
 async def run_router(args) -> None:
+    from .metrics import RouterMetrics
     from .router import RouterService
 
     api_keys = args.api_keys  # an ApiKeys (the command line loaded it)
+    router_metrics = RouterMetrics()
     svc = RouterService(
-        stage_addresses=args.stages,
-        draft_address=args.draft,
         tokenizer_dir=args.target,
         transport_kind=args.transport,
         bind_host=args.host,
@@ -148,9 +151,15 @@ async def run_router(args) -> None:
         model_id=args.model_id,
         api_keys=api_keys,
         **scheduling_options(args),
+        discovery=args.discovery,  # the command line built it
+        replay_seconds=args.replay_seconds,
+        stall_seconds=args.stall_seconds,
+        metrics=router_metrics,
     )
+    router_metrics.watch(svc)
     host = args.advertise_host or _local(args.host)
-    http, info = None, {}
+    log.info("replicas from %s", args.discovery.describe())
+    http, info = None, _serve_metrics(router_metrics, args, host)
     if args.http_port is not None:  # first: /health says "starting" while stages load
         from .router.http_api import HttpServer
 
@@ -168,7 +177,25 @@ async def run_router(args) -> None:
         log.info("API keys on: %d key(s)", len(api_keys))
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **info)
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
-    await _serve_until_stopped(svc, args.drain_seconds, [http.stop] if http else [])
+    stops = [*([http.stop] if http else []), _closer(router_metrics)]
+    await _serve_until_stopped(svc, args.drain_seconds, stops)
+
+
+def _serve_metrics(metrics, args, host: str) -> dict[str, str]:
+    """Start the /metrics server when --metrics-port is given; its address for the
+    ready file."""
+    if args.metrics_port is None:
+        return {}
+    port = metrics.serve(args.host, args.metrics_port)
+    log.info("metrics at http://%s:%d/metrics", host, port)
+    return {"metrics": f"{host}:{port}"}
+
+
+def _closer(metrics):
+    async def close() -> None:
+        metrics.close()
+
+    return close
 
 
 def _set_cache_budget(runtime, args) -> None:

@@ -31,6 +31,7 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .control import max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .metrics import StageMetrics
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .ratelog import RateLimitedLog
 from .status import status_code
@@ -86,6 +87,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         max_cache_bytes: int | None = None,
         device: str | None = None,
         cache_fraction: float = DEFAULT_CACHE_FRACTION,
+        metrics: StageMetrics | None = None,
     ) -> None:
         self.model = model
         self.max_cache_bytes = max_cache_bytes
@@ -109,6 +111,22 @@ class StageService(stage_pb2_grpc.StageServicer):
         limits = Limits.of(model.runtime.model) if model else None
         self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(limits))
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
+        self.metrics = metrics or StageMetrics()  # served by serve.py with --metrics-port
+        self.metrics.watch(self._queued_rows, self._kv_usage, lambda: len(self._requests))
+
+    def _queued_rows(self) -> int:
+        """Rows received and not yet computed (read by the metrics thread)."""
+        return sum(
+            len(p.act)
+            for st in list(self._requests.values())
+            for p in list(st.order.pending.values())
+            if not p.empty
+        )
+
+    def _kv_usage(self) -> float:
+        if self.model is None or not self.runtime.max_cache_bytes:
+            return 0.0
+        return self.runtime.cache_bytes_used / self.runtime.max_cache_bytes
 
     # -- process lifecycle ---------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
@@ -240,6 +258,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
         self._requests[rid] = st
+        self.metrics.requests.inc()
         return stage_pb2.OpenStageResponse()
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
@@ -368,7 +387,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 w.error = e
         batch = [(w, i) for w in work if w.error is None for i, (_, p) in enumerate(w.turns)]
         acts = [w.turns[i][1].act for w, i in batch if not w.turns[i][1].empty]
-        results = iter(runtime.forward_many(acts))
+        with self.metrics.forward(sum(len(a) for a in acts)):
+            results = iter(runtime.forward_many(acts))
         for w in work:
             w.outputs = [None] * len(w.turns)
         for w, i in batch:

@@ -1,11 +1,15 @@
 """Loading one stage's tensors from a Hugging Face safetensors checkpoint, and the
-checkpoint fingerprint (the "weight hash" services report and paths are matched on)."""
+content hash of a checkpoint (the "weight hash": the model version services report and
+the router matches paths on)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -97,24 +101,88 @@ def load_stage(
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def weight_fingerprint(model_dir: str | Path) -> str:
-    """SHA-256 over config.json and every safetensors file's header and size.
+WEIGHT_HASH_FILE = "specpipe-weight-hash.json"
+WEIGHT_HASH_FORMAT = 1
+_HASH_BLOCK = 16 << 20
 
-    The header lists every tensor's name, dtype, shape and byte offsets, so two
-    checkpoints that differ in any tensor layout, or in size, differ here; hashing the
-    headers instead of gigabytes of weights keeps start-up fast. (Two checkpoints with
-    identical layout and different values are told apart by the file-level metadata
-    that converters write, not guaranteed.)
+
+def weight_fingerprint(model_dir: str | Path) -> str:
+    """The model version: a content hash of the checkpoint (the "weight hash" services
+    report and the router matches paths on), 16 hex digits.
+
+    SHA-256 over config.json (normalized) and every tensor in name order: its name,
+    dtype, shape and raw bytes. So two checkpoints differ here exactly when a tensor
+    (or the configuration) differs, whatever their sharding or file metadata. Hashing
+    reads every byte once (about a second per GB); the result is kept with the model
+    in `specpipe-weight-hash.json`, keyed by every file's size and mtime, and reused
+    while they are unchanged (in the user cache directory when the model's directory is
+    read-only).
     """
     model_dir = Path(model_dir)
-    h = hashlib.sha256()
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"{model_dir}: no *.safetensors weights")
     cfg = model_dir / "config.json"
-    if cfg.is_file():
+    key = {
+        f.name: [f.stat().st_size, f.stat().st_mtime_ns]
+        for f in [*([cfg] if cfg.is_file() else []), *files]
+    }
+    for memo in _hash_memos(model_dir):
+        try:
+            saved = json.loads(memo.read_text())
+            if saved.get("format") == WEIGHT_HASH_FORMAT and saved.get("files") == key:
+                return str(saved["weight_hash"])
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue
+    digest = _content_hash(cfg if cfg.is_file() else None, files)
+    record = {"format": WEIGHT_HASH_FORMAT, "weight_hash": digest, "files": key}
+    for memo in _hash_memos(model_dir):
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, memo)
+            break
+        except OSError:
+            continue
+    return digest
+
+
+def _hash_memos(model_dir: Path) -> list[Path]:
+    """Where a directory's weight hash is kept: beside the model, else in the user cache."""
+    import platformdirs
+
+    key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:24]
+    cache = Path(platformdirs.user_cache_dir("specpipe")) / "weight-hashes" / f"{key}.json"
+    return [model_dir / WEIGHT_HASH_FILE, cache]
+
+
+def _content_hash(cfg: Path | None, files: list[Path]) -> str:
+    h = hashlib.sha256()
+    if cfg is not None:
         h.update(json.dumps(json.loads(cfg.read_text()), sort_keys=True).encode())
-    for f in sorted(model_dir.glob("*.safetensors")):
+    tensors: dict[str, tuple[Path, dict, int]] = {}
+    for f in files:
         with f.open("rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
-            h.update(f.name.encode())
-            h.update(fh.read(min(n, 64 << 20)))
-        h.update(str(f.stat().st_size).encode())
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        for name, meta in header.items():
+            tensors[name] = (f, meta, 8 + n)
+    maps: dict[Path, mmap.mmap] = {}
+    try:
+        for name in sorted(tensors):
+            f, meta, base = tensors[name]
+            if f not in maps:
+                with f.open("rb") as fh:
+                    maps[f] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            begin, end = meta["data_offsets"]
+            h.update(json.dumps([name, meta["dtype"], meta["shape"], end - begin]).encode())
+            view = memoryview(maps[f])
+            for pos in range(base + begin, base + end, _HASH_BLOCK):
+                h.update(view[pos : min(pos + _HASH_BLOCK, base + end)])
+            view.release()
+    finally:
+        for m in maps.values():
+            m.close()
     return h.hexdigest()[:16]

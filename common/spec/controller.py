@@ -12,6 +12,12 @@ and reports the same figures whenever the draft keeps up.
 
 Subclasses: `SpecPipeController` (specpipe, pp, autoregressive) and
 `SpecInferController`; `make_controller` picks one for a mode.
+
+Faults (docs/architecture.md, "5. The request controller and its executors"): when a
+replica on the request's path is lost, `replay` re-opens the request on a fresh path
+from the tokens verified so far; when only the draft is lost, `drop_draft` continues
+without it (width 0, as pp). Because every token is drawn from (seed, position), the
+continuation is the one the request would have had.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Controller(ABC):
         self.request_id, self.mode, self.opts = request_id, mode, opts
         self.prompt = [int(t) for t in prompt]
         self.num_stages = num_stages
+        self._uses_draft = mode.uses_draft  # until the draft is dropped
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
         self.width = opts.width if self.uses_draft else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(mode=mode.value, stages=num_stages, width=self.width)
@@ -57,7 +64,8 @@ class Controller(ABC):
     # -- what executors ask --------------------------------------------------------------
     @property
     def uses_draft(self) -> bool:
-        return self.mode.uses_draft
+        """Whether the request still uses a draft (False once `drop_draft` was called)."""
+        return self._uses_draft
 
     @property
     def capacity(self) -> int:
@@ -89,6 +97,11 @@ class Controller(ABC):
         if self.uses_draft:
             self.width = max(1, min(int(width), self.max_width))
 
+    def rows_in_flight(self) -> int:
+        """Tree rows the pipeline holds for this request now (executors weigh replicas'
+        load by it)."""
+        return 0
+
     # -- events ----------------------------------------------------------------------------
     @abstractmethod
     def start(self) -> list[Command]:
@@ -101,6 +114,58 @@ class Controller(ABC):
     @abstractmethod
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
         """The draft answered `Propose(ticket=...)` (possibly with no candidates)."""
+
+    def replay(self, uses_draft: bool) -> list[Command]:
+        """Re-open the request on a fresh path (another replica of some stage, or of the
+        draft), from what is verified so far: the tree restarts at the last emitted token
+        (or the prompt's last) as its root; the commands are the prefill chunks of prompt
+        + emitted tokens (all but that root), a `DraftOpen` with the whole sequence when
+        the new path has a draft (`uses_draft`: False drops the draft, True takes one
+        again in a mode that uses one, also after `drop_draft`), then the root's feed. Feeds and prunes are numbered from 0 again (the new path's
+        stages know nothing of the old one); node ids and draft tickets keep growing, so
+        nothing of the old path can be mistaken for the new one.
+
+        Accounting: the chunks enter one per step after every feed the old path
+        received, and those steps count as decode steps (the time the pipeline spends
+        on the fault); `prefill_steps` stays the first prefill's; `stats.replays`
+        counts the re-opens."""
+        if self.done:
+            return []
+        if self._uses_draft and not uses_draft:
+            self.drop_draft()
+        elif uses_draft and self.mode.uses_draft:
+            self._uses_draft = True  # a draft again (one dropped before is replaced)
+        self.stats.replays += 1
+        seq = [*self.prompt, *self.out.tokens]
+        self._feeds = self._prunes = 0
+        self._node_step = {}
+        start = max(self._last_enter, self._last_verify) + 1
+        chunks = prefill_chunks(self.request_id, seq, self.opts.prefill_chunk)
+        cmds: list[Command] = []
+        if self.uses_draft:
+            cmds.append(DraftOpen(seq, self.capacity, self.opts.prefill_chunk))
+        cmds += [self._feed(c, start + i) for i, c in enumerate(chunks)]
+        self._last_enter = start + len(chunks) - 1
+        return cmds + self._restart_at(seq)
+
+    def drop_draft(self) -> list[Command]:
+        """The draft is lost and the stages are not: go on without it (width 0, as pp)
+        from now on; what is in the pipeline is verified as usual. `stats.draft_drops`
+        counts it."""
+        if self.done or not self._uses_draft:
+            return []
+        self._uses_draft = False
+        self.stats.draft_drops += 1
+        return self._without_draft()
+
+    @abstractmethod
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        """Replay: a fresh tree rooted at `seq[-1]` (position len(seq) - 1), the commands
+        that put that root into the pipeline."""
+
+    @abstractmethod
+    def _without_draft(self) -> list[Command]:
+        """Forget the draft's outstanding work; commands needed to go on without it."""
 
     def on_failure(self, message: str) -> list[Command]:
         """A stage or the draft failed the request."""

@@ -34,6 +34,10 @@ class SpecInferController(Controller):
         self._ticket: int | None = None  # the outstanding Propose
         self._fed = False  # the pass's tree is in the pipeline
 
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.tree) if self._fed else 0
+
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
         return [*self._prefill(), *self._next_pass()]
@@ -54,9 +58,26 @@ class SpecInferController(Controller):
             return []  # not this pass's tree (a stale frame)
         return self._verify(act.logits)
 
+    # -- faults ----------------------------------------------------------------------------
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
+        self.root_pos = len(seq) - 1
+        self._draft_computed, self._unseen, self._ticket, self._fed = [], [], None, False
+        return self._next_pass()
+
+    def _without_draft(self) -> list[Command]:
+        self._unseen = []
+        if self._ticket is not None and not self._fed:  # the pass waited for the draft
+            self._ticket = None
+            return self._feed_tree()
+        self._ticket = None
+        return []
+
     # -- decisions -------------------------------------------------------------------------
     def _next_pass(self) -> list[Command]:
         cmds: list[Command] = []
+        if not self.uses_draft:  # one token per pass, as pp
+            return self._feed_tree()
         if self._unseen:
             start = self.root_pos - len(self._unseen)
             cmds.append(DraftPrefill(self._unseen, start, self.opts.prefill_chunk))
@@ -97,6 +118,7 @@ class SpecInferController(Controller):
                 break
             self.out.hits += 1
             path.append(child)
+            self.stats.hit_depths.append(len(path) - 1)
         self.stats.accepted_lengths.append(len(emitted))
         cmds = self._emit(emitted, done)
         if self.done:
@@ -104,12 +126,13 @@ class SpecInferController(Controller):
         path_t = torch.tensor(path)
         path_ids = tree.ids[path_t]
         horizon = tree.last_id
-        seen = torch.isin(path_ids, torch.cat(self._draft_computed))
+        computed = torch.cat(self._draft_computed) if self._draft_computed else EMPTY_IDS
+        seen = torch.isin(path_ids, computed)
         cmds += self._prune(
             Prune(commit_ids=path_ids, keep_ids=EMPTY_IDS, horizon=horizon),
             draft_prune=Prune(commit_ids=path_ids[seen], keep_ids=EMPTY_IDS, horizon=horizon),
         )
-        self._unseen = tree.tokens[path_t][~seen].tolist()
+        self._unseen = tree.tokens[path_t][~seen].tolist() if self.uses_draft else []
         # The next tree is rooted at the last emitted token; ids keep increasing.
         self.root_pos += len(path)
         self.tree = TokenTree(emitted[-1], first_id=horizon + 1)

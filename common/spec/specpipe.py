@@ -46,6 +46,11 @@ class SpecPipeController(Controller):
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
         self._newest = EMPTY_IDS  # node ids of the newest layer fed
         self._newest_ticket: int | None = None
+        self._node_depth: dict[int, int] = {}  # depth below the root when a node was fed
+
+    @property
+    def rows_in_flight(self) -> int:
+        return len(self.tree)  # every node of the tree has been fed
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
@@ -69,12 +74,34 @@ class SpecPipeController(Controller):
             return []  # rows a prune dropped after they left the stage before
         return self._verify(act.logits[int(rows[0, 0])])
 
+    # -- faults ----------------------------------------------------------------------------
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        self.width = self.opts.width if self.uses_draft else 0
+        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
+        self.root_pos = len(seq) - 1
+        self._forget_draft_work()
+        return self._enter(self._root_layer())
+
+    def _without_draft(self) -> list[Command]:
+        # What is in the pipeline is verified as usual; a hit's subtree is already in
+        # flight, and a miss restarts from the root: nothing waits on the draft.
+        self.width = 0
+        self._forget_draft_work()
+        return []
+
+    def _forget_draft_work(self) -> None:
+        self.reserve = Candidates.empty()
+        self._held, self._asked, self._late = [], {}, set()
+        self._newest_ticket = None
+
     # -- decisions -------------------------------------------------------------------------
     def _root_layer(self) -> Activation:
         return layer_activation(self.request_id, self.tree, torch.tensor([0]), self.root_pos)
 
     def _enter(self, layer: Activation) -> list[Command]:
         step = self._entry_step(layer)
+        depths = (layer.positions - self.root_pos).tolist()
+        self._node_depth.update(zip(layer.node_ids.tolist(), depths, strict=True))
         cmds: list[Command] = [self._feed(layer, step)]
         self._newest, self._newest_ticket = layer.node_ids, None
         if self.width:
@@ -98,6 +125,7 @@ class SpecPipeController(Controller):
         horizon = tree.last_id
         if child is not None:
             self.out.hits += 1
+            self.stats.hit_depths.append(self._node_depth.get(int(tree.ids[child]), 1))
             tree.prune_to(child)
             prune = Prune(commit_ids=old_root, keep_ids=tree.ids.clone(), horizon=horizon)
         else:
@@ -108,7 +136,9 @@ class SpecPipeController(Controller):
         if self.done:
             return cmds
         cmds += self._prune(prune)
-        self._forget_nodes(tree.ids.tolist())
+        live = tree.ids.tolist()
+        self._forget_nodes(live)
+        self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
         if child is None:
             self.reserve = Candidates.empty()
             self._held = []

@@ -22,7 +22,14 @@ SUMMARY_KEYS = (
     "hit_rate",
 )
 SPECULATION_KEYS = ("regrowths", "steady_tokens_per_step")
-RECORD_KEYS = (*SUMMARY_KEYS, "verifications", *SPECULATION_KEYS, "late_draft_answers")
+RECORD_KEYS = (
+    *SUMMARY_KEYS,
+    "verifications",
+    *SPECULATION_KEYS,
+    "late_draft_answers",
+    "replays",
+    "draft_drops",
+)
 RATIO_DIGITS = 6
 
 
@@ -51,6 +58,14 @@ class DecodeStats:
     # specpipe: draft answers still outstanding at a later step's verification (only an
     # asynchronous executor sees any; while there are none, its steps are lockstep's)
     late_draft_answers: int = 0
+    # faults: re-opens of the request on another path (`Controller.replay`; the
+    # re-prefill's steps count as decode steps) and losses of the draft after which it
+    # went on without one (`Controller.drop_draft`)
+    replays: int = 0
+    draft_drops: int = 0
+    # per hit, the depth below the root of its time at which the draft proposed the
+    # token (specpipe: layers ahead of the verification; specinfer: place in the path)
+    hit_depths: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:

@@ -37,6 +37,8 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     stats: dict[str, object] = field(default_factory=dict)
+    model: str = ""
+    weight_hash: str = ""  # the model version that served it (content hash of the weights)
 
     def summary(self) -> dict[str, object]:
         """The stats keys `specpipe generate --json` prints."""
@@ -102,6 +104,8 @@ class Collector:
 
     def __init__(self) -> None:
         self.request_id = ""
+        self.model = ""
+        self.weight_hash = ""
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
         self.text: list[str] = []
@@ -111,6 +115,7 @@ class Collector:
         kind = resp.WhichOneof("event")
         if kind == "started":
             self.request_id = resp.started.request_id
+            self.model, self.weight_hash = resp.started.model, resp.started.weight_hash
             self.prompt_tokens = resp.started.prompt_tokens
         elif kind == "delta":
             d = resp.delta
@@ -128,6 +133,8 @@ class Collector:
                 prompt_tokens=f.usage.prompt_tokens,
                 completion_tokens=f.usage.completion_tokens,
                 stats=stats_from_proto(f.stats),
+                model=self.model,
+                weight_hash=self.weight_hash,
             )
             if f.text:
                 return Chunk([], f.text, len(self.token_ids))

@@ -1,13 +1,30 @@
-"""The router's view of the deployment: stage and draft replicas, their health, and
-the path (one replica per stage, one draft) each new request runs on (docs/architecture.md,
-"1. Services")."""
+"""The router's view of the deployment: the live set of stage and draft replicas, their
+health, identity and load, the model versions they make up, and the path (one replica
+per stage, one draft) each new request runs on (docs/architecture.md, "1. Services").
+
+Replicas come from a `Discovery` source (discovery.py) and change while the router runs.
+A replica takes traffic only once it answered `Describe` (layers, model, weight hash)
+and its health says SERVING; one that drains (NOT_SERVING), is terminating, or leaves
+discovery takes no new requests and keeps the ones it has; one that stops answering is
+reported down (`on_down`), and the requests on it are replayed elsewhere.
+
+A model version is the content hash of the target's weights (`weight_hash`). A version
+is complete when its healthy stages chain from layer 0 to the last one. New requests go
+to the newest complete version (ranked by when discovery first listed its stages), so a
+new version's stages take new requests as soon as they make a complete path and the old
+version's drain; a request stays on its version to the end, also when replayed. All
+versions must keep the vocabulary of the first one this router served: a version with
+another is refused (its replicas are listed with the reason, never used).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,6 +33,7 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..grpc_util import SERVING, channel, rpc_error_text
+from .discovery import Discovery, Endpoint
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +49,19 @@ class Backend:
     channel: grpc.aio.Channel
     stub: object
     health: health_pb2_grpc.HealthStub
+    endpoint: Endpoint
     desc: object | None = None
-    healthy: bool = False
+    healthy: bool = False  # described and SERVING
     error: str = "not contacted yet"
     slow_checks: int = 0
-    active: int = 0  # requests of this router on this replica
+    active: int = 0  # requests of this router with this replica on their path
+    rows: int = 0  # rows in flight of those requests (load for path choice)
     draining: bool = False  # reports NOT_SERVING: takes no new requests, finishes its own
+    listed: bool = True  # in the discovery source's current set
+    refused: str = ""  # why it may never serve here (incompatible); "" if none
+    found_at: float = field(default_factory=time.monotonic)
+    ready_at: float | None = None  # first time it could take a request
+    first_request_at: float | None = None
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -44,11 +69,44 @@ class Backend:
         return (self.desc.layer_start, self.desc.layer_end)
 
     @property
+    def version(self) -> str:
+        return self.desc.weight_hash if self.desc is not None else ""
+
+    @property
     def label(self) -> str:
         if self.kind == "stage" and self.desc is not None:
             a, b = self.layers
             return f"stage {a}:{b} at {self.address}"
         return f"{self.kind} at {self.address}"
+
+    @property
+    def eligible(self) -> bool:
+        """May take a new request."""
+        return (
+            self.healthy
+            and self.listed
+            and not self.draining
+            and not self.refused
+            and not self.endpoint.draining
+        )
+
+    @property
+    def has_room(self) -> bool:
+        """Its KV cache budget is not used up (as of its last Describe)."""
+        d = self.desc
+        limit = getattr(d, "cache_bytes_limit", 0) if d is not None else 0
+        return not limit or d.cache_bytes_used < limit
+
+    @property
+    def free_cache(self) -> float:
+        d = self.desc
+        limit = getattr(d, "cache_bytes_limit", 0) if d is not None else 0
+        return float(limit - d.cache_bytes_used) if limit else math.inf
+
+    def load_key(self) -> tuple:
+        """Less is better: rows in flight, requests, then the most free KV cache."""
+        reported = getattr(self.desc, "active_requests", 0) if self.desc is not None else 0
+        return (self.rows, self.active, reported, -self.free_cache)
 
 
 @dataclass
@@ -62,6 +120,10 @@ class RequestPath:
     def backends(self) -> list[Backend]:
         return [*self.stages, *([self.draft] if self.draft else [])]
 
+    @property
+    def version(self) -> str:
+        return self.stages[0].version
+
 
 @dataclass
 class ModelInfo:
@@ -74,129 +136,356 @@ class ModelInfo:
     ranges: list[tuple[int, int]] = field(default_factory=list)
     draft_model: str = ""
     draft_vocab: int = 0
+    rank: float = 0.0  # newer versions rank higher (discovery order)
+
+
+def _chains(ranges: Iterable[tuple[int, int]], num_layers: int) -> list[list[tuple[int, int]]]:
+    """Every way to cover layers [0, num_layers) with the given ranges, end to end."""
+    starts: dict[int, list[tuple[int, int]]] = {}
+    for r in sorted(set(ranges)):
+        starts.setdefault(r[0], []).append(r)
+    out: list[list[tuple[int, int]]] = []
+
+    def walk(at: int, chain: list[tuple[int, int]]) -> None:
+        if at == num_layers:
+            out.append(list(chain))
+            return
+        for r in starts.get(at, []):
+            if r[1] > at and len(out) < 64:
+                chain.append(r)
+                walk(r[1], chain)
+                chain.pop()
+
+    walk(0, [])
+    return out
 
 
 class Backends:
     def __init__(
         self,
-        stage_addresses: list[str],
-        draft_address: str | None,
+        discovery: Discovery,
         on_down: Callable[[Backend, str], None],
         on_readiness: Callable[[bool], object],
         check_interval: float = 0.5,
         check_timeout: float = 2.0,
+        transport_kind: str | None = None,
+        on_version: Callable[[ModelInfo], None] | None = None,
     ) -> None:
-        if not stage_addresses:
-            raise ValueError("a router needs at least one stage")
-        self.stages = [self._backend("stage", a) for a in stage_addresses]
-        self.draft = self._backend("draft", draft_address) if draft_address else None
+        self.discovery = discovery
         self.on_down, self.on_readiness = on_down, on_readiness
+        self.on_version = on_version
         self.check_interval, self.check_timeout = check_interval, check_timeout
-        self.model: ModelInfo | None = None
+        self.transport_kind = transport_kind
+        self.by_key: dict[tuple[str, str], Backend] = {}
+        self.versions: dict[str, ModelInfo] = {}  # complete versions now
+        self.model: ModelInfo | None = None  # the newest complete version (or the last one)
+        self.vocab_size: int | None = None  # fixed by the first version served
         self._ready = False
-        self._monitor: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
+        self._changed = asyncio.Event()
+        self.published = 0  # sets the discovery source published (for tests and metrics)
+        initial = discovery.initial()
+        if initial is not None:
+            self.update(initial)
 
-    @staticmethod
-    def _backend(kind: str, address: str) -> Backend:
-        ch = channel(address)
-        stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
-        return Backend(kind, address, ch, stub, health_pb2_grpc.HealthStub(ch))
-
+    # -- the replicas ---------------------------------------------------------------------
     @property
     def all(self) -> list[Backend]:
-        return [*self.stages, *([self.draft] if self.draft else [])]
+        return list(self.by_key.values())
+
+    @property
+    def stages(self) -> list[Backend]:
+        return [b for b in self.by_key.values() if b.kind == "stage"]
+
+    @property
+    def drafts(self) -> list[Backend]:
+        return [b for b in self.by_key.values() if b.kind == "draft"]
+
+    @property
+    def has_draft(self) -> bool:
+        """Whether the deployment has a draft at all (listed, whatever its health)."""
+        return any(b.listed for b in self.drafts)
 
     @property
     def ready(self) -> bool:
+        """A complete path of some version exists."""
         return self._ready
 
+    def _backend(self, ep: Endpoint) -> Backend:
+        ch = channel(ep.address)
+        kind = ep.kind
+        stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
+        return Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)
+
+    def update(self, endpoints: frozenset[Endpoint]) -> None:
+        """The discovery source's current set: new replicas are added (and described by
+        the monitor before they take traffic); ones no longer listed take no new
+        requests and go once their requests are done."""
+        self.published += 1
+        keys = set()
+        for ep in endpoints:
+            keys.add(ep.key)
+            b = self.by_key.get(ep.key)
+            if b is None:
+                self.by_key[ep.key] = self._backend(ep)
+                log.info(
+                    "discovered %s %s%s", ep.kind, ep.address, f" ({ep.group})" if ep.group else ""
+                )
+            else:
+                if not b.listed:
+                    log.info("%s is listed again", b.label)
+                b.endpoint, b.listed = ep, True
+        for key, b in self.by_key.items():
+            if key not in keys and b.listed:
+                b.listed = False
+                log.info("%s left discovery: no new requests", b.label)
+        self._changed.set()
+        self._recompute()
+
     # -- start-up ------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._tasks:
+            return
+
+        async def follow() -> None:
+            try:
+                await self.discovery.run(self.update)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("discovery (%s) failed", self.discovery.describe())
+                raise
+
+        self._tasks = [
+            asyncio.create_task(follow(), name="discovery"),
+            asyncio.create_task(self._watch(), name="health-monitor"),
+        ]
+
     async def connect(self, timeout: float) -> ModelInfo:
-        """Describe every backend (waiting for slow starters) and check they fit together."""
+        """Follow discovery and wait until a complete path of some version exists, with
+        a draft when the deployment lists any (later, a request that finds no draft up
+        runs without one)."""
+        await self.start()
         deadline = time.monotonic() + timeout
-        await asyncio.gather(*(self._describe_until(b, deadline) for b in self.all))
-        self.model = self._check_layout()
-        self._set_ready()
-        self._monitor = asyncio.create_task(self._watch(), name="health-monitor")
+
+        def drafts_ok() -> bool:
+            listed = [d for d in self.drafts if d.listed]
+            return not listed or any(d.eligible for d in listed)
+
+        while self.model is None or not self._ready or not drafts_ok():
+            for t in self._tasks:
+                if t.done() and t.exception() is not None:
+                    raise NoPath(f"discovery failed: {t.exception()}")
+            if time.monotonic() > deadline:
+                raise NoPath(f"no complete path after {timeout:.0f} s: {self.why_no_path()}")
+            await asyncio.sleep(0.05)
         return self.model
 
-    async def _describe_until(self, b: Backend, deadline: float) -> None:
-        while True:
-            try:
-                desc = await b.stub.Describe(pb.DescribeRequest(), timeout=2.0)
-                if b.kind == "draft" or desc.ready:
-                    b.desc, b.healthy, b.error = desc, True, ""
-                    return
-                b.error = "no model loaded yet"
-            except grpc.aio.AioRpcError as e:
-                b.error = rpc_error_text(e)
-            if time.monotonic() > deadline:
-                raise NoPath(f"{b.kind} at {b.address} did not come up: {b.error}")
-            await asyncio.sleep(0.2)
+    def why_no_path(self) -> str:
+        if not self.by_key:
+            return f"{self.discovery.describe()} lists no stage"
+        parts = []
+        for b in self.all:
+            state = b.refused or ("" if b.eligible else b.error or "draining")
+            if state:
+                parts.append(f"{b.label}: {state}")
+        if not parts:
+            ranges = sorted({b.layers for b in self.stages if b.desc is not None})
+            parts.append(
+                f"stage layer ranges {ranges} do not chain from the first layer to the last"
+            )
+        return "; ".join(parts)
 
-    def _check_layout(self) -> ModelInfo:
-        descs = [b.desc for b in self.stages]
-        first = descs[0]
-        for d, b in zip(descs, self.stages, strict=True):
-            if d.weight_hash != first.weight_hash or d.num_layers != first.num_layers:
-                raise NoPath(
-                    f"{b.label} serves model {d.model_id} ({d.weight_hash}), "
-                    f"{self.stages[0].label} serves {first.model_id} ({first.weight_hash})"
+    # -- identity ------------------------------------------------------------------------
+    def _refusal(self, b: Backend) -> str:
+        d = b.desc
+        if b.kind == "stage":
+            scheme = d.data_address.partition("://")[0]
+            if self.transport_kind and scheme != self.transport_kind:
+                return (
+                    f"uses the {scheme} data plane, this router {self.transport_kind}: start "
+                    "every service of a deployment with the same --transport"
                 )
-        ranges = sorted({b.layers for b in self.stages})
-        end = 0
-        for a, b in ranges:
-            if a != end:
-                raise NoPath(
-                    f"stage layer ranges {ranges} do not chain from 0 to {first.num_layers}"
+            if self.vocab_size is not None and d.vocab_size != self.vocab_size:
+                return (
+                    f"model {d.model_id} ({d.weight_hash}) has a vocabulary of {d.vocab_size} "
+                    f"tokens, this router serves {self.vocab_size}: a new model version must "
+                    "keep the vocabulary (deploy it with its own router)"
                 )
-            end = b
-        if end != first.num_layers:
-            raise NoPath(f"stage layer ranges {ranges} stop at {end} of {first.num_layers} layers")
-        info = ModelInfo(
-            model_id=first.model_id,
-            weight_hash=first.weight_hash,
-            num_layers=first.num_layers,
-            vocab_size=first.vocab_size,
-            max_positions=first.max_position_embeddings,
-            eos_token_ids=tuple(first.eos_token_ids),
-            ranges=ranges,
-        )
-        if self.draft is not None:
-            dd = self.draft.desc
-            if dd.vocab_size > info.vocab_size:
-                raise NoPath(
-                    f"draft vocabulary ({dd.vocab_size}) is larger than the target's ({info.vocab_size})"
-                )
-            info.draft_model, info.draft_vocab = dd.model_id, dd.vocab_size
-        return info
+            if not 0 <= d.layer_start < d.layer_end <= d.num_layers:
+                return f"bad layer range {d.layer_start}:{d.layer_end} of {d.num_layers}"
+        elif self.vocab_size is not None and d.vocab_size > self.vocab_size:
+            return (
+                f"draft vocabulary ({d.vocab_size}) is larger than the target's ({self.vocab_size})"
+            )
+        return ""
+
+    def _recompute(self) -> None:
+        """Complete versions, the current one, readiness."""
+        by_version: dict[str, list[Backend]] = {}
+        for b in self.stages:
+            if b.eligible:
+                by_version.setdefault(b.version, []).append(b)
+        versions = {}
+        for wh, stages in by_version.items():
+            first = stages[0].desc
+            chains = _chains((b.layers for b in stages), first.num_layers)
+            if not chains:
+                continue
+            info = ModelInfo(
+                model_id=first.model_id,
+                weight_hash=wh,
+                num_layers=first.num_layers,
+                vocab_size=first.vocab_size,
+                max_positions=first.max_position_embeddings,
+                eos_token_ids=tuple(first.eos_token_ids),
+                ranges=chains[0],
+                rank=min(b.endpoint.order for b in stages),
+            )
+            drafts = [d for d in self.drafts if d.eligible and d.desc.vocab_size <= info.vocab_size]
+            if drafts:
+                groups = {b.endpoint.group for b in stages}
+                same = [d for d in drafts if d.endpoint.group in groups] or drafts
+                info.draft_model, info.draft_vocab = same[0].desc.model_id, same[0].desc.vocab_size
+            versions[wh] = info
+        self.versions = versions
+        if versions:
+            newest = max(versions.values(), key=lambda m: (m.rank, m.weight_hash))
+            if self.vocab_size is None:
+                self.vocab_size = newest.vocab_size
+                for b in self.all:  # what was described before the vocabulary was known
+                    if b.desc is not None and not b.refused:
+                        b.refused = self._refusal(b)
+                if any(b.refused for b in self.all):
+                    self._recompute()
+                    return
+            previous = self.model
+            self.model = newest
+            if previous is None or previous.weight_hash != newest.weight_hash:
+                log.info(
+                    "new requests go to model %s version %s (%d stages)",
+                    newest.model_id, newest.weight_hash, len(newest.ranges),
+                )  # fmt: skip
+                if self.on_version is not None:
+                    self.on_version(newest)
+        self._set_ready(bool(versions))
 
     # -- paths ---------------------------------------------------------------------------
-    def path(self, needs_draft: bool = True) -> RequestPath:
-        """The least loaded healthy replica of every stage, and the draft (not needed, and
-        not in the path, for modes without one: pp and autoregressive run while the draft
-        is down)."""
-        assert self.model is not None
-        chosen = []
-        for rng in self.model.ranges:
-            replicas = [b for b in self.stages if b.layers == rng]
-            healthy = [b for b in replicas if b.healthy]
-            if not healthy:
-                down = "; ".join(f"{b.label}: {b.error}" for b in replicas)
-                raise NoPath(f"no healthy replica of layers {rng[0]}:{rng[1]} ({down})")
-            chosen.append(min(healthy, key=lambda b: b.active))
-        draft = self.draft if needs_draft else None
-        if draft is not None and not draft.healthy:
-            raise NoPath(f"{draft.label} is down: {draft.error}")
-        return RequestPath(chosen, draft)
+    def path(
+        self,
+        version: str | None = None,
+        need_draft: bool = True,
+        exclude: Iterable[Backend] = (),
+    ) -> RequestPath:
+        """The least loaded eligible replica of every stage of `version` (None: the newest
+        complete version that has room), and a draft when `need_draft` and one is up (else
+        None: the request goes on without). NoPath says why there is none."""
+        excluded = set(exclude)
+        if version is not None:
+            candidates = [version]
+        else:
+            candidates = [
+                m.weight_hash for m in sorted(self.versions.values(), key=lambda m: -m.rank)
+            ]
+            if not candidates:
+                known = sorted({b.version for b in self.stages if b.desc is not None})
+                reasons = [self._missing(v, excluded) for v in known if not self.refused(v)]
+                raise NoPath("; ".join(reasons) or self.why_no_path())
+        reasons = []
+        for wh in candidates:
+            try:
+                stages = self._stages_of(wh, excluded)
+            except NoPath as e:
+                reasons.append(str(e))
+                continue
+            draft = self._draft_for(stages, excluded) if need_draft else None
+            return RequestPath(stages, draft)
+        raise NoPath("; ".join(reasons))
+
+    def _stages_of(self, version: str, excluded: set[Backend]) -> list[Backend]:
+        usable: dict[tuple[int, int], list[Backend]] = {}
+        num_layers = 0
+        for b in self.stages:
+            if b.eligible and b.version == version and b.has_room and b not in excluded:
+                usable.setdefault(b.layers, []).append(b)
+                num_layers = b.desc.num_layers
+        best: list[Backend] | None = None
+        best_key = None
+        for chain in _chains(usable, num_layers) if usable else []:
+            chosen = [min(usable[r], key=Backend.load_key) for r in chain]
+            key = (max(b.load_key() for b in chosen), len(chain))
+            if best_key is None or key < best_key:
+                best, best_key = chosen, key
+        if best is None:
+            raise NoPath(self._missing(version, excluded))
+        return best
+
+    def refused(self, version: str) -> bool:
+        """Whether every replica of `version` is refused (never used here)."""
+        return all(b.refused for b in self.stages if b.version == version)
+
+    def _missing(self, version: str, excluded: set[Backend]) -> str:
+        """Why `version` has no path: the layer ranges no usable replica serves."""
+        replicas = [b for b in self.stages if b.version == version]
+        if not replicas:
+            return "no stage serves it"
+
+        def why(b: Backend) -> str:
+            if b in excluded:
+                return "failed for this request"
+            if not b.eligible:
+                return b.refused or b.error or "draining"
+            return "" if b.has_room else "its KV cache is full"
+
+        out = []
+        for rng in sorted({b.layers for b in replicas}):
+            reps = [b for b in replicas if b.layers == rng]
+            reasons = [(b, why(b)) for b in reps]
+            if all(r for _, r in reasons):
+                down = "; ".join(f"{b.label}: {r}" for b, r in reasons)
+                out.append(f"no healthy replica of layers {rng[0]}:{rng[1]} ({down})")
+        if not out:
+            ranges = sorted({b.layers for b in replicas})
+            out.append(f"stage layer ranges {ranges} do not chain from the first layer to the last")
+        return "; ".join(out)
+
+    def _draft_for(self, stages: list[Backend], excluded: set[Backend]) -> Backend | None:
+        vocab = stages[0].desc.vocab_size
+        drafts = [
+            d for d in self.drafts
+            if d.eligible and d not in excluded and d.desc.vocab_size <= vocab
+        ]  # fmt: skip
+        if not drafts:
+            return None
+        groups = {b.endpoint.group for b in stages}
+        same = [d for d in drafts if d.endpoint.group in groups] or drafts
+        return min(same, key=Backend.load_key)
+
+    def acquire(self, path: RequestPath) -> None:
+        now = time.monotonic()
+        for b in path.backends:
+            b.active += 1
+            if b.first_request_at is None:
+                b.first_request_at = now
+
+    def release(self, backends: Iterable[Backend], rows: int = 0) -> None:
+        for b in backends:
+            b.active -= 1
+            b.rows -= rows
+
+    def suspect(self, b: Backend, error: str) -> None:
+        """A request could not reach `b`: no new requests until its health says otherwise."""
+        if b.healthy:
+            b.healthy, b.error = False, error
+            log.warning("%s failed a request: %s", b.label, error)
+            self._recompute()
 
     # -- health ----------------------------------------------------------------------------
-    def _set_ready(self) -> None:
-        ready = all(b.healthy for b in self.all)
+    def _set_ready(self, ready: bool) -> None:
         if ready != self._ready:
             self._ready = ready
-            log.info("router %s", "ready" if ready else "NOT ready")
+            log.info("router %s", "ready" if ready else "NOT ready (no complete path)")
             result = self.on_readiness(ready)
             if asyncio.iscoroutine(result):
                 task = asyncio.ensure_future(result)
@@ -205,9 +494,20 @@ class Backends:
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(b) for b in self.all))
-            self._set_ready()
-            await asyncio.sleep(self.check_interval)
+            backends = self.all
+            if backends:
+                await asyncio.gather(*(self._check(b) for b in backends))
+            for key, b in list(self.by_key.items()):
+                if not b.listed and b.active <= 0:
+                    del self.by_key[key]
+                    log.info("%s removed", b.label)
+                    task = asyncio.ensure_future(b.channel.close())
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+            self._recompute()
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.check_interval)
 
     async def _check(self, b: Backend) -> None:
         try:
@@ -219,31 +519,55 @@ class Backends:
                 b.slow_checks += 1
                 if b.slow_checks < 3:
                     return  # busy, not necessarily dead
-            if b.healthy or b.draining:
-                err = rpc_error_text(e)
-                b.healthy, b.draining, b.error = False, False, err
+            err = rpc_error_text(e)
+            was_up = b.healthy or b.draining
+            b.healthy, b.draining, b.error = False, False, err
+            if was_up:
                 log.warning("%s is down: %s", b.label, err)
+                self._recompute()
+            if was_up or b.active:  # requests still on it are replayed elsewhere
                 self.on_down(b, err)
             return
         b.slow_checks = 0
         if resp.status != SERVING:
             # Draining (shutting down): no new requests go there, but it still serves the
             # ones it has, so they are not failed; if it dies, the next check says so.
-            if b.healthy:
-                log.warning("%s reports NOT_SERVING (draining?)", b.label)
+            was_healthy = b.healthy
             b.healthy, b.draining = False, True
             b.error = "reports NOT_SERVING (shutting down or not loaded)"
+            if was_healthy:
+                log.warning("%s reports NOT_SERVING (draining?)", b.label)
+                self._recompute()
             return
+        try:  # identity (a restarted replica may hold other weights) and load
+            desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
+        except grpc.aio.AioRpcError as e:
+            b.error = rpc_error_text(e)
+            return
+        if b.kind == "stage" and not desc.ready:
+            b.healthy, b.error = False, "no model loaded yet"
+            return
+        before = b.desc
+        b.desc = desc
+        identity = ("weight_hash", "layer_start", "layer_end", "num_layers", "vocab_size")
+        if before is None or any(
+            getattr(before, f, None) != getattr(desc, f, None) for f in identity
+        ):
+            b.refused = self._refusal(b)
+            if b.refused:
+                log.error("%s refused: %s", b.label, b.refused)
+            elif before is not None:
+                log.warning("%s changed identity (restarted with other weights?)", b.label)
         if not b.healthy:
-            try:  # it came back, maybe restarted: its data address may have changed
-                b.desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
-            except grpc.aio.AioRpcError:
-                return
             b.healthy, b.draining, b.error = True, False, ""
-            log.info("%s is back", b.label)
+            if b.ready_at is None:
+                b.ready_at = time.monotonic()
+            log.info("%s is up: %s %s", b.label, desc.model_id, desc.weight_hash)
+            self._recompute()
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for b in self.all:
             await b.channel.close()

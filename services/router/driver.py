@@ -10,6 +10,15 @@ concurrently. Draft calls of a request run in one ordered lane, so the draft see
 and layers in the order the controller created them; prunes for the draft ride on the
 next `Propose`. Every decision is the controller's: this module only moves commands and
 events, keeps deadlines and maps failures to statuses.
+
+Faults: when a replica on the request's path dies or stops answering (a call fails
+UNAVAILABLE / NOT_FOUND / past its timeout, a stage reports its next hop unreachable,
+the health monitor reports it down, or the path goes silent for `stall_timeout`), the
+driver picks another path of the same model version from `Backends`, opens the request
+there under a new wire id (`<id>~<attempt>`: nothing of the old path can reach the new
+one) and executes `Controller.replay`. A draft that fails only makes the controller go on
+without it (`Controller.drop_draft`). With no path left after `replay_timeout`, the
+request fails UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -41,31 +50,45 @@ from specpipe.v1 import draft_pb2, stage_pb2
 
 from ..control import prune_to_proto, rows_to_proto
 from ..grpc_util import code_from_number
-from ..transport import Frame, FrameError, decode
+from ..transport import FrameError, Inbox, decode
 from ..transport.codec import Kind
-from .backends import Backend, RequestPath
+from .backends import Backend, Backends, NoPath, RequestPath
 
 log = logging.getLogger(__name__)
+
+# Codes of a backend call that mean "this replica is gone or lost the request" (a
+# restarted stage answers NOT_FOUND): the request is replayed on another path.
+REPLAYABLE = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.NOT_FOUND,
+)
+# Open refusals after which another path is tried.
+RETRY_OPEN = (*REPLAYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class DriverError(Exception):
     """The request failed; `code` is the gRPC status the client receives."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, replayable: bool = False) -> None:
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.replayable = code, message, replayable
 
 
 @dataclass
 class _Proposal:
+    attempt: int
     ticket: int
     cand: Candidates
 
 
 @dataclass
 class _Failure:
+    attempt: int
     code: grpc.StatusCode
     message: str
+    backend: Backend | None = None  # which replica failed, when known
+    replayable: bool = False
 
 
 def backend_error(b: Backend, what: str, e: BaseException) -> DriverError:
@@ -74,15 +97,20 @@ def backend_error(b: Backend, what: str, e: BaseException) -> DriverError:
         return e
     if isinstance(e, grpc.aio.AioRpcError):
         code = e.code()
+        replayable = code in REPLAYABLE
         passthrough = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             return DriverError(
-                grpc.StatusCode.UNAVAILABLE, f"{b.label} is unavailable ({what}): {e.details()}"
+                grpc.StatusCode.UNAVAILABLE,
+                f"{b.label} is unavailable ({what}): {e.details()}",
+                replayable,
             )
         if code in passthrough:
             return DriverError(code, f"{b.label}: {e.details()}")
         return DriverError(
-            grpc.StatusCode.INTERNAL, f"{b.label} failed {what}: {code.name}: {e.details()}"
+            grpc.StatusCode.INTERNAL,
+            f"{b.label} failed {what}: {code.name}: {e.details()}",
+            replayable,
         )
     return DriverError(grpc.StatusCode.INTERNAL, f"{b.label} failed {what}: {e!r}")
 
@@ -91,25 +119,45 @@ class RequestDriver:
     def __init__(
         self,
         controller: Controller,
+        backends: Backends,
         path: RequestPath,
         router_address: str,
-        events: asyncio.Queue,
+        inbox: Inbox,
         rpc_timeout: float = 60.0,
         deadline: float | None = None,
+        replay_timeout: float = 10.0,
+        max_replays: int = 8,
+        open_timeout: float = 10.0,
+        stall_timeout: float = 60.0,
+        on_replay: Callable[[RequestDriver, float], None] | None = None,
     ) -> None:
-        self.controller, self.path = controller, path
+        self.controller, self.backends = controller, backends
         self.request_id = controller.request_id
         self.router_address = router_address
-        self.events = events
+        self.inbox = inbox
         self.max_rpc_timeout = rpc_timeout
         self.deadline = deadline  # the client's, on time.monotonic(); None: no deadline
-        self.draft = path.draft if controller.uses_draft else None
+        self.replay_timeout, self.max_replays = replay_timeout, max_replays
+        self.open_timeout, self.stall_timeout = open_timeout, stall_timeout
+        self.on_replay = on_replay
+        self.version = path.version  # a request stays on one model version
+        self.path: RequestPath = path
+        self._first_path: RequestPath | None = path
+        self.draft: Backend | None = None
+        self.attempt = 0
+        self.wire_id = self.request_id  # the request's id on the current path
+        self.events: asyncio.Queue = inbox.open(self.wire_id)
+        self._holding = False  # the current path's backends count this request
+        self._rows = 0  # rows in flight counted on the current path's stages
         self._tasks: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue = asyncio.Queue()
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, sent with the next layer
         self._lane: asyncio.Task | None = None
         self.t_start = time.monotonic()
         self.token_times: list[float] = []
+        self.replay_seconds: list[float] = []  # time from each fault to the re-opened path
+        self.waiting = True  # opening a path (first or replayed), not producing tokens
 
     @property
     def stats(self) -> DecodeStats:
@@ -127,14 +175,16 @@ class RequestDriver:
             return self.max_rpc_timeout
         return min(self.max_rpc_timeout, max(self.deadline - time.monotonic(), 0.01))
 
+    def _past_deadline(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline - 0.05
+
     def _error(self, b: Backend, what: str, e: BaseException) -> DriverError:
         """A backend call's failure; a call cut short by the client's deadline says so."""
         err = backend_error(b, what, e)
         if (
             isinstance(e, grpc.aio.AioRpcError)
             and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            and self.deadline is not None
-            and time.monotonic() >= self.deadline - 0.05
+            and self._past_deadline()
         ):
             return DriverError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed while {what} on {b.label}"
@@ -144,11 +194,10 @@ class RequestDriver:
     # -- public ------------------------------------------------------------------------
     async def run(self) -> AsyncIterator[list[int]]:
         """Open the request on its path, then yield verified tokens as they come."""
-        for b in self.path.backends:
-            b.active += 1
-        self._lane = asyncio.create_task(self._draft_lane(), name=f"draft-lane-{self.request_id}")
-        await self._open_stages()
         ctrl = self.controller
+        await self._open(set(), first=True)
+        if ctrl.uses_draft and self.draft is None:
+            ctrl.drop_draft()  # no draft is up: the request runs as pp
         cmds = ctrl.start()
         while True:
             for cmd in cmds:
@@ -159,37 +208,30 @@ class RequestDriver:
                     return
                 else:
                     self._execute(cmd)
-            ev = await self.events.get()
-            if isinstance(ev, _Proposal):
-                cmds = ctrl.on_candidates(ev.ticket, ev.cand)
-                continue
-            self._raise_on_failure(ev)
-            try:
-                cmds = ctrl.on_logits(decode(ev))
-            except FrameError as e:
-                raise DriverError(
-                    grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
-                ) from None
+            self._count_rows()
+            cmds = await self._handle(await self._next_event())
+
+    def backend_down(self, b: Backend, message: str) -> None:
+        """The health monitor found `b` down: replay if it is on this request's path."""
+        if b in self.path.backends and self._holding:
+            self.events.put_nowait(
+                _Failure(self.attempt, grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {message}",
+                         b, replayable=True)
+            )  # fmt: skip
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
-        """Called from outside (health monitor): fail the request at the next event."""
-        self.events.put_nowait(_Failure(code, message))
+        """Called from outside (router shutdown): fail the request at the next event."""
+        self.events.put_nowait(_Failure(self.attempt, code, message))
 
     async def release(self) -> None:
         """Free the request's state on every stage and the draft (best effort)."""
-        for t in [*self._tasks, *([self._lane] if self._lane else [])]:
-            t.cancel()
-        calls = [
-            b.stub.Release(pb.RequestRef(request_id=self.request_id), timeout=5.0)
-            for b in self.path.backends
-            if b is not self.path.draft or self.draft is not None
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for b, r in zip(self.path.backends, results, strict=False):
-            if isinstance(r, BaseException):
-                log.debug("release of %s on %s failed: %s", self.request_id, b.label, r)
-        for b in self.path.backends:
-            b.active -= 1
+        self._stop_tasks()
+        self.inbox.close(self.wire_id)
+        if self._holding:
+            await self._release_path(self.path, self.draft, self.wire_id)
+            self._let_go()
+        if self._background:
+            await asyncio.wait(self._background, timeout=5.0)
 
     def timing(self) -> tuple[float, float]:
         """(time to first token, mean time between tokens), in milliseconds."""
@@ -200,30 +242,223 @@ class RequestDriver:
         tbt = (self.token_times[-1] - self.token_times[0]) * 1e3 / (n - 1) if n > 1 else 0.0
         return ttft, tbt
 
-    # -- commands --------------------------------------------------------------------------
-    async def _open_stages(self) -> None:
-        ctrl, stages = self.controller, self.path.stages
+    # -- events ----------------------------------------------------------------------------
+    async def _next_event(self):
+        try:
+            return await asyncio.wait_for(self.events.get(), self.stall_timeout)
+        except TimeoutError:
+            return _Failure(
+                self.attempt,
+                grpc.StatusCode.UNAVAILABLE,
+                f"the path ({', '.join(b.label for b in self.path.stages)}) did not answer "
+                f"for {self.stall_timeout:.0f} s",
+                replayable=True,
+            )
+
+    async def _handle(self, ev) -> list[Command]:
+        ctrl = self.controller
+        if isinstance(ev, _Proposal):
+            return ctrl.on_candidates(ev.ticket, ev.cand) if ev.attempt == self.attempt else []
+        if isinstance(ev, _Failure):
+            if ev.attempt != self.attempt:
+                return []  # from an earlier path
+            if ev.backend is not None and ev.backend.kind == "draft":
+                if ev.backend is not self.draft:
+                    return []
+                if self._past_deadline():
+                    raise DriverError(grpc.StatusCode.DEADLINE_EXCEEDED, ev.message)
+                return self._lose_draft(ev.message)
+            if ev.replayable and not self._past_deadline():
+                return await self._replay(ev.backend, ev.message)
+            ctrl.on_failure(ev.message)
+            raise DriverError(ev.code, ev.message)
+        if ev.request_id != self.wire_id:
+            return []  # a frame of an earlier path
+        if ev.kind == Kind.PAYLOAD_KIND_ERROR:
+            code = code_from_number(ev.header.error_code or grpc.StatusCode.INTERNAL.value[0])
+            message = ev.header.error or f"{ev.header.sender} failed"
+            if code == grpc.StatusCode.UNAVAILABLE and not self._past_deadline():
+                return await self._replay(None, message)  # a next hop is unreachable
+            ctrl.on_failure(message)
+            raise DriverError(code, message)
+        try:
+            return ctrl.on_logits(decode(ev))
+        except FrameError as e:
+            raise DriverError(
+                grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
+            ) from None
+
+    # -- faults ----------------------------------------------------------------------------
+    async def _replay(self, failed: Backend | None, message: str) -> list[Command]:
+        """Re-open the request on another path of its version; the controller's replay."""
+        t0 = time.monotonic()
+        if len(self.replay_seconds) >= self.max_replays:
+            self.controller.on_failure(message)
+            raise DriverError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{message} (given up after {self.max_replays} replays of this request)",
+            )
+        log.warning("%s: %s; replaying on another path", self.request_id, message)
+        if failed is not None:
+            self.backends.suspect(failed, message)
+        self._abandon()
+        try:
+            await self._open({failed} if failed is not None else set(), first=False)
+        except DriverError as e:
+            self.controller.on_failure(e.message)
+            raise DriverError(e.code, f"{message}; {e.message}") from None
+        cmds = self.controller.replay(uses_draft=self.draft is not None)
+        self.replay_seconds.append(time.monotonic() - t0)
+        if self.on_replay is not None:
+            self.on_replay(self, self.replay_seconds[-1])
+        log.info(
+            "%s replayed on %s (%d tokens so far)",
+            self.request_id, ", ".join(b.label for b in self.path.backends),
+            len(self.controller.tokens),
+        )  # fmt: skip
+        return cmds
+
+    def _lose_draft(self, message: str) -> list[Command]:
+        """The draft failed: release it and let the controller go on without it."""
+        draft, self.draft = self.draft, None
+        log.warning("%s: %s; going on without the draft", self.request_id, message)
+        if draft is not None:
+            self.backends.suspect(draft, message)
+            self._restart_lane()
+            self._in_background(self._release_path(RequestPath([], None), draft, self.wire_id))
+            self.backends.release([draft])
+            self.path = RequestPath(self.path.stages, None)
+        return self.controller.drop_draft()
+
+    def _abandon(self) -> None:
+        """Leave the current path: stop its calls, release it in the background."""
+        self._stop_tasks()
+        if self._holding:
+            self._in_background(self._release_path(self.path, self.draft, self.wire_id))
+            self._let_go()
+
+    # -- paths -----------------------------------------------------------------------------
+    async def _open(self, excluded: set[Backend], first: bool) -> None:
+        """Open the request on a path (the given one first, then others of the same
+        version), under a fresh wire id per try. The first open takes what is there now;
+        a replay waits up to `replay_timeout` for a path (a replica coming back or a new
+        one joining)."""
+        self.waiting = True
+        try:
+            await self._open_path(excluded, first)
+        finally:
+            self.waiting = False
+
+    async def _open_path(self, excluded: set[Backend], first: bool) -> None:
+        wait_until = time.monotonic() + (0.0 if first else self.replay_timeout)
+        if self.deadline is not None:
+            wait_until = min(wait_until, self.deadline)
+        need_draft = self.controller.mode.uses_draft
+        last: DriverError | None = None
+        path, self._first_path = self._first_path, None
+        while True:
+            if path is None:
+                try:
+                    path = self.backends.path(self.version, need_draft, excluded)
+                except NoPath as e:
+                    if time.monotonic() < wait_until:
+                        await asyncio.sleep(0.1)
+                        continue
+                    if last is not None and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise last from None
+                    raise DriverError(grpc.StatusCode.UNAVAILABLE, f"no path left: {e}") from None
+            self._new_wire_id()
+            failure = await self._open_stages(path)
+            if failure is None:
+                self.path, self.draft = path, path.draft if need_draft else None
+                if not need_draft:
+                    self.path = RequestPath(path.stages, None)
+                self.backends.acquire(self.path)
+                self._holding = True
+                self._restart_lane()
+                return
+            b, err = failure
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and self._past_deadline():
+                raise err
+            if not (err.replayable or err.code == grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise err
+            if err.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.backends.suspect(b, err.message)
+            excluded.add(b)
+            last, path = err, None
+
+    def _new_wire_id(self) -> None:
+        """Every try after the first gets its own id (and inbox queue): late frames, call
+        failures and draft answers of an earlier path cannot reach this one."""
+        if self.attempt:
+            self.inbox.close(self.wire_id)
+            self.wire_id = f"{self.request_id}~{self.attempt}"
+            self.events = self.inbox.open(self.wire_id)
+        self.attempt += 1
+
+    async def _open_stages(self, path: RequestPath) -> tuple[Backend, DriverError] | None:
+        """Open the request on every stage of `path`; (replica, error) of a refusal."""
+        ctrl, stages = self.controller, path.stages
         hops = [s.desc.data_address for s in stages[1:]] + [self.router_address]
+        timeout = min(self.rpc_timeout, self.open_timeout)
         calls = [
             s.stub.Open(
                 stage_pb2.OpenStageRequest(
-                    request_id=self.request_id,
+                    request_id=self.wire_id,
                     capacity=ctrl.capacity,
                     next_hop=hop,
                     report_to=self.router_address,
                     root_logits_only=ctrl.root_logits_only,
                 ),
-                timeout=self.rpc_timeout,
+                timeout=timeout,
             )
             for s, hop in zip(stages, hops, strict=True)
         ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for s, r in zip(stages, results, strict=True):
-            if isinstance(r, BaseException):
-                raise self._error(s, "opening the request", r)
+        try:
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        except asyncio.CancelledError:  # the client went away while this path opened
+            self._in_background(self._release_path(path, None, self.wire_id))
+            raise
+        failed = [
+            (s, r) for s, r in zip(stages, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if not failed:
+            return None
+        opened = [
+            s for s, r in zip(stages, results, strict=True) if not isinstance(r, BaseException)
+        ]
+        if opened:
+            self._in_background(self._release_path(RequestPath(opened, None), None, self.wire_id))
+        s, e = failed[0]
+        return s, self._error(s, "opening the request", e)
 
+    async def _release_path(self, path: RequestPath, draft: Backend | None, wire_id: str) -> None:
+        calls = [
+            b.stub.Release(pb.RequestRef(request_id=wire_id), timeout=5.0)
+            for b in [*path.stages, *([draft] if draft else [])]
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.debug("release of %s failed: %s", wire_id, r)
+
+    def _let_go(self) -> None:
+        for b in self.path.stages:
+            b.rows -= self._rows
+        self._rows = 0
+        self.backends.release(self.path.backends)
+        self._holding = False
+
+    def _count_rows(self) -> None:
+        rows = self.controller.rows_in_flight
+        if rows != self._rows and self._holding:
+            for b in self.path.stages:
+                b.rows += rows - self._rows
+            self._rows = rows
+
+    # -- commands --------------------------------------------------------------------------
     def _execute(self, cmd: Command) -> None:
-        rid = self.request_id
+        rid = self.wire_id
         if isinstance(cmd, Feed):
             stage1 = self.path.stages[0]
             req = stage_pb2.FeedRequest(
@@ -266,7 +501,7 @@ class RequestDriver:
 
     def _propose(self, cmd: Propose) -> None:
         req = draft_pb2.ProposeRequest(
-            request_id=self.request_id,
+            request_id=self.wire_id,
             rows=rows_to_proto(cmd.layer),
             token_ids=cmd.layer.tokens.tolist(),
             top_k=cmd.top_k,
@@ -274,6 +509,7 @@ class RequestDriver:
             prunes=self._draft_prunes,
         )
         self._draft_prunes = []
+        attempt = self.attempt
 
         async def call(stub) -> None:
             resp = await stub.Propose(req, timeout=self.rpc_timeout)
@@ -282,7 +518,7 @@ class RequestDriver:
                 torch.tensor(resp.token_ids, dtype=torch.int64),
                 torch.tensor(resp.probs, dtype=torch.float32),
             )
-            self.events.put_nowait(_Proposal(cmd.ticket, cand))
+            self.events.put_nowait(_Proposal(attempt, cmd.ticket, cand))
 
         self._draft_call("proposing a tree layer", call, flush_prunes=False)
 
@@ -291,8 +527,9 @@ class RequestDriver:
     ) -> None:
         """Queue a draft call in the request's lane; prunes not yet sent go first."""
         if flush_prunes:
+            rid = self.wire_id
             for sig in self._draft_prunes:
-                req = pb.PruneRequest(request_id=self.request_id, prune=sig)
+                req = pb.PruneRequest(request_id=rid, prune=sig)
                 self._draft_q.put_nowait(
                     ("applying a prune", lambda s, req=req: s.Prune(req, timeout=self.rpc_timeout))
                 )
@@ -301,7 +538,8 @@ class RequestDriver:
 
     # -- plumbing ------------------------------------------------------------------------
     def _spawn(self, b: Backend, what: str, call: Awaitable) -> None:
-        """Fire a control call; its failure fails the request."""
+        """Fire a control call; its failure is an event (replayed or fatal)."""
+        attempt = self.attempt
 
         async def run() -> None:
             try:
@@ -310,31 +548,45 @@ class RequestDriver:
                 raise
             except Exception as e:
                 err = self._error(b, what, e)
-                self.events.put_nowait(_Failure(err.code, err.message))
+                self.events.put_nowait(_Failure(attempt, err.code, err.message, b, err.replayable))
 
         task = asyncio.create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _draft_lane(self) -> None:
+    def _in_background(self, call: Awaitable) -> None:
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _restart_lane(self) -> None:
+        """A fresh lane (and queue) for the current draft; the old lane's calls are dropped."""
+        if self._lane is not None:
+            self._lane.cancel()
+        self._draft_q = asyncio.Queue()
+        self._draft_prunes = []
+        self._lane = None
+        if self.draft is not None:
+            self._lane = asyncio.create_task(
+                self._draft_lane(self.draft, self._draft_q, self.attempt),
+                name=f"draft-lane-{self.wire_id}",
+            )
+
+    def _stop_tasks(self) -> None:
+        for t in [*self._tasks, *([self._lane] if self._lane else [])]:
+            t.cancel()
+        self._tasks.clear()
+        self._lane = None
+
+    async def _draft_lane(self, draft: Backend, queue: asyncio.Queue, attempt: int) -> None:
         """Run the draft calls of this request one after another, in creation order."""
         while True:
-            what, call = await self._draft_q.get()
-            assert self.draft is not None
+            what, call = await queue.get()
             try:
-                await call(self.draft.stub)
+                await call(draft.stub)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                err = self._error(self.draft, what, e)
-                self.events.put_nowait(_Failure(err.code, err.message))
-
-    def _raise_on_failure(self, ev) -> None:
-        if isinstance(ev, _Failure):
-            self.controller.on_failure(ev.message)
-            raise DriverError(ev.code, ev.message)
-        if isinstance(ev, Frame) and ev.kind == Kind.PAYLOAD_KIND_ERROR:
-            code = code_from_number(ev.header.error_code or grpc.StatusCode.INTERNAL.value[0])
-            message = ev.header.error or f"{ev.header.sender} failed"
-            self.controller.on_failure(message)
-            raise DriverError(code, message)
+                err = self._error(draft, what, e)
+                self.events.put_nowait(_Failure(attempt, err.code, err.message, draft))
+                return

@@ -154,7 +154,7 @@ class HttpApi:
     # -- plumbing ------------------------------------------------------------------------
     def _mode(self) -> str:
         """Without `mode`: specpipe, or pp on a deployment without a draft."""
-        return "specpipe" if self.router.backends.draft is not None else "pp"
+        return "specpipe" if self.router.backends.has_draft else "pp"
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         """Chat messages through the model's chat template, as token ids."""
@@ -179,7 +179,8 @@ class HttpApi:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
             first = await _unless_disconnected(request, run.next())
-            shape = ResponseShape(chat, run.request_id, self.router.model.model_id)
+            model = run.model or self.router.model.model_id
+            shape = ResponseShape(chat, run.request_id, model, run.weight_hash)
             if body.stream:
                 events = _events(run, shape, first, body.include_usage)
                 return EventStream(events, headers={"Cache-Control": "no-cache"})

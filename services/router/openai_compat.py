@@ -294,6 +294,8 @@ class Generation:
         self._responses = responses
         self.matcher = StopMatcher(stops)
         self.request_id = ""
+        self.model = ""
+        self.weight_hash = ""
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
         self.finished: gen.Finished | None = None
@@ -321,6 +323,7 @@ class Generation:
                 kind = resp.WhichOneof("event")
                 if kind == "started":
                     self.request_id = resp.started.request_id
+                    self.model, self.weight_hash = resp.started.model, resp.started.weight_hash
                     self.prompt_tokens = resp.started.prompt_tokens
                     continue
                 if kind == "delta":
@@ -370,21 +373,25 @@ def speculation(stats: gen.SpeculationStats) -> dict[str, Any]:
 class ResponseShape:
     """Builds the JSON objects of one chat or text completion (ids, times, model)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+    def __init__(self, chat: bool, request_id: str, model: str, weight_hash: str = "") -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
+        # OpenAI's "backend configuration" fingerprint: the model version (weight hash).
+        self.fingerprint = weight_hash
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict[str, Any]:
-        return {
+        envelope = {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            **extra,
         }
+        if self.fingerprint:
+            envelope["system_fingerprint"] = self.fingerprint
+        return {**envelope, **extra}
 
     def completion(
         self,

@@ -1,10 +1,12 @@
 """The router: the client-facing Generation service, request validation, and one
-`RequestDriver` per request over a path of healthy stage and draft replicas."""
+`RequestDriver` per request over a path of healthy stage and draft replicas, found
+through a discovery source (backends.py, discovery.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,6 +31,7 @@ from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .bounds import context_of, max_prompt_chars, max_request_bytes
+from .discovery import Discovery, StaticDiscovery
 from .driver import DriverError, RequestDriver
 from .requests import (
     InvalidRequest,
@@ -52,8 +55,8 @@ SERVICE_NAME = "specpipe.v1.Generation"
 class RouterService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
-        stage_addresses: list[str],
-        draft_address: str | None,
+        stage_addresses: list[str] | None = None,
+        draft_address: str | None = None,
         tokenizer_dir: str | None = None,
         transport_kind: str = TCP,
         bind_host: str = "127.0.0.1",
@@ -64,28 +67,38 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         max_running: int = DEFAULT_MAX_RUNNING,
         max_waiting: int = DEFAULT_MAX_WAITING,
         row_budget: int | str | None = None,
+        discovery: Discovery | None = None,
+        replay_seconds: float = 10.0,
+        stall_seconds: float = 60.0,
+        metrics=None,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
             transport_kind, self.inbox, bind_host=bind_host, advertise_host=advertise_host
         )
         self.transport_kind = transport_kind
+        if discovery is None:
+            if not stage_addresses:
+                raise ValueError("a router needs at least one stage (or a discovery source)")
+            discovery = StaticDiscovery(stage_addresses, [draft_address] if draft_address else [])
         self.backends = Backends(
-            stage_addresses,
-            draft_address,
+            discovery,
             on_down=self._backend_down,
             on_readiness=self._readiness,
             check_interval=check_interval,
+            transport_kind=transport_kind,
         )
+        self.replay_seconds, self.stall_seconds = replay_seconds, stall_seconds
+        self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = tokenizer_dir
         self.codec = None
         self.model_id_override = model_id
-        self.model: ModelInfo | None = None
         self.drivers: dict[str, RequestDriver] = {}
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
         self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
         self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
+        self.opening = 0  # requests accepted that wait for their path to open
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         self.draining = False
@@ -116,17 +129,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, load_codec, self.tokenizer_dir
         )
-        self.model = await self.backends.connect(startup_timeout)
-        for b in self.backends.stages:
-            scheme = b.desc.data_address.partition("://")[0]
-            if scheme != self.transport_kind:
-                raise RuntimeError(
-                    f"{b.label} uses the {scheme} data plane, this router {self.transport_kind}: "
-                    "start every service of a deployment with the same --transport"
-                )
-        if self.model_id_override:
-            self.model.model_id = self.model_id_override
-        self.scheduler.num_stages = len(self.model.ranges)
+        try:
+            await self.backends.connect(startup_timeout)
+        except NoPath as e:
+            raise RuntimeError(f"the router cannot start: {e}") from None
+        self.scheduler.num_stages = len(self.backends.model.ranges) if self.backends.model else 1
         self.scheduler.row_budget = self._row_budget()
         await self._readiness(self.backends.ready)
         return port
@@ -138,8 +145,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return None
         if spec != "auto":
             return int(spec)
-        measured = [b.desc.row_budget for b in self.backends.stages if b.desc.row_budget]
-        if len(measured) < len(self.backends.stages):
+        stages = [b for b in self.backends.stages if b.desc is not None]
+        measured = [b.desc.row_budget for b in stages if b.desc.row_budget]
+        if not stages or len(measured) < len(stages):
             raise RuntimeError(
                 "--row-budget auto needs every stage's measured cost curve: "
                 "start the stages with --measure-costs"
@@ -147,6 +155,18 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         budget = min(measured)
         log.info("row budget %d rows per step (the smallest of %s)", budget, measured)
         return budget
+
+    @property
+    def model(self) -> ModelInfo | None:
+        """The model version new requests go to (the newest complete one)."""
+        m = self.backends.model
+        if m is not None and self.model_id_override:
+            return dataclasses.replace(m, model_id=self.model_id_override)
+        return m
+
+    @model.setter
+    def model(self, value: ModelInfo | None) -> None:
+        self.backends.model = value
 
     async def drain(self, seconds: float) -> None:
         """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
@@ -176,8 +196,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def _backend_down(self, b: Backend, error: str) -> None:
         for d in list(self.drivers.values()):
-            if b in d.path.backends and (b.kind == "stage" or d.draft is not None):
-                d.fail(grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {error}")
+            d.backend_down(b, error)
 
     # -- validation ----------------------------------------------------------------------
     def _check_model(self, name: str) -> ModelInfo:
@@ -190,7 +209,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if prompt is None:
             check_size(r, model)
             prompt = prompt_of(r, self.codec)
-        return plan_request(r, model, prompt, self.backends.draft is not None)
+        return plan_request(r, model, prompt, self.backends.has_draft)
 
     async def tokenize_off_loop(self, fn, *args):
         """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
@@ -220,16 +239,28 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         plan = await self.prepare(request)
         rid = self._ids.next()
         await self._admit(rid, plan, request.priority, deadline)
+        t0 = time.perf_counter()
         try:
-            path = self.backends.path(needs_draft=plan.mode.uses_draft)
+            path = self.backends.path(need_draft=plan.mode.uses_draft)
         except NoPath as e:
             self._leave(rid)
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
             ) from None
-        events = self.inbox.open(rid)
+        if self.metrics is not None:
+            self.metrics.path_choice.observe(time.perf_counter() - t0)
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
+        driver = RequestDriver(
+            controller,
+            self.backends,
+            path,
+            self.transport.address,
+            self.inbox,
+            deadline=deadline,
+            replay_timeout=self.replay_seconds,
+            stall_timeout=self.stall_seconds,
+            on_replay=self.metrics.replayed if self.metrics is not None else None,
+        )
         self.drivers[rid] = driver
         self._apply_widths()
         log.info(
@@ -242,14 +273,24 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         stream = self.codec.stream() if self.codec else None
         index = 0
         stopped = False
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.started(len(plan.prompt))
+        failed = True
         try:
+            model_id = self.model_id_override or path.stages[0].desc.model_id
             yield gen.GenerateResponse(
                 started=gen.Started(
-                    request_id=rid, model=self.model.model_id, prompt_tokens=len(plan.prompt)
+                    request_id=rid,
+                    model=model_id,
+                    prompt_tokens=len(plan.prompt),
+                    weight_hash=path.version,
                 )
             )
             async with contextlib.aclosing(driver.run()) as batches:
                 async for tokens in batches:
+                    if metrics is not None:
+                        metrics.tokens(driver, len(tokens))
                     text = "".join(stream.push(t) for t in tokens) if stream else ""
                     try:
                         yield gen.GenerateResponse(
@@ -262,6 +303,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             finished = self._finished(driver, stream, len(plan.prompt))
             if stopped:
                 finished.finish_reason = "stop"
+            failed = False
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
             log.warning("%s failed: %s %s", rid, e.code.name, e.message)
@@ -272,7 +314,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.drivers.pop(rid, None)
             self._leave(rid)
-            self.inbox.close(rid)
+            if metrics is not None:
+                metrics.finished(driver, failed)
             # Runs even when the client cancelled (this generator is being closed).
             task = asyncio.ensure_future(driver.release())
             self._cleanup.add(task)
@@ -350,7 +393,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         m = self.model
         if m is None:
             return gen.ListModelsResponse()
-        has_draft = self.backends.draft is not None
+        has_draft = self.backends.has_draft
         modes = [m.value for m in Mode if has_draft or not m.uses_draft]
         card = gen.ModelCard(
             id=m.model_id,
@@ -371,7 +414,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
             backends.append(
                 gen.Backend(
-                    kind=b.kind, address=b.address, healthy=b.healthy, layers=layers, error=b.error
+                    kind=b.kind,
+                    address=b.address,
+                    healthy=b.healthy,
+                    layers=layers,
+                    error=b.refused or b.error,
+                    weight_hash=b.version,
+                    active_requests=b.active,
+                    draining=b.draining or b.endpoint.draining or not b.listed,
+                    refused=bool(b.refused),
                 )
             )
         return gen.RouterDescription(

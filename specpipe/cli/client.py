@@ -97,7 +97,8 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
                 done = stream.result()
                 text = done.text if args.prompt is not None else None
                 out = {"token_ids": done.token_ids, "text": text, "stats": done.summary()}
-                print(json.dumps({**out, "speculation": done.speculation()}))
+                version = {"model": done.model, "weight_hash": done.weight_hash}
+                print(json.dumps({**out, "speculation": done.speculation(), **version}))
                 return 0
             for chunk in stream:
                 if args.prompt is not None:

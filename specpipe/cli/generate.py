@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .args import CliError, add_dtype_arg, add_sampling_args, parse_ids, positive_int
 
@@ -123,7 +124,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         st = gen.stats
         # Beside "stats" (whose keys are a contract), the same extras `client generate` prints.
         out = {"token_ids": tokens, "text": text, "stats": st.summary()}
-        print(json.dumps({**out, "speculation": st.speculation()}))
+        from specpipe.common.model.loading import weight_fingerprint
+
+        version = {"model": Path(target).name, "weight_hash": weight_fingerprint(target)}
+        print(json.dumps({**out, "speculation": st.speculation(), **version}))
     else:
         stream = codec.stream() if codec else None
         for tok in gen:

@@ -47,6 +47,12 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
         help="on SIGTERM: NOT_SERVING, refuse new requests, let open ones finish this long "
         "(keep it below the pod's terminationGracePeriodSeconds)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics at /metrics on this port (0: any free port; default: none)",
+    )
     p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
     p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
 
@@ -96,8 +102,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_draft)
 
     p = sub.add_parser("router", help="serve clients: trees, verification, streaming")
-    p.add_argument("--stages", required=True, help="comma-separated stage gRPC addresses HOST:PORT")
-    p.add_argument("--draft", default=None, help="draft gRPC address HOST:PORT")
+    p.add_argument(
+        "--stages",
+        default=None,
+        help="comma-separated stage gRPC addresses HOST:PORT (a static list)",
+    )
+    p.add_argument(
+        "--draft", default=None, help="draft gRPC address(es) HOST:PORT, comma-separated"
+    )
+    p.add_argument(
+        "--discovery",
+        default=None,
+        metavar="SOURCE",
+        help="where the stage and draft replicas are, followed while serving instead of "
+        "--stages/--draft: file:PATH (one 'stage|draft HOST:PORT [GROUP]' a line, re-read "
+        "when it changes) or kubernetes (the EndpointSlices of the release's stage and "
+        "draft Services, watched through the API server)",
+    )
+    p.add_argument(
+        "--discovery-namespace",
+        default=None,
+        help="kubernetes: the namespace to watch (default: the pod's own)",
+    )
+    p.add_argument(
+        "--discovery-selector",
+        default=None,
+        help="kubernetes: label selector of the EndpointSlices (default: "
+        "'app.kubernetes.io/component in (stage,draft)')",
+    )
+    p.add_argument(
+        "--replay-seconds",
+        type=float,
+        default=10.0,
+        help="when a replica on a request's path is lost: how long to wait for another "
+        "path before the request fails UNAVAILABLE",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=60.0,
+        help="a path that sends nothing for this long counts as lost (the request is replayed)",
+    )
     p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
     p.add_argument("--startup-timeout", type=float, default=180.0)
@@ -110,6 +155,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
     p.add_argument("--stages", type=positive_int, default=2)
+    p.add_argument(
+        "--stage-replicas",
+        type=positive_int,
+        default=1,
+        help="replicas of every stage (the router picks one of each per request)",
+    )
     p.add_argument("--layers", default=None, help="per-stage layer ranges: 0:7,7:14,...")
     p.add_argument(
         "--transport",
@@ -132,6 +183,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
+    p.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="do not give every process a Prometheus metrics port",
+    )
     _http_args(p)
     _scheduling_args(p)
     p.set_defaults(func=_cmd_up)
@@ -244,12 +300,18 @@ def _cmd_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
+    from specpipe.services.router.discovery import DiscoveryError, make_discovery
     from specpipe.services.serve import run_router
 
     _prepare(args)
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if not args.stages:
-        raise CliError("--stages lists no addresses")
+    stages = [s.strip() for s in (args.stages or "").split(",") if s.strip()]
+    drafts = [s.strip() for s in (args.draft or "").split(",") if s.strip()]
+    try:
+        args.discovery = make_discovery(
+            args.discovery, stages, drafts, args.discovery_namespace, args.discovery_selector
+        )
+    except DiscoveryError as e:
+        raise CliError(str(e)) from None
     args.api_keys = _api_keys(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
@@ -284,11 +346,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             api_keys=api_keys.keys,
             scheduling=scheduling_options(args),
+            stage_replicas=args.stage_replicas,
+            metrics=not args.no_metrics,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+    replicas = f" x{args.stage_replicas}" if args.stage_replicas > 1 else ""
     print(
-        f"starting {len(dep.ranges)} stages "
+        f"starting {len(dep.ranges)} stages{replicas} "
         f"({', '.join(f'{r.start}:{r.end}' for r in dep.ranges)}), "
         f"draft={draft}, transport={transport}, device={device} ...",
         file=sys.stderr,
@@ -301,6 +366,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(f"router: {address}", flush=True)
     if dep.http_address:
         print(f"http: http://{dep.http_address}/v1", flush=True)
+    for name, metrics in dep.metrics_addresses().items():
+        print(f"metrics {name}: http://{metrics}/metrics", flush=True)
     print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
     try:
         return dep.wait()

@@ -163,7 +163,7 @@ def active_requests(dep: ServicesDeployment) -> dict[str, int]:
     for name, child in dep.children.items():
         if name == "router":
             continue
-        ch, stub = service_stub(child.info["grpc"], "draft" if name == "draft" else "stage")
+        ch, stub = service_stub(child.info["grpc"], child.kind)
         with ch:
             counts[name] = stub.Describe(dataplane_pb2.DescribeRequest(), timeout=5).active_requests
     return counts

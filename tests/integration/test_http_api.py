@@ -108,6 +108,9 @@ def test_chat_streamed_equals_not_streamed_equals_grpc(dep) -> None:
     assert choice.message.content == text == ref.text
     assert choice.model_extra["token_ids"] == ref.token_ids
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    # The model version that served it (OpenAI's backend fingerprint): the weight hash.
+    assert full.system_fingerprint == ref.weight_hash and len(ref.weight_hash) == 16
+    assert {c.system_fingerprint for c in chunks} == {ref.weight_hash}
     assert full.usage.prompt_tokens == len(prompt_ids) == ref.prompt_tokens
     assert full.usage.completion_tokens == 24 and full.usage.total_tokens == len(prompt_ids) + 24
     spec = full.model_extra["speculation"]

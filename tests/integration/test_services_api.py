@@ -271,7 +271,11 @@ def test_client_cli_json_and_errors(tcp_deployment) -> None:
     assert set(data["stats"]) == {
         "mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate",
     }  # fmt: skip
-    assert set(data) == {"token_ids", "text", "stats", "speculation"}  # as `specpipe generate`
+    assert set(data) == {"token_ids", "text", "stats", "speculation", "model", "weight_hash"}
+    # as `specpipe generate`; the version that served it, as the stages report it
+    from specpipe.common.model.loading import weight_fingerprint
+
+    assert data["weight_hash"] == weight_fingerprint(tcp_deployment.target)
     assert set(data["speculation"]) == {"regrowths", "steady_tokens_per_step"}
     pp = _cli("client", "generate", "--router", addr, "--prompt-ids", "3,14,15", "--mode", "pp",
               "--max-new-tokens", "6", "--ignore-eos", "--json")  # fmt: skip

@@ -57,7 +57,8 @@ def test_generate_json_contract(capsys, llama_dir) -> None:
     assert stats["mode"] == "specpipe" and stats["stages"] == 3 and stats["new_tokens"] == 10
     assert stats["tokens_per_step"] == pytest.approx(10 / stats["decode_steps"], abs=1e-6)
     # Extras beside "stats" (`specpipe client generate --json` prints the same shape).
-    assert set(result) == {"token_ids", "text", "stats", "speculation"}
+    assert set(result) == {"token_ids", "text", "stats", "speculation", "model", "weight_hash"}
+    assert len(result["weight_hash"]) == 16  # the model version
     assert set(result["speculation"]) == {"regrowths", "steady_tokens_per_step"}
     assert result["speculation"]["steady_tokens_per_step"] > 0
 

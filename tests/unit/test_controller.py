@@ -420,3 +420,199 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -
     assert c.tokens == ref.output
     assert c.stats.decode_steps == ref.stats.decode_steps
     assert c.stats.hits == ref.stats.hits
+
+
+# -- faults: replay on a fresh path, going on without the draft ---------------------------
+
+
+class FaultHarness:
+    """Steps a RulePipeline in lockstep, every feed entering exactly at the step the
+    controller counted for it. `faults` maps a step to what happens before it runs:
+    "path" (the pipeline and the draft are lost: a fresh pair, `replay(True)`),
+    "path-no-draft" (`replay(False)`), "draft" (only the draft is lost: `drop_draft`).
+    After a replay the harness goes on at the replay's first step, as the accounting
+    does (steps the old path spent between its last counted step and the fault are not
+    counted)."""
+
+    def __init__(self, mode, stages, n=24, faults=None, oracle=True, pipeline=None, **opts) -> None:
+        self.c = make_controller(mode, "r", PROMPT, DecodeOptions(n, **opts), stages)
+        self.pipeline = pipeline or RulePipeline
+        self.stages, self.oracle = self.c.num_stages, oracle
+        self.faults = dict(faults or {})
+        self.has_draft = self.c.uses_draft
+        self.emitted: list[int] = []
+        self.done = False
+        self.seqs: list[list[int]] = [[]]  # feed seqs per path
+        self.prune_seqs: list[list[int]] = [[]]
+        self.max_node_id = -1
+        self._fresh_path()
+
+    def _fresh_path(self) -> None:
+        self.pipe, self.draft = self.pipeline(self.stages), RuleDraft(self.oracle)
+        self.pipe.open("r", self.c.capacity)
+        self.feeds: dict[int, Activation] = {}
+        self.prunes: list[Prune] = []
+        self.answers: dict[int, list] = {}
+
+    def execute(self, cmds) -> None:
+        queue = list(cmds)
+        while queue:
+            cmd = queue.pop(0)
+            if isinstance(cmd, Feed):
+                assert cmd.step >= self.step and cmd.step not in self.feeds, (cmd.step, self.step)
+                self.feeds[cmd.step] = cmd.act
+                self.seqs[-1].append(cmd.seq)
+                if not cmd.act.committed:
+                    self.max_node_id = max(self.max_node_id, int(cmd.act.node_ids.max()))
+            elif isinstance(cmd, BroadcastPrune):
+                self.prunes.append(cmd.prune)
+                self.prune_seqs[-1].append(cmd.seq)
+            elif isinstance(cmd, Emit):
+                self.emitted += cmd.tokens
+            elif isinstance(cmd, Finish):
+                assert not cmd.error
+                self.done = True
+            else:
+                assert self.has_draft, f"{cmd} without a draft"
+                if isinstance(cmd, DraftOpen):
+                    self.draft.open("r", 0)
+                    if len(cmd.prompt) > 1:
+                        self.draft.prefill("r", torch.tensor(cmd.prompt[:-1]), 0, 4)
+                elif isinstance(cmd, DraftPrune):
+                    self.draft.prune("r", cmd.prune)
+                elif isinstance(cmd, DraftPrefill):
+                    tokens = torch.tensor(cmd.tokens)
+                    self.draft.prefill("r", tokens, cmd.start_position, 4)
+                elif isinstance(cmd, Propose):
+                    answer = (cmd.ticket, self.draft.propose(cmd.layer, cmd.top_k))
+                    if cmd.step is None:  # specinfer: the draft works between passes
+                        queue = self.c.on_candidates(*answer) + queue
+                    else:
+                        self.answers.setdefault(cmd.step, []).append(answer)
+
+    def run(self) -> FaultHarness:
+        self.step = -(10**9)
+        self.execute(self.c.start())
+        self.step = min(self.feeds)
+        while not self.done:
+            kind = self.faults.pop(self.step, None)
+            if kind == "draft":
+                self.has_draft = False
+                self.answers.clear()
+                self.execute(self.c.drop_draft())
+            elif kind is not None:
+                old_horizon = self.max_node_id
+                self._fresh_path()
+                self.has_draft = kind == "path" and self.c.mode.uses_draft
+                self.seqs.append([])
+                self.prune_seqs.append([])
+                self.step = -(10**9)
+                self.execute(self.c.replay(uses_draft=kind == "path"))
+                self.step = min(self.feeds)
+                assert self.seqs[-1][0] == 0  # the new path's feeds are numbered afresh
+                assert self.max_node_id > old_horizon  # node ids keep growing
+            result = self.pipe.step("r", self.prunes, self.feeds.pop(self.step, None))
+            self.prunes = []
+            for answer in self.answers.pop(self.step, []):
+                self.execute(self.c.on_candidates(*answer))
+            if result.last is not None and result.last.logits is not None:
+                self.execute(self.c.on_logits(result.last))
+            self.step += 1
+        assert self.c.stats.decode_steps == self.step  # the accounting is the real steps
+        for seqs in self.seqs:
+            assert seqs == list(range(len(seqs)))
+        for seqs in self.prune_seqs:
+            assert seqs == list(range(1, len(seqs) + 1))
+        return self
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_replays_and_draft_losses_emit_plain_decoding(mode, stages, seed) -> None:
+    rng = random.Random(seed)
+    faults = {
+        rng.randrange(0, 60): rng.choice(["path", "path-no-draft", "draft"]) for _ in range(3)
+    }
+    h = FaultHarness(mode, stages, n=24, faults=faults, width=3, prefill_chunk=4).run()
+    assert h.emitted == plain_decoding(PROMPT, 24)
+    st = h.c.stats
+    assert st.new_tokens == 24 and st.replays <= 3 and st.draft_drops <= 3
+
+
+def test_replay_before_the_first_token_and_on_every_step() -> None:
+    ref = FaultHarness(Mode.SPECPIPE, 3, n=12, width=2).run()
+    h = FaultHarness(Mode.SPECPIPE, 3, n=12, faults={s: "path" for s in range(-2, 30)},
+                     width=2, prefill_chunk=4).run()  # fmt: skip
+    assert h.emitted == ref.emitted == plain_decoding(PROMPT, 12)
+    assert h.c.stats.replays >= 10 and h.c.stats.draft_drops == 0
+
+
+def test_replay_reprefills_prompt_and_emitted_tokens_then_the_root() -> None:
+    c = make_controller(
+        Mode.SPECPIPE, "r", [5, 6, 7], DecodeOptions(8, width=2, prefill_chunk=2), 2
+    )
+    p0 = cmds_of(c.start(), Propose)[0]
+    c.on_candidates(p0.ticket, cand([(0, 9, 0.9), (0, 8, 0.1)]))
+    out = c.on_logits(logits_for(0, 9))  # hit: token 9 emitted
+    assert cmds_of(out, Emit)[0].tokens == [9] and c.stats.hits == 1
+    horizon = c.tree.last_id
+    cmds = c.replay(uses_draft=True)
+    (draft_open,) = cmds_of(cmds, DraftOpen)
+    assert draft_open.prompt == [5, 6, 7, 9] and isinstance(cmds[0], DraftOpen)
+    feeds = cmds_of(cmds, Feed)
+    assert [f.act.tokens.tolist() for f in feeds] == [[5, 6], [7], [9]]
+    assert [f.act.committed for f in feeds] == [True, True, False]
+    assert [f.seq for f in feeds] == [0, 1, 2] and all(f.after_prune == 0 for f in feeds)
+    root = feeds[-1].act
+    assert root.positions.tolist() == [3] and int(root.node_ids[0]) > horizon
+    assert [f.step for f in feeds] == [2, 3, 4]  # after the old path's last feed (step 1)
+    (propose,) = cmds_of(cmds, Propose)
+    assert propose.layer.node_ids.tolist() == root.node_ids.tolist()
+    assert c.stats.replays == 1 and c.stats.prefill_steps == 1  # the first prefill
+    # Answers and logits of the old path change nothing.
+    assert c.on_candidates(p0.ticket, cand([(1, 4, 0.9)])) == []
+    assert c.on_logits(logits_for(1, 4)) == []
+    out = c.on_logits(logits_for(int(root.node_ids[0]), 3))
+    assert cmds_of(out, Emit)[0].tokens == [3]
+    assert cmds_of(out, BroadcastPrune)[0].seq == 1  # prunes numbered afresh too
+    assert c.stats.decode_steps == 4 + 2  # the root entered at 4, crossed 2 stages
+
+
+def test_after_losing_the_draft_a_specpipe_request_goes_on_as_pp() -> None:
+    h = FaultHarness(Mode.SPECPIPE, 3, n=20, faults={4: "draft"}, width=2)
+    h.run()
+    assert h.emitted == plain_decoding(PROMPT, 20)
+    st = h.c.stats
+    assert st.draft_drops == 1 and st.replays == 0 and not h.c.uses_draft
+    fast = FaultHarness(Mode.SPECPIPE, 3, n=20, width=2).run().c.stats.decode_steps
+    pp = FaultHarness(Mode.PP, 3, n=20).run().c.stats.decode_steps
+    assert fast < st.decode_steps < pp
+    # A later replay onto a path with a draft takes one again.
+    h = FaultHarness(Mode.SPECPIPE, 3, n=20, faults={4: "draft", 12: "path"}, width=2).run()
+    assert h.emitted == plain_decoding(PROMPT, 20) and h.c.uses_draft
+    assert h.c.stats.draft_drops == 1 and h.c.stats.replays == 1
+
+
+def test_pp_and_autoregressive_never_need_a_draft() -> None:
+    for mode in (Mode.PP, Mode.AUTOREGRESSIVE):
+        h = FaultHarness(mode, 3, n=10, faults={3: "path", 7: "path"}).run()
+        assert h.emitted == plain_decoding(PROMPT, 10) and h.c.stats.replays == 2
+        assert not h.c.uses_draft and h.c.drop_draft() == []
+
+
+def test_seeded_sampling_survives_replays() -> None:
+    class Soft(RulePipeline):
+        def step(self, request_id, prunes, entering):
+            result = super().step(request_id, prunes, entering)
+            if result.last is not None:
+                result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
+            return result
+
+    outs = set()
+    for faults in ({}, {2: "path"}, {5: "draft", 9: "path-no-draft"}, {1: "path", 6: "path"}):
+        for mode in (Mode.SPECPIPE, Mode.SPECINFER, Mode.PP):
+            h = FaultHarness(mode, 3, n=16, faults=faults, width=3, pipeline=Soft,
+                             sampling=SamplingParams(temperature=1.0, seed=5))  # fmt: skip
+            outs.add(tuple(h.run().emitted))
+    assert len(outs) == 1

@@ -67,14 +67,16 @@ class GenerateResponse(_message.Message):
     def __init__(self, started: _Optional[_Union[Started, _Mapping]] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens")
+    __slots__ = ("request_id", "model", "prompt_tokens", "weight_hash")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    weight_hash: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., weight_hash: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text", "index")
@@ -95,7 +97,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step", "late_draft_answers")
+    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step", "late_draft_answers", "replays", "draft_drops")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,8 @@ class SpeculationStats(_message.Message):
     REGROWTHS_FIELD_NUMBER: _ClassVar[int]
     STEADY_TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     LATE_DRAFT_ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DROPS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     stages: int
     width: int
@@ -124,7 +128,9 @@ class SpeculationStats(_message.Message):
     regrowths: int
     steady_tokens_per_step: float
     late_draft_answers: int
-    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ...) -> None: ...
+    replays: int
+    draft_drops: int
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ..., replays: _Optional[int] = ..., draft_drops: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "text")
@@ -191,18 +197,26 @@ class DescribeRouterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Backend(_message.Message):
-    __slots__ = ("kind", "address", "healthy", "layers", "error")
+    __slots__ = ("kind", "address", "healthy", "layers", "error", "weight_hash", "active_requests", "draining", "refused")
     KIND_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     kind: str
     address: str
     healthy: bool
     layers: str
     error: str
-    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    weight_hash: str
+    active_requests: int
+    draining: bool
+    refused: bool
+    def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ..., weight_hash: _Optional[str] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
     __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget")

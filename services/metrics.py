@@ -1,0 +1,348 @@
+"""Prometheus metrics of the three services (`--metrics-port`: `/metrics`), named after
+vLLM's with the prefix `specpipe:` (docs/deploy.md, "Metrics and autoscaling").
+
+Each service has its own registry and serves it with prometheus_client's own HTTP server
+in a thread, on a port of its own: the same for the router, the stages and the draft
+(which run no ASGI stack), scrapes answered even while the event loop or the compute
+thread is busy, and metrics kept off the client API port (API keys, public exposure).
+
+Gauges that describe the present (busy ratio, queued rows, KV cache use, requests
+running) are read when scraped, from callables the service gives (`watch`); counters and
+histograms are updated where the work happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+PREFIX = "specpipe:"
+# vLLM's buckets for the request latencies.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                   5.0, 10.0, 30.0)  # fmt: skip
+FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+TOKENS_PER_STEP_BUCKETS = (0.05, 0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5,
+                           2.0, 3.0, 4.0, 6.0, 8.0)  # fmt: skip
+MAX_DEPTH_LABEL = 16  # hits deeper than this count under depth "16+"
+
+
+class BusyMeter:
+    """Share of the last `window` seconds a compute thread spent computing."""
+
+    def __init__(self, window: float = 10.0) -> None:
+        self.window = window
+        self._spans: deque[tuple[float, float]] = deque()
+        self._since: float | None = None  # start of the span in progress
+        self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        start = time.monotonic()
+        with self._lock:
+            self._since = start
+        try:
+            yield
+        finally:
+            end = time.monotonic()
+            with self._lock:
+                self._since = None
+                self._spans.append((start, end))
+                self._trim(end)
+
+    def _trim(self, now: float) -> None:
+        while self._spans and self._spans[0][1] < now - self.window:
+            self._spans.popleft()
+
+    def ratio(self) -> float:
+        now = time.monotonic()
+        begin = max(now - self.window, self._t0)
+        if now <= begin:
+            return 0.0
+        with self._lock:
+            self._trim(now)
+            spans = list(self._spans)
+            if self._since is not None:
+                spans.append((self._since, now))
+        busy = sum(max(0.0, min(e, now) - max(s, begin)) for s, e in spans)
+        return min(1.0, busy / (now - begin))
+
+
+class ServiceMetrics:
+    """A registry of one service, served on `--metrics-port`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.port = 0
+        self._server = None
+
+    def _gauge(self, name: str, doc: str, labels=()) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels=()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets, labels=()) -> Histogram:
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: any free port); returns the port."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._server.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class _ComputeMetrics(ServiceMetrics):
+    """What a stage and the draft share: forwards on one compute thread, queued rows,
+    KV cache use, requests."""
+
+    kind = "stage"
+
+    def __init__(self) -> None:
+        super().__init__()
+        k = self.kind
+        self.meter = BusyMeter()
+        self.forward_seconds = self._histogram(
+            f"{k}_forward_seconds", f"Time of one {k} forward (compute thread)", FORWARD_BUCKETS
+        )
+        self.rows = self._counter(f"{k}_rows", f"Rows the {k} computed")
+        self.requests = self._counter(f"{k}_requests", f"Requests opened on the {k}")
+        self.busy_ratio = self._gauge(
+            f"{k}_busy_ratio", f"Share of the last {self.meter.window:.0f} s the {k} computed"
+        )
+        self.busy_ratio.set_function(self.meter.ratio)
+        self.queued_rows = self._gauge(f"{k}_queued_rows", f"Rows waiting for the {k}'s compute")
+        self.kv_cache_usage = self._gauge(
+            "kv_cache_usage_perc", "KV cache use: bytes in use / budget (0 without a budget)"
+        )
+        self.running = self._gauge("num_requests_running", f"Requests open on the {k}")
+
+    def watch(
+        self,
+        queued_rows: Callable[[], float],
+        kv_usage: Callable[[], float],
+        running: Callable[[], float],
+    ) -> None:
+        """Read these when scraped (the service's own state; no copies kept here)."""
+        for gauge, fn in (
+            (self.queued_rows, queued_rows),
+            (self.kv_cache_usage, kv_usage),
+            (self.running, running),
+        ):
+            gauge.set_function(_safe(fn))
+
+    @contextlib.contextmanager
+    def forward(self, rows: int) -> Iterator[None]:
+        """Around one forward on the compute thread."""
+        start = time.perf_counter()
+        with self.meter.busy():
+            yield
+        self.forward_seconds.observe(time.perf_counter() - start)
+        self.rows.inc(rows)
+
+
+class StageMetrics(_ComputeMetrics):
+    kind = "stage"
+
+
+class DraftMetrics(_ComputeMetrics):
+    kind = "draft"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued = 0  # rows of calls waiting for the compute thread
+        self._lock = threading.Lock()
+
+    def timed(self, fn: Callable, rows: int = 0) -> Callable:
+        """`fn`, counted as queued until it runs and measured as one forward of `rows`
+        rows when it does (calls without rows, open and release, are not forwards)."""
+        if not rows:
+            return fn
+        with self._lock:
+            self.queued += rows
+
+        def run(*args):
+            with self._lock:
+                self.queued -= rows
+            with self.forward(rows):
+                return fn(*args)
+
+        return run
+
+
+def _safe(fn: Callable[[], float]) -> Callable[[], float]:
+    """A gauge callback read from the scrape thread: a structure changing under it (the
+    event loop runs on) gives the last value instead of an error."""
+    last = [0.0]
+
+    def read() -> float:
+        with contextlib.suppress(RuntimeError, AttributeError, ZeroDivisionError):
+            last[0] = float(fn())
+        return last[0]
+
+    return read
+
+
+class RouterMetrics(ServiceMetrics):
+    """Requests, tokens, latencies and speculation of the router; its replicas."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = self._gauge("num_requests_running", "Requests producing tokens")
+        self.waiting = self._gauge(
+            "num_requests_waiting", "Requests waiting for their path to open (new or replayed)"
+        )
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to the first token", TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between tokens, per token", ITL_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Time from request to its last token", E2E_BUCKETS
+        )
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests started")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated")
+        self.verifications = self._counter(
+            "spec_verifications", "Verifications (a root, or a specinfer tree)"
+        )
+        self.hits = self._counter(
+            "spec_hits", "Emitted tokens that were in the tree when verified (speculation hits)"
+        )
+        self.hits_by_depth = self._counter(
+            "spec_hits_by_depth",
+            "Hits by the tree depth the draft had proposed the token at",
+            ["depth"],
+        )
+        self.tokens_per_step = self._histogram(
+            "spec_tokens_per_step", "Tokens per pipeline step, per request", TOKENS_PER_STEP_BUCKETS
+        )
+        self.success = self._counter(
+            "request_success", "Requests finished, by reason", ["finished_reason"]
+        )
+        self.failures = self._counter("request_failures", "Requests that failed or were cancelled")
+        self.replays = self._counter(
+            "replays", "Requests re-opened on another path after a replica was lost"
+        )
+        self.replay_seconds = self._histogram(
+            "replay_seconds", "From a lost replica to the request open on another path",
+            E2E_BUCKETS,
+        )  # fmt: skip
+        self.draft_drops = self._counter(
+            "draft_drops", "Requests that went on without their draft (lost or none up)"
+        )
+        self.path_choice = self._histogram(
+            "path_choice_seconds", "Time to choose a request's path (router overhead)", FAST_BUCKETS
+        )
+
+    def watch(self, router) -> None:
+        """Running/waiting requests and the replicas, read from `router` when scraped."""
+        drivers = router.drivers
+        self.running.set_function(
+            _safe(lambda: sum(1 for d in list(drivers.values()) if not d.waiting))
+        )
+        self.waiting.set_function(
+            _safe(lambda: sum(1 for d in list(drivers.values()) if d.waiting))
+        )
+        self.registry.register(_BackendCollector(router.backends))
+
+    # -- events of one request -------------------------------------------------------------
+    def started(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens(self, driver, n: int) -> None:
+        """`n` tokens were emitted together (just now)."""
+        now = time.monotonic()
+        times = driver.token_times
+        self.generation_tokens.inc(n)
+        if len(times) == n:
+            self.ttft.observe(now - driver.t_start)
+            return
+        prev = times[-n - 1]
+        for _ in range(n):
+            self.itl.observe((now - prev) / n)
+
+    def replayed(self, driver, seconds: float) -> None:
+        self.replays.inc()
+        self.replay_seconds.observe(seconds)
+
+    def finished(self, driver, failed: bool) -> None:
+        st = driver.stats
+        self.e2e.observe(time.monotonic() - driver.t_start)
+        self.verifications.inc(st.verifications)
+        self.hits.inc(st.hits)
+        for depth in st.hit_depths:
+            label = str(depth) if depth < MAX_DEPTH_LABEL else f"{MAX_DEPTH_LABEL}+"
+            self.hits_by_depth.labels(label).inc()
+        if st.draft_drops:
+            self.draft_drops.inc(st.draft_drops)
+        if failed:
+            self.failures.inc()
+            return
+        if st.decode_steps:
+            self.tokens_per_step.observe(st.tokens_per_step)
+        self.success.labels(driver.finish_reason).inc()
+
+
+class _BackendCollector:
+    """specpipe:router_backends{kind, state}: replicas the router knows, by state."""
+
+    def __init__(self, backends) -> None:
+        self.backends = backends
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            PREFIX + "router_backends",
+            "Replicas the router knows (state: serving, draining, down, refused)",
+            labels=["kind", "state"],
+        )
+        counts: dict[tuple[str, str], int] = {
+            (k, s): 0
+            for k in ("stage", "draft")
+            for s in ("serving", "draining", "down", "refused")
+        }
+        for b in list(self.backends.by_key.values()):
+            if b.refused:
+                state = "refused"
+            elif b.eligible:
+                state = "serving"
+            elif b.healthy or b.draining:
+                state = "draining"
+            else:
+                state = "down"
+            counts[(b.kind, state)] += 1
+        for (kind, state), n in counts.items():
+            family.add_metric([kind, state], n)
+        yield family
+        versions = GaugeMetricFamily(
+            PREFIX + "router_model_versions",
+            "Complete model versions: 1 for the one new requests go to, 0 for older ones",
+            labels=["weight_hash", "model"],
+        )
+        current = self.backends.model
+        for wh, m in list(self.backends.versions.items()):
+            versions.add_metric(
+                [wh, m.model_id], float(bool(current) and current.weight_hash == wh)
+            )
+        yield versions
