@@ -81,7 +81,7 @@ class ServicesDeployment:
         max_cache_gib: float | None = None,
         http_port: int | None = None,
         api_keys: Sequence[str] = (),
-        stage_replicas: int = 1,
+        stage_replicas: int | Sequence[int] = 1,
         metrics: bool = False,
         replay_seconds: float | None = None,
         group: str = "",
@@ -104,14 +104,19 @@ class ServicesDeployment:
         self.device = device  # every stage and the draft (one GPU shared on one host)
         self.drain_seconds = drain_seconds
         self.router_port = router_port
-        if stage_replicas < 1:
+        per_stage = (
+            [stage_replicas] * len(self.ranges)
+            if isinstance(stage_replicas, int)
+            else list(stage_replicas)
+        )
+        if len(per_stage) != len(self.ranges) or min(per_stage) < 1:
             raise ValueError(f"--stage-replicas must be at least 1, got {stage_replicas}")
-        self.stage_replicas = stage_replicas
+        self.stage_replicas = per_stage  # replicas of each stage
         self.metrics = metrics  # every process gets a --metrics-port
         self.replay_seconds = replay_seconds
         self.group = group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
-        procs = stages * stage_replicas + (1 if self.draft else 0)
+        procs = sum(per_stage) + (1 if self.draft else 0)
         self.threads = threads or max(1, cpus // procs)
         self._own_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
@@ -260,7 +265,7 @@ class ServicesDeployment:
 
     def _start(self) -> str:
         for i, r in enumerate(self.ranges):
-            for j in range(self.stage_replicas):
+            for j in range(self.stage_replicas[i]):
                 name = f"stage{i}" if j == 0 else f"stage{i}.{j}"
                 self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group)
                 self.listed.append(name)
@@ -291,8 +296,12 @@ class ServicesDeployment:
         return self.router_address
 
     def metrics_addresses(self) -> dict[str, str]:
-        """HOST:PORT of every process's /metrics (with `metrics`)."""
-        return {n: c.info["metrics"] for n, c in self.children.items() if "metrics" in c.info}
+        """HOST:PORT of every running process's /metrics (with `metrics`)."""
+        return {
+            n: c.info["metrics"]
+            for n, c in self.children.items()
+            if "metrics" in c.info and c.proc is not None and c.proc.poll() is None
+        }
 
     def _cache_args(self) -> list[str]:
         return [] if self.max_cache_gib is None else ["--max-cache-gib", str(self.max_cache_gib)]

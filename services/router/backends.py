@@ -62,6 +62,7 @@ class Backend:
     found_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # first time it could take a request
     first_request_at: float | None = None
+    served: int = 0  # requests given to it so far (spreads equal loads round robin)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -104,9 +105,10 @@ class Backend:
         return float(limit - d.cache_bytes_used) if limit else math.inf
 
     def load_key(self) -> tuple:
-        """Less is better: rows in flight, requests, then the most free KV cache."""
+        """Less is better: rows in flight, requests, the most free KV cache; then the one
+        given fewer requests so far."""
         reported = getattr(self.desc, "active_requests", 0) if self.desc is not None else 0
-        return (self.rows, self.active, reported, -self.free_cache)
+        return (self.rows, self.active, reported, -self.free_cache, self.served)
 
 
 @dataclass
@@ -466,6 +468,7 @@ class Backends:
         now = time.monotonic()
         for b in path.backends:
             b.active += 1
+            b.served += 1
             if b.first_request_at is None:
                 b.first_request_at = now
 
