@@ -183,6 +183,7 @@ class Backends:
         self.model: ModelInfo | None = None  # the newest complete version (or the last one)
         self.vocab_size: int | None = None  # fixed by the first version served
         self._ready = False
+        self._seen_draft = False
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
@@ -206,8 +207,11 @@ class Backends:
 
     @property
     def has_draft(self) -> bool:
-        """Whether the deployment has a draft at all (listed, whatever its health)."""
-        return any(b.listed for b in self.drafts)
+        """Whether the deployment has drafts: one was ever listed (while none is up, a
+        request that wants one runs without it, as pp)."""
+        if not self._seen_draft:
+            self._seen_draft = any(b.listed for b in self.drafts)
+        return self._seen_draft
 
     @property
     def ready(self) -> bool:
