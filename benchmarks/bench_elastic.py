@@ -197,8 +197,7 @@ def path_choice_in_process(stages: int = 4, replicas: int = 8, drafts: int = 4) 
     from specpipe.services.router.discovery import Endpoint, StaticDiscovery
 
     async def main() -> dict:
-        bs = Backends(StaticDiscovery(["x:1"]), lambda b, e: None, lambda r: None)
-        bs.by_key.clear()
+        bs = Backends(StaticDiscovery([]), lambda b, e: None, lambda r: None)
         layers = 32
         for k in range(stages):
             for r in range(replicas):

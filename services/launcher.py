@@ -127,17 +127,28 @@ class ServicesDeployment:
         self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
         self.api_keys = list(api_keys)
         self.children: dict[str, Child] = {}
+        self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
         self.discovery_file = self.log_dir / "backends"
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
+
+    def _free_port(self) -> int:
+        """A free port not handed to another child of this deployment (the kernel may
+        give a port just released back; children bind theirs only when they start)."""
+        for _ in range(100):
+            port = free_port(self.host)
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+        raise LaunchError("no free port")
 
     # -- children --------------------------------------------------------------------------
     def _child(self, name: str, args: list[str], kind: str = "", group: str = "") -> Child:
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         if self.metrics:
-            args = [*args, "--metrics-port", str(free_port(self.host))]
+            args = [*args, "--metrics-port", str(self._free_port())]
         argv = [sys.executable, "-m", "specpipe.cli", *args, "--ready-file", str(ready)]
         child = Child(name, argv, ready, self.log_dir / f"{name}.log", kind=kind, group=group)
         self.children[name] = child
@@ -146,7 +157,7 @@ class ServicesDeployment:
     def _stage_child(
         self, name: str, target: Path, layers: str, group: str, dtype: str | None = None
     ) -> Child:
-        port, data_port = free_port(self.host), free_port(self.host)
+        port, data_port = self._free_port(), self._free_port()
         child = self._child(
             name,
             [
@@ -167,7 +178,7 @@ class ServicesDeployment:
         return child
 
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
-        port = free_port(self.host)
+        port = self._free_port()
         args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
         child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
         child.info["address"] = f"{self.host}:{port}"
@@ -277,8 +288,8 @@ class ServicesDeployment:
             "router",
             "--target", str(self.target),
             "--discovery", f"file:{self.discovery_file}",
-            "--port", str(self.router_port or free_port(self.host)),
-            "--data-port", str(free_port(self.host)),
+            "--port", str(self.router_port or self._free_port()),
+            "--data-port", str(self._free_port()),
             "--transport", self.transport,
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
@@ -309,7 +320,7 @@ class ServicesDeployment:
     def _router_api_args(self) -> list[str]:
         args = []
         if self.http_port is not None:  # 0: a free port picked here, like every other one
-            args += ["--http-port", str(self.http_port or free_port(self.host))]
+            args += ["--http-port", str(self.http_port or self._free_port())]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

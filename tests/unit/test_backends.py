@@ -11,7 +11,8 @@ from specpipe.services.router.discovery import Endpoint, StaticDiscovery
 
 
 def backends() -> Backends:
-    return Backends(StaticDiscovery(["x:1"]), on_down=lambda b, e: None,
+    # No initial endpoints: no gRPC channel (it would need an event loop).
+    return Backends(StaticDiscovery([]), on_down=lambda b, e: None,
                     on_readiness=lambda ready: None, transport_kind="tcp")  # fmt: skip
 
 
@@ -25,7 +26,6 @@ def add(bs: Backends, kind, address, layers=(0, 4), version="v1", *, vocab=97, g
     )  # fmt: skip
     ep = Endpoint(kind, address, group, order=order)
     b = Backend(kind, address, None, None, None, ep, desc=desc, healthy=True, error="")
-    bs.by_key.pop(("stage", "x:1"), None)
     bs.by_key[ep.key] = b
     b.refused = bs._refusal(b)
     bs._recompute()
