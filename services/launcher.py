@@ -82,7 +82,7 @@ class ServicesDeployment:
         http_port: int | None = None,
         api_keys: Sequence[str] = (),
         scheduling: Mapping[str, object] | None = None,
-        stage_replicas: int = 1,
+        stage_replicas: int | Sequence[int] = 1,
         metrics: bool = False,
         replay_seconds: float | None = None,
         group: str = "",
@@ -105,14 +105,19 @@ class ServicesDeployment:
         self.device = device  # every stage and the draft (one GPU shared on one host)
         self.drain_seconds = drain_seconds
         self.router_port = router_port
-        if stage_replicas < 1:
+        per_stage = (
+            [stage_replicas] * len(self.ranges)
+            if isinstance(stage_replicas, int)
+            else list(stage_replicas)
+        )
+        if len(per_stage) != len(self.ranges) or min(per_stage) < 1:
             raise ValueError(f"--stage-replicas must be at least 1, got {stage_replicas}")
-        self.stage_replicas = stage_replicas
+        self.stage_replicas = per_stage  # replicas of each stage
         self.metrics = metrics  # every process gets a --metrics-port
         self.replay_seconds = replay_seconds
         self.group = group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
-        procs = stages * stage_replicas + (1 if self.draft else 0)
+        procs = sum(per_stage) + (1 if self.draft else 0)
         self.threads = threads or max(1, cpus // procs)
         self._own_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
@@ -125,17 +130,28 @@ class ServicesDeployment:
         # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
         self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
         self.children: dict[str, Child] = {}
+        self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
         self.discovery_file = self.log_dir / "backends"
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
+
+    def _free_port(self) -> int:
+        """A free port not handed to another child of this deployment (the kernel may
+        give a port just released back; children bind theirs only when they start)."""
+        for _ in range(100):
+            port = free_port(self.host)
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+        raise LaunchError("no free port")
 
     # -- children --------------------------------------------------------------------------
     def _child(self, name: str, args: list[str], kind: str = "", group: str = "") -> Child:
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
         if self.metrics:
-            args = [*args, "--metrics-port", str(free_port(self.host))]
+            args = [*args, "--metrics-port", str(self._free_port())]
         argv = [sys.executable, "-m", "specpipe.cli", *args, "--ready-file", str(ready)]
         child = Child(name, argv, ready, self.log_dir / f"{name}.log", kind=kind, group=group)
         self.children[name] = child
@@ -144,7 +160,7 @@ class ServicesDeployment:
     def _stage_child(
         self, name: str, target: Path, layers: str, group: str, dtype: str | None = None
     ) -> Child:
-        port, data_port = free_port(self.host), free_port(self.host)
+        port, data_port = self._free_port(), self._free_port()
         child = self._child(
             name,
             [
@@ -166,7 +182,7 @@ class ServicesDeployment:
         return child
 
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
-        port = free_port(self.host)
+        port = self._free_port()
         args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
         args += self._cache_args()
         child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
@@ -265,7 +281,7 @@ class ServicesDeployment:
 
     def _start(self) -> str:
         for i, r in enumerate(self.ranges):
-            for j in range(self.stage_replicas):
+            for j in range(self.stage_replicas[i]):
                 name = f"stage{i}" if j == 0 else f"stage{i}.{j}"
                 self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group)
                 self.listed.append(name)
@@ -277,8 +293,8 @@ class ServicesDeployment:
             "router",
             "--target", str(self.target),
             "--discovery", f"file:{self.discovery_file}",
-            "--port", str(self.router_port or free_port(self.host)),
-            "--data-port", str(free_port(self.host)),
+            "--port", str(self.router_port or self._free_port()),
+            "--data-port", str(self._free_port()),
             "--transport", self.transport,
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
@@ -297,8 +313,12 @@ class ServicesDeployment:
         return self.router_address
 
     def metrics_addresses(self) -> dict[str, str]:
-        """HOST:PORT of every process's /metrics (with `metrics`)."""
-        return {n: c.info["metrics"] for n, c in self.children.items() if "metrics" in c.info}
+        """HOST:PORT of every running process's /metrics (with `metrics`)."""
+        return {
+            n: c.info["metrics"]
+            for n, c in self.children.items()
+            if "metrics" in c.info and c.proc is not None and c.proc.poll() is None
+        }
 
     def _cache_args(self) -> list[str]:
         """A fixed budget, or an equal share of the free memory of the one device every
@@ -313,7 +333,7 @@ class ServicesDeployment:
     def _router_api_args(self) -> list[str]:
         args = []
         if self.http_port is not None:  # 0: a free port picked here, like every other one
-            args += ["--http-port", str(self.http_port or free_port(self.host))]
+            args += ["--http-port", str(self.http_port or self._free_port())]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -1,10 +1,13 @@
 """Prometheus metrics of the three services (`--metrics-port`: `/metrics`), named after
 vLLM's with the prefix `specpipe:` (docs/deploy.md, "Metrics and autoscaling").
 
-Each service has its own registry and serves it with prometheus_client's own HTTP server
-in a thread, on a port of its own: the same for the router, the stages and the draft
-(which run no ASGI stack), scrapes answered even while the event loop or the compute
-thread is busy, and metrics kept off the client API port (API keys, public exposure).
+Each service has its own registry and serves it from a small HTTP server in a thread, on
+a port of its own: the same for the router, the stages and the draft (which run no ASGI
+stack), scrapes answered even while the event loop or the compute thread is busy, and
+metrics kept off the client API port (API keys, public exposure). It always answers in
+Prometheus' text format (0.0.4): prometheus-client's OpenMetrics output (what Prometheus
+asks for first) turns the `:` of sample names into `_` (seen with 0.26), so the names
+would not be the ones its own `# TYPE` lines give.
 
 Gauges that describe the present (busy ratio, queued rows, KV cache use, requests
 running) are read when scraped, from callables the service gives (`watch`); counters and
@@ -18,8 +21,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 
 PREFIX = "specpipe:"
@@ -99,7 +110,28 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0: any free port); returns the port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = generate_latest(registry)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                  name="metrics")  # fmt: skip
+        thread.start()
         self.port = self._server.server_port
         return self.port
 

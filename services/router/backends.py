@@ -62,6 +62,7 @@ class Backend:
     found_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None  # first time it could take a request
     first_request_at: float | None = None
+    served: int = 0  # requests given to it so far (spreads equal loads round robin)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -104,9 +105,10 @@ class Backend:
         return float(limit - d.cache_bytes_used) if limit else math.inf
 
     def load_key(self) -> tuple:
-        """Less is better: rows in flight, requests, then the most free KV cache."""
+        """Less is better: rows in flight, requests, the most free KV cache; then the one
+        given fewer requests so far."""
         reported = getattr(self.desc, "active_requests", 0) if self.desc is not None else 0
-        return (self.rows, self.active, reported, -self.free_cache)
+        return (self.rows, self.active, reported, -self.free_cache, self.served)
 
 
 @dataclass
@@ -181,6 +183,7 @@ class Backends:
         self.model: ModelInfo | None = None  # the newest complete version (or the last one)
         self.vocab_size: int | None = None  # fixed by the first version served
         self._ready = False
+        self._seen_draft = False
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
@@ -204,8 +207,11 @@ class Backends:
 
     @property
     def has_draft(self) -> bool:
-        """Whether the deployment has a draft at all (listed, whatever its health)."""
-        return any(b.listed for b in self.drafts)
+        """Whether the deployment has drafts: one was ever listed (while none is up, a
+        request that wants one runs without it, as pp)."""
+        if not self._seen_draft:
+            self._seen_draft = any(b.listed for b in self.drafts)
+        return self._seen_draft
 
     @property
     def ready(self) -> bool:
@@ -466,6 +472,7 @@ class Backends:
         now = time.monotonic()
         for b in path.backends:
             b.active += 1
+            b.served += 1
             if b.first_request_at is None:
                 b.first_request_at = now
 

@@ -87,7 +87,7 @@ class HttpApi:
             raise ApiError(401, why, code)
 
     async def health(self) -> JSONResponse:
-        """200 while the router takes requests (every backend up), else 503."""
+        """200 while the router takes requests (a complete path is up), else 503."""
         r = self.router
         if r.draining:
             status = "draining"

@@ -241,8 +241,9 @@ def test_the_chart_knows_the_layer_count_of_every_store_model(render):
     ("stage", "replicas"),
     [({}, [1, 1, 1]), ({"replicas": 2}, [2, 2, 2]), ({"replicasPerStage": [1, 2]}, [1, 2, 1])],
 )
-def test_router_names_every_stage_pod_and_the_draft(render, stage, replicas):
-    docs = render({"model": {"stages": 3}, "stage": stage})
+def test_static_router_names_every_stage_pod_and_the_draft(render, stage, replicas):
+    stage = {**stage, "autoscaling": {"enabled": False}}
+    docs = render({"model": {"stages": 3}, "stage": stage, "router": {"discovery": "static"}})
     r = main_container(router(docs))
     addresses = arg(r, "--stages").split(",")
     expected = []
@@ -503,21 +504,168 @@ def test_probes_use_grpc_health_on_the_port_the_command_listens_on(render):
 
 
 # -- scaling and rollouts ------------------------------------------------------------------------
-def test_an_hpa_per_service_when_autoscaling_is_on(render):
-    assert not of_kind(render(), "HorizontalPodAutoscaler")  # off by default (values.yaml)
-    docs = render(EVERYTHING_ON)
+ADAPTER_VALUES = CHART / "files" / "prometheus-adapter-values.yaml"
+
+
+def served_series(samples: bool = True) -> set[str]:
+    """Every metric family (and, with `samples`, sample) name the three services export."""
+    from types import SimpleNamespace
+
+    from specpipe.services.metrics import (
+        DraftMetrics,
+        RouterMetrics,
+        StageMetrics,
+        _BackendCollector,
+    )
+
+    families = [m for cls in (RouterMetrics, StageMetrics, DraftMetrics)
+                for m in cls().registry.collect()]  # fmt: skip
+    families += _BackendCollector(SimpleNamespace(by_key={}, versions={}, model=None)).collect()
+    names = {m.name for m in families}
+    if samples:
+        names |= {f"{m.name}{sfx}" for m in families for sfx in ("_total", "_bucket", "_count")}
+    return names
+
+
+def adapter_metric_names() -> set[str]:
+    """The custom metrics the Prometheus adapter serves with the chart's rules, for every
+    series the services export."""
+    import re
+
+    series = served_series(samples=False)
+    names = set()
+    for rule in yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]:
+        wanted = re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1)
+        for name in series:
+            if re.fullmatch(wanted, name):
+                names.add(re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"),
+                                 name))  # fmt: skip
+    return names
+
+
+def test_an_hpa_per_service_on_serving_metrics_by_default(render):
+    docs = render()
     hpas = {
         h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")
     }
-    assert set(hpas) == {d["metadata"]["name"] for d in workloads(docs)}
+    assert set(hpas) == {d["metadata"]["name"] for d in workloads(docs)}  # stages, draft, router
+    served = adapter_metric_names()
+    wanted = {"stage": {"specpipe_stage_busy_ratio"}, "draft": {"specpipe_draft_busy_ratio"},
+              "router": {"specpipe_num_requests_running", "specpipe_num_requests_waiting"}}  # fmt: skip
     for d in workloads(docs):
         hpa = hpas[d["metadata"]["name"]]
+        assert hpa["apiVersion"] == "autoscaling/v2"
         assert hpa["spec"]["scaleTargetRef"]["kind"] == d["kind"]
         assert "replicas" not in d["spec"]  # the HPA owns it
         assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
-    # The router knows the replicas every stage always has: the HPA minimum.
+        names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+        assert names == wanted[component(d)]
+        assert names <= served  # the Prometheus adapter's rules (files/) serve them
+    # Off: the replicas are the values'.
+    off = {"autoscaling": {"enabled": False}}
+    docs = render({"stage": {**off, "replicas": 2}, "draft": off, "router": off})
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+    assert all(d["spec"]["replicas"] == 2 for d in stage_sets(docs))
+    # A static router knows the replicas every stage always has: the HPA minimum.
+    docs = render({"stage": {"autoscaling": {"minReplicas": 2}}, "router": {"discovery": "static"}})
     addresses = arg(main_container(router(docs)), "--stages").split(",")
     assert len(addresses) == 2 * len(stage_sets(docs))
+
+
+def test_keda_scaled_objects_instead_of_hpas(render):
+    docs = render({"keda": {"enabled": True}})
+    assert not of_kind(docs, "HorizontalPodAutoscaler")
+    scaled = {s["spec"]["scaleTargetRef"]["name"]: s for s in of_kind(docs, "ScaledObject")}
+    assert set(scaled) == {d["metadata"]["name"] for d in workloads(docs)}
+    for d in workloads(docs):
+        so = scaled[d["metadata"]["name"]]
+        assert so["apiVersion"] == "keda.sh/v1alpha1"
+        assert so["spec"]["scaleTargetRef"]["kind"] == d["kind"]
+        (trigger,) = so["spec"]["triggers"]
+        assert trigger["type"] == "prometheus"
+        query = trigger["metadata"]["query"]
+        name = d["metadata"]["name"]
+        assert f'pod=~"{name}-' in query and 'namespace="default"' in query
+        metric = {"stage": "stage_busy_ratio", "draft": "draft_busy_ratio",
+                  "router": "num_requests_running"}[component(d)]  # fmt: skip
+        assert f"specpipe:{metric}" in query
+        assert float(trigger["metadata"]["threshold"]) > 0
+
+
+def test_discovery_rbac_lets_only_the_router_watch_endpointslices(render):
+    docs = render()
+    (sa,) = of_kind(docs, "ServiceAccount")
+    (role,) = of_kind(docs, "Role")
+    (binding,) = of_kind(docs, "RoleBinding")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]  # fmt: skip
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}  # fmt: skip
+    assert binding["subjects"][0]["name"] == sa["metadata"]["name"]
+    for d in workloads(docs):
+        spec = d["spec"]["template"]["spec"]
+        if component(d) == "router":
+            assert spec["serviceAccountName"] == sa["metadata"]["name"]
+            assert spec["automountServiceAccountToken"] is True
+        else:
+            assert spec["automountServiceAccountToken"] is False
+    # The router's selector picks the stage and draft Services (their EndpointSlices carry
+    # the Services' labels), not the router's own.
+    c = main_container(router(docs))
+    assert arg(c, "--discovery") == "kubernetes" and arg(c, "--stages") is None
+    selector = arg(c, "--discovery-selector")
+    equal = dict(p.split("=") for p in selector.split(",") if "=" in p and " in " not in p)
+    allowed = selector.split(" in (")[1].rstrip(")").split(",")
+    picked = {
+        svc["metadata"]["labels"]["app.kubernetes.io/component"]
+        for svc in of_kind(docs, "Service")
+        if all(svc["metadata"]["labels"].get(k) == v for k, v in equal.items())
+        and svc["metadata"]["labels"].get("app.kubernetes.io/component") in allowed
+    }
+    assert picked == {"stage", "draft"}
+    static = render({"router": {"discovery": "static"}})
+    assert not of_kind(static, "Role") and "serviceAccountName" not in router(static)["spec"][
+        "template"]["spec"]  # fmt: skip
+    with pytest.raises(render.error, match="discovery"):
+        render({"router": {"discovery": "dns"}})
+
+
+def test_every_service_serves_metrics(render):
+    docs = render()
+    for d in workloads(docs):
+        c = main_container(d)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert int(arg(c, "--metrics-port")) == ports["metrics"] == 9090
+        ann = d["spec"]["template"]["metadata"]["annotations"]
+        assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9090"
+    off = render({"metrics": {"enabled": False}})
+    assert all(arg(main_container(d), "--metrics-port") is None for d in workloads(off))
+    assert not of_kind(off, "ConfigMap")
+
+
+def test_grafana_dashboard_and_pod_monitor(render):
+    import re
+
+    docs = render()
+    (cm,) = of_kind(docs, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["specpipe.json"])
+    assert dash == json.loads((CHART / "files" / "grafana-dashboard.json").read_text())
+    served = served_series()
+    used = set()
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            used |= set(re.findall(r"specpipe:[a-z0-9_]+", target["expr"]))
+    assert used and used <= served, used - served
+    assert not of_kind(docs, "PodMonitor")  # off by default (needs the Prometheus Operator)
+    (pm,) = of_kind(render({"metrics": {"podMonitor": {"enabled": True}}}), "PodMonitor")
+    assert pm["spec"]["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s"}
+    ]
+    labels = pm["spec"]["selector"]["matchLabels"]
+    for d in workloads(docs):
+        pod = d["spec"]["template"]["metadata"]["labels"]
+        assert all(pod[k] == v for k, v in labels.items())
 
 
 def test_pod_disruption_budget_per_workload(render):
@@ -577,26 +725,37 @@ def test_drain_seconds_and_grace_period_follow_the_values(render, service):
         assert grace == service["preStopSeconds"] + service["drainSeconds"] + 15
 
 
-def test_model_version_is_on_every_pod_and_in_stage_and_draft_names(render):
+def test_model_version_is_on_every_stage_and_draft_pod_and_in_their_names(render):
     docs = render()
     for d in workloads(docs):
         meta = d["spec"]["template"]["metadata"]
-        assert meta["labels"]["specpipe.dev/model-version"] == CURRENT
-        assert meta["annotations"]["specpipe.dev/target-weight-hash"]
         if component(d) != "router":
+            assert meta["labels"]["specpipe.dev/model-version"] == CURRENT
+            assert "specpipe.dev/target-weight-hash" in meta["annotations"]
             assert f"-{CURRENT}-" in d["metadata"]["name"]
             assert d["spec"]["selector"]["matchLabels"]["specpipe.dev/model-version"] == CURRENT
-        else:  # one router Deployment across versions: its selector must not change
+        else:  # the routers serve every version: nothing of one in their pods
+            assert "specpipe.dev/model-version" not in meta["labels"]
             assert "specpipe.dev/model-version" not in d["spec"]["selector"]["matchLabels"]
 
 
-def test_previous_model_keeps_running_while_the_router_moves_on(render):
+def test_previous_model_keeps_running_and_the_routers_stay_as_they_are(render):
     docs = render(WITH_PREVIOUS)
     assert layer_ranges(docs, "v2") == [(0, 9), (9, 19), (19, 28)]
     assert layer_ranges(docs, "v1") == [(0, 14), (14, 28)]
-    r = router(docs)
-    assert r["spec"]["template"]["metadata"]["labels"]["specpipe.dev/model-version"] == "v2"
-    c = main_container(r)
+    # The same router pods before, during and after the update: it follows every
+    # version's replicas through discovery and moves new requests to the newest.
+    before = router(render())["spec"]["template"]
+    assert router(docs)["spec"]["template"] == before
+    assert router(render({"model": WITH_PREVIOUS["model"]}))["spec"]["template"] == before
+    # A new target name changes the tokenizer the router loads, unless it is pinned.
+    new_target = {"model": {**WITH_PREVIOUS["model"], "target": "smollm2-135m-instruct",
+                            "draft": ""}}  # fmt: skip
+    assert router(render(new_target))["spec"]["template"] != before
+    pinned = {**new_target, "router": {"tokenizerModel": "qwen2.5-coder-1.5b-instruct"}}
+    assert router(render(pinned))["spec"]["template"] == before
+    # A static router is wired to the current version only.
+    c = main_container(router(render({**WITH_PREVIOUS, "router": {"discovery": "static"}})))
     assert all("-v2-stage-" in a for a in arg(c, "--stages").split(","))
     assert arg(c, "--draft").startswith("specpipe-v2-draft:")
     with pytest.raises(render.error, match="listed twice"):

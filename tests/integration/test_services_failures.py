@@ -64,9 +64,9 @@ def _pid_alive(pid: int) -> bool:
 def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None:
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
-        [sys.executable, "-c", ENTRY, "up", "--target", str(llama_dir), "--draft", "oracle", "--stages", "3",
-         "--layers", "0:1,1:3,3:5", "--transport", "tcp", "--router-port", "0", "--log-dir", str(log_dir),
-         "--http-port", "0"],
+        [sys.executable, "-c", ENTRY, "up", "--target", str(llama_dir), "--draft", "oracle", "--stages", "2",
+         "--layers", "0:1,1:5", "--stage-replicas", "2", "--transport", "tcp", "--router-port", "0",
+         "--log-dir", str(log_dir), "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -82,11 +82,18 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
         assert http[0] == "http:" and http[1].endswith("/v1"), http
         with urllib.request.urlopen(http[1].removesuffix("/v1") + "/health", timeout=10) as r:
             assert json.loads(r.read())["status"] == "ok"
+        # Every process has a metrics port, printed: 2 stages x 2 replicas, draft, router.
+        metrics = dict(proc.stdout.readline().split()[1:3] for _ in range(6))
+        assert set(metrics) == {"stage0:", "stage0.1:", "stage1:", "stage1.1:", "draft:", "router:"}
         with Client(address, timeout=60) as client:
             done = client.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, ignore_eos=True)
-            assert len(done.token_ids) == 6 and done.stats["stages"] == 3
+            assert len(done.token_ids) == 6 and done.stats["stages"] == 2
+            stages = [b for b in client.describe().backends if b.kind == "stage"]
+            assert sorted(b.layers for b in stages) == ["0:1", "0:1", "1:5", "1:5"]
+        with urllib.request.urlopen(metrics["router:"], timeout=10) as r:
+            assert b"specpipe:generation_tokens_total 6.0" in r.read()
         pids = [json.loads(f.read_text())["pid"] for f in log_dir.glob("*.ready")]
-        assert len(pids) == 5
+        assert len(pids) == 6
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         time.sleep(0.2)

@@ -159,6 +159,16 @@ class RuleDraft:
         return Candidates(torch.tensor(parents), torch.tensor(tokens), torch.tensor(probs))
 
 
+class SoftRulePipeline(RulePipeline):
+    """The rule's logits softened (with a tilt): a sampled draw really depends on the seed."""
+
+    def step(self, request_id, prunes, entering):
+        result = super().step(request_id, prunes, entering)
+        if result.last is not None:
+            result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
+        return result
+
+
 def run(mode, stages, draft=None, n=24, prompt=PROMPT, **opts) -> Generation:
     gen = Generation(RulePipeline(stages), draft, prompt, mode, DecodeOptions(n, **opts))
     gen.run()
@@ -216,19 +226,11 @@ def test_stops_at_a_stop_token() -> None:
 
 def test_seeded_sampling_is_the_same_in_every_mode() -> None:
     """With soft logits the draw matters; it depends only on (seed, position)."""
-
-    class Soft(RulePipeline):
-        def step(self, request_id, prunes, entering):
-            result = super().step(request_id, prunes, entering)
-            if result.last is not None:
-                result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
-            return result
-
     outs = set()
     for mode in Mode:
         for stages in (1, 3):
             opts = DecodeOptions(20, SamplingParams(temperature=1.0, seed=5), width=3)
-            gen = Generation(Soft(stages), RuleDraft(), PROMPT, mode, opts)
+            gen = Generation(SoftRulePipeline(stages), RuleDraft(), PROMPT, mode, opts)
             outs.add(tuple(gen.run()))
     assert len(outs) == 1
 
@@ -602,17 +604,10 @@ def test_pp_and_autoregressive_never_need_a_draft() -> None:
 
 
 def test_seeded_sampling_survives_replays() -> None:
-    class Soft(RulePipeline):
-        def step(self, request_id, prunes, entering):
-            result = super().step(request_id, prunes, entering)
-            if result.last is not None:
-                result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
-            return result
-
     outs = set()
     for faults in ({}, {2: "path"}, {5: "draft", 9: "path-no-draft"}, {1: "path", 6: "path"}):
         for mode in (Mode.SPECPIPE, Mode.SPECINFER, Mode.PP):
-            h = FaultHarness(mode, 3, n=16, faults=faults, width=3, pipeline=Soft,
+            h = FaultHarness(mode, 3, n=16, faults=faults, width=3, pipeline=SoftRulePipeline,
                              sampling=SamplingParams(temperature=1.0, seed=5))  # fmt: skip
             outs.add(tuple(h.run().emitted))
     assert len(outs) == 1

@@ -35,6 +35,25 @@
 {{- printf "%s-router" (include "specpipe.fullname" .) -}}
 {{- end -}}
 
+{{/* The router's ServiceAccount: router.serviceAccount.name, the chart's own with
+rbac.create, else the namespace's default. */}}
+{{- define "specpipe.routerServiceAccount" -}}
+{{- if .Values.router.serviceAccount.name -}}
+{{- .Values.router.serviceAccount.name -}}
+{{- else if .Values.rbac.create -}}
+{{- include "specpipe.routerName" . -}}
+{{- else -}}
+default
+{{- end -}}
+{{- end -}}
+
+{{/* Label selector of the EndpointSlices a router watches: the release's stage and
+draft Services of every model version (Kubernetes copies a Service's labels onto its
+EndpointSlices). */}}
+{{- define "specpipe.discoverySelector" -}}
+{{- printf "app.kubernetes.io/name=%s,app.kubernetes.io/instance=%s,app.kubernetes.io/component in (stage,draft)" (include "specpipe.name" .) .Release.Name -}}
+{{- end -}}
+
 {{- define "specpipe.modelCacheClaim" -}}
 {{- .Values.modelCache.persistentVolumeClaim.existingClaim | default (printf "%s-model-cache" (include "specpipe.fullname" .)) -}}
 {{- end -}}
@@ -318,10 +337,16 @@ initContainers:
 {{- toYaml $res -}}
 {{- end -}}
 
-{{/* Scheduling and pod-level settings; argument: dict "root" "svc" (values block) "gpu". */}}
+{{/* Scheduling and pod-level settings; argument: dict "root" "svc" (values block) "gpu",
+and optionally "serviceAccount" (the pod then gets its token: the router's discovery). */}}
 {{- define "specpipe.podSpecCommon" -}}
 {{- $root := .root -}}
+{{- if .serviceAccount -}}
+serviceAccountName: {{ .serviceAccount }}
+automountServiceAccountToken: true
+{{- else -}}
 automountServiceAccountToken: false
+{{- end }}
 enableServiceLinks: false
 {{- with $root.Values.imagePullSecrets }}
 imagePullSecrets:
@@ -438,9 +463,70 @@ spec:
 {{- end }}
 {{- end -}}
 
-{{/* HorizontalPodAutoscaler; argument: dict "root" "name" "kind" "component" "hpa". */}}
+{{/* Metrics of a service: its --metrics-port argument, container port and the
+prometheus.io annotations; argument: root. */}}
+{{- define "specpipe.metricsArgs" -}}
+{{- if .Values.metrics.enabled -}}
+- --metrics-port
+- {{ .Values.ports.metrics | int | toString | quote }}
+{{- end -}}
+{{- end -}}
+
+{{- define "specpipe.metricsPort" -}}
+{{- if .Values.metrics.enabled -}}
+- name: metrics
+  containerPort: {{ .Values.ports.metrics }}
+{{- end -}}
+{{- end -}}
+
+{{- define "specpipe.metricsAnnotations" -}}
+{{- if .Values.metrics.enabled -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.ports.metrics | quote }}
+prometheus.io/path: /metrics
+{{- end -}}
+{{- end -}}
+
+{{/*
+Autoscaling of one workload; argument: dict "root" "name" "kind" "component" "hpa" and
+"podPattern" (a regex of its pods' names). An autoscaling/v2 HPA on the values'
+metrics, or with keda.enabled a KEDA ScaledObject whose Prometheus trigger sums the
+component's serving metric over its pods.
+*/}}
 {{- define "specpipe.hpa" -}}
-{{- if .hpa.enabled }}
+{{- if and .hpa.enabled .root.Values.keda.enabled }}
+{{- $k := .root.Values.keda -}}
+{{- $sel := printf "namespace=\"%s\",pod=~\"%s\"" .root.Release.Namespace .podPattern -}}
+{{- $query := "" -}}
+{{- if eq .component "router" -}}
+{{- $query = printf "sum(specpipe:num_requests_running{%s}) + sum(specpipe:num_requests_waiting{%s})" $sel $sel -}}
+{{- else -}}
+{{- $query = printf "sum(specpipe:%s_busy_ratio{%s})" .component $sel -}}
+{{- end }}
+---
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "specpipe.labels" .root | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: {{ .kind }}
+    name: {{ .name }}
+  minReplicaCount: {{ .hpa.minReplicas }}
+  maxReplicaCount: {{ .hpa.maxReplicas }}
+  pollingInterval: {{ $k.pollingInterval }}
+  cooldownPeriod: {{ $k.cooldownPeriod }}
+  triggers:
+    - type: prometheus
+      metadata:
+        serverAddress: {{ $k.serverAddress | quote }}
+        query: {{ $query | quote }}
+        threshold: {{ get $k.thresholds .component | toString | quote }}
+{{- else if .hpa.enabled }}
 ---
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler

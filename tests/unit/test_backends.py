@@ -1,0 +1,107 @@
+"""The router's replica set without a deployment: model versions, paths (one replica per
+stage of one version, least loaded, with room), drafts, and what is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from specpipe.services.router.backends import Backend, Backends, NoPath
+from specpipe.services.router.discovery import Endpoint, StaticDiscovery
+
+
+def backends() -> Backends:
+    # No initial endpoints: no gRPC channel (it would need an event loop).
+    return Backends(StaticDiscovery([]), on_down=lambda b, e: None,
+                    on_readiness=lambda ready: None, transport_kind="tcp")  # fmt: skip
+
+
+def add(bs: Backends, kind, address, layers=(0, 4), version="v1", *, vocab=97, group="",
+        order=0.0, limit=0, used=0, num_layers=4) -> Backend:  # fmt: skip
+    desc = SimpleNamespace(
+        model_id=f"model-{version}", weight_hash=version, layer_start=layers[0],
+        layer_end=layers[1], num_layers=num_layers, vocab_size=vocab,
+        max_position_embeddings=256, eos_token_ids=[96], data_address="tcp://h:1",
+        cache_bytes_used=used, cache_bytes_limit=limit, active_requests=0, ready=True,
+    )  # fmt: skip
+    ep = Endpoint(kind, address, group, order=order)
+    b = Backend(kind, address, None, None, None, ep, desc=desc, healthy=True, error="")
+    bs.by_key[ep.key] = b
+    b.refused = bs._refusal(b)
+    bs._recompute()
+    return b
+
+
+def test_new_requests_take_the_newest_complete_version_replays_keep_theirs() -> None:
+    bs = backends()
+    a0, a1 = add(bs, "stage", "a0", (0, 2), "v1"), add(bs, "stage", "a1", (2, 4), "v1")
+    assert bs.ready and bs.model.weight_hash == "v1" and bs.model.ranges == [(0, 2), (2, 4)]
+    b0 = add(bs, "stage", "b0", (0, 3), "v2", order=5.0)
+    assert bs.model.weight_hash == "v1"  # v2 is not complete yet
+    b1 = add(bs, "stage", "b1", (3, 4), "v2", order=5.0)
+    assert bs.model.weight_hash == "v2"
+    assert bs.path(need_draft=False).stages == [b0, b1]
+    assert bs.path("v1", need_draft=False).stages == [a0, a1]  # a replay stays on v1
+    b1.healthy = False
+    bs._recompute()
+    assert bs.model.weight_hash == "v1" and bs.path(need_draft=False).stages == [a0, a1]
+    with pytest.raises(NoPath, match=r"no healthy replica of layers 3:4"):
+        bs.path("v2", need_draft=False)
+
+
+def test_least_loaded_replica_with_room_round_robin_on_ties() -> None:
+    bs = backends()
+    s0 = add(bs, "stage", "s0", (0, 4))
+    s1 = add(bs, "stage", "s1", (0, 4))
+    full = add(bs, "stage", "s2", (0, 4), limit=100, used=100)
+    picks = []
+    for _ in range(4):
+        path = bs.path(need_draft=False)
+        bs.acquire(path)
+        bs.release(path.backends)
+        picks.append(path.stages[0])
+    assert picks == [s0, s1, s0, s1] and full not in picks  # its KV cache is full
+    s0.rows = 10
+    assert bs.path(need_draft=False).stages == [s1]
+    s1.active, s1.rows = 3, 10
+    assert bs.path(need_draft=False).stages == [s0]
+    assert bs.path(need_draft=False, exclude=[s0]).stages == [s1]
+
+
+def test_replicas_that_drain_or_leave_discovery_take_no_new_requests() -> None:
+    bs = backends()
+    s0, s1 = add(bs, "stage", "s0"), add(bs, "stage", "s1")
+    s0.draining = True
+    assert bs.path(need_draft=False).stages == [s1]
+    s1.listed = False
+    with pytest.raises(NoPath):
+        bs.path(need_draft=False)
+    s1.listed, s1.endpoint = True, Endpoint("stage", "s1", draining=True)  # terminating
+    with pytest.raises(NoPath):
+        bs.path(need_draft=False)
+
+
+def test_drafts_of_the_same_group_first_and_none_is_no_error() -> None:
+    bs = backends()
+    add(bs, "stage", "s", group="v2")
+    assert bs.path().draft is None and not bs.has_draft
+    other = add(bs, "draft", "d1", group="v1")
+    mine = add(bs, "draft", "d2", group="v2")
+    assert bs.path().draft is mine and bs.has_draft
+    mine.healthy = False
+    assert bs.path().draft is other
+    assert bs.path(need_draft=False).draft is None
+
+
+def test_other_vocabularies_are_refused_with_the_reason() -> None:
+    bs = backends()
+    add(bs, "stage", "s")
+    wrong = add(bs, "stage", "w", version="v9", vocab=113, order=9.0)
+    assert "vocabulary of 113 tokens, this router serves 97" in wrong.refused
+    assert bs.model.weight_hash == "v1"  # never the current version, however new
+    big = add(bs, "draft", "d", vocab=200)
+    assert "draft vocabulary (200) is larger" in big.refused
+    assert bs.path().draft is None
+    other_plane = add(bs, "stage", "u", version="v1")
+    other_plane.desc.data_address = "ucx://h:1"
+    assert "ucx data plane" in bs._refusal(other_plane)
