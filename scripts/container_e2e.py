@@ -282,6 +282,181 @@ CASES = [
     ("text prompt", ["--prompt", "def fib(n):", "--mode", "specpipe"]),
     ("sampled", ["--prompt-ids", "7,7,7", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]),
 ]
+DRAIN_PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
+
+
+def references(models: Path, args) -> tuple[dict[str, dict], list[list[int]]]:
+    """`specpipe generate --json` (the engine in one process) for every case and every
+    drained stream."""
+    common = ["--target", str(models / "target"), "--draft", str(models / "draft")]
+    common += ["--stages", str(args.stages), "--dtype", "float64", "--json"]
+    t = time.monotonic()
+    refs = {
+        n: cli("generate", *common, *a, "--max-new-tokens", str(args.max_new_tokens))
+        for n, a in CASES
+    }
+    drained = [
+        cli(
+            "generate",
+            *common,
+            "--prompt-ids",
+            ",".join(map(str, ids)),
+            "--max-new-tokens",
+            str(args.drain_tokens),
+            "--ignore-eos",
+        )["token_ids"]
+        for ids in DRAIN_PROMPTS
+    ]
+    log(f"in-process references: {len(refs) + len(drained)} in {time.monotonic() - t:.1f} s")
+    return refs, drained
+
+
+def start(pod: Pod, addresses: dict[str, str], models: Path, args) -> dict[str, float]:
+    """Run the pod's init containers to completion, then its service until the readiness
+    probe's check passes; returns the seconds until `docker run` returned and until ready."""
+    for i, init in enumerate(pod.spec.get("initContainers", [])):
+        name = f"specpipe-e2e-{args.run_id}-{pod.name}-init{i}"
+        log(f"{pod.name}: init container {init['name']}: specpipe {shlex.join(init['args'])}")
+        run([*pod.docker_args(init, args.run_id, models, name), args.image, *init["args"]])
+        run(["docker", "wait", name], timeout=3600)
+        if state(name)["ExitCode"] != 0:
+            raise Failed(f"{name} failed:\n{docker_logs(name)[-3000:]}")
+    name = pod.container = f"specpipe-e2e-{args.run_id}-{pod.name}"
+    argv = pod.host_args(addresses)
+    log(f"{pod.name}: specpipe {shlex.join(argv)}")
+    t0 = time.monotonic()
+    run([*pod.docker_args(pod.main, args.run_id, models, name), args.image, *argv])
+    t_run = time.monotonic() - t0
+    while (status := health(pod.host_port)) != "SERVING":
+        if not state(name)["Running"]:
+            raise Failed(f"{name} exited:\n{docker_logs(name)[-3000:]}")
+        if time.monotonic() - t0 > 600:
+            raise Failed(f"{name}: not ready after 600 s (health {status})")
+        time.sleep(0.2)
+    ready = time.monotonic() - t0
+    log(f"{pod.name}: ready in {ready:.1f} s (docker run returned after {t_run:.1f} s)")
+    return {"docker_run": round(t_run, 1), "ready": round(ready, 1)}
+
+
+def check_requests(router: str, refs: dict[str, dict], args, failures: list[str]) -> dict:
+    """`specpipe client generate --json` from the host against the in-process results."""
+    out = {}
+    for n, a in CASES:
+        got = cli(
+            "client",
+            "generate",
+            "--router",
+            router,
+            *a,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--timeout",
+            "300",
+            "--json",
+        )
+        same = got["token_ids"] == refs[n]["token_ids"] and got["text"] == refs[n]["text"]
+        out[n] = {
+            "tokens": len(got["token_ids"]),
+            "same": same,
+            "tokens_per_step": got["stats"].get("tokens_per_step"),
+        }
+        check(
+            same,
+            f"{n}: {len(got['token_ids'])} tokens through the containers == in-process",
+            failures,
+        )
+    return out
+
+
+def check_drain(router: Pod, victim: Pod, refs: list[list[int]], args, failures: list[str]) -> dict:
+    """Open streams, `docker stop` one stage while they run: they must finish with the
+    right tokens, new requests meanwhile are refused, and the stage exits 0 after them."""
+    from specpipe.client import Client, SpecPipeError
+
+    address = f"{HOST}:{router.host_port}"
+    first = [threading.Event() for _ in DRAIN_PROMPTS]
+    results: list[dict] = [{} for _ in DRAIN_PROMPTS]
+    counts = [0 for _ in DRAIN_PROMPTS]
+
+    def consume(i: int) -> None:
+        try:
+            with Client(address, timeout=600) as c:
+                stream = c.stream(
+                    prompt_ids=DRAIN_PROMPTS[i], max_new_tokens=args.drain_tokens, ignore_eos=True
+                )
+                for chunk in stream:
+                    counts[i] += len(chunk.token_ids)
+                    first[i].set()
+                results[i] = {"tokens": stream.result().token_ids, "finished": time.time()}
+        except Exception as e:
+            results[i] = {"error": repr(e), "finished": time.time()}
+        finally:
+            first[i].set()
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(DRAIN_PROMPTS))]
+    for th in threads:
+        th.start()
+    for ev in first:
+        ev.wait(300)
+    t_stop, at_sigterm = time.time(), list(counts)
+    log(f"docker stop -t {victim.grace} {victim.container}, {len(threads)} streams open")
+    stopper = concurrent.futures.ThreadPoolExecutor(1).submit(
+        run, ["docker", "stop", "-t", str(victim.grace), victim.container], victim.grace + 60
+    )
+    deadline = time.monotonic() + 10  # the router checks stage health every 0.5 s
+    while health(router.host_port) == "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        with Client(address, timeout=30) as c:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
+        refused = "accepted"
+    except SpecPipeError as e:
+        refused = e.code_name
+    t_refused = time.time()
+    for th in threads:
+        th.join(600)
+    stopper.result()
+    stop_s = time.time() - t_stop
+    st = state(victim.container)
+    exited = docker_time(st["FinishedAt"])
+    finish = [r["finished"] for r in results]
+    streamed = all(r.get("tokens") == ref for r, ref in zip(results, refs, strict=True))
+    errors = [r["error"] for r in results if "error" in r] or "no errors"
+    check(
+        streamed,
+        f"drain: {len(results)} open streams of {args.drain_tokens} tokens finished == in-process ({errors})",
+        failures,
+    )
+    check(
+        all(n < args.drain_tokens for n in at_sigterm) and t_refused < max(finish),
+        f"drain: the streams were open when the stage got SIGTERM ({at_sigterm} tokens of "
+        f"{args.drain_tokens}; the last finished {max(finish) - t_stop:.1f} s later)",
+        failures,
+    )
+    check(
+        streamed
+        and st["ExitCode"] == 0
+        and not st["OOMKilled"]
+        and exited >= max(finish) - 0.5
+        and stop_s < victim.grace,
+        f"drain: the stage exited {st['ExitCode']} after the streams, {stop_s:.1f} s after "
+        f"SIGTERM (grace {victim.grace} s: no SIGKILL)",
+        failures,
+    )
+    check(
+        "draining" in docker_logs(victim.container), "drain: the stage logged its drain", failures
+    )
+    check(refused == "UNAVAILABLE", f"drain: a new request meanwhile was {refused}", failures)
+    return {
+        "streams": len(results),
+        "tokens_each": args.drain_tokens,
+        "tokens_before_sigterm": at_sigterm,
+        "streams_finished_after_sigterm_s": [round(f - t_stop, 2) for f in finish],
+        "stage_exited_after_sigterm_s": round(exited - t_stop, 2),
+        "docker_stop_s": round(stop_s, 1),
+        "stage_exit_code": st["ExitCode"],
+        "new_request_while_draining": refused,
+    }
 
 
 def main() -> int:
@@ -303,208 +478,26 @@ def main() -> int:
     models.mkdir(parents=True)
     make_models(models, args.layers)
     run(["chown", "-R", "10001:10001", str(models)])  # the chart's fsGroup makes it the pods'
-    target, draft = str(models / "target"), str(models / "draft")
-
     docs = render(args.image, args.stages, args.layers, args.drain_seconds)
-    pods = [Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
     order = {"stage": 0, "draft": 1, "router": 2}
+    pods = [Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
     pods.sort(key=lambda x: (order[x.component], x.name))
     addresses: dict[str, str] = {}
     for pod in pods:
-        host = f"{HOST}:{pod.host_port}"
         if pod.service:  # a stage pod's DNS name: <pod>.<headless service>:<port>
-            addresses[f"{pod.pod_name}.{pod.service}:{pod.port}"] = host
+            addresses[f"{pod.pod_name}.{pod.service}:{pod.port}"] = f"{HOST}:{pod.host_port}"
         else:  # the draft's and router's ClusterIP Service names
-            addresses[f"{pod.name}:{pod.port}"] = host
+            addresses[f"{pod.name}:{pod.port}"] = f"{HOST}:{pod.host_port}"
 
-    # In-process references first (nothing else running): the engine in one process.
-    common = [
-        "--target",
-        target,
-        "--draft",
-        draft,
-        "--stages",
-        str(args.stages),
-        "--dtype",
-        "float64",
-    ]
-    t = time.monotonic()
-    refs = {
-        n: cli("generate", *common, *a, "--max-new-tokens", str(args.max_new_tokens), "--json")
-        for n, a in CASES
-    }
-    drain_prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8], [9, 9, 8]]
-    drain_refs = [
-        cli(
-            "generate",
-            *common,
-            "--prompt-ids",
-            ",".join(map(str, ids)),
-            "--max-new-tokens",
-            str(args.drain_tokens),
-            "--ignore-eos",
-            "--json",
-        )["token_ids"]
-        for ids in drain_prompts
-    ]
-    log(f"in-process references: {len(refs) + len(drain_refs)} in {time.monotonic() - t:.1f} s")
-
-    # Start the pods one by one: init containers to completion, then the service until
-    # its readiness probe passes.
-    report["start_to_ready_s"] = {}
-    for pod in pods:
-        for i, init in enumerate(pod.spec.get("initContainers", [])):
-            name = f"specpipe-e2e-{args.run_id}-{pod.name}-init{i}"
-            log(f"{pod.name}: init container {init['name']}: specpipe {shlex.join(init['args'])}")
-            run([*pod.docker_args(init, args.run_id, models, name), args.image, *init["args"]])
-            run(["docker", "wait", name], timeout=3600)
-            if state(name)["ExitCode"] != 0:
-                raise Failed(f"{name} failed:\n{docker_logs(name)[-3000:]}")
-        name = f"specpipe-e2e-{args.run_id}-{pod.name}"
-        argv = pod.host_args(addresses)
-        log(f"{pod.name}: specpipe {shlex.join(argv)}")
-        t0 = time.monotonic()
-        pod.container = name
-        run([*pod.docker_args(pod.main, args.run_id, models, name), args.image, *argv])
-        t_run = time.monotonic() - t0
-        while (status := health(pod.host_port)) != "SERVING":
-            if not state(name)["Running"]:
-                raise Failed(f"{name} exited:\n{docker_logs(name)[-3000:]}")
-            if time.monotonic() - t0 > 600:
-                raise Failed(f"{name}: not ready after 600 s (health {status})")
-            time.sleep(0.2)
-        ready = time.monotonic() - t0
-        report["start_to_ready_s"][pod.name] = {
-            "docker_run": round(t_run, 1),
-            "ready": round(ready, 1),
-        }
-        log(f"{pod.name}: ready in {ready:.1f} s (docker run returned after {t_run:.1f} s)")
+    refs, drain_refs = references(models, args)  # first: nothing else running
+    # One pod after another, so that each start-to-ready is its own.
+    report["start_to_ready_s"] = {pod.name: start(pod, addresses, models, args) for pod in pods}
     router = next(x for x in pods if x.component == "router")
-    router_addr = f"{HOST}:{router.host_port}"
-
-    # Requests from the host through the router, against the in-process engine.
-    report["cases"] = {}
-    for n, a in CASES:
-        got = cli(
-            "client",
-            "generate",
-            "--router",
-            router_addr,
-            *a,
-            "--max-new-tokens",
-            str(args.max_new_tokens),
-            "--timeout",
-            "300",
-            "--json",
-        )
-        same = got["token_ids"] == refs[n]["token_ids"] and got["text"] == refs[n]["text"]
-        report["cases"][n] = {
-            "tokens": len(got["token_ids"]),
-            "same": same,
-            "tokens_per_step": got["stats"].get("tokens_per_step"),
-        }
-        check(
-            same,
-            f"{n}: {len(got['token_ids'])} tokens through the containers == in-process",
-            failures,
-        )
-
-    # Graceful drain: stop the last stage while long streams are open.
-    from specpipe.client import Client, SpecPipeError
-
+    report["cases"] = check_requests(f"{HOST}:{router.host_port}", refs, args, failures)
     victim = [x for x in pods if x.component == "stage"][-1]
-    first = [threading.Event() for _ in drain_prompts]
-    results: list[dict] = [{} for _ in drain_prompts]
+    report["drain"] = check_drain(router, victim, drain_refs, args, failures)
 
-    counts = [0 for _ in drain_prompts]
-
-    def consume(i: int) -> None:
-        try:
-            with Client(router_addr, timeout=600) as c:
-                stream = c.stream(
-                    prompt_ids=drain_prompts[i], max_new_tokens=args.drain_tokens, ignore_eos=True
-                )
-                for chunk in stream:
-                    counts[i] += len(chunk.token_ids)
-                    first[i].set()
-                done = stream.result()
-            results[i] = {"tokens": done.token_ids, "finished": time.time()}
-        except Exception as e:
-            results[i] = {"error": repr(e), "finished": time.time()}
-        finally:
-            first[i].set()
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(drain_prompts))]
-    for th in threads:
-        th.start()
-    for ev in first:
-        ev.wait(300)
-    t_stop = time.time()
-    at_sigterm = list(counts)
-    log(
-        f"stopping {victim.container} (docker stop -t {victim.grace}) with {len(threads)} streams open"
-    )
-    stopper = concurrent.futures.ThreadPoolExecutor(1).submit(
-        lambda: run(
-            ["docker", "stop", "-t", str(victim.grace), victim.container], timeout=victim.grace + 60
-        )
-    )
-    deadline = time.monotonic() + 10
-    while health(router.host_port) == "SERVING" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    refused = None
-    try:
-        with Client(router_addr, timeout=30) as c:
-            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=4)
-        refused = "accepted"
-    except SpecPipeError as e:
-        refused = e.code_name
-    t_refused = time.time()
-    for th in threads:
-        th.join(600)
-    stopper.result()
-    stop_s = time.time() - t_stop
-    st = state(victim.container)
-    exited = docker_time(st["FinishedAt"])
-    logs = docker_logs(victim.container)
-    finish = [r["finished"] for r in results]
-    report["drain"] = {
-        "streams": len(results),
-        "tokens_each": args.drain_tokens,
-        "docker_stop_s": round(stop_s, 1),
-        "stage_exit_code": st["ExitCode"],
-        "tokens_before_sigterm": at_sigterm,
-        "streams_finished_after_sigterm_s": [round(f - t_stop, 2) for f in finish],
-        "stage_exited_after_sigterm_s": round(exited - t_stop, 2),
-        "new_request_while_draining": refused,
-    }
-    streamed = all(r.get("tokens") == ref for r, ref in zip(results, drain_refs, strict=True))
-    check(
-        streamed,
-        f"drain: {len(results)} open streams of {args.drain_tokens} tokens finished == in-process "
-        f"({[r.get('error') for r in results if 'error' in r] or 'no errors'})",
-        failures,
-    )
-    check(
-        all(n < args.drain_tokens for n in at_sigterm) and t_refused < max(finish),
-        f"drain: the streams were open when the stage got SIGTERM ({at_sigterm} tokens of "
-        f"{args.drain_tokens}; the last finished {max(finish) - t_stop:.1f} s later)",
-        failures,
-    )
-    check(
-        streamed
-        and st["ExitCode"] == 0
-        and not st["OOMKilled"]
-        and exited >= max(finish) - 0.5
-        and stop_s < victim.grace,
-        f"drain: the stage exited {st['ExitCode']} after the streams, {stop_s:.1f} s after "
-        f"SIGTERM (grace {victim.grace} s: no SIGKILL)",
-        failures,
-    )
-    check("draining" in logs, "drain: the stage logged its drain", failures)
-    check(refused == "UNAVAILABLE", f"drain: a new request meanwhile was {refused}", failures)
-
-    # Stop the rest, router first (as the launcher does); each must exit 0.
+    # Stop the rest, router first (as `specpipe up` does); each must exit 0.
     for pod in [router, *[x for x in pods if x is not router and x is not victim]]:
         t = time.monotonic()
         run(["docker", "stop", "-t", str(pod.grace), pod.container], timeout=pod.grace + 60)

@@ -184,6 +184,11 @@ class StageRuntime:
         need_logits: list[tuple[int, Activation]] = []  # rows whose hidden states go on
         for b, rows in zip(batch, _split(hidden, batch), strict=True):
             out: Activation | None = replace(b.act, tokens=None, hidden=rows, logits=None)
+            if b.act.request_id not in self._caches:
+                # Released while its rows were computed (cancelled, or its router gave
+                # up): its output goes nowhere, and the others' must not suffer for it.
+                results[b.index] = NotOpen(f"request {b.act.request_id!r} was released")
+                continue
             if self.is_last:
                 if b.act.committed:
                     out.hidden = None  # type: ignore[union-attr]
@@ -251,9 +256,12 @@ class StageRuntime:
         rows' final hidden states until a prune makes one of them the root."""
         later = (~is_root).nonzero().squeeze(1)
         if later.numel():
-            held = self._held[out.request_id]
-            new = out.select(later)
-            self._held[out.request_id] = new if held is None else _concat(held, new)
+            with self._lock:
+                if out.request_id not in self._held:  # released meanwhile
+                    return None
+                held = self._held[out.request_id]
+                new = out.select(later)
+                self._held[out.request_id] = new if held is None else _concat(held, new)
         roots = is_root.nonzero().squeeze(1)
         return out.select(roots) if roots.numel() else None
 

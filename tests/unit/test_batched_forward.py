@@ -94,3 +94,28 @@ def test_a_bad_request_fails_alone(llama_dir) -> None:
     assert out[0].hidden.shape == (2, 48)
     assert isinstance(out[1], BadInput) and isinstance(out[2], NotOpen)
     assert stage.forward(tree("b", [0], [0], [-1], [4])).hidden.shape == (1, 48)  # b still fine
+
+
+def test_a_request_released_during_the_forward_fails_alone(llama_dir) -> None:
+    """The Release RPC runs beside the compute thread: a request released while its rows
+    are in a batch gets NotOpen, the rest of the batch its outputs."""
+    for last in (False, True):
+        r = LayerRange(2, 5, 5) if last else LayerRange(0, 2, 5)
+        stage = StageRuntime(load_stage(llama_dir, r, torch.float64))
+        for rid in "ab":
+            stage.open(rid, 16, root_logits_only=True)
+        forward_batch = stage.model.forward_batch
+
+        def release_b_midway(*args, _orig=forward_batch, _stage=stage):
+            out = _orig(*args)
+            _stage.release("b")
+            return out
+
+        stage.model.forward_batch = release_b_midway
+        rows = [tree(rid, [0, 1], [0, 1], [-1, 0], [3, 4]) for rid in "ab"]
+        if last:
+            for a in rows:
+                a.hidden, a.tokens = torch.randn(2, 48, dtype=torch.float64), None
+        out = stage.forward_many(rows)
+        assert isinstance(out[1], NotOpen)
+        assert out[0] is not None and not isinstance(out[0], Exception)
