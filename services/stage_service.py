@@ -90,7 +90,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             bind_host=bind_host,
             advertise_host=advertise_host,
             device=str(model.runtime.model.device) if model else self.device,
+            admit=self._admit,
         )
+        self._bound_frames()
         limits = Limits.of(model.runtime.model) if model else None
         self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(limits))
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
@@ -189,6 +191,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         except (ValueError, OSError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load the model: {e}")
         self.transport.device = str(self.runtime.model.device)
+        self._bound_frames()
         if self.max_cache_bytes is None:
             self.runtime.max_cache_bytes = cache_budget(self.device, self.cache_fraction)
         await self.server.set_serving(True)
@@ -272,6 +275,37 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise InvalidInput(
                 f"{address}: this deployment's data plane is {self.transport.scheme}"
             )
+
+    def _bound_frames(self) -> None:
+        """No frame larger than the largest activation this stage's model takes is read."""
+        if self.model is not None:
+            lim = self.limits
+            self.transport.max_payload_bytes = lim.max_rows * lim.row_bytes(lim.hidden_size)
+
+    def _admit(self, h: pb.FrameHeader) -> bool:
+        """Whether to read a frame's payload (the header is all there is yet): frames of
+        requests open here, hidden states of this stage's dtype and width, one row per
+        position and at most the request's capacity. A frame refused here fails its
+        request (a well-behaved peer never sends one); frames of unknown requests
+        (released already) are dropped."""
+        st = self._requests.get(h.request_id)
+        if st is None or self.model is None:
+            return False
+        if h.kind != Kind.PAYLOAD_KIND_HIDDEN:
+            return not h.dtype  # empty and error frames carry no payload
+        rows, lim = len(h.rows.positions), self.limits
+        dtype = str(lim.dtype).removeprefix("torch.")
+        if rows <= st.capacity and h.dtype == dtype and list(h.shape) == [rows, lim.hidden_size]:
+            return True
+        why = (
+            f"hidden states {h.dtype or '?'} {list(h.shape)} for {rows} rows; this stage takes "
+            f"{dtype} [rows, {lim.hidden_size}], at most {st.capacity} rows"
+        )
+        rlog.warning(
+            "bad-frame", "%s: bad frame for %s from %s: %s", self.name, st.request_id, h.sender, why
+        )
+        self._report(st, f"{self.name}: bad frame from {h.sender}: {why}")
+        return False
 
     def _on_frame(self, frame: Frame) -> None:
         st = self._requests.get(frame.request_id)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from specpipe.common.runtime.errors import InvalidInput
+from specpipe.common.runtime.validation import check_payload
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -46,6 +48,7 @@ from ..transport.codec import Kind
 from .backends import Backend, RequestPath
 
 log = logging.getLogger(__name__)
+LOGIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 class DriverError(Exception):
@@ -96,6 +99,7 @@ class RequestDriver:
         events: asyncio.Queue,
         rpc_timeout: float = 60.0,
         deadline: float | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.controller, self.path = controller, path
         self.request_id = controller.request_id
@@ -103,6 +107,7 @@ class RequestDriver:
         self.events = events
         self.max_rpc_timeout = rpc_timeout
         self.deadline = deadline  # the client's, on time.monotonic(); None: no deadline
+        self.vocab_size = vocab_size  # the width of every logits frame
         self.draft = path.draft if controller.uses_draft else None
         self._tasks: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue = asyncio.Queue()
@@ -165,11 +170,21 @@ class RequestDriver:
                 continue
             self._raise_on_failure(ev)
             try:
-                cmds = ctrl.on_logits(decode(ev))
-            except FrameError as e:
+                cmds = ctrl.on_logits(self._logits(ev))
+            except (FrameError, InvalidInput) as e:
                 raise DriverError(
                     grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
                 ) from None
+
+    def _logits(self, frame: Frame):
+        """The activation of a logits frame, checked: [rows, vocab] floats, finite."""
+        act = decode(frame) if frame.kind == Kind.PAYLOAD_KIND_LOGITS else None
+        if act is None or act.logits is None:
+            raise FrameError(f"the router takes logits, not frames of kind {frame.kind}")
+        x = act.logits
+        vocab = self.vocab_size or (x.shape[-1] if x.ndim else 0)
+        check_payload(x, len(act), vocab, LOGIT_DTYPES, "logits")
+        return act
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Called from outside (health monitor): fail the request at the next event."""

@@ -15,7 +15,13 @@ from pathlib import Path as FsPath
 
 import grpc
 from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+from specpipe.common.spec.options import (
+    DecodeOptions,
+    Mode,
+    check_context,
+    check_prompt_ids,
+    tree_capacity,
+)
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
@@ -102,7 +108,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
-            transport_kind, self.inbox, bind_host=bind_host, advertise_host=advertise_host
+            transport_kind,
+            self.inbox,
+            bind_host=bind_host,
+            advertise_host=advertise_host,
+            admit=self.inbox.admit,
         )
         self.transport_kind = transport_kind
         self.backends = Backends(
@@ -306,6 +316,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             check_context(len(prompt), opts.max_new_tokens, model.max_positions)
         except ValueError as e:
             raise _invalid(str(e)) from None
+        # The largest logits frame such a request can bring back must be one the router
+        # reads (float64 logits, the widest dtype, of every tree row).
+        rows = tree_capacity(mode, max(len(model.ranges), 1), opts)
+        if rows * model.vocab_size * 8 > self.transport.max_payload_bytes:
+            raise _invalid(
+                f"a tree of up to {rows} rows (width {opts.width}, depth {opts.specinfer_depth}) "
+                f"would bring back more logits of this model's {model.vocab_size}-token "
+                "vocabulary than one frame may hold: use a smaller width or depth"
+            )
         return Plan(prompt=prompt, mode=mode, opts=opts)
 
     # -- RPCs ------------------------------------------------------------------------------
@@ -331,9 +350,16 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
             ) from None
         rid = self._ids.next()
-        events = self.inbox.open(rid)
+        events = self.inbox.open(rid, tree_capacity(plan.mode, len(path.stages), plan.opts))
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        driver = RequestDriver(controller, path, self.transport.address, events, deadline=deadline)
+        driver = RequestDriver(
+            controller,
+            path,
+            self.transport.address,
+            events,
+            deadline=deadline,
+            vocab_size=self.model.vocab_size,
+        )
         self.drivers[rid] = driver
         log.info(
             "%s: %s, %d prompt tokens, %d new",
