@@ -73,6 +73,8 @@ class ServicesDeployment:
         max_cache_gib: float | None = None,
         http_port: int | None = None,
         api_keys: Sequence[str] = (),
+        lease_seconds: float | None = None,
+        progress_timeout: float | None = None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -102,6 +104,8 @@ class ServicesDeployment:
         self.max_cache_gib = max_cache_gib  # per stage and draft; None: a share of free memory
         self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
         self.api_keys = list(api_keys)
+        self.lease_seconds = lease_seconds  # of the stages and the draft; None: theirs
+        self.progress_timeout = progress_timeout  # the router's watchdog; None: its default
         self.children: dict[str, Child] = {}
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
@@ -154,6 +158,7 @@ class ServicesDeployment:
                     "--transport", self.transport,
                     "--dtype", self.dtype,
                     *self._cache_args(),
+                    *self._lease_args(),
                     *common,
                 ],
             )  # fmt: skip
@@ -182,6 +187,7 @@ class ServicesDeployment:
                     "--dtype",
                     self.dtype,
                     *self._cache_args(),
+                    *self._lease_args(),
                     *common,
                 ],
             )
@@ -194,6 +200,9 @@ class ServicesDeployment:
         self.router_address = self.children["router"].info["grpc"]
         self.http_address = self.children["router"].info.get("http", "")
         return self.router_address
+
+    def _lease_args(self) -> list[str]:
+        return [] if self.lease_seconds is None else ["--lease-seconds", str(self.lease_seconds)]
 
     def _cache_args(self) -> list[str]:
         """A fixed budget, or an equal share of the free memory of the one device every
@@ -209,6 +218,8 @@ class ServicesDeployment:
         args = []
         if self.http_port is not None:  # 0: a free port picked here, like every other one
             args += ["--http-port", str(self.http_port or free_port(self.host))]
+        if self.progress_timeout is not None:
+            args += ["--progress-timeout", str(self.progress_timeout)]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

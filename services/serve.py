@@ -94,6 +94,7 @@ async def run_stage(args) -> None:
         max_cache_bytes=_gib(args.max_cache_gib),
         device=args.device,
         cache_fraction=args.cache_fraction,
+        lease_seconds=args.lease_seconds,
     )
     port = await svc.start(args.host, args.port, args.data_port)
     addr = f"{svc.transport.advertise_host}:{port}"
@@ -111,6 +112,7 @@ async def run_draft(args) -> None:
         args.model_id,
         device=args.device,
         max_cache_bytes=_gib(args.max_cache_gib),
+        lease_seconds=args.lease_seconds,
     )
     _set_cache_budget(svc.runtime.runtime, args)
     port = await svc.start(args.host, args.port)
@@ -133,6 +135,8 @@ async def run_router(args) -> None:
         advertise_host=args.advertise_host,
         model_id=args.model_id,
         api_keys=api_keys,
+        name=args.router_name,
+        progress_timeout=args.progress_timeout or None,
     )
     host = args.advertise_host or _local(args.host)
     http, info = None, {}

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from specpipe.common.runtime.errors import DuplicatePrune, InvalidInput, RequestError
+from specpipe.common.runtime.errors import (
+    AlreadyOpen,
+    DuplicatePrune,
+    InvalidInput,
+    RequestError,
+)
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
@@ -29,6 +35,7 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .control import max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .lease import reap_expired
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .ratelog import RateLimitedLog
 from .status import status_code
@@ -73,6 +80,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         max_cache_bytes: int | None = None,
         device: str | None = None,
         cache_fraction: float = DEFAULT_CACHE_FRACTION,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
     ) -> None:
         self.model = model
         self.max_cache_bytes = max_cache_bytes
@@ -80,6 +88,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, _Request] = {}
+        # Each request's state is a lease its router renews (common/runtime/lease.py).
+        self.leases = LeaseTable(lease_seconds)
+        self._reaper: asyncio.Task | None = None
         self.draining = False
         self._background: set[asyncio.Task] = set()
         # One model forward at a time, off the event loop (gRPC stays responsive).
@@ -102,6 +113,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         await self.transport.start(data_port)
         port = await self.server.start(host, port)
         await self.server.set_serving(self.model is not None)
+        self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
         log.info("%s serving on %s, data plane %s", self.name, port, self.transport.address)
         return port
 
@@ -113,6 +125,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         await wait_until_idle(lambda: len(self._requests), seconds)
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.server.stop()
         for rid in list(self._requests):
             self._drop(rid)
@@ -146,6 +160,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             data_address=self.transport.address,
             active_requests=len(self._requests),
             ready=self.model is not None,
+            lease_seconds=self.leases.seconds,
         )
         if self.model is None:
             desc.free_memory_bytes = free_memory_bytes(self.device)
@@ -215,7 +230,14 @@ class StageService(stage_pb2_grpc.StageServicer):
             for hop in (request.next_hop, request.report_to):
                 if hop:
                     self._check_hop(hop)
-            self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+            if rid in self._requests:
+                raise AlreadyOpen(f"request {rid!r} is already open on this stage")
+            self._free_stale(self.leases.grant(rid, request.lease_owner, request.lease_epoch))
+            try:
+                self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+            except RequestError:
+                self.leases.end(rid)
+                raise
         except RequestError as e:
             await context.abort(status_code(e), f"{self.name}: {e}")
         capacity = int(request.capacity)
@@ -233,6 +255,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} is not the first stage"
             )
         st = await self._request(request.request_id, context)
+        self.leases.renew(st.request_id)
         try:
             act = token_activation(
                 request.request_id, request.rows, request.token_ids, min(st.capacity, MAX_ROWS)
@@ -245,6 +268,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         st = await self._request(request.request_id, context)
+        self.leases.renew(st.request_id)
         try:
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
         except (DuplicatePrune, InvalidInput) as e:
@@ -254,6 +278,30 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._drop(request.request_id))
+
+    async def Renew(self, request, context) -> pb.RenewResponse:
+        try:
+            unknown, stale = self.leases.renew_all(
+                request.owner, request.epoch, request.request_ids
+            )
+        except RequestError as e:
+            await context.abort(status_code(e), f"{self.name}: {e}")
+        self._free_stale(stale)
+        return pb.RenewResponse(unknown_ids=unknown)
+
+    def _free_stale(self, request_ids: list[str]) -> None:
+        """Requests of a router process that was replaced (it restarted): free them now."""
+        for rid in request_ids:
+            self._drop(rid)
+        if request_ids:
+            log.warning(
+                "%s: freed %d requests of a router that restarted", self.name, len(request_ids)
+            )
+
+    def _expire(self, rid: str) -> None:
+        rlog.warning("lease", "%s: request %s expired (no word from its router for %.0f s): freed",
+                     self.name, rid, self.leases.seconds)  # fmt: skip
+        self._drop(rid)
 
     async def _request(self, rid: str, context) -> _Request:
         st = self._requests.get(rid)
@@ -311,6 +359,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         st = self._requests.get(frame.request_id)
         if st is None:  # released already (cancelled or failed): late frames are dropped
             return
+        self.leases.renew(st.request_id)
         h = frame.header
         if h.kind == Kind.PAYLOAD_KIND_ERROR:
             return
@@ -428,6 +477,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             task.add_done_callback(self._background.discard)
 
     def _drop(self, rid: str) -> bool:
+        self.leases.end(rid)
         st = self._requests.pop(rid, None)
         if st is not None:
             st.closed = True

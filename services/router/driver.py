@@ -100,6 +100,8 @@ class RequestDriver:
         rpc_timeout: float = 60.0,
         deadline: float | None = None,
         vocab_size: int | None = None,
+        lease: tuple[str, str] = ("", ""),
+        progress_timeout: float | None = None,
     ) -> None:
         self.controller, self.path = controller, path
         self.request_id = controller.request_id
@@ -108,6 +110,12 @@ class RequestDriver:
         self.max_rpc_timeout = rpc_timeout
         self.deadline = deadline  # the client's, on time.monotonic(); None: no deadline
         self.vocab_size = vocab_size  # the width of every logits frame
+        self.lease_owner, self.lease_epoch = lease  # the router's name and process epoch
+        # Watchdog: fail the request when no event (logits, a draft answer) comes for this
+        # long, or opening it takes this long (None: never).
+        self.progress_timeout = progress_timeout
+        self._failure: _Failure | None = None
+        self._opening: asyncio.Task | None = None
         self.draft = path.draft if controller.uses_draft else None
         self._tasks: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue = asyncio.Queue()
@@ -152,7 +160,7 @@ class RequestDriver:
         for b in self.path.backends:
             b.active += 1
         self._lane = asyncio.create_task(self._draft_lane(), name=f"draft-lane-{self.request_id}")
-        await self._open_stages()
+        await self._open()
         ctrl = self.controller
         cmds = ctrl.start()
         while True:
@@ -164,7 +172,7 @@ class RequestDriver:
                     return
                 else:
                     self._execute(cmd)
-            ev = await self.events.get()
+            ev = await self._next_event()
             if isinstance(ev, _Proposal):
                 cmds = ctrl.on_candidates(ev.ticket, ev.cand)
                 continue
@@ -187,8 +195,45 @@ class RequestDriver:
         return act
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
-        """Called from outside (health monitor): fail the request at the next event."""
-        self.events.put_nowait(_Failure(code, message))
+        """Called from outside (health monitor, keep-alive): fail the request at the next
+        event, or now if it is still being opened (an Open may wait a minute on a stage
+        that froze)."""
+        failure = _Failure(code, message)
+        self._failure = self._failure or failure
+        self.events.put_nowait(failure)
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()
+
+    async def _open(self) -> None:
+        """Open the request on its stages, unless it fails first (see `fail`) or the
+        watchdog's time runs out."""
+        self._opening = asyncio.ensure_future(self._open_stages())
+        try:
+            await asyncio.wait_for(asyncio.shield(self._opening), self.progress_timeout)
+        except TimeoutError:
+            self._opening.cancel()
+            raise self._stalled("opening the request") from None
+        except asyncio.CancelledError:
+            if self._failure is not None and self._opening.cancelled():
+                f = self._failure
+                raise DriverError(f.code, f.message) from None
+            self._opening.cancel()
+            raise
+
+    async def _next_event(self):
+        try:
+            return await asyncio.wait_for(self.events.get(), self.progress_timeout)
+        except TimeoutError:
+            raise self._stalled("waiting for the pipeline") from None
+
+    def _stalled(self, what: str) -> DriverError:
+        """The watchdog: no progress for `progress_timeout` seconds."""
+        stages = ", ".join(b.label for b in self.path.backends)
+        return DriverError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no progress for {self.progress_timeout:.0f} s while {what} (a stage or the "
+            f"draft may be stalled: {stages}); the request was stopped, retry it",
+        )
 
     async def release(self) -> None:
         """Free the request's state on every stage and the draft (best effort)."""
@@ -227,6 +272,8 @@ class RequestDriver:
                     next_hop=hop,
                     report_to=self.router_address,
                     root_logits_only=ctrl.root_logits_only,
+                    lease_owner=self.lease_owner,
+                    lease_epoch=self.lease_epoch,
                 ),
                 timeout=self.rpc_timeout,
             )
@@ -264,6 +311,8 @@ class RequestDriver:
                 capacity=cmd.capacity,
                 prompt_ids=cmd.prompt,
                 prefill_chunk=cmd.prefill_chunk,
+                lease_owner=self.lease_owner,
+                lease_epoch=self.lease_epoch,
             )
             self._draft_call(
                 "opening the request", lambda stub: stub.Open(req, timeout=self.rpc_timeout)

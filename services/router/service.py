@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path as FsPath
 
 import grpc
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.options import (
     DecodeOptions,
@@ -23,6 +25,7 @@ from specpipe.common.spec.options import (
     tree_capacity,
 )
 from specpipe.common.spec.sampling import SamplingParams
+from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
@@ -36,6 +39,9 @@ from .driver import DriverError, RequestDriver
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
+# The watchdog: a request with no event (logits, a draft answer) for this long fails
+# UNAVAILABLE. Generous: a long prompt's prefill on a slow device brings no event.
+DEFAULT_PROGRESS_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         model_id: str = "",
         check_interval: float = 0.5,
         api_keys: ApiKeys | None = None,
+        name: str = "",
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
     ) -> None:
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
@@ -129,6 +137,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.drivers: dict[str, RequestDriver] = {}
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
+        # Leases: this router's stable name (default host:port, set at start) and this
+        # process's epoch (start time first: a restarted router's is larger).
+        self.name = name
+        self.epoch = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
+        self._renewer: asyncio.Task | None = None
+        self.progress_timeout = progress_timeout
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
@@ -153,6 +167,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> int:
         await self.transport.start(data_port)
         port = await self.server.start(host, port)
+        self.name = self.name or f"{socket.gethostname()}:{port}"
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, _load_codec, self.tokenizer_dir
@@ -167,6 +182,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 )
         if self.model_id_override:
             self.model.model_id = self.model_id_override
+        await self.renew()  # a restarted router's predecessor's requests are freed now
+        self._renewer = asyncio.create_task(self._renew_forever(), name="lease-renewal")
         await self._readiness(self.backends.ready)
         return port
 
@@ -181,6 +198,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             log.warning("drain deadline passed with %d requests open", left)
 
     async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         for d in list(self.drivers.values()):
             d.fail(
                 grpc.StatusCode.UNAVAILABLE,
@@ -195,6 +214,46 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
+
+    # -- leases --------------------------------------------------------------------------
+    def renew_interval(self) -> float:
+        """A third of the shortest lease any backend grants (they say in Describe)."""
+        leases = [b.desc.lease_seconds for b in self.backends.all if b.desc is not None]
+        leases = [t for t in leases if t > 0] or [DEFAULT_LEASE_SECONDS]
+        return min(leases) / 3
+
+    async def renew(self) -> None:
+        """One keep-alive round: every backend renews the leases of this router's requests
+        on it; a request a backend no longer holds fails (its lease expired, or the
+        backend restarted)."""
+        calls, backends = [], []
+        for b in self.backends.all:
+            ids = [
+                rid
+                for rid, d in self.drivers.items()
+                if b in d.path.backends and (b.kind == "stage" or d.draft is not None)
+            ]
+            req = pb.RenewRequest(owner=self.name, epoch=self.epoch, request_ids=ids)
+            calls.append(b.stub.Renew(req, timeout=5.0))
+            backends.append(b)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for b, r in zip(backends, results, strict=True):
+            if isinstance(r, BaseException):
+                log.debug("renewing leases on %s failed: %s", b.label, r)
+                continue
+            for rid in r.unknown_ids:
+                d = self.drivers.get(rid)
+                if d is not None:
+                    d.fail(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{b.label} no longer holds this request (its lease expired or it "
+                        "restarted); retry it",
+                    )
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_interval())
+            await self.renew()
 
     def _backend_down(self, b: Backend, error: str) -> None:
         for d in list(self.drivers.values()):
@@ -359,6 +418,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             events,
             deadline=deadline,
             vocab_size=self.model.vocab_size,
+            lease=(self.name, self.epoch),
+            progress_timeout=self.progress_timeout,
         )
         self.drivers[rid] = driver
         log.info(

@@ -74,6 +74,12 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
         help="without --max-cache-gib: this share of the device's free memory once the "
         "weights are loaded",
     )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=60.0,
+        help="free a request's state when its router has not renewed it for this long",
+    )
     add_device_arg(p)
 
 
@@ -104,6 +110,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--router-name",
+        default="",
+        help="this router's name on the stages and the draft (default HOST:PORT): a router "
+        "restarted under the same name frees its predecessor's requests at once",
+    )
+    p.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=120.0,
+        help="fail a request UNAVAILABLE when its pipeline brings no event for this long "
+        "(0: never)",
+    )
     _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
     _http_args(p)
     p.set_defaults(func=_cmd_router)
