@@ -36,6 +36,7 @@ from .grpc_util import Server, wait_until_idle
 from .lease import reap_expired
 from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
+from .security import Security
 from .status import status_code
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         device: str = "cpu",
         max_cache_bytes: int | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        security: Security | None = None,
     ) -> None:
+        """`security`: mutual TLS on gRPC (--secure)."""
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         # Each request's state is a lease its router renews (common/runtime/lease.py).
         self.leases = LeaseTable(lease_seconds)
@@ -62,11 +65,17 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.limits = Limits.of(self.runtime.runtime.model)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self.draining = False
-        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(self.limits))
+        self.server = Server(
+            [SERVICE_NAME],
+            max_receive_bytes=max_control_bytes(self.limits),
+            credentials=security.server_credentials() if security else None,
+        )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        port = await self.server.start(host, port)
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
+    ) -> int:
+        port = await self.server.start(host, port, health_port)
         await self.server.set_serving(True)
         self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
         return port

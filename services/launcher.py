@@ -75,6 +75,8 @@ class ServicesDeployment:
         api_keys: Sequence[str] = (),
         lease_seconds: float | None = None,
         progress_timeout: float | None = None,
+        secure: bool = False,
+        public_tls=None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -106,6 +108,9 @@ class ServicesDeployment:
         self.api_keys = list(api_keys)
         self.lease_seconds = lease_seconds  # of the stages and the draft; None: theirs
         self.progress_timeout = progress_timeout  # the router's watchdog; None: its default
+        # --secure: a throwaway CA and certificate (made at start) for every process
+        self.secure = secure
+        self.public_tls = public_tls  # a security.PublicTls for the router's public ports
         self.children: dict[str, Child] = {}
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
@@ -138,8 +143,31 @@ class ServicesDeployment:
             self.stop()
             raise
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.log_dir / "pki"
+
+    @property
+    def security(self):
+        """The deployment's credentials (`security.Security`) with --secure, else None:
+        what a test needs to call a stage or the draft itself."""
+        if not self.secure:
+            return None
+        from .security import Security
+
+        return Security.load(self.tls_dir)
+
+    def _secure_args(self) -> list[str]:
+        if not self.secure:
+            return []
+        from .security import make_pki
+
+        if not (self.tls_dir / "tls.crt").is_file():
+            make_pki(self.tls_dir, hosts=[self.host, "127.0.0.1", "localhost"])
+        return ["--secure", "--tls-dir", str(self.tls_dir)]
+
     def _start(self) -> str:
-        drain = ["--drain-seconds", str(self.drain_seconds)]
+        drain = ["--drain-seconds", str(self.drain_seconds), *self._secure_args()]
         common = [
             "--host", self.host, "--threads", str(self.threads), "--device", self.device, *drain,
         ]  # fmt: skip
@@ -220,6 +248,9 @@ class ServicesDeployment:
             args += ["--http-port", str(self.http_port or free_port(self.host))]
         if self.progress_timeout is not None:
             args += ["--progress-timeout", str(self.progress_timeout)]
+        if self.public_tls is not None:
+            args += ["--public-tls-cert", str(self.public_tls.cert_file)]
+            args += ["--public-tls-key", str(self.public_tls.key_file)]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

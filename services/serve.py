@@ -27,6 +27,15 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
+def security_of(args):
+    """The internal planes' credentials of `--secure` (None without it)."""
+    if not getattr(args, "secure", False):
+        return None
+    from .security import Security
+
+    return Security.load(args.tls_dir, args.data_key_file, args.tls_server_name)
+
+
 def write_ready(path: str | None, **info) -> None:
     if not path:
         return
@@ -95,8 +104,11 @@ async def run_stage(args) -> None:
         device=args.device,
         cache_fraction=args.cache_fraction,
         lease_seconds=args.lease_seconds,
+        security=security_of(args),
+        allow_configure=args.allow_configure,
+        peers=args.peers,
     )
-    port = await svc.start(args.host, args.port, args.data_port)
+    port = await svc.start(args.host, args.port, args.data_port, args.health_port)
     addr = f"{svc.transport.advertise_host}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
@@ -113,9 +125,10 @@ async def run_draft(args) -> None:
         device=args.device,
         max_cache_bytes=_gib(args.max_cache_gib),
         lease_seconds=args.lease_seconds,
+        security=security_of(args),
     )
     _set_cache_budget(svc.runtime.runtime, args)
-    port = await svc.start(args.host, args.port)
+    port = await svc.start(args.host, args.port, args.health_port)
     addr = f"{args.advertise_host or _local(args.host)}:{port}"
     write_ready(args.ready_file, grpc=addr)
     log.info("draft %s ready at %s", svc.model_id, addr)
@@ -137,6 +150,8 @@ async def run_router(args) -> None:
         api_keys=api_keys,
         name=args.router_name,
         progress_timeout=args.progress_timeout or None,
+        security=security_of(args),
+        public_tls=args.public_tls,
     )
     host = args.advertise_host or _local(args.host)
     http, info = None, {}
@@ -144,10 +159,12 @@ async def run_router(args) -> None:
         from .router.http_api import HttpServer
 
         http = HttpServer(svc)
-        info["http"] = f"{host}:{await http.start(args.host, args.http_port)}"
+        info["http"] = f"{host}:{await http.start(args.host, args.http_port, args.public_tls)}"
         log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])
     try:
-        port = await svc.start(args.host, args.port, args.data_port, args.startup_timeout)
+        port = await svc.start(
+            args.host, args.port, args.data_port, args.startup_timeout, args.health_port
+        )
     except BaseException:
         if http:
             await http.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from .grpc_util import Server, wait_until_idle
 from .lease import reap_expired
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .ratelog import RateLimitedLog
+from .security import Security
 from .status import status_code
 from .transport import (
     TCP,
@@ -81,7 +83,17 @@ class StageService(stage_pb2_grpc.StageServicer):
         device: str | None = None,
         cache_fraction: float = DEFAULT_CACHE_FRACTION,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        security: Security | None = None,
+        allow_configure: bool = False,
+        peers: Sequence[str] = (),
     ) -> None:
+        """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
+        (loading other weights) only with `allow_configure`; `peers`: the only hosts a
+        request's next hop and report address may name (empty: any host of this
+        deployment's transport; with --secure only peers holding its secret answer)."""
+        self.security = security
+        self.allow_configure = allow_configure
+        self.peers = frozenset(peers)
         self.model = model
         self.max_cache_bytes = max_cache_bytes
         self.cache_fraction = cache_fraction
@@ -102,16 +114,27 @@ class StageService(stage_pb2_grpc.StageServicer):
             advertise_host=advertise_host,
             device=str(model.runtime.model.device) if model else self.device,
             admit=self._admit,
+            auth=security.frame_auth() if security else None,
         )
         self._bound_frames()
         limits = Limits.of(model.runtime.model) if model else None
-        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(limits))
+        self.server = Server(
+            [SERVICE_NAME],
+            max_receive_bytes=max_control_bytes(limits),
+            credentials=security.server_credentials() if security else None,
+        )
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
 
     # -- process lifecycle ---------------------------------------------------------------
-    async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        data_port: int = 0,
+        health_port: int | None = None,
+    ) -> int:
         await self.transport.start(data_port)
-        port = await self.server.start(host, port)
+        port = await self.server.start(host, port, health_port)
         await self.server.set_serving(self.model is not None)
         self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
         log.info("%s serving on %s, data plane %s", self.name, port, self.transport.address)
@@ -182,6 +205,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
+        if not self.allow_configure:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: Configure (loading other weights) is off; start the stage "
+                "with --allow-configure to use it",
+            )
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is shutting down")
         if self._requests:
@@ -323,6 +352,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise InvalidInput(
                 f"{address}: this deployment's data plane is {self.transport.scheme}"
             )
+        if self.peers and addr.host not in self.peers:
+            raise InvalidInput(f"{address}: not one of this stage's peers (--peers)")
 
     def _bound_frames(self) -> None:
         """No frame larger than the largest activation this stage's model takes is read."""

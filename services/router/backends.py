@@ -85,9 +85,11 @@ class Backends:
         on_readiness: Callable[[bool], object],
         check_interval: float = 0.5,
         check_timeout: float = 2.0,
+        make_channel: Callable[[str], grpc.aio.Channel] = channel,
     ) -> None:
         if not stage_addresses:
             raise ValueError("a router needs at least one stage")
+        self._make_channel = make_channel  # mutual TLS with --secure
         self.stages = [self._backend("stage", a) for a in stage_addresses]
         self.draft = self._backend("draft", draft_address) if draft_address else None
         self.on_down, self.on_readiness = on_down, on_readiness
@@ -97,9 +99,8 @@ class Backends:
         self._monitor: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
 
-    @staticmethod
-    def _backend(kind: str, address: str) -> Backend:
-        ch = channel(address)
+    def _backend(self, kind: str, address: str) -> Backend:
+        ch = self._make_channel(address)
         stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
         return Backend(kind, address, ch, stub, health_pb2_grpc.HealthStub(ch))
 

@@ -30,7 +30,8 @@ from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..auth import ApiKeys
-from ..grpc_util import Server, wait_until_idle
+from ..grpc_util import Server, channel, wait_until_idle
+from ..security import PublicTls, Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
@@ -113,7 +114,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         api_keys: ApiKeys | None = None,
         name: str = "",
         progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        security: Security | None = None,
+        public_tls: PublicTls | None = None,
     ) -> None:
+        """`security`: mutual TLS to the stages and the draft and authenticated frames
+        (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys)."""
+        self.security = security
+        self.public_tls = public_tls
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
             transport_kind,
@@ -121,6 +128,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             bind_host=bind_host,
             advertise_host=advertise_host,
             admit=self.inbox.admit,
+            auth=security.frame_auth() if security else None,
         )
         self.transport_kind = transport_kind
         self.backends = Backends(
@@ -129,6 +137,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             on_down=self._backend_down,
             on_readiness=self._readiness,
             check_interval=check_interval,
+            make_channel=lambda address: channel(address, security),
         )
         self.tokenizer_dir = tokenizer_dir
         self.codec = None
@@ -150,7 +159,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
         self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
         self.server = Server(
-            [SERVICE_NAME], interceptors=auth, max_receive_bytes=self.max_request_bytes
+            [SERVICE_NAME],
+            interceptors=auth,
+            max_receive_bytes=self.max_request_bytes,
+            credentials=public_tls.server_credentials() if public_tls else None,
         )
         # Tokenizing (and chat templates) off the event loop: a long prompt never delays
         # other requests' tokens or the health checks.
@@ -164,9 +176,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         port: int = 0,
         data_port: int = 0,
         startup_timeout: float = 120.0,
+        health_port: int | None = None,
     ) -> int:
         await self.transport.start(data_port)
-        port = await self.server.start(host, port)
+        port = await self.server.start(host, port, health_port)
         self.name = self.name or f"{socket.gethostname()}:{port}"
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(

@@ -52,6 +52,41 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
     )
     p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
     p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
+    _secure_args(p)
+
+
+def _secure_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (docs/architecture.md, section 9)")
+    g.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS on gRPC among router, stages and draft, and authenticated "
+        "data-plane frames (needs --tls-dir)",
+    )
+    g.add_argument(
+        "--tls-dir",
+        default=os.environ.get("SPECPIPE_TLS_DIR") or None,
+        help="ca.crt, tls.crt, tls.key (a Kubernetes TLS Secret's layout) and optionally "
+        "data.key (default: $SPECPIPE_TLS_DIR)",
+    )
+    g.add_argument(
+        "--data-key-file",
+        default=None,
+        help="the data plane's shared secret (default: TLS_DIR/data.key, else derived "
+        "from tls.key, which every service then must share)",
+    )
+    g.add_argument(
+        "--tls-server-name",
+        default="specpipe-internal",
+        help="the name the deployment's certificates carry (checked instead of hosts)",
+    )
+    g.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve plaintext gRPC health alone on this port (Kubernetes' gRPC probes "
+        "speak no TLS)",
+    )
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -96,6 +131,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stage", help="serve layers of the target model (a pipeline stage)")
     _model_args(p, required=False)
     p.add_argument("--layers", default=None, help="START:END decoder layers (default: all)")
+    p.add_argument(
+        "--allow-configure",
+        action="store_true",
+        help="accept Configure calls (loading other weights over gRPC; off by default)",
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated hosts a request's next hop and report address may name "
+        "(default: any)",
+    )
     _service_args(p, 50052, data_plane=True)
     p.set_defaults(func=_cmd_stage)
 
@@ -153,6 +199,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS and authenticated frames among the processes, with a throwaway CA "
+        "and certificate made in the log directory",
+    )
+    p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
     _http_args(p)
     p.set_defaults(func=_cmd_up)
 
@@ -213,6 +266,25 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="require one of the keys in FILE (one a line, '#' comments); repeatable",
     )
+    p.add_argument(
+        "--public-tls-cert",
+        default=None,
+        help="serve the public gRPC and HTTP ports over TLS with this certificate (PEM)",
+    )
+    p.add_argument("--public-tls-key", default=None, help="the key of --public-tls-cert (PEM)")
+
+
+def _public_tls(args: argparse.Namespace):
+    if bool(args.public_tls_cert) != bool(args.public_tls_key):
+        raise CliError("--public-tls-cert and --public-tls-key go together")
+    if not args.public_tls_cert:
+        return None
+    from specpipe.services.security import PublicTls, SecurityError
+
+    try:
+        return PublicTls.load(args.public_tls_cert, args.public_tls_key)
+    except (SecurityError, ValueError) as e:
+        raise CliError(f"public TLS: {e}") from None
 
 
 def _api_keys(args: argparse.Namespace):
@@ -232,13 +304,29 @@ def _client_common(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SPECPIPE_API_KEY", "").strip() or None,
         help="for a router with API keys (default: $SPECPIPE_API_KEY)",
     )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="the router serves TLS (--public-tls-cert): trust the CA certificate in FILE",
+    )
+    p.add_argument("--tls", action="store_true", help="the router serves TLS: trust system roots")
 
 
 # -- services ----------------------------------------------------------------------------
 def _prepare(args: argparse.Namespace) -> None:
-    from specpipe.services.serve import setup_logging
+    from specpipe.services.serve import security_of, setup_logging
 
     setup_logging(args.log_level)
+    if args.secure and not args.tls_dir:
+        raise CliError("--secure needs --tls-dir (or $SPECPIPE_TLS_DIR)")
+    if args.secure:
+        from specpipe.services.security import SecurityError
+
+        try:
+            security_of(args)
+        except SecurityError as e:
+            raise CliError(str(e)) from None
     if getattr(args, "transport", "x") is None:
         args.transport = _default_transport()
     threads = getattr(args, "threads", 0)
@@ -259,6 +347,9 @@ def _resolve(spec: str | None) -> str | None:
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_stage
 
+    if not args.model and not args.allow_configure:
+        raise CliError("a stage without --model waits for Configure: give --allow-configure")
+    args.peers = [h.strip() for h in args.peers.split(",") if h.strip()]
     args.device = parse_device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
@@ -284,6 +375,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     if not args.stages:
         raise CliError("--stages lists no addresses")
     args.api_keys = _api_keys(args)
+    args.public_tls = _public_tls(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
     return 0
@@ -297,6 +389,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     api_keys = _api_keys(args)
+    public_tls = _public_tls(args)
     try:
         dep = ServicesDeployment(
             target,
@@ -315,6 +408,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             max_cache_gib=args.max_cache_gib,
             http_port=args.http_port,
             api_keys=api_keys.keys,
+            secure=args.secure,
+            lease_seconds=args.lease_seconds,
+            public_tls=public_tls,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -331,7 +427,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     print(f"router: {address}", flush=True)
     if dep.http_address:
-        print(f"http: http://{dep.http_address}/v1", flush=True)
+        scheme = "https" if public_tls else "http"
+        print(f"http: {scheme}://{dep.http_address}/v1", flush=True)
     print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
     try:
         return dep.wait()
@@ -362,7 +459,9 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["prompt_ids"] = parse_ids(args.prompt_ids)
-    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.router, timeout=args.timeout, api_key=args.api_key, tls=args.tls_ca or args.tls
+    ) as client:
         try:
             stream = client.stream(**kwargs)
             if args.json:
@@ -399,7 +498,9 @@ def _cmd_client_models(args: argparse.Namespace) -> int:
 
     from specpipe.services.client import Client, SpecPipeError
 
-    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.router, timeout=args.timeout, api_key=args.api_key, tls=args.tls_ca or args.tls
+    ) as client:
         try:
             models = client.list_models()
         except SpecPipeError as e:
