@@ -209,6 +209,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     _http_args(p)
     p.set_defaults(func=_cmd_up)
 
+    p = sub.add_parser(
+        "certs",
+        help="make a CA, a certificate and a data-plane key for --secure (ca.crt, tls.crt, "
+        "tls.key, data.key: a Kubernetes Secret's files)",
+    )
+    p.add_argument("out", help="directory to write them to (created)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="an extra name or IP the certificate carries (repeatable)",
+    )
+    p.add_argument("--server-name", default="specpipe-internal")
+    p.add_argument("--days", type=positive_int, default=365)
+    p.set_defaults(func=_cmd_certs)
+
     client = sub.add_parser("client", help="talk to a running router")
     csub = client.add_subparsers(dest="client_command", required=True, parser_class=type(client))
     g = csub.add_parser("generate", help="stream a completion")
@@ -434,6 +450,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return dep.wait()
     finally:
         dep.stop()
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from specpipe.services.security import make_pki
+
+    hosts = ["127.0.0.1", "localhost", *args.host]
+    out = make_pki(args.out, hosts=hosts, server_name=args.server_name, days=args.days)
+    print(f"wrote {out}/ca.crt, tls.crt, tls.key, data.key (the CA's key is not kept)")
+    print(f"kubectl create secret generic specpipe-internal-tls --from-file={out}")
+    return 0
 
 
 # -- client ------------------------------------------------------------------------------

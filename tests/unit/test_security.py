@@ -118,3 +118,12 @@ def test_mutual_tls_refuses_clients_without_a_deployment_certificate(pki, tmp_pa
     ok, *refused = asyncio.run(main())
     assert ok == "OK"
     assert refused == ["UNAVAILABLE"] * 3, refused
+
+
+def test_specpipe_certs_writes_a_secrets_files(tmp_path, capsys) -> None:
+    from specpipe.cli import main
+
+    assert main(["certs", str(tmp_path / "tls"), "--host", "10.0.0.7", "--days", "3"]) == 0
+    sec = Security.load(tmp_path / "tls")
+    assert len(sec.data_secret) == 32
+    assert "kubectl create secret generic specpipe-internal-tls" in capsys.readouterr().out
