@@ -20,6 +20,7 @@ import torch
 from specpipe.common.model.loading import weight_fingerprint
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, RequestError
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from specpipe.common.runtime.loader import load_draft, parse_dtype
 from specpipe.common.runtime.validation import (
     MAX_ROWS,
@@ -37,9 +38,11 @@ from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .control import FrameError, max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .lease import reap_expired
 from .metrics import DraftMetrics
 from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
+from .security import Security
 from .status import status_code
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,14 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         model_id: str = "",
         device: str = "cpu",
         max_cache_bytes: int | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        security: Security | None = None,
     ) -> None:
+        """`security`: mutual TLS on gRPC (--secure)."""
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
+        # Each request's state is a lease its router renews (common/runtime/lease.py).
+        self.leases = LeaseTable(lease_seconds)
+        self._reaper: asyncio.Task | None = None
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
         self.limits = Limits.of(self.runtime.runtime.model)
@@ -76,7 +85,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.draining = False
-        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(self.limits))
+        self.server = Server(
+            [SERVICE_NAME],
+            max_receive_bytes=max_control_bytes(self.limits),
+            credentials=security.server_credentials() if security else None,
+        )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
         stage = self.runtime.runtime
@@ -86,10 +99,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             lambda: stage.info().active_requests,
         )
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
+    ) -> int:
         self._loop_task = asyncio.create_task(self._propose_loop(), name="draft-propose")
-        port = await self.server.start(host, port)
+        port = await self.server.start(host, port, health_port)
         await self.server.set_serving(True)
+        self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
         return port
 
     async def drain(self, seconds: float) -> None:
@@ -100,6 +116,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         await wait_until_idle(lambda: self.runtime.runtime.info().active_requests, seconds)
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.server.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -146,6 +164,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             weight_bytes=info.weight_bytes,
             free_memory_bytes=free_memory_bytes(info.device),
             active_requests=info.active_requests,
+            lease_seconds=self.leases.seconds,
         )
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
@@ -171,13 +190,52 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         await self._check(
             context, check_token_ids, prompt, self.runtime.vocab_size, "prompt ids (draft)"
         )
-        await self._call(context, self.runtime.open, rid, int(request.capacity))
-        self.metrics.requests.inc()
+        if rid in self.leases:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"draft: request {rid!r} is already open"
+            )
+        try:
+            stale = self.leases.grant(rid, request.lease_owner, request.lease_epoch)
+        except RequestError as e:
+            await context.abort(status_code(e), f"draft: {e}")
+        await self._free(context, stale)
+        opened = False
+        try:
+            await self._call(context, self.runtime.open, rid, int(request.capacity))
+            opened = True
+            self.metrics.requests.inc()
+        finally:
+            if not opened:
+                self.leases.end(rid)
         if prompt.numel() > 1:
             await self._prefill(context, rid, prompt[:-1], 0, request.prefill_chunk)
         return draft_pb2.OpenDraftResponse()
 
+    async def _free(self, context, request_ids: list[str]) -> None:
+        """Requests of a router process that was replaced (it restarted): free them now."""
+        for rid in request_ids:
+            self.leases.end(rid)
+            await self._call(context, self.runtime.release, rid)
+        if request_ids:
+            log.warning("draft: freed %d requests of a router that restarted", len(request_ids))
+
+    async def _expire(self, rid: str) -> None:
+        rlog.warning("lease", "draft: request %s expired (no word from its router for %.0f s): freed",
+                     rid, self.leases.seconds)  # fmt: skip
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
+
+    async def Renew(self, request, context) -> pb.RenewResponse:
+        try:
+            unknown, stale = self.leases.renew_all(
+                request.owner, request.epoch, request.request_ids
+            )
+        except RequestError as e:
+            await context.abort(status_code(e), f"draft: {e}")
+        await self._free(context, stale)
+        return pb.RenewResponse(unknown_ids=unknown)
+
     async def Prefill(self, request, context) -> draft_pb2.PrefillDraftResponse:
+        self.leases.renew(request.request_id)
         n = len(request.token_ids)
         await self._check(context, check_span, request.start_position, n, self.limits)
         tokens = torch.tensor(request.token_ids, dtype=torch.int64)
@@ -189,6 +247,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         return draft_pb2.PrefillDraftResponse()
 
     async def Propose(self, request, context) -> draft_pb2.ProposeResponse:
+        self.leases.renew(request.request_id)
         try:
             layer = token_activation(request.request_id, request.rows, request.token_ids, MAX_ROWS)
             check_rows(layer, self.limits)
@@ -250,12 +309,14 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         return results  # type: ignore[return-value]
 
     async def Prune(self, request, context) -> pb.PruneResponse:
+        self.leases.renew(request.request_id)
         await self._call(
             context, self.runtime.prune, request.request_id, prune_from_proto(request.prune)
         )
         return pb.PruneResponse()
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
+        self.leases.end(request.request_id)
         released = await asyncio.get_running_loop().run_in_executor(
             self._executor, self.runtime.release, request.request_id
         )

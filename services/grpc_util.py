@@ -41,9 +41,13 @@ class Server:
         service_names: Sequence[str],
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_receive_bytes: int = MAX_MESSAGE_BYTES,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         """`max_receive_bytes`: larger messages are refused (RESOURCE_EXHAUSTED) by gRPC
-        before they are read; each service derives it from its model."""
+        before they are read; each service derives it from its model. `credentials`:
+        TLS (mutual TLS between a deployment's services, `security.py`); None: plaintext."""
+        self.credentials = credentials
+        self.health_server: grpc.aio.Server | None = None
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
@@ -57,11 +61,23 @@ class Server:
         )
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+    async def start(self, host: str, port: int, health_port: int | None = None) -> int:
+        """Listen on `port` (0: any); with `health_port`, also serve plaintext gRPC health
+        alone there (Kubernetes' gRPC probes speak no TLS)."""
+        address = f"{host}:{port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         await self.server.start()
+        if health_port is not None:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            if self.health_server.add_insecure_port(f"{host}:{health_port}") == 0:
+                raise OSError(f"cannot listen on {host}:{health_port} (health)")
+            await self.health_server.start()
         return self.port
 
     async def set_serving(self, serving: bool) -> None:
@@ -77,6 +93,8 @@ class Server:
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
 
 async def wait_until_idle(open_work: Callable[[], int], seconds: float) -> int:
@@ -87,8 +105,13 @@ async def wait_until_idle(open_work: Callable[[], int], seconds: float) -> int:
     return open_work()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, security=None) -> grpc.aio.Channel:
+    """A channel to a service of the deployment: mutual TLS with `security` (a
+    `security.Security`), else plaintext."""
+    if security is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = [*CHANNEL_OPTIONS, *security.channel_options()]
+    return grpc.aio.secure_channel(address, security.channel_credentials(), options=options)
 
 
 def status_name(code: grpc.StatusCode) -> str:

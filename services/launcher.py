@@ -86,6 +86,9 @@ class ServicesDeployment:
         metrics: bool = False,
         replay_seconds: float | None = None,
         group: str = "",
+        lease_seconds: float | None = None,
+        secure: bool = False,
+        public_tls=None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -129,6 +132,10 @@ class ServicesDeployment:
         self.api_keys = list(api_keys)
         # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
         self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
+        self.lease_seconds = lease_seconds  # of the stages and the draft; None: theirs
+        # --secure: a throwaway CA and certificate (made at start) for every process
+        self.secure = secure
+        self.public_tls = public_tls  # a security.PublicTls for the router's public ports
         self.children: dict[str, Child] = {}
         self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
@@ -190,9 +197,10 @@ class ServicesDeployment:
         return child
 
     def _common_args(self) -> list[str]:
+        """Of every stage and draft."""
         return [
             "--host", self.host, "--threads", str(self.threads), "--device", self.device,
-            "--drain-seconds", str(self.drain_seconds),
+            "--drain-seconds", str(self.drain_seconds), *self._secure_args(), *self._lease_args(),
         ]  # fmt: skip
 
     # -- discovery -----------------------------------------------------------------------
@@ -279,6 +287,29 @@ class ServicesDeployment:
             self.stop()
             raise
 
+    @property
+    def tls_dir(self) -> Path:
+        return self.log_dir / "pki"
+
+    @property
+    def security(self):
+        """The deployment's credentials (`security.Security`) with --secure, else None:
+        what a test needs to call a stage or the draft itself."""
+        if not self.secure:
+            return None
+        from .security import Security
+
+        return Security.load(self.tls_dir)
+
+    def _secure_args(self) -> list[str]:
+        if not self.secure:
+            return []
+        from .security import make_pki
+
+        if not (self.tls_dir / "tls.crt").is_file():
+            make_pki(self.tls_dir, hosts=[self.host, "127.0.0.1", "localhost"])
+        return ["--secure", "--tls-dir", str(self.tls_dir)]
+
     def _start(self) -> str:
         for i, r in enumerate(self.ranges):
             for j in range(self.stage_replicas[i]):
@@ -299,6 +330,7 @@ class ServicesDeployment:
             "--startup-timeout", str(self.startup_timeout),
             "--host", self.host,
             "--drain-seconds", str(self.drain_seconds),
+            *self._secure_args(),
             *(["--replay-seconds", str(self.replay_seconds)] if self.replay_seconds else []),
             *self._router_api_args(),
             *(a for k, v in self.scheduling.items() for a in (f"--{k.replace('_', '-')}", str(v))),
@@ -320,6 +352,9 @@ class ServicesDeployment:
             if "metrics" in c.info and c.proc is not None and c.proc.poll() is None
         }
 
+    def _lease_args(self) -> list[str]:
+        return [] if self.lease_seconds is None else ["--lease-seconds", str(self.lease_seconds)]
+
     def _cache_args(self) -> list[str]:
         """A fixed budget, or an equal share of the free memory of the one device every
         stage and the draft share here."""
@@ -334,6 +369,9 @@ class ServicesDeployment:
         args = []
         if self.http_port is not None:  # 0: a free port picked here, like every other one
             args += ["--http-port", str(self.http_port or self._free_port())]
+        if self.public_tls is not None:
+            args += ["--public-tls-cert", str(self.public_tls.cert_file)]
+            args += ["--public-tls-key", str(self.public_tls.key_file)]
         if self.api_keys:  # in a private file, not on the command line (ps shows that)
             path = self._keys_file()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -27,6 +27,15 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
+def security_of(args):
+    """The internal planes' credentials of `--secure` (None without it)."""
+    if not getattr(args, "secure", False):
+        return None
+    from .security import Security
+
+    return Security.load(args.tls_dir, args.data_key_file, args.tls_server_name)
+
+
 def write_ready(path: str | None, **info) -> None:
     if not path:
         return
@@ -100,9 +109,13 @@ async def run_stage(args) -> None:
         max_cache_bytes=_gib(args.max_cache_gib),
         device=args.device,
         cache_fraction=args.cache_fraction,
+        lease_seconds=args.lease_seconds,
+        security=security_of(args),
+        allow_configure=args.allow_configure,
+        peers=args.peers,
     )
     metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
-    port = await svc.start(args.host, args.port, args.data_port)
+    port = await svc.start(args.host, args.port, args.data_port, args.health_port)
     addr = f"{svc.transport.advertise_host}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **metrics)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
@@ -118,11 +131,13 @@ async def run_draft(args) -> None:
         args.model_id,
         device=args.device,
         max_cache_bytes=_gib(args.max_cache_gib),
+        lease_seconds=args.lease_seconds,
+        security=security_of(args),
     )
     _set_cache_budget(svc.runtime.runtime, args)
     host = args.advertise_host or _local(args.host)
     metrics = _serve_metrics(svc.metrics, args, host)
-    port = await svc.start(args.host, args.port)
+    port = await svc.start(args.host, args.port, args.health_port)
     addr = f"{host}:{port}"
     write_ready(args.ready_file, grpc=addr, **metrics)
     log.info("draft %s ready at %s", svc.model_id, addr)
@@ -155,6 +170,9 @@ async def run_router(args) -> None:
         replay_seconds=args.replay_seconds,
         stall_seconds=args.stall_seconds,
         metrics=router_metrics,
+        name=args.router_name,
+        security=security_of(args),
+        public_tls=args.public_tls,
     )
     router_metrics.watch(svc)
     host = args.advertise_host or _local(args.host)
@@ -164,10 +182,12 @@ async def run_router(args) -> None:
         from .router.http_api import HttpServer
 
         http = HttpServer(svc)
-        info["http"] = f"{host}:{await http.start(args.host, args.http_port)}"
+        info["http"] = f"{host}:{await http.start(args.host, args.http_port, args.public_tls)}"
         log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])
     try:
-        port = await svc.start(args.host, args.port, args.data_port, args.startup_timeout)
+        port = await svc.start(
+            args.host, args.port, args.data_port, args.startup_timeout, args.health_port
+        )
     except BaseException:
         if http:
             await http.stop()

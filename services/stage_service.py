@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 import torch
-from specpipe.common.runtime.errors import DuplicatePrune, InvalidInput, RequestError
+from specpipe.common.runtime.errors import (
+    AlreadyOpen,
+    DuplicatePrune,
+    InvalidInput,
+    RequestError,
+)
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
@@ -31,9 +38,11 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .control import max_control_bytes, prune_from_proto, token_activation
 from .grpc_util import Server, wait_until_idle
+from .lease import reap_expired
 from .metrics import StageMetrics
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .ratelog import RateLimitedLog
+from .security import Security
 from .status import status_code
 from .transport import (
     TCP,
@@ -88,13 +97,27 @@ class StageService(stage_pb2_grpc.StageServicer):
         device: str | None = None,
         cache_fraction: float = DEFAULT_CACHE_FRACTION,
         metrics: StageMetrics | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        security: Security | None = None,
+        allow_configure: bool = False,
+        peers: Sequence[str] = (),
     ) -> None:
+        """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
+        (loading other weights) only with `allow_configure`; `peers`: the only hosts a
+        request's next hop and report address may name (empty: any host of this
+        deployment's transport; with --secure only peers holding its secret answer)."""
+        self.security = security
+        self.allow_configure = allow_configure
+        self.peers = frozenset(peers)
         self.model = model
         self.max_cache_bytes = max_cache_bytes
         self.cache_fraction = cache_fraction
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, _Request] = {}
+        # Each request's state is a lease its router renews (common/runtime/lease.py).
+        self.leases = LeaseTable(lease_seconds)
+        self._reaper: asyncio.Task | None = None
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._wake = asyncio.Event()  # new work for the compute loop
@@ -107,9 +130,16 @@ class StageService(stage_pb2_grpc.StageServicer):
             bind_host=bind_host,
             advertise_host=advertise_host,
             device=str(model.runtime.model.device) if model else self.device,
+            admit=self._admit,
+            auth=security.frame_auth() if security else None,
         )
+        self._bound_frames()
         limits = Limits.of(model.runtime.model) if model else None
-        self.server = Server([SERVICE_NAME], max_receive_bytes=max_control_bytes(limits))
+        self.server = Server(
+            [SERVICE_NAME],
+            max_receive_bytes=max_control_bytes(limits),
+            credentials=security.server_credentials() if security else None,
+        )
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
         self.metrics = metrics or StageMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch(self._queued_rows, self._kv_usage, lambda: len(self._requests))
@@ -129,11 +159,18 @@ class StageService(stage_pb2_grpc.StageServicer):
         return self.runtime.cache_bytes_used / self.runtime.max_cache_bytes
 
     # -- process lifecycle ---------------------------------------------------------------
-    async def start(self, host: str = "127.0.0.1", port: int = 0, data_port: int = 0) -> int:
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        data_port: int = 0,
+        health_port: int | None = None,
+    ) -> int:
         self._loop_task = asyncio.create_task(self._compute_loop(), name="stage-compute")
         await self.transport.start(data_port)
-        port = await self.server.start(host, port)
+        port = await self.server.start(host, port, health_port)
         await self.server.set_serving(self.model is not None)
+        self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
         log.info("%s serving on %s, data plane %s", self.name, port, self.transport.address)
         return port
 
@@ -145,6 +182,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         await wait_until_idle(lambda: len(self._requests), seconds)
 
     async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.server.stop()
         for rid in list(self._requests):
             self._drop(rid)
@@ -180,6 +219,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             data_address=self.transport.address,
             active_requests=len(self._requests),
             ready=self.model is not None,
+            lease_seconds=self.leases.seconds,
         )
         if self.model is None:
             desc.free_memory_bytes = free_memory_bytes(self.device)
@@ -202,6 +242,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
+        if not self.allow_configure:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: Configure (loading other weights) is off; start the stage "
+                "with --allow-configure to use it",
+            )
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is shutting down")
         if self._requests:
@@ -226,6 +272,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         except (ValueError, OSError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot load the model: {e}")
         self.transport.device = str(self.runtime.model.device)
+        self._bound_frames()
         if self.max_cache_bytes is None:
             self.runtime.max_cache_bytes = cache_budget(self.device, self.cache_fraction)
         await self.server.set_serving(True)
@@ -249,7 +296,14 @@ class StageService(stage_pb2_grpc.StageServicer):
             for hop in (request.next_hop, request.report_to):
                 if hop:
                     self._check_hop(hop)
-            self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+            if rid in self._requests:
+                raise AlreadyOpen(f"request {rid!r} is already open on this stage")
+            self._free_stale(self.leases.grant(rid, request.lease_owner, request.lease_epoch))
+            try:
+                self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+            except RequestError:
+                self.leases.end(rid)
+                raise
         except RequestError as e:
             await context.abort(status_code(e), f"{self.name}: {e}")
         capacity = int(request.capacity)
@@ -267,6 +321,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} is not the first stage"
             )
         st = await self._request(request.request_id, context)
+        self.leases.renew(st.request_id)
         try:
             act = token_activation(
                 request.request_id, request.rows, request.token_ids, min(st.capacity, MAX_ROWS)
@@ -279,6 +334,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         st = await self._request(request.request_id, context)
+        self.leases.renew(st.request_id)
         try:
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
         except (DuplicatePrune, InvalidInput) as e:
@@ -288,6 +344,30 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._drop(request.request_id))
+
+    async def Renew(self, request, context) -> pb.RenewResponse:
+        try:
+            unknown, stale = self.leases.renew_all(
+                request.owner, request.epoch, request.request_ids
+            )
+        except RequestError as e:
+            await context.abort(status_code(e), f"{self.name}: {e}")
+        self._free_stale(stale)
+        return pb.RenewResponse(unknown_ids=unknown)
+
+    def _free_stale(self, request_ids: list[str]) -> None:
+        """Requests of a router process that was replaced (it restarted): free them now."""
+        for rid in request_ids:
+            self._drop(rid)
+        if request_ids:
+            log.warning(
+                "%s: freed %d requests of a router that restarted", self.name, len(request_ids)
+            )
+
+    def _expire(self, rid: str) -> None:
+        rlog.warning("lease", "%s: request %s expired (no word from its router for %.0f s): freed",
+                     self.name, rid, self.leases.seconds)  # fmt: skip
+        self._drop(rid)
 
     async def _request(self, rid: str, context) -> _Request:
         st = self._requests.get(rid)
@@ -309,11 +389,45 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise InvalidInput(
                 f"{address}: this deployment's data plane is {self.transport.scheme}"
             )
+        if self.peers and addr.host not in self.peers:
+            raise InvalidInput(f"{address}: not one of this stage's peers (--peers)")
+
+    def _bound_frames(self) -> None:
+        """No frame larger than the largest activation this stage's model takes is read."""
+        if self.model is not None:
+            lim = self.limits
+            self.transport.max_payload_bytes = lim.max_rows * lim.row_bytes(lim.hidden_size)
+
+    def _admit(self, h: pb.FrameHeader) -> bool:
+        """Whether to read a frame's payload (the header is all there is yet): frames of
+        requests open here, hidden states of this stage's dtype and width, one row per
+        position and at most the request's capacity. A frame refused here fails its
+        request (a well-behaved peer never sends one); frames of unknown requests
+        (released already) are dropped."""
+        st = self._requests.get(h.request_id)
+        if st is None or self.model is None:
+            return False
+        if h.kind != Kind.PAYLOAD_KIND_HIDDEN:
+            return not h.dtype  # empty and error frames carry no payload
+        rows, lim = len(h.rows.positions), self.limits
+        dtype = str(lim.dtype).removeprefix("torch.")
+        if rows <= st.capacity and h.dtype == dtype and list(h.shape) == [rows, lim.hidden_size]:
+            return True
+        why = (
+            f"hidden states {h.dtype or '?'} {list(h.shape)} for {rows} rows; this stage takes "
+            f"{dtype} [rows, {lim.hidden_size}], at most {st.capacity} rows"
+        )
+        rlog.warning(
+            "bad-frame", "%s: bad frame for %s from %s: %s", self.name, st.request_id, h.sender, why
+        )
+        self._report(st, f"{self.name}: bad frame from {h.sender}: {why}")
+        return False
 
     def _on_frame(self, frame: Frame) -> None:
         st = self._requests.get(frame.request_id)
         if st is None:  # released already (cancelled or failed): late frames are dropped
             return
+        self.leases.renew(st.request_id)
         h = frame.header
         if h.kind == Kind.PAYLOAD_KIND_ERROR:
             return
@@ -477,6 +591,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             task.add_done_callback(self._background.discard)
 
     def _drop(self, rid: str) -> bool:
+        self.leases.end(rid)
         st = self._requests.pop(rid, None)
         if st is not None:
             st.closed = True

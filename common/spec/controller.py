@@ -68,13 +68,14 @@ class Controller(ABC):
         return self._uses_draft
 
     @property
+    def tree_rows(self) -> int:
+        """The most tree rows in flight, so the most rows of one logits frame."""
+        return tree_capacity(self.mode, self.num_stages, self.opts)
+
+    @property
     def capacity(self) -> int:
         """Cache rows a stage (or the draft) needs for this request."""
-        return (
-            len(self.prompt)
-            + self.opts.max_new_tokens
-            + tree_capacity(self.mode, self.num_stages, self.opts)
-        )
+        return len(self.prompt) + self.opts.max_new_tokens + self.tree_rows
 
     @property
     def root_logits_only(self) -> bool:

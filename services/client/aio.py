@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, auth_metadata, build_request
+from .common import (
+    CHANNEL_OPTIONS,
+    Chunk,
+    Collector,
+    Completion,
+    auth_metadata,
+    build_request,
+    tls_credentials,
+)
 from .errors import InternalError, error_from_rpc
 
 
@@ -58,12 +67,23 @@ class AsyncGenerationStream:
 
 class AsyncClient:
     def __init__(
-        self, address: str, timeout: float | None = None, api_key: str | None = None
+        self,
+        address: str,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool | str | Path = False,
     ) -> None:
+        """`tls`: the router serves TLS; True trusts the system's roots, a path names the
+        CA certificate to trust."""
         self.address = address
         self._metadata = auth_metadata(api_key)  # for a router started with --api-key
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = tls_credentials(tls)
+        self._channel = (
+            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if creds is None
+            else grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:

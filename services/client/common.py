@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import grpc
 from specpipe.common.spec.stats import speculation_of, summary_of
 from specpipe.v1 import generation_pb2 as gen
 
@@ -12,6 +14,16 @@ from ..grpc_util import MESSAGE_OPTIONS
 from ..stats_wire import stats_from_proto
 
 CHANNEL_OPTIONS = MESSAGE_OPTIONS
+
+
+def tls_credentials(tls) -> grpc.ChannelCredentials | None:
+    """For a router serving TLS (`--public-tls-cert`): `tls` True trusts the system's
+    roots, a path the CA certificate in that file; False/None: plaintext."""
+    if not tls:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    return grpc.ssl_channel_credentials(Path(tls).read_bytes())
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:

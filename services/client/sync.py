@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from .common import CHANNEL_OPTIONS, Chunk, Collector, Completion, auth_metadata, build_request
+from .common import (
+    CHANNEL_OPTIONS,
+    Chunk,
+    Collector,
+    Completion,
+    auth_metadata,
+    build_request,
+    tls_credentials,
+)
 from .errors import InternalError, error_from_rpc
 
 
@@ -50,12 +59,23 @@ class GenerationStream:
 
 class Client:
     def __init__(
-        self, address: str, timeout: float | None = None, api_key: str | None = None
+        self,
+        address: str,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        tls: bool | str | Path = False,
     ) -> None:
+        """`tls`: the router serves TLS; True trusts the system's roots, a path names the
+        CA certificate to trust."""
         self.address = address
         self._metadata = auth_metadata(api_key)  # for a router started with --api-key
         self.timeout = timeout  # default deadline of every call, seconds
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = tls_credentials(tls)
+        self._channel = (
+            grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if creds is None
+            else grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        )
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> Client:

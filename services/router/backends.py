@@ -171,9 +171,11 @@ class Backends:
         check_interval: float = 0.5,
         check_timeout: float = 2.0,
         transport_kind: str | None = None,
+        make_channel: Callable[[str], grpc.aio.Channel] = channel,
         on_version: Callable[[ModelInfo], None] | None = None,
     ) -> None:
         self.discovery = discovery
+        self._make_channel = make_channel  # mutual TLS with --secure
         self.on_down, self.on_readiness = on_down, on_readiness
         self.on_version = on_version
         self.check_interval, self.check_timeout = check_interval, check_timeout
@@ -219,7 +221,7 @@ class Backends:
         return self._ready
 
     def _backend(self, ep: Endpoint) -> Backend:
-        ch = channel(ep.address)
+        ch = self._make_channel(ep.address)
         kind = ep.kind
         stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
         return Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)

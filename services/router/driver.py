@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from specpipe.common.runtime.errors import InvalidInput
+from specpipe.common.runtime.validation import check_payload
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -55,6 +57,7 @@ from ..transport.codec import Kind
 from .backends import Backend, Backends, NoPath, RequestPath
 
 log = logging.getLogger(__name__)
+LOGIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 # Codes of a backend call that mean "this replica is gone or lost the request" (a
 # restarted stage answers NOT_FOUND): the request is replayed on another path.
@@ -130,6 +133,8 @@ class RequestDriver:
         open_timeout: float = 10.0,
         stall_timeout: float = 60.0,
         on_replay: Callable[[RequestDriver, float], None] | None = None,
+        vocab_size: int | None = None,
+        lease: tuple[str, str] = ("", ""),
     ) -> None:
         self.controller, self.backends = controller, backends
         self.request_id = controller.request_id
@@ -146,9 +151,15 @@ class RequestDriver:
         self.draft: Backend | None = None
         self.attempt = 0
         self.wire_id = self.request_id  # the request's id on the current path
-        self.events: asyncio.Queue = inbox.open(self.wire_id)
+        self.events: asyncio.Queue = inbox.open(self.wire_id, controller.tree_rows)
         self._holding = False  # the current path's backends count this request
         self._rows = 0  # rows in flight counted on the current path's stages
+        self.vocab_size = vocab_size  # the width of every logits frame
+        self.lease_owner, self.lease_epoch = lease  # the router's name and process epoch
+        # A replica of the path being opened went down: (replica, message); see backend_down.
+        self._opening_path: RequestPath | None = None
+        self._opening: asyncio.Future | None = None
+        self._down_while_opening: tuple[Backend, str] | None = None
         self._tasks: set[asyncio.Task] = set()
         self._background: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue = asyncio.Queue()
@@ -212,12 +223,32 @@ class RequestDriver:
             cmds = await self._handle(await self._next_event())
 
     def backend_down(self, b: Backend, message: str) -> None:
-        """The health monitor found `b` down: replay if it is on this request's path."""
+        """The health monitor found `b` down, or `b` no longer holds this request (its
+        lease): replay if it is on this request's path. A path still being opened is
+        given up at once (an Open may wait long on a stage that froze)."""
         if b in self.path.backends and self._holding:
             self.events.put_nowait(
                 _Failure(self.attempt, grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {message}",
                          b, replayable=True)
             )  # fmt: skip
+        elif (
+            self._opening is not None
+            and self._opening_path is not None
+            and b in self._opening_path.stages
+            and not self._opening.done()
+        ):
+            self._down_while_opening = (b, message)
+            self._opening.cancel()
+
+    def _logits(self, frame):
+        """The activation of a logits frame, checked: [rows, vocab] floats, finite."""
+        act = decode(frame) if frame.kind == Kind.PAYLOAD_KIND_LOGITS else None
+        if act is None or act.logits is None:
+            raise FrameError(f"the router takes logits, not frames of kind {frame.kind}")
+        x = act.logits
+        vocab = self.vocab_size or (x.shape[-1] if x.ndim else 0)
+        check_payload(x, len(act), vocab, LOGIT_DTYPES, "logits")
+        return act
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Called from outside (router shutdown): fail the request at the next event."""
@@ -232,6 +263,11 @@ class RequestDriver:
             self._let_go()
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)
+
+    @property
+    def holding(self) -> bool:
+        """Whether the request is open on its current path (what the backends hold)."""
+        return self._holding
 
     def timing(self) -> tuple[float, float]:
         """(time to first token, mean time between tokens), in milliseconds."""
@@ -282,8 +318,8 @@ class RequestDriver:
             ctrl.on_failure(message)
             raise DriverError(code, message)
         try:
-            return ctrl.on_logits(decode(ev))
-        except FrameError as e:
+            return ctrl.on_logits(self._logits(ev))
+        except (FrameError, InvalidInput) as e:
             raise DriverError(
                 grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
             ) from None
@@ -366,9 +402,12 @@ class RequestDriver:
                         continue
                     if last is not None and last.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         raise last from None
-                    raise DriverError(grpc.StatusCode.UNAVAILABLE, f"no path left: {e}") from None
+                    why = f" ({last.message})" if last is not None else ""
+                    raise DriverError(
+                        grpc.StatusCode.UNAVAILABLE, f"no path left{why}: {e}"
+                    ) from None
             self._new_wire_id()
-            failure = await self._open_stages(path)
+            failure = await self._open_watched(path)
             if failure is None:
                 self.path, self.draft = path, path.draft if need_draft else None
                 if not need_draft:
@@ -387,13 +426,30 @@ class RequestDriver:
             excluded.add(b)
             last, path = err, None
 
+    async def _open_watched(self, path: RequestPath) -> tuple[Backend, DriverError] | None:
+        """`_open_stages`, given up as a refusal of the replica that went down meanwhile."""
+        self._opening_path, self._down_while_opening = path, None
+        self._opening = asyncio.ensure_future(self._open_stages(path))
+        try:
+            return await self._opening
+        except asyncio.CancelledError:
+            down, me = self._down_while_opening, asyncio.current_task()
+            if down is None or (me is not None and me.cancelling()):
+                raise
+            b, message = down
+            return b, DriverError(
+                grpc.StatusCode.UNAVAILABLE, f"{b.label} went down: {message}", replayable=True
+            )
+        finally:
+            self._opening = self._opening_path = self._down_while_opening = None
+
     def _new_wire_id(self) -> None:
         """Every try after the first gets its own id (and inbox queue): late frames, call
         failures and draft answers of an earlier path cannot reach this one."""
         if self.attempt:
             self.inbox.close(self.wire_id)
             self.wire_id = f"{self.request_id}~{self.attempt}"
-            self.events = self.inbox.open(self.wire_id)
+            self.events = self.inbox.open(self.wire_id, self.controller.tree_rows)
         self.attempt += 1
 
     async def _open_stages(self, path: RequestPath) -> tuple[Backend, DriverError] | None:
@@ -409,6 +465,8 @@ class RequestDriver:
                     next_hop=hop,
                     report_to=self.router_address,
                     root_logits_only=ctrl.root_logits_only,
+                    lease_owner=self.lease_owner,
+                    lease_epoch=self.lease_epoch,
                 ),
                 timeout=timeout,
             )
@@ -484,6 +542,8 @@ class RequestDriver:
                 capacity=cmd.capacity,
                 prompt_ids=cmd.prompt,
                 prefill_chunk=cmd.prefill_chunk,
+                lease_owner=self.lease_owner,
+                lease_epoch=self.lease_epoch,
             )
             self._draft_call(
                 "opening the request", lambda stub: stub.Open(req, timeout=self.rpc_timeout)

@@ -355,7 +355,8 @@ class HttpServer:
         self._task: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls=None) -> int:
+        """Serve on `port` (0: any); HTTPS with `tls` (a `security.PublicTls`)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.port = sock.getsockname()[1]
@@ -365,6 +366,11 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            **(
+                {"ssl_certfile": str(tls.cert_file), "ssl_keyfile": str(tls.key_file)}
+                if tls is not None
+                else {}
+            ),
         )
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+from specpipe.common.spec.options import (
+    DecodeOptions,
+    Mode,
+    check_context,
+    check_prompt_ids,
+    tree_capacity,
+)
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 
@@ -129,10 +135,15 @@ def prompt_of(r: gen.GenerateRequest, codec) -> list[int]:
 
 
 def plan_request(
-    r: gen.GenerateRequest, model: ModelInfo, prompt: list[int], has_draft: bool
+    r: gen.GenerateRequest,
+    model: ModelInfo,
+    prompt: list[int],
+    has_draft: bool,
+    max_payload_bytes: int | None = None,
 ) -> Plan:
     """Validate a request (its prompt already as token ids) against the deployment;
-    every problem is a clear status."""
+    every problem is a clear status. `max_payload_bytes`: the largest data-plane frame
+    the router reads."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
@@ -179,4 +190,13 @@ def plan_request(
         check_context(len(prompt), opts.max_new_tokens, model.max_positions)
     except ValueError as e:
         raise invalid(str(e)) from None
+    # The largest logits frame such a request can bring back must be one the router
+    # reads (float64 logits, the widest dtype, of every tree row).
+    rows = tree_capacity(mode, max(len(model.ranges), 1), opts)
+    if max_payload_bytes is not None and rows * model.vocab_size * 8 > max_payload_bytes:
+        raise invalid(
+            f"a tree of up to {rows} rows (width {opts.width}, depth {opts.specinfer_depth}) "
+            f"would bring back more logits of this model's {model.vocab_size}-token "
+            "vocabulary than one frame may hold: use a smaller width or depth"
+        )
     return Plan(prompt=prompt, mode=mode, opts=opts)

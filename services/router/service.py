@@ -8,11 +8,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.options import Mode
 from specpipe.common.spec.scheduler import (
@@ -22,11 +25,13 @@ from specpipe.common.spec.scheduler import (
     Scheduler,
     Ticket,
 )
+from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..auth import ApiKeys
-from ..grpc_util import Server, wait_until_idle
+from ..grpc_util import Server, channel, wait_until_idle
+from ..security import PublicTls, Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
@@ -70,11 +75,24 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         discovery: Discovery | None = None,
         replay_seconds: float = 10.0,
         stall_seconds: float = 60.0,
+        max_replays: int = 8,
         metrics=None,
+        name: str = "",
+        security: Security | None = None,
+        public_tls: PublicTls | None = None,
     ) -> None:
+        """`security`: mutual TLS to the stages and the draft and authenticated frames
+        (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys)."""
+        self.security = security
+        self.public_tls = public_tls
         self.inbox = Inbox()
         self.transport: Transport = make_transport(
-            transport_kind, self.inbox, bind_host=bind_host, advertise_host=advertise_host
+            transport_kind,
+            self.inbox,
+            bind_host=bind_host,
+            advertise_host=advertise_host,
+            admit=self.inbox.admit,
+            auth=security.frame_auth() if security else None,
         )
         self.transport_kind = transport_kind
         if discovery is None:
@@ -87,8 +105,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             on_readiness=self._readiness,
             check_interval=check_interval,
             transport_kind=transport_kind,
+            make_channel=lambda address: channel(address, security),
         )
+        # Faults: how long a replay waits for a path, how long a silent path is trusted
+        # (the watchdog), and how often one request is replayed before it fails.
         self.replay_seconds, self.stall_seconds = replay_seconds, stall_seconds
+        self.max_replays = max_replays
         self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = tokenizer_dir
         self.codec = None
@@ -101,6 +123,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.opening = 0  # requests accepted that wait for their path to open
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
+        # Leases: this router's stable name (default host:port, set at start) and this
+        # process's epoch (start time first: a restarted router's is larger).
+        self.name = name
+        self.epoch = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
+        self._renewer: asyncio.Task | None = None
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
@@ -108,7 +135,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
         self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
         self.server = Server(
-            [SERVICE_NAME], interceptors=auth, max_receive_bytes=self.max_request_bytes
+            [SERVICE_NAME],
+            interceptors=auth,
+            max_receive_bytes=self.max_request_bytes,
+            credentials=public_tls.server_credentials() if public_tls else None,
         )
         # Tokenizing (and chat templates) off the event loop: a long prompt never delays
         # other requests' tokens or the health checks.
@@ -122,9 +152,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         port: int = 0,
         data_port: int = 0,
         startup_timeout: float = 120.0,
+        health_port: int | None = None,
     ) -> int:
         await self.transport.start(data_port)
-        port = await self.server.start(host, port)
+        port = await self.server.start(host, port, health_port)
+        self.name = self.name or f"{socket.gethostname()}:{port}"
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, load_codec, self.tokenizer_dir
@@ -135,6 +167,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             raise RuntimeError(f"the router cannot start: {e}") from None
         self.scheduler.num_stages = len(self.backends.model.ranges) if self.backends.model else 1
         self.scheduler.row_budget = self._row_budget()
+        await self.renew()  # a restarted router's predecessor's requests are freed now
+        self._renewer = asyncio.create_task(self._renew_forever(), name="lease-renewal")
         await self._readiness(self.backends.ready)
         return port
 
@@ -179,6 +213,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             log.warning("drain deadline passed with %d requests open", left)
 
     async def stop(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
         for d in list(self.drivers.values()):
             d.fail(
                 grpc.StatusCode.UNAVAILABLE,
@@ -193,6 +229,49 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
+
+    # -- leases --------------------------------------------------------------------------
+    def renew_interval(self) -> float:
+        """A third of the shortest lease any backend grants (they say in Describe)."""
+        leases = [b.desc.lease_seconds for b in self.backends.all if b.desc is not None]
+        leases = [t for t in leases if t > 0] or [DEFAULT_LEASE_SECONDS]
+        return min(leases) / 3
+
+    async def renew(self) -> None:
+        """One keep-alive round: every backend renews the leases of this router's requests
+        on it (by their ids on their current paths); a request a backend no longer holds
+        (its lease expired, or the backend restarted) is replayed elsewhere."""
+        held: dict[Backend, dict[str, RequestDriver]] = {}
+        for d in self.drivers.values():
+            if d.holding:
+                for b in d.path.backends:
+                    held.setdefault(b, {})[d.wire_id] = d
+        backends = [b for b in self.backends.all if b.stub is not None]
+        calls = [
+            b.stub.Renew(
+                pb.RenewRequest(
+                    owner=self.name, epoch=self.epoch, request_ids=list(held.get(b, {}))
+                ),
+                timeout=5.0,
+            )
+            for b in backends
+        ]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for b, r in zip(backends, results, strict=True):
+            if isinstance(r, BaseException):
+                log.debug("renewing leases on %s failed: %s", b.label, r)
+                continue
+            for wire_id in r.unknown_ids:
+                d = held.get(b, {}).get(wire_id)
+                if d is not None and d.wire_id == wire_id:
+                    d.backend_down(
+                        b, "it no longer holds this request (its lease expired or it restarted)"
+                    )
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_interval())
+            await self.renew()
 
     def _backend_down(self, b: Backend, error: str) -> None:
         for d in list(self.drivers.values()):
@@ -209,7 +288,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if prompt is None:
             check_size(r, model)
             prompt = prompt_of(r, self.codec)
-        return plan_request(r, model, prompt, self.backends.has_draft)
+        return plan_request(
+            r, model, prompt, self.backends.has_draft, self.transport.max_payload_bytes
+        )
 
     async def tokenize_off_loop(self, fn, *args):
         """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
@@ -259,7 +340,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             deadline=deadline,
             replay_timeout=self.replay_seconds,
             stall_timeout=self.stall_seconds,
+            max_replays=self.max_replays,
             on_replay=self.metrics.replayed if self.metrics is not None else None,
+            vocab_size=self.model.vocab_size if self.model else None,
+            lease=(self.name, self.epoch),
         )
         self.drivers[rid] = driver
         self._apply_widths()

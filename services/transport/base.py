@@ -5,11 +5,19 @@ request is named in the request's route
 (docs/architecture.md, "6. Control plane and data plane"), not fixed per process.
 Received frames are handed to a callback in the event loop; `Inbox` turns them into one
 asyncio queue per request.
+
+What a receiver reads is bounded before it is allocated (docs/architecture.md,
+"9. Security"): a preamble announcing more than `max_payload_bytes` closes the
+connection, and once the header is read the owner's `admit` decides whether the frame
+is wanted (a request it holds, rows and shape it can take); unwanted frames are read
+past without being kept. With `auth` (the `--secure` data plane, `auth.py`) every frame
+is authenticated, and one that is not closes the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,9 +26,20 @@ from specpipe.common.spec.messages import Activation
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
-from .codec import Frame, encode
+from ..ratelog import RateLimitedLog
+from .auth import FrameAuth
+from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header
 
 FrameHandler = Callable[[Frame], None]
+FrameAdmit = Callable[[pb.FrameHeader], bool]
+
+log = logging.getLogger(__name__)
+rlog = RateLimitedLog(log)
+
+# The largest payload a receiver reads at all; owners admit less per frame (`admit`).
+DEFAULT_MAX_PAYLOAD_BYTES = MAX_PAYLOAD_BYTES
+# Inbound connections held at once (peers are the deployment's few services).
+DEFAULT_MAX_CONNECTIONS = 1024
 
 
 class TransportError(ConnectionError):
@@ -56,8 +75,17 @@ class Transport(ABC):
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         device: str = "cpu",
+        *,
+        auth: FrameAuth | None = None,
+        admit: FrameAdmit | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.on_frame = on_frame
+        self.auth = auth  # None: plaintext frames (no --secure)
+        self.admit = admit  # None: every frame within max_payload_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.max_connections = max_connections
         self.bind_host = bind_host
         self.advertise_host = advertise_host or (
             "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
@@ -72,6 +100,26 @@ class Transport(ABC):
         """Whether payloads must be in host memory to be sent (senders copy device
         tensors first); received payloads are then in host memory too."""
         return True
+
+    def _admitted(self, header: pb.FrameHeader) -> bool:
+        """Whether the owner wants this frame (checked before its payload is allocated)."""
+        if self.admit is None:
+            return True
+        try:
+            return bool(self.admit(header))
+        except Exception as e:
+            rlog.warning(
+                "admit", "%s: cannot judge a frame: %s: %s", self.scheme, type(e).__name__, e
+            )
+            return False
+
+    def _deliver(self, frame: Frame) -> None:
+        """Hand a frame to the owner; its failure never breaks the connection."""
+        try:
+            self.on_frame(frame)
+        except Exception as e:
+            rlog.error("deliver", "%s: handling a frame of %s failed: %s: %s",
+                       self.scheme, frame.request_id, type(e).__name__, e)  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -108,19 +156,39 @@ class Transport(ABC):
 
 class Inbox:
     """Received frames sorted into one queue per request (frames of unknown requests
-    are dropped: they belong to requests that were already released)."""
+    are dropped: they belong to requests that were already released). As a transport's
+    `admit`, it takes frames only of open requests, with at most their `max_rows` rows."""
 
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue[Frame]] = {}
+        self._max_rows: dict[str, int] = {}
         self.dropped = 0
 
-    def open(self, request_id: str) -> asyncio.Queue[Frame]:
+    def open(self, request_id: str, max_rows: int | None = None) -> asyncio.Queue[Frame]:
         q: asyncio.Queue[Frame] = asyncio.Queue()
         self._queues[request_id] = q
+        if max_rows is not None:
+            self._max_rows[request_id] = max_rows
         return q
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._max_rows.pop(request_id, None)
+
+    def admit(self, header: pb.FrameHeader) -> bool:
+        if header.request_id not in self._queues:
+            self.dropped += 1
+            return False
+        limit = self._max_rows.get(header.request_id)
+        rows = len(header.rows.positions)
+        if limit is None or rows <= limit:
+            return True
+        # A bug upstream, not a frame to wait for: fail the request now.
+        why = f"a frame of {rows} rows from {header.sender}; this request has at most {limit}"
+        self._queues[header.request_id].put_nowait(
+            Frame(error_header(header.request_id, why, header.sender))
+        )
+        return False
 
     def __call__(self, frame: Frame) -> None:
         q = self._queues.get(frame.request_id)

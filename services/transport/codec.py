@@ -22,8 +22,11 @@ from ..control import FrameError, activation_from_rows, rows_to_proto
 
 # Preamble on stream transports: header length (u32) and payload length (u64).
 PREAMBLE = struct.Struct("<IQ")
-MAX_HEADER_BYTES = 16 << 20
-MAX_PAYLOAD_BYTES = 8 << 30
+# The most a receiver reads of one frame (docs/architecture.md, "9. Security"): a header
+# lists at most validation.MAX_ROWS rows (a few hundred KB); payloads are bounded again
+# per frame by the receiver (`Transport.admit`, `max_payload_bytes`).
+MAX_HEADER_BYTES = 4 << 20
+MAX_PAYLOAD_BYTES = 1 << 30
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,  # exactness deployments (tests): no rounding noise between shapes

@@ -9,6 +9,13 @@ on a GPU receive into one, only when `UCX_TLS` names a CUDA transport (`cuda_cop
 pointer as host memory, so payloads are staged through host memory like TCP's.
 Messages of one endpoint are matched in order, so frames to one address arrive in the
 order they were sent.
+
+Bounds and authentication as over TCP (`base.py`, `auth.py`): the preamble's lengths
+are checked before anything is allocated, frames the owner does not admit are received
+into a buffer of at most `max_payload_bytes` and dropped, and with `--secure` the
+listener sends each new endpoint a challenge and every frame ends with a fourth message,
+its tags (payloads then always go through host memory, where the tags are computed). A
+sender whose endpoint broke reconnects and retries the frame once.
 """
 
 from __future__ import annotations
@@ -24,8 +31,16 @@ import torch
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
-from .base import Transport, TransportError
-from .codec import Frame, FrameError, parse_header, payload_bytes, tensor_from_bytes
+from .auth import CHALLENGE_BYTES, TAG_BYTES, FrameAuthError
+from .base import Transport, TransportError, rlog
+from .codec import (
+    MAX_HEADER_BYTES,
+    Frame,
+    FrameError,
+    parse_header,
+    payload_bytes,
+    tensor_from_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +157,14 @@ class UcxTransport(Transport):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._listener = None
-        self._eps: dict[str, object] = {}
+        self._eps: dict[str, tuple[object, object]] = {}  # address -> (endpoint, FrameMac)
         self._locks: dict[str, asyncio.Lock] = {}
         self._handlers: set[asyncio.Task] = set()
         self._peers: set = set()  # endpoints that connected to our listener
 
     @property
     def host_payloads(self) -> bool:
-        return not gpu_direct()
+        return self.auth is not None or not gpu_direct()
 
     async def start(self, port: int = 0) -> str:
         ucxx = _ucxx()
@@ -158,6 +173,13 @@ class UcxTransport(Transport):
             task = asyncio.current_task()
             if task is not None:
                 self._handlers.add(task)
+            if len(self._peers) >= self.max_connections:
+                rlog.warning(
+                    "ucx-conns", "ucx: refusing an endpoint: %d open (the most)", len(self._peers)
+                )
+                with contextlib.suppress(Exception):
+                    await ep.close()
+                return
             self._peers.add(ep)
             try:
                 await self._serve(ep)
@@ -173,6 +195,15 @@ class UcxTransport(Transport):
     async def _serve(self, ep) -> None:
         """Receive frames from one peer until it goes away."""
         pre = np.empty(2, dtype=np.uint64)
+        mac = None
+        if self.auth is not None:
+            challenge = self.auth.challenge()
+            mac = self.auth.session(challenge)
+            try:
+                _kick()
+                await ep.send(np.frombuffer(challenge, dtype=np.uint8))
+            except Exception:
+                return
         while True:
             try:
                 if _progress is not None:
@@ -186,42 +217,71 @@ class UcxTransport(Transport):
                 _kick()
                 await ep.recv(pre)
                 hlen, plen = int(pre[0]), int(pre[1])
+                if hlen > MAX_HEADER_BYTES or plen > self.max_payload_bytes:
+                    raise FrameError(f"frame too large: header {hlen} bytes, payload {plen} bytes")
                 hbuf = np.empty(hlen, dtype=np.uint8)
                 if hlen:
                     _kick()
                     await ep.recv(hbuf)
-                header = parse_header(hbuf.tobytes(), plen)
+                hbytes = hbuf.tobytes()
+                header = parse_header(hbytes, plen)
+                keep = self._admitted(header)
                 buf = None
-                if plen:
+                if plen:  # a UCX message is received whole: dropped frames too (bounded)
                     buf = (
                         np.empty(plen, dtype=np.uint8)
-                        if self.device == "cpu" or self.host_payloads
+                        if not keep or self.device == "cpu" or self.host_payloads
                         else torch.empty(plen, dtype=torch.uint8, device=self.device)
                     )
                     _kick()
                     await ep.recv(buf)
+                if mac is not None:
+                    tags = np.empty(TAG_BYTES, dtype=np.uint8)
+                    _kick()
+                    await ep.recv(tags)
+                    if keep:
+                        mac.verify(hbytes, buf, tags.tobytes())
+                    else:
+                        mac.skip()
+                if not keep:
+                    continue
                 payload = tensor_from_bytes(header, buf)
-            except FrameError as e:
-                log.warning("dropping UCX connection: %s", e)
+            except (FrameError, FrameAuthError) as e:
+                rlog.warning("ucx-drop", "ucx: dropping an endpoint: %s", e)
                 break
             except Exception:  # the peer closed or died: ucxx raises its own errors
                 break
-            self.on_frame(Frame(header, payload))
+            self._deliver(Frame(header, payload))
         with contextlib.suppress(Exception):
             await ep.close()
 
     async def _endpoint(self, address: str):
-        ep = self._eps.get(address)
-        if ep is not None and not ep.closed:
-            return ep
+        """(endpoint, FrameMac or None) to `address`, reconnecting if the peer closed it."""
+        conn = self._eps.get(address)
+        if conn is not None and not conn[0].closed:
+            return conn
+        self._eps.pop(address, None)
         addr = self._check_scheme(address)
         ucxx = _ucxx()
         try:
             ep = await ucxx.create_endpoint(addr.host, addr.port)
         except Exception as e:
             raise TransportError(f"cannot connect to {address}: {e}") from None
-        self._eps[address] = ep
-        return ep
+        mac = None
+        if self.auth is not None:
+            challenge = np.empty(CHALLENGE_BYTES, dtype=np.uint8)
+            try:
+                _kick()
+                await asyncio.wait_for(ep.recv(challenge), 10.0)
+            except Exception as e:
+                with contextlib.suppress(Exception):
+                    await ep.close()
+                raise TransportError(
+                    f"{address} sent no data-plane challenge (not a --secure peer?): {e!r}"
+                ) from None
+            mac = self.auth.session(challenge.tobytes())
+        self._eps[address] = (ep, mac)
+        return ep, mac
 
     async def send_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
@@ -236,22 +296,30 @@ class UcxTransport(Transport):
         pre = np.array([hb.nbytes, 0 if buf is None else buf.nbytes], dtype=np.uint64)
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
-            ep = await self._endpoint(address)
-            try:
-                _kick()
-                await ep.send(pre)
-                if hb.nbytes:
+            for attempt in (0, 1):  # a fresh endpoint once if the cached one broke
+                ep, mac = await self._endpoint(address)
+                try:
                     _kick()
-                    await ep.send(hb)
-                if buf is not None:
-                    _kick()
-                    await ep.send(buf)
-            except Exception as e:
-                self._eps.pop(address, None)
-                raise TransportError(f"sending to {address} failed: {e}") from None
+                    await ep.send(pre)
+                    if hb.nbytes:
+                        _kick()
+                        await ep.send(hb)
+                    if buf is not None:
+                        _kick()
+                        await ep.send(buf)
+                    if mac is not None:
+                        _kick()
+                        await ep.send(np.frombuffer(mac.tag(hb.tobytes(), buf), dtype=np.uint8))
+                    return
+                except Exception as e:
+                    self._eps.pop(address, None)
+                    with contextlib.suppress(Exception):
+                        await ep.close()
+                    if attempt:
+                        raise TransportError(f"sending to {address} failed: {e}") from None
 
     async def close(self) -> None:
-        for ep in [*self._eps.values(), *self._peers]:
+        for ep in [*(c[0] for c in self._eps.values()), *self._peers]:
             with contextlib.suppress(Exception):
                 await ep.close()
         self._eps.clear()

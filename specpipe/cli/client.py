@@ -64,6 +64,13 @@ def _client_common(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("SPECPIPE_API_KEY", "").strip() or None,
         help="for a router with API keys (default: $SPECPIPE_API_KEY)",
     )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="the router serves TLS (--public-tls-cert): trust the CA certificate in FILE",
+    )
+    p.add_argument("--tls", action="store_true", help="the router serves TLS: trust system roots")
 
 
 # -- services ----------------------------------------------------------------------------
@@ -90,7 +97,9 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         kwargs["prompt"] = args.prompt
     else:
         kwargs["prompt_ids"] = parse_ids(args.prompt_ids)
-    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.router, timeout=args.timeout, api_key=args.api_key, tls=args.tls_ca or args.tls
+    ) as client:
         try:
             stream = client.stream(**kwargs)
             if args.json:
@@ -128,7 +137,9 @@ def _cmd_client_models(args: argparse.Namespace) -> int:
 
     from specpipe.services.client import Client, SpecPipeError
 
-    with Client(args.router, timeout=args.timeout, api_key=args.api_key) as client:
+    with Client(
+        args.router, timeout=args.timeout, api_key=args.api_key, tls=args.tls_ca or args.tls
+    ) as client:
         try:
             models = client.list_models()
         except SpecPipeError as e:

@@ -55,6 +55,41 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
     )
     p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
     p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
+    _secure_args(p)
+
+
+def _secure_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security (docs/architecture.md, section 9)")
+    g.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS on gRPC among router, stages and draft, and authenticated "
+        "data-plane frames (needs --tls-dir)",
+    )
+    g.add_argument(
+        "--tls-dir",
+        default=os.environ.get("SPECPIPE_TLS_DIR") or None,
+        help="ca.crt, tls.crt, tls.key (a Kubernetes TLS Secret's layout) and optionally "
+        "data.key (default: $SPECPIPE_TLS_DIR)",
+    )
+    g.add_argument(
+        "--data-key-file",
+        default=None,
+        help="the data plane's shared secret (default: TLS_DIR/data.key, else derived "
+        "from tls.key, which every service then must share)",
+    )
+    g.add_argument(
+        "--tls-server-name",
+        default="specpipe-internal",
+        help="the name the deployment's certificates carry (checked instead of hosts)",
+    )
+    g.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve plaintext gRPC health alone on this port (Kubernetes' gRPC probes "
+        "speak no TLS)",
+    )
 
 
 def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -77,6 +112,12 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
         help="without --max-cache-gib: this share of the device's free memory once the "
         "weights are loaded",
     )
+    p.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=60.0,
+        help="free a request's state when its router has not renewed it for this long",
+    )
     add_device_arg(p)
 
 
@@ -92,6 +133,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure this stage's cost per row count at start and report the rows a step "
         "can take nearly free (for the router's --row-budget auto)",
+    )
+    p.add_argument(
+        "--allow-configure",
+        action="store_true",
+        help="accept Configure calls (loading other weights over gRPC; off by default)",
+    )
+    p.add_argument(
+        "--peers",
+        default="",
+        help="comma-separated hosts a request's next hop and report address may name "
+        "(default: any)",
     )
     _service_args(p, 50052, data_plane=True)
     p.set_defaults(func=_cmd_stage)
@@ -141,11 +193,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--stall-seconds",
         type=float,
         default=60.0,
-        help="a path that sends nothing for this long counts as lost (the request is replayed)",
+        help="the watchdog: a path that sends nothing for this long counts as lost (the "
+        "request is replayed on another, and fails UNAVAILABLE after --replay-seconds "
+        "without one)",
     )
     p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
     p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument(
+        "--router-name",
+        default="",
+        help="this router's name on the stages and the draft (default HOST:PORT): a router "
+        "restarted under the same name frees its predecessor's requests at once",
+    )
     _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
     _http_args(p)
     _scheduling_args(p)
@@ -188,9 +248,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not give every process a Prometheus metrics port",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="mutual TLS and authenticated frames among the processes, with a throwaway CA "
+        "and certificate made in the log directory",
+    )
+    p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
     _http_args(p)
     _scheduling_args(p)
     p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser(
+        "certs",
+        help="make a CA, a certificate and a data-plane key for --secure (ca.crt, tls.crt, "
+        "tls.key, data.key: a Kubernetes Secret's files)",
+    )
+    p.add_argument("out", help="directory to write them to (created)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="an extra name or IP the certificate carries (repeatable)",
+    )
+    p.add_argument("--server-name", default="specpipe-internal")
+    p.add_argument("--days", type=positive_int, default=365)
+    p.set_defaults(func=_cmd_certs)
 
 
 def _scheduling_args(p: argparse.ArgumentParser) -> None:
@@ -247,6 +330,25 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="require one of the keys in FILE (one a line, '#' comments); repeatable",
     )
+    p.add_argument(
+        "--public-tls-cert",
+        default=None,
+        help="serve the public gRPC and HTTP ports over TLS with this certificate (PEM)",
+    )
+    p.add_argument("--public-tls-key", default=None, help="the key of --public-tls-cert (PEM)")
+
+
+def _public_tls(args: argparse.Namespace):
+    if bool(args.public_tls_cert) != bool(args.public_tls_key):
+        raise CliError("--public-tls-cert and --public-tls-key go together")
+    if not args.public_tls_cert:
+        return None
+    from specpipe.services.security import PublicTls, SecurityError
+
+    try:
+        return PublicTls.load(args.public_tls_cert, args.public_tls_key)
+    except (SecurityError, ValueError) as e:
+        raise CliError(f"public TLS: {e}") from None
 
 
 def _api_keys(args: argparse.Namespace):
@@ -259,9 +361,18 @@ def _api_keys(args: argparse.Namespace):
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    from specpipe.services.serve import setup_logging
+    from specpipe.services.serve import security_of, setup_logging
 
     setup_logging(args.log_level)
+    if args.secure and not args.tls_dir:
+        raise CliError("--secure needs --tls-dir (or $SPECPIPE_TLS_DIR)")
+    if args.secure:
+        from specpipe.services.security import SecurityError
+
+        try:
+            security_of(args)
+        except SecurityError as e:
+            raise CliError(str(e)) from None
     if getattr(args, "transport", "x") is None:
         args.transport = _default_transport()
     threads = getattr(args, "threads", 0)
@@ -282,6 +393,9 @@ def _resolve(spec: str | None) -> str | None:
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_stage
 
+    if not args.model and not args.allow_configure:
+        raise CliError("a stage without --model waits for Configure: give --allow-configure")
+    args.peers = [h.strip() for h in args.peers.split(",") if h.strip()]
     args.device = parse_device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)
@@ -313,6 +427,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except DiscoveryError as e:
         raise CliError(str(e)) from None
     args.api_keys = _api_keys(args)
+    args.public_tls = _public_tls(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
     return 0
@@ -327,6 +442,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     target = _resolve(args.target)
     draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
     api_keys = _api_keys(args)
+    public_tls = _public_tls(args)
     try:
         dep = ServicesDeployment(
             target,
@@ -348,6 +464,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
             scheduling=scheduling_options(args),
             stage_replicas=args.stage_replicas,
             metrics=not args.no_metrics,
+            secure=args.secure,
+            lease_seconds=args.lease_seconds,
+            public_tls=public_tls,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -365,7 +484,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     print(f"router: {address}", flush=True)
     if dep.http_address:
-        print(f"http: http://{dep.http_address}/v1", flush=True)
+        scheme = "https" if public_tls else "http"
+        print(f"http: {scheme}://{dep.http_address}/v1", flush=True)
     for name, metrics in dep.metrics_addresses().items():
         print(f"metrics {name}: http://{metrics}/metrics", flush=True)
     print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
@@ -373,6 +493,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
         return dep.wait()
     finally:
         dep.stop()
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from specpipe.services.security import make_pki
+
+    hosts = ["127.0.0.1", "localhost", *args.host]
+    out = make_pki(args.out, hosts=hosts, server_name=args.server_name, days=args.days)
+    print(f"wrote {out}/ca.crt, tls.crt, tls.key, data.key (the CA's key is not kept)")
+    print(f"kubectl create secret generic specpipe-internal-tls --from-file={out}")
+    return 0
 
 
 # -- client ------------------------------------------------------------------------------

@@ -35,8 +35,10 @@ EVERYTHING_ON = {
         "autoscaling": {"enabled": True},
         "service": {"type": "LoadBalancer"},
         "apiKeys": {"existingSecret": "specpipe-keys"},
+        "publicTls": {"existingSecret": "specpipe-public-tls"},
     },
     "transport": "ucx",
+    "security": {"leaseSeconds": 30},
 }
 TWO_GPUS = {
     "gpu": {"enabled": True, "count": 2},
@@ -340,7 +342,8 @@ def test_http_api_can_be_turned_off(render):
     assert [p["name"] for p in named(docs, "Service", "specpipe-router")["spec"]["ports"]] == [
         "grpc"
     ]
-    assert c["readinessProbe"]["grpc"]["port"] == int(arg(c, "--port"))
+    # gRPC health instead (on the plaintext health port: the services speak mutual TLS).
+    assert c["readinessProbe"]["grpc"]["port"] == int(arg(c, "--health-port"))
 
 
 def test_api_keys_come_from_a_secret_file(render):
@@ -479,18 +482,25 @@ def test_models_already_in_a_volume_are_not_pulled(render):
             assert "initContainers" not in spec, d["metadata"]["name"]
 
 
-def test_probes_use_grpc_health_on_the_port_the_command_listens_on(render):
+@pytest.mark.parametrize("secure", [True, False])
+def test_probes_use_grpc_health_on_the_port_the_command_listens_on(render, secure):
+    """gRPC probes on the port the command serves, or with security.enabled (the default)
+    on its plaintext health port: the kubelet's gRPC probes speak no TLS."""
     from specpipe.cli import build_parser
 
-    for d in workloads(render(EVERYTHING_ON)) + workloads(render()):
+    values = {"security": {"enabled": secure}}
+    for d in workloads(render({**EVERYTHING_ON, **values})) + workloads(render(values)):
         c = main_container(d)
         parsed = build_parser().parse_args(specpipe_argv(c))
-        port = parsed.port
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports["grpc"] == port
+        assert ports["grpc"] == parsed.port
         if "data" in ports:
             assert ports["data"] == parsed.data_port
         assert parsed.host == "0.0.0.0"  # the kubelet probes the pod IP
+        assert (parsed.health_port is not None) == secure
+        port = ports["health"] if secure else parsed.port
+        if secure:
+            assert parsed.health_port == port
         assert "startupProbe" in c
         if component(d) == "router":
             # Ready: the HTTP API's /health (200 only while every backend is up).
@@ -779,4 +789,93 @@ def test_kustomization_builds_the_rendered_manifests(kubectl, render):
     assert result.returncode == 0, result.stderr
     built = [d for d in yaml.safe_load_all(result.stdout) if d]
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    assert sorted(map(key, built)) == sorted(map(key, render()))
+    # k8s/ names its TLS Secret rather than making one (see scripts/render_k8s.sh).
+    rendered = render({"security": {"tls": {"existingSecret": "specpipe-internal-tls"}}})
+    assert sorted(map(key, built)) == sorted(map(key, rendered))
+
+
+# -- security (docs/architecture.md, "9. Security") ------------------------------------------
+def _volume(workload: dict, name: str) -> dict:
+    (v,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == name]
+    return v
+
+
+def test_every_service_is_secure_by_default(render):
+    """--secure on router, stages and draft with the release's TLS Secret mounted read
+    only; the chart makes that Secret (CA, certificate, data key) when none is named."""
+    docs = render()
+    (secret,) = of_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "specpipe-internal-tls"
+    assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key", "data.key"}
+    for d in workloads(docs):
+        c = main_container(d)
+        assert "--secure" in c["args"] and arg(c, "--tls-dir") == "/etc/specpipe/tls", c["name"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "internal-tls"]
+        assert mount["mountPath"] == "/etc/specpipe/tls" and mount["readOnly"]
+        assert _volume(d, "internal-tls")["secret"]["secretName"] == "specpipe-internal-tls"
+        assert "--allow-configure" not in c["args"]
+        # Non-root, read-only root filesystem, no service account token.
+        spec = d["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] and not spec["automountServiceAccountToken"]
+        assert c["securityContext"]["readOnlyRootFilesystem"]
+        assert not c["securityContext"]["allowPrivilegeEscalation"]
+    mine = render({"security": {"tls": {"existingSecret": "mine"}}})
+    assert not of_kind(mine, "Secret")
+    for d in workloads(mine):
+        assert _volume(d, "internal-tls")["secret"]["secretName"] == "mine"
+    off = render({"security": {"enabled": False}})
+    assert not of_kind(off, "Secret")
+    assert not [d for d in workloads(off) if "--secure" in main_container(d)["args"]]
+
+
+def test_cert_manager_can_fill_the_tls_secret(render):
+    docs = render({"security": {"certManager": {"enabled": True}}})
+    assert not of_kind(docs, "Secret")
+    certs = {d["metadata"]["name"]: d["spec"] for d in of_kind(docs, "Certificate")}
+    leaf = certs["specpipe-internal"]
+    assert leaf["secretName"] == "specpipe-internal-tls"
+    assert leaf["dnsNames"] == ["specpipe-internal"]
+    assert {"server auth", "client auth"} <= set(leaf["usages"])
+    assert leaf["issuerRef"] == {"name": "specpipe-ca", "kind": "Issuer"}  # the chart's own CA
+    assert certs["specpipe-ca"]["isCA"]
+    theirs = render({"security": {"certManager": {
+        "enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}})  # fmt: skip
+    (leaf,) = of_kind(theirs, "Certificate")
+    assert leaf["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    assert not of_kind(theirs, "Issuer")
+
+
+def test_network_policies_admit_only_the_release_to_backend_ports(render):
+    docs = render()
+    ports = lambda rule: sorted(p["port"] for p in rule["ports"])  # noqa: E731
+    own = {"app.kubernetes.io/name": "specpipe", "app.kubernetes.io/instance": "specpipe"}
+    backends = named(docs, "NetworkPolicy", "specpipe-backends")["spec"]
+    assert backends["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["stage", "draft"]}
+    ]
+    inner, probes = backends["ingress"]
+    assert inner["from"] == [{"podSelector": {"matchLabels": own}}]
+    assert ports(inner) == [50052, 50053, 50060] and ports(probes) == [50059]
+    assert "from" not in probes  # health only: the kubelet's probes
+    router_policy = named(docs, "NetworkPolicy", "specpipe-router")["spec"]
+    public, data = router_policy["ingress"]
+    assert "from" not in public and ports(public) == [8000, 50051, 50059]
+    assert data["from"] == [{"podSelector": {"matchLabels": own}}] and ports(data) == [50055]
+    # Every stage, draft and router pod is selected by one of them.
+    for d in workloads(docs):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        comp = labels["app.kubernetes.io/component"]
+        assert all(labels[k] == v for k, v in own.items()) and comp in ("stage", "draft", "router")
+    assert not of_kind(render({"security": {"networkPolicy": {"enabled": False}}}), "NetworkPolicy")
+
+
+def test_public_tls_on_the_router_ports(render):
+    docs = render({"router": {"publicTls": {"existingSecret": "pub"}}}, tests=True)
+    r = router(docs)
+    c = main_container(r)
+    assert arg(c, "--public-tls-cert") == "/etc/specpipe/public-tls/tls.crt"
+    assert arg(c, "--public-tls-key") == "/etc/specpipe/public-tls/tls.key"
+    assert _volume(r, "public-tls")["secret"]["secretName"] == "pub"
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    (pod,) = of_kind(docs, "Pod")
+    assert "--tls-ca" in pod["spec"]["containers"][0]["args"]

@@ -1,6 +1,7 @@
 """A stage dying mid-request: the request fails with UNAVAILABLE within its deadline,
-the router reports NOT_SERVING and refuses new requests clearly; `specpipe up` starts
-and stops every process; a router drains its open requests on SIGTERM."""
+the router reports NOT_SERVING and refuses new requests clearly; `specpipe up --secure`
+starts and stops every process (and its stages refuse unauthenticated calls); a router
+drains its open requests on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specpipe.v1 import dataplane_pb2
 
 from specpipe.client import Client, Unavailable
 
@@ -53,6 +55,12 @@ def test_stage_killed_mid_request_fails_it_unavailable(fresh_deployment) -> None
         assert "layers 2:5" in info.value.message
 
 
+def _stub(ch, name: str):
+    from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
+
+    return (draft_pb2_grpc.DraftStub if name == "draft" else stage_pb2_grpc.StageStub)(ch)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -66,7 +74,7 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
     proc = subprocess.Popen(
         [sys.executable, "-c", ENTRY, "up", "--target", str(llama_dir), "--draft", "oracle", "--stages", "2",
          "--layers", "0:1,1:5", "--stage-replicas", "2", "--transport", "tcp", "--router-port", "0",
-         "--log-dir", str(log_dir), "--http-port", "0"],
+         "--log-dir", str(log_dir), "--http-port", "0", "--secure"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -94,6 +102,13 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
             assert b"specpipe:generation_tokens_total 6.0" in r.read()
         pids = [json.loads(f.read_text())["pid"] for f in log_dir.glob("*.ready")]
         assert len(pids) == 6
+        # --secure: the stages and the draft take no call without the deployment's
+        # certificate (issue 13: an unauthenticated Configure swapped a stage's weights).
+        for name in ("stage0", "draft"):
+            grpc_addr = json.loads((log_dir / f"{name}.ready").read_text())["grpc"]
+            with grpc.insecure_channel(grpc_addr) as ch, pytest.raises(grpc.RpcError) as info:
+                _stub(ch, name).Describe(dataplane_pb2.DescribeRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         time.sleep(0.2)

@@ -179,7 +179,17 @@ def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
 
 def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:
     async def main() -> None:
-        svc = StageService(None)
+        off = StageService(None)  # Configure is off unless allowed
+        port = await off.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                req = stage_pb2.ConfigureStageRequest(model_path=str(llama_dir), layer_start=2)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stage_pb2_grpc.StageStub(ch).Configure(req)
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            await off.stop()
+        svc = StageService(None, allow_configure=True)
         port = await svc.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:

@@ -84,3 +84,169 @@ def test_unreachable_peer_is_a_transport_error(kind: str) -> None:
             await tx.close()
 
     asyncio.run(main())
+
+
+def _key(seed: int = 1):
+    from specpipe.services.transport.auth import FrameAuth
+
+    return FrameAuth(bytes([seed]) * 32)
+
+
+def _run(kind: str, scenario: str, *args) -> None:
+    """Run `scenario(kind, *args)`: in this process for TCP; for UCX in a fresh one
+    (ucxx binds its progress to the first event loop of a process)."""
+    if kind == "tcp":
+        asyncio.run(globals()[scenario](kind, *args))
+        return
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import asyncio; from tests.unit.test_transport_loopback import " + scenario +
+        f" as s; asyncio.run(s({kind!r}, *{args!r}))"
+    )  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+async def secure_scenario(kind: str) -> None:
+    import contextlib
+
+    inbox = Inbox()
+    q = inbox.open("a")
+    rx = make_transport(kind, inbox, auth=_key(), admit=inbox.admit)
+    txs = {
+        name: make_transport(kind, lambda f: None, auth=auth)
+        for name, auth in (("good", _key()), ("forger", _key(2)), ("plain", None))
+    }
+    addr = await rx.start()
+    try:
+        for name in ("forger", "plain"):
+            with contextlib.suppress(TransportError, TimeoutError):
+                await asyncio.wait_for(txs[name].send(addr, _act("a", 4, 9), seq=7), 12)
+        for i in range(3):
+            await txs["good"].send(addr, _act("a", 8, i), seq=i)
+        for i in range(3):
+            f = await asyncio.wait_for(q.get(), 10)
+            assert f.header.seq == i and torch.equal(decode(f).hidden, _act("a", 8, i).hidden)
+        await asyncio.sleep(0.2)
+        assert q.empty()
+    finally:
+        for tx in txs.values():
+            await tx.close()
+        await rx.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_secure_frames_arrive_and_forged_ones_do_not(kind: str) -> None:
+    """With the deployment's secret on both ends frames arrive as usual; a sender with
+    another secret, or none, gets nothing delivered (issue 13: one forged LOGITS frame
+    changed another user's output)."""
+    _run(kind, "secure_scenario")
+
+
+async def restart_scenario(kind: str, secure: bool) -> None:
+    auth = _key() if secure else None
+    tx = make_transport(kind, lambda f: None, auth=auth)
+    inbox = Inbox()
+    q = inbox.open("a")
+    rx = make_transport(kind, inbox, auth=auth)
+    addr = await rx.start()
+    port = rx.port
+    try:
+        await tx.send(addr, _act("a", 2, 0), seq=0)
+        assert (await asyncio.wait_for(q.get(), 10)).header.seq == 0
+        if kind == "tcp":  # a new process on the same port
+            await rx.close()
+            await asyncio.sleep(0.3)
+            rx = make_transport(kind, inbox, auth=auth)
+            await rx.start(port)
+        else:  # ucxx cannot listen on the port again at once: the peer drops its endpoints
+            for ep in list(rx._peers):
+                await ep.close()
+            await asyncio.sleep(0.3)
+        for seq in (1, 2):
+            await asyncio.wait_for(tx.send(addr, _act("a", 2, seq), seq=seq), 20)
+        got = [(await asyncio.wait_for(q.get(), 10)).header.seq for _ in range(2)]
+        assert got == [1, 2]
+    finally:
+        await tx.close()
+        await rx.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_restarted_peer_costs_no_frame(kind: str, secure: bool) -> None:
+    """The sender's cached connection to a peer that restarted (same address) is stale:
+    the next send reconnects instead of failing (issue 13: the first request after a
+    peer restarted failed with 'Connection lost')."""
+    _run(kind, "restart_scenario", secure)
+
+
+def test_tcp_receiver_bounds_what_it_reads_and_holds() -> None:
+    """A preamble claiming 8 GiB closes the connection before anything is allocated; a
+    frame of an unknown request is read past without being kept and the stream stays in
+    step; a stalled frame and connections beyond the limit are closed (issue 13: 8 GiB
+    reserved before the payload arrived, 3000 idle connections held)."""
+    import socket
+    import struct
+
+    from specpipe.services.transport.codec import encode, payload_bytes
+
+    async def main() -> None:
+        inbox = Inbox()
+        q = inbox.open("a")
+        rx = make_transport("tcp", inbox, admit=inbox.admit, max_connections=3)
+        rx.frame_seconds, rx.check_every = 0.5, 0.1
+        addr = await rx.start()
+        loop = asyncio.get_running_loop()
+
+        def raw(data: bytes) -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", rx.port))
+            s.sendall(data)
+            return s
+
+        def closed_within(s: socket.socket, seconds: float) -> bool:
+            s.settimeout(seconds)
+            try:
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+            finally:
+                s.close()
+
+        def frame(rid: str, n: int) -> bytes:
+            header, payload = encode(_act(rid, n, 0), seq=0)
+            hb = header.SerializeToString()
+            data = payload_bytes(payload).tobytes()
+            return struct.pack("<IQ", len(hb), len(data)) + hb + data
+
+        try:
+            huge = struct.pack("<IQ", 10, 8 << 30)
+            assert await loop.run_in_executor(None, closed_within, raw(huge), 5)
+            # Unknown request (1.2 MB, discarded), then a known one on the same stream.
+            s = raw(frame("gone", 200) + frame("a", 3))
+            f = await asyncio.wait_for(q.get(), 10)
+            assert len(decode(f)) == 3 and inbox.dropped == 1
+            s.close()
+            stalled = raw(struct.pack("<IQ", 10, 100))  # a header that never comes
+            assert await loop.run_in_executor(None, closed_within, stalled, 5)
+            idle = [raw(b"") for _ in range(3)]
+            await asyncio.sleep(0.05)
+            extra = raw(b"")
+            assert await loop.run_in_executor(None, closed_within, extra, 2)
+            for s in idle:  # a first frame never came: closed after frame_seconds
+                assert await loop.run_in_executor(None, closed_within, s, 5)
+            await asyncio.sleep(0.2)
+            assert len(rx._readers) == 0
+            tx = make_transport("tcp", lambda f: None)
+            await tx.send(addr, _act("a", 1, 0), seq=5)  # still serving
+            assert (await asyncio.wait_for(q.get(), 10)).header.seq == 5
+            await tx.close()
+        finally:
+            await rx.close()
+
+    asyncio.run(main())

@@ -139,3 +139,27 @@ def test_rate_limited_log_counts_what_it_leaves_out(caplog) -> None:
     assert lines[0] == "bad frame 1" and lines[1] == "another kind"
     assert lines[2].startswith("bad frame 2 (100 more like this")
     assert len(lines) == 3
+
+
+def test_the_router_takes_only_well_formed_logits() -> None:
+    """A 3-D or mis-sized logits frame fails the request (issue 13: [1, 1, 1000] logits
+    were passed on)."""
+    from types import SimpleNamespace
+
+    from specpipe.services.router.driver import RequestDriver
+    from specpipe.services.transport.codec import Frame, encode
+
+    def frame(logits):
+        act = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), logits=logits)
+        header, payload = encode(act, 0)
+        return Frame(header, payload)
+
+    driver = SimpleNamespace(vocab_size=97)
+    ok = RequestDriver._logits(driver, frame(torch.zeros(1, 97)))
+    assert ok.logits.shape == (1, 97)
+    for bad in (torch.zeros(1, 1, 97), torch.zeros(1, 1000), torch.full((1, 97), float("nan"))):
+        with pytest.raises(InvalidInput):
+            RequestDriver._logits(driver, frame(bad))
+    hidden = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), hidden=torch.zeros(1, 97))
+    with pytest.raises(FrameError, match="takes logits"):
+        RequestDriver._logits(driver, Frame(*encode(hidden, 0)))

@@ -322,6 +322,61 @@ initContainers:
 {{- end }}
 {{- end -}}
 
+{{/* Security (docs/architecture.md, "9. Security") --------------------------------------- */}}
+
+{{/* The Secret with the deployment's ca.crt, tls.crt, tls.key (and data.key). */}}
+{{- define "specpipe.tlsSecret" -}}
+{{- .Values.security.tls.existingSecret | default (printf "%s-internal-tls" (include "specpipe.fullname" .)) -}}
+{{- end -}}
+
+{{/* Arguments every service gets with security.enabled; argument: root. */}}
+{{- define "specpipe.secureArgs" -}}
+{{- if .Values.security.enabled }}
+- --secure
+- --tls-dir
+- /etc/specpipe/tls
+- --tls-server-name
+- {{ .Values.security.serverName | quote }}
+- --health-port
+- {{ .Values.ports.health | int | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Stages and draft: the lease of a request's state (security.leaseSeconds). */}}
+{{- define "specpipe.leaseArgs" -}}
+{{- with .Values.security.leaseSeconds }}
+- --lease-seconds
+- {{ . | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "specpipe.tlsMount" -}}
+{{- if .Values.security.enabled }}
+- name: internal-tls
+  mountPath: /etc/specpipe/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "specpipe.tlsVolume" -}}
+{{- if .Values.security.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "specpipe.tlsSecret" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* The port gRPC probes use: the plaintext health port with security.enabled (the
+kubelet's gRPC probes speak no TLS), else the service's own; argument: dict "root" "port". */}}
+{{- define "specpipe.probePort" -}}
+{{- if .root.Values.security.enabled -}}
+{{- .root.Values.ports.health -}}
+{{- else -}}
+{{- .port -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Resources, plus the GPU when `gpu` is true; argument: dict "root" "resources" "gpu". */}}
 {{- define "specpipe.resources" -}}
 {{- $res := deepCopy (.resources | default dict) -}}
@@ -402,7 +457,7 @@ lifecycle:
       command: ["sleep", {{ .preStopSeconds | int | toString | quote }}]
 {{- end -}}
 
-{{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"), and optionally "httpReady" (a container port name: readiness is GET /health there instead). */}}
+{{/* gRPC probes on the service's health port; argument: dict "port" "startupSeconds" "live" ("grpc"|"tcp"), and optionally "httpReady" (a container port name: readiness is GET /health there instead) and "https" (it serves TLS). */}}
 {{- define "specpipe.probes" -}}
 startupProbe:
   {{- if eq .live "tcp" }}
@@ -420,6 +475,9 @@ readinessProbe:
   httpGet:
     path: /health
     port: {{ .httpReady }}
+    {{- if .https }}
+    scheme: HTTPS
+    {{- end }}
   {{- else }}
   grpc:
     port: {{ .port }}

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests")
+    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class DraftDescription(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     vocab_size: int
@@ -27,19 +28,24 @@ class DraftDescription(_message.Message):
     weight_bytes: int
     free_memory_bytes: int
     active_requests: int
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk")
+    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ...) -> None: ...
+    lease_owner: str
+    lease_epoch: str
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[str] = ...) -> None: ...
 
 class OpenDraftResponse(_message.Message):
     __slots__ = ()

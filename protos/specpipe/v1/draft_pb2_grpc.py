@@ -65,6 +65,11 @@ class DraftStub:
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.RequestRef.SerializeToString,
                 response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/specpipe.v1.Draft/Renew',
+                request_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
+                response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -112,6 +117,13 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Keep the router's open requests alive (their state expires unless renewed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +156,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RequestRef.FromString,
                     response_serializer=specpipe_dot_v1_dot_dataplane__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.FromString,
+                    response_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +325,33 @@ class Draft:
             '/specpipe.v1.Draft/Release',
             specpipe_dot_v1_dot_dataplane__pb2.RequestRef.SerializeToString,
             specpipe_dot_v1_dot_dataplane__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpipe.v1.Draft/Renew',
+            specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
+            specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

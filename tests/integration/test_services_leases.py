@@ -1,0 +1,211 @@
+"""Leases and the router's watchdog, with every service in one process (issue 13: a
+killed router's requests stayed on every stage and the draft forever; a request accepted
+while a stage was frozen hung 60 s). Stages and the draft free a request whose router
+stops renewing it, a restarted router frees its predecessor's requests at once, an idle
+request is kept alive by the keep-alive, and the watchdog fails a request that makes no
+progress."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from specpipe.services.client import build_request
+from specpipe.services.draft_service import DraftService
+from specpipe.services.router.service import RequestFailed, RouterService
+from specpipe.services.stage_service import StageService
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import draft_pb2, stage_pb2, stage_pb2_grpc
+
+from .test_services_stage import _stage
+
+
+class _FreezableStage(StageService):
+    """A stage whose Open hangs once `frozen` is set (to an Event it then sets)."""
+
+    frozen: asyncio.Event | None = None
+
+    async def Open(self, request, context):
+        if self.frozen is not None:
+            self.frozen.set()
+            await asyncio.sleep(60)
+        return await super().Open(request, context)
+
+
+async def _consume(run) -> list:
+    return [r async for r in run]
+
+
+@contextlib.asynccontextmanager
+async def _services(llama_dir, lease: float):
+    stages = [
+        _FreezableStage(_stage(llama_dir, a, b, 5), lease_seconds=lease)
+        for a, b in ((0, 2), (2, 5))
+    ]
+    draft = DraftService(llama_dir, "float64", lease_seconds=lease)
+    ports = [await s.start() for s in stages]
+    dport = await draft.start()
+    try:
+        yield stages, draft, [f"127.0.0.1:{p}" for p in ports], f"127.0.0.1:{dport}"
+    finally:
+        for svc in (*stages, draft):
+            await svc.stop()
+
+
+def _held(stages, draft) -> list[int]:
+    return [len(s.leases) + len(s._requests) for s in stages] + [
+        draft.runtime.runtime.info().active_requests + len(draft.leases)
+    ]
+
+
+async def _router(addresses, draft, **kw) -> RouterService:
+    router = RouterService(addresses, draft, check_interval=0.2, **kw)
+    await router.start(startup_timeout=30)
+    return router
+
+
+async def _until(pred, seconds: float) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < seconds, "timed out"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def _abandon(router: RouterService) -> None:
+    """What kill -9 does to a router, as its peers see it: no Release, no renewal."""
+    router._renewer.cancel()
+    router.backends._monitor.cancel()
+    await router.transport.close()
+    await router.server.stop(None)
+
+
+def _request(mode: str, n: int = 200):
+    return build_request(prompt_ids=[3, 4, 5], mode=mode, max_new_tokens=n, ignore_eos=True)
+
+
+def test_a_dead_routers_requests_expire_and_a_restarted_one_frees_them(llama_dir) -> None:
+    async def main() -> None:
+        async with _services(llama_dir, lease=1.0) as (stages, draft, addrs, daddr):
+            router = await _router(addrs, daddr, name="router-a")
+            runs = [router.generate(_request(m)) for m in ("pp", "specpipe")]
+            for run in runs:
+                await run.__anext__()  # started
+                await run.__anext__()  # a first token: open everywhere
+            assert _held(stages, draft) == [4, 4, 2]
+            await _abandon(router)
+            freed = await _until(lambda: not any(_held(stages, draft)), 10)
+            assert freed < 4  # the 1 s lease, checked every 0.25 s
+
+            # The same router name restarted: its predecessor's requests go at once.
+            for s in (*stages, draft):
+                s.leases.seconds = 600.0
+            first = await _router(addrs, daddr, name="router-b")
+            run = first.generate(_request("specpipe"))
+            await run.__anext__()
+            await run.__anext__()
+            await _abandon(first)
+            assert _held(stages, draft) == [2, 2, 2]
+            t0 = time.monotonic()
+            again = await _router(addrs, daddr, name="router-b")
+            await _until(lambda: not any(_held(stages, draft)), 10)
+            assert time.monotonic() - t0 < 5
+            await again.stop()
+
+    asyncio.run(main())
+
+
+def test_the_keep_alive_holds_an_idle_request(llama_dir) -> None:
+    """A client that reads slowly leaves its request without traffic; the router's
+    keep-alive renews it (a third of the lease), so it completes."""
+
+    async def main() -> None:
+        async with _services(llama_dir, lease=0.6) as (stages, draft, addrs, daddr):
+            router = await _router(addrs, daddr)
+            try:
+                assert router.renew_interval() == pytest.approx(0.2)
+                run = router.generate(_request("specpipe", 12))
+                got = [await run.__anext__(), await run.__anext__()]
+                await asyncio.sleep(2.0)  # three leases without reading
+                got += [r async for r in run]
+                tokens = [t for r in got if r.HasField("delta") for t in r.delta.token_ids]
+                assert len(tokens) == 12 and got[-1].finished.finish_reason == "length"
+            finally:
+                await router.stop()
+            await _until(lambda: not any(_held(stages, draft)), 5)
+
+    asyncio.run(main())
+
+
+def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> None:
+    async def main() -> None:
+        async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
+            async with grpc.aio.insecure_channel(addrs[0]) as ch:
+                stub = stage_pb2_grpc.StageStub(ch)
+                desc = await stub.Describe(pb.DescribeRequest())
+                assert desc.lease_seconds == 60.0
+                await stub.Open(stage_pb2.OpenStageRequest(
+                    request_id="a", capacity=16, next_hop="tcp://127.0.0.1:9",
+                    lease_owner="r", lease_epoch="2"))  # fmt: skip
+                resp = await stub.Renew(
+                    pb.RenewRequest(owner="r", epoch="2", request_ids=["a", "lost"])
+                )
+                assert list(resp.unknown_ids) == ["lost"]
+                with pytest.raises(grpc.aio.AioRpcError) as info:  # an older process
+                    await stub.Renew(pb.RenewRequest(owner="r", epoch="1"))
+                assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert len(stages[0]._requests) == 1
+            open_draft = draft_pb2.OpenDraftRequest(
+                request_id="d", capacity=16, prompt_ids=[1, 2], lease_owner="r", lease_epoch="2"
+            )
+            from specpipe.v1 import draft_pb2_grpc
+
+            async with grpc.aio.insecure_channel(daddr) as ch:
+                d = draft_pb2_grpc.DraftStub(ch)
+                await d.Open(open_draft)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await d.Open(open_draft)
+                assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                await d.Renew(pb.RenewRequest(owner="r", epoch="3"))  # it restarted
+                assert draft.runtime.runtime.info().active_requests == 0
+
+    asyncio.run(main())
+
+
+def test_the_watchdog_fails_a_request_that_makes_no_progress(llama_dir) -> None:
+    """A stage that stops computing (frozen) fails the request UNAVAILABLE after the
+    progress timeout, with a message that says so; a request whose Open hangs on a
+    frozen stage fails as soon as the health monitor marks the stage down."""
+
+    async def main() -> None:
+        async with _services(llama_dir, lease=60.0) as (stages, _, addrs, daddr):
+            router = await _router(addrs, daddr, progress_timeout=1.0)
+            try:
+                real = stages[1]._compute
+                stages[1]._compute = lambda act: time.sleep(3) or real(act)
+                t0 = time.monotonic()
+                with pytest.raises(RequestFailed) as info:
+                    async for _ in router.generate(_request("pp", 4)):
+                        pass
+                assert info.value.code == grpc.StatusCode.UNAVAILABLE
+                assert "no progress for 1 s" in info.value.message
+                assert time.monotonic() - t0 < 2.9
+                stages[1]._compute = real
+
+                router.progress_timeout = 30.0
+                stages[0].frozen = asyncio.Event()  # its Open now hangs
+                run = asyncio.ensure_future(_consume(router.generate(_request("pp", 4))))
+                await asyncio.wait_for(stages[0].frozen.wait(), 10)
+                t0 = time.monotonic()
+                router._backend_down(router.backends.stages[0], "health check timed out")
+                with pytest.raises(RequestFailed) as info:
+                    await asyncio.wait_for(run, 5)
+                assert info.value.code == grpc.StatusCode.UNAVAILABLE
+                assert "went down" in info.value.message and time.monotonic() - t0 < 2
+            finally:
+                await router.stop()
+
+    asyncio.run(main())
