@@ -99,16 +99,18 @@ class Backend:
         return not limit or d.cache_bytes_used < limit
 
     @property
-    def free_cache(self) -> float:
+    def free_share(self) -> float:
+        """The free share of the KV cache budget, in tenths: budgets differ a little by
+        the free memory each replica saw at start, and that must not decide ties."""
         d = self.desc
         limit = getattr(d, "cache_bytes_limit", 0) if d is not None else 0
-        return float(limit - d.cache_bytes_used) if limit else math.inf
+        return math.floor(10 * (limit - d.cache_bytes_used) / limit) / 10 if limit else 1.0
 
     def load_key(self) -> tuple:
         """Less is better: rows in flight, requests, the most free KV cache; then the one
         given fewer requests so far."""
         reported = getattr(self.desc, "active_requests", 0) if self.desc is not None else 0
-        return (self.rows, self.active, reported, -self.free_cache, self.served)
+        return (self.rows, self.active, reported, -self.free_share, self.served)
 
 
 @dataclass

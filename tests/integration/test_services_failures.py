@@ -96,7 +96,13 @@ def test_specpipe_up_serves_and_stops_every_process(llama_dir, tmp_path) -> None
         with Client(address, timeout=60) as client:
             done = client.generate(prompt_ids=[1, 2, 3], max_new_tokens=6, ignore_eos=True)
             assert len(done.token_ids) == 6 and done.stats["stages"] == 2
-            stages = [b for b in client.describe().backends if b.kind == "stage"]
+            # Every replica is described once it serves (the router took the first path
+            # that was complete; a replica slower to start is described when it is up).
+            for _ in range(100):
+                stages = [b for b in client.describe().backends if b.kind == "stage"]
+                if all(b.layers for b in stages):
+                    break
+                time.sleep(0.1)
             assert sorted(b.layers for b in stages) == ["0:1", "0:1", "1:5", "1:5"]
         with urllib.request.urlopen(metrics["router:"], timeout=10) as r:
             assert b"specpipe:generation_tokens_total 6.0" in r.read()

@@ -175,36 +175,38 @@ def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> N
     asyncio.run(main())
 
 
-def test_the_watchdog_fails_a_request_that_makes_no_progress(llama_dir) -> None:
-    """A stage that stops computing (frozen) fails the request UNAVAILABLE after the
-    progress timeout, with a message that says so; a request whose Open hangs on a
-    frozen stage fails as soon as the health monitor marks the stage down."""
+def test_the_watchdog_replays_a_request_that_makes_no_progress(llama_dir) -> None:
+    """A path that sends nothing for the stall timeout (a stage frozen while its health
+    check still answers) counts as lost: the request is replayed and, when that keeps
+    happening, fails UNAVAILABLE with a message that says so. A request whose Open hangs
+    on a frozen stage gives that path up as soon as the health monitor marks the stage
+    down (and, with no other replica, fails UNAVAILABLE saying why)."""
 
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, _, addrs, daddr):
-            router = await _router(addrs, daddr, progress_timeout=1.0)
+            router = await _router(addrs, daddr, stall_seconds=1.0, max_replays=1,
+                                   replay_seconds=0.5)  # fmt: skip
             try:
                 real = stages[1]._compute
-                stages[1]._compute = lambda act: time.sleep(3) or real(act)
-                t0 = time.monotonic()
+                stages[1]._compute = lambda work: time.sleep(3) or real(work)
                 with pytest.raises(RequestFailed) as info:
                     async for _ in router.generate(_request("pp", 4)):
                         pass
                 assert info.value.code == grpc.StatusCode.UNAVAILABLE
-                assert "no progress for 1 s" in info.value.message
-                assert time.monotonic() - t0 < 2.9
+                assert "did not answer for 1 s" in info.value.message
+                assert "given up after 1 replays" in info.value.message
                 stages[1]._compute = real
 
-                router.progress_timeout = 30.0
+                router.stall_seconds = 30.0
                 stages[0].frozen = asyncio.Event()  # its Open now hangs
                 run = asyncio.ensure_future(_consume(router.generate(_request("pp", 4))))
                 await asyncio.wait_for(stages[0].frozen.wait(), 10)
-                t0 = time.monotonic()
-                router._backend_down(router.backends.stages[0], "health check timed out")
+                (stage0,) = [b for b in router.backends.stages if b.address == addrs[0]]
+                router._backend_down(stage0, "health check timed out")
                 with pytest.raises(RequestFailed) as info:
-                    await asyncio.wait_for(run, 5)
+                    await asyncio.wait_for(run, 5)  # not the Open's own 10 s
                 assert info.value.code == grpc.StatusCode.UNAVAILABLE
-                assert "went down" in info.value.message and time.monotonic() - t0 < 2
+                assert "went down" in info.value.message, info.value.message
             finally:
                 await router.stop()
 

@@ -68,6 +68,23 @@ def test_least_loaded_replica_with_room_round_robin_on_ties() -> None:
     assert bs.path(need_draft=False, exclude=[s0]).stages == [s1]
 
 
+def test_replicas_with_slightly_different_cache_budgets_share_the_requests() -> None:
+    """A replica started later saw less free memory, so its budget is a little smaller:
+    it must still take its share (a budget is only a tiebreaker in tenths free)."""
+    bs = backends()
+    old = add(bs, "stage", "old", (0, 4), limit=1000, used=0)
+    new = add(bs, "stage", "new", (0, 4), limit=900, used=0)
+    picks = []
+    for _ in range(4):
+        path = bs.path(need_draft=False)
+        bs.acquire(path)
+        bs.release(path.backends)
+        picks.append(path.stages[0])
+    assert picks.count(new) == 2 and picks.count(old) == 2
+    old.desc.cache_bytes_used = 500  # half full: the emptier one first
+    assert bs.path(need_draft=False).stages == [new]
+
+
 def test_replicas_that_drain_or_leave_discovery_take_no_new_requests() -> None:
     bs = backends()
     s0, s1 = add(bs, "stage", "s0"), add(bs, "stage", "s1")
