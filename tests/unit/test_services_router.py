@@ -130,36 +130,19 @@ def test_backend_calls_get_the_rest_of_the_clients_deadline() -> None:
 
 
 def test_modes_without_a_draft_run_while_the_draft_is_down() -> None:
-    """pp and autoregressive never call the draft, so a dead draft must not refuse them;
-    specpipe and specinfer are refused UNAVAILABLE with the draft's error."""
-    from types import SimpleNamespace
-
+    """pp and autoregressive never ask for a draft (specpipe and specinfer do, and go on
+    without one when none is up: test_backends), so a dead draft never refuses them."""
     import grpc
     import pytest
     from specpipe.services.client import build_request
     from specpipe.services.router.backends import NoPath
     from specpipe.services.router.service import RequestFailed
 
-    def check(router):
-        backends = router.backends
-        backends.model = router.model
-        (stage,) = backends.stages
-        stage.desc = SimpleNamespace(layer_start=0, layer_end=4)
-        stage.healthy = True
-        backends.draft.healthy, backends.draft.error = False, "connection refused"
-        path = backends.path(needs_draft=False)
-        assert path.stages == [stage] and path.draft is None
-        with pytest.raises(NoPath, match="connection refused"):
-            backends.path(needs_draft=True)
-        return path
-
-    _with_router(check)
-
     async def asked(router, mode):  # what the service asks the backends for, per mode
         seen = []
 
-        def path(needs_draft=True):
-            seen.append(needs_draft)
+        def path(version=None, need_draft=True, exclude=()):
+            seen.append(need_draft)
             raise NoPath("none")
 
         router.backends.path = path
