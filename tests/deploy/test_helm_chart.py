@@ -504,7 +504,11 @@ def test_probes_use_grpc_health_on_the_port_the_command_listens_on(render, secur
         assert "startupProbe" in c
         if component(d) == "router":
             # Ready: the HTTP API's /health (200 only while every backend is up).
-            assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+            ready = c["readinessProbe"]["httpGet"]
+            assert {k: ready[k] for k in ("path", "port")} == {"path": "/health", "port": "http"}
+            # HTTPS when the router serves public TLS.
+            tls = arg(c, "--public-tls-cert") is not None
+            assert ready.get("scheme", "HTTP") == ("HTTPS" if tls else "HTTP")
             # The router's health follows its backends: a stage outage must not restart it.
             assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"
         else:
@@ -814,9 +818,11 @@ def test_every_service_is_secure_by_default(render):
         assert mount["mountPath"] == "/etc/specpipe/tls" and mount["readOnly"]
         assert _volume(d, "internal-tls")["secret"]["secretName"] == "specpipe-internal-tls"
         assert "--allow-configure" not in c["args"]
-        # Non-root, read-only root filesystem, no service account token.
+        # Non-root, read-only root filesystem, no service account token (but the router's,
+        # which follows the EndpointSlices).
         spec = d["spec"]["template"]["spec"]
-        assert spec["securityContext"]["runAsNonRoot"] and not spec["automountServiceAccountToken"]
+        assert spec["securityContext"]["runAsNonRoot"]
+        assert spec["automountServiceAccountToken"] == (component(d) == "router")
         assert c["securityContext"]["readOnlyRootFilesystem"]
         assert not c["securityContext"]["allowPrivilegeEscalation"]
     mine = render({"security": {"tls": {"existingSecret": "mine"}}})

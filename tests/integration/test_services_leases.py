@@ -78,7 +78,8 @@ async def _until(pred, seconds: float) -> float:
 async def _abandon(router: RouterService) -> None:
     """What kill -9 does to a router, as its peers see it: no Release, no renewal."""
     router._renewer.cancel()
-    router.backends._monitor.cancel()
+    for task in router.backends._tasks:  # the health monitor and discovery
+        task.cancel()
     await router.transport.close()
     await router.server.stop(None)
 
