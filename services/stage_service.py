@@ -52,6 +52,7 @@ from .transport import (
     Transport,
     TransportError,
     decode,
+    encode,
     make_transport,
 )
 from .transport.codec import Kind, empty_header, error_header
@@ -468,7 +469,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 for w in work:
                     self._fail(w.st, f"{self.name} failed: {e}")
                 continue
-            await asyncio.gather(*(self._deliver(w) for w in work))
+            await self._deliver(work)
 
     def _collect(self) -> list[_Work]:
         """Every request's prunes that can be applied and activations whose turn it is."""
@@ -514,28 +515,61 @@ class StageService(stage_pb2_grpc.StageServicer):
             else:
                 w.outputs[i] = self._for_wire(out)
 
-    async def _deliver(self, w: _Work) -> None:
+    async def _deliver(self, work: list[_Work]) -> None:
+        """Send a round's outputs: every request's frames in its order, and the frames of
+        all requests that share a next hop together, as one frame where they fit
+        (`Transport.send_many`). A hop that cannot be reached fails its requests alone."""
+        by_hop: dict[str, list[tuple[_Request, tuple]]] = {}
+        for w in work:
+            for hop, frame in self._frames_of(w):
+                by_hop.setdefault(hop, []).append((w.st, frame))
+        await asyncio.gather(*(self._send_hop(hop, items) for hop, items in by_hop.items()))
+
+    def _frames_of(self, w: _Work) -> list[tuple[str, tuple]]:
+        """(next hop, (header, payload)) of a request's outputs this round, in order."""
         st = w.st
         if st.closed:
-            return
+            return []
         if w.error is not None:
             self._fail(st, f"{self.name} failed: {w.error}")
-            return
+            return []
+        outs = [(w.root_seq, st.order.applied, root) for root in w.released]
+        for (seq, item), out in zip(w.turns, w.outputs, strict=True):
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "%s seq %d after prune %d: nodes %s",
+                    st.request_id, seq, item.after_prune, item.act.node_ids.tolist(),
+                )  # fmt: skip
+            outs.append((seq, item.after_prune, out))
         try:
-            for root in w.released:
-                await self._send(st, w.root_seq, st.order.applied, root)
-            for (seq, item), out in zip(w.turns, w.outputs, strict=True):
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug(
-                        "%s seq %d after prune %d: nodes %s",
-                        st.request_id, seq, item.after_prune, item.act.node_ids.tolist(),
-                    )  # fmt: skip
-                await self._send(st, seq, item.after_prune, out)
-        except TransportError as e:
-            self._fail(st, f"{self.name} cannot reach the next hop: {e}", unavailable=True)
-        except Exception as e:  # any failure of the delivery path fails the request, loudly
+            frames = [self._frame(st, seq, after, out) for seq, after, out in outs]
+        except Exception as e:  # a payload the data plane cannot carry: this request only
             log.debug("request %s failed", st.request_id, exc_info=True)
             self._fail(st, f"{self.name} failed: {type(e).__name__}: {e}")
+            return []
+        return [(st.next_hop, f) for f in frames if f is not None]
+
+    def _frame(self, st: _Request, seq: int, after_prune: int, out: Activation | None):
+        """The frame of one output for the next hop, or None: the last stage sends only
+        logits (prefill chunks and pruned rows bring the router nothing); the others
+        keep the order of `seq` with an empty frame for a fully pruned activation."""
+        if self.runtime.is_last:
+            if out is not None and out.logits is not None:
+                return encode(out, seq, after_prune, self.name)
+            return None
+        if out is None:
+            return empty_header(st.request_id, seq, self.name), None
+        return encode(out, seq, after_prune, self.name)
+
+    async def _send_hop(self, hop: str, items: list[tuple[_Request, tuple]]) -> None:
+        try:
+            await self.transport.send_many(hop, [f for _, f in items], self.name)
+        except Exception as e:
+            unavailable = isinstance(e, TransportError)
+            why = "cannot reach the next hop" if unavailable else f"failed: {type(e).__name__}"
+            for st in dict.fromkeys(st for st, _ in items):
+                if not st.closed:
+                    self._fail(st, f"{self.name} {why}: {e}", unavailable=unavailable)
 
     def _fail(self, st: _Request, message: str, unavailable: bool = False) -> None:
         """This request takes no more work here; the router hears why (and releases it)."""
@@ -559,18 +593,6 @@ class StageService(stage_pb2_grpc.StageServicer):
             elif t.device.type == "cuda":
                 torch.cuda.current_stream(t.device).synchronize()
         return out
-
-    async def _send(self, st: _Request, seq: int, after_prune: int, out: Activation | None) -> None:
-        if self.runtime.is_last:
-            if out is not None and out.logits is not None:
-                await self.transport.send(st.next_hop, out, seq, after_prune, self.name)
-            return  # prefill chunks and pruned rows: nothing for the router
-        if out is None:
-            await self.transport.send_frame(
-                st.next_hop, empty_header(st.request_id, seq, self.name)
-            )
-        else:
-            await self.transport.send(st.next_hop, out, seq, after_prune, self.name)
 
     def _report(self, st: _Request, message: str, unavailable: bool = False) -> None:
         """Tell the router this request failed here (it fails the request for the client)."""

@@ -27,11 +27,15 @@ from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
 from ..ratelog import RateLimitedLog
+from . import batch
 from .auth import FrameAuth
 from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header
 
 FrameHandler = Callable[[Frame], None]
 FrameAdmit = Callable[[pb.FrameHeader], bool]
+# What a receiver decided about a frame before reading its payload: keep it or not, or
+# for a batch frame, which of its parts.
+Admission = bool | list[bool]
 
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
@@ -94,6 +98,9 @@ class Transport(ABC):
         # device memory itself (UCX with a CUDA transport); compute moves them on.
         self.device = device
         self.port = 0
+        # Frames on the wire and the per-request frames they carried (batches carry
+        # several); frames received (a batch counts once).
+        self.frames_sent = self.parts_sent = self.frames_received = 0
 
     @property
     def host_payloads(self) -> bool:
@@ -101,8 +108,18 @@ class Transport(ABC):
         tensors first); received payloads are then in host memory too."""
         return True
 
-    def _admitted(self, header: pb.FrameHeader) -> bool:
-        """Whether the owner wants this frame (checked before its payload is allocated)."""
+    def _admitted(self, header: pb.FrameHeader) -> Admission:
+        """Whether the owner wants this frame (checked before its payload is allocated);
+        for a batch frame, which of its parts (each judged on its own), or False for
+        none. Pass the answer back to `_deliver`. Raises FrameError for a batch whose
+        header contradicts itself (the connection is dropped)."""
+        if header.kind == pb.PAYLOAD_KIND_BATCH:
+            batch.check(header)
+            keep = [self._admit_one(p) for p in header.parts]
+            return keep if any(keep) else False
+        return self._admit_one(header)
+
+    def _admit_one(self, header: pb.FrameHeader) -> bool:
         if self.admit is None:
             return True
         try:
@@ -113,8 +130,20 @@ class Transport(ABC):
             )
             return False
 
-    def _deliver(self, frame: Frame) -> None:
-        """Hand a frame to the owner; its failure never breaks the connection."""
+    def _deliver(self, frame: Frame, keep: Admission = True) -> None:
+        """Hand a frame (or the admitted parts of a batch) to the owner; its failure
+        never breaks the connection."""
+        self.frames_received += 1
+        if frame.kind != pb.PAYLOAD_KIND_BATCH:
+            self._deliver_one(frame)
+            return
+        parts = batch.split(frame)
+        wanted = keep if isinstance(keep, list) else [bool(keep)] * len(parts)
+        for part, ok in zip(parts, wanted, strict=True):
+            if ok:
+                self._deliver_one(part)
+
+    def _deliver_one(self, frame: Frame) -> None:
         try:
             self.on_frame(frame)
         except Exception as e:
@@ -144,6 +173,15 @@ class Transport(ABC):
     ) -> None:
         header, payload = encode(act, seq, after_prune, sender)
         await self.send_frame(address, header, payload)
+
+    async def send_many(self, address: str, parts: list[batch.Part], sender: str = "") -> None:
+        """Frames of several requests to one address, as few batch frames as they fit
+        (`batch.batches`); in order, like `send_frame` calls one after another."""
+        for group in batch.batches(parts):
+            header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
+            await self.send_frame(address, header, payload)
+            self.frames_sent += 1
+            self.parts_sent += len(group)
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)

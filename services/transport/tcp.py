@@ -170,7 +170,7 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._frames += 1
         self._new_frame()
         if keep:
-            self.owner._deliver(Frame(header, tensor_from_bytes(header, payload)))
+            self.owner._deliver(Frame(header, tensor_from_bytes(header, payload)), keep)
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:

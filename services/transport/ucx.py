@@ -111,27 +111,30 @@ def _kick() -> None:
 
 
 def _ucxx():
-    """Import and initialize ucxx once per process, with event-driven progress."""
+    """Import and initialize ucxx once per process; progress it from the running event
+    loop with `_Progress` (installed again for each new loop: tests run several)."""
     global _initialized, _progress
     import ucxx
 
+    mode = os.environ.get("SPECPIPE_UCX_PROGRESS", "event")
     if not _initialized:
-        mode = os.environ.get("SPECPIPE_UCX_PROGRESS", "event")
         ucxx.init(progress_mode="blocking" if mode == "event" else mode)
         _initialized = True
-        if mode == "event":
-            from ucxx._lib_async import application_context as ac
+    loop = asyncio.get_running_loop()
+    if mode == "event" and (_progress is None or _progress.loop is not loop):
+        from ucxx._lib_async import application_context as ac
+        from ucxx.core import _get_ctx
 
-            loop = asyncio.get_running_loop()
-            blocking = ac.ProgressTasks.get(loop)
-            if blocking is not None:
-                for task in blocking._tasks:
-                    task.cancel()
-                loop.remove_reader(blocking.worker.epoll_file_descriptor)
-                spin = float(os.environ.get("SPECPIPE_UCX_SPIN_MS", "20")) / 1e3
-                idle = float(os.environ.get("SPECPIPE_UCX_IDLE_POLL_MS", "1")) / 1e3
-                _progress = _Progress(blocking.worker, loop, blocking, spin, idle)
-                ac.ProgressTasks[loop] = _progress
+        _get_ctx().continuous_ucx_progress(loop)  # ucxx's own progress for this loop
+        blocking = ac.ProgressTasks.get(loop)
+        if blocking is not None and not isinstance(blocking, _Progress):
+            for task in blocking._tasks:
+                task.cancel()
+            loop.remove_reader(blocking.worker.epoll_file_descriptor)
+            spin = float(os.environ.get("SPECPIPE_UCX_SPIN_MS", "20")) / 1e3
+            idle = float(os.environ.get("SPECPIPE_UCX_IDLE_POLL_MS", "1")) / 1e3
+            _progress = _Progress(blocking.worker, loop, blocking, spin, idle)
+            ac.ProgressTasks[loop] = _progress
     return ucxx
 
 
@@ -251,7 +254,7 @@ class UcxTransport(Transport):
                 break
             except Exception:  # the peer closed or died: ucxx raises its own errors
                 break
-            self._deliver(Frame(header, payload))
+            self._deliver(Frame(header, payload), keep)
         with contextlib.suppress(Exception):
             await ep.close()
 

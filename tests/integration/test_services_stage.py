@@ -319,3 +319,59 @@ def test_last_stage_sends_only_root_logits_when_asked(llama_dir) -> None:
                 torch.testing.assert_close(got.logits[0], logits[row])
 
     asyncio.run(main())
+
+
+def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
+    """Four requests whose rows a stage computes in one round reach the next stage in
+    one frame, and the last stage's logits reach the router in one frame; every request
+    gets the logits of the in-process engine (SpecPipe-DB, one frame per hop per step)."""
+    import threading
+
+    async def main() -> None:
+        inbox = Inbox()
+        rids = ["r0", "r1", "r2", "r3"]
+        queues = {rid: inbox.open(rid) for rid in rids}
+        router = make_transport("tcp", inbox)
+        router_addr = await router.start()
+        first = StageService(_stage(llama_dir, 0, 2, 5))
+        last = StageService(_stage(llama_dir, 2, 5, 5))
+        p0, p1 = await first.start(), await last.start()
+        gate = threading.Event()
+        real = first._compute
+        first._compute = lambda work: gate.wait(10) and real(work)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{p0}") as ch0, \
+                    grpc.aio.insecure_channel(f"127.0.0.1:{p1}") as ch1:  # fmt: skip
+                s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+                for rid in rids:
+                    await s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
+                                                             next_hop=router_addr))  # fmt: skip
+                    await s0.Open(stage_pb2.OpenStageRequest(
+                        request_id=rid, capacity=64, next_hop=last.transport.address,
+                        report_to=router_addr))  # fmt: skip
+                prefill = _rows([0, 1], [], [], committed=True)
+                root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
+                for i, rid in enumerate(rids):
+                    for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
+                        feed = _feed(seq, 0, act, tokens)
+                        feed.request_id = rid
+                        await s0.Feed(feed)
+                    if i == 0:  # r0's round is on the compute thread (held by the gate)
+                        await asyncio.sleep(0.3)
+                first._compute = real
+                gate.set()
+                want = _reference_logits(llama_dir)
+                for rid in rids:
+                    got = decode(await asyncio.wait_for(queues[rid].get(), 20))
+                    torch.testing.assert_close(got.logits, want)
+            # r0's round alone, then r1..r3 together: their 6 activations in one frame.
+            assert first.transport.parts_sent == 8
+            assert first.transport.frames_sent <= 3, first.transport.frames_sent
+            assert last.transport.frames_received == first.transport.frames_sent
+            assert last.transport.parts_sent == 4 and last.transport.frames_sent <= 3
+        finally:
+            for svc in (first, last):
+                await svc.stop()
+            await router.close()
+
+    asyncio.run(main())

@@ -15,12 +15,14 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_LOGITS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_EMPTY: _ClassVar[PayloadKind]
     PAYLOAD_KIND_ERROR: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_BATCH: _ClassVar[PayloadKind]
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_TOKENS: PayloadKind
 PAYLOAD_KIND_HIDDEN: PayloadKind
 PAYLOAD_KIND_LOGITS: PayloadKind
 PAYLOAD_KIND_EMPTY: PayloadKind
 PAYLOAD_KIND_ERROR: PayloadKind
+PAYLOAD_KIND_BATCH: PayloadKind
 
 class Rows(_message.Message):
     __slots__ = ("positions", "committed", "node_ids", "parent_ids")
@@ -35,7 +37,7 @@ class Rows(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code", "parts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class FrameHeader(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     after_prune: int
@@ -56,7 +59,8 @@ class FrameHeader(_message.Message):
     error: str
     sender: str
     error_code: int
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[FrameHeader]
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ...) -> None: ...
 
 class PruneSignal(_message.Message):
     __slots__ = ("seq", "commit_ids", "keep_ids", "horizon")
