@@ -35,7 +35,7 @@ REQUESTS = [
 @pytest.fixture(scope="module")
 def elastic(llama_dir) -> Iterator:
     dep = start(
-        llama_dir, "oracle", 2, "tcp", metrics=True, replay_seconds=5.0, stage_replicas=[1, 2]
+        llama_dir, "oracle", 2, "tcp", metrics=True, replay_seconds=20.0, stage_replicas=[1, 2]
     )
     try:
         wait_backends(dep, stages=3)
@@ -45,12 +45,14 @@ def elastic(llama_dir) -> Iterator:
 
 
 def router_view(dep):
-    with Client(dep.router_address, timeout=10) as c:
+    with Client(dep.router_address, timeout=30) as c:
         return c.describe()
 
 
-def wait_backends(dep, stages: int, drafts: int = 1, timeout: float = 30.0):
-    """Until the router serves exactly this many healthy stage and draft replicas."""
+def wait_backends(dep, stages: int, drafts: int = 1, timeout: float = 180.0):
+    """Until the router serves exactly this many healthy stage and draft replicas (a new
+    replica's process loads torch and its model: 20-40 s were seen on a loaded 2-core
+    machine)."""
     deadline = time.monotonic() + timeout
     while True:
         view = router_view(dep)
