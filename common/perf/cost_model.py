@@ -27,7 +27,10 @@ _MEASURE_ID = "__cost_probe__"
 
 @dataclass
 class CostCurve:
-    """Seconds to run n rows through one runtime at a fixed context length (interpolated)."""
+    """Seconds to run n rows through one runtime at a fixed context length: interpolated
+    between measured row counts, and beyond the last one extrapolated along the last
+    segment (a batch of many requests can exceed the rows measured; a flat curve stays
+    flat)."""
 
     rows: list[int]
     seconds: list[float]
@@ -35,7 +38,19 @@ class CostCurve:
     def __call__(self, n: int) -> float:
         if n <= 0:
             return 0.0
+        if n > self.rows[-1] and len(self.rows) > 1:
+            (r0, r1), (s0, s1) = self.rows[-2:], self.seconds[-2:]
+            return float(s1 + (s1 - s0) * (n - r1) / (r1 - r0))
         return float(np.interp(n, self.rows, self.seconds))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        rows, seconds = [int(r) for r in d["rows"]], [float(s) for s in d["seconds"]]
+        if not rows or len(rows) != len(seconds) or rows != sorted(set(rows)) or rows[0] < 1:
+            raise ValueError("a cost curve needs increasing row counts >= 1, one time each")
+        if min(seconds) < 0:
+            raise ValueError("a cost curve's seconds must not be negative")
+        return cls(rows, seconds)
 
     def to_dict(self) -> dict[str, list]:
         return {"rows": self.rows, "seconds": self.seconds}
@@ -143,6 +158,18 @@ class DeploymentCosts:
 
         draft = flatten(self.draft) if self.draft is not None else None
         return DeploymentCosts(self.context, [flatten(c) for c in self.stages], draft)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DeploymentCosts:
+        """What `to_dict` wrote (bench_specpipe.py saves one per S under "costs")."""
+        if not d.get("stages"):
+            raise ValueError("costs need at least one stage curve")
+        return cls(
+            context=int(d.get("context", 0)),
+            stages=[CostCurve.from_dict(c) for c in d["stages"]],
+            draft=CostCurve.from_dict(d["draft"]) if d.get("draft") else None,
+            notes={str(k): str(v) for k, v in d.get("notes", {}).items()},
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -24,9 +24,11 @@ def curve(fn) -> CostCurve:
     return CostCurve(ROWS, [fn(n) for n in ROWS])
 
 
-def test_curve_interpolates_and_zero_rows_are_free() -> None:
+def test_curve_interpolates_extrapolates_and_zero_rows_are_free() -> None:
     c = CostCurve([1, 4], [1.0, 4.0])
-    assert c(0) == 0.0 and c(1) == 1.0 and c(2) == pytest.approx(2.0) and c(8) == 4.0
+    assert c(0) == 0.0 and c(1) == 1.0 and c(2) == pytest.approx(2.0)
+    assert c(8) == pytest.approx(8.0)  # beyond the last point: along the last segment
+    assert CostCurve([1, 4], [2.0, 2.0])(64) == 2.0 and CostCurve([1], [3.0])(9) == 3.0
 
 
 def test_pp_projection_is_the_sum_of_stage_costs_per_token(llama_dir) -> None:
