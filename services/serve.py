@@ -129,7 +129,7 @@ async def run_stage(args) -> None:
     addr = f"{svc.transport.advertise_host}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **metrics)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
-    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
+    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics), _report(pacer)])
 
 
 async def run_draft(args) -> None:
@@ -152,7 +152,8 @@ async def run_draft(args) -> None:
     addr = f"{host}:{port}"
     write_ready(args.ready_file, grpc=addr, **metrics)
     log.info("draft %s ready at %s", svc.model_id, addr)
-    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
+    stops = [_closer(svc.metrics), _report(svc.pacer)]
+    await _serve_until_stopped(svc, args.drain_seconds, stops)
 
 
 def scheduling_options(args) -> dict[str, object]:
@@ -227,6 +228,16 @@ def _pacer(args, kind: str):
     log.info("emulated device: every forward paced to %s (1 row: %.2f ms)", costs.source,
              1e3 * cost(1, 128))  # fmt: skip
     return Pacer(cost, name=kind)
+
+
+def _report(pacer):
+    """At stop: what the emulated device did (a benchmark reads it from the log)."""
+
+    async def report() -> None:
+        if pacer is not None:
+            log.info("emulated device summary %s", json.dumps(pacer.summary()))
+
+    return report
 
 
 def _serve_metrics(metrics, args, host: str) -> dict[str, str]:

@@ -80,6 +80,14 @@ def test_measured_curve_covers_requested_rows_and_leaves_no_state(llama_dir) -> 
     assert dep.pipeline.stages[1].cache_bytes_used == 0
 
 
+def test_batched_curve_spreads_rows_over_requests_and_leaves_no_state(llama_dir) -> None:
+    dep = build_local(llama_dir, 2)
+    for stage in dep.pipeline.stages:
+        c = measure_runtime(stage, [1, 5], context=8, repeats=1, requests=3)
+        assert c.rows == [1, 5] and all(s > 0 for s in c.seconds)
+        assert stage.cache_bytes_used == 0 and stage.info().active_requests == 0
+
+
 @pytest.mark.parametrize(("cost", "expect"), [("flat", "best_hit"), ("steep", 1)])
 def test_width_auto_trades_hit_rate_against_cost(llama_dir, cost, expect) -> None:
     dep = build_local(llama_dir, 3, ORACLE_DRAFT)
