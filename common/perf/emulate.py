@@ -221,6 +221,9 @@ class Pacer:
 
     @contextlib.contextmanager
     def forward(self, rows: int, context: int | None = None) -> Iterator[None]:
+        if rows <= 0:  # nothing computed (a round of prunes only): not a forward
+            yield
+            return
         start = self.clock()
         yield
         real = self.clock() - start
@@ -231,7 +234,7 @@ class Pacer:
             self.forwards += 1
             self.modelled_seconds += modelled
             self.real_seconds += real
-            over = 0 < modelled < real
+            over = real > modelled > 0
             self.overruns += over
         if over and start - self._warned_at > 10.0:
             self._warned_at = start

@@ -15,6 +15,7 @@ the run's throughput, as the load generator reports them through the services.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..runtime.lockstep import LockstepEngine, Run
 from ..spec.options import DecodeOptions, Mode
+from ..spec.stats import DecodeStats
 from .cost_model import DeploymentCosts, step_seconds_of_trace
 
 
@@ -40,12 +42,13 @@ class Served:
     """One request of a closed-loop lockstep run: when it joined and what it did."""
 
     join_step: int  # the engine step it first took part in
-    run: Run
+    stats: DecodeStats
+    tokens: list[int] = field(default_factory=list)
 
     @property
     def token_steps(self) -> list[int]:
         """Engine steps (1-based counts) at whose end each of its tokens was emitted."""
-        s = self.run.stats
+        s = self.stats
         return [self.join_step + s.prefill_steps + e for e in s.emit_steps]
 
 
@@ -66,19 +69,19 @@ def closed_loop(engine: LockstepEngine, asks: Sequence[Ask], concurrency: int) -
     pending = list(asks)
     served: list[Served] = []
     start = engine.steps
-    active: list[Served] = []
+    active: list[tuple[Served, Run]] = []
 
     def admit() -> None:
         while pending and len(active) < concurrency:
             ask = pending.pop(0)
-            s = Served(engine.steps - start, engine.add(ask.prompt, ask.mode, ask.opts))
-            active.append(s)
-            served.append(s)
+            run = engine.add(ask.prompt, ask.mode, ask.opts)
+            active.append((Served(engine.steps - start, run.stats, run.tokens), run))
+            served.append(active[-1][0])
 
     admit()
     while active:
         engine.step()
-        active[:] = [s for s in active if not s.run.controller.done]
+        active[:] = [(s, run) for s, run in active if not run.controller.done]
         admit()
     while engine.runs:  # carry out the last Finish commands
         engine.step()
@@ -86,12 +89,35 @@ def closed_loop(engine: LockstepEngine, asks: Sequence[Ask], concurrency: int) -
     return LoadRun(mode, concurrency, engine.trace[start:], served)
 
 
+def schedule(runs: Sequence[DecodeStats], concurrency: int) -> LoadRun:
+    """The closed-loop run of requests whose runs alone were `runs`, without running a
+    model again: in the lockstep engine requests do not interact (without a row budget
+    every request computes what it would alone), so each adds its own trace from the
+    step it joins, and the next request joins when one finishes (what `closed_loop`
+    records, from traces recorded one request at a time)."""
+    free = [0] * concurrency  # when each client sends its next request
+    served, length = [], 0
+    for stats in runs:
+        join = heapq.heappop(free)
+        served.append(Served(join, stats))
+        heapq.heappush(free, join + len(stats.trace))
+        length = max(length, join + len(stats.trace))
+    width = len(runs[0].trace[0]) if runs else 0
+    trace = [[0] * width for _ in range(length)]
+    for s in served:
+        for i, row in enumerate(s.stats.trace):
+            trace[s.join_step + i] = [
+                a + b for a, b in zip(trace[s.join_step + i], row, strict=True)
+            ]
+    return LoadRun(runs[0].mode if runs else "", concurrency, trace, served)
+
+
 def _pass_entries(served: Sequence[Served]) -> dict[int, list[list[int]]]:
     """specinfer: per engine step, the tree-layer sizes of every pass entering then
     (a pass enters when stage 1 gets rows after the prefill)."""
     entries: dict[int, list[list[int]]] = defaultdict(list)
     for s in served:
-        st = s.run.stats
+        st = s.stats
         passes = iter(st.draft_layers)
         for i, row in enumerate(st.trace[st.prefill_steps :]):
             if row[0] > 0:
@@ -115,8 +141,9 @@ def step_clock(load: LoadRun, costs: DeploymentCosts) -> list[float]:
 
 def _ms(values: Sequence[float]) -> dict[str, float]:
     if not values:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    return {f"p{q}": round(1e3 * float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    out = {"mean": round(1e3 * float(np.mean(values)), 3)}
+    return out | {f"p{q}": round(1e3 * float(np.percentile(values, q)), 3) for q in (50, 90, 99)}
 
 
 def project(load: LoadRun, costs: DeploymentCosts) -> dict[str, object]:
@@ -144,7 +171,7 @@ def project(load: LoadRun, costs: DeploymentCosts) -> dict[str, object]:
         "engine_steps": steps,
         "tokens_per_engine_step": round(tokens / steps, 4) if steps else 0.0,
         "mean_tokens_per_step": round(
-            float(np.mean([s.run.stats.tokens_per_step for s in load.served])), 4
+            float(np.mean([s.stats.tokens_per_step for s in load.served])), 4
         )
         if load.served
         else 0.0,

@@ -155,9 +155,9 @@ def test_a_forward_slower_than_its_model_is_not_slowed_and_is_counted() -> None:
         clock.advance(0.05)
     assert clock.slept == [] and clock() == pytest.approx(0.05)
     assert pacer.overruns == 1
-    with paced(pacer, []):  # no rows: no forward to pace
-        pass
-    assert clock.slept == [] and pacer.overruns == 1
+    with paced(pacer, []):  # no rows: no forward to pace or count
+        clock.advance(0.05)
+    assert clock.slept == [] and pacer.overruns == 1 and pacer.forwards == 1
 
 
 def test_batch_shape_weights_each_requests_context_by_its_rows() -> None:

@@ -9,7 +9,7 @@ from specpipe.common.perf.cost_model import (
     projected_tbt,
     specinfer_draft_seconds,
 )
-from specpipe.common.perf.timeline import Ask, closed_loop, project
+from specpipe.common.perf.timeline import Ask, closed_loop, project, schedule
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
 from specpipe.common.runtime.lockstep import Generation, LockstepEngine
 from specpipe.common.spec.options import DecodeOptions, Mode
@@ -37,7 +37,7 @@ def test_one_request_projects_as_the_single_request_projection(dep, mode) -> Non
     draft = None if mode == "pp" else dep.draft
     load = closed_loop(LockstepEngine(dep.pipeline, draft), [Ask([5, 9, 2], mode, opts())], 1)
     gen = Generation(dep.pipeline, draft, [5, 9, 2], mode, opts())
-    assert gen.run() == load.served[0].run.tokens
+    assert gen.run() == load.served[0].tokens
     s, c = gen.stats, costs()
     passes = specinfer_draft_seconds(s.draft_layers, c) if mode == "specinfer" else ()
     want = projected_tbt(s.trace[s.prefill_steps :], s.emit_steps, c, mode, passes)
@@ -55,9 +55,27 @@ def test_closed_loop_keeps_concurrency_and_every_request_is_exact(dep) -> None:
     assert all(s.join_step > 0 for s in load.served[2:])  # joined as others finished
     for p, s in zip(prompts, load.served, strict=True):
         alone = Generation(dep.pipeline, dep.draft, p, Mode.SPECPIPE, opts()).run()
-        assert s.run.tokens == alone
-    # never more than two requests' rows in stage 1 of a step (width 4 + prompt chunk)
-    assert len(load.trace) >= max(s.token_steps[-1] for s in load.served)
+        assert s.tokens == alone
+    assert len(load.trace) == max(s.token_steps[-1] for s in load.served)
+
+
+@pytest.mark.parametrize("mode", ["specpipe", "specinfer"])
+def test_schedule_of_runs_alone_is_the_closed_loop_run(dep, mode) -> None:
+    """Requests do not interact in lockstep: the closed-loop run of five requests is
+    their runs alone, each shifted to the step it joins."""
+    prompts = [[5, 9, 2], [7], [1, 2, 3, 4, 5], [8, 8], [3, 1]]
+    asks = [Ask(p, mode, opts(6 + i)) for i, p in enumerate(prompts)]
+    load = closed_loop(LockstepEngine(dep.pipeline, dep.draft), asks, 2)
+    alone = []
+    for a in asks:
+        gen = Generation(dep.pipeline, dep.draft, a.prompt, a.mode, a.opts)
+        gen.run()
+        alone.append(gen.stats)
+    again = schedule(alone, 2)
+    assert again.trace == load.trace
+    assert [s.join_step for s in again.served] == [s.join_step for s in load.served]
+    c = costs()
+    assert project(again, c) == project(load, c)
 
 
 def test_pp_with_flat_costs_emits_one_token_per_s_steps_per_request(dep) -> None:
