@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
+from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
@@ -71,8 +72,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         max_cache_bytes: int | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         security: Security | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
-        """`security`: mutual TLS on gRPC (--secure)."""
+        """`security`: mutual TLS on gRPC (--secure); `pacer`: every forward paced to a
+        cost model (--emulate-costs)."""
+        self.pacer = pacer
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         # Each request's state is a lease its router renews (common/runtime/lease.py).
         self.leases = LeaseTable(lease_seconds)
@@ -148,9 +152,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         chunk = min(chunk or DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK)
         for s in range(0, tokens.numel(), chunk):
             part = tokens[s : s + chunk]
-            await self._call(
-                context, self.runtime.prefill, rid, part, start + s, chunk, rows=part.numel()
-            )
+            n = part.numel()
+            prefill = paced_call(self.pacer, self.runtime.prefill, n, start + s + n)
+            await self._call(context, prefill, rid, part, start + s, chunk, rows=n)
 
     async def Describe(self, request, context) -> draft_pb2.DraftDescription:
         info = self.runtime.runtime.info()
@@ -278,8 +282,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 continue
             asks, self._asks = self._asks, []
             try:
-                rows = sum(len(a.proposal.layer) for a in asks)
-                timed = self.metrics.timed(self._propose, rows)
+                rows, ctx = batch_shape([a.proposal.layer for a in asks])
+                timed = self.metrics.timed(paced_call(self.pacer, self._propose, rows, ctx), rows)
                 results = await loop.run_in_executor(self._executor, timed, asks)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))

@@ -89,6 +89,7 @@ class ServicesDeployment:
         lease_seconds: float | None = None,
         secure: bool = False,
         public_tls=None,
+        emulate_costs: str | Path | None = None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -136,6 +137,12 @@ class ServicesDeployment:
         # --secure: a throwaway CA and certificate (made at start) for every process
         self.secure = secure
         self.public_tls = public_tls  # a security.PublicTls for the router's public ports
+        # --emulate-costs: every stage (its own curve of the file) and the draft paced
+        self.emulate_costs = Path(emulate_costs).resolve() if emulate_costs else None
+        if self.emulate_costs is not None:
+            from specpipe.common.perf.emulate import EmulatedCosts
+
+            EmulatedCosts.load(self.emulate_costs).check_stages(len(self.ranges))
         self.children: dict[str, Child] = {}
         self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
@@ -165,8 +172,15 @@ class ServicesDeployment:
         return child
 
     def _stage_child(
-        self, name: str, target: Path, layers: str, group: str, dtype: str | None = None
+        self,
+        name: str,
+        target: Path,
+        layers: str,
+        group: str,
+        dtype: str | None = None,
+        index: int | None = None,
     ) -> Child:
+        """`index`: the stage's place in the pipeline (its curve of --emulate-costs)."""
         port, data_port = self._free_port(), self._free_port()
         child = self._child(
             name,
@@ -180,6 +194,7 @@ class ServicesDeployment:
                 "--dtype", dtype or self.dtype,
                 *self._cache_args(),
                 *(["--measure-costs"] if self.scheduling.get("row_budget") == "auto" else []),
+                *self._emulate_args(index),
                 *self._common_args(),
             ],
             kind="stage",
@@ -191,10 +206,16 @@ class ServicesDeployment:
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
         port = self._free_port()
         args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
-        args += self._cache_args()
+        args += [*self._cache_args(), *self._emulate_args()]
         child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
         child.info["address"] = f"{self.host}:{port}"
         return child
+
+    def _emulate_args(self, stage: int | None = None) -> list[str]:
+        if self.emulate_costs is None:
+            return []
+        index = [] if stage is None else ["--emulate-stage", str(stage)]
+        return ["--emulate-costs", str(self.emulate_costs), *index]
 
     def _common_args(self) -> list[str]:
         """Of every stage and draft."""
@@ -240,9 +261,8 @@ class ServicesDeployment:
         r = self.ranges[index] if layers is None else None
         layers = layers or f"{r.start}:{r.end}"
         name = name or self._free_name(f"stage{index}")
-        child = self._stage_child(
-            name, Path(target or self.target), layers, self.group if group is None else group
-        )
+        group = self.group if group is None else group
+        child = self._stage_child(name, Path(target or self.target), layers, group, index=index)
         self._spawn(child)
         self._list(name)
         if wait:
@@ -314,7 +334,7 @@ class ServicesDeployment:
         for i, r in enumerate(self.ranges):
             for j in range(self.stage_replicas[i]):
                 name = f"stage{i}" if j == 0 else f"stage{i}.{j}"
-                self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group)
+                self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group, index=i)
                 self.listed.append(name)
         if self.draft is not None:
             self._draft_child("draft", self.draft, self.group)

@@ -95,10 +95,19 @@ async def run_stage(args) -> None:
             max_cache_bytes=_gib(args.max_cache_gib),
         )
         _set_cache_budget(model.runtime, args)
+    pacer = _pacer(args, "stage")
     if model is not None and args.measure_costs:
-        from specpipe.common.perf.cost_model import BUDGET_ROWS, measure_runtime, row_budget
+        from specpipe.common.perf.cost_model import (
+            BUDGET_ROWS,
+            CostCurve,
+            measure_runtime,
+            row_budget,
+        )
 
-        curve = measure_runtime(model.runtime, BUDGET_ROWS, context=128, repeats=2)
+        if pacer is not None:  # the emulated device's costs, not this CPU's
+            curve = CostCurve(list(BUDGET_ROWS), [pacer.cost(n, 128) for n in BUDGET_ROWS])
+        else:
+            curve = measure_runtime(model.runtime, BUDGET_ROWS, context=128, repeats=2)
         model.row_budget = row_budget(curve)
         log.info("cost per row count %s: row budget %d", curve.to_dict(), model.row_budget)
     svc = StageService(
@@ -114,12 +123,13 @@ async def run_stage(args) -> None:
         allow_configure=args.allow_configure,
         peers=args.peers,
     )
+    svc.pacer = pacer
     metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
     port = await svc.start(args.host, args.port, args.data_port, args.health_port)
     addr = f"{svc.transport.advertise_host}:{port}"
     write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **metrics)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
-    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
+    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics), _report(pacer)])
 
 
 async def run_draft(args) -> None:
@@ -133,6 +143,7 @@ async def run_draft(args) -> None:
         max_cache_bytes=_gib(args.max_cache_gib),
         lease_seconds=args.lease_seconds,
         security=security_of(args),
+        pacer=_pacer(args, "draft"),
     )
     _set_cache_budget(svc.runtime.runtime, args)
     host = args.advertise_host or _local(args.host)
@@ -141,7 +152,8 @@ async def run_draft(args) -> None:
     addr = f"{host}:{port}"
     write_ready(args.ready_file, grpc=addr, **metrics)
     log.info("draft %s ready at %s", svc.model_id, addr)
-    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics)])
+    stops = [_closer(svc.metrics), _report(svc.pacer)]
+    await _serve_until_stopped(svc, args.drain_seconds, stops)
 
 
 def scheduling_options(args) -> dict[str, object]:
@@ -199,6 +211,33 @@ async def run_router(args) -> None:
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
     stops = [*([http.stop] if http else []), _closer(router_metrics)]
     await _serve_until_stopped(svc, args.drain_seconds, stops)
+
+
+def _pacer(args, kind: str):
+    """--emulate-costs FILE: this stage's (--emulate-stage) or the draft's cost model
+    (common/perf/emulate.py); None without it, or for a draft the file has no costs for."""
+    if not getattr(args, "emulate_costs", None):
+        return None
+    from specpipe.common.perf.emulate import EmulatedCosts, Pacer
+
+    costs = EmulatedCosts.load(args.emulate_costs)
+    cost = costs.stage(args.emulate_stage) if kind == "stage" else costs.draft()
+    if cost is None:
+        log.info("emulated costs %s: none for the draft; its forwards are not paced", costs.source)
+        return None
+    log.info("emulated device: every forward paced to %s (1 row: %.2f ms)", costs.source,
+             1e3 * cost(1, 128))  # fmt: skip
+    return Pacer(cost, name=kind)
+
+
+def _report(pacer):
+    """At stop: what the emulated device did (a benchmark reads it from the log)."""
+
+    async def report() -> None:
+        if pacer is not None:
+            log.info("emulated device summary %s", json.dumps(pacer.summary()))
+
+    return report
 
 
 def _serve_metrics(metrics, args, host: str) -> dict[str, str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from specpipe.common.perf.emulate import Pacer, paced
 from specpipe.common.runtime.errors import (
     AlreadyOpen,
     DuplicatePrune,
@@ -88,6 +89,8 @@ class _Work:
 
 
 class StageService(stage_pb2_grpc.StageServicer):
+    pacer: Pacer | None = None  # --emulate-costs: every forward paced to a cost model
+
     def __init__(
         self,
         model: LoadedModel | None,
@@ -502,7 +505,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 w.error = e
         batch = [(w, i) for w in work if w.error is None for i, (_, p) in enumerate(w.turns)]
         acts = [w.turns[i][1].act for w, i in batch if not w.turns[i][1].empty]
-        with self.metrics.forward(sum(len(a) for a in acts)):
+        with self.metrics.forward(sum(len(a) for a in acts)), paced(self.pacer, acts):
             results = iter(runtime.forward_many(acts))
         for w in work:
             w.outputs = [None] * len(w.turns)

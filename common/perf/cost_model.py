@@ -27,7 +27,10 @@ _MEASURE_ID = "__cost_probe__"
 
 @dataclass
 class CostCurve:
-    """Seconds to run n rows through one runtime at a fixed context length (interpolated)."""
+    """Seconds to run n rows through one runtime at a fixed context length: interpolated
+    between measured row counts, and beyond the last one extrapolated along the last
+    segment (a batch of many requests can exceed the rows measured; a flat curve stays
+    flat)."""
 
     rows: list[int]
     seconds: list[float]
@@ -35,7 +38,19 @@ class CostCurve:
     def __call__(self, n: int) -> float:
         if n <= 0:
             return 0.0
+        if n > self.rows[-1] and len(self.rows) > 1:
+            (r0, r1), (s0, s1) = self.rows[-2:], self.seconds[-2:]
+            return float(s1 + (s1 - s0) * (n - r1) / (r1 - r0))
         return float(np.interp(n, self.rows, self.seconds))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        rows, seconds = [int(r) for r in d["rows"]], [float(s) for s in d["seconds"]]
+        if not rows or len(rows) != len(seconds) or rows != sorted(set(rows)) or rows[0] < 1:
+            raise ValueError("a cost curve needs increasing row counts >= 1, one time each")
+        if min(seconds) < 0:
+            raise ValueError("a cost curve's seconds must not be negative")
+        return cls(rows, seconds)
 
     def to_dict(self) -> dict[str, list]:
         return {"rows": self.rows, "seconds": self.seconds}
@@ -43,10 +58,16 @@ class CostCurve:
 
 @torch.inference_mode()
 def measure_runtime(
-    runtime: StageRuntime, rows: Sequence[int], context: int, repeats: int = 3
+    runtime: StageRuntime, rows: Sequence[int], context: int, repeats: int = 3, requests: int = 1
 ) -> CostCurve:
-    """Median time of a forward of n tree rows attending to `context` cached rows."""
-    runtime.open(_MEASURE_ID, context + max(rows) + 1)
+    """Median time of a forward of n tree rows attending to `context` cached rows.
+
+    With `requests` > 1, a batched forward (SpecPipe-DB): the n rows belong to up to
+    that many requests (as evenly as they split), each attending to its own `context`
+    cached rows, in one `forward_many`."""
+    ids = [f"{_MEASURE_ID}{r}" for r in range(max(1, requests))]
+    for rid in ids:
+        runtime.open(rid, context + max(rows) + 1)
     try:
         gen = torch.Generator().manual_seed(0)
         vocab, hidden = runtime.model.cfg.vocab_size, runtime.model.cfg.hidden_size
@@ -58,31 +79,40 @@ def measure_runtime(
             return {"hidden": torch.randn(n, hidden, generator=gen).to(dtype)}
 
         if context:
-            runtime.forward(
-                Activation(_MEASURE_ID, torch.arange(context), committed=True, **payload(context))
-            )
+            for rid in ids:
+                runtime.forward(
+                    Activation(rid, torch.arange(context), committed=True, **payload(context))
+                )
         next_id, seconds = 0, []
+        empty = torch.empty(0, dtype=torch.int64)
         for n in rows:
+            k = min(len(ids), n)
+            shares = [n // k + (r < n % k) for r in range(k)]
             samples = []
             for _ in range(repeats + 1):  # first run warms up
-                ids = torch.arange(next_id, next_id + n)
-                next_id += n
-                act = Activation(
-                    _MEASURE_ID,
-                    positions=torch.full((n,), context),
-                    node_ids=ids,
-                    parent_ids=torch.full((n,), -1),
-                    **payload(n),
-                )
+                acts = []
+                for rid, m in zip(ids, shares, strict=False):
+                    node_ids = torch.arange(next_id, next_id + m)
+                    next_id += m
+                    acts.append(
+                        Activation(
+                            rid,
+                            positions=torch.full((m,), context),
+                            node_ids=node_ids,
+                            parent_ids=torch.full((m,), -1),
+                            **payload(m),
+                        )
+                    )
                 t0 = time.perf_counter()
-                runtime.forward(act)
+                runtime.forward_many(acts)
                 samples.append(time.perf_counter() - t0)
-                empty = torch.empty(0, dtype=torch.int64)
-                runtime.prune(_MEASURE_ID, Prune(empty, empty, horizon=next_id - 1))
+                for rid in ids[:k]:
+                    runtime.prune(rid, Prune(empty, empty, horizon=next_id - 1))
             seconds.append(statistics.median(samples[1:]))
         return CostCurve(list(rows), seconds)
     finally:
-        runtime.release(_MEASURE_ID)
+        for rid in ids:
+            runtime.release(rid)
 
 
 BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -113,11 +143,18 @@ class DeploymentCosts:
         rows: Sequence[int],
         context: int,
         repeats: int = 3,
+        requests: int = 1,
     ) -> DeploymentCosts:
+        """`requests` > 1: batched forwards, the rows spread over that many requests."""
+
+        def measure(runtime: StageRuntime) -> CostCurve:
+            return measure_runtime(runtime, rows, context, repeats, requests)
+
         return cls(
             context=context,
-            stages=[measure_runtime(s, rows, context, repeats) for s in stages],
-            draft=measure_runtime(draft, rows, context, repeats) if draft is not None else None,
+            stages=[measure(s) for s in stages],
+            draft=measure(draft) if draft is not None else None,
+            notes={"requests": str(requests)} if requests > 1 else {},
         )
 
     def step_seconds(
@@ -143,6 +180,18 @@ class DeploymentCosts:
 
         draft = flatten(self.draft) if self.draft is not None else None
         return DeploymentCosts(self.context, [flatten(c) for c in self.stages], draft)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DeploymentCosts:
+        """What `to_dict` wrote (bench_specpipe.py saves one per S under "costs")."""
+        if not d.get("stages"):
+            raise ValueError("costs need at least one stage curve")
+        return cls(
+            context=int(d.get("context", 0)),
+            stages=[CostCurve.from_dict(c) for c in d["stages"]],
+            draft=CostCurve.from_dict(d["draft"]) if d.get("draft") else None,
+            notes={str(k): str(v) for k, v in d.get("notes", {}).items()},
+        )
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -119,6 +119,18 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
         help="free a request's state when its router has not renewed it for this long",
     )
     add_device_arg(p)
+    _emulate_arg(p)
+
+
+def _emulate_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--emulate-costs",
+        default=None,
+        metavar="FILE",
+        help="emulated device: pace every forward to the cost model in FILE (JSON: a "
+        "measured curve of seconds per row count, or flat), sleeping the rest of its "
+        "modelled time (docs/architecture.md, 'Emulated devices')",
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -133,6 +145,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure this stage's cost per row count at start and report the rows a step "
         "can take nearly free (for the router's --row-budget auto)",
+    )
+    p.add_argument(
+        "--emulate-stage",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --emulate-costs: which of FILE's stage curves this stage paces to "
+        "(0-based; default: FILE's only one)",
     )
     p.add_argument(
         "--allow-configure",
@@ -255,6 +275,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and certificate made in the log directory",
     )
     p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
+    _emulate_arg(p)
     _http_args(p)
     _scheduling_args(p)
     p.set_defaults(func=_cmd_up)
@@ -390,11 +411,26 @@ def _resolve(spec: str | None) -> str | None:
     return str(resolve_model(spec))
 
 
+def _check_costs(args: argparse.Namespace, stage: bool) -> None:
+    """A bad --emulate-costs file is a usage error before anything loads."""
+    if not args.emulate_costs:
+        return
+    from specpipe.common.perf.emulate import EmulatedCosts
+
+    try:
+        costs = EmulatedCosts.load(args.emulate_costs)
+        if stage:
+            costs.stage(args.emulate_stage)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_stage
 
     if not args.model and not args.allow_configure:
         raise CliError("a stage without --model waits for Configure: give --allow-configure")
+    _check_costs(args, stage=True)
     args.peers = [h.strip() for h in args.peers.split(",") if h.strip()]
     args.device = parse_device(args.device)
     _prepare(args)
@@ -407,6 +443,7 @@ def _cmd_draft(args: argparse.Namespace) -> int:
     from specpipe.services.serve import run_draft
 
     args.device = parse_device(args.device)
+    _check_costs(args, stage=False)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_draft(args))
@@ -467,6 +504,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             secure=args.secure,
             lease_seconds=args.lease_seconds,
             public_tls=public_tls,
+            emulate_costs=args.emulate_costs,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -24,9 +24,11 @@ def curve(fn) -> CostCurve:
     return CostCurve(ROWS, [fn(n) for n in ROWS])
 
 
-def test_curve_interpolates_and_zero_rows_are_free() -> None:
+def test_curve_interpolates_extrapolates_and_zero_rows_are_free() -> None:
     c = CostCurve([1, 4], [1.0, 4.0])
-    assert c(0) == 0.0 and c(1) == 1.0 and c(2) == pytest.approx(2.0) and c(8) == 4.0
+    assert c(0) == 0.0 and c(1) == 1.0 and c(2) == pytest.approx(2.0)
+    assert c(8) == pytest.approx(8.0)  # beyond the last point: along the last segment
+    assert CostCurve([1, 4], [2.0, 2.0])(64) == 2.0 and CostCurve([1], [3.0])(9) == 3.0
 
 
 def test_pp_projection_is_the_sum_of_stage_costs_per_token(llama_dir) -> None:
@@ -76,6 +78,14 @@ def test_measured_curve_covers_requested_rows_and_leaves_no_state(llama_dir) -> 
     c = measure_runtime(dep.pipeline.stages[1], [1, 4], context=8, repeats=1)
     assert c.rows == [1, 4] and all(s > 0 for s in c.seconds)
     assert dep.pipeline.stages[1].cache_bytes_used == 0
+
+
+def test_batched_curve_spreads_rows_over_requests_and_leaves_no_state(llama_dir) -> None:
+    dep = build_local(llama_dir, 2)
+    for stage in dep.pipeline.stages:
+        c = measure_runtime(stage, [1, 5], context=8, repeats=1, requests=3)
+        assert c.rows == [1, 5] and all(s > 0 for s in c.seconds)
+        assert stage.cache_bytes_used == 0 and stage.info().active_requests == 0
 
 
 @pytest.mark.parametrize(("cost", "expect"), [("flat", "best_hit"), ("steep", 1)])
