@@ -173,7 +173,7 @@ class Controller(ABC):
         if self.done:
             return []
         if self._uses_draft and not uses_draft:
-            self.drop_draft()
+            self._lose_draft()  # the old path's work is dropped below: nothing to go on with
         elif uses_draft and self.mode.uses_draft and self.opts.token_source.uses_model:
             self._uses_draft = True  # a draft again (one dropped before is replaced)
         self.stats.replays += 1
@@ -195,10 +195,13 @@ class Controller(ABC):
         is verified as usual. `stats.draft_drops` counts it."""
         if self.done or not self._uses_draft:
             return []
+        self._lose_draft()
+        return self._without_draft()
+
+    def _lose_draft(self) -> None:
         self._uses_draft = False
         self._local = {}
         self.stats.draft_drops += 1
-        return self._without_draft()
 
     @abstractmethod
     def _restart_at(self, seq: list[int]) -> list[Command]:

@@ -377,12 +377,16 @@ def test_failure_finishes_with_an_error() -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -> None:
-    """An asynchronous executor sees a step's draft answer and its logits in either order;
-    while the draft keeps up, decisions and step counts are those of lockstep."""
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k: int) -> None:
+    """An asynchronous executor sees a step's draft answers and its logits in any order;
+    while the draft keeps up, decisions and step counts are those of lockstep (with K
+    layers per step, an answer asks again within the same step)."""
     rng = random.Random(seed)
-    ref = run(Mode.SPECPIPE, 3, RuleDraft(), n=30, width=2)
-    c = make_controller(Mode.SPECPIPE, "r", PROMPT, DecodeOptions(30, width=2), 3)
+    opts = DecodeOptions(30, width=2, layers_per_step=k)
+    ref = Generation(RulePipeline(3), RuleDraft(), PROMPT, Mode.SPECPIPE, opts)
+    ref.run()
+    c = make_controller(Mode.SPECPIPE, "r", PROMPT, opts, 3)
     pipe, draft = RulePipeline(3), RuleDraft()
     pipe.open("r", c.capacity)
     feeds: dict[int, Activation] = {}
@@ -416,9 +420,11 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -
         events = [("answer", a) for a in answers.pop(step, [])]
         if result.last is not None and result.last.logits is not None:
             events.append(("logits", result.last))
-        rng.shuffle(events)
-        for kind, ev in events:
+        while events:
+            rng.shuffle(events)
+            kind, ev = events.pop()
             execute(c.on_candidates(*ev) if kind == "answer" else c.on_logits(ev))
+            events += [("answer", a) for a in answers.pop(step, [])]
         step += 1
     assert c.tokens == ref.output
     assert c.stats.decode_steps == ref.stats.decode_steps
