@@ -20,6 +20,11 @@ stage k at step S*i + k - 1, and its tokens are emitted at step S*(i + 1).
 
     python benchmarks/bench_layers.py            # Qwen2.5-Coder 1.5B / 0.5B if pulled
     python benchmarks/bench_layers.py --quick    # tiny random models, a few minutes
+    python benchmarks/bench_layers.py --oracle-check --oracle-model qwen2.5-coder-0.5b-instruct
+
+`--oracle-check` first runs a model as its own draft (every proposal the target's own
+choice) on 7 stages: today's beam ranking against the target ranking, K = 1 and 2,
+against the ideal (the first token crosses the empty pipeline alone, then K a step).
 
 Writes results.json and results.md under --out and prints the table.
 """
@@ -50,7 +55,7 @@ from specpipe.common.perf.cost_model import (  # noqa: E402
 )
 from specpipe.common.perf.layers import evaluate_layers  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
-from specpipe.common.runtime.loader import build_local  # noqa: E402
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import Generation  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Mode  # noqa: E402
 from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
@@ -194,9 +199,43 @@ def aggregate(runs: list[dict], costs: DeploymentCosts) -> dict:
     }
 
 
-def specpipe_configs(args) -> list[tuple[str, dict]]:
-    """(row label, DecodeOptions fields) of every specpipe variant."""
+def oracle_check(model: Path, prompts: list[Prompt], stop, args, log) -> dict:
+    """The target as its own draft: tokens per step against the ideal, per ranking and K."""
+    stages = args.oracle_stages
+    dep = build_local(model, stages, ORACLE_DRAFT)
+    out = {"model": str(model), "stages": stages}
+    for label, kw in (
+        ("beam K=1", {"ranking": "beam"}),
+        ("target K=1", {}),
+        ("beam K=2", {"ranking": "beam", "layers_per_step": 2}),
+        ("target K=2", {"layers_per_step": 2}),
+    ):
+        k = kw.get("layers_per_step", 1)
+        opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width,
+                             stop_token_ids=stop, **kw)  # fmt: skip
+        runs = [run_one(dep, p, Mode.SPECPIPE, opts, dep.draft) for p in prompts]
+        tokens = sum(r["new_tokens"] for r in runs)
+        ideal = sum(stages + math.ceil((r["new_tokens"] - 1) / k) for r in runs)
+        out[label] = {
+            "tokens_per_step": tokens / sum(r["decode_steps"] for r in runs),
+            "ideal_tokens_per_step": tokens / ideal,
+            "hit_rate": sum(r["hits"] for r in runs) / tokens,
+            "regrowths": sum(r["regrowths"] for r in runs),
+            "per_prompt": {r["prompt"]: r["tokens_per_step"] for r in runs},
+        }
+        a = out[label]
+        log(f"  oracle S={stages} {label}: tok/step {a['tokens_per_step']:.3f} "
+            f"(ideal {a['ideal_tokens_per_step']:.3f}) regrowths {a['regrowths']}")  # fmt: skip
+    del dep
+    return out
+
+
+def specpipe_configs(args, temperature: float) -> list[tuple[str, dict]]:
+    """(row label, DecodeOptions fields) of every specpipe variant at `temperature` (the
+    beam reference and the other sources only at `--extras-temperatures`)."""
     configs = [(f"specpipe K={k}", {"layers_per_step": k}) for k in args.layers]
+    if temperature not in args.extras_temperatures:
+        return configs
     if args.beam:
         configs.append(("specpipe K=1 beam", {"layers_per_step": 1, "ranking": "beam"}))
     for source in args.sources:
@@ -218,6 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", default="1,2,3", help="specpipe layers per step")
     ap.add_argument("--sources", default="ngram,hybrid", help="token sources besides the draft")
     ap.add_argument("--source-layers", default="2", help="layers per step of those sources")
+    ap.add_argument("--extras-temperatures", default="0",
+                    help="temperatures of the beam reference and the other sources")  # fmt: skip
     ap.add_argument("--no-beam", dest="beam", action="store_false",
                     help="skip today's beam ranking (K=1) as a reference")  # fmt: skip
     ap.add_argument("--depths", default="2,4,8", help="specinfer sweep: tree depths")
@@ -225,6 +266,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pp-prompts", type=int, default=1, help="pp is 1/S by construction")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--quick", action="store_true", help="tiny random models")
+    ap.add_argument("--oracle-check", action="store_true",
+                    help="first: a model as its own draft, beam vs target ranking")  # fmt: skip
+    ap.add_argument("--oracle-model", default=None, help="for --oracle-check (default: target)")
+    ap.add_argument("--oracle-stages", type=int, default=7)
+    ap.add_argument("--oracle-only", action="store_true", help="only the oracle check")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -232,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args.layers = [int(k) for k in args.layers.split(",")]
     args.source_layers = [int(k) for k in args.source_layers.split(",")]
     args.sources = [s for s in args.sources.split(",") if s]
+    args.extras_temperatures = [float(t) for t in args.extras_temperatures.split(",") if t]
     setup = None if args.quick else qwen_setup(args.code, args.chat)
     if setup is None:
         setup = tiny_setup(max(args.code + args.chat, 1))
@@ -242,8 +289,19 @@ def main(argv: list[str] | None = None) -> None:
     context = max(len(p.ids) for p in setup.prompts) + args.max_new_tokens
     log(f"{setup.label}: {len(setup.prompts)} prompts, context up to {context}; S {stages_list}")
 
+    oracle = None
+    if args.oracle_check or args.oracle_only:
+        from specpipe.common.store.resolver import resolve_model
+
+        model = resolve_model(args.oracle_model) if args.oracle_model else setup.target
+        oracle = oracle_check(model, setup.prompts, setup.stop, args, log)
+        if args.oracle_only:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "oracle.json").write_text(json.dumps(oracle, indent=1))
+            return
     draft = DraftRuntime(load_stage(setup.draft))
     results: dict = {
+        "oracle_check": oracle,
         "config": {k: str(v) for k, v in vars(args).items()},
         "setup": {"target": str(setup.target), "draft": str(setup.draft), "prompts": [p.name for p in setup.prompts]},
         "context": context,
@@ -273,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"  S={S} T={T} {label:22s} tok/step {a['tokens_per_step']:.3f} "
                     f"hit {a['hit_rate']:.3f} TBT ms {tbt}")  # fmt: skip
 
-            for label, kw in specpipe_configs(args):
+            for label, kw in specpipe_configs(args, T):
                 d = draft if kw.get("token_source") != "ngram" else None
                 runs = [
                     run_one(dep, p, Mode.SPECPIPE, base(sampling, **kw), d) for p in setup.prompts
@@ -310,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
             record("pp", pp)
             entry["rows"][str(T)] = rows
         results["by_stages"][str(S)] = entry
+        results["lossless_mismatches"] = mismatches
+        write_outputs(out_dir, results, stages_list[: len(results["by_stages"])], temps)
         del dep
-    results["lossless_mismatches"] = mismatches
-    write_outputs(out_dir, results, stages_list, temps)
     log(f"lossless: {mismatches or 'all variants emitted the same tokens'}")
 
 
@@ -374,6 +432,14 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
                     f"| {S} | {T} | {label} | {tps} | {hits} | {cells} | {vs_pp} | {vs_si} |"
                 )
     lines += ["", f"Lossless: mismatches {results['lossless_mismatches'] or 'none'}."]
+    oc = results.get("oracle_check")
+    if oc:
+        lines += ["", f"Target as its own draft ({Path(oc['model']).name}), S={oc['stages']}:", "",
+                  "| ranking, K | tok/step | ideal | hit rate | regrowths |", "|---|---|---|---|---|"]  # fmt: skip
+        for label, a in oc.items():
+            if isinstance(a, dict):
+                lines.append(f"| {label} | {a['tokens_per_step']:.3f} | {a['ideal_tokens_per_step']:.3f} "
+                             f"| {a['hit_rate']:.3f} | {a['regrowths']} |")  # fmt: skip
     for S in stages_list:
         for T in temps:
             sweep = results["by_stages"][str(S)]["specinfer_sweep"][str(T)]
