@@ -5,8 +5,8 @@ and its executors"): it carries out the controllers' commands on a `Pipeline` an
 `Draft` in this process and steps the pipeline one step at a time for every active
 request together (SpecPipe-DB: each stage runs all requests' rows in one batched
 forward). Requests join and leave at step boundaries. Step counts are real, and it
-records which rows every stage computed at every step, per request and in total (the
-traces that cost projections and benchmarks use). Tests use it as the reference the
+records which rows every stage computed at every step, per request and in total, and
+the rows of each draft forward (the traces that cost projections and benchmarks use). Tests use it as the reference the
 services must match; `Generation` is one request on an engine of its own.
 """
 
@@ -47,7 +47,7 @@ class Run:
     cmds: deque[Command] = field(default_factory=deque)
     feeds: deque[Feed] = field(default_factory=deque)
     prunes: list[Prune] = field(default_factory=list)
-    draft_rows: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    draft_rows: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     step: int | None = None  # this request's next step in its own accounting
     emitted: list[int] = field(default_factory=list)  # tokens not yet taken by the caller
     done: bool = False
@@ -133,8 +133,10 @@ class LockstepEngine:
         for run in active:
             result = results[run.request_id]
             assert run.step is not None
-            row = [*result.nodes_per_stage, run.draft_rows.pop(run.step, 0)]
+            forwards = run.draft_rows.pop(run.step, [])
+            row = [*result.nodes_per_stage, sum(forwards)]
             run.stats.trace.append(row)
+            run.stats.draft_forwards.append(forwards)
             total = [a + b for a, b in zip(total, row, strict=True)]
             run.prunes = []
             run.step += 1
@@ -165,7 +167,7 @@ class LockstepEngine:
                 run.prunes.append(cmd.prune)
             elif isinstance(cmd, Propose):
                 if cmd.step is not None:
-                    run.draft_rows[cmd.step] += len(cmd.layer)
+                    run.draft_rows[cmd.step].append(len(cmd.layer))
                 assert self.draft is not None
                 cand = self.draft.propose(cmd.layer, cmd.top_k, cmd.temperature)
                 run.cmds.extend(ctrl.on_candidates(cmd.ticket, cand))

@@ -13,11 +13,18 @@ and reports the same figures whenever the draft keeps up.
 Subclasses: `SpecPipeController` (specpipe, pp, autoregressive) and
 `SpecInferController`; `make_controller` picks one for a mode.
 
+Token sources (`DecodeOptions.token_source`): the draft model (a draft service:
+`Propose` commands, answered by `on_candidates`), the n-gram source (`ngram.py`: no
+model, no draft service; the controller answers its own asks at once, as a draft that
+keeps up would be answered in lockstep), or both merged into one layer (hybrid: the
+n-gram proposals for a layer wait beside its `Propose` and join the draft's answer).
+
 Faults (docs/architecture.md, "5. The request controller and its executors"): when a
 replica on the request's path is lost, `replay` re-opens the request on a fresh path
 from the tokens verified so far; when only the draft is lost, `drop_draft` continues
-without it (width 0, as pp). Because every token is drawn from (seed, position), the
-continuation is the one the request would have had.
+without it (with the n-gram source alone in hybrid, else width 0, as pp). Because every
+token is drawn from (seed, position), the continuation is the one the request would
+have had.
 """
 
 from __future__ import annotations
@@ -26,16 +33,31 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from .commands import BroadcastPrune, Command, DraftOpen, DraftPrune, Emit, Feed, Finish
-from .growth import prefill_chunks
-from .messages import Activation, Candidates, Prune
+from torch import Tensor
+
+from .commands import (
+    BroadcastPrune,
+    Command,
+    DraftOpen,
+    DraftPrune,
+    Emit,
+    Feed,
+    Finish,
+    Propose,
+)
+from .growth import concat_candidates, prefill_chunks
+from .messages import SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates, Prune
+from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
 from .stats import DecodeStats
+from .tree import TokenTree
 
 
 class Controller(ABC):
     """One request's decisions. `num_stages` is the pipeline depth the accounting uses."""
+
+    tree: TokenTree  # the request's token tree (the modes make it)
 
     def __init__(
         self,
@@ -48,10 +70,23 @@ class Controller(ABC):
         self.request_id, self.mode, self.opts = request_id, mode, opts
         self.prompt = [int(t) for t in prompt]
         self.num_stages = num_stages
-        self._uses_draft = mode.uses_draft  # until the draft is dropped
+        source = opts.token_source
+        # the draft model, until it is dropped
+        self._uses_draft = mode.uses_draft and source.uses_model
+        # n-gram lookup over prompt + output (costs nothing, is never lost)
+        self.ngram = NgramIndex(self.prompt) if mode.uses_draft and source.uses_ngram else None
+        self._local: dict[int, Candidates] = {}  # hybrid: n-gram proposals by ticket
+        # specpipe: tree layers entering stage 1 per step
+        self.layers_per_step = opts.layers_per_step if mode == Mode.SPECPIPE else 1
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
-        self.width = opts.width if self.uses_draft else 0  # tree nodes per layer, for now
-        self.stats = DecodeStats(mode=mode.value, stages=num_stages, width=self.width)
+        self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
+        self.stats = DecodeStats(
+            mode=mode.value,
+            stages=num_stages,
+            width=self.width,
+            layers_per_step=self.layers_per_step,
+            token_source=source.value if mode.uses_draft else "",
+        )
         self.done = False
         self._feeds = 0  # feeds created
         self._prunes = 0  # prunes broadcast
@@ -73,6 +108,11 @@ class Controller(ABC):
         return tree_capacity(self.mode, self.num_stages, self.opts)
 
     @property
+    def grows_tree(self) -> bool:
+        """Whether some token source still proposes children (a draft, or n-grams)."""
+        return self._uses_draft or self.ngram is not None
+
+    @property
     def capacity(self) -> int:
         """Cache rows a stage (or the draft) needs for this request."""
         return len(self.prompt) + self.opts.max_new_tokens + self.tree_rows
@@ -80,8 +120,9 @@ class Controller(ABC):
     @property
     def root_logits_only(self) -> bool:
         """The last stage needs to return logits only for the root (one verification at a
-        time); specinfer verifies whole trees."""
-        return self.mode != Mode.SPECINFER
+        time); specinfer verifies whole trees, and specpipe with several layers per step
+        verifies down the tree as far as the step's logits go."""
+        return self.mode != Mode.SPECINFER and self.layers_per_step == 1
 
     @property
     def tokens(self) -> list[int]:
@@ -90,12 +131,12 @@ class Controller(ABC):
     @property
     def max_width(self) -> int:
         """The width the request asked for (its caches are sized for it)."""
-        return self.opts.width if self.uses_draft else 0
+        return self.opts.width if self.grows_tree else 0
 
     def set_width(self, width: int) -> None:
         """Tree nodes per layer from the next growth on (elastic width under load);
         between 1 and the width asked for. Tokens do not depend on it."""
-        if self.uses_draft:
+        if self.grows_tree:
             self.width = max(1, min(int(width), self.max_width))
 
     def rows_in_flight(self) -> int:
@@ -133,8 +174,8 @@ class Controller(ABC):
         if self.done:
             return []
         if self._uses_draft and not uses_draft:
-            self.drop_draft()
-        elif uses_draft and self.mode.uses_draft:
+            self._lose_draft()  # the old path's work is dropped below: nothing to go on with
+        elif uses_draft and self.mode.uses_draft and self.opts.token_source.uses_model:
             self._uses_draft = True  # a draft again (one dropped before is replaced)
         self.stats.replays += 1
         seq = [*self.prompt, *self.out.tokens]
@@ -150,14 +191,18 @@ class Controller(ABC):
         return cmds + self._restart_at(seq)
 
     def drop_draft(self) -> list[Command]:
-        """The draft is lost and the stages are not: go on without it (width 0, as pp)
-        from now on; what is in the pipeline is verified as usual. `stats.draft_drops`
-        counts it."""
+        """The draft is lost and the stages are not: go on without it from now on (with
+        the n-gram source alone in hybrid, else width 0, as pp); what is in the pipeline
+        is verified as usual. `stats.draft_drops` counts it."""
         if self.done or not self._uses_draft:
             return []
-        self._uses_draft = False
-        self.stats.draft_drops += 1
+        self._lose_draft()
         return self._without_draft()
+
+    def _lose_draft(self) -> None:
+        self._uses_draft = False
+        self._local = {}
+        self.stats.draft_drops += 1
 
     @abstractmethod
     def _restart_at(self, seq: list[int]) -> list[Command]:
@@ -175,6 +220,45 @@ class Controller(ABC):
         self.done = True
         self.stats.finish_reason = "error"
         return [Finish("error", message)]
+
+    # -- token sources ---------------------------------------------------------------------
+    @abstractmethod
+    def _asked_for(self, ticket: int, step: int | None) -> None:
+        """Record an ask (before any answer to it can come)."""
+
+    def _ask(self, layer: Activation, nodes: Tensor, step: int | None) -> list[Command]:
+        """Ask the token sources for the children of `layer` (tree nodes `nodes`): a
+        `Propose` to the draft (with the n-gram proposals kept for its answer, hybrid),
+        or the n-gram source's answer at once."""
+        ticket = next(self._tickets)
+        self._asked_for(ticket, step)
+        top_k = min(self.opts.top_k_children, max(self.width, 1))
+        local = self._ngram_children(nodes, top_k)
+        if not self.uses_draft:
+            return self.on_candidates(ticket, local)
+        if len(local):
+            self._local[ticket] = local
+        return [Propose(layer, top_k, self.opts.sampling.temperature, ticket, step)]
+
+    def _answer(self, ticket: int, cand: Candidates) -> Candidates:
+        """The draft's answer to `ticket` joined by the n-gram proposals for that layer."""
+        local = self._local.pop(ticket, None)
+        return cand if local is None else concat_candidates(cand, local)
+
+    def _ngram_children(self, nodes: Tensor, top_k: int | None = None) -> Candidates:
+        """The n-gram source's children of tree nodes `nodes` (none without the source)."""
+        if self.ngram is None or nodes.numel() == 0:
+            return Candidates.empty()
+        k = top_k or min(self.opts.top_k_children, max(self.width, 1))
+        seq = [*self.prompt, *self.out.tokens]
+        return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
+
+    def _count_hit(self, source: int) -> None:
+        """A verified token was a tree node proposed by `source` (bits)."""
+        if source & SOURCE_DRAFT:
+            self.stats.draft_hits += 1
+        if source & SOURCE_NGRAM:
+            self.stats.ngram_hits += 1
 
     # -- helpers for the modes -------------------------------------------------------------
     def _prefill(self) -> list[Command]:
@@ -232,6 +316,8 @@ class Controller(ABC):
     def _emit(self, tokens: list[int], done: bool) -> list[Command]:
         """Record verified tokens (already added to `out`); finish when done."""
         st = self.stats
+        if self.ngram is not None:
+            self.ngram.extend(tokens)
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .messages import EMPTY_IDS, Activation, Candidates
+from .messages import EMPTY_IDS, SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates
+from .ranking import Ranking, edge_scores
+from .sampling import SamplingParams
 from .tree import TokenTree
 
 
@@ -39,15 +41,50 @@ def prefill_chunks(request_id: str, prompt: Sequence[int], chunk: int) -> list[A
     ]
 
 
-def extend_frontier(tree: TokenTree, cand: Candidates, width: int) -> Tensor:
-    """Append the best `width` candidates whose parents are (still) frontier nodes."""
+def extend_frontier(
+    tree: TokenTree,
+    cand: Candidates,
+    width: int,
+    ranking: Ranking = Ranking.BEAM,
+    sampling: SamplingParams | None = None,
+) -> Tensor:
+    """Append the best `width` candidates whose parents are (still) frontier nodes,
+    ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
     frontier = tree.frontier()
     match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
     alive = match.any(dim=1)
     if not bool(alive.any()):
         return EMPTY_IDS
-    parents = frontier[match[alive].to(torch.int8).argmax(dim=1)]
-    return tree.append_layer(parents, cand.tokens[alive], cand.probs[alive], width)
+    cand = merge_candidates(select(cand, alive))
+    match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
+    parents = frontier[match.to(torch.int8).argmax(dim=1)]
+    logp, dev = edge_scores(parents, cand.probs, ranking, sampling or SamplingParams())
+    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources)
+
+
+def select(cand: Candidates, rows: Tensor) -> Candidates:
+    return Candidates(
+        cand.parent_ids[rows], cand.tokens[rows], cand.probs[rows], cand.sources[rows]
+    )
+
+
+def merge_candidates(cand: Candidates) -> Candidates:
+    """One candidate per (parent, token): a token proposed more than once (by the draft
+    and the n-gram source, or again from the reserve) keeps its highest probability and
+    the sources of all its proposals."""
+    pairs = torch.stack([cand.parent_ids, cand.tokens])
+    uniq, inv = torch.unique(pairs, dim=1, return_inverse=True)
+    if uniq.shape[1] == len(cand):
+        return cand
+    n = uniq.shape[1]
+    probs = torch.zeros(n, dtype=cand.probs.dtype).scatter_reduce(
+        0, inv, cand.probs, "amax", include_self=False
+    )
+    src = cand.sources.to(torch.int64)
+    source = torch.zeros(n, dtype=torch.int64)
+    for bit in (SOURCE_DRAFT, SOURCE_NGRAM):
+        source |= torch.zeros(n, dtype=torch.int64).scatter_reduce(0, inv, src & bit, "amax")
+    return Candidates(uniq[0], uniq[1], probs, source.to(torch.int8))
 
 
 def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
@@ -60,8 +97,7 @@ def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
         (cand.parent_ids[:, None] == node_parent_ids[None, :])
         & (cand.tokens[:, None] == node_tokens[None, :])
     ).any(dim=1)
-    keep = parent_alive & ~taken
-    return Candidates(cand.parent_ids[keep], cand.tokens[keep], cand.probs[keep])
+    return select(cand, parent_alive & ~taken)
 
 
 def concat_candidates(*parts: Candidates) -> Candidates:
@@ -69,4 +105,5 @@ def concat_candidates(*parts: Candidates) -> Candidates:
         torch.cat([c.parent_ids for c in parts]),
         torch.cat([c.tokens for c in parts]),
         torch.cat([c.probs.to(torch.float32) for c in parts]),
+        torch.cat([c.sources for c in parts]),
     )

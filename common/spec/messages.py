@@ -15,6 +15,11 @@ from torch import Tensor
 
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
 
+# Where a tree node's token came from (bits: a token both sources proposed has both).
+SOURCE_DRAFT = 1  # the draft model
+SOURCE_NGRAM = 2  # n-gram lookup over the verified text (`ngram.py`)
+SOURCE_NAMES = {SOURCE_DRAFT: "draft", SOURCE_NGRAM: "ngram"}
+
 
 @dataclass
 class Activation:
@@ -86,13 +91,24 @@ class Prune:
 
 @dataclass
 class Candidates:
-    """Proposed children: for candidate i, parent node id, token and draft probability."""
+    """Proposed children: for candidate i, parent node id, token and probability, and
+    which source proposed it (`SOURCE_*` bits; unset: the draft model)."""
 
     parent_ids: Tensor
     tokens: Tensor
     probs: Tensor
+    source: Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def sources(self) -> Tensor:
+        if self.source is not None:
+            return self.source
+        return torch.full((len(self),), SOURCE_DRAFT, dtype=torch.int8)
 
     @classmethod
     def empty(cls) -> Candidates:
         e = torch.empty(0, dtype=torch.int64)
-        return cls(e, e, torch.empty(0, dtype=torch.float32))
+        return cls(e, e, torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.int8))

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .ranking import Ranking
 from .sampling import SamplingParams
 
 # Defaults of `DecodeOptions`, also the command line's (`specpipe generate`, `client generate`).
@@ -16,6 +17,7 @@ DEFAULT_WIDTH = 8  # tree nodes kept per layer
 DEFAULT_TOP_K_CHILDREN = 64
 DEFAULT_SPECINFER_DEPTH = 8  # layers of a SpecInfer tree
 DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_LAYERS_PER_STEP = 1  # tree layers entering stage 1 per step (1: the paper's SpecPipe)
 
 # Sanity bounds, checked by `DecodeOptions` for every entry point.
 MAX_WIDTH = 256
@@ -23,6 +25,7 @@ MAX_TOP_K_CHILDREN = 1024
 MAX_SPECINFER_DEPTH = 64
 MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
 MAX_NEW_TOKENS = 1 << 20
+MAX_LAYERS_PER_STEP = 16
 
 
 class Mode(StrEnum):
@@ -38,6 +41,22 @@ class Mode(StrEnum):
         return self in (Mode.SPECPIPE, Mode.SPECINFER)
 
 
+class TokenSource(StrEnum):
+    """What proposes the tree's tokens (docs/architecture.md, "2.6")."""
+
+    DRAFT = "draft"  # the draft model (a draft service)
+    NGRAM = "ngram"  # n-gram lookup over prompt and output: no model, no draft service
+    HYBRID = "hybrid"  # both, merged into one tree layer
+
+    @property
+    def uses_model(self) -> bool:
+        return self != TokenSource.NGRAM
+
+    @property
+    def uses_ngram(self) -> bool:
+        return self != TokenSource.DRAFT
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     max_new_tokens: int
@@ -47,8 +66,16 @@ class DecodeOptions:
     specinfer_depth: int = DEFAULT_SPECINFER_DEPTH
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     stop_token_ids: tuple[int, ...] = ()
+    # specpipe: tree layers entering stage 1 per step (K); the last stage verifies down
+    # the tree as far as logits are there, so a step may emit up to K tokens
+    layers_per_step: int = DEFAULT_LAYERS_PER_STEP
+    token_source: TokenSource = TokenSource.DRAFT
+    ranking: Ranking = Ranking.TARGET
 
     def __post_init__(self) -> None:
+        # Plain strings are accepted (and checked) where the enums are expected.
+        object.__setattr__(self, "token_source", TokenSource(self.token_source))
+        object.__setattr__(self, "ranking", Ranking(self.ranking))
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_new_tokens > MAX_NEW_TOKENS:
@@ -58,6 +85,7 @@ class DecodeOptions:
             ("top_k_children", MAX_TOP_K_CHILDREN),
             ("specinfer_depth", MAX_SPECINFER_DEPTH),
             ("prefill_chunk", MAX_PREFILL_CHUNK),
+            ("layers_per_step", MAX_LAYERS_PER_STEP),
         ):
             value = getattr(self, name)
             if not 1 <= value <= high:
@@ -67,7 +95,8 @@ class DecodeOptions:
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
     """Upper bound on tree rows a stage or the draft caches at once for this mode."""
     if mode == Mode.SPECPIPE:
-        return (stages + 2) * opts.width + 2
+        k = opts.layers_per_step
+        return (stages * k + k + 2) * opts.width + 2
     if mode == Mode.SPECINFER:
         return opts.specinfer_depth * opts.width + 2
     return 2

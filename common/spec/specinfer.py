@@ -1,6 +1,6 @@
-"""SpecInfer's controller, on the same pipeline: per pass the draft grows a whole tree
-(one layer per draft forward, `specinfer_depth` layers), the tree crosses all S stages
-in one feed, and the longest verified path plus one token is emitted."""
+"""SpecInfer's controller, on the same pipeline: per pass the token source grows a whole
+tree (one layer per draft forward, `specinfer_depth` layers), the tree crosses all S
+stages in one feed, and the longest verified path plus one token is emitted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .commands import Command, DraftPrefill, Propose
+from .commands import Command, DraftPrefill
 from .controller import Controller
 from .growth import extend_frontier, layer_activation
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
@@ -43,10 +43,12 @@ class SpecInferController(Controller):
         return [*self._prefill(), *self._next_pass()]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
+        cand = self._answer(ticket, cand)
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        if extend_frontier(self.tree, cand, self.width).numel() == 0:
+        opts = self.opts
+        if extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling).numel() == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 
@@ -69,14 +71,19 @@ class SpecInferController(Controller):
         self._unseen = []
         if self._ticket is not None and not self._fed:  # the pass waited for the draft
             self._ticket = None
+            if self.grows_tree:  # hybrid: the n-gram source finishes the tree
+                return self._propose_or_feed()
             return self._feed_tree()
         self._ticket = None
         return []
 
+    def _asked_for(self, ticket: int, step: int | None) -> None:
+        self._ticket = ticket
+
     # -- decisions -------------------------------------------------------------------------
     def _next_pass(self) -> list[Command]:
         cmds: list[Command] = []
-        if not self.uses_draft:  # one token per pass, as pp
+        if not self.grows_tree:  # one token per pass, as pp
             return self._feed_tree()
         if self._unseen:
             start = self.root_pos - len(self._unseen)
@@ -90,12 +97,12 @@ class SpecInferController(Controller):
         tree = self.tree
         if tree.frontier_depth >= self.opts.specinfer_depth:
             return self._feed_tree()
-        layer = layer_activation(self.request_id, tree, tree.frontier(), self.root_pos)
-        self._draft_computed.append(layer.node_ids)
-        self.stats.draft_layers[-1].append(len(layer))
-        self._ticket = next(self._tickets)
-        top_k = min(self.opts.top_k_children, self.width)
-        return [Propose(layer, top_k, self.opts.sampling.temperature, self._ticket)]
+        frontier = tree.frontier()
+        layer = layer_activation(self.request_id, tree, frontier, self.root_pos)
+        if self.uses_draft:
+            self._draft_computed.append(layer.node_ids)
+            self.stats.draft_layers[-1].append(len(layer))
+        return self._ask(layer, frontier, None)
 
     def _feed_tree(self) -> list[Command]:
         whole = layer_activation(
@@ -117,6 +124,7 @@ class SpecInferController(Controller):
             if child is None or done:
                 break
             self.out.hits += 1
+            self._count_hit(int(tree.source[child]))
             path.append(child)
             self.stats.hit_depths.append(len(path) - 1)
         self.stats.accepted_lengths.append(len(emitted))

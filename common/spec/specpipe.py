@@ -1,13 +1,23 @@
-"""SpecPipe's controller (with a draft), and plain pipeline decoding (without one).
+"""SpecPipe's controller (with a token source), and plain pipeline decoding (without one).
 
-The tree enters stage 1 one layer per step; the root is verified when it leaves the last
-stage (docs/architecture.md, "3. The pipeline step"). Without a draft the tree is only
-ever its root: one token per S steps (pp), or per step with one stage (autoregressive).
+The tree enters stage 1 `layers_per_step` (K) layers per step; the root is verified
+when it leaves the last stage (docs/architecture.md, "3. The pipeline step"), and with
+K > 1 the verification goes on down the tree as far as the same step's logits go: a
+drawn token that is a child whose logits came out with the root's is verified at once,
+and so on, so a step may emit up to K tokens (DESIGN 2.6). Without a source the tree is
+only ever its root: one token per S steps (pp), or per step with one stage
+(autoregressive).
 
-When the draft answers for the layer entering at step e while the root's verification
-is due at a step <= e, its candidates are held until that verification: in lockstep the
-verification comes first, so the layer grows from the surviving parents only. The
-decision then does not depend on which of the two events reaches the executor first.
+Layers are grown one at a time (each from the source's children of the previous one)
+and gather in a pending group until it has K layers; the group then enters stage 1 as
+one feed. The root after a miss (or at the start) enters alone at once: its children
+cannot be proposed before it exists. A source works, for the group entering at step
+e + 1, during step e: its asks carry step e.
+
+When the source answers an ask of step e while the root's verification is due at a step
+<= e, its candidates are held until that verification: in lockstep the verification
+comes first, so the layer grows from the surviving parents only. The decision then does
+not depend on which of the two events reaches the executor first.
 """
 
 from __future__ import annotations
@@ -15,13 +25,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
-from .commands import Command, Propose
+from .commands import Command
 from .controller import Controller
 from .growth import concat_candidates, extend_frontier, layer_activation, unused_candidates
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .options import DecodeOptions, Mode
 from .tree import TokenTree
+
+ROOT = torch.tensor([0])
 
 
 class SpecPipeController(Controller):
@@ -34,125 +47,179 @@ class SpecPipeController(Controller):
         num_stages: int,
     ) -> None:
         super().__init__(request_id, prompt, mode, opts, num_stages)
-        self.max_depth = num_stages  # layers in flight ahead of the root: one per stage
+        # layers in flight ahead of the root: K per stage
+        self.max_depth = num_stages * self.layers_per_step
         self.root_pos = len(self.prompt) - 1
         self.tree = TokenTree(self.prompt[-1])
-        # Draft proposals not (yet) in the tree, for nodes still in it: if a prune removes
+        # Source proposals not (yet) in the tree, for nodes still in it: if a prune removes
         # the whole newest layer, the tree regrows from the deepest survivors' proposals
         # (a one-step bubble) instead of running dry until a miss (S steps).
         self.reserve = Candidates.empty()
         self._held: list[Candidates] = []  # answers waiting for a verification
-        self._asked: dict[int, int] = {}  # outstanding Propose tickets -> layer's entry step
+        self._asked: dict[int, int] = {}  # outstanding tickets -> the step the source works in
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
-        self._newest = EMPTY_IDS  # node ids of the newest layer fed
+        self._newest = EMPTY_IDS  # node ids of the newest layer grown
         self._newest_ticket: int | None = None
+        self._pending = EMPTY_IDS  # node ids grown but not fed yet (the group being built)
         self._node_depth: dict[int, int] = {}  # depth below the root when a node was fed
 
     @property
     def rows_in_flight(self) -> int:
-        return len(self.tree)  # every node of the tree has been fed
+        return len(self.tree)  # the tree's nodes: fed, or about to be
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
-        return [*self._prefill(), *self._enter(self._root_layer())]
+        return [*self._prefill(), *self._add_layer(ROOT, feed_now=True)]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
         step = self._asked.pop(ticket, None)
         self._late.discard(ticket)
+        cand = self._answer(ticket, cand)
         if self.done or step is None:
             return []
+        return self._offer(cand, step)
+
+    def on_logits(self, act: Activation) -> list[Command]:
+        if self.done or act.logits is None:
+            return []
+        if not bool((act.node_ids == self.tree.root_id).any()):
+            return []  # rows a prune dropped after they left the stage before
+        return self._verify(act)
+
+    # -- faults ----------------------------------------------------------------------------
+    def _restart_at(self, seq: list[int]) -> list[Command]:
+        self.width = self.opts.width if self.grows_tree else 0
+        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
+        self.root_pos = len(seq) - 1
+        self._forget_draft_work()
+        self._pending = EMPTY_IDS
+        return self._add_layer(ROOT, feed_now=True)
+
+    def _without_draft(self) -> list[Command]:
+        # What is in the pipeline is verified as usual; a hit's subtree is already in
+        # flight, and a miss restarts from the root: nothing waits on the draft.
+        self._forget_draft_work()
+        if not self.grows_tree:
+            self.width = 0
+            return self._flush()
+        # hybrid: the n-gram source grows the frontier on its own from now on
+        return self._offer(self._ngram_children(self.tree.frontier()), self._work_step())
+
+    def _forget_draft_work(self) -> None:
+        self.reserve = Candidates.empty()
+        self._held, self._asked, self._late, self._local = [], {}, set(), {}
+        self._newest_ticket = None
+
+    # -- decisions -------------------------------------------------------------------------
+    def _asked_for(self, ticket: int, step: int | None) -> None:
+        assert step is not None
+        self._asked[ticket] = step
+        self._newest_ticket = ticket
+
+    def _work_step(self) -> int:
+        """The step the source works in now: the one before the next group can enter."""
+        return max(self._last_enter, self._last_verify)
+
+    def _add_layer(self, idx: Tensor, feed_now: bool = False) -> list[Command]:
+        """New tree nodes `idx` (one layer) join the pending group, which is fed once it
+        has K layers (or reaches the depth limit, or `feed_now`); then the source is asked
+        for their children."""
+        tree = self.tree
+        ids = tree.ids[idx]
+        self._pending = torch.cat([self._pending, ids])
+        self._newest, self._newest_ticket = ids, None
+        cmds: list[Command] = []
+        full = self._pending_layers() >= self.layers_per_step
+        if feed_now or full or tree.frontier_depth >= self.max_depth:
+            cmds += self._flush()
+        if self.width:
+            layer = layer_activation(self.request_id, tree, idx, self.root_pos)
+            cmds += self._ask(layer, idx, self._work_step())
+        return cmds
+
+    def _pending_layers(self) -> int:
+        tree = self.tree
+        return int(torch.unique(tree.depth[torch.isin(tree.ids, self._pending)]).numel())
+
+    def _flush(self) -> list[Command]:
+        """Feed the pending group (the nodes of it still in the tree) into stage 1."""
+        tree, pending = self.tree, self._pending
+        self._pending = EMPTY_IDS
+        idx = torch.isin(tree.ids, pending).nonzero().squeeze(1)
+        if idx.numel() == 0:
+            return []
+        group = layer_activation(self.request_id, tree, idx, self.root_pos)
+        step = self._entry_step(group)
+        depths = (group.positions - self.root_pos).tolist()
+        self._node_depth.update(zip(group.node_ids.tolist(), depths, strict=True))
+        return [self._feed(group, step)]
+
+    def _offer(self, cand: Candidates, step: int) -> list[Command]:
+        """Candidates for the layer after the newest, from the source working in `step`."""
         if self._root_due(self.tree.root_id) <= step:
             self._held.append(cand)
             return []
         return self._grow(cand)
 
-    def on_logits(self, act: Activation) -> list[Command]:
-        if self.done or act.logits is None:
-            return []
-        rows = (act.node_ids == self.tree.root_id).nonzero()
-        if rows.numel() == 0:
-            return []  # rows a prune dropped after they left the stage before
-        return self._verify(act.logits[int(rows[0, 0])])
-
-    # -- faults ----------------------------------------------------------------------------
-    def _restart_at(self, seq: list[int]) -> list[Command]:
-        self.width = self.opts.width if self.uses_draft else 0
-        self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
-        self.root_pos = len(seq) - 1
-        self._forget_draft_work()
-        return self._enter(self._root_layer())
-
-    def _without_draft(self) -> list[Command]:
-        # What is in the pipeline is verified as usual; a hit's subtree is already in
-        # flight, and a miss restarts from the root: nothing waits on the draft.
-        self.width = 0
-        self._forget_draft_work()
-        return []
-
-    def _forget_draft_work(self) -> None:
-        self.reserve = Candidates.empty()
-        self._held, self._asked, self._late = [], {}, set()
-        self._newest_ticket = None
-
-    # -- decisions -------------------------------------------------------------------------
-    def _root_layer(self) -> Activation:
-        return layer_activation(self.request_id, self.tree, torch.tensor([0]), self.root_pos)
-
-    def _enter(self, layer: Activation) -> list[Command]:
-        step = self._entry_step(layer)
-        depths = (layer.positions - self.root_pos).tolist()
-        self._node_depth.update(zip(layer.node_ids.tolist(), depths, strict=True))
-        cmds: list[Command] = [self._feed(layer, step)]
-        self._newest, self._newest_ticket = layer.node_ids, None
-        if self.width:
-            ticket = next(self._tickets)
-            self._asked[ticket] = step
-            self._newest_ticket = ticket
-            top_k = min(self.opts.top_k_children, self.width)
-            temperature = self.opts.sampling.temperature
-            cmds.append(Propose(layer, top_k, temperature, ticket, step))
-        return cmds
-
-    def _verify(self, logits: torch.Tensor) -> list[Command]:
-        """The root's logits are out: draw the token, then prune to its subtree or restart."""
-        tree, root_id = self.tree, self.tree.root_id
-        token = self.out.sample(logits)
-        child = tree.child_with_token(0, token)
-        self.stats.root_children.append(int(tree.children(0).numel()))
-        self._verified(root_id)
+    def _verify(self, act: Activation) -> list[Command]:
+        """The root's logits are out: draw its token, and while that token is a child whose
+        logits came out too, that child's; then prune to the subtree of the last hit, or
+        restart from the drawn token (a miss)."""
+        tree = self.tree
+        assert act.logits is not None
+        rows = {int(n): i for i, n in enumerate(act.node_ids.tolist())}
+        self._verified(tree.root_id)
         self._count_late_answers()
-        old_root = torch.tensor([root_id])
         horizon = tree.last_id
-        if child is not None:
+        path: list[int] = []
+        tokens: list[int] = []
+        while True:
+            path.append(tree.root_id)
+            token = self.out.sample(act.logits[rows[tree.root_id]])
+            child = tree.child_with_token(0, token)
+            self.stats.root_children.append(int(tree.children(0).numel()))
+            tokens.append(token)
+            self.root_pos += 1
+            done = self.out.emit(token)
+            if child is None:
+                break
             self.out.hits += 1
+            self._count_hit(int(tree.source[child]))
             self.stats.hit_depths.append(self._node_depth.get(int(tree.ids[child]), 1))
             tree.prune_to(child)
-            prune = Prune(commit_ids=old_root, keep_ids=tree.ids.clone(), horizon=horizon)
-        else:
-            tree.reset(token)
-            prune = Prune(commit_ids=old_root, keep_ids=EMPTY_IDS, horizon=horizon)
-        self.root_pos += 1
-        cmds = self._emit([token], self.out.emit(token))
+            if done or tree.root_id not in rows:
+                break
+        hit = child is not None
+        cmds = self._emit(tokens, done)
         if self.done:
             return cmds
+        commit = torch.tensor(path, dtype=torch.int64)
+        if hit:
+            prune = Prune(commit_ids=commit, keep_ids=tree.ids.clone(), horizon=horizon)
+        else:
+            tree.reset(token)
+            prune = Prune(commit_ids=commit, keep_ids=EMPTY_IDS, horizon=horizon)
         cmds += self._prune(prune)
         live = tree.ids.tolist()
         self._forget_nodes(live)
         self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
-        if child is None:
+        self._pending = self._pending[torch.isin(self._pending, tree.ids)]
+        if not hit:
             self.reserve = Candidates.empty()
-            self._held = []
-            return cmds + self._enter(self._root_layer())
-        if not self.width:
-            return cmds
+            self._held, self._pending = [], EMPTY_IDS
+            return cmds + self._add_layer(ROOT, feed_now=True)
+        if not self.width or bool((self._pending == tree.root_id).any()):
+            cmds += self._flush()  # nothing may wait for growth: the root must go in
+            if not self.width:
+                return cmds
         held, self._held = self._held, []
         if held:
             return cmds + self._grow(concat_candidates(*held))
         newest_alive = bool(torch.isin(self._newest, tree.ids).any())
         if not (newest_alive and self._newest_ticket in self._asked):
             # The newest layer was pruned away (or nothing will come for it): regrow from
-            # the kept proposals now instead of waiting for the draft.
-            return cmds + self._grow(Candidates.empty())
+            # the kept proposals (and fresh n-gram ones) now instead of waiting.
+            return cmds + self._grow(self._ngram_children(tree.frontier()))
         return cmds
 
     def _count_late_answers(self) -> None:
@@ -164,17 +231,19 @@ class SpecPipeController(Controller):
                 self.stats.late_draft_answers += 1
 
     def _grow(self, cand: Candidates) -> list[Command]:
-        """Append the best `width` candidates whose parents are frontier nodes: the draft's
-        fresh proposals for the newest layer, or kept ones if that layer was pruned away."""
+        """Append the best `width` candidates whose parents are frontier nodes: the source's
+        fresh proposals for the newest layer, or kept ones if that layer was pruned away.
+        Nothing to append: the pending group goes in as it is."""
         if self.tree.frontier_depth >= self.max_depth:
             self._held.append(cand)  # too deep: wait until a verification makes room
             return []
         pool = concat_candidates(cand, self.reserve)
         fresh_alive = bool(torch.isin(cand.parent_ids, self.tree.ids).any())
-        new = extend_frontier(self.tree, pool, self.width)
+        opts = self.opts
+        new = extend_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
         if new.numel() and not fresh_alive:
             self.stats.regrowths += 1
         self.reserve = unused_candidates(self.tree, pool)
         if new.numel() == 0:
-            return []
-        return self._enter(layer_activation(self.request_id, self.tree, new, self.root_pos))
+            return self._flush()
+        return self._add_layer(new)

@@ -21,7 +21,14 @@ SUMMARY_KEYS = (
     "tokens_per_step",
     "hit_rate",
 )
-SPECULATION_KEYS = ("regrowths", "steady_tokens_per_step")
+SPECULATION_KEYS = (
+    "regrowths",
+    "steady_tokens_per_step",
+    "layers_per_step",
+    "token_source",
+    "draft_hit_rate",
+    "ngram_hit_rate",
+)
 RECORD_KEYS = (
     *SUMMARY_KEYS,
     "verifications",
@@ -66,6 +73,17 @@ class DecodeStats:
     # per hit, the depth below the root of its time at which the draft proposed the
     # token (specpipe: layers ahead of the verification; specinfer: place in the path)
     hit_depths: list[int] = field(default_factory=list)
+    # specpipe: tree layers entering stage 1 per step; what proposed the tree's tokens
+    # ("draft", "ngram", "hybrid"; empty without a tree)
+    layers_per_step: int = 1
+    token_source: str = ""
+    # emitted tokens that were tree nodes proposed by the draft model / the n-gram
+    # source (a token both proposed counts for both)
+    draft_hits: int = 0
+    ngram_hits: int = 0
+    # per decode step (as `trace`): the rows of each draft forward (specpipe grows
+    # `layers_per_step` layers a step, one forward each)
+    draft_forwards: list[list[int]] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -82,10 +100,21 @@ class DecodeStats:
     def hit_rate(self) -> float:
         return self.hits / self.new_tokens if self.new_tokens else 0.0
 
+    @property
+    def draft_hit_rate(self) -> float:
+        """Share of emitted tokens that were tree nodes the draft model proposed."""
+        return self.draft_hits / self.new_tokens if self.new_tokens else 0.0
+
+    @property
+    def ngram_hit_rate(self) -> float:
+        """Share of emitted tokens that were tree nodes the n-gram source proposed."""
+        return self.ngram_hits / self.new_tokens if self.new_tokens else 0.0
+
     def record(self) -> dict[str, object]:
         """Every reported figure by its name (see the module docstring)."""
         out: dict[str, object] = {k: getattr(self, k) for k in RECORD_KEYS}
-        for k in ("tokens_per_step", "hit_rate", "steady_tokens_per_step"):
+        ratios = ("tokens_per_step", "hit_rate", "steady_tokens_per_step")
+        for k in (*ratios, "draft_hit_rate", "ngram_hit_rate"):
             out[k] = round(float(out[k]), RATIO_DIGITS)
         return out
 

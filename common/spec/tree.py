@@ -2,10 +2,12 @@
 (docs/architecture.md, "2. Token tree").
 
 Nodes are stored in BFS order: token ids `I`, draft probabilities `P` (and cumulative
-path probabilities for width limiting), the ancestor mask `M` (`M[i, j]` iff j is i or an
-ancestor of i), parent index and depth. Node 0 is the root: the newest verified token.
-Every node also carries a stable id (unique for the request's lifetime) so stages can
-refer to nodes across re-indexing.
+path probabilities), the ancestor mask `M` (`M[i, j]` iff j is i or an ancestor of i),
+parent index and depth. Node 0 is the root: the newest verified token. Every node also
+carries a stable id (unique for the request's lifetime) so stages can refer to nodes
+across re-indexing, the source that proposed its token (`messages.SOURCE_*` bits), and
+its path's ranking key for width limiting (`ranking.py`): a cumulative log score and a
+count of deviations from the source's best proposals.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class TokenTree:
         self.depth = torch.zeros(1, dtype=torch.int64)
         self.prob = torch.ones(1, dtype=torch.float64)
         self.cum = torch.ones(1, dtype=torch.float64)
+        self.score = torch.zeros(1, dtype=torch.float64)
+        self.dev = torch.zeros(1, dtype=torch.int64)
+        self.source = torch.zeros(1, dtype=torch.int8)
         self.mask = torch.ones(1, 1, dtype=torch.bool)
         self.ids = self._new_ids(1)
         self.frontier_depth = 0
@@ -62,27 +67,51 @@ class TokenTree:
         hit = ((self.parent == node) & (self.tokens == token)).nonzero()
         return int(hit[0, 0]) if hit.numel() else None
 
-    def append_layer(self, parents: Tensor, tokens: Tensor, probs: Tensor, width: int) -> Tensor:
-        """Add the best `width` candidate children by cumulative probability.
+    def append_layer(
+        self,
+        parents: Tensor,
+        tokens: Tensor,
+        probs: Tensor,
+        width: int,
+        logp: Tensor | None = None,
+        deviation: Tensor | None = None,
+        source: Tensor | None = None,
+    ) -> Tensor:
+        """Add the best `width` candidate children by ranking key.
 
         `parents` are node indices (every candidate's parent must be a frontier node),
-        `tokens`/`probs` the draft's proposals. Returns the new nodes' indices.
+        `tokens`/`probs` the proposals. The key of a node is its path's (deviations,
+        -score): `logp` is each candidate's log score as its parent's child (default
+        log `probs`: beam ranking by cumulative probability; -inf: never a node) and
+        `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
+        see `ranking.edge_scores`. Returns the new nodes' indices.
         """
         if parents.numel() == 0 or width <= 0:
             return torch.empty(0, dtype=torch.int64)
         if not bool((self.depth[parents] == self.frontier_depth).all()):
             raise ValueError("candidates must extend the frontier layer")
-        cum = self.cum[parents] * probs.to(torch.float64)
-        k = min(width, int(cum.numel()))
-        best = torch.topk(cum, k).indices
+        probs = probs.to(torch.float64)
+        logp = torch.log(probs) if logp is None else logp.to(torch.float64)
+        score = self.score[parents] + logp
+        dev = self.dev[parents] + (0 if deviation is None else deviation)
+        ok = torch.isfinite(score).nonzero().squeeze(1)
+        order = torch.argsort(score[ok], descending=True, stable=True)
+        order = order[torch.argsort(dev[ok][order], stable=True)]
+        best = ok[order[:width]]
+        if best.numel() == 0:
+            return torch.empty(0, dtype=torch.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
         best = best[torch.argsort(parents[best], stable=True)]
-        par, n0, m = parents[best], len(self), k
+        par, n0, m = parents[best], len(self), int(best.numel())
+        src = torch.ones(m, dtype=torch.int8) if source is None else source[best].to(torch.int8)
         self.tokens = torch.cat([self.tokens, tokens[best].to(torch.int64)])
         self.parent = torch.cat([self.parent, par])
         self.depth = torch.cat([self.depth, self.depth[par] + 1])
-        self.prob = torch.cat([self.prob, probs[best].to(torch.float64)])
-        self.cum = torch.cat([self.cum, cum[best]])
+        self.prob = torch.cat([self.prob, probs[best]])
+        self.cum = torch.cat([self.cum, self.cum[par] * probs[best]])
+        self.score = torch.cat([self.score, score[best]])
+        self.dev = torch.cat([self.dev, dev[best]])
+        self.source = torch.cat([self.source, src])
         self.ids = torch.cat([self.ids, self._new_ids(m)])
         mask = torch.zeros(n0 + m, n0 + m, dtype=torch.bool)
         mask[:n0, :n0] = self.mask
@@ -107,6 +136,10 @@ class TokenTree:
         self.prob = self.prob[keep]
         self.prob[0] = 1.0
         self.cum = self.cum[keep] / self.cum[child]
+        self.score = self.score[keep] - self.score[child]
+        self.dev = self.dev[keep] - self.dev[child]
+        self.source = self.source[keep]
+        self.source[0] = 0
         self.mask = self.mask[keep][:, keep]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.

@@ -153,7 +153,7 @@ def plan_request(
     except ValueError:
         modes = ", ".join(m.value for m in Mode)
         raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
-    if mode.uses_draft and not has_draft:
+    if mode.uses_draft and r.token_source != "ngram" and not has_draft:
         raise InvalidRequest(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"mode {mode} needs a draft and this deployment has none (use pp)",
@@ -174,9 +174,11 @@ def plan_request(
             ("top_k_children", "top_k_children"),
             ("depth", "specinfer_depth"),
             ("prefill_chunk", "prefill_chunk"),
+            ("layers_per_step", "layers_per_step"),
         )
         if r.HasField(field)
     }
+    given.update({k: getattr(r, k) for k in ("token_source", "ranking") if getattr(r, k)})
     try:
         sampling = SamplingParams(
             s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed

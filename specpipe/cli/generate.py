@@ -13,6 +13,7 @@ from .args import CliError, add_dtype_arg, add_sampling_args, parse_ids, positiv
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `generate` command to the top-level subparsers."""
     from specpipe.common.spec.options import (
+        DEFAULT_LAYERS_PER_STEP,
         DEFAULT_MAX_NEW_TOKENS,
         DEFAULT_PREFILL_CHUNK,
         DEFAULT_SPECINFER_DEPTH,
@@ -20,12 +21,36 @@ def register(sub: argparse._SubParsersAction) -> None:
         DEFAULT_WIDTH,
         Mode,
     )
+    from specpipe.common.spec.ranking import Ranking
 
     p = sub.add_parser(
         "generate", help="generate text in one process, stages stepped as a pipeline"
     )
     p.add_argument("--target", required=True, help="target model: name, HF directory or GGUF file")
-    p.add_argument("--draft", default=None, help="draft model, or 'oracle' for the target itself")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="draft model, 'oracle' for the target itself, or 'ngram' for n-gram lookup over "
+        "prompt and output (no draft model)",
+    )
+    p.add_argument(
+        "--ngram",
+        action="store_true",
+        help="hybrid: add n-gram proposals to the draft model's in every tree layer",
+    )
+    p.add_argument(
+        "--layers-per-step",
+        default=str(DEFAULT_LAYERS_PER_STEP),
+        help="specpipe: tree layers entering stage 1 per step (a step emits up to that many "
+        "tokens), or 'auto' (chosen from measured stage costs and hit rates)",
+    )
+    p.add_argument(
+        "--ranking",
+        choices=[r.value for r in Ranking],
+        default=Ranking.TARGET.value,
+        help="tree nodes kept per layer by the chance the target's decoding takes them "
+        "(target) or by cumulative draft probability (beam)",
+    )
     p.add_argument("--stages", type=positive_int, default=1)
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPECPIPE.value)
     src = p.add_mutually_exclusive_group(required=True)
@@ -63,7 +88,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specpipe.common.model.config import ModelConfig, ModelConfigError
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, parse_dtype
     from specpipe.common.runtime.lockstep import Generation
-    from specpipe.common.spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+    from specpipe.common.spec.options import (
+        DecodeOptions,
+        Mode,
+        TokenSource,
+        check_context,
+        check_prompt_ids,
+    )
     from specpipe.common.spec.sampling import SamplingParams
     from specpipe.common.store.resolver import resolve_model
     from specpipe.common.text import TextCodec
@@ -80,11 +111,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     if args.stages > cfg.num_layers:
         raise CliError(f"--stages {args.stages} exceeds the target's {cfg.num_layers} layers")
-    draft = None
+    draft, source = None, TokenSource.HYBRID if args.ngram else TokenSource.DRAFT
     if mode.uses_draft:
         if args.draft is None:
-            raise CliError(f"--mode {mode} needs --draft (a model, or 'oracle')")
-        draft = ORACLE_DRAFT if args.draft == ORACLE_DRAFT else resolve_model(args.draft)
+            raise CliError(f"--mode {mode} needs --draft (a model, 'oracle' or 'ngram')")
+        if args.draft == TokenSource.NGRAM.value:
+            if args.ngram:
+                raise CliError(
+                    "--ngram adds n-grams to a draft model's proposals: give --draft MODEL"
+                )
+            source = TokenSource.NGRAM
+        else:
+            draft = ORACLE_DRAFT if args.draft == ORACLE_DRAFT else resolve_model(args.draft)
     codec = None
     if args.prompt is not None:
         codec = TextCodec.from_dir(target)
@@ -101,6 +139,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     stages = args.stages
     deployment = build_local(target, stages, draft, parse_dtype(args.dtype), split=args.split)
+    layers = _parse_layers(args.layers_per_step)
     width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:
         opts = DecodeOptions(
@@ -111,9 +150,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             specinfer_depth=args.depth,
             prefill_chunk=args.prefill_chunk,
             stop_token_ids=() if args.ignore_eos else cfg.eos_token_ids,
+            layers_per_step=layers or 1,
+            token_source=source,
+            ranking=args.ranking,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
+    if layers is None:
+        opts = _choose_layers(deployment, mode, prompt_ids, opts)
     try:
         gen = Generation(deployment.pipeline, deployment.draft, prompt_ids, mode, opts)
     except ValueError as e:
@@ -137,10 +181,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         s = gen.stats.summary()
         print(
             f"[{s['mode']}] S={s['stages']} tokens={s['new_tokens']} steps={s['decode_steps']} "
-            f"tokens/step={s['tokens_per_step']:.3f} hit_rate={s['hit_rate']:.3f}",
+            f"tokens/step={s['tokens_per_step']:.3f} hit_rate={s['hit_rate']:.3f}"
+            + _per_source(gen.stats),
             file=sys.stderr,
         )
     return 0
+
+
+def _parse_layers(text: str) -> int | None:
+    """`--layers-per-step`: a positive integer, or None for 'auto'."""
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise CliError(
+            f"--layers-per-step must be a positive integer or 'auto', got {text!r}"
+        ) from None
+    if value <= 0:
+        raise CliError(f"--layers-per-step must be positive, got {value}")
+    return value
+
+
+def _choose_layers(deployment, mode, prompt_ids: list[int], opts):
+    """`--layers-per-step auto`: the K with the least expected time per token from this
+    machine's stage costs and calibration runs (`common/perf/layers.py`)."""
+    from dataclasses import replace
+
+    from specpipe.common.perf.layers import choose_layers
+    from specpipe.common.spec.options import Mode
+
+    if mode != Mode.SPECPIPE:
+        return opts  # only specpipe grows several layers per step
+    choice = choose_layers(deployment, [prompt_ids], opts)
+    print(choice.explain(), file=sys.stderr)
+    return replace(opts, layers_per_step=choice.layers)
 
 
 def _choose_width(
@@ -164,3 +239,10 @@ def _choose_width(
     choice = choose_width(deployment, [prompt_ids], sampling, args.top_k_children)
     print(choice.explain(), file=sys.stderr)
     return choice.width
+
+
+def _per_source(stats) -> str:
+    """Hit rate per token source, when the tree had more than the draft model."""
+    if stats.token_source not in ("ngram", "hybrid"):
+        return ""
+    return f" (draft {stats.draft_hit_rate:.3f}, ngram {stats.ngram_hit_rate:.3f})"

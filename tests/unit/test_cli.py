@@ -59,8 +59,44 @@ def test_generate_json_contract(capsys, llama_dir) -> None:
     # Extras beside "stats" (`specpipe client generate --json` prints the same shape).
     assert set(result) == {"token_ids", "text", "stats", "speculation", "model", "weight_hash"}
     assert len(result["weight_hash"]) == 16  # the model version
-    assert set(result["speculation"]) == {"regrowths", "steady_tokens_per_step"}
-    assert result["speculation"]["steady_tokens_per_step"] > 0
+    assert set(result["speculation"]) == {
+        "regrowths",
+        "steady_tokens_per_step",
+        "layers_per_step",
+        "token_source",
+        "draft_hit_rate",
+        "ngram_hit_rate",
+    }
+    spec = result["speculation"]
+    assert spec["steady_tokens_per_step"] > 0 and spec["layers_per_step"] == 1
+    assert spec["token_source"] == "draft" and spec["ngram_hit_rate"] == 0
+
+
+def test_layers_per_step_and_token_sources_through_cli(capsys, llama_dir) -> None:
+    """Several layers per step, the n-gram source (no draft model) and the hybrid: the
+    tokens of plain decoding, the stats of what ran."""
+    base = ["generate", "--target", str(llama_dir), "--stages", "3", "--prompt-ids",
+            "5,17,33,2,5,17,33", "--max-new-tokens", "12", "--json", "--ignore-eos"]  # fmt: skip
+    _, out, _ = run(capsys, *base, "--mode", "autoregressive")
+    expect = json.loads(out)["token_ids"]
+    for extra, source in (
+        (["--draft", "oracle", "--layers-per-step", "3"], "draft"),
+        (["--draft", "ngram", "--layers-per-step", "2"], "ngram"),
+        (["--draft", "oracle", "--ngram", "--ranking", "beam"], "hybrid"),
+    ):
+        code, out, err = run(capsys, *base, *extra)
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["token_ids"] == expect, extra
+        spec = result["speculation"]
+        assert spec["token_source"] == source
+        assert spec["layers_per_step"] == int(extra[3]) if extra[2] == "--layers-per-step" else 1
+    assert json.loads(out)["stats"]["hit_rate"] == 1.0  # the oracle, with n-grams beside it
+    code, out, err = run(capsys, *base, "--draft", "oracle", "--layers-per-step", "auto")
+    assert code == 0 and "layers per step auto" in err and "<- chosen" in err
+    assert json.loads(out)["token_ids"] == expect
+    code, out, err = run(capsys, *base, "--draft", "ngram", "--ngram")
+    assert code == 2 and out == "" and "--ngram adds" in err
 
 
 def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_dir) -> None:
@@ -104,6 +140,9 @@ def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_d
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "1.5"], "top_p"),
         (["--width", "zero"], "--width"),
+        (["--mode", "specpipe", "--layers-per-step", "two"], "--layers-per-step"),
+        (["--mode", "specpipe", "--layers-per-step", "0"], "must be positive"),
+        (["--mode", "specpipe", "--layers-per-step", "99"], "layers_per_step must be in"),
         (["--target", "/nonexistent/model"], "not found|no such"),
         (["--mode", "specpipe", "--no-draft"], "needs --draft"),
         (["--prompt", "hello"], "tokenizer"),

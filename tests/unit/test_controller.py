@@ -45,7 +45,7 @@ def one_hot(token: int) -> torch.Tensor:
     return x
 
 
-def plain_decoding(prompt: list[int], n: int) -> list[int]:
+def plain_decoding(prompt: list[int], n: int, rule=rule) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(rule(seq))
@@ -86,8 +86,9 @@ class RuleRequest:
 class RulePipeline:
     """S stages that pass rows along; the last returns the rule's one-hot logits."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, num_stages: int, rule=rule) -> None:
         self.num_stages, self.vocab_size, self.max_context = num_stages, VOCAB, 10_000
+        self.rule = rule
         self.requests: dict[str, RuleRequest] = {}
         self.flight: dict[str, list[Activation | None]] = {}
 
@@ -117,7 +118,7 @@ class RulePipeline:
         last = flight[-1]
         out = None
         if last is not None and not last.committed:
-            logits = torch.stack([one_hot(rule(req.path(n))) for n in last.node_ids.tolist()])
+            logits = torch.stack([one_hot(self.rule(req.path(n))) for n in last.node_ids.tolist()])
             out = Activation(request_id, last.positions, node_ids=last.node_ids,
                              parent_ids=last.parent_ids, logits=logits)  # fmt: skip
         return StepResult(out, [len(a) if a is not None else 0 for a in flight])
@@ -126,8 +127,8 @@ class RulePipeline:
 class RuleDraft:
     """Proposes `k` children per node: the rule's token first (oracle) or never (blind)."""
 
-    def __init__(self, oracle: bool = True) -> None:
-        self.oracle = oracle
+    def __init__(self, oracle: bool = True, rule=rule) -> None:
+        self.oracle, self.rule = oracle, rule
         self.requests: dict[str, RuleRequest] = {}
 
     def open(self, request_id: str, capacity: int) -> None:
@@ -149,7 +150,7 @@ class RuleDraft:
         req.add(layer)
         parents, tokens, probs = [], [], []
         for nid in layer.node_ids.tolist():
-            best = rule(req.path(nid))
+            best = self.rule(req.path(nid))
             picks = [best] if self.oracle else []
             picks += [t for t in range(VOCAB) if t != best][: top_k - len(picks)]
             for rank, t in enumerate(picks):
@@ -376,12 +377,16 @@ def test_failure_finishes_with_an_error() -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -> None:
-    """An asynchronous executor sees a step's draft answer and its logits in either order;
-    while the draft keeps up, decisions and step counts are those of lockstep."""
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k: int) -> None:
+    """An asynchronous executor sees a step's draft answers and its logits in any order;
+    while the draft keeps up, decisions and step counts are those of lockstep (with K
+    layers per step, an answer asks again within the same step)."""
     rng = random.Random(seed)
-    ref = run(Mode.SPECPIPE, 3, RuleDraft(), n=30, width=2)
-    c = make_controller(Mode.SPECPIPE, "r", PROMPT, DecodeOptions(30, width=2), 3)
+    opts = DecodeOptions(30, width=2, layers_per_step=k)
+    ref = Generation(RulePipeline(3), RuleDraft(), PROMPT, Mode.SPECPIPE, opts)
+    ref.run()
+    c = make_controller(Mode.SPECPIPE, "r", PROMPT, opts, 3)
     pipe, draft = RulePipeline(3), RuleDraft()
     pipe.open("r", c.capacity)
     feeds: dict[int, Activation] = {}
@@ -415,9 +420,11 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int) -
         events = [("answer", a) for a in answers.pop(step, [])]
         if result.last is not None and result.last.logits is not None:
             events.append(("logits", result.last))
-        rng.shuffle(events)
-        for kind, ev in events:
+        while events:
+            rng.shuffle(events)
+            kind, ev = events.pop()
             execute(c.on_candidates(*ev) if kind == "answer" else c.on_logits(ev))
+            events += [("answer", a) for a in answers.pop(step, [])]
         step += 1
     assert c.tokens == ref.output
     assert c.stats.decode_steps == ref.stats.decode_steps
@@ -515,8 +522,9 @@ class FaultHarness:
                 assert self.max_node_id > old_horizon  # node ids keep growing
             result = self.pipe.step("r", self.prunes, self.feeds.pop(self.step, None))
             self.prunes = []
-            for answer in self.answers.pop(self.step, []):
-                self.execute(self.c.on_candidates(*answer))
+            while self.answers.get(self.step):  # an answer may ask again in the same step
+                for answer in self.answers.pop(self.step):
+                    self.execute(self.c.on_candidates(*answer))
             if result.last is not None and result.last.logits is not None:
                 self.execute(self.c.on_logits(result.last))
             self.step += 1

@@ -193,3 +193,63 @@ def test_speculative_mode_needs_a_draft(llama_dir) -> None:
     dep = build_local(llama_dir, 2, None)
     with pytest.raises(ValueError, match="needs a draft"):
         Generation(dep.pipeline, None, PROMPT, Mode.SPECPIPE, DecodeOptions(max_new_tokens=4))
+
+
+# -- several tree layers per step, token sources ---------------------------------------------
+
+
+def _draft_of(source: str, request) -> str | Path | None:
+    """The draft model of a token source (the n-gram source needs none)."""
+    if source == "ngram":
+        return None
+    return ORACLE_DRAFT if source == "oracle" else request.getfixturevalue("unrelated_draft_dir")
+
+
+def _layers_runs(target, source, stages, request, ks, **opts) -> dict[int, Generation]:
+    """One request per K on one fp64 deployment (exact comparisons across cache shapes)."""
+    dep = build_local(target, stages, _draft_of(source, request), torch.float64)
+    out = {}
+    for k in ks:
+        src = "ngram" if source == "ngram" else "draft"
+        o = DecodeOptions(layers_per_step=k, token_source=src, **opts)
+        out[k] = Generation(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
+        out[k].run()
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["llama_dir", "qwen_dir"])
+@pytest.mark.parametrize("source", ["oracle", "unrelated", "ngram"])
+def test_several_layers_per_step_greedy_equals_transformers(fixture, source, request) -> None:
+    target = request.getfixturevalue(fixture)
+    expect = hf_greedy(target, tuple(PROMPT), 24)
+    for stages in stage_counts(target):
+        runs = _layers_runs(target, source, stages, request, (1, 2, 3),
+                            max_new_tokens=24, width=4, prefill_chunk=4)  # fmt: skip
+        for k, gen in runs.items():
+            assert gen.output == expect, f"S={stages} K={k}"
+
+
+@pytest.mark.parametrize("source", ["oracle", "unrelated", "ngram"])
+@pytest.mark.parametrize("sampling", SAMPLING[::3], ids=lambda s: f"T{s.temperature}")
+def test_several_layers_per_step_fixed_seed_equals_autoregressive(
+    llama_dir, source, sampling, request
+) -> None:
+    opts = dict(max_new_tokens=24, sampling=sampling, width=4)
+    ref = generate(llama_dir, Mode.AUTOREGRESSIVE, 1, dtype=torch.float64, **opts).output
+    for stages in (2, 5):
+        for k, gen in _layers_runs(llama_dir, source, stages, request, (1, 2, 3), **opts).items():
+            assert gen.output == ref, f"S={stages} K={k}"
+
+
+def test_oracle_draft_gives_the_ideal_tokens_per_step_for_one_and_two_layers(
+    llama_dir, request
+) -> None:
+    """The target as its own draft, every token a hit: the first token crosses the empty
+    pipeline alone (S steps), then each step verifies its group of K layers whole."""
+    stages, n = 5, 48
+    runs = _layers_runs(llama_dir, "oracle", stages, request, (1, 2), max_new_tokens=n, width=4)
+    for k, gen in runs.items():
+        st = gen.stats
+        assert st.hits == st.new_tokens == n and st.regrowths == 0, f"K={k}"
+        assert st.decode_steps == stages + -(-(n - 1) // k), f"K={k}"
+    assert runs[2].stats.tokens_per_step > 1.6  # more than one token per step

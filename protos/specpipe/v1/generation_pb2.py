@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpipe/v1/generation.proto\x12\x0bspecpipe.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"a\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x42\x08\n\x06_top_p\"\xa2\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.specpipe.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x03\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specpipe.v1.SamplingOptions\x12\x12\n\x05width\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0etop_k_children\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05\x64\x65pth\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x1a\n\rprefill_chunk\x18\r \x01(\x03H\x04\x88\x01\x01\x12\x10\n\x08priority\x18\x0e \x01(\x05\x42\x08\n\x06promptB\x08\n\x06_widthB\x11\n\x0f_top_k_childrenB\x08\n\x06_depthB\x10\n\x0e_prefill_chunk\"\x99\x01\n\x10GenerateResponse\x12\'\n\x07started\x18\x01 \x01(\x0b\x32\x14.specpipe.v1.StartedH\x00\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.specpipe.v1.TokenDeltaH\x00\x12)\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x15.specpipe.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"X\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bweight_hash\x18\x04 \x01(\t\"<\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xfc\x02\n\x10SpeculationStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06stages\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x15\n\rprefill_steps\x18\x04 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\x04\x12\x12\n\nnew_tokens\x18\x06 \x01(\x04\x12\x17\n\x0ftokens_per_step\x18\x07 \x01(\x01\x12\x10\n\x08hit_rate\x18\x08 \x01(\x01\x12\x15\n\rverifications\x18\t \x01(\x04\x12\x1e\n\x16time_to_first_token_ms\x18\n \x01(\x01\x12#\n\x1bmean_time_between_tokens_ms\x18\x0b \x01(\x01\x12\x11\n\tregrowths\x18\x0c \x01(\x04\x12\x1e\n\x16steady_tokens_per_step\x18\r \x01(\x01\x12\x1a\n\x12late_draft_answers\x18\x0e \x01(\x04\x12\x0f\n\x07replays\x18\x0f \x01(\x04\x12\x13\n\x0b\x64raft_drops\x18\x10 \x01(\x04\"\x80\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specpipe.v1.Usage\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.specpipe.v1.SpeculationStats\x12\x0c\n\x04text\x18\x04 \x01(\t\"<\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x13\n\x11ListModelsRequest\"\xb4\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06stages\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\t\x12\x13\n\x0bweight_hash\x18\x07 \x01(\t\x12\r\n\x05modes\x18\x08 \x03(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.specpipe.v1.ModelCard\"\x17\n\x15\x44\x65scribeRouterRequest\"\xa9\x01\n\x07\x42\x61\x63kend\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06layers\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x13\n\x0bweight_hash\x18\x06 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x0f\n\x07refused\x18\t \x01(\x08\"\xe4\x01\n\x11RouterDescription\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12&\n\x08\x62\x61\x63kends\x18\x03 \x03(\x0b\x32\x14.specpipe.v1.Backend\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x18\n\x10waiting_requests\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x08 \x01(\r\x12\x12\n\nrow_budget\x18\t \x01(\r2\xbf\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.specpipe.v1.GenerateRequest\x1a\x1d.specpipe.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.specpipe.v1.TokenizeRequest\x1a\x1d.specpipe.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.specpipe.v1.ListModelsRequest\x1a\x1f.specpipe.v1.ListModelsResponse\x12N\n\x08\x44\x65scribe\x12\".specpipe.v1.DescribeRouterRequest\x1a\x1e.specpipe.v1.RouterDescriptionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecpipe/v1/generation.proto\x12\x0bspecpipe.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"a\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x42\x08\n\x06_top_p\"\xfb\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.specpipe.v1.TokenIdsH\x00\x12\x0c\n\x04\x63hat\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x03\x12.\n\x08sampling\x18\x07 \x01(\x0b\x32\x1c.specpipe.v1.SamplingOptions\x12\x12\n\x05width\x18\x08 \x01(\x03H\x01\x88\x01\x01\x12\x1b\n\x0etop_k_children\x18\t \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05\x64\x65pth\x18\n \x01(\x03H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x1a\n\rprefill_chunk\x18\r \x01(\x03H\x04\x88\x01\x01\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x1c\n\x0flayers_per_step\x18\x14 \x01(\x03H\x05\x88\x01\x01\x12\x14\n\x0ctoken_source\x18\x15 \x01(\t\x12\x0f\n\x07ranking\x18\x16 \x01(\tB\x08\n\x06promptB\x08\n\x06_widthB\x11\n\x0f_top_k_childrenB\x08\n\x06_depthB\x10\n\x0e_prefill_chunkB\x12\n\x10_layers_per_step\"\x99\x01\n\x10GenerateResponse\x12\'\n\x07started\x18\x01 \x01(\x0b\x32\x14.specpipe.v1.StartedH\x00\x12(\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x17.specpipe.v1.TokenDeltaH\x00\x12)\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x15.specpipe.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"X\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x13\n\x0bweight_hash\x18\x04 \x01(\t\"<\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xdb\x03\n\x10SpeculationStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x0e\n\x06stages\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\x12\x15\n\rprefill_steps\x18\x04 \x01(\x04\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\x04\x12\x12\n\nnew_tokens\x18\x06 \x01(\x04\x12\x17\n\x0ftokens_per_step\x18\x07 \x01(\x01\x12\x10\n\x08hit_rate\x18\x08 \x01(\x01\x12\x15\n\rverifications\x18\t \x01(\x04\x12\x1e\n\x16time_to_first_token_ms\x18\n \x01(\x01\x12#\n\x1bmean_time_between_tokens_ms\x18\x0b \x01(\x01\x12\x11\n\tregrowths\x18\x0c \x01(\x04\x12\x1e\n\x16steady_tokens_per_step\x18\r \x01(\x01\x12\x1a\n\x12late_draft_answers\x18\x0e \x01(\x04\x12\x0f\n\x07replays\x18\x0f \x01(\x04\x12\x13\n\x0b\x64raft_drops\x18\x10 \x01(\x04\x12\x17\n\x0flayers_per_step\x18\x14 \x01(\r\x12\x14\n\x0ctoken_source\x18\x15 \x01(\t\x12\x16\n\x0e\x64raft_hit_rate\x18\x16 \x01(\x01\x12\x16\n\x0engram_hit_rate\x18\x17 \x01(\x01\"\x80\x01\n\x08\x46inished\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.specpipe.v1.Usage\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.specpipe.v1.SpeculationStats\x12\x0c\n\x04text\x18\x04 \x01(\t\"<\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0c\n\x04\x63hat\x18\x03 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"\x13\n\x11ListModelsRequest\"\xb4\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x0e\n\x06stages\x18\x05 \x01(\r\x12\x13\n\x0b\x64raft_model\x18\x06 \x01(\t\x12\x13\n\x0bweight_hash\x18\x07 \x01(\t\x12\r\n\x05modes\x18\x08 \x03(\t\x12\x15\n\rhas_tokenizer\x18\t \x01(\x08\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.specpipe.v1.ModelCard\"\x17\n\x15\x44\x65scribeRouterRequest\"\xa9\x01\n\x07\x42\x61\x63kend\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x0e\n\x06layers\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x13\n\x0bweight_hash\x18\x06 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x07 \x01(\r\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x0f\n\x07refused\x18\t \x01(\x08\"\xe4\x01\n\x11RouterDescription\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0f\x61\x63tive_requests\x18\x02 \x01(\r\x12&\n\x08\x62\x61\x63kends\x18\x03 \x03(\x0b\x32\x14.specpipe.v1.Backend\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\x12\x18\n\x10waiting_requests\x18\x06 \x01(\r\x12\x13\n\x0bmax_running\x18\x07 \x01(\r\x12\x13\n\x0bmax_waiting\x18\x08 \x01(\r\x12\x12\n\nrow_budget\x18\t \x01(\r2\xbf\x02\n\nGeneration\x12I\n\x08Generate\x12\x1c.specpipe.v1.GenerateRequest\x1a\x1d.specpipe.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.specpipe.v1.TokenizeRequest\x1a\x1d.specpipe.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.specpipe.v1.ListModelsRequest\x1a\x1f.specpipe.v1.ListModelsResponse\x12N\n\x08\x44\x65scribe\x12\".specpipe.v1.DescribeRouterRequest\x1a\x1e.specpipe.v1.RouterDescriptionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,35 +36,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS']._serialized_start=70
   _globals['_SAMPLINGOPTIONS']._serialized_end=167
   _globals['_GENERATEREQUEST']._serialized_start=170
-  _globals['_GENERATEREQUEST']._serialized_end=588
-  _globals['_GENERATERESPONSE']._serialized_start=591
-  _globals['_GENERATERESPONSE']._serialized_end=744
-  _globals['_STARTED']._serialized_start=746
-  _globals['_STARTED']._serialized_end=834
-  _globals['_TOKENDELTA']._serialized_start=836
-  _globals['_TOKENDELTA']._serialized_end=896
-  _globals['_USAGE']._serialized_start=898
-  _globals['_USAGE']._serialized_end=955
-  _globals['_SPECULATIONSTATS']._serialized_start=958
-  _globals['_SPECULATIONSTATS']._serialized_end=1338
-  _globals['_FINISHED']._serialized_start=1341
-  _globals['_FINISHED']._serialized_end=1469
-  _globals['_TOKENIZEREQUEST']._serialized_start=1471
-  _globals['_TOKENIZEREQUEST']._serialized_end=1531
-  _globals['_TOKENIZERESPONSE']._serialized_start=1533
-  _globals['_TOKENIZERESPONSE']._serialized_end=1570
-  _globals['_LISTMODELSREQUEST']._serialized_start=1572
-  _globals['_LISTMODELSREQUEST']._serialized_end=1591
-  _globals['_MODELCARD']._serialized_start=1594
-  _globals['_MODELCARD']._serialized_end=1774
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1776
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1836
-  _globals['_DESCRIBEROUTERREQUEST']._serialized_start=1838
-  _globals['_DESCRIBEROUTERREQUEST']._serialized_end=1861
-  _globals['_BACKEND']._serialized_start=1864
-  _globals['_BACKEND']._serialized_end=2033
-  _globals['_ROUTERDESCRIPTION']._serialized_start=2036
-  _globals['_ROUTERDESCRIPTION']._serialized_end=2264
-  _globals['_GENERATION']._serialized_start=2267
-  _globals['_GENERATION']._serialized_end=2586
+  _globals['_GENERATEREQUEST']._serialized_end=677
+  _globals['_GENERATERESPONSE']._serialized_start=680
+  _globals['_GENERATERESPONSE']._serialized_end=833
+  _globals['_STARTED']._serialized_start=835
+  _globals['_STARTED']._serialized_end=923
+  _globals['_TOKENDELTA']._serialized_start=925
+  _globals['_TOKENDELTA']._serialized_end=985
+  _globals['_USAGE']._serialized_start=987
+  _globals['_USAGE']._serialized_end=1044
+  _globals['_SPECULATIONSTATS']._serialized_start=1047
+  _globals['_SPECULATIONSTATS']._serialized_end=1522
+  _globals['_FINISHED']._serialized_start=1525
+  _globals['_FINISHED']._serialized_end=1653
+  _globals['_TOKENIZEREQUEST']._serialized_start=1655
+  _globals['_TOKENIZEREQUEST']._serialized_end=1715
+  _globals['_TOKENIZERESPONSE']._serialized_start=1717
+  _globals['_TOKENIZERESPONSE']._serialized_end=1754
+  _globals['_LISTMODELSREQUEST']._serialized_start=1756
+  _globals['_LISTMODELSREQUEST']._serialized_end=1775
+  _globals['_MODELCARD']._serialized_start=1778
+  _globals['_MODELCARD']._serialized_end=1958
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1960
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2020
+  _globals['_DESCRIBEROUTERREQUEST']._serialized_start=2022
+  _globals['_DESCRIBEROUTERREQUEST']._serialized_end=2045
+  _globals['_BACKEND']._serialized_start=2048
+  _globals['_BACKEND']._serialized_end=2217
+  _globals['_ROUTERDESCRIPTION']._serialized_start=2220
+  _globals['_ROUTERDESCRIPTION']._serialized_end=2448
+  _globals['_GENERATION']._serialized_start=2451
+  _globals['_GENERATION']._serialized_end=2770
 # @@protoc_insertion_point(module_scope)

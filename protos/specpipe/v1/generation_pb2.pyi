@@ -25,7 +25,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,9 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RANKING_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -54,7 +57,10 @@ class GenerateRequest(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
     priority: int
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    layers_per_step: int
+    token_source: str
+    ranking: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
@@ -97,7 +103,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step", "late_draft_answers", "replays", "draft_drops")
+    __slots__ = ("mode", "stages", "width", "prefill_steps", "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "verifications", "time_to_first_token_ms", "mean_time_between_tokens_ms", "regrowths", "steady_tokens_per_step", "late_draft_answers", "replays", "draft_drops", "layers_per_step", "token_source", "draft_hit_rate", "ngram_hit_rate")
     MODE_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +120,10 @@ class SpeculationStats(_message.Message):
     LATE_DRAFT_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     REPLAYS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DROPS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     stages: int
     width: int
@@ -130,7 +140,11 @@ class SpeculationStats(_message.Message):
     late_draft_answers: int
     replays: int
     draft_drops: int
-    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ..., replays: _Optional[int] = ..., draft_drops: _Optional[int] = ...) -> None: ...
+    layers_per_step: int
+    token_source: str
+    draft_hit_rate: float
+    ngram_hit_rate: float
+    def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ..., replays: _Optional[int] = ..., draft_drops: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., draft_hit_rate: _Optional[float] = ..., ngram_hit_rate: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats", "text")

@@ -1,0 +1,90 @@
+"""Which candidate children become tree nodes: ranked by the chance that the target's own
+decoding takes them (docs/architecture.md, "2.6 Several tree layers per step").
+
+A node is worth computing ahead only if the target can reach it, and the target decodes
+by the request's rule, not by the draft's beam. `Ranking.BEAM` (the paper's) keeps the
+best `width` children of a layer by cumulative draft probability; it can drop the path
+the target takes even when the draft is perfect, because the target's greedy path need
+not be the most probable one (measured with the target as its own draft: 0.63 tokens
+per step on 7 stages, ideal 0.91). `Ranking.TARGET` (the default) ranks by the rule:
+
+- greedy: the target takes a node iff the node's token is its argmax at every ancestor.
+  Sharpened to the limit toward the source's argmax: a candidate that is not its
+  parent's best proposal is one *deviation*; nodes rank by fewer deviations along their
+  path first, then by cumulative probability. The chain of best proposals from the root
+  (the source's own greedy continuation) therefore always survives the width limit, and
+  the rest of the width goes to the likeliest single departures from it, then double
+  ones, and so on.
+- sampling: the source's distribution under the request's temperature (the draft applies
+  it), top-k and top-p, renormalized per parent: a candidate the request's top-k/top-p
+  rules out gets no node; the others rank by cumulative probability.
+
+The tree keeps, per node, the cumulative log score and deviation count of its path; a
+layer keeps its best `width` candidates by (deviations, -score).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+from .sampling import SamplingParams
+
+
+class Ranking(StrEnum):
+    TARGET = "target"
+    BEAM = "beam"
+
+
+def sibling_ranks(parents: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per candidate: its parent's group index, its rank among its siblings by probability
+    (0 = best; ties: the earlier candidate first), and the probability mass of the
+    siblings ranked before it."""
+    n = probs.numel()
+    _, group = torch.unique(parents, return_inverse=True)
+    order = torch.argsort(probs, descending=True, stable=True)
+    order = order[torch.argsort(group[order], stable=True)]
+    g, p = group[order], probs[order]
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = g[1:] != g[:-1]
+    idx = torch.arange(n)
+    start = torch.cummax(torch.where(first, idx, 0), 0).values
+    before_all = torch.cumsum(p, 0) - p
+    rank, before = torch.empty_like(idx), torch.empty_like(p)
+    rank[order] = idx - start
+    before[order] = before_all - before_all[start]
+    return group, rank, before
+
+
+def edge_scores(
+    parents: Tensor, probs: Tensor, ranking: Ranking, sampling: SamplingParams
+) -> tuple[Tensor, Tensor]:
+    """(log score, deviation 0/1) of each candidate as the child of its parent (`parents`
+    identifies the parent of each candidate); a log score of -inf: never a node."""
+    p = probs.to(torch.float64)
+    zero = torch.zeros(p.numel(), dtype=torch.int64)
+    if ranking == Ranking.BEAM or p.numel() == 0:
+        return torch.log(p), zero
+    group, rank, before = sibling_ranks(parents, p)
+    if sampling.greedy:
+        return torch.log(p), (rank > 0).to(torch.int64)
+
+    def per_parent(x: Tensor) -> Tensor:
+        return torch.zeros(int(group.max()) + 1, dtype=x.dtype).index_add_(0, group, x)[group]
+
+    keep = torch.ones(p.numel(), dtype=torch.bool)
+    if sampling.top_k:
+        keep &= rank < sampling.top_k
+        # Renormalize over the top-k where the candidates hold all of it (as the target's
+        # rule does: temperature, then top-k, then top-p).
+        whole = per_parent(torch.ones_like(p)) >= sampling.top_k
+        mass = torch.where(whole, per_parent(p * keep), 1.0)
+        p, before = p / mass, before / mass
+    if sampling.top_p < 1.0:
+        keep &= before < sampling.top_p  # the mass before it has not reached top_p yet
+        # The nucleus's mass: the kept candidates', or top_p where it extends beyond them.
+        p = p / per_parent(p * keep).clamp(min=sampling.top_p)
+    return torch.where(keep, torch.log(p), -math.inf), zero

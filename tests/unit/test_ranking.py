@@ -1,0 +1,85 @@
+"""Ranking tree candidates by the target's decoding rule (`ranking.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from specpipe.common.spec.ranking import Ranking, edge_scores, sibling_ranks
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.tree import TokenTree
+
+GREEDY = SamplingParams()
+
+
+def t(*x):
+    return torch.tensor(x)
+
+
+def test_sibling_ranks_and_mass_before() -> None:
+    parents = t(4, 2, 4, 2, 4)
+    probs = t(0.2, 0.5, 0.7, 0.5, 0.1).double()
+    group, rank, before = sibling_ranks(parents, probs)
+    assert group.tolist() == [1, 0, 1, 0, 1]
+    assert rank.tolist() == [1, 0, 0, 1, 2]  # a tie: the earlier candidate first
+    assert before.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.5, 0.9])
+
+
+def test_greedy_counts_deviations_from_each_parents_best() -> None:
+    logp, dev = edge_scores(t(0, 0, 1, 1), t(0.6, 0.4, 0.3, 0.7), Ranking.TARGET, GREEDY)
+    assert dev.tolist() == [0, 1, 1, 0]
+    assert logp.tolist() == pytest.approx([math.log(x) for x in (0.6, 0.4, 0.3, 0.7)])
+    _, dev = edge_scores(t(0, 0), t(0.6, 0.4), Ranking.BEAM, GREEDY)
+    assert dev.tolist() == [0, 0]
+
+
+def test_sampling_applies_the_requests_top_k_and_top_p_per_parent() -> None:
+    probs = t(0.5, 0.3, 0.15, 0.05, 0.6, 0.4)
+    parents = t(0, 0, 0, 0, 1, 1)
+    top_k = SamplingParams(temperature=1.0, top_k=2)
+    logp, dev = edge_scores(parents, probs, Ranking.TARGET, top_k)
+    q = logp.exp()
+    # Parent 0 keeps its top 2, renormalized; parent 1 has just 2 candidates, both kept.
+    assert q.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0, 0.6, 0.4])
+    assert dev.tolist() == [0] * 6
+    top_p = SamplingParams(temperature=1.0, top_p=0.7)
+    q = edge_scores(parents, probs, Ranking.TARGET, top_p)[0].exp()
+    # Parent 0: 0.5 and 0.3 reach 0.7 (0.15 and 0.05 come after it is reached).
+    assert q.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0, 0.6, 0.4])
+
+
+def test_the_argmax_chain_survives_a_narrow_width() -> None:
+    """Width 2: off the chain the draft is sure of two children each, and by cumulative
+    probability those crowd out the chain; ranked by deviations the chain stays."""
+
+    def grow(ranking: Ranking) -> tuple[TokenTree, set[int]]:
+        tree = TokenTree(root_token=0)
+        on = {0}  # node indices on the chain of best proposals
+        for _ in range(5):
+            frontier = tree.frontier().tolist()
+            parents, tokens, probs = [], [], []
+            for node in frontier:
+                weights = [0.4, 0.35, 0.25] if node in on else [0.5, 0.49, 0.01]
+                for tok, w in enumerate(weights):
+                    parents.append(node)
+                    tokens.append(tok)
+                    probs.append(w)
+            par, pr = torch.tensor(parents), torch.tensor(probs)
+            logp, dev = edge_scores(par, pr, ranking, GREEDY)
+            new = tree.append_layer(par, torch.tensor(tokens), pr, 2, logp, dev)
+            on = {int(i) for i in new if int(tree.parent[i]) in on and int(tree.tokens[i]) == 0}
+        return tree, on
+
+    tree, on = grow(Ranking.TARGET)
+    assert len(on) == 1 and tree.dev[next(iter(on))] == 0
+    tree, on = grow(Ranking.BEAM)
+    assert not on  # the beam dropped the chain
+
+
+def test_candidates_ruled_out_get_no_node() -> None:
+    tree = TokenTree(root_token=0)
+    logp = t(0.0, -math.inf).double()
+    new = tree.append_layer(t(0, 0), t(5, 6), t(0.9, 0.1), 4, logp, t(0, 0))
+    assert tree.tokens[new].tolist() == [5]
+    tree.check_invariants()
