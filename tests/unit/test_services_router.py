@@ -68,7 +68,12 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
     collector = Collector()
     collector.add(gen.GenerateResponse(finished=finished))
     done = collector.completion
-    assert done.speculation() == {"regrowths": 3, "steady_tokens_per_step": 0.75}
+    spec = done.speculation()
+    assert {k: spec[k] for k in ("regrowths", "steady_tokens_per_step")} == {
+        "regrowths": 3,
+        "steady_tokens_per_step": 0.75,
+    }
+    assert spec["layers_per_step"] == 1  # one tree layer per step unless asked
     assert "regrowths" not in done.summary()  # the `generate --json` stats keys stay as they are
 
 
