@@ -276,12 +276,17 @@ def test_client_cli_json_and_errors(tcp_deployment) -> None:
     from specpipe.common.model.loading import weight_fingerprint
 
     assert data["weight_hash"] == weight_fingerprint(tcp_deployment.target)
-    assert set(data["speculation"]) == {"regrowths", "steady_tokens_per_step"}
+    assert set(data["speculation"]) == {
+        "regrowths", "steady_tokens_per_step", "layers_per_step", "token_source",
+        "draft_hit_rate", "ngram_hit_rate",
+    }  # fmt: skip
     pp = _cli("client", "generate", "--router", addr, "--prompt-ids", "3,14,15", "--mode", "pp",
               "--max-new-tokens", "6", "--ignore-eos", "--json")  # fmt: skip
     assert pp.returncode == 0, pp.stderr
     # pp: one token per pass through the 2 stages once the first token is out.
-    assert json.loads(pp.stdout)["speculation"] == {"regrowths": 0, "steady_tokens_per_step": 0.5}
+    spec = json.loads(pp.stdout)["speculation"]
+    assert (spec["regrowths"], spec["steady_tokens_per_step"]) == (0, 0.5)
+    assert spec["token_source"] == ""  # pp grows no tree
     text = _cli(
         "client",
         "generate",
