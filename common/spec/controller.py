@@ -45,11 +45,12 @@ from .commands import (
     Finish,
     Propose,
 )
-from .growth import concat_candidates, prefill_chunks
+from .growth import beside, concat_candidates, extend_frontier, prefill_chunks
 from .messages import SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates, Prune
 from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
+from .ranking import agreement_estimate
 from .stats import DecodeStats
 from .tree import TokenTree
 
@@ -76,6 +77,9 @@ class Controller(ABC):
         # n-gram lookup over prompt + output (costs nothing, is never lost)
         self.ngram = NgramIndex(self.prompt) if mode.uses_draft and source.uses_ngram else None
         self._local: dict[int, Candidates] = {}  # hybrid: n-gram proposals by ticket
+        # verified tokens, and those of them that were their parent's best proposal
+        # (the agreement the greedy ranking sharpens by)
+        self._checked = self._agreed = 0
         # specpipe: tree layers entering stage 1 per step
         self.layers_per_step = opts.layers_per_step if mode == Mode.SPECPIPE else 1
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
@@ -241,9 +245,10 @@ class Controller(ABC):
         return [Propose(layer, top_k, self.opts.sampling.temperature, ticket, step)]
 
     def _answer(self, ticket: int, cand: Candidates) -> Candidates:
-        """The draft's answer to `ticket` joined by the n-gram proposals for that layer."""
+        """The draft's answer to `ticket` joined by the n-gram proposals for that layer,
+        which share what the draft's best proposal leaves (`growth.beside`)."""
         local = self._local.pop(ticket, None)
-        return cand if local is None else concat_candidates(cand, local)
+        return cand if local is None else concat_candidates(cand, beside(local, cand))
 
     def _ngram_children(self, nodes: Tensor, top_k: int | None = None) -> Candidates:
         """The n-gram source's children of tree nodes `nodes` (none without the source)."""
@@ -252,6 +257,16 @@ class Controller(ABC):
         k = top_k or min(self.opts.top_k_children, max(self.width, 1))
         seq = [*self.prompt, *self.out.tokens]
         return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
+
+    def _extend(self, cand: Candidates) -> Tensor:
+        """Grow the tree's frontier from `cand` under the request's ranking."""
+        opts, agreement = self.opts, agreement_estimate(self._agreed, self._checked)
+        return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling, agreement)
+
+    def _check(self, child: int | None) -> None:
+        """A verification drew the token of tree node `child` (None: of no node)."""
+        self._checked += 1
+        self._agreed += child is not None and bool(self.tree.best[child])
 
     def _count_hit(self, source: int) -> None:
         """A verified token was a tree node proposed by `source` (bits)."""

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .messages import EMPTY_IDS, SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates
-from .ranking import Ranking, edge_scores
+from .ranking import DEFAULT_AGREEMENT, Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import TokenTree
 
@@ -47,6 +47,7 @@ def extend_frontier(
     width: int,
     ranking: Ranking = Ranking.BEAM,
     sampling: SamplingParams | None = None,
+    agreement: float = DEFAULT_AGREEMENT,
 ) -> Tensor:
     """Append the best `width` candidates whose parents are (still) frontier nodes,
     ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
@@ -58,8 +59,10 @@ def extend_frontier(
     cand = merge_candidates(select(cand, alive))
     match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
     parents = frontier[match.to(torch.int8).argmax(dim=1)]
-    logp, dev = edge_scores(parents, cand.probs, ranking, sampling or SamplingParams())
-    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources)
+    logp, dev, best = edge_scores(
+        parents, cand.probs, ranking, sampling or SamplingParams(), agreement
+    )
+    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources, best)
 
 
 def select(cand: Candidates, rows: Tensor) -> Candidates:
@@ -98,6 +101,17 @@ def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
         & (cand.tokens[:, None] == node_tokens[None, :])
     ).any(dim=1)
     return select(cand, parent_alive & ~taken)
+
+
+def beside(extra: Candidates, main: Candidates) -> Candidates:
+    """`extra` proposals scaled to share the mass `main` leaves for each parent: a parent's
+    best `main` proposal stays its best, and an extra token ranks by its own probability
+    among the alternatives (hybrid: n-grams beside the draft model)."""
+    if len(main) == 0 or len(extra) == 0:
+        return extra
+    match = extra.parent_ids[:, None] == main.parent_ids[None, :]
+    top = torch.where(match, main.probs[None, :].to(torch.float32), 0.0).amax(dim=1)
+    return Candidates(extra.parent_ids, extra.tokens, extra.probs * (1.0 - top), extra.sources)
 
 
 def concat_candidates(*parts: Candidates) -> Candidates:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .commands import Command, DraftPrefill
 from .controller import Controller
-from .growth import extend_frontier, layer_activation
+from .growth import layer_activation
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .options import DecodeOptions, Mode
 from .tree import TokenTree
@@ -47,8 +47,7 @@ class SpecInferController(Controller):
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        opts = self.opts
-        if extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling).numel() == 0:
+        if self._extend(cand).numel() == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 
@@ -121,6 +120,7 @@ class SpecInferController(Controller):
             emitted.append(token)
             done = self.out.emit(token)
             child = tree.child_with_token(path[-1], token)
+            self._check(child)
             if child is None or done:
                 break
             self.out.hits += 1

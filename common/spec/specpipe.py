@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .commands import Command
 from .controller import Controller
-from .growth import concat_candidates, extend_frontier, layer_activation, unused_candidates
+from .growth import concat_candidates, layer_activation, unused_candidates
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .options import DecodeOptions, Mode
 from .tree import TokenTree
@@ -177,6 +177,7 @@ class SpecPipeController(Controller):
             path.append(tree.root_id)
             token = self.out.sample(act.logits[rows[tree.root_id]])
             child = tree.child_with_token(0, token)
+            self._check(child)
             self.stats.root_children.append(int(tree.children(0).numel()))
             tokens.append(token)
             self.root_pos += 1
@@ -239,8 +240,7 @@ class SpecPipeController(Controller):
             return []
         pool = concat_candidates(cand, self.reserve)
         fresh_alive = bool(torch.isin(cand.parent_ids, self.tree.ids).any())
-        opts = self.opts
-        new = extend_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
+        new = self._extend(pool)
         if new.numel() and not fresh_alive:
             self.stats.regrowths += 1
         self.reserve = unused_candidates(self.tree, pool)
