@@ -50,7 +50,6 @@ from .messages import SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates, Prune
 from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
-from .ranking import agreement_estimate
 from .stats import DecodeStats
 from .tree import TokenTree
 
@@ -77,9 +76,6 @@ class Controller(ABC):
         # n-gram lookup over prompt + output (costs nothing, is never lost)
         self.ngram = NgramIndex(self.prompt) if mode.uses_draft and source.uses_ngram else None
         self._local: dict[int, Candidates] = {}  # hybrid: n-gram proposals by ticket
-        # verified tokens, and those of them that were their parent's best proposal
-        # (the agreement the greedy ranking sharpens by)
-        self._checked = self._agreed = 0
         # specpipe: tree layers entering stage 1 per step
         self.layers_per_step = opts.layers_per_step if mode == Mode.SPECPIPE else 1
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
@@ -260,13 +256,8 @@ class Controller(ABC):
 
     def _extend(self, cand: Candidates) -> Tensor:
         """Grow the tree's frontier from `cand` under the request's ranking."""
-        opts, agreement = self.opts, agreement_estimate(self._agreed, self._checked)
-        return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling, agreement)
-
-    def _check(self, child: int | None) -> None:
-        """A verification drew the token of tree node `child` (None: of no node)."""
-        self._checked += 1
-        self._agreed += child is not None and bool(self.tree.best[child])
+        opts = self.opts
+        return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
         """A verified token was a tree node proposed by `source` (bits)."""

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .messages import EMPTY_IDS, SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates
-from .ranking import DEFAULT_AGREEMENT, Ranking, edge_scores
+from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import TokenTree
 
@@ -47,7 +47,6 @@ def extend_frontier(
     width: int,
     ranking: Ranking = Ranking.BEAM,
     sampling: SamplingParams | None = None,
-    agreement: float = DEFAULT_AGREEMENT,
 ) -> Tensor:
     """Append the best `width` candidates whose parents are (still) frontier nodes,
     ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
@@ -59,10 +58,8 @@ def extend_frontier(
     cand = merge_candidates(select(cand, alive))
     match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
     parents = frontier[match.to(torch.int8).argmax(dim=1)]
-    logp, dev, best = edge_scores(
-        parents, cand.probs, ranking, sampling or SamplingParams(), agreement
-    )
-    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources, best)
+    logp, dev = edge_scores(parents, cand.probs, ranking, sampling or SamplingParams())
+    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources)
 
 
 def select(cand: Candidates, rows: Tensor) -> Candidates:

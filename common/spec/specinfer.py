@@ -120,7 +120,6 @@ class SpecInferController(Controller):
             emitted.append(token)
             done = self.out.emit(token)
             child = tree.child_with_token(path[-1], token)
-            self._check(child)
             if child is None or done:
                 break
             self.out.hits += 1

@@ -177,7 +177,6 @@ class SpecPipeController(Controller):
             path.append(tree.root_id)
             token = self.out.sample(act.logits[rows[tree.root_id]])
             child = tree.child_with_token(0, token)
-            self._check(child)
             self.stats.root_children.append(int(tree.children(0).numel()))
             tokens.append(token)
             self.root_pos += 1

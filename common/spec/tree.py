@@ -31,7 +31,6 @@ class TokenTree:
         self.score = torch.zeros(1, dtype=torch.float64)
         self.dev = torch.zeros(1, dtype=torch.int64)
         self.source = torch.zeros(1, dtype=torch.int8)
-        self.best = torch.ones(1, dtype=torch.bool)  # its parent's best proposal
         self.mask = torch.ones(1, 1, dtype=torch.bool)
         self.ids = self._new_ids(1)
         self.frontier_depth = 0
@@ -77,7 +76,6 @@ class TokenTree:
         logp: Tensor | None = None,
         deviation: Tensor | None = None,
         source: Tensor | None = None,
-        best: Tensor | None = None,
     ) -> Tensor:
         """Add the best `width` candidate children by ranking key.
 
@@ -86,8 +84,7 @@ class TokenTree:
         -score): `logp` is each candidate's log score as its parent's child (default
         log `probs`: beam ranking by cumulative probability; -inf: never a node) and
         `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
-        see `ranking.edge_scores`; `source` and `best` (whether it was its parent's best
-        proposal) are recorded. Returns the new nodes' indices.
+        see `ranking.edge_scores`. Returns the new nodes' indices.
         """
         if parents.numel() == 0 or width <= 0:
             return torch.empty(0, dtype=torch.int64)
@@ -100,23 +97,21 @@ class TokenTree:
         ok = torch.isfinite(score).nonzero().squeeze(1)
         order = torch.argsort(score[ok], descending=True, stable=True)
         order = order[torch.argsort(dev[ok][order], stable=True)]
-        pick = ok[order[:width]]
-        if pick.numel() == 0:
+        best = ok[order[:width]]
+        if best.numel() == 0:
             return torch.empty(0, dtype=torch.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
-        pick = pick[torch.argsort(parents[pick], stable=True)]
-        par, n0, m = parents[pick], len(self), int(pick.numel())
-        src = torch.ones(m, dtype=torch.int8) if source is None else source[pick].to(torch.int8)
-        top = torch.zeros(m, dtype=torch.bool) if best is None else best[pick].to(torch.bool)
-        self.tokens = torch.cat([self.tokens, tokens[pick].to(torch.int64)])
+        best = best[torch.argsort(parents[best], stable=True)]
+        par, n0, m = parents[best], len(self), int(best.numel())
+        src = torch.ones(m, dtype=torch.int8) if source is None else source[best].to(torch.int8)
+        self.tokens = torch.cat([self.tokens, tokens[best].to(torch.int64)])
         self.parent = torch.cat([self.parent, par])
         self.depth = torch.cat([self.depth, self.depth[par] + 1])
-        self.prob = torch.cat([self.prob, probs[pick]])
-        self.cum = torch.cat([self.cum, self.cum[par] * probs[pick]])
-        self.score = torch.cat([self.score, score[pick]])
-        self.dev = torch.cat([self.dev, dev[pick]])
+        self.prob = torch.cat([self.prob, probs[best]])
+        self.cum = torch.cat([self.cum, self.cum[par] * probs[best]])
+        self.score = torch.cat([self.score, score[best]])
+        self.dev = torch.cat([self.dev, dev[best]])
         self.source = torch.cat([self.source, src])
-        self.best = torch.cat([self.best, top])
         self.ids = torch.cat([self.ids, self._new_ids(m)])
         mask = torch.zeros(n0 + m, n0 + m, dtype=torch.bool)
         mask[:n0, :n0] = self.mask
@@ -145,7 +140,6 @@ class TokenTree:
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
         self.source[0] = 0
-        self.best = self.best[keep]
         self.mask = self.mask[keep][:, keep]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.

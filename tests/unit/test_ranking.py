@@ -6,13 +6,7 @@ import math
 
 import pytest
 import torch
-from specpipe.common.spec.ranking import (
-    DEFAULT_AGREEMENT,
-    Ranking,
-    agreement_estimate,
-    edge_scores,
-    sibling_ranks,
-)
+from specpipe.common.spec.ranking import Ranking, edge_scores, sibling_ranks
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.tree import TokenTree
 
@@ -32,29 +26,19 @@ def test_sibling_ranks_and_mass_before() -> None:
     assert before.tolist() == pytest.approx([0.7, 0.0, 0.0, 0.5, 0.9])
 
 
-def test_greedy_sharpens_each_parents_best_to_the_agreement() -> None:
-    probs = t(0.6, 0.3, 0.1, 0.2, 0.7)
-    logp, dev, best = edge_scores(t(0, 0, 0, 1, 1), probs, Ranking.TARGET, GREEDY, 0.9)
-    assert best.tolist() == [True, False, False, False, True] and dev.tolist() == [0] * 5
-    # The best proposal gets the agreement; the others share the rest by their shares of
-    # the mass it leaves (parent 1's 0.2 of 0.3: the vocabulary holds the other 0.1).
-    assert logp.exp().tolist() == pytest.approx([0.9, 0.075, 0.025, 0.1 * 0.2 / 0.3, 0.9])
-    _, dev, _ = edge_scores(t(0, 0, 1, 1), t(0.6, 0.4, 0.3, 0.7), Ranking.ARGMAX, GREEDY)
-    assert dev.tolist() == [0, 1, 1, 0]  # the limit: deviations rank first
-    logp, dev, _ = edge_scores(t(0, 0), t(0.6, 0.4), Ranking.BEAM, GREEDY)
-    assert dev.tolist() == [0, 0] and logp.exp().tolist() == pytest.approx([0.6, 0.4])
-
-
-def test_the_agreement_is_measured_with_a_prior() -> None:
-    assert agreement_estimate(0, 0) == DEFAULT_AGREEMENT
-    assert agreement_estimate(100, 100) > 0.99 and agreement_estimate(0, 100) < 0.1
+def test_greedy_counts_deviations_from_each_parents_best() -> None:
+    logp, dev = edge_scores(t(0, 0, 1, 1), t(0.6, 0.4, 0.3, 0.7), Ranking.TARGET, GREEDY)
+    assert dev.tolist() == [0, 1, 1, 0]
+    assert logp.tolist() == pytest.approx([math.log(x) for x in (0.6, 0.4, 0.3, 0.7)])
+    _, dev = edge_scores(t(0, 0), t(0.6, 0.4), Ranking.BEAM, GREEDY)
+    assert dev.tolist() == [0, 0]
 
 
 def test_sampling_applies_the_requests_top_k_and_top_p_per_parent() -> None:
     probs = t(0.5, 0.3, 0.15, 0.05, 0.6, 0.4)
     parents = t(0, 0, 0, 0, 1, 1)
     top_k = SamplingParams(temperature=1.0, top_k=2)
-    logp, dev, _ = edge_scores(parents, probs, Ranking.TARGET, top_k)
+    logp, dev = edge_scores(parents, probs, Ranking.TARGET, top_k)
     q = logp.exp()
     # Parent 0 keeps its top 2, renormalized; parent 1 has just 2 candidates, both kept.
     assert q.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0, 0.6, 0.4])
@@ -82,14 +66,13 @@ def test_the_argmax_chain_survives_a_narrow_width() -> None:
                     tokens.append(tok)
                     probs.append(w)
             par, pr = torch.tensor(parents), torch.tensor(probs)
-            logp, dev, best = edge_scores(par, pr, ranking, GREEDY)
-            new = tree.append_layer(par, torch.tensor(tokens), pr, 2, logp, dev, best=best)
+            logp, dev = edge_scores(par, pr, ranking, GREEDY)
+            new = tree.append_layer(par, torch.tensor(tokens), pr, 2, logp, dev)
             on = {int(i) for i in new if int(tree.parent[i]) in on and int(tree.tokens[i]) == 0}
         return tree, on
 
-    for ranking in (Ranking.TARGET, Ranking.ARGMAX):
-        tree, on = grow(ranking)
-        assert len(on) == 1 and bool(tree.best[next(iter(on))])
+    tree, on = grow(Ranking.TARGET)
+    assert len(on) == 1 and tree.dev[next(iter(on))] == 0
     tree, on = grow(Ranking.BEAM)
     assert not on  # the beam dropped the chain
 
