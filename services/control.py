@@ -6,6 +6,7 @@ data-plane frame header carries, and the error for a message that cannot be deco
 from __future__ import annotations
 
 import torch
+from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.runtime.errors import InvalidInput
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
 from specpipe.common.spec.messages import Activation, Prune
@@ -88,3 +89,18 @@ def token_activation(
     act = activation_from_rows(request_id, rows, len(token_ids), max_rows)
     act.tokens = torch.tensor(token_ids, dtype=torch.int64)
     return act
+
+
+def cost_curve_to_proto(curve: CostCurve, context: int = 0) -> pb.CostCurve:
+    return pb.CostCurve(rows=curve.rows, seconds=curve.seconds, context=context)
+
+
+def cost_curve_from_proto(msg: pb.CostCurve | None) -> CostCurve | None:
+    """A Describe's cost curve; None when none was measured or it is malformed (a peer's
+    curve is advice for the tuning, never a reason to fail)."""
+    if msg is None or not msg.rows:
+        return None
+    try:
+        return CostCurve.from_dict({"rows": list(msg.rows), "seconds": list(msg.seconds)})
+    except ValueError:
+        return None

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
+from specpipe.common.perf.cost_model import COST_CONTEXT
 from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, RequestError
@@ -37,7 +38,13 @@ from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUN
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .control import FrameError, max_control_bytes, prune_from_proto, token_activation
+from .control import (
+    FrameError,
+    cost_curve_to_proto,
+    max_control_bytes,
+    prune_from_proto,
+    token_activation,
+)
 from .grpc_util import Server, wait_until_idle
 from .lease import reap_expired
 from .metrics import DraftMetrics
@@ -77,6 +84,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         """`security`: mutual TLS on gRPC (--secure); `pacer`: every forward paced to a
         cost model (--emulate-costs)."""
         self.pacer = pacer
+        self.cost_curve = None  # perf.cost_model.CostCurve, with --measure-costs
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         # Each request's state is a lease its router renews (common/runtime/lease.py).
         self.leases = LeaseTable(lease_seconds)
@@ -169,6 +177,9 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             free_memory_bytes=free_memory_bytes(info.device),
             active_requests=info.active_requests,
             lease_seconds=self.leases.seconds,
+            cost_curve=cost_curve_to_proto(self.cost_curve, COST_CONTEXT)
+            if self.cost_curve
+            else None,
         )
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:

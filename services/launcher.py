@@ -193,7 +193,7 @@ class ServicesDeployment:
                 "--transport", self.transport,
                 "--dtype", dtype or self.dtype,
                 *self._cache_args(),
-                *(["--measure-costs"] if self.scheduling.get("row_budget") == "auto" else []),
+                *(["--measure-costs"] if self._measure_costs(stage=True) else []),
                 *self._emulate_args(index),
                 *self._common_args(),
             ],
@@ -207,9 +207,17 @@ class ServicesDeployment:
         port = self._free_port()
         args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
         args += [*self._cache_args(), *self._emulate_args()]
+        args += ["--measure-costs"] if self._measure_costs(stage=False) else []
         child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
         child.info["address"] = f"{self.host}:{port}"
         return child
+
+    def _measure_costs(self, stage: bool) -> bool:
+        """The router prices steps with measured costs for --row-budget auto (stages)
+        and for auto settings (stages and draft)."""
+        tuned = any(self.scheduling.get(k) == "auto" for k in ("width", "layers_per_step"))
+        tuned = tuned or self.scheduling.get("token_source") == "auto"
+        return tuned or (stage and self.scheduling.get("row_budget") == "auto")
 
     def _emulate_args(self, stage: int | None = None) -> list[str]:
         if self.emulate_costs is None:

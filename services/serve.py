@@ -97,19 +97,13 @@ async def run_stage(args) -> None:
         _set_cache_budget(model.runtime, args)
     pacer = _pacer(args, "stage")
     if model is not None and args.measure_costs:
-        from specpipe.common.perf.cost_model import (
-            BUDGET_ROWS,
-            CostCurve,
-            measure_runtime,
-            row_budget,
-        )
+        from specpipe.common.perf.cost_model import row_budget
 
-        if pacer is not None:  # the emulated device's costs, not this CPU's
-            curve = CostCurve(list(BUDGET_ROWS), [pacer.cost(n, 128) for n in BUDGET_ROWS])
-        else:
-            curve = measure_runtime(model.runtime, BUDGET_ROWS, context=128, repeats=2)
-        model.row_budget = row_budget(curve)
-        log.info("cost per row count %s: row budget %d", curve.to_dict(), model.row_budget)
+        model.cost_curve = _cost_curve(model.runtime, pacer)
+        model.row_budget = row_budget(model.cost_curve)
+        log.info(
+            "cost per row count %s: row budget %d", model.cost_curve.to_dict(), model.row_budget
+        )
     svc = StageService(
         model,
         transport_kind=args.transport,
@@ -132,6 +126,21 @@ async def run_stage(args) -> None:
     await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics), _report(pacer)])
 
 
+def _cost_curve(runtime, pacer):
+    """--measure-costs: seconds per forward of n rows, this device's or, with
+    --emulate-costs, the emulated device's."""
+    from specpipe.common.perf.cost_model import (
+        BUDGET_ROWS,
+        COST_CONTEXT,
+        CostCurve,
+        measure_runtime,
+    )
+
+    if pacer is not None:  # the emulated device's costs, not this CPU's
+        return CostCurve(list(BUDGET_ROWS), [pacer.cost(n, COST_CONTEXT) for n in BUDGET_ROWS])
+    return measure_runtime(runtime, BUDGET_ROWS, context=COST_CONTEXT, repeats=2)
+
+
 async def run_draft(args) -> None:
     from .draft_service import DraftService
 
@@ -146,6 +155,9 @@ async def run_draft(args) -> None:
         pacer=_pacer(args, "draft"),
     )
     _set_cache_budget(svc.runtime.runtime, args)
+    if args.measure_costs:
+        svc.cost_curve = _cost_curve(svc.runtime.runtime, svc.pacer)
+        log.info("draft cost per row count %s", svc.cost_curve.to_dict())
     host = args.advertise_host or _local(args.host)
     metrics = _serve_metrics(svc.metrics, args, host)
     port = await svc.start(args.host, args.port, args.health_port)
@@ -156,11 +168,33 @@ async def run_draft(args) -> None:
     await _serve_until_stopped(svc, args.drain_seconds, stops)
 
 
+TUNING_FLAGS = ("width", "layers_per_step", "token_source", "tune_calibration_tokens")
+
+
 def scheduling_options(args) -> dict[str, object]:
-    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`) as
-    keyword arguments of RouterService (and of `specpipe up`'s launcher)."""
+    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`, and
+    the request defaults and tuning: `TUNING_FLAGS`) by name: what `specpipe up` passes
+    its router (None: the router's default)."""
     return dict(
-        max_running=args.max_running, max_waiting=args.max_waiting, row_budget=args.row_budget
+        max_running=args.max_running,
+        max_waiting=args.max_waiting,
+        row_budget=args.row_budget,
+        **{k: getattr(args, k, None) for k in TUNING_FLAGS},
+    )
+
+
+def router_options(options: dict[str, object]) -> dict[str, object]:
+    """`scheduling_options` as keyword arguments of RouterService."""
+    from .router.requests import RequestDefaults
+    from .router.tuning import RouterTuning
+
+    kw = {k: v for k, v in options.items() if k not in TUNING_FLAGS}
+    calibration = options.get("tune_calibration_tokens")
+    defaults = {k: options.get(k) for k in ("width", "layers_per_step", "token_source")}
+    return dict(
+        kw,
+        defaults=RequestDefaults(**defaults),
+        tuning=RouterTuning(calibration) if calibration else RouterTuning(),
     )
 
 
@@ -177,7 +211,7 @@ async def run_router(args) -> None:
         advertise_host=args.advertise_host,
         model_id=args.model_id,
         api_keys=api_keys,
-        **scheduling_options(args),
+        **router_options(scheduling_options(args)),
         discovery=args.discovery,  # the command line built it
         replay_seconds=args.replay_seconds,
         stall_seconds=args.stall_seconds,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
+from specpipe.common.perf.cost_model import COST_CONTEXT
 from specpipe.common.perf.emulate import Pacer, paced
 from specpipe.common.runtime.errors import (
     AlreadyOpen,
@@ -37,7 +38,12 @@ from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
-from .control import max_control_bytes, prune_from_proto, token_activation
+from .control import (
+    cost_curve_to_proto,
+    max_control_bytes,
+    prune_from_proto,
+    token_activation,
+)
 from .grpc_util import Server, wait_until_idle
 from .lease import reap_expired
 from .metrics import StageMetrics
@@ -239,6 +245,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         desc.weight_bytes = info.weight_bytes
         desc.free_memory_bytes = free_memory_bytes(self.runtime.model.device)
         desc.row_budget = self.model.row_budget
+        if self.model.cost_curve is not None:
+            desc.cost_curve.CopyFrom(cost_curve_to_proto(self.model.cost_curve, COST_CONTEXT))
         desc.cache_bytes_used, desc.cache_bytes_limit = (
             info.cache_bytes_used,
             info.cache_bytes_limit,

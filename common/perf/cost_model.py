@@ -116,6 +116,7 @@ def measure_runtime(
 
 
 BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+COST_CONTEXT = 128  # cached rows a service's cost curve is measured at (--measure-costs)
 
 
 def row_budget(curve: CostCurve, slack: float = 2.0) -> int:

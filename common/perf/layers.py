@@ -42,11 +42,12 @@ def tokens_per_step(h: float, k: int, stages: int) -> float:
     return (p_steady * steady + p_restart) / (p_steady + p_restart * stages)
 
 
-def step_seconds(costs: DeploymentCosts, k: int, width: int) -> float:
+def step_seconds(costs: DeploymentCosts, k: int, width: int, uses_draft: bool = True) -> float:
     """One steady step: every stage runs K layers of `width` rows, the draft (on its own
-    device, in parallel) K forwards of `width` rows."""
+    device, in parallel) K forwards of `width` rows; a source without the draft model
+    (n-grams) costs the draft nothing."""
     stage = max((c(k * width) for c in costs.stages), default=0.0)
-    draft = k * costs.draft(width) if costs.draft is not None else 0.0
+    draft = k * costs.draft(width) if costs.draft is not None and uses_draft else 0.0
     return max(stage, draft)
 
 

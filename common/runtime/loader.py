@@ -102,6 +102,7 @@ class LoadedModel:
     max_positions: int
     eos_token_ids: tuple[int, ...]
     row_budget: int = 0  # rows a step takes nearly free, once measured (0: not measured)
+    cost_curve: object | None = None  # perf.cost_model.CostCurve, once measured
 
 
 def load_model(

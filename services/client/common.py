@@ -74,14 +74,19 @@ def build_request(
     top_k: int = 0,
     top_p: float | None = None,
     seed: int = 0,
-    width: int | None = None,
+    width: int | str | None = None,
     top_k_children: int | None = None,
     depth: int | None = None,
     ignore_eos: bool = False,
     stop_token_ids: Sequence[int] = (),
     prefill_chunk: int | None = None,
     priority: int = 0,
+    layers_per_step: int | str | None = None,
+    token_source: str = "",
+    ranking: str = "",
 ) -> gen.GenerateRequest:
+    """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
+    `RouterDescription.tuning`); None or "" to its default."""
     if prompt is not None and prompt_ids is not None:
         raise ValueError("give either prompt text or prompt_ids, not both")
     req = gen.GenerateRequest(
@@ -93,6 +98,8 @@ def build_request(
         ignore_eos=ignore_eos,
         stop_token_ids=list(stop_token_ids),
         priority=priority,
+        token_source=token_source,
+        ranking=ranking,
     )
     if top_p is not None:
         req.sampling.top_p = top_p
@@ -105,7 +112,10 @@ def build_request(
         ("top_k_children", top_k_children),
         ("depth", depth),
         ("prefill_chunk", prefill_chunk),
+        ("layers_per_step", layers_per_step),
     ):
+        if value == "auto":
+            value = 0  # the wire's "auto"
         if value is not None:
             setattr(req, name, value)
     return req

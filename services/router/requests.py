@@ -5,13 +5,15 @@ with an id that names it on every stage; and how a refused or failed request is 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
+from specpipe.common.perf.tuning import AUTO_LAYERS, AUTO_WIDTHS, TuningSpace
 from specpipe.common.spec.options import (
     DecodeOptions,
     Mode,
+    TokenSource,
     check_context,
     check_prompt_ids,
     tree_capacity,
@@ -30,6 +32,31 @@ class Plan:
     prompt: list[int]
     mode: Mode
     opts: DecodeOptions
+    # Which of width, layers per step and token source are the router's to choose
+    # (`auto`; opts holds the engine's defaults for those until then).
+    space: TuningSpace | None = None
+
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """The router's defaults (`--width`, `--layers-per-step`, `--token-source`) for what
+    a request leaves unset: a value, "auto", or None (the engine's default)."""
+
+    width: int | str | None = None
+    layers_per_step: int | str | None = None
+    token_source: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("width", "layers_per_step"):
+            v = getattr(self, name)
+            if v is not None and v != AUTO and (not str(v).isdigit() or int(v) < 1):
+                raise ValueError(f"the default {name} must be a positive integer or 'auto'")
+        if self.token_source not in (None, AUTO, *TokenSource):
+            choices = ", ".join([*TokenSource, AUTO])
+            raise ValueError(f"unknown token source {self.token_source!r} (choose from {choices})")
 
 
 class RequestFailed(Exception):
@@ -140,10 +167,11 @@ def plan_request(
     prompt: list[int],
     has_draft: bool,
     max_payload_bytes: int | None = None,
+    defaults: RequestDefaults | None = None,
 ) -> Plan:
     """Validate a request (its prompt already as token ids) against the deployment;
     every problem is a clear status. `max_payload_bytes`: the largest data-plane frame
-    the router reads."""
+    the router reads; `defaults`: the router's for what the request leaves unset."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
@@ -153,7 +181,9 @@ def plan_request(
     except ValueError:
         modes = ", ".join(m.value for m in Mode)
         raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
-    if mode.uses_draft and r.token_source != "ngram" and not has_draft:
+    defaults = defaults or RequestDefaults()
+    source = r.token_source or defaults.token_source or ""
+    if mode.uses_draft and source not in ("ngram", AUTO) and not has_draft:
         raise InvalidRequest(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"mode {mode} needs a draft and this deployment has none (use pp)",
@@ -170,15 +200,27 @@ def plan_request(
     given = {
         name: getattr(r, field)
         for field, name in (
-            ("width", "width"),
             ("top_k_children", "top_k_children"),
             ("depth", "specinfer_depth"),
             ("prefill_chunk", "prefill_chunk"),
-            ("layers_per_step", "layers_per_step"),
         )
         if r.HasField(field)
     }
-    given.update({k: getattr(r, k) for k in ("token_source", "ranking") if getattr(r, k)})
+    if r.ranking:
+        given["ranking"] = r.ranking
+    # Width, layers per step and token source: the request's, else the router's default;
+    # 0 or "auto" leaves them to the router's tuning.
+    auto = set()
+    for name in ("width", "layers_per_step"):
+        value = getattr(r, name) if r.HasField(name) else getattr(defaults, name)
+        if value in (0, AUTO):
+            auto.add(name)
+        elif value is not None:
+            given[name] = int(value)
+    if source == AUTO:
+        auto.add("token_source")
+    elif source:
+        given["token_source"] = source
     try:
         sampling = SamplingParams(
             s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed
@@ -192,13 +234,27 @@ def plan_request(
         check_context(len(prompt), opts.max_new_tokens, model.max_positions)
     except ValueError as e:
         raise invalid(str(e)) from None
+    space = None
+    if auto:
+        space = TuningSpace(
+            width=None if "width" in auto else opts.width,
+            layers_per_step=None if "layers_per_step" in auto else opts.layers_per_step,
+            token_source=None if "token_source" in auto else opts.token_source,
+            has_draft=has_draft,
+        )
     # The largest logits frame such a request can bring back must be one the router
-    # reads (float64 logits, the widest dtype, of every tree row).
-    rows = tree_capacity(mode, max(len(model.ranges), 1), opts)
+    # reads (float64 logits, the widest dtype, of every tree row; the widest tree the
+    # tuning may choose).
+    widest = replace(
+        opts,
+        width=max(AUTO_WIDTHS) if "width" in auto else opts.width,
+        layers_per_step=max(AUTO_LAYERS) if "layers_per_step" in auto else opts.layers_per_step,
+    )
+    rows = tree_capacity(mode, max(len(model.ranges), 1), widest)
     if max_payload_bytes is not None and rows * model.vocab_size * 8 > max_payload_bytes:
         raise invalid(
-            f"a tree of up to {rows} rows (width {opts.width}, depth {opts.specinfer_depth}) "
+            f"a tree of up to {rows} rows (width {widest.width}, depth {opts.specinfer_depth}) "
             f"would bring back more logits of this model's {model.vocab_size}-token "
             "vocabulary than one frame may hold: use a smaller width or depth"
         )
-    return Plan(prompt=prompt, mode=mode, opts=opts)
+    return Plan(prompt=prompt, mode=mode, opts=opts, space=space)

@@ -41,6 +41,7 @@ from .driver import DriverError, RequestDriver
 from .requests import (
     InvalidRequest,
     Plan,
+    RequestDefaults,
     RequestFailed,
     RequestIds,
     StopGeneration,
@@ -52,6 +53,7 @@ from .requests import (
     prompt_of,
     tokenize,
 )
+from .tuning import RouterTuning, Tuned
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
@@ -80,9 +82,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         name: str = "",
         security: Security | None = None,
         public_tls: PublicTls | None = None,
+        defaults: RequestDefaults | None = None,
+        tuning: RouterTuning | None = None,
     ) -> None:
         """`security`: mutual TLS to the stages and the draft and authenticated frames
-        (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys)."""
+        (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
+        `defaults`: width, layers per step and token source of requests that leave them
+        unset (values or "auto"); `tuning`: how `auto` settings are chosen."""
         self.security = security
         self.public_tls = public_tls
         self.inbox = Inbox()
@@ -116,6 +122,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.codec = None
         self.model_id_override = model_id
         self.drivers: dict[str, RequestDriver] = {}
+        self.defaults = defaults or RequestDefaults()
+        self.tuning = tuning or RouterTuning()
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
         self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
@@ -289,8 +297,23 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             check_size(r, model)
             prompt = prompt_of(r, self.codec)
         return plan_request(
-            r, model, prompt, self.backends.has_draft, self.transport.max_payload_bytes
+            r,
+            model,
+            prompt,
+            self.backends.has_draft,
+            self.transport.max_payload_bytes,
+            self.defaults,
         )
+
+    def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
+        """Fill in the settings a request leaves to the router (`auto`)."""
+        model = self.model
+        if plan.space is None or model is None:
+            return plan, None
+        opts, tuned = self.tuning.resolve(
+            plan.mode, plan.opts, plan.space, self.backends, model.weight_hash, len(model.ranges)
+        )
+        return dataclasses.replace(plan, opts=opts), tuned
 
     async def tokenize_off_loop(self, fn, *args):
         """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
@@ -317,14 +340,21 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
             )
-        plan = await self.prepare(request)
+        plan, tuned = self._tune(await self.prepare(request))
         rid = self._ids.next()
-        await self._admit(rid, plan, request.priority, deadline)
+        try:
+            await self._admit(rid, plan, request.priority, deadline)
+        except BaseException:
+            self.tuning.finish(tuned, None)
+            raise
         t0 = time.perf_counter()
         try:
-            path = self.backends.path(need_draft=plan.mode.uses_draft)
+            path = self.backends.path(
+                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model
+            )
         except NoPath as e:
             self._leave(rid)
+            self.tuning.finish(tuned, None)
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
             ) from None
@@ -348,11 +378,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.drivers[rid] = driver
         self._apply_widths()
         log.info(
-            "%s: %s, %d prompt tokens, %d new",
+            "%s: %s, %d prompt tokens, %d new%s",
             rid,
             plan.mode,
             len(plan.prompt),
             plan.opts.max_new_tokens,
+            f", auto: {tuned.decision.setting.label()}" if tuned else "",
         )
         stream = self.codec.stream() if self.codec else None
         index = 0
@@ -398,6 +429,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.drivers.pop(rid, None)
             self._leave(rid)
+            self.tuning.finish(tuned, None if failed else driver.stats)
             if metrics is not None:
                 metrics.finished(driver, failed)
             # Runs even when the client cancelled (this generator is being closed).
@@ -519,4 +551,5 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             max_running=self.scheduler.max_running,
             max_waiting=self.scheduler.max_waiting,
             row_budget=self.scheduler.row_budget or 0,
+            tuning=self.tuning.describe(),
         )

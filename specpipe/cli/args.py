@@ -31,6 +31,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def auto_or_positive_int(text: str) -> int | str:
+    """A positive integer, or 'auto' (the router's or the engine's choice)."""
+    return text if text == "auto" else positive_int(text)
+
+
 def parse_ids(text: str) -> list[int]:
     """`--prompt-ids`: comma-separated token ids."""
     try:

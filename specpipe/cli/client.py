@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from .args import DEFAULT_ROUTER_PORT, add_sampling_args, parse_ids
+from .args import DEFAULT_ROUTER_PORT, add_sampling_args, auto_or_positive_int, parse_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +33,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     g.add_argument(
-        "--width", type=int, default=None, help=f"tree width per layer (default {DEFAULT_WIDTH})"
+        "--width",
+        type=auto_or_positive_int,
+        default=None,
+        help=f"tree width per layer, or 'auto' (the router's choice; default {DEFAULT_WIDTH})",
     )
+    g.add_argument(
+        "--layers-per-step",
+        type=auto_or_positive_int,
+        default=None,
+        help="specpipe tree layers per step, or 'auto' (default: the router's, 1)",
+    )
+    g.add_argument(
+        "--token-source",
+        default="",
+        choices=["draft", "ngram", "hybrid", "auto"],
+        help="what proposes tree tokens (default: the router's, the draft)",
+    )
+    g.add_argument("--ranking", default="", choices=["target", "beam"], help="tree ranking")
     g.add_argument(
         "--top-k-children",
         type=int,
@@ -92,6 +108,9 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         prefill_chunk=args.prefill_chunk,
         priority=args.priority,
+        layers_per_step=args.layers_per_step,
+        token_source=args.token_source,
+        ranking=args.ranking,
     )
     if args.prompt is not None:
         kwargs["prompt"] = args.prompt

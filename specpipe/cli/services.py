@@ -12,6 +12,7 @@ from .args import (
     CliError,
     add_device_arg,
     add_dtype_arg,
+    auto_or_positive_int,
     parse_device,
     positive_int,
 )
@@ -170,6 +171,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("draft", help="serve a draft model that proposes tree layers")
     _model_args(p, required=True)
+    p.add_argument(
+        "--measure-costs",
+        action="store_true",
+        help="measure the draft's cost per row count at start (for the router's auto settings)",
+    )
     _service_args(p, 50060, data_plane=False)
     p.set_defaults(func=_cmd_draft)
 
@@ -315,17 +321,38 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--row-budget",
         default=None,
-        type=_row_budget_arg,
+        type=auto_or_positive_int,
         help="tree rows per pipeline step shared by the running requests (elastic width: "
         "best-effort requests shrink first); N, or 'auto' from the stages' measured costs "
         "(default: every request keeps its width)",
     )
-
-
-def _row_budget_arg(text: str) -> int | str:
-    if text == "auto":
-        return text
-    return positive_int(text)
+    # Defaults for requests that leave these unset; "auto": the router tunes them.
+    p.add_argument(
+        "--width",
+        default=None,
+        type=auto_or_positive_int,
+        help="tree width of requests that set none: N or 'auto' (chosen from the measured "
+        "costs and tokens per step; default: the engine's)",
+    )
+    p.add_argument(
+        "--layers-per-step",
+        default=None,
+        type=auto_or_positive_int,
+        help="specpipe tree layers per step of requests that set none: K or 'auto'",
+    )
+    p.add_argument(
+        "--token-source",
+        default=None,
+        choices=["draft", "ngram", "hybrid", "auto"],
+        help="what proposes tree tokens for requests that set none (default: draft)",
+    )
+    p.add_argument(
+        "--tune-calibration-tokens",
+        default=None,
+        type=positive_int,
+        help="auto settings: tokens measured with each candidate before the best is chosen "
+        "(default 256)",
+    )
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:

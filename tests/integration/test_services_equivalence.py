@@ -83,3 +83,32 @@ def test_nucleus_sampling_and_eos_stop_match_engine(request, transport: str) -> 
     )
     assert got.token_ids == want
     assert got.finish_reason == ("stop" if want[-1] == EOS and len(want) < 40 else "length")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_every_layers_per_step_and_token_source_is_lossless(request, transport: str) -> None:
+    """Several tree layers per step and the n-gram and hybrid sources emit exactly plain
+    decoding's tokens, greedy and seeded, with the target as its own draft (tcp, S = 2)
+    and an unrelated draft (ucx, S = 3)."""
+    dep = _deployment(request, transport)
+    stages = len(dep.ranges)
+    n, layers = (20, (1, 2, 3)) if transport == "tcp" else (10, (2, 3))
+    with Client(dep.router_address, timeout=90) as client:
+        for temperature, seed, prompt in [(0.0, 0, PROMPT), (0.9, 7, PROMPT[:3])]:
+            ref = reference(
+                dep.target, dep.draft, stages, prompt, "autoregressive", n, temperature, seed
+            )
+            for k in layers:
+                for source in ("draft", "ngram", "hybrid"):
+                    got = client.generate(
+                        prompt_ids=prompt,
+                        max_new_tokens=n,
+                        temperature=temperature,
+                        seed=seed,
+                        ignore_eos=True,
+                        layers_per_step=k,
+                        token_source=source,
+                    )
+                    case = (k, source, temperature)
+                    assert got.token_ids == ref, case
+                    assert (got.stats["layers_per_step"], got.stats["token_source"]) == (k, source)

@@ -1,20 +1,21 @@
 """A client request's tree options become the request's DecodeOptions (the router's
-`plan_request`): layers per step, token source and ranking."""
+`plan_request`): layers per step, token source and ranking, the router's defaults for
+what it leaves unset, and which settings are left to the router's tuning (`auto`)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 from specpipe.services.router.backends import ModelInfo
-from specpipe.services.router.requests import InvalidRequest, plan_request
+from specpipe.services.router.requests import InvalidRequest, RequestDefaults, plan_request
 from specpipe.v1 import generation_pb2 as gen
 
 MODEL = ModelInfo("m", "h", num_layers=4, vocab_size=100, max_positions=256, eos_token_ids=())
 
 
-def plan(has_draft: bool = True, **fields):
+def plan(has_draft: bool = True, defaults: RequestDefaults | None = None, **fields):
     r = gen.GenerateRequest(max_new_tokens=8, **fields)
-    return plan_request(r, MODEL, [1, 2, 3], has_draft)
+    return plan_request(r, MODEL, [1, 2, 3], has_draft, defaults=defaults)
 
 
 def test_defaults_and_given_tree_options() -> None:
@@ -34,8 +35,9 @@ def test_the_ngram_source_needs_no_draft() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"layers_per_step": 0},
+        {"layers_per_step": -1},
         {"layers_per_step": 99},
+        {"width": -2},
         {"token_source": "x"},
         {"ranking": "best"},
     ],
@@ -44,3 +46,32 @@ def test_bad_tree_options_are_invalid_arguments(fields) -> None:
     with pytest.raises(InvalidRequest) as e:
         plan(**fields)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_zero_or_auto_leaves_a_setting_to_the_router() -> None:
+    assert plan().space is None  # nothing to tune
+    space = plan(width=0, layers_per_step=2).space
+    assert (space.width, space.layers_per_step, space.token_source) == (None, 2, "draft")
+    space = plan(False, token_source="auto", layers_per_step=0).space
+    assert (space.layers_per_step, space.token_source, space.has_draft) == (None, None, False)
+    # without a draft the only source the tuning may pick is the n-gram one
+    assert {s.token_source for s in space.settings()} == {"ngram"}
+    assert {s.layers_per_step for s in space.settings()} == {1, 2, 3}
+
+
+def test_the_routers_defaults_fill_what_a_request_leaves_unset() -> None:
+    d = RequestDefaults(width=4, layers_per_step="auto", token_source="hybrid")
+    p = plan(defaults=d)
+    assert (p.opts.width, p.opts.token_source) == (4, "hybrid")
+    assert p.space is not None and p.space.layers_per_step is None
+    p = plan(defaults=d, width=2, layers_per_step=3, token_source="draft")  # the request's win
+    assert (p.opts.width, p.opts.layers_per_step, p.opts.token_source) == (2, 3, "draft")
+    assert p.space is None
+
+
+@pytest.mark.parametrize(
+    "bad", [{"width": 0}, {"layers_per_step": "two"}, {"token_source": "model"}]
+)
+def test_bad_router_defaults_are_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        RequestDefaults(**bad)

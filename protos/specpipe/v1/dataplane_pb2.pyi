@@ -117,3 +117,13 @@ class RenewResponse(_message.Message):
     UNKNOWN_IDS_FIELD_NUMBER: _ClassVar[int]
     unknown_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, unknown_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CostCurve(_message.Message):
+    __slots__ = ("rows", "seconds", "context")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    context: int
+    def __init__(self, rows: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ..., context: _Optional[int] = ...) -> None: ...

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds")
+    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds", "cost_curve")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class DraftDescription(_message.Message):
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COST_CURVE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     vocab_size: int
@@ -29,7 +30,8 @@ class DraftDescription(_message.Message):
     free_memory_bytes: int
     active_requests: int
     lease_seconds: float
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    cost_curve: _dataplane_pb2.CostCurve
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
     __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch")

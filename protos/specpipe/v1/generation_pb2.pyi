@@ -233,7 +233,7 @@ class Backend(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ..., weight_hash: _Optional[str] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
-    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget")
+    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget", "tuning")
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class RouterDescription(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     ROW_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TUNING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     active_requests: int
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
@@ -252,4 +253,41 @@ class RouterDescription(_message.Message):
     max_running: int
     max_waiting: int
     row_budget: int
-    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ...) -> None: ...
+    tuning: _containers.RepeatedCompositeFieldContainer[Tuning]
+    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ...) -> None: ...
+
+class Tuning(_message.Message):
+    __slots__ = ("weight_hash", "regime", "chosen", "reason", "arms")
+    WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
+    REGIME_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ARMS_FIELD_NUMBER: _ClassVar[int]
+    weight_hash: str
+    regime: str
+    chosen: TuningArm
+    reason: str
+    arms: _containers.RepeatedCompositeFieldContainer[TuningArm]
+    def __init__(self, weight_hash: _Optional[str] = ..., regime: _Optional[str] = ..., chosen: _Optional[_Union[TuningArm, _Mapping]] = ..., reason: _Optional[str] = ..., arms: _Optional[_Iterable[_Union[TuningArm, _Mapping]]] = ...) -> None: ...
+
+class TuningArm(_message.Message):
+    __slots__ = ("width", "layers_per_step", "token_source", "requests", "tokens", "steps", "hit_rate", "step_ms", "ms_per_token")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    layers_per_step: int
+    token_source: str
+    requests: int
+    tokens: int
+    steps: int
+    hit_rate: float
+    step_ms: float
+    ms_per_token: float
+    def __init__(self, width: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., step_ms: _Optional[float] = ..., ms_per_token: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,248 @@
+"""Width, layers per step and token source chosen for a deployment from what it serves:
+the router's `auto` (docs/architecture.md, "2.6").
+
+Every setting emits the same tokens (every mode is lossless), so trying one costs only
+speed. The tuner gives `auto` requests each candidate setting in turn until it has seen
+`calibration_tokens` tokens with it, then the setting with the least expected time per
+token,
+
+    step cost(W, K, source) / tokens per step(W, K, source)
+
+Tokens per step is what the finished requests with that setting reached: the lockstep
+accounting each request reports, which does not depend on how loaded the machine was. A
+steady step's cost comes from the cost curves the stages and the draft measured
+(`layers.step_seconds`: every stage computes K layers of W rows, the draft K forwards of
+W rows on its own device, none for the n-gram source). Without cost curves every step is
+taken to cost the same, and the most tokens per step wins.
+
+Measurements fade (halved once a setting has `window_tokens`), and every
+`explore_every`-th decision re-measures the setting seen least recently, so the choice
+follows the traffic. Pure state: the router feeds it decisions and finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..spec.options import TokenSource
+from .cost_model import DeploymentCosts
+from .layers import step_seconds
+
+AUTO_WIDTHS = (2, 4, 8, 16)
+AUTO_LAYERS = (1, 2, 3)
+DEFAULT_CALIBRATION_TOKENS = 256
+DEFAULT_EXPLORE_EVERY = 20
+DEFAULT_WINDOW_TOKENS = 8192
+
+
+@dataclass(frozen=True, order=True)
+class Setting:
+    """What shapes a specpipe request's tree."""
+
+    width: int
+    layers_per_step: int
+    token_source: TokenSource
+
+    def label(self) -> str:
+        return f"W={self.width} K={self.layers_per_step} {self.token_source}"
+
+
+@dataclass
+class Measured:
+    """What finished requests with one setting did (faded: see the module docstring)."""
+
+    requests: float = 0.0
+    tokens: float = 0.0
+    steps: float = 0.0
+    hits: float = 0.0
+    last_seen: int = -1  # the decision count when a request with it last finished
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.tokens if self.tokens else 0.0
+
+
+@dataclass(frozen=True)
+class TuningSpace:
+    """A request's settings: a value where the request (or the router's default) fixed
+    one, None where it is the tuner's to choose."""
+
+    width: int | None
+    layers_per_step: int | None
+    token_source: TokenSource | None
+    has_draft: bool
+    widths: Sequence[int] = AUTO_WIDTHS
+    layers: Sequence[int] = AUTO_LAYERS
+
+    @property
+    def is_auto(self) -> bool:
+        return None in (self.width, self.layers_per_step, self.token_source)
+
+    def settings(self) -> list[Setting]:
+        """The candidates, smallest first (ties go to the cheaper setting)."""
+        sources = (
+            [self.token_source]
+            if self.token_source is not None
+            else [s for s in TokenSource if self.has_draft or not s.uses_model]
+        )
+        widths = [self.width] if self.width is not None else list(self.widths)
+        layers = [self.layers_per_step] if self.layers_per_step is not None else list(self.layers)
+        return sorted(Setting(w, k, s) for w, k, s in itertools.product(widths, layers, sources))
+
+
+@dataclass(frozen=True)
+class Decision:
+    setting: Setting
+    reason: str
+    exploring: bool
+
+
+@dataclass
+class Tuner:
+    """One deployment's (one model version, one decoding regime) settings and what each
+    achieved."""
+
+    stages: int
+    costs: DeploymentCosts | None = None
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    explore_every: int = DEFAULT_EXPLORE_EVERY
+    window_tokens: int = DEFAULT_WINDOW_TOKENS
+    measured: dict[Setting, Measured] = field(default_factory=dict)
+    pending: dict[Setting, int] = field(default_factory=dict)  # tokens asked, in flight
+    decisions: int = 0
+    last: Decision | None = None
+    space: TuningSpace | None = None  # the last request's candidates
+
+    def __post_init__(self) -> None:
+        if self.calibration_tokens < 1 or self.explore_every < 1 or self.window_tokens < 1:
+            raise ValueError("calibration tokens, explore_every and the window must be >= 1")
+
+    # -- prices --------------------------------------------------------------------------
+    def step_seconds(self, s: Setting) -> float | None:
+        """A steady step's cost from the cost curves (None without them)."""
+        if self.costs is None:
+            return None
+        return step_seconds(self.costs, s.layers_per_step, s.width, s.token_source.uses_model)
+
+    def cost_per_token(self, s: Setting) -> float | None:
+        """Expected seconds per token (steps per token without cost curves); None until
+        a request with this setting finished."""
+        m = self.measured.get(s)
+        if m is None or m.tokens_per_step == 0:
+            return None
+        step = self.step_seconds(s)
+        return (1.0 if step is None else step) / m.tokens_per_step
+
+    # -- decisions -----------------------------------------------------------------------
+    def decide(self, space: TuningSpace, expected_tokens: int) -> Decision:
+        """The setting for one request that will emit up to `expected_tokens` tokens;
+        call `finish` with the same setting when it ends."""
+        candidates = space.settings()
+        self.decisions += 1
+        decision = self._calibrate(candidates) or self._refresh(candidates)
+        decision = decision or self._best(candidates)
+        self.pending[decision.setting] = self.pending.get(decision.setting, 0) + expected_tokens
+        self.last, self.space = decision, space
+        return decision
+
+    def outlook(self) -> Decision | None:
+        """What the next request like the last one would get (re-measures aside), from
+        what is measured now: what Describe shows."""
+        if self.space is None:
+            return None
+        candidates = self.space.settings()
+        return self._calibrate(candidates) or self._best(candidates)
+
+    def _calibrate(self, candidates: list[Setting]) -> Decision | None:
+        """The least measured candidate, while any is short of calibration tokens (those
+        in flight count: concurrent requests measure different settings)."""
+
+        def seen(s: Setting) -> float:
+            m = self.measured.get(s)
+            return (m.tokens if m else 0.0) + self.pending.get(s, 0)
+
+        short = [s for s in candidates if seen(s) < self.calibration_tokens]
+        if not short:
+            return None
+        s = min(short, key=seen)
+        done = self.measured[s].tokens if s in self.measured else 0.0
+        return Decision(
+            s,
+            f"measuring {s.label()}: {done:.0f} of {self.calibration_tokens} calibration "
+            f"tokens seen ({len(short)} of {len(candidates)} settings still short)",
+            exploring=True,
+        )
+
+    def _refresh(self, candidates: list[Setting]) -> Decision | None:
+        """Every `explore_every`-th decision: the candidate seen least recently."""
+        if len(candidates) < 2 or self.decisions % self.explore_every:
+            return None
+
+        def last_seen(s: Setting) -> int:
+            m = self.measured.get(s)
+            return m.last_seen if m else -1
+
+        s = min(candidates, key=lambda s: (last_seen(s), s))
+        return Decision(s, f"re-measuring {s.label()} (the one seen least recently)", True)
+
+    def _best(self, candidates: list[Setting]) -> Decision:
+        priced = sorted((c, s) for s in candidates if (c := self.cost_per_token(s)) is not None)
+        if not priced:  # every candidate is calibrating in flight: share them out
+            s = min(candidates, key=lambda s: self.pending.get(s, 0))
+            return Decision(s, f"measuring {s.label()}: no request has finished yet", True)
+        (cost, best), rest = priced[0], priced[1:]
+        reason = f"{best.label()}: {self._price(best, cost)}"
+        if rest:
+            cost2, second = rest[0]
+            reason += f"; next best {second.label()}: {self._price(second, cost2)}"
+        if self.costs is None:
+            reason += (
+                "; no cost curves (start the stages and the draft with --measure-costs): "
+                "every step taken as equal"
+            )
+        return Decision(best, reason, exploring=False)
+
+    def _price(self, s: Setting, cost: float) -> str:
+        m = self.measured[s]
+        step = self.step_seconds(s)
+        if step is None:
+            return f"{cost:.2f} steps/token ({m.tokens_per_step:.2f} tokens/step)"
+        return (
+            f"{cost * 1e3:.2f} ms/token ({m.tokens_per_step:.2f} tokens/step, "
+            f"step {step * 1e3:.2f} ms)"
+        )
+
+    # -- measurements --------------------------------------------------------------------
+    def finish(
+        self,
+        setting: Setting,
+        expected_tokens: int,
+        tokens: int = 0,
+        steps: int = 0,
+        hits: int = 0,
+    ) -> None:
+        """A request with `setting` ended; `steps` 0: it failed or ran with another
+        setting than asked (a narrower width), so it says nothing about this one."""
+        left = self.pending.get(setting, 0) - expected_tokens
+        if left > 0:
+            self.pending[setting] = left
+        else:
+            self.pending.pop(setting, None)
+        if steps <= 0 or tokens <= 0:
+            return
+        m = self.measured.setdefault(setting, Measured())
+        if m.tokens + tokens > self.window_tokens:  # fade: newer requests weigh more
+            m.requests, m.tokens, m.steps, m.hits = (
+                m.requests / 2, m.tokens / 2, m.steps / 2, m.hits / 2,
+            )  # fmt: skip
+        m.requests += 1
+        m.tokens += tokens
+        m.steps += steps
+        m.hits += hits
+        m.last_seen = self.decisions

@@ -1,0 +1,164 @@
+"""The router's `auto` settings: width, layers per step and token source of specpipe
+requests that leave them to the router (`common/perf/tuning.py` decides). One tuner per
+model version and decoding regime, priced with the cost curves that the stages and the
+draft publish in Describe (`--measure-costs`); the choice and its reason are logged when
+they change and shown in the router's Describe."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
+from specpipe.common.perf.tuning import (
+    DEFAULT_CALIBRATION_TOKENS,
+    DEFAULT_EXPLORE_EVERY,
+    DEFAULT_WINDOW_TOKENS,
+    Decision,
+    Setting,
+    Tuner,
+    TuningSpace,
+)
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.stats import DecodeStats
+from specpipe.v1 import generation_pb2 as gen
+
+from ..control import cost_curve_from_proto
+from .backends import Backends
+
+log = logging.getLogger(__name__)
+
+
+def costs_of(backends: Backends, version: str) -> DeploymentCosts | None:
+    """Cost curves of one replica of every stage of `version` and of a draft; None when
+    a stage has none (the draft without one counts as free)."""
+    model = backends.versions.get(version)
+    if model is None:
+        return None
+    by_range: dict[tuple[int, int], CostCurve] = {}
+    for b in backends.stages:
+        if b.desc is not None and b.version == version and b.healthy:
+            curve = cost_curve_from_proto(
+                b.desc.cost_curve if b.desc.HasField("cost_curve") else None
+            )
+            if curve is not None:
+                by_range.setdefault(b.layers, curve)
+    if any(r not in by_range for r in model.ranges):
+        return None
+    drafts = [
+        cost_curve_from_proto(b.desc.cost_curve if b.desc.HasField("cost_curve") else None)
+        for b in backends.drafts
+        if b.desc is not None and b.healthy
+    ]
+    draft = next((c for c in drafts if c is not None), None)
+    context = next((b.desc.cost_curve.context for b in backends.stages if b.desc is not None), 0)
+    return DeploymentCosts(context, [by_range[r] for r in model.ranges], draft)
+
+
+def regime_of(opts: DecodeOptions) -> str:
+    return "greedy" if opts.sampling.temperature == 0 else "sampling"
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """A request's tuning decision, to report back when it ends."""
+
+    key: tuple[str, str]
+    decision: Decision
+    expected_tokens: int
+
+
+class RouterTuning:
+    def __init__(
+        self,
+        calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+        explore_every: int = DEFAULT_EXPLORE_EVERY,
+        window_tokens: int = DEFAULT_WINDOW_TOKENS,
+    ) -> None:
+        self.calibration_tokens = calibration_tokens
+        self.explore_every = explore_every
+        self.window_tokens = window_tokens
+        Tuner(1, None, calibration_tokens, explore_every, window_tokens)  # checks the values
+        self.tuners: dict[tuple[str, str], Tuner] = {}
+        self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
+
+    def resolve(
+        self,
+        mode: Mode,
+        opts: DecodeOptions,
+        space: TuningSpace,
+        backends: Backends,
+        version: str,
+        stages: int,
+    ) -> tuple[DecodeOptions, Tuned | None]:
+        """The request's options with its `auto` settings filled in (the defaults in
+        modes without a specpipe tree), and the decision to report at its end."""
+        if not space.is_auto:
+            return opts, None
+        if mode != Mode.SPECPIPE:
+            return opts, None
+        key = (version, regime_of(opts))
+        tuner = self.tuners.get(key)
+        if tuner is None:
+            tuner = self.tuners[key] = Tuner(
+                stages, None, self.calibration_tokens, self.explore_every, self.window_tokens
+            )
+        tuner.costs = costs_of(backends, version)  # replicas come and go
+        d = tuner.decide(space, opts.max_new_tokens)
+        s = d.setting
+        if not d.exploring and self._told.get(key) != s:
+            self._told[key] = s
+            log.info("auto settings for %s (%s): %s", version[:12], key[1], d.reason)
+        elif d.exploring:
+            log.debug("auto settings for %s (%s): %s", version[:12], key[1], d.reason)
+        tuned = replace(
+            opts, width=s.width, layers_per_step=s.layers_per_step, token_source=s.token_source
+        )
+        return tuned, Tuned(key, d, opts.max_new_tokens)
+
+    def finish(self, tuned: Tuned | None, stats: DecodeStats | None) -> None:
+        """A tuned request ended: `stats` None when it failed. A request whose width the
+        scheduler narrowed measured another setting than it was given: not counted."""
+        if tuned is None:
+            return
+        tuner = self.tuners.get(tuned.key)
+        if tuner is None:
+            return
+        s = tuned.decision.setting
+        if stats is None or stats.width != s.width or stats.replays:
+            tuner.finish(s, tuned.expected_tokens)
+            return
+        tuner.finish(s, tuned.expected_tokens, stats.new_tokens, stats.decode_steps, stats.hits)
+
+    def describe(self) -> list[gen.Tuning]:
+        out = []
+        for (version, regime), tuner in sorted(self.tuners.items()):
+            arms = [_arm(tuner, s) for s in sorted(tuner.measured)]
+            now = tuner.outlook()
+            out.append(
+                gen.Tuning(
+                    weight_hash=version,
+                    regime=regime,
+                    chosen=_arm(tuner, now.setting) if now else None,
+                    reason=now.reason if now else "",
+                    arms=arms,
+                )
+            )
+        return out
+
+
+def _arm(tuner: Tuner, s: Setting) -> gen.TuningArm:
+    m = tuner.measured.get(s)
+    step = tuner.step_seconds(s)
+    cost = tuner.cost_per_token(s)
+    return gen.TuningArm(
+        width=s.width,
+        layers_per_step=s.layers_per_step,
+        token_source=str(s.token_source),
+        requests=round(m.requests) if m else 0,
+        tokens=round(m.tokens) if m else 0,
+        steps=round(m.steps) if m else 0,
+        hit_rate=m.hit_rate if m else 0.0,
+        step_ms=step * 1e3 if step is not None else 0.0,
+        ms_per_token=cost * 1e3 if cost is not None and step is not None else 0.0,
+    )

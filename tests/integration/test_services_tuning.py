@@ -1,0 +1,84 @@
+"""`auto` settings through `specpipe up`'s router (issue 11, item 4): requests that leave
+layers per step and token source to the router get each candidate in turn, then the one
+with the least expected time per token priced by the costs the stages and the draft
+measured; every one emits plain decoding's tokens; Describe says what was chosen and why."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from specpipe.services.launcher import ServicesDeployment
+from specpipe.v1 import dataplane_pb2
+
+from specpipe.client import Client
+
+from .conftest import reference, service_stub, start
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+N = 16
+CALIBRATION = 16  # tokens per candidate: one request each
+CANDIDATES = 9  # K in 1..3 x draft, ngram, hybrid
+
+
+@pytest.fixture(scope="module")
+def tuned(llama_dir: Path) -> Iterator[ServicesDeployment]:
+    dep = start(
+        llama_dir,
+        "oracle",
+        2,
+        "tcp",
+        scheduling={
+            "layers_per_step": "auto",
+            "token_source": "auto",
+            "tune_calibration_tokens": CALIBRATION,
+        },
+    )
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
+    ref = reference(tuned.target, tuned.draft, 2, PROMPT, "autoregressive", N)
+    seen = set()
+    with Client(tuned.router_address, timeout=90) as client:
+        for _ in range(CANDIDATES + 2):  # calibrate every candidate, then the choice
+            got = client.generate(prompt_ids=PROMPT, max_new_tokens=N, ignore_eos=True)
+            assert got.token_ids == ref
+            seen.add((got.stats["layers_per_step"], got.stats["token_source"]))
+        # a request that fixes its settings is not tuned
+        fixed = client.generate(
+            prompt_ids=PROMPT, max_new_tokens=N, ignore_eos=True, layers_per_step=2,
+            token_source="ngram",
+        )  # fmt: skip
+        assert fixed.token_ids == ref
+        assert (fixed.stats["layers_per_step"], fixed.stats["token_source"]) == (2, "ngram")
+        desc = client.describe()
+    assert len(seen) == CANDIDATES  # every candidate was tried once
+    (t,) = desc.tuning
+    assert t.regime == "greedy" and t.weight_hash
+    assert len(t.arms) == CANDIDATES and all(a.tokens >= N and a.steps for a in t.arms)
+    assert sum(a.tokens for a in t.arms) == (CANDIDATES + 2) * N
+    assert all(a.step_ms > 0 and a.ms_per_token > 0 for a in t.arms)  # priced by measured costs
+    label = f"W={t.chosen.width} K={t.chosen.layers_per_step} {t.chosen.token_source}"
+    assert t.reason.startswith(label) and "ms/token" in t.reason and "next best" in t.reason
+    best = min(t.arms, key=lambda a: (a.ms_per_token, a.width, a.layers_per_step))
+    assert (t.chosen.layers_per_step, t.chosen.token_source) == (
+        best.layers_per_step,
+        best.token_source,
+    )
+
+
+def test_the_stages_and_the_draft_publish_their_cost_curves(tuned) -> None:
+    for name, child in tuned.children.items():
+        if name == "router":
+            continue
+        ch, stub = service_stub(child.info["grpc"], child.kind)
+        with ch:
+            desc = stub.Describe(dataplane_pb2.DescribeRequest(), timeout=10)
+        c = desc.cost_curve
+        assert list(c.rows)[:3] == [1, 2, 4] and len(c.seconds) == len(c.rows), name
+        assert c.context == 128 and min(c.seconds) > 0, name

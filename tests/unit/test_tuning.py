@@ -1,0 +1,121 @@
+"""The router's `auto` settings (common/perf/tuning.py): every candidate is measured on
+live requests first, then the least expected time per token wins, priced with the cost
+curves; measurements fade and stale settings are re-measured."""
+
+from __future__ import annotations
+
+import pytest
+from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
+from specpipe.common.perf.tuning import Setting, Tuner, TuningSpace
+from specpipe.common.spec.options import TokenSource
+
+ROWS = [1, 2, 4, 8, 16, 32, 64]
+DRAFT, NGRAM = TokenSource.DRAFT, TokenSource.NGRAM
+
+
+def curve(per_row: float, base: float = 0.01) -> CostCurve:
+    return CostCurve(ROWS, [base + per_row * n for n in ROWS])
+
+
+def costs(stage_per_row: float, draft: CostCurve | None = None) -> DeploymentCosts:
+    return DeploymentCosts(128, [curve(stage_per_row)] * 3, draft)
+
+
+def layers_space(**kw) -> TuningSpace:
+    return TuningSpace(width=4, layers_per_step=None, token_source=DRAFT, has_draft=True, **kw)
+
+
+def calibrate(tuner: Tuner, space: TuningSpace, tokens_per_step: dict[int, float]) -> None:
+    """Serve requests until no setting is short of calibration tokens."""
+    for _ in range(50):
+        d = tuner.decide(space, 64)
+        if not d.exploring:
+            tuner.finish(d.setting, 64)  # a request served with the choice: not measured
+            return
+        k = d.setting.layers_per_step
+        tuner.finish(d.setting, 64, 64, round(64 / tokens_per_step[k]), 60)
+    raise AssertionError("calibration never ended")
+
+
+def test_every_candidate_is_measured_before_one_is_chosen() -> None:
+    tuner = Tuner(3, costs(0.0), calibration_tokens=64)
+    space = layers_space()
+    # Three requests in flight at once get three different settings.
+    firsts = [tuner.decide(space, 64) for _ in range(3)]
+    assert all(d.exploring for d in firsts)
+    assert sorted(d.setting.layers_per_step for d in firsts) == [1, 2, 3]
+    assert "measuring" in firsts[0].reason
+
+
+def test_flat_costs_choose_more_layers_and_costly_rows_fewer() -> None:
+    measured = {1: 0.9, 2: 1.5, 3: 1.8}  # tokens per step per K
+    flat = Tuner(3, costs(0.0), calibration_tokens=64)
+    calibrate(flat, layers_space(), measured)
+    d = flat.decide(layers_space(), 64)
+    assert not d.exploring and d.setting.layers_per_step == 3
+    assert "K=3" in d.reason.split(";")[0] and "next best W=4 K=2" in d.reason
+
+    # A CPU-like stage: every row costs as much as the base; three layers of rows cost
+    # more than they gain.
+    steep = Tuner(3, costs(0.05), calibration_tokens=64)
+    calibrate(steep, layers_space(), measured)
+    assert steep.decide(layers_space(), 64).setting.layers_per_step == 1
+
+
+def test_without_cost_curves_the_most_tokens_per_step_wins_and_says_so() -> None:
+    tuner = Tuner(3, None, calibration_tokens=64)
+    calibrate(tuner, layers_space(), {1: 0.9, 2: 1.5, 3: 1.2})
+    d = tuner.decide(layers_space(), 64)
+    assert d.setting.layers_per_step == 2
+    assert "--measure-costs" in d.reason and "steps/token" in d.reason
+
+
+def test_the_ngram_source_costs_no_draft_forward() -> None:
+    space = TuningSpace(width=4, layers_per_step=1, token_source=None, has_draft=True)
+    assert {s.token_source for s in space.settings()} == set(TokenSource)
+    expensive_draft = CostCurve(ROWS, [0.2] * len(ROWS))
+    tuner = Tuner(3, costs(0.0, expensive_draft), calibration_tokens=64)
+    rates = {TokenSource.DRAFT: 0.9, TokenSource.HYBRID: 0.95, TokenSource.NGRAM: 0.5}
+    for _ in range(20):
+        d = tuner.decide(space, 64)
+        if not d.exploring:
+            break
+        tuner.finish(d.setting, 64, 64, round(64 / rates[d.setting.token_source]), 0)
+    assert d.setting.token_source == TokenSource.NGRAM  # 0.01/0.5 s beats 0.2/0.95 s
+    assert tuner.step_seconds(d.setting) == pytest.approx(0.01 + 0.0)
+
+
+def test_stale_settings_are_re_measured_and_old_measurements_fade() -> None:
+    tuner = Tuner(3, costs(0.0), calibration_tokens=64, explore_every=5, window_tokens=256)
+    calibrate(tuner, layers_space(), {1: 0.9, 2: 1.5, 3: 1.8})
+    kinds = []
+    for _ in range(10):
+        d = tuner.decide(layers_space(), 64)
+        kinds.append(d.exploring)
+        tuner.finish(d.setting, 64, 64, 40, 50)
+    assert kinds.count(True) == 2  # the choice, and every 5th decision a re-measure
+    reasons = [tuner.decide(layers_space(), 64).reason for _ in range(5)]
+    assert sum("re-measuring" in r for r in reasons) == 1
+    for m in tuner.measured.values():
+        assert m.tokens <= 256  # faded, never past the window
+
+
+def test_failed_or_narrowed_requests_measure_nothing_but_free_their_share() -> None:
+    tuner = Tuner(3, None, calibration_tokens=64)
+    d = tuner.decide(layers_space(), 64)
+    assert tuner.pending == {d.setting: 64}
+    tuner.finish(d.setting, 64)  # failed
+    assert tuner.pending == {} and tuner.measured == {}
+    # the same setting is the one to measure again
+    assert tuner.decide(layers_space(), 64).setting == d.setting
+
+
+def test_fixed_settings_are_not_candidates() -> None:
+    space = TuningSpace(width=None, layers_per_step=2, token_source=NGRAM, has_draft=False)
+    assert space.settings() == [Setting(w, 2, NGRAM) for w in (2, 4, 8, 16)]
+    assert not TuningSpace(4, 1, DRAFT, True).is_auto
+
+
+def test_bad_tuner_parameters_are_refused() -> None:
+    with pytest.raises(ValueError):
+        Tuner(3, None, calibration_tokens=0)
