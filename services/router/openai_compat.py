@@ -6,8 +6,9 @@ Requests are pydantic models, so a malformed body is refused field by field. Fie
 OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
-`width`, `top_k_children`, `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`,
-`stop_token_ids`, `return_token_ids`).
+`width`, `layers_per_step`, `token_source`, `ranking`, `top_k_children`, `depth`,
+`prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`, `return_token_ids`;
+`width`, `layers_per_step` and `token_source` take "auto": the router's choice).
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ class _Common(BaseModel):
     n: int | None = 1
     # SpecPipe's own.
     mode: str | None = None
-    width: int | None = None
+    width: int | Literal["auto"] | None = None
+    layers_per_step: int | Literal["auto"] | None = None
+    token_source: str = ""
+    ranking: str = ""
     top_k_children: int | None = None
     depth: int | None = None
     prefill_chunk: int | None = None
@@ -179,6 +183,8 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
             priority=self.priority,
+            token_source=self.token_source,
+            ranking=self.ranking,
         )
         if self.top_p is not None:
             req.sampling.top_p = self.top_p
@@ -186,10 +192,10 @@ class _Common(BaseModel):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
-        for name in ("width", "top_k_children", "depth", "prefill_chunk"):
+        for name in ("width", "layers_per_step", "top_k_children", "depth", "prefill_chunk"):
             value = getattr(self, name)
             if value is not None:
-                setattr(req, name, value)
+                setattr(req, name, 0 if value == "auto" else value)  # 0: the wire's auto
         return req
 
 
