@@ -143,8 +143,15 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
     ctx = args.prompt_len + args.max_new_tokens
     priced = costs.at(ctx, stages)
     local = build_local(target, stages, ORACLE_DRAFT)
+    policy = {"late_draft_wait_ms": args.late_draft_wait_ms} if args.late_draft_wait_ms else {}
     dep = ServicesDeployment(
-        target, "oracle", stages, threads=1, emulate_costs=cost_file, log_dir=work / "logs"
+        target,
+        "oracle",
+        stages,
+        threads=1,
+        emulate_costs=cost_file,
+        log_dir=work / "logs",
+        scheduling=policy,
     )
     dep.start()
     rows = []
@@ -218,8 +225,11 @@ def run_gap(args) -> list[dict]:
     """One client, specpipe and pp, under the Qwen stages' cost views."""
     target, rows = tiny_target(), []
     for stages in args.qwen_stages:
-        for costs in qwen_views(stages).values():
-            rows += services_cells(args, target, stages, costs, [("specpipe", 1), ("pp", 1)])
+        for view, costs in qwen_views(stages).items():
+            if view.removeprefix("qwen-") not in args.views.split(","):
+                continue
+            cells = [(m, 1) for m in ("specpipe", "pp") if m in args.modes]
+            rows += services_cells(args, target, stages, costs, cells)
     return rows
 
 
@@ -386,6 +396,10 @@ def main() -> None:
     ap.add_argument("--stage-ms", type=float, default=100.0, help="synthetic flat stage forward")
     ap.add_argument("--draft-ms", type=float, default=60.0, help="synthetic flat draft forward")
     ap.add_argument("--measure", action="store_true", help="re-measure the batched Qwen curves")
+    ap.add_argument("--views", default="measured,flat,flat_free_draft", help="gap: Qwen views")
+    ap.add_argument(
+        "--late-draft-wait-ms", type=float, default=0.0, help="the router's late-draft wait"
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.modes = args.modes.split(",")

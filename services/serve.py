@@ -169,17 +169,18 @@ async def run_draft(args) -> None:
 
 
 TUNING_FLAGS = ("width", "layers_per_step", "token_source", "tune_calibration_tokens")
+POLICY_FLAGS = (*TUNING_FLAGS, "late_draft_wait_ms")
 
 
 def scheduling_options(args) -> dict[str, object]:
-    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`, and
-    the request defaults and tuning: `TUNING_FLAGS`) by name: what `specpipe up` passes
-    its router (None: the router's default)."""
+    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`, the
+    request defaults and tuning, `TUNING_FLAGS`, and `--late-draft-wait-ms`) by name: what
+    `specpipe up` passes its router (None: the router's default)."""
     return dict(
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         row_budget=args.row_budget,
-        **{k: getattr(args, k, None) for k in TUNING_FLAGS},
+        **{k: getattr(args, k, None) for k in POLICY_FLAGS},
     )
 
 
@@ -188,13 +189,14 @@ def router_options(options: dict[str, object]) -> dict[str, object]:
     from .router.requests import RequestDefaults
     from .router.tuning import RouterTuning
 
-    kw = {k: v for k, v in options.items() if k not in TUNING_FLAGS}
+    kw = {k: v for k, v in options.items() if k not in POLICY_FLAGS}
     calibration = options.get("tune_calibration_tokens")
     defaults = {k: options.get(k) for k in ("width", "layers_per_step", "token_source")}
     return dict(
         kw,
         defaults=RequestDefaults(**defaults),
         tuning=RouterTuning(calibration) if calibration else RouterTuning(),
+        late_draft_wait=float(options.get("late_draft_wait_ms") or 0) / 1e3,
     )
 
 

@@ -144,6 +144,11 @@ class Controller(ABC):
         load by it)."""
         return 0
 
+    def draft_is_late_for(self, act: Activation) -> bool:
+        """Whether verifying these logits now would pass by a draft answer that lockstep
+        would have had by then (an executor may hold them a while: the late-draft wait)."""
+        return False
+
     # -- events ----------------------------------------------------------------------------
     @abstractmethod
     def start(self) -> list[Command]:

@@ -67,6 +67,12 @@ class SpecPipeController(Controller):
     def rows_in_flight(self) -> int:
         return len(self.tree)  # the tree's nodes: fed, or about to be
 
+    def draft_is_late_for(self, act: Activation) -> bool:
+        if self.done or not self._asked or not bool((act.node_ids == self.tree.root_id).any()):
+            return False
+        due = self._root_due(self.tree.root_id)
+        return any(step < due for step in self._asked.values())
+
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
         return [*self._prefill(), *self._add_layer(ROOT, feed_now=True)]

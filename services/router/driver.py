@@ -19,6 +19,13 @@ there under a new wire id (`<id>~<attempt>`: nothing of the old path can reach t
 one) and executes `Controller.replay`. A draft that fails only makes the controller go on
 without it (`Controller.drop_draft`). With no path left after `replay_timeout`, the
 request fails UNAVAILABLE.
+
+A late draft (`late_draft_wait`): when the last stage's logits would verify a root
+before the draft has answered for a layer that lockstep would have grown by then
+(`Controller.draft_is_late_for`), the driver may hold those logits up to that long for
+the answer, so the tree keeps the layer (lockstep's schedule: the step waits for the
+draft) instead of the verification passing it by (a miss or a regrowth, and no wait).
+Either way the tokens are the same; which is faster depends on how late drafts are.
 """
 
 from __future__ import annotations
@@ -135,6 +142,7 @@ class RequestDriver:
         on_replay: Callable[[RequestDriver, float], None] | None = None,
         vocab_size: int | None = None,
         lease: tuple[str, str] = ("", ""),
+        late_draft_wait: float = 0.0,
     ) -> None:
         self.controller, self.backends = controller, backends
         self.request_id = controller.request_id
@@ -169,6 +177,12 @@ class RequestDriver:
         self.token_times: list[float] = []
         self.replay_seconds: list[float] = []  # time from each fault to the re-opened path
         self.waiting = True  # opening a path (first or replayed), not producing tokens
+        # Logits held for a late draft answer (in arrival order) and until when.
+        self.late_draft_wait = late_draft_wait
+        self._parked: list = []
+        self._parked_at = self._parked_until = 0.0
+        self.draft_waits = 0  # verifications held for the draft
+        self.draft_wait_seconds = 0.0
 
     @property
     def stats(self) -> DecodeStats:
@@ -280,9 +294,14 @@ class RequestDriver:
 
     # -- events ----------------------------------------------------------------------------
     async def _next_event(self):
+        timeout = self.stall_timeout
+        if self._parked:
+            timeout = min(timeout, max(self._parked_until - time.monotonic(), 0.0))
         try:
-            return await asyncio.wait_for(self.events.get(), self.stall_timeout)
+            return await asyncio.wait_for(self.events.get(), timeout)
         except TimeoutError:
+            if self._parked:
+                return None  # the late-draft wait is over: verify without the answer
             return _Failure(
                 self.attempt,
                 grpc.StatusCode.UNAVAILABLE,
@@ -292,7 +311,38 @@ class RequestDriver:
             )
 
     async def _handle(self, ev) -> list[Command]:
+        cmds = await self._handle_event(ev)
+        if self._parked and (
+            ev is None
+            or time.monotonic() >= self._parked_until
+            or not self.controller.draft_is_late_for(self._parked[0])
+        ):
+            cmds += self._unpark()
+        return cmds
+
+    def _verify(self, act) -> list[Command]:
+        """Logits to the controller, or held while the draft is late (see the module
+        docstring); logits that come while others are held queue behind them."""
         ctrl = self.controller
+        if self._parked:
+            self._parked.append(act)
+            return []
+        if self.late_draft_wait > 0 and ctrl.draft_is_late_for(act):
+            self._parked, self._parked_until = [act], time.monotonic() + self.late_draft_wait
+            self._parked_at = time.monotonic()
+            self.draft_waits += 1
+            return []
+        return ctrl.on_logits(act)
+
+    def _unpark(self) -> list[Command]:
+        parked, self._parked = self._parked, []
+        self.draft_wait_seconds += time.monotonic() - self._parked_at
+        return [cmd for act in parked for cmd in self.controller.on_logits(act)]
+
+    async def _handle_event(self, ev) -> list[Command]:
+        ctrl = self.controller
+        if ev is None:
+            return []  # the late-draft wait ran out
         if isinstance(ev, _Proposal):
             return ctrl.on_candidates(ev.ticket, ev.cand) if ev.attempt == self.attempt else []
         if isinstance(ev, _Failure):
@@ -318,11 +368,12 @@ class RequestDriver:
             ctrl.on_failure(message)
             raise DriverError(code, message)
         try:
-            return ctrl.on_logits(self._logits(ev))
+            act = self._logits(ev)
         except (FrameError, InvalidInput) as e:
             raise DriverError(
                 grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
             ) from None
+        return self._verify(act)
 
     # -- faults ----------------------------------------------------------------------------
     async def _replay(self, failed: Backend | None, message: str) -> list[Command]:
@@ -367,8 +418,10 @@ class RequestDriver:
         return self.controller.drop_draft()
 
     def _abandon(self) -> None:
-        """Leave the current path: stop its calls, release it in the background."""
+        """Leave the current path: stop its calls, release it in the background (logits
+        held for its draft are from it: dropped)."""
         self._stop_tasks()
+        self._parked = []
         if self._holding:
             self._in_background(self._release_path(self.path, self.draft, self.wire_id))
             self._let_go()

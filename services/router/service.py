@@ -84,11 +84,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         public_tls: PublicTls | None = None,
         defaults: RequestDefaults | None = None,
         tuning: RouterTuning | None = None,
+        late_draft_wait: float = 0.0,
     ) -> None:
         """`security`: mutual TLS to the stages and the draft and authenticated frames
         (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
         `defaults`: width, layers per step and token source of requests that leave them
-        unset (values or "auto"); `tuning`: how `auto` settings are chosen."""
+        unset (values or "auto"); `tuning`: how `auto` settings are chosen;
+        `late_draft_wait`: how long a verification may wait for a late draft answer
+        (seconds; 0: never, see driver.py)."""
         self.security = security
         self.public_tls = public_tls
         self.inbox = Inbox()
@@ -124,6 +127,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.drivers: dict[str, RequestDriver] = {}
         self.defaults = defaults or RequestDefaults()
         self.tuning = tuning or RouterTuning()
+        self.late_draft_wait = late_draft_wait
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
         self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
@@ -374,6 +378,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             on_replay=self.metrics.replayed if self.metrics is not None else None,
             vocab_size=self.model.vocab_size if self.model else None,
             lease=(self.name, self.epoch),
+            late_draft_wait=self.late_draft_wait,
         )
         self.drivers[rid] = driver
         self._apply_widths()

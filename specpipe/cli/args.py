@@ -31,6 +31,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def auto_or_positive_int(text: str) -> int | str:
     """A positive integer, or 'auto' (the router's or the engine's choice)."""
     return text if text == "auto" else positive_int(text)

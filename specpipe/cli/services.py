@@ -13,6 +13,7 @@ from .args import (
     add_device_arg,
     add_dtype_arg,
     auto_or_positive_int,
+    non_negative_float,
     parse_device,
     positive_int,
 )
@@ -352,6 +353,14 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="auto settings: tokens measured with each candidate before the best is chosen "
         "(default 256)",
+    )
+    p.add_argument(
+        "--late-draft-wait-ms",
+        default=None,
+        type=non_negative_float,
+        help="how long a verification may wait for a draft answer that is late (lockstep "
+        "would have it): the tree keeps its layer instead of missing it (default 0: never "
+        "wait)",
     )
 
 
