@@ -183,7 +183,9 @@ def plan_request(
         raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
     defaults = defaults or RequestDefaults()
     source = r.token_source or defaults.token_source or ""
-    if mode.uses_draft and source not in ("ngram", AUTO) and not has_draft:
+    # "auto" may choose the n-gram source only where the router tunes (specpipe).
+    model_free = source == "ngram" or (source == AUTO and mode == Mode.SPECPIPE)
+    if mode.uses_draft and not model_free and not has_draft:
         raise InvalidRequest(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"mode {mode} needs a draft and this deployment has none (use pp)",

@@ -885,3 +885,20 @@ def test_public_tls_on_the_router_ports(render):
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     (pod,) = of_kind(docs, "Pod")
     assert "--tls-ca" in pod["spec"]["containers"][0]["args"]
+
+
+def test_tree_defaults_and_auto_make_the_stages_and_draft_measure_costs(render):
+    def mains(docs):
+        return [main_container(d) for d in workloads(docs)]
+
+    assert not any("--measure-costs" in c["args"] for c in mains(render(None)))
+    docs = render(
+        {"router": {"treeDefaults": {"layersPerStep": "auto", "tokenSource": "hybrid",
+                                     "width": 4}, "lateDraftWaitMs": 250}}
+    )  # fmt: skip
+    (router,) = [c for c in mains(docs) if c["args"][0] == "router"]
+    assert arg(router, "--layers-per-step") == "auto" and arg(router, "--width") == "4"
+    assert arg(router, "--token-source") == "hybrid"
+    assert arg(router, "--late-draft-wait-ms") == "250"
+    measured = {c["args"][0] for c in mains(docs) if "--measure-costs" in c["args"]}
+    assert measured == {"stage", "draft"}

@@ -27,9 +27,10 @@ def test_defaults_and_given_tree_options() -> None:
 
 def test_the_ngram_source_needs_no_draft() -> None:
     assert plan(False, token_source="ngram").opts.token_source == "ngram"
-    with pytest.raises(InvalidRequest) as e:
-        plan(False, token_source="hybrid")
-    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    for fields in ({"token_source": "hybrid"}, {"token_source": "auto", "mode": "specinfer"}):
+        with pytest.raises(InvalidRequest) as e:
+            plan(False, **fields)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize(

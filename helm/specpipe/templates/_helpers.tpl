@@ -625,3 +625,27 @@ or replicas; argument: dict "stage" (values block) "k". */}}
 {{- $s.replicas | int -}}
 {{- end -}}
 {{- end -}}
+
+{{/* "true" when the router tunes a tree setting ("auto"): the stages and the draft then
+measure their cost curves at start (--measure-costs) for it to price steps with. */}}
+{{- define "specpipe.measureCosts" -}}
+{{- $t := .Values.router.treeDefaults | default dict -}}
+{{- if or (eq (toString $t.width) "auto") (eq (toString $t.layersPerStep) "auto") (eq (toString $t.tokenSource) "auto") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The router's defaults for requests' tree settings and its late-draft wait. */}}
+{{- define "specpipe.treeArgs" -}}
+{{- $r := .Values.router -}}
+{{- $t := $r.treeDefaults | default dict -}}
+{{- range $flag, $key := dict "--width" "width" "--layers-per-step" "layersPerStep" "--token-source" "tokenSource" }}
+{{- $v := index $t $key -}}
+{{- if and $v (ne (toString $v) "") }}
+- {{ $flag }}
+- {{ $v | toString | quote }}
+{{- end }}
+{{- end }}
+{{- if $r.lateDraftWaitMs }}
+- --late-draft-wait-ms
+- {{ $r.lateDraftWaitMs | toString | quote }}
+{{- end }}
+{{- end -}}
