@@ -168,7 +168,13 @@ async def run_draft(args) -> None:
     await _serve_until_stopped(svc, args.drain_seconds, stops)
 
 
-TUNING_FLAGS = ("width", "layers_per_step", "token_source", "tune_calibration_tokens")
+TUNING_FLAGS = (
+    "width",
+    "layers_per_step",
+    "token_source",
+    "tune_calibration_tokens",
+    "tune_price",
+)
 POLICY_FLAGS = (*TUNING_FLAGS, "late_draft_wait_ms")
 
 
@@ -190,12 +196,15 @@ def router_options(options: dict[str, object]) -> dict[str, object]:
     from .router.tuning import RouterTuning
 
     kw = {k: v for k, v in options.items() if k not in POLICY_FLAGS}
-    calibration = options.get("tune_calibration_tokens")
+    tuning = {
+        "calibration_tokens": options.get("tune_calibration_tokens"),
+        "price": options.get("tune_price"),
+    }
     defaults = {k: options.get(k) for k in ("width", "layers_per_step", "token_source")}
     return dict(
         kw,
         defaults=RequestDefaults(**defaults),
-        tuning=RouterTuning(calibration) if calibration else RouterTuning(),
+        tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
         late_draft_wait=float(options.get("late_draft_wait_ms") or 0) / 1e3,
     )
 

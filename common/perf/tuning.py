@@ -3,17 +3,22 @@ the router's `auto` (docs/architecture.md, "2.6").
 
 Every setting emits the same tokens (every mode is lossless), so trying one costs only
 speed. The tuner gives `auto` requests each candidate setting in turn until it has seen
-`calibration_tokens` tokens with it, then the setting with the least expected time per
-token,
+`calibration_tokens` tokens with it, then the setting with the least time per token.
+Two prices (`price`):
 
-    step cost(W, K, source) / tokens per step(W, K, source)
-
-Tokens per step is what the finished requests with that setting reached: the lockstep
-accounting each request reports, which does not depend on how loaded the machine was. A
-steady step's cost comes from the cost curves the stages and the draft measured
-(`layers.step_seconds`: every stage computes K layers of W rows, the draft K forwards of
-W rows on its own device, none for the n-gram source). Without cost curves every step is
-taken to cost the same, and the most tokens per step wins.
+- `wall` (the default): the time between tokens its finished requests saw, measured by
+  the router. It holds whatever the deployment does: the draft working ahead of the
+  step, verification round trips, late draft answers. Requests of every setting run
+  side by side and measurements fade, so a load that changes over time weighs on all.
+- `model`: step cost(W, K, source) / tokens per step(W, K, source). Tokens per step is
+  the lockstep accounting each request reports (independent of load); a steady step's
+  cost comes from the cost curves the stages and the draft measured
+  (`layers.step_seconds`: every stage K layers of W rows, the draft K forwards of W rows
+  one after another, none for the n-gram source). Without cost curves every step is
+  taken to cost the same, and the most tokens per step wins. On emulated devices
+  (`benchmarks/bench_tuning.py`) this ranked settings against the wall clock where the
+  draft is slow: the services overlap the draft's K forwards with the step, lockstep
+  does not.
 
 Measurements fade (halved once a setting has `window_tokens`), and every
 `explore_every`-th decision re-measures the setting seen least recently, so the choice
@@ -35,6 +40,7 @@ AUTO_LAYERS = (1, 2, 3)
 DEFAULT_CALIBRATION_TOKENS = 256
 DEFAULT_EXPLORE_EVERY = 20
 DEFAULT_WINDOW_TOKENS = 8192
+PRICES = ("wall", "model")
 
 
 @dataclass(frozen=True, order=True)
@@ -57,6 +63,8 @@ class Measured:
     tokens: float = 0.0
     steps: float = 0.0
     hits: float = 0.0
+    wall_seconds: float = 0.0  # between first and last token, summed over requests
+    intervals: float = 0.0  # tokens after the first, summed
     last_seen: int = -1  # the decision count when a request with it last finished
 
     @property
@@ -66,6 +74,10 @@ class Measured:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.tokens if self.tokens else 0.0
+
+    @property
+    def wall_per_token(self) -> float | None:
+        return self.wall_seconds / self.intervals if self.intervals else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,7 @@ class Tuner:
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     explore_every: int = DEFAULT_EXPLORE_EVERY
     window_tokens: int = DEFAULT_WINDOW_TOKENS
+    price: str = "wall"
     measured: dict[Setting, Measured] = field(default_factory=dict)
     pending: dict[Setting, int] = field(default_factory=dict)  # tokens asked, in flight
     decisions: int = 0
@@ -122,6 +135,8 @@ class Tuner:
     def __post_init__(self) -> None:
         if self.calibration_tokens < 1 or self.explore_every < 1 or self.window_tokens < 1:
             raise ValueError("calibration tokens, explore_every and the window must be >= 1")
+        if self.price not in PRICES:
+            raise ValueError(f"unknown price {self.price!r} (choose from {', '.join(PRICES)})")
 
     # -- prices --------------------------------------------------------------------------
     def step_seconds(self, s: Setting) -> float | None:
@@ -130,14 +145,21 @@ class Tuner:
             return None
         return step_seconds(self.costs, s.layers_per_step, s.width, s.token_source.uses_model)
 
-    def cost_per_token(self, s: Setting) -> float | None:
-        """Expected seconds per token (steps per token without cost curves); None until
-        a request with this setting finished."""
+    def modelled_per_token(self, s: Setting) -> float | None:
+        """Step cost over tokens per step (steps per token without cost curves); None
+        until a request with this setting finished."""
         m = self.measured.get(s)
         if m is None or m.tokens_per_step == 0:
             return None
         step = self.step_seconds(s)
         return (1.0 if step is None else step) / m.tokens_per_step
+
+    def cost_per_token(self, s: Setting) -> float | None:
+        """The price the choice goes by (see the module docstring)."""
+        if self.price == "model":
+            return self.modelled_per_token(s)
+        m = self.measured.get(s)
+        return m.wall_per_token if m is not None else None
 
     # -- decisions -----------------------------------------------------------------------
     def decide(self, space: TuningSpace, expected_tokens: int) -> Decision:
@@ -201,7 +223,7 @@ class Tuner:
         if rest:
             cost2, second = rest[0]
             reason += f"; next best {second.label()}: {self._price(second, cost2)}"
-        if self.costs is None:
+        if self.costs is None and self.price == "model":
             reason += (
                 "; no cost curves (start the stages and the draft with --measure-costs): "
                 "every step taken as equal"
@@ -211,6 +233,11 @@ class Tuner:
     def _price(self, s: Setting, cost: float) -> str:
         m = self.measured[s]
         step = self.step_seconds(s)
+        if self.price == "wall":
+            return (
+                f"{cost * 1e3:.2f} ms/token measured ({m.tokens_per_step:.2f} tokens/step, "
+                f"hit rate {m.hit_rate:.2f})"
+            )
         if step is None:
             return f"{cost:.2f} steps/token ({m.tokens_per_step:.2f} tokens/step)"
         return (
@@ -226,9 +253,11 @@ class Tuner:
         tokens: int = 0,
         steps: int = 0,
         hits: int = 0,
+        wall_seconds: float = 0.0,
     ) -> None:
         """A request with `setting` ended; `steps` 0: it failed or ran with another
-        setting than asked (a narrower width), so it says nothing about this one."""
+        setting than asked (a narrower width), so it says nothing about this one.
+        `wall_seconds`: from its first token to its last."""
         left = self.pending.get(setting, 0) - expected_tokens
         if left > 0:
             self.pending[setting] = left
@@ -238,11 +267,13 @@ class Tuner:
             return
         m = self.measured.setdefault(setting, Measured())
         if m.tokens + tokens > self.window_tokens:  # fade: newer requests weigh more
-            m.requests, m.tokens, m.steps, m.hits = (
-                m.requests / 2, m.tokens / 2, m.steps / 2, m.hits / 2,
-            )  # fmt: skip
+            for name in ("requests", "tokens", "steps", "hits", "wall_seconds", "intervals"):
+                setattr(m, name, getattr(m, name) / 2)
         m.requests += 1
         m.tokens += tokens
         m.steps += steps
         m.hits += hits
+        if tokens > 1:
+            m.wall_seconds += wall_seconds
+            m.intervals += tokens - 1
         m.last_seen = self.decisions

@@ -434,7 +434,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             self.drivers.pop(rid, None)
             self._leave(rid)
-            self.tuning.finish(tuned, None if failed else driver.stats)
+            self.tuning.finish(tuned, None if failed else driver.stats, driver.timing()[1])
             if metrics is not None:
                 metrics.finished(driver, failed)
             # Runs even when the client cancelled (this generator is being closed).

@@ -15,6 +15,7 @@ from specpipe.common.perf.tuning import (
     DEFAULT_EXPLORE_EVERY,
     DEFAULT_WINDOW_TOKENS,
     Decision,
+    Measured,
     Setting,
     Tuner,
     TuningSpace,
@@ -74,11 +75,13 @@ class RouterTuning:
         calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
         explore_every: int = DEFAULT_EXPLORE_EVERY,
         window_tokens: int = DEFAULT_WINDOW_TOKENS,
+        price: str = "wall",
     ) -> None:
         self.calibration_tokens = calibration_tokens
         self.explore_every = explore_every
         self.window_tokens = window_tokens
-        Tuner(1, None, calibration_tokens, explore_every, window_tokens)  # checks the values
+        self.price = price
+        self._tuner(1)  # checks the values
         self.tuners: dict[tuple[str, str], Tuner] = {}
         self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
 
@@ -100,9 +103,7 @@ class RouterTuning:
         key = (version, regime_of(opts))
         tuner = self.tuners.get(key)
         if tuner is None:
-            tuner = self.tuners[key] = Tuner(
-                stages, None, self.calibration_tokens, self.explore_every, self.window_tokens
-            )
+            tuner = self.tuners[key] = self._tuner(stages)
         tuner.costs = costs_of(backends, version)  # replicas come and go
         d = tuner.decide(space, opts.max_new_tokens)
         s = d.setting
@@ -116,9 +117,20 @@ class RouterTuning:
         )
         return tuned, Tuned(key, d, opts.max_new_tokens)
 
-    def finish(self, tuned: Tuned | None, stats: DecodeStats | None) -> None:
-        """A tuned request ended: `stats` None when it failed. A request whose width the
-        scheduler narrowed measured another setting than it was given: not counted."""
+    def _tuner(self, stages: int) -> Tuner:
+        return Tuner(
+            stages,
+            None,
+            self.calibration_tokens,
+            self.explore_every,
+            self.window_tokens,
+            self.price,
+        )
+
+    def finish(self, tuned: Tuned | None, stats: DecodeStats | None, tbt_ms: float = 0.0) -> None:
+        """A tuned request ended: `stats` None when it failed; `tbt_ms` its mean time
+        between tokens. A request whose width the scheduler narrowed measured another
+        setting than it was given, a replayed one paid for the replay: not counted."""
         if tuned is None:
             return
         tuner = self.tuners.get(tuned.key)
@@ -128,7 +140,10 @@ class RouterTuning:
         if stats is None or stats.width != s.width or stats.replays:
             tuner.finish(s, tuned.expected_tokens)
             return
-        tuner.finish(s, tuned.expected_tokens, stats.new_tokens, stats.decode_steps, stats.hits)
+        wall = tbt_ms * max(stats.new_tokens - 1, 0) / 1e3
+        tuner.finish(
+            s, tuned.expected_tokens, stats.new_tokens, stats.decode_steps, stats.hits, wall
+        )
 
     def describe(self) -> list[gen.Tuning]:
         out = []
@@ -142,23 +157,26 @@ class RouterTuning:
                     chosen=_arm(tuner, now.setting) if now else None,
                     reason=now.reason if now else "",
                     arms=arms,
+                    price=tuner.price,
                 )
             )
         return out
 
 
 def _arm(tuner: Tuner, s: Setting) -> gen.TuningArm:
-    m = tuner.measured.get(s)
+    m = tuner.measured.get(s) or Measured()
     step = tuner.step_seconds(s)
-    cost = tuner.cost_per_token(s)
+    cost = tuner.modelled_per_token(s)
+    wall = m.wall_per_token
     return gen.TuningArm(
         width=s.width,
         layers_per_step=s.layers_per_step,
         token_source=str(s.token_source),
-        requests=round(m.requests) if m else 0,
-        tokens=round(m.tokens) if m else 0,
-        steps=round(m.steps) if m else 0,
-        hit_rate=m.hit_rate if m else 0.0,
+        requests=round(m.requests),
+        tokens=round(m.tokens),
+        steps=round(m.steps),
+        hit_rate=m.hit_rate,
         step_ms=step * 1e3 if step is not None else 0.0,
         ms_per_token=cost * 1e3 if cost is not None and step is not None else 0.0,
+        wall_ms_per_token=wall * 1e3 if wall is not None else 0.0,
     )

@@ -355,6 +355,13 @@ def _scheduling_args(p: argparse.ArgumentParser) -> None:
         "(default 256)",
     )
     p.add_argument(
+        "--tune-price",
+        default=None,
+        choices=["wall", "model"],
+        help="auto settings go by the time between tokens measured (wall, default) or by "
+        "the cost curves over tokens per step (model)",
+    )
+    p.add_argument(
         "--late-draft-wait-ms",
         default=None,
         type=non_negative_float,

@@ -1,7 +1,8 @@
 """`auto` settings through `specpipe up`'s router (issue 11, item 4): requests that leave
 layers per step and token source to the router get each candidate in turn, then the one
-with the least expected time per token priced by the costs the stages and the draft
-measured; every one emits plain decoding's tokens; Describe says what was chosen and why."""
+with the least time per token measured; every one emits plain decoding's tokens; the
+stages and the draft publish cost curves for the model price; Describe says what was
+chosen and why."""
 
 from __future__ import annotations
 
@@ -64,8 +65,10 @@ def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
     assert sum(a.tokens for a in t.arms) == (CANDIDATES + 2) * N
     assert all(a.step_ms > 0 and a.ms_per_token > 0 for a in t.arms)  # priced by measured costs
     label = f"W={t.chosen.width} K={t.chosen.layers_per_step} {t.chosen.token_source}"
-    assert t.reason.startswith(label) and "ms/token" in t.reason and "next best" in t.reason
-    best = min(t.arms, key=lambda a: (a.ms_per_token, a.width, a.layers_per_step))
+    assert t.price == "wall" and all(a.wall_ms_per_token > 0 for a in t.arms)
+    assert t.reason.startswith(label) and "ms/token measured" in t.reason
+    assert "next best" in t.reason
+    best = min(t.arms, key=lambda a: (a.wall_ms_per_token, a.width, a.layers_per_step))
     assert (t.chosen.layers_per_step, t.chosen.token_source) == (
         best.layers_per_step,
         best.token_source,

@@ -257,21 +257,23 @@ class RouterDescription(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ...) -> None: ...
 
 class Tuning(_message.Message):
-    __slots__ = ("weight_hash", "regime", "chosen", "reason", "arms")
+    __slots__ = ("weight_hash", "regime", "chosen", "reason", "arms", "price")
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     REGIME_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ARMS_FIELD_NUMBER: _ClassVar[int]
+    PRICE_FIELD_NUMBER: _ClassVar[int]
     weight_hash: str
     regime: str
     chosen: TuningArm
     reason: str
     arms: _containers.RepeatedCompositeFieldContainer[TuningArm]
-    def __init__(self, weight_hash: _Optional[str] = ..., regime: _Optional[str] = ..., chosen: _Optional[_Union[TuningArm, _Mapping]] = ..., reason: _Optional[str] = ..., arms: _Optional[_Iterable[_Union[TuningArm, _Mapping]]] = ...) -> None: ...
+    price: str
+    def __init__(self, weight_hash: _Optional[str] = ..., regime: _Optional[str] = ..., chosen: _Optional[_Union[TuningArm, _Mapping]] = ..., reason: _Optional[str] = ..., arms: _Optional[_Iterable[_Union[TuningArm, _Mapping]]] = ..., price: _Optional[str] = ...) -> None: ...
 
 class TuningArm(_message.Message):
-    __slots__ = ("width", "layers_per_step", "token_source", "requests", "tokens", "steps", "hit_rate", "step_ms", "ms_per_token")
+    __slots__ = ("width", "layers_per_step", "token_source", "requests", "tokens", "steps", "hit_rate", "step_ms", "ms_per_token", "wall_ms_per_token")
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     LAYERS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +283,7 @@ class TuningArm(_message.Message):
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WALL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     width: int
     layers_per_step: int
     token_source: str
@@ -290,4 +293,5 @@ class TuningArm(_message.Message):
     hit_rate: float
     step_ms: float
     ms_per_token: float
-    def __init__(self, width: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., step_ms: _Optional[float] = ..., ms_per_token: _Optional[float] = ...) -> None: ...
+    wall_ms_per_token: float
+    def __init__(self, width: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., step_ms: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., wall_ms_per_token: _Optional[float] = ...) -> None: ...
