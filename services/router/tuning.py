@@ -1,8 +1,9 @@
 """The router's `auto` settings: width, layers per step and token source of specpipe
 requests that leave them to the router (`common/perf/tuning.py` decides). One tuner per
-model version and decoding regime, priced with the cost curves that the stages and the
-draft publish in Describe (`--measure-costs`); the choice and its reason are logged when
-they change and shown in the router's Describe."""
+model version and decoding regime; it goes by the time between tokens this router
+measured per setting, or (`price="model"`) by the cost curves the stages and the draft
+publish in Describe (`--measure-costs`). The choice and its reason are logged when they
+change and shown in the router's Describe."""
 
 from __future__ import annotations
 
@@ -39,15 +40,13 @@ def costs_of(backends: Backends, version: str) -> DeploymentCosts | None:
     by_range: dict[tuple[int, int], CostCurve] = {}
     for b in backends.stages:
         if b.desc is not None and b.version == version and b.healthy:
-            curve = cost_curve_from_proto(
-                b.desc.cost_curve if b.desc.HasField("cost_curve") else None
-            )
+            curve = cost_curve_from_proto(b.desc.cost_curve)
             if curve is not None:
                 by_range.setdefault(b.layers, curve)
     if any(r not in by_range for r in model.ranges):
         return None
     drafts = [
-        cost_curve_from_proto(b.desc.cost_curve if b.desc.HasField("cost_curve") else None)
+        cost_curve_from_proto(b.desc.cost_curve)
         for b in backends.drafts
         if b.desc is not None and b.healthy
     ]
