@@ -182,7 +182,7 @@ BAD = [
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
     (dict(messages=[{"role": "user", "content": "x" * 300}]), "context holds 256"),
     (dict(extra_body={"mode": "beam"}), "unknown mode 'beam'"),
-    (dict(extra_body={"width": 0}), "width must be in"),
+    (dict(extra_body={"width": -1}), "width must be in"),
     (dict(stop=""), "stop strings must not be empty"),
 ]
 
