@@ -122,6 +122,7 @@ async def run_stage(args) -> None:
         security=security_of(args),
         allow_configure=args.allow_configure,
         peers=args.peers,
+        batch_wait=args.batch_wait_ms,
     )
     svc.pacer = pacer
     metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
@@ -144,6 +145,7 @@ async def run_draft(args) -> None:
         lease_seconds=args.lease_seconds,
         security=security_of(args),
         pacer=_pacer(args, "draft"),
+        batch_wait=args.batch_wait_ms,
     )
     _set_cache_budget(svc.runtime.runtime, args)
     host = args.advertise_host or _local(args.host)
