@@ -118,6 +118,48 @@ def emulation_report(log_dir: Path) -> dict[str, dict]:
     return out
 
 
+def scrape(address: str) -> dict[str, float]:
+    """Unlabelled samples of a /metrics page (counters, histogram sums and counts)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels
+    }
+
+
+def batching(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per stage and the draft, over one cell: forwards with rows, requests per forward
+    (stages), and rounds that waited for requests of the same step and how long."""
+
+    def delta(name: str, key: str) -> float:
+        return after[name].get(key, 0.0) - before[name].get(key, 0.0)
+
+    out = {}
+    for name in after:
+        if name.startswith("stage"):
+            n = delta(name, "specpipe:stage_batch_requests_count")
+            waits = delta(name, "specpipe:stage_batch_wait_seconds_count")
+            out[name] = {
+                "forwards": int(n),
+                "requests_per_forward": round(
+                    delta(name, "specpipe:stage_batch_requests_sum") / n, 3) if n else None,
+                "rounds_waited": int(waits),
+                "wait_ms_mean": round(
+                    1e3 * delta(name, "specpipe:stage_batch_wait_seconds_sum") / waits, 2
+                ) if waits else None,
+            }  # fmt: skip
+        elif name.startswith("draft"):
+            out[name] = {"forwards": int(delta(name, "specpipe:draft_forward_seconds_count"))}
+    return out
+
+
 def gap_of(cell: dict) -> dict:
     """Wall vs projected TBT, split into lost steps and overhead per step."""
     wall, proj = cell["services"]["tbt_ms_mean"], cell["projected"]["tbt_ms"]["mean"]
@@ -144,12 +186,21 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
     priced = costs.at(ctx, stages)
     local = build_local(target, stages, ORACLE_DRAFT)
     dep = ServicesDeployment(
-        target, "oracle", stages, threads=1, emulate_costs=cost_file, log_dir=work / "logs"
+        target,
+        "oracle",
+        stages,
+        threads=1,
+        emulate_costs=cost_file,
+        log_dir=work / "logs",
+        metrics=True,
+        batch_wait=None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3,
     )
     dep.start()
     rows = []
     try:
         for mode, conc in cells:
+            addrs = {n: a for n, a in dep.metrics_addresses().items() if n != "router"}
+            before = {n: scrape(a) for n, a in addrs.items()}
             n = max(args.min_requests, conc * args.requests_per_client)
             prompts = [list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", n, 511, conc)]
             kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -163,6 +214,7 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
                 stream_all(dep.router_address, prompts, conc, kwargs)
             )
             s = summarize(results, wall)
+            s["batching"] = batching(before, {n: scrape(a) for n, a in addrs.items()})
             stats = [r.stats for r in results]
             s["tbt_ms_mean"] = round(1e3 * statistics.mean(r.tbt for r in results), 3)
             for key in ("steady_tokens_per_step", "hit_rate", "tokens_per_step"):
@@ -206,8 +258,20 @@ def fmt_cell(c: dict) -> str:
         f"TBT wall {s['tbt_ms_mean']:7.1f} proj {p['tbt_ms']['mean']:7.1f} ms "
         f"(x{g['wall_over_projected']}: steps x{g['step_factor']} time x{g['time_factor']}) "
         f"tok/s wall {s['output_throughput']:6.1f} proj {p['output_throughput']:6.1f} "
-        f"late {s['late_draft_answers']} identical {c['identical']}/{c['requests']}"
+        f"late {s['late_draft_answers']} identical {c['identical']}/{c['requests']} "
+        f"{batch_summary(s)}"
     )
+
+
+def batch_summary(s: dict) -> str:
+    """Forwards per stage (requests per forward) and the draft's forwards, of one cell."""
+    parts = []
+    for name, b in sorted(s.get("batching", {}).items()):
+        if "requests_per_forward" in b:
+            parts.append(f"{name} {b['forwards']} ({b['requests_per_forward']})")
+        else:
+            parts.append(f"{name} {b['forwards']}")
+    return " ".join(parts)
 
 
 def tiny_target() -> Path:
@@ -326,8 +390,8 @@ def services_table(rows: list[dict]) -> list[str]:
     lines = [
         "| S | cost model | mode | clients | TBT ms wall / projected | wall / projected "
         "| steps lost (x) | time per step (x) | overhead ms/step | tok/s wall / projected "
-        "| late drafts | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| late drafts | identical | forwards (requests each) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in rows:
         s, p, g = c["services"], c["projected"], c["gap"]
@@ -336,7 +400,8 @@ def services_table(rows: list[dict]) -> list[str]:
             f"| {s['tbt_ms_mean']:.1f} / {p['tbt_ms']['mean']:.1f} | {g['wall_over_projected']} "
             f"| {g['step_factor']} | {g['time_factor']} | {g['overhead_ms_per_step']} "
             f"| {s['output_throughput']:.1f} / {p['output_throughput']:.1f} "
-            f"| {s['late_draft_answers']} | {c['identical']}/{c['requests']} |"
+            f"| {s['late_draft_answers']} | {c['identical']}/{c['requests']} "
+            f"| {batch_summary(s)} |"
         )
     return lines
 
@@ -386,6 +451,12 @@ def main() -> None:
     ap.add_argument("--stage-ms", type=float, default=100.0, help="synthetic flat stage forward")
     ap.add_argument("--draft-ms", type=float, default=60.0, help="synthetic flat draft forward")
     ap.add_argument("--measure", action="store_true", help="re-measure the batched Qwen curves")
+    ap.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=None,
+        help="the stages' --batch-wait-ms (default: theirs, auto; 0: no step alignment)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.modes = args.modes.split(",")
