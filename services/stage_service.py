@@ -326,6 +326,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
         self._requests[rid] = st
+        self.aligner.opened(rid, joins=request.fills_pipeline)
         self.metrics.requests.inc()
         return stage_pb2.OpenStageResponse()
 
@@ -488,11 +489,12 @@ class StageService(stage_pb2_grpc.StageServicer):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), hold)
                 continue
-            self.aligner.started()
             if held_since is not None:
                 self.metrics.batch_wait.observe(time.perf_counter() - held_since)
                 held_since = None
-            if work := self._collect():
+            work = self._collect()
+            self.aligner.started([w.st.request_id for w in work if w.turns])
+            if work:
                 await self._run(work)
 
     def _hold(self) -> float | None:

@@ -156,3 +156,73 @@ def test_the_draft_expects_the_requests_of_its_last_batch() -> None:
     clock.t += 0.060
     a.arrived("a")
     assert a.hold({"a"}, {"a", "b"}) == 0.0
+
+
+def test_a_request_just_opened_is_expected_for_one_window() -> None:
+    """Its prompt follows the Open at once: requests that start together prefill in one
+    forward. Past a window after the Open it is not waited for any more."""
+    a, clock = aligner(0.010)
+    a.arrived("a")
+    a.opened("b")
+    assert a.expected({"a"}, {"a", "b"}) == {"b"}
+    clock.t += 0.011
+    assert a.expected({"a"}, {"a", "b"}) == set()
+    a.arrived("b")  # its first activation: no cadence yet
+    assert a.expected({"a"}, {"a", "b"}) == set()
+
+
+def _running_and_newcomer(joins: bool) -> tuple[StepAligner, Clock]:
+    """Request a runs every 120 ms (forwards of 100 ms: window 20 ms, join window 200
+    ms); 30 ms after a's last round, request n opens and its prompt arrives."""
+    a, clock = aligner(None)
+    a.computed(0.100)
+    a.opened("a", joins=joins)
+    for _ in range(3):
+        a.arrived("a")
+        a.started({"a"})
+        clock.t += 0.120
+    clock.t -= 0.120 - 0.030
+    a.opened("n", joins=joins)
+    a.arrived("n")
+    return a, clock
+
+
+def test_younger_requests_wait_longer_to_join_the_older_ones() -> None:
+    """A request joining while others run (closed loop: a client's next request) would
+    otherwise start a forward out of their phase and stay there (two forwards per step
+    for both, in specpipe): when only younger requests are ready, the round waits for
+    older ones due within the join window; the older never wait that long for them."""
+    a, clock = _running_and_newcomer(joins=True)
+    assert a.window == AUTO_CAP and a.join_window == pytest.approx(0.200)
+    assert a.hold({"n"}, {"a", "n"}) == pytest.approx(0.200)  # a is due in 90 ms
+    clock.t += 0.090
+    a.arrived("a")
+    assert a.hold({"a", "n"}, {"a", "n"}) == 0.0  # a came: both in one forward
+    a.started({"a", "n"})
+    for _ in range(8):  # in phase now; then n is late
+        clock.t += 0.120
+        a.arrived("a")
+        a.arrived("n")
+        a.started({"a", "n"})
+    clock.t += 0.120
+    a.arrived("a")
+    assert 0 < a.hold({"a"}, {"a", "n"}) <= AUTO_CAP  # a waits only the short window
+
+
+def test_an_older_request_that_does_not_come_is_not_waited_for_again() -> None:
+    a, clock = _running_and_newcomer(joins=True)
+    assert a.hold({"n"}, {"a", "n"}) > 0
+    clock.t += 0.200
+    assert a.hold({"n"}, {"a", "n"}) == 0.0  # a did not come within the join window
+    a.started({"n"})
+    clock.t += 0.120
+    a.arrived("n")
+    assert a.hold({"n"}, {"a", "n"}) == 0.0  # nor is it waited for to join again
+    a.arrived("a")  # until it has come
+
+
+def test_pp_requests_do_not_wait_to_join() -> None:
+    """pp: one activation per request in the whole pipeline; a phase of its own costs a
+    pp request nothing, and a long wait would."""
+    a, _ = _running_and_newcomer(joins=False)
+    assert a.hold({"n"}, {"a", "n"}) == 0.0
