@@ -48,7 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serve import make_model  # noqa: E402
+from bench_serve import batch_summary, batching, make_model, scrape  # noqa: E402
 from bench_specpipe import COST_VIEWS, cost_views  # noqa: E402
 from specpipe.common.perf.cost_model import DeploymentCosts  # noqa: E402
 from specpipe.common.perf.emulate import EmulatedCosts, costs_from_results  # noqa: E402
@@ -115,48 +115,6 @@ def emulation_report(log_dir: Path) -> dict[str, dict]:
         for line in f.read_text(errors="replace").splitlines():
             if "emulated device summary" in line:
                 out[f.stem] = json.loads(line.split("summary", 1)[1])
-    return out
-
-
-def scrape(address: str) -> dict[str, float]:
-    """Unlabelled samples of a /metrics page (counters, histogram sums and counts)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if not s.labels
-    }
-
-
-def batching(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
-    """Per stage and the draft, over one cell: forwards with rows, requests per forward
-    (stages), and rounds that waited for requests of the same step and how long."""
-
-    def delta(name: str, key: str) -> float:
-        return after[name].get(key, 0.0) - before[name].get(key, 0.0)
-
-    out = {}
-    for name in after:
-        if name.startswith("stage"):
-            n = delta(name, "specpipe:stage_batch_requests_count")
-            waits = delta(name, "specpipe:stage_batch_wait_seconds_count")
-            out[name] = {
-                "forwards": int(n),
-                "requests_per_forward": round(
-                    delta(name, "specpipe:stage_batch_requests_sum") / n, 3) if n else None,
-                "rounds_waited": int(waits),
-                "wait_ms_mean": round(
-                    1e3 * delta(name, "specpipe:stage_batch_wait_seconds_sum") / waits, 2
-                ) if waits else None,
-            }  # fmt: skip
-        elif name.startswith("draft"):
-            out[name] = {"forwards": int(delta(name, "specpipe:draft_forward_seconds_count"))}
     return out
 
 
@@ -261,17 +219,6 @@ def fmt_cell(c: dict) -> str:
         f"late {s['late_draft_answers']} identical {c['identical']}/{c['requests']} "
         f"{batch_summary(s)}"
     )
-
-
-def batch_summary(s: dict) -> str:
-    """Forwards per stage (requests per forward) and the draft's forwards, of one cell."""
-    parts = []
-    for name, b in sorted(s.get("batching", {}).items()):
-        if "requests_per_forward" in b:
-            parts.append(f"{name} {b['forwards']} ({b['requests_per_forward']})")
-        else:
-            parts.append(f"{name} {b['forwards']}")
-    return " ".join(parts)
 
 
 def tiny_target() -> Path:
