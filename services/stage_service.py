@@ -326,7 +326,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
         self._requests[rid] = st
-        self.aligner.opened(rid, joins=request.fills_pipeline)
+        self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
         return stage_pb2.OpenStageResponse()
 

@@ -127,9 +127,13 @@ class StepAligner:
                 c.period = EMA * gap + (1 - EMA) * c.period
         c.last = now
 
-    def opened(self, request_id: str, now: float | None = None, joins: bool = False) -> None:
-        """The request was opened here: its first activation (a prompt the router feeds
-        right after opening it everywhere) is expected within a window of now. `joins`:
+    def opened(
+        self, request_id: str, now: float | None = None, joins: bool = False, first: bool = True
+    ) -> None:
+        """The request was opened here. On the `first` stage its first activation (the
+        prompt, which the router feeds right after opening it everywhere) is expected
+        within a window of now; a later stage gets it only after the stages before have
+        computed it, so there nothing is expected of it yet. `joins`:
         it has an activation at every stage each step (specpipe), so it waits the join
         window for older such requests (for pp a phase of its own costs nothing: its
         one activation is at one stage at a time, and waiting would)."""
@@ -137,7 +141,7 @@ class StepAligner:
         if joins:
             self._joins.add(request_id)
         self._rank_of(request_id)
-        self._cadence[request_id] = _Cadence(now, fresh=True)
+        self._cadence[request_id] = _Cadence(now, fresh=first)
 
     def _rank_of(self, request_id: str) -> None:
         if request_id not in self._rank:

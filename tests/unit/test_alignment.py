@@ -169,6 +169,8 @@ def test_a_request_just_opened_is_expected_for_one_window() -> None:
     assert a.expected({"a"}, {"a", "b"}) == set()
     a.arrived("b")  # its first activation: no cadence yet
     assert a.expected({"a"}, {"a", "b"}) == set()
+    a.opened("c", first=False)  # a later stage: its prompt comes after the first computes it
+    assert a.expected({"a"}, {"a", "c"}) == set()
 
 
 def _running_and_newcomer(joins: bool) -> tuple[StepAligner, Clock]:
