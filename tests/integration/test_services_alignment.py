@@ -158,6 +158,10 @@ def test_concurrent_requests_through_aligning_stages_are_exact(llama_dir) -> Non
             t.join(180)
         for i, (prompt, mode) in enumerate(asks):
             assert results[i] == reference(dep.target, "oracle", 3, prompt, mode, 10), asks[i]
+        for child in dep.children.values():  # `specpipe up` passes the flag through
+            if child.kind in ("stage", "draft"):
+                i = child.argv.index("--batch-wait-ms")
+                assert child.argv[i + 1] == "100", child.argv
         for name, address in dep.metrics_addresses().items():
             if name.startswith("stage"):
                 m = scrape(address)
