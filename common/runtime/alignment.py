@@ -10,8 +10,9 @@ convoy: each stage runs two forwards per step where one would do).
 
 `StepAligner` decides how long a round that could start now should wait. It waits only
 for requests *expected*: open here, not ready, and either with work already pending that
-waits for something in flight (an earlier activation or a prune), or just opened (its
-prompt follows the Open at once: requests that start together prefill together), or
+waits for something in flight (an earlier activation or a prune), or just opened on
+the first stage (its prompt follows the Open at once: requests that start together
+prefill together), or
 whose next activation is due within the window by its own cadence (the mean time
 between its activations here, give or take their usual spread: one step in specpipe,
 S steps in pp, so a pp request that left for the next stage is not waited for, nor one
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 AUTO_FRACTION = 0.5  # of the stage's recent forward time
 AUTO_CAP = 0.020  # seconds: the most an automatic window waits
 MAX_WAIT = 1.0  # seconds: the most an explicit window may be
-JOIN_FRACTION = 2.0  # newcomers wait for the running requests up to 2 recent forwards,
+JOIN_FRACTION = 2.0  # younger requests wait for older ones up to 2 recent forwards,
 JOIN_CAP = 0.250  # and at most this many seconds
 EMA = 0.5  # weight of the newest sample in the running means
 
@@ -95,8 +96,8 @@ class StepAligner:
 
     @property
     def join_window(self) -> float:
-        """The most a round of newcomers only waits for the running requests: a few
-        forwards, so that they enter the running requests' phase (a newcomer computed
+        """The most a round of younger requests only waits for older ones: a few
+        forwards, so that they enter the older requests' phase (a newcomer computed
         alone runs a forward out of phase with them: a convoy that lasts)."""
         f = self.forward_seconds or 0.0
         return max(self.window, min(JOIN_CAP, JOIN_FRACTION * f)) if self.window > 0 else 0.0
@@ -171,10 +172,11 @@ class StepAligner:
         horizon: float | None = None,
     ) -> set[str]:
         """Requests a round starting now would miss and that should come within
-        `horizon` (default: the window): `blocked` ones (work pending behind something in flight), ones opened
-        less than a window ago that have sent nothing yet, and those due by
-        their cadence (at most one period overdue: one later than that has stopped; and
-        regular enough to tell: their spread within the window)."""
+        `horizon` (default: the window): `blocked` ones (work pending behind something in
+        flight), ones opened on the first stage less than a window ago that have sent
+        nothing yet, and those due by their cadence (at most one period overdue: one
+        later than that has stopped; and regular enough to tell: their spread within the
+        horizon)."""
         now = self.clock() if now is None else now
         window, out = self.window, set()
         horizon = window if horizon is None else horizon
