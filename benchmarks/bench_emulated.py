@@ -48,7 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serve import make_model  # noqa: E402
+from bench_serve import batch_summary, batching, make_model, scrape  # noqa: E402
 from bench_specpipe import COST_VIEWS, cost_views  # noqa: E402
 from specpipe.common.perf.cost_model import DeploymentCosts  # noqa: E402
 from specpipe.common.perf.emulate import EmulatedCosts, costs_from_results  # noqa: E402
@@ -152,11 +152,15 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
         emulate_costs=cost_file,
         log_dir=work / "logs",
         scheduling=policy,
+        metrics=True,
+        batch_wait=None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3,
     )
     dep.start()
     rows = []
     try:
         for mode, conc in cells:
+            addrs = {n: a for n, a in dep.metrics_addresses().items() if n != "router"}
+            before = {n: scrape(a) for n, a in addrs.items()}
             n = max(args.min_requests, conc * args.requests_per_client)
             prompts = [list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", n, 511, conc)]
             kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -170,6 +174,7 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
                 stream_all(dep.router_address, prompts, conc, kwargs)
             )
             s = summarize(results, wall)
+            s["batching"] = batching(before, {n: scrape(a) for n, a in addrs.items()})
             stats = [r.stats for r in results]
             s["tbt_ms_mean"] = round(1e3 * statistics.mean(r.tbt for r in results), 3)
             for key in ("steady_tokens_per_step", "hit_rate", "tokens_per_step"):
@@ -213,7 +218,8 @@ def fmt_cell(c: dict) -> str:
         f"TBT wall {s['tbt_ms_mean']:7.1f} proj {p['tbt_ms']['mean']:7.1f} ms "
         f"(x{g['wall_over_projected']}: steps x{g['step_factor']} time x{g['time_factor']}) "
         f"tok/s wall {s['output_throughput']:6.1f} proj {p['output_throughput']:6.1f} "
-        f"late {s['late_draft_answers']} identical {c['identical']}/{c['requests']}"
+        f"late {s['late_draft_answers']} identical {c['identical']}/{c['requests']} "
+        f"{batch_summary(s)}"
     )
 
 
@@ -336,8 +342,8 @@ def services_table(rows: list[dict]) -> list[str]:
     lines = [
         "| S | cost model | mode | clients | TBT ms wall / projected | wall / projected "
         "| steps lost (x) | time per step (x) | overhead ms/step | tok/s wall / projected "
-        "| late drafts | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| late drafts | identical | forwards (requests each) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in rows:
         s, p, g = c["services"], c["projected"], c["gap"]
@@ -346,7 +352,8 @@ def services_table(rows: list[dict]) -> list[str]:
             f"| {s['tbt_ms_mean']:.1f} / {p['tbt_ms']['mean']:.1f} | {g['wall_over_projected']} "
             f"| {g['step_factor']} | {g['time_factor']} | {g['overhead_ms_per_step']} "
             f"| {s['output_throughput']:.1f} / {p['output_throughput']:.1f} "
-            f"| {s['late_draft_answers']} | {c['identical']}/{c['requests']} |"
+            f"| {s['late_draft_answers']} | {c['identical']}/{c['requests']} "
+            f"| {batch_summary(s)} |"
         )
     return lines
 
@@ -399,6 +406,12 @@ def main() -> None:
     ap.add_argument("--views", default="measured,flat,flat_free_draft", help="gap: Qwen views")
     ap.add_argument(
         "--late-draft-wait-ms", type=float, default=0.0, help="the router's late-draft wait"
+    )
+    ap.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=None,
+        help="the stages' --batch-wait-ms (default: theirs, auto; 0: no step alignment)",
     )
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()

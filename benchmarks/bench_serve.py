@@ -52,6 +52,59 @@ def make_model(root: Path, layers: int, hidden: int, vocab: int) -> Path:
     return path
 
 
+def scrape(address: str) -> dict[str, float]:
+    """Unlabelled samples of a /metrics page (counters, histogram sums and counts)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels
+    }
+
+
+def batching(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per stage and the draft, over one cell: forwards with rows, requests per forward
+    (stages), and rounds that waited for requests of the same step and how long."""
+
+    def delta(name: str, key: str) -> float:
+        return after[name].get(key, 0.0) - before[name].get(key, 0.0)
+
+    out = {}
+    for name in after:
+        if name.startswith("stage"):
+            n = delta(name, "specpipe:stage_batch_requests_count")
+            waits = delta(name, "specpipe:stage_batch_wait_seconds_count")
+            out[name] = {
+                "forwards": int(n),
+                "requests_per_forward": round(
+                    delta(name, "specpipe:stage_batch_requests_sum") / n, 3) if n else None,
+                "rounds_waited": int(waits),
+                "wait_ms_mean": round(
+                    1e3 * delta(name, "specpipe:stage_batch_wait_seconds_sum") / waits, 2
+                ) if waits else None,
+            }  # fmt: skip
+        elif name.startswith("draft"):
+            out[name] = {"forwards": int(delta(name, "specpipe:draft_forward_seconds_count"))}
+    return out
+
+
+def batch_summary(s: dict) -> str:
+    """Forwards per stage (requests per forward) and the draft's forwards, of one cell."""
+    parts = []
+    for name, b in sorted(s.get("batching", {}).items()):
+        if "requests_per_forward" in b:
+            parts.append(f"{name} {b['forwards']} ({b['requests_per_forward']})")
+        else:
+            parts.append(f"{name} {b['forwards']}")
+    return " ".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=3)
@@ -65,6 +118,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--row-budget", default=None, help="the router's --row-budget")
+    ap.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=None,
+        help="the stages' and draft's --batch-wait-ms (default: theirs, auto; 0: off)",
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "serve" / "serve.json"))
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
@@ -75,8 +134,13 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     target = make_model(tmp, args.layers, args.hidden, args.vocab)
     scheduling = {"max_running": 64, "max_waiting": 256, "row_budget": args.row_budget}
-    dep = ServicesDeployment(target, "oracle", args.stages, threads=1, scheduling=scheduling)
+    wait = None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3
+    dep = ServicesDeployment(
+        target, "oracle", args.stages, threads=1, scheduling=scheduling, metrics=True,
+        batch_wait=wait,
+    )  # fmt: skip
     dep.start()
+    addrs = {n: a for n, a in dep.metrics_addresses().items() if n != "router"}
     rows = []
     try:
         for mode in args.modes.split(","):
@@ -86,14 +150,16 @@ def main() -> None:
                 kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                 if mode != "pp":
                     kwargs["width"] = args.width
+                before = {n: scrape(a) for n, a in addrs.items()}
                 results, wall = asyncio.run(run_load(dep.router_address, prompts, conc, **kwargs))
                 s = summarize(results, wall)
+                s["batching"] = batching(before, {n: scrape(a) for n, a in addrs.items()})
                 rows.append({"mode": mode, "concurrency": conc, **s})
                 print(
                     f"{mode:9s} c={conc:2d}  {s['output_throughput']:8.1f} tok/s  "
                     f"TTFT p50 {s['ttft_ms']['p50']:8.1f} ms  TBT p50 {s['tbt_ms']['p50']:7.1f} "
                     f"p99 {s['tbt_ms']['p99']:7.1f} ms  tokens/step {s['mean_tokens_per_step']:.3f}"
-                    f"  failed {s['failed']}",
+                    f"  failed {s['failed']}  {batch_summary(s)}",
                     flush=True,
                 )
     finally:

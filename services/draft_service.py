@@ -4,13 +4,19 @@ The router calls it in order for each request (it awaits each call of a request 
 the next), so the service adds no ordering of its own: it runs each call's forward on
 its one compute thread and answers. `Propose` calls of different requests that wait
 while a forward runs are answered together by the next batched forward
-(`DraftRuntime.propose_many`, SpecPipe-DB).
+(`DraftRuntime.propose_many`, SpecPipe-DB); a forward that would miss requests whose
+next call is due within a few milliseconds waits for them first, a bounded window
+(`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`). Without it the calls of
+one pipeline step, which reach the draft spread over the router's handling of the
+step, take two forwards, and the answers of the second come a draft forward late.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +26,7 @@ import torch
 from specpipe.common.model.loading import weight_fingerprint
 from specpipe.common.perf.cost_model import COST_CONTEXT
 from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
+from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
@@ -56,6 +63,7 @@ from .status import status_code
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Draft"
+DRAFT_FRACTION = 0.25  # of the draft's recent forward: the automatic batch wait
 
 
 @dataclass
@@ -80,11 +88,17 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         security: Security | None = None,
         pacer: Pacer | None = None,
+        batch_wait: float | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC (--secure); `pacer`: every forward paced to a
-        cost model (--emulate-costs)."""
+        cost model (--emulate-costs); `batch_wait`: how long a forward may wait for
+        Propose calls of the same step, in seconds (None: automatic; 0: never)."""
         self.pacer = pacer
         self.cost_curve = None  # perf.cost_model.CostCurve, with --measure-costs
+        # Every open request asks once per step, at irregular times (answers it grows
+        # on at once, or holds until a verification): the requests of the last batch
+        # are expected, and a quarter of a forward is the most that waiting may cost.
+        self.aligner = StepAligner(batch_wait, fraction=DRAFT_FRACTION, expect_recent=True)
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         # Each request's state is a lease its router renews (common/runtime/lease.py).
         self.leases = LeaseTable(lease_seconds)
@@ -230,6 +244,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         """Requests of a router process that was replaced (it restarted): free them now."""
         for rid in request_ids:
             self.leases.end(rid)
+            self.aligner.forget(rid)
             await self._call(context, self.runtime.release, rid)
         if request_ids:
             log.warning("draft: freed %d requests of a router that restarted", len(request_ids))
@@ -237,6 +252,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def _expire(self, rid: str) -> None:
         rlog.warning("lease", "draft: request %s expired (no word from its router for %.0f s): freed",
                      rid, self.leases.seconds)  # fmt: skip
+        self.aligner.forget(rid)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
 
     async def Renew(self, request, context) -> pb.RenewResponse:
@@ -272,6 +288,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         prunes = [prune_from_proto(sig) for sig in request.prunes]
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)
+        self.aligner.arrived(request.request_id)
         self._wake.set()
         try:
             cand = await ask.answer
@@ -284,18 +301,30 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         )
 
     async def _propose_loop(self) -> None:
-        """Answer every waiting Propose with one batched forward, then the next batch."""
+        """Answer every waiting Propose with one batched forward, then the next batch
+        (once the aligner lets it start)."""
         loop = asyncio.get_running_loop()
         while True:
             if not self._asks:
+                self.aligner.started()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            ready = {a.proposal.layer.request_id for a in self._asks}
+            hold = self.aligner.hold(ready, self.aligner.requests)
+            if hold > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), hold)
+                continue
+            self.aligner.started(ready)
             asks, self._asks = self._asks, []
             try:
                 rows, ctx = batch_shape([a.proposal.layer for a in asks])
                 timed = self.metrics.timed(paced_call(self.pacer, self._propose, rows, ctx), rows)
+                start = time.perf_counter()
                 results = await loop.run_in_executor(self._executor, timed, asks)
+                self.aligner.computed(time.perf_counter() - start)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))
                 results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)
@@ -332,6 +361,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         self.leases.end(request.request_id)
+        self.aligner.forget(request.request_id)
         released = await asyncio.get_running_loop().run_in_executor(
             self._executor, self.runtime.release, request.request_id
         )

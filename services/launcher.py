@@ -90,6 +90,7 @@ class ServicesDeployment:
         secure: bool = False,
         public_tls=None,
         emulate_costs: str | Path | None = None,
+        batch_wait: float | None = None,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -143,6 +144,8 @@ class ServicesDeployment:
             from specpipe.common.perf.emulate import EmulatedCosts
 
             EmulatedCosts.load(self.emulate_costs).check_stages(len(self.ranges))
+        # --batch-wait-ms of every stage and the draft, in seconds (None: the stages' automatic window)
+        self.batch_wait = batch_wait
         self.children: dict[str, Child] = {}
         self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
@@ -195,6 +198,7 @@ class ServicesDeployment:
                 *self._cache_args(),
                 *(["--measure-costs"] if self._measure_costs(stage=True) else []),
                 *self._emulate_args(index),
+                *self._batch_wait_args(),
                 *self._common_args(),
             ],
             kind="stage",
@@ -206,7 +210,7 @@ class ServicesDeployment:
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
         port = self._free_port()
         args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
-        args += [*self._cache_args(), *self._emulate_args()]
+        args += [*self._cache_args(), *self._emulate_args(), *self._batch_wait_args()]
         args += ["--measure-costs"] if self._measure_costs(stage=False) else []
         child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
         child.info["address"] = f"{self.host}:{port}"
@@ -218,6 +222,9 @@ class ServicesDeployment:
         tuned = any(self.scheduling.get(k) == "auto" for k in ("width", "layers_per_step"))
         tuned = tuned or self.scheduling.get("token_source") == "auto"
         return tuned or (stage and self.scheduling.get("row_budget") == "auto")
+
+    def _batch_wait_args(self) -> list[str]:
+        return [] if self.batch_wait is None else ["--batch-wait-ms", f"{self.batch_wait * 1e3:g}"]
 
     def _emulate_args(self, stage: int | None = None) -> list[str]:
         if self.emulate_costs is None:

@@ -43,6 +43,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 FORWARD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                    5.0, 10.0, 30.0)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 TOKENS_PER_STEP_BUCKETS = (0.05, 0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5,
                            2.0, 3.0, 4.0, 6.0, 8.0)  # fmt: skip
@@ -193,6 +195,20 @@ class _ComputeMetrics(ServiceMetrics):
 
 class StageMetrics(_ComputeMetrics):
     kind = "stage"
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Step alignment (StepAligner): how many requests share a forward, and how long
+        # rounds waited for requests of the same step.
+        self.batch_requests = self._histogram(
+            "stage_batch_requests", "Requests in one batched forward (rounds with rows)",
+            BATCH_BUCKETS,
+        )  # fmt: skip
+        self.batch_wait = self._histogram(
+            "stage_batch_wait_seconds",
+            "How long a round waited for requests of the same step (rounds that waited)",
+            WAIT_BUCKETS,
+        )
 
 
 class DraftMetrics(_ComputeMetrics):

@@ -116,6 +116,7 @@ async def run_stage(args) -> None:
         security=security_of(args),
         allow_configure=args.allow_configure,
         peers=args.peers,
+        batch_wait=args.batch_wait_ms,
     )
     svc.pacer = pacer
     metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
@@ -153,6 +154,7 @@ async def run_draft(args) -> None:
         lease_seconds=args.lease_seconds,
         security=security_of(args),
         pacer=_pacer(args, "draft"),
+        batch_wait=args.batch_wait_ms,
     )
     _set_cache_budget(svc.runtime.runtime, args)
     if args.measure_costs:

@@ -5,7 +5,10 @@ wait there until it is their turn and the prunes they were created after are app
 prunes are applied in their own order as soon as they arrive. One compute loop serves
 every request (SpecPipe-DB): each round it takes whatever is ready, across all requests,
 applies the prunes and runs every ready activation in one batched forward
-(`StageRuntime.forward_many`), then sends each output to its request's next hop; the
+(`StageRuntime.forward_many`), then sends each output to its request's next hop; a round
+that would miss requests expected within a few milliseconds waits for them first, a
+bounded window (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`), so
+that the requests of one pipeline step share a forward. The
 last stage sends logits to the router (for specpipe/pp only the root's, possibly once a
 prune makes a computed row the root). Requests join and leave between rounds; a request
 that fails fails alone. Everything else is the runtime's `StageRuntime`.
@@ -14,7 +17,9 @@ that fails fails alone. Everything else is the runtime's `StageRuntime`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,6 +28,7 @@ import grpc
 import torch
 from specpipe.common.perf.cost_model import COST_CONTEXT
 from specpipe.common.perf.emulate import Pacer, paced
+from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.errors import (
     AlreadyOpen,
     DuplicatePrune,
@@ -111,11 +117,14 @@ class StageService(stage_pb2_grpc.StageServicer):
         security: Security | None = None,
         allow_configure: bool = False,
         peers: Sequence[str] = (),
+        batch_wait: float | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
         (loading other weights) only with `allow_configure`; `peers`: the only hosts a
         request's next hop and report address may name (empty: any host of this
-        deployment's transport; with --secure only peers holding its secret answer)."""
+        deployment's transport; with --secure only peers holding its secret answer);
+        `batch_wait`: how long a round may wait for requests of the same step, in seconds
+        (None: a share of the recent forwards, capped; 0: never; see StepAligner)."""
         self.security = security
         self.allow_configure = allow_configure
         self.peers = frozenset(peers)
@@ -131,6 +140,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._wake = asyncio.Event()  # new work for the compute loop
+        self.aligner = StepAligner(batch_wait)  # when a round waits for more requests
         self._loop_task: asyncio.Task | None = None
         # One model forward at a time, off the event loop (gRPC stays responsive).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -324,6 +334,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
         self._requests[rid] = st
+        self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
         return stage_pb2.OpenStageResponse()
 
@@ -458,50 +469,97 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:
         st.order.add_activation(seq, item)
+        self.aligner.arrived(st.request_id)
         self._wake.set()
 
     # -- the compute loop ------------------------------------------------------------------
     async def _compute_loop(self) -> None:
         """Each round: collect every request's ready work, run it on the compute thread as
-        one batch, send the outputs; sleep while nothing is ready."""
-        loop = asyncio.get_running_loop()
+        one batch, send the outputs; sleep while nothing is ready. A round that the
+        aligner holds (requests of the same step expected shortly) waits for them or for
+        its window; prunes that arrive meanwhile are applied at once (a prune may release
+        a root the router waits for)."""
+        held_since: float | None = None
         while True:
-            work = self._collect()
-            if not work:
+            hold = self._hold()
+            if hold is None:  # nothing ready
+                self.aligner.started()
+                held_since = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                await loop.run_in_executor(self._executor, self._compute, work)
-            except Exception as e:  # the batched forward itself failed: every request in it
-                rlog.error("batch", "%s: a batched forward of %d requests failed: %s: %s",
-                           self.name, len(work), type(e).__name__, e)  # fmt: skip
-                log.debug("the batch failed", exc_info=True)
-                for w in work:
-                    self._fail(w.st, f"{self.name} failed: {e}")
+            if hold > 0:
+                held_since = held_since or time.perf_counter()
+                self._wake.clear()
+                if work := self._collect(turns=False):
+                    await self._run(work)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), hold)
                 continue
-            await self._deliver(work)
+            if held_since is not None:
+                self.metrics.batch_wait.observe(time.perf_counter() - held_since)
+                held_since = None
+            work = self._collect()
+            self.aligner.started([w.st.request_id for w in work if w.turns])
+            if work:
+                await self._run(work)
 
-    def _collect(self) -> list[_Work]:
-        """Every request's prunes that can be applied and activations whose turn it is."""
+    def _hold(self) -> float | None:
+        """How long the next round should still wait (0: start it; None: nothing ready)."""
+        active, ready, blocked, prunes = [], [], [], False
+        for st in self._requests.values():
+            if st.closed:
+                continue
+            active.append(st.request_id)
+            order = st.order
+            if order.turn_ready():
+                ready.append(st.request_id)
+            elif order.blocked():
+                blocked.append(st.request_id)
+            prunes = prunes or order.next_prune() is not None
+        if not ready:
+            return 0.0 if prunes else None
+        return self.aligner.hold(ready, active, blocked)
+
+    async def _run(self, work: list[_Work]) -> None:
+        """One round on the compute thread, then its outputs sent."""
+        loop = asyncio.get_running_loop()
+        try:
+            seconds = await loop.run_in_executor(self._executor, self._compute, work)
+        except Exception as e:  # the batched forward itself failed: every request in it
+            rlog.error("batch", "%s: a batched forward of %d requests failed: %s: %s",
+                       self.name, len(work), type(e).__name__, e)  # fmt: skip
+            log.debug("the batch failed", exc_info=True)
+            for w in work:
+                self._fail(w.st, f"{self.name} failed: {e}")
+            return
+        if seconds is not None:
+            self.aligner.computed(seconds)
+        await self._deliver(work)
+
+    def _collect(self, turns: bool = True) -> list[_Work]:
+        """Every request's prunes that can be applied and (with `turns`) activations whose
+        turn it is."""
         work = []
         for st in self._requests.values():
             if st.closed:
                 continue
-            order, prunes, turns = st.order, [], []
+            order, prunes, taken = st.order, [], []
             root_seq = order.next_seq
             while (ready := order.next_prune()) is not None:
                 prunes.append(ready)
                 order.prune_applied(ready[0])
-            while (turn := order.next_activation()) is not None:
-                turns.append(turn)
-            if prunes or turns:
-                work.append(_Work(st, prunes, turns, root_seq))
+            while turns and (turn := order.next_activation()) is not None:
+                taken.append(turn)
+            if prunes or taken:
+                work.append(_Work(st, prunes, taken, root_seq))
         return work
 
-    def _compute(self, work: list[_Work]) -> None:
+    def _compute(self, work: list[_Work]) -> float | None:
         """On the compute thread: the round's prunes, then one forward over every ready
-        activation; outputs made ready to send."""
+        activation; outputs made ready to send. Returns the forward's seconds (None
+        without rows: a round of prunes only)."""
         runtime = self.runtime
         for w in work:
             try:
@@ -513,8 +571,13 @@ class StageService(stage_pb2_grpc.StageServicer):
                 w.error = e
         batch = [(w, i) for w in work if w.error is None for i, (_, p) in enumerate(w.turns)]
         acts = [w.turns[i][1].act for w, i in batch if not w.turns[i][1].empty]
-        with self.metrics.forward(sum(len(a) for a in acts)), paced(self.pacer, acts):
+        rows = sum(len(a) for a in acts)
+        start = time.perf_counter()
+        with self.metrics.forward(rows), paced(self.pacer, acts):
             results = iter(runtime.forward_many(acts))
+        seconds = time.perf_counter() - start if rows else None
+        if rows:
+            self.metrics.batch_requests.observe(len({a.request_id for a in acts}))
         for w in work:
             w.outputs = [None] * len(w.turns)
         for w, i in batch:
@@ -525,6 +588,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 w.error = w.error or out
             else:
                 w.outputs[i] = self._for_wire(out)
+        return seconds
 
     async def _deliver(self, work: list[_Work]) -> None:
         """Send a round's outputs: every request's frames in its order, and the frames of
@@ -625,6 +689,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _drop(self, rid: str) -> bool:
         self.leases.end(rid)
+        self.aligner.forget(rid)
         st = self._requests.pop(rid, None)
         if st is not None:
             st.closed = True

@@ -91,3 +91,19 @@ class RequestOrder:
         del self.pending[seq]
         self.next_seq += 1
         return seq, item
+
+    def turn_ready(self) -> bool:
+        """Whether an activation's turn can be taken once the prunes already here are
+        applied (what `next_activation` gives after every `next_prune`), without taking it."""
+        item = self.pending.get(self.next_seq)
+        if item is None:
+            return False
+        applied = self.applied
+        while applied + 1 in self.prunes:
+            applied += 1
+        return item.after_prune <= applied
+
+    def blocked(self) -> bool:
+        """Activations are here but none can run: each waits for something still in
+        flight (an earlier activation, or a prune it was created after)."""
+        return bool(self.pending) and not self.turn_ready()

@@ -125,6 +125,13 @@ class Controller(ABC):
         return self.mode != Mode.SPECINFER and self.layers_per_step == 1
 
     @property
+    def fills_pipeline(self) -> bool:
+        """Whether the request keeps an activation at every stage, one per step (specpipe
+        with a token source); pp and specinfer have one in the whole pipeline. Stages
+        align such requests' phases more eagerly (common/runtime/alignment.py)."""
+        return self.mode == Mode.SPECPIPE and self.grows_tree
+
+    @property
     def tokens(self) -> list[int]:
         return self.out.tokens
 

@@ -518,6 +518,7 @@ class RequestDriver:
                     next_hop=hop,
                     report_to=self.router_address,
                     root_logits_only=ctrl.root_logits_only,
+                    fills_pipeline=ctrl.fills_pipeline,
                     lease_owner=self.lease_owner,
                     lease_epoch=self.lease_epoch,
                 ),

@@ -7,6 +7,8 @@ import asyncio
 import os
 import sys
 
+from specpipe.common.runtime.alignment import AUTO_CAP, MAX_WAIT
+
 from .args import (
     DEFAULT_ROUTER_PORT,
     CliError,
@@ -124,6 +126,31 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     _emulate_arg(p)
 
 
+def _batch_wait_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch-wait-ms",
+        type=_batch_wait,
+        default=None,
+        metavar="MS|auto",
+        help="how long a stage's (or the draft's) round may wait for requests of the same "
+        "pipeline step, so that they share one forward (default auto: half the stage's recent forward "
+        f"time, at most {AUTO_CAP * 1e3:.0f} ms; 0: never wait)",
+    )
+
+
+def _batch_wait(text: str) -> float | None:
+    """Milliseconds as seconds, or None for auto."""
+    if text == "auto":
+        return None
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or 'auto', got {text!r}") from None
+    if not 0 <= ms <= MAX_WAIT * 1e3:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_WAIT * 1e3:.0f}] ms, got {text}")
+    return ms / 1e3
+
+
 def _emulate_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--emulate-costs",
@@ -167,6 +194,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated hosts a request's next hop and report address may name "
         "(default: any)",
     )
+    _batch_wait_arg(p)
     _service_args(p, 50052, data_plane=True)
     p.set_defaults(func=_cmd_stage)
 
@@ -177,6 +205,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="measure the draft's cost per row count at start (for the router's auto settings)",
     )
+    _batch_wait_arg(p)
     _service_args(p, 50060, data_plane=False)
     p.set_defaults(func=_cmd_draft)
 
@@ -282,6 +311,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and certificate made in the log directory",
     )
     p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
+    _batch_wait_arg(p)
     _emulate_arg(p)
     _http_args(p)
     _scheduling_args(p)
@@ -548,6 +578,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             lease_seconds=args.lease_seconds,
             public_tls=public_tls,
             emulate_costs=args.emulate_costs,
+            batch_wait=args.batch_wait_ms,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -181,3 +181,22 @@ def test_console_script_is_installed() -> None:
         [exe, "generate", "--target", "/nope", "--prompt-ids", "1"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and re.search("not found|no such", proc.stderr)
+
+
+@pytest.mark.parametrize("command", ["stage", "draft", "up"])
+def test_batch_wait_flag(capsys, command) -> None:
+    """`--batch-wait-ms`: milliseconds (0: off) or auto; out of range is one line, exit 2."""
+    from specpipe.cli import build_parser
+
+    need = {"stage": [], "draft": ["--model", "m"], "up": ["--target", "t"]}[command]
+    parse = build_parser().parse_args
+    assert parse([command, *need]).batch_wait_ms is None  # auto
+    assert parse([command, *need, "--batch-wait-ms", "auto"]).batch_wait_ms is None
+    assert parse([command, *need, "--batch-wait-ms", "5"]).batch_wait_ms == pytest.approx(0.005)
+    assert parse([command, *need, "--batch-wait-ms", "0"]).batch_wait_ms == 0.0
+    for bad in ("-1", "5000", "soon"):
+        with pytest.raises(SystemExit) as e:
+            parse([command, *need, "--batch-wait-ms", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--batch-wait-ms" in err, err

@@ -104,3 +104,19 @@ def test_empty_and_pruned_away_activations_pass_the_turn_on() -> None:
     order.add_activation(2, Pending(act(2), after_prune=1, empty=True))
     order.add_activation(3, Pending(act(3), after_prune=1))
     assert run(order) == ["pass 2", "compute 3"]
+
+
+def test_turn_ready_and_blocked_say_what_run_would_do() -> None:
+    """What the stage's step alignment reads without taking anything: a turn is ready
+    once its activation and the prunes it was created after are here; work that waits
+    for an earlier activation or a missing prune is blocked (something is in flight)."""
+    order = RequestOrder()
+    assert not order.turn_ready() and not order.blocked()  # nothing here
+    order.add_activation(1, Pending(act(1), 0))
+    assert not order.turn_ready() and order.blocked()  # seq 0 is in flight
+    order.add_activation(0, Pending(act(0), after_prune=1))
+    assert not order.turn_ready() and order.blocked()  # prune 1 is in flight
+    order.add_prune(1, prune(1))
+    assert order.turn_ready() and not order.blocked()
+    assert run(order) == ["prune 1", "compute 0", "compute 1"]
+    assert not order.turn_ready() and not order.blocked()

@@ -68,7 +68,7 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "fills_pipeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class OpenStageRequest(_message.Message):
     ROOT_LOGITS_ONLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FILLS_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     next_hop: str
@@ -83,7 +84,8 @@ class OpenStageRequest(_message.Message):
     root_logits_only: bool
     lease_owner: str
     lease_epoch: str
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[str] = ...) -> None: ...
+    fills_pipeline: bool
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[str] = ..., fills_pipeline: _Optional[bool] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ()
