@@ -11,6 +11,8 @@ Wall-clock figures on a machine with fewer cores than processes measure CPU cont
 as much as the pipeline: compare modes and concurrencies measured in the same run.
 
     python benchmarks/bench_serve.py [--stages 3] [--concurrency 1,2,4,8,16] [--out FILE]
+    python benchmarks/bench_serve.py --target qwen2.5-coder-1.5b-instruct \
+        --draft qwen2.5-coder-0.5b-instruct --stages 2 --dataset humaneval   # a real pair
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ def main() -> None:
         default=None,
         help="the stages' and draft's --batch-wait-ms (default: theirs, auto; 0: off)",
     )
+    ap.add_argument("--target", default=None, help="a store model (default: a tiny random one)")
+    ap.add_argument("--draft", default=None, help="with --target: its draft (default: itself)")
+    ap.add_argument("--dataset", default=None, help="default random:--prompt-len")
     ap.add_argument("--out", default=str(HERE / "results" / "serve" / "serve.json"))
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args()
@@ -132,11 +137,22 @@ def main() -> None:
     from specpipe.services.launcher import ServicesDeployment
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    target = make_model(tmp, args.layers, args.hidden, args.vocab)
+    draft = "oracle"
+    if args.target:
+        from specpipe.common.model.config import ModelConfig
+        from specpipe.common.store.store import ModelStore
+
+        store = ModelStore()
+        target = store.root / args.target
+        draft = store.root / args.draft if args.draft else "oracle"
+        args.vocab = ModelConfig.from_dir(target).vocab_size
+    else:
+        target = make_model(tmp, args.layers, args.hidden, args.vocab)
+    dataset = args.dataset or f"random:{args.prompt_len}"
     scheduling = {"max_running": 64, "max_waiting": 256, "row_budget": args.row_budget}
     wait = None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3
     dep = ServicesDeployment(
-        target, "oracle", args.stages, threads=1, scheduling=scheduling, metrics=True,
+        target, draft, args.stages, threads=1, scheduling=scheduling, metrics=True,
         batch_wait=wait,
     )  # fmt: skip
     dep.start()
@@ -146,7 +162,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             for conc in (int(c) for c in args.concurrency.split(",")):
                 n = conc * args.requests_per_client
-                prompts = load_dataset(f"random:{args.prompt_len}", n, args.vocab - 1, seed=conc)
+                prompts = load_dataset(dataset, n, args.vocab - 1, seed=conc)
                 kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                 if mode != "pp":
                     kwargs["width"] = args.width
