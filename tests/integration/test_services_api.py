@@ -97,7 +97,7 @@ BAD_REQUESTS = [
     (dict(prompt_ids=[5, 97]), InvalidArgument, "outside the vocabulary"),
     (dict(prompt_ids=[-1]), InvalidArgument, "outside the vocabulary"),
     (dict(model="gpt-17"), NotFound, "model 'gpt-17' is not served here"),
-    (dict(width=0), InvalidArgument, "width must be in"),
+    (dict(width=-1), InvalidArgument, "width must be in"),
     (dict(depth=10**6), InvalidArgument, "depth must be in"),
     (dict(stop_token_ids=[1000]), InvalidArgument, "stop token ids"),
     (dict(prompt_ids=[1, 2], chat=True), InvalidArgument, "chat needs a text prompt"),
