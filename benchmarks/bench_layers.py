@@ -26,7 +26,8 @@ stage k at step S*i + k - 1, and its tokens are emitted at step S*(i + 1).
 choice) on 7 stages: today's beam ranking against the target ranking, K = 1 and 2,
 against the ideal (the first token crosses the empty pipeline alone, then K a step).
 
-Writes results.json and results.md under --out and prints the table.
+Writes results.json, results.md and layers.png under --out and prints the table;
+`--replot` rewrites results.md and layers.png from the results.json there.
 """
 
 from __future__ import annotations
@@ -272,7 +273,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--oracle-stages", type=int, default=7)
     ap.add_argument("--oracle-only", action="store_true", help="only the oracle check")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--replot", action="store_true",
+                    help="only rewrite results.md and layers.png from --out's results.json")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.replot:
+        results = json.loads((args.out / "results.json").read_text())
+        first = next(iter(results["by_stages"].values()))
+        stages = [int(s) for s in results["by_stages"]]
+        write_outputs(args.out, results, stages, [float(t) for t in first["rows"]])
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     args.layers = [int(k) for k in args.layers.split(",")]
@@ -453,6 +462,42 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
                 lines.append(f"- {label}: {a['tokens_per_step']:.3f}, {tbt}")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(out, results, stages_list, temps)
+
+
+def plot(out: Path, results: dict, stages_list: list[int], temps: list[float]) -> None:
+    """layers.png: tokens per step and projected TBT (each cost view) against K, one line
+    per S and temperature."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 1 + len(COST_VIEWS), figsize=(16, 4))
+    for S in stages_list:
+        for T in temps:
+            rows = results["by_stages"][str(S)]["rows"][str(T)]
+            ks = [k for k in range(1, 9) if f"specpipe K={k}" in rows]
+            aggs = [rows[f"specpipe K={k}"]["aggregate"] for k in ks]
+            style = {"marker": "o", "linestyle": "-" if T == 0 else "--", "label": f"S={S} T={T}"}
+            axes[0].plot(ks, [a["tokens_per_step"] for a in aggs], **style)
+            for ax, view in zip(axes[1:], COST_VIEWS, strict=True):
+                tbt = [a["projected_tbt_ms"][view] for a in aggs]
+                ax.plot(ks, [math.nan if v is None else v for v in tbt], **style)
+    axes[0].set(
+        xlabel="layers per step K", ylabel="tokens per step", title="specpipe tokens per step"
+    )
+    for ax, view in zip(axes[1:], COST_VIEWS, strict=True):
+        ax.set(xlabel="layers per step K", ylabel="ms", title=f"projected TBT, {view}")
+    for ax in axes:
+        ax.set_xticks([1, 2, 3])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "layers.png", dpi=110)
 
 
 def ratio(num: float | None, den: float | None) -> str:
