@@ -26,7 +26,13 @@ stage k at step S*i + k - 1, and its tokens are emitted at step S*(i + 1).
 choice) on 7 stages: today's beam ranking against the target ranking, K = 1 and 2,
 against the ideal (the first token crosses the empty pipeline alone, then K a step).
 
-Writes results.json and results.md under --out and prints the table.
+Writes results.json, results.md and layers.png under --out and prints the table;
+`--replot` rewrites results.md and layers.png from the results.json there, and
+`--reproject [--split balanced]` re-measures the costs (a quieter machine, another layer
+split: which rows each stage computed does not depend on its layers) and re-projects the
+recorded runs. The SpecInfer sweep keeps only aggregates: with flat costs each of its
+passes costs the stages' one-row costs plus D draft forwards, so its flat figures are
+rescaled by those sums; its measured figure is dropped.
 """
 
 from __future__ import annotations
@@ -272,9 +278,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--oracle-stages", type=int, default=7)
     ap.add_argument("--oracle-only", action="store_true", help="only the oracle check")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--split", default="even", choices=("even", "balanced"),
+                    help="stage layer split (balanced counts the LM head)")  # fmt: skip
+    ap.add_argument("--reproject", action="store_true",
+                    help="re-measure costs and re-project the runs in --out's results.json")  # fmt: skip
+    ap.add_argument("--replot", action="store_true",
+                    help="only rewrite results.md and layers.png from --out's results.json")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.replot:
+        results = json.loads((args.out / "results.json").read_text())
+        first = next(iter(results["by_stages"].values()))
+        stages = [int(s) for s in results["by_stages"]]
+        write_outputs(args.out, results, stages, [float(t) for t in first["rows"]])
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.reproject:
+        reproject(args.out, args.split)
+        return
     args.layers = [int(k) for k in args.layers.split(",")]
     args.source_layers = [int(k) for k in args.source_layers.split(",")]
     args.sources = [s for s in args.sources.split(",") if s]
@@ -298,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.oracle_only:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "oracle.json").write_text(json.dumps(oracle, indent=1))
+            (out_dir / "oracle.md").write_text("\n".join(oracle_lines(oracle)) + "\n")
             return
     draft = DraftRuntime(load_stage(setup.draft))
     results: dict = {
@@ -316,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
                              width=args.width, stop_token_ids=setup.stop, **kw)  # fmt: skip
 
     for S in stages_list:
-        dep = build_local(setup.target, S)
+        dep = build_local(setup.target, S, split=args.split)
         costs = DeploymentCosts.measure(dep.pipeline.stages, draft.runtime, COST_ROWS, context, 2)
         log(f"S={S}: stage costs (ms) {fmt_costs(costs)}")
         entry: dict = {"costs": costs.to_dict(), "rows": {}}
@@ -393,7 +415,8 @@ def best_of(sweep: dict) -> dict:
         label, row = min(
             sweep.items(), key=lambda kv: kv[1]["aggregate"]["projected_tbt_ms"][view] or math.inf
         )
-        best[view], tbt[view] = label, row["aggregate"]["projected_tbt_ms"][view]
+        tbt[view] = row["aggregate"]["projected_tbt_ms"][view]
+        best[view] = label if tbt[view] else "-"
     return {"aggregate": {"chosen": best, "projected_tbt_ms": tbt}}
 
 
@@ -432,14 +455,8 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
                     f"| {S} | {T} | {label} | {tps} | {hits} | {cells} | {vs_pp} | {vs_si} |"
                 )
     lines += ["", f"Lossless: mismatches {results['lossless_mismatches'] or 'none'}."]
-    oc = results.get("oracle_check")
-    if oc:
-        lines += ["", f"Target as its own draft ({Path(oc['model']).name}), S={oc['stages']}:", "",
-                  "| ranking, K | tok/step | ideal | hit rate | regrowths |", "|---|---|---|---|---|"]  # fmt: skip
-        for label, a in oc.items():
-            if isinstance(a, dict):
-                lines.append(f"| {label} | {a['tokens_per_step']:.3f} | {a['ideal_tokens_per_step']:.3f} "
-                             f"| {a['hit_rate']:.3f} | {a['regrowths']} |")  # fmt: skip
+    if results.get("oracle_check"):
+        lines += ["", *oracle_lines(results["oracle_check"])]
     for S in stages_list:
         for T in temps:
             sweep = results["by_stages"][str(S)]["specinfer_sweep"][str(T)]
@@ -449,10 +466,105 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
                 "",
             ]
             for label, a in sweep.items():
-                tbt = " / ".join(f"{a['projected_tbt_ms'][v]:.1f}" for v in COST_VIEWS)
+                tbt = " / ".join(fmt_ms(a["projected_tbt_ms"][v]) for v in COST_VIEWS)
                 lines.append(f"- {label}: {a['tokens_per_step']:.3f}, {tbt}")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(out, results, stages_list, temps)
+
+
+def plot(out: Path, results: dict, stages_list: list[int], temps: list[float]) -> None:
+    """layers.png: tokens per step and projected TBT (each cost view) against K, one line
+    per S and temperature."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 1 + len(COST_VIEWS), figsize=(16, 4))
+    for S in stages_list:
+        for T in temps:
+            rows = results["by_stages"][str(S)]["rows"][str(T)]
+            ks = [k for k in range(1, 9) if f"specpipe K={k}" in rows]
+            aggs = [rows[f"specpipe K={k}"]["aggregate"] for k in ks]
+            style = {"marker": "o", "linestyle": "-" if T == 0 else "--", "label": f"S={S} T={T}"}
+            axes[0].plot(ks, [a["tokens_per_step"] for a in aggs], **style)
+            for ax, view in zip(axes[1:], COST_VIEWS, strict=True):
+                tbt = [a["projected_tbt_ms"][view] for a in aggs]
+                ax.plot(ks, [math.nan if v is None else v for v in tbt], **style)
+    axes[0].set(
+        xlabel="layers per step K", ylabel="tokens per step", title="specpipe tokens per step"
+    )
+    for ax, view in zip(axes[1:], COST_VIEWS, strict=True):
+        ax.set(xlabel="layers per step K", ylabel="ms", title=f"projected TBT, {view}")
+    for ax in axes:
+        ax.set_xticks([1, 2, 3])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "layers.png", dpi=110)
+
+
+def reproject(out: Path, split: str) -> None:
+    """Re-measure every S's costs with `split` and re-project the runs in out/results.json
+    (see the module docstring); the recorded costs are kept as "costs_recorded"."""
+    results = json.loads((out / "results.json").read_text())
+    setup, cfg = results["setup"], results["config"]
+    draft = DraftRuntime(load_stage(Path(setup["draft"])))
+    for key, entry in results["by_stages"].items():
+        dep = build_local(Path(setup["target"]), int(key), split=split)
+        costs = DeploymentCosts.measure(
+            dep.pipeline.stages, draft.runtime, COST_ROWS, results["context"], 2
+        )
+        costs.notes["split"] = split
+        print(f"S={key}: stage costs (ms) {fmt_costs(costs)}", file=sys.stderr, flush=True)
+        old = DeploymentCosts.from_dict(entry["costs"])
+        entry.setdefault("costs_recorded", entry["costs"])
+        entry["costs"] = costs.to_dict()
+        for T, rows in entry["rows"].items():
+            for row in rows.values():
+                if "runs" in row:
+                    row["aggregate"] = aggregate(row["runs"], costs)
+            layers = [k for k in range(1, 9) if f"specpipe K={k}" in rows]
+            rows["specpipe auto"] = auto_rows(rows, layers, costs, int(key), int(cfg["width"]))
+            sweep = entry["specinfer_sweep"][T]
+            for label, a in sweep.items():
+                depth = int(label.split("D=")[1].split()[0])
+                a["projected_tbt_ms"] = rescale_specinfer(a["projected_tbt_ms"], depth, old, costs)
+            rows["specinfer best"] = best_of({k: {"aggregate": v} for k, v in sweep.items()})
+        del dep
+    cfg["reprojected"] = f"costs re-measured, split {split}"
+    first = next(iter(results["by_stages"].values()))
+    stages = [int(s) for s in results["by_stages"]]
+    write_outputs(out, results, stages, [float(t) for t in first["rows"]])
+
+
+def rescale_specinfer(tbt: dict, depth: int, old: DeploymentCosts, new: DeploymentCosts) -> dict:
+    """A SpecInfer aggregate's flat TBTs under `new` costs: with flat costs its TBT is
+    (passes per token) x (sum of the stages' one-row costs + depth draft forwards)."""
+    stages_old = sum(c.seconds[0] for c in old.stages)
+    stages_new = sum(c.seconds[0] for c in new.stages)
+    per_pass = tbt["flat_free_draft"] / stages_old
+    draft = depth * new.draft.seconds[0] if new.draft is not None else 0.0
+    return {"measured": None, "flat": per_pass * (stages_new + draft),
+            "flat_free_draft": per_pass * stages_new}  # fmt: skip
+
+
+def fmt_ms(v: float | None) -> str:
+    return f"{v:.1f}" if v else "-"
+
+
+def oracle_lines(oc: dict) -> list[str]:
+    lines = [f"Target as its own draft ({Path(oc['model']).name}), S={oc['stages']}:", "",
+             "| ranking, K | tok/step | ideal | hit rate | regrowths |", "|---|---|---|---|---|"]  # fmt: skip
+    for label, a in oc.items():
+        if isinstance(a, dict):
+            lines.append(f"| {label} | {a['tokens_per_step']:.3f} | {a['ideal_tokens_per_step']:.3f} "
+                         f"| {a['hit_rate']:.3f} | {a['regrowths']} |")  # fmt: skip
+    return lines
 
 
 def ratio(num: float | None, den: float | None) -> str:
