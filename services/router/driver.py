@@ -180,9 +180,7 @@ class RequestDriver:
         # Logits held for a late draft answer (in arrival order) and until when.
         self.late_draft_wait = late_draft_wait
         self._parked: list = []
-        self._parked_at = self._parked_until = 0.0
-        self.draft_waits = 0  # verifications held for the draft
-        self.draft_wait_seconds = 0.0
+        self._parked_until = 0.0
 
     @property
     def stats(self) -> DecodeStats:
@@ -329,14 +327,11 @@ class RequestDriver:
             return []
         if self.late_draft_wait > 0 and ctrl.draft_is_late_for(act):
             self._parked, self._parked_until = [act], time.monotonic() + self.late_draft_wait
-            self._parked_at = time.monotonic()
-            self.draft_waits += 1
             return []
         return ctrl.on_logits(act)
 
     def _unpark(self) -> list[Command]:
         parked, self._parked = self._parked, []
-        self.draft_wait_seconds += time.monotonic() - self._parked_at
         return [cmd for act in parked for cmd in self.controller.on_logits(act)]
 
     async def _handle_event(self, ev) -> list[Command]:
