@@ -129,7 +129,6 @@ class Tuner:
     measured: dict[Setting, Measured] = field(default_factory=dict)
     pending: dict[Setting, int] = field(default_factory=dict)  # tokens asked, in flight
     decisions: int = 0
-    last: Decision | None = None
     space: TuningSpace | None = None  # the last request's candidates
 
     def __post_init__(self) -> None:
@@ -170,7 +169,7 @@ class Tuner:
         decision = self._calibrate(candidates) or self._refresh(candidates)
         decision = decision or self._best(candidates)
         self.pending[decision.setting] = self.pending.get(decision.setting, 0) + expected_tokens
-        self.last, self.space = decision, space
+        self.space = space
         return decision
 
     def outlook(self) -> Decision | None:

@@ -38,11 +38,12 @@ def costs_of(backends: Backends, version: str) -> DeploymentCosts | None:
     if model is None:
         return None
     by_range: dict[tuple[int, int], CostCurve] = {}
+    context = 0
     for b in backends.stages:
         if b.desc is not None and b.version == version and b.healthy:
             curve = cost_curve_from_proto(b.desc.cost_curve)
-            if curve is not None:
-                by_range.setdefault(b.layers, curve)
+            if curve is not None and b.layers not in by_range:
+                by_range[b.layers], context = curve, b.desc.cost_curve.context
     if any(r not in by_range for r in model.ranges):
         return None
     drafts = [
@@ -51,7 +52,6 @@ def costs_of(backends: Backends, version: str) -> DeploymentCosts | None:
         if b.desc is not None and b.healthy
     ]
     draft = next((c for c in drafts if c is not None), None)
-    context = next((b.desc.cost_curve.context for b in backends.stages if b.desc is not None), 0)
     return DeploymentCosts(context, [by_range[r] for r in model.ranges], draft)
 
 
