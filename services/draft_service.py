@@ -129,6 +129,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
     ) -> int:
         self._loop_task = asyncio.create_task(self._propose_loop(), name="draft-propose")
+        self.server.supervise(self._loop_task, self._stopped_computing)
         port = await self.server.start(host, port, health_port)
         await self.server.set_serving(True)
         self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
@@ -286,6 +287,8 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         except (FrameError, InvalidInput) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
         prunes = [prune_from_proto(sig) for sig in request.prunes]
+        if self._loop_task is None or self._loop_task.done():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)")
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)
         self.aligner.arrived(request.request_id)
@@ -299,6 +302,14 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             token_ids=cand.tokens.tolist(),
             probs=cand.probs.tolist(),
         )
+
+    def _stopped_computing(self) -> None:
+        """The batch loop ended (see `Server.supervise`): refuse new requests, fail asks."""
+        self.draining = True
+        asks, self._asks = self._asks, []
+        for ask in asks:
+            if not ask.answer.done():
+                ask.answer.set_exception(RequestError("the draft's batch loop ended"))
 
     async def _propose_loop(self) -> None:
         """Answer every waiting Propose with one batched forward, then the next batch

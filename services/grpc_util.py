@@ -60,6 +60,7 @@ class Server:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self.port = 0
+        self._dead: asyncio.Future | None = None  # entering drain after a loop died
 
     async def start(self, host: str, port: int, health_port: int | None = None) -> int:
         """Listen on `port` (0: any); with `health_port`, also serve plaintext gRPC health
@@ -89,6 +90,24 @@ class Server:
         """NOT_SERVING for good (later `set_serving` calls are ignored): load balancers and
         routers stop sending new work while open work finishes."""
         await self.health.enter_graceful_shutdown()
+
+    def supervise(self, task: asyncio.Task, on_death: Callable[[], None] = lambda: None) -> None:
+        """A service's own loop (a stage's compute loop, the draft's batches) must run
+        as long as the server: if it ends other than by cancellation, the replica goes
+        NOT_SERVING for good (routers' health checks take it out and replay its requests)
+        and `on_death` fails what it holds, instead of a replica that accepts work it
+        will never do."""
+
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled():
+                return
+            log.critical(
+                "%s ended: the replica stops serving", t.get_name(), exc_info=t.exception()
+            )
+            on_death()
+            self._dead = asyncio.ensure_future(self.enter_drain())
+
+        task.add_done_callback(done)
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.health.enter_graceful_shutdown()

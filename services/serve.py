@@ -44,6 +44,27 @@ def write_ready(path: str | None, **info) -> None:
     tmp.replace(path)
 
 
+def dump_tasks() -> None:
+    """Log the stack of every asyncio task and thread (SIGUSR1): a process that serves
+    but makes no progress shows where its coroutines wait, which a thread dump alone
+    cannot (they all idle in the event loop)."""
+    import io
+    import sys
+    import traceback
+
+    out = io.StringIO()
+    tasks = asyncio.all_tasks()
+    out.write(f"{len(tasks)} asyncio tasks:\n")
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        out.write(f"--- task {task.get_name()}: {task.get_coro()!r}\n")
+        for frame in task.get_stack():  # frames of compiled coroutines may lack lines
+            code = frame.f_code
+            out.write(f"  {code.co_filename}:{frame.f_lineno} in {code.co_name}\n")
+    for ident, frame in sys._current_frames().items():
+        out.write(f"--- thread {ident}\n{''.join(traceback.format_stack(frame))}")
+    log.warning("task dump (SIGUSR1):\n%s", out.getvalue())
+
+
 async def _serve_until_stopped(svc, drain_seconds: float, also_stop=()) -> None:
     """Serve until SIGTERM/SIGINT, drain for up to `drain_seconds` (a second signal cuts
     the drain short), then stop (`svc`, then the `also_stop` coroutine functions).
@@ -57,6 +78,8 @@ async def _serve_until_stopped(svc, drain_seconds: float, also_stop=()) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal)
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     try:
         await signals[0].wait()
         log.info("stopping: draining for up to %.0f s (signal again to stop now)", drain_seconds)

@@ -187,6 +187,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         health_port: int | None = None,
     ) -> int:
         self._loop_task = asyncio.create_task(self._compute_loop(), name="stage-compute")
+        self.server.supervise(self._loop_task, self._stopped_computing)
         await self.transport.start(data_port)
         port = await self.server.start(host, port, health_port)
         await self.server.set_serving(self.model is not None)
@@ -505,6 +506,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             if work:
                 await self._run(work)
 
+    def _stopped_computing(self) -> None:
+        """The compute loop ended (see `Server.supervise`): refuse new requests, fail open ones."""
+        self.draining = True
+        for st in list(self._requests.values()):
+            if not st.closed:
+                self._fail(st, f"{self.name}: its compute loop ended")
+
     def _hold(self) -> float | None:
         """How long the next round should still wait (0: start it; None: nothing ready)."""
         active, ready, blocked, prunes = [], [], [], False
@@ -523,6 +531,17 @@ class StageService(stage_pb2_grpc.StageServicer):
         return self.aligner.hold(ready, active, blocked)
 
     async def _run(self, work: list[_Work]) -> None:
+        """One round; a round that fails other than in its forward (a bug) fails its own
+        requests, with the traceback in the log, and the loop goes on serving the rest."""
+        try:
+            await self._round(work)
+        except Exception as e:
+            log.exception("%s: a round of %d requests failed", self.name, len(work))
+            for w in work:
+                if not w.st.closed:
+                    self._fail(w.st, f"{self.name} failed: {type(e).__name__}: {e}")
+
+    async def _round(self, work: list[_Work]) -> None:
         """One round on the compute thread, then its outputs sent."""
         loop = asyncio.get_running_loop()
         try:
@@ -642,7 +661,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         except Exception as e:
             unavailable = isinstance(e, TransportError)
             why = "cannot reach the next hop" if unavailable else f"failed: {type(e).__name__}"
-            for st in dict.fromkeys(st for st, _ in items):
+            for st in {st.request_id: st for st, _ in items}.values():
                 if not st.closed:
                     self._fail(st, f"{self.name} {why}: {e}", unavailable=unavailable)
 

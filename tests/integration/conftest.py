@@ -60,6 +60,25 @@ def text_model_dir(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return add_char_tokenizer(d)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failing test's report carries the log tails of the deployments it used: a hang
+    or a lost request on a CI machine is otherwise seen only as a client's deadline."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for fixture, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, ServicesDeployment):
+            for name, child in value.children.items():
+                tail = child.log_tail(LOG_TAIL_LINES)
+                if tail:
+                    report.sections.append((f"{fixture}: {name}.log (last lines)", tail))
+
+
+LOG_TAIL_LINES = 40
+
+
 def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
     kw.setdefault("dtype", DTYPE)
     dep = ServicesDeployment(target, draft, stages, transport=transport, threads=1, **kw)

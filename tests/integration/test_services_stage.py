@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -19,6 +20,7 @@ from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.control import prune_to_proto, rows_to_proto
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Inbox, decode, make_transport
+from specpipe.services.transport.codec import Kind
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
@@ -47,11 +49,22 @@ def _feed(seq: int, after: int, act: Activation, tokens: list[int]) -> stage_pb2
     )
 
 
+@dataclass
+class _Pair:
+    """Stages [0, 2) and [2, 5) as services, their stubs, and a router-side inbox."""
+
+    queues: dict[str, asyncio.Queue]
+    router_addr: str
+    first: StageService
+    last: StageService
+    s0: stage_pb2_grpc.StageStub
+    s1: stage_pb2_grpc.StageStub
+
+
 @contextlib.asynccontextmanager
-async def _two_stages(llama_dir):
-    """Stages [0, 2) and [2, 5) as services, plus a router-side data-plane inbox."""
+async def _stage_pair(llama_dir, rids=("r",)):
     inbox = Inbox()
-    out = inbox.open("r")
+    queues = {rid: inbox.open(rid) for rid in rids}
     router = make_transport("tcp", inbox)
     router_addr = await router.start()
     first, last = StageService(_stage(llama_dir, 0, 2, 5)), StageService(_stage(llama_dir, 2, 5, 5))
@@ -59,13 +72,20 @@ async def _two_stages(llama_dir):
     ch0 = grpc.aio.insecure_channel(f"127.0.0.1:{p0}")
     ch1 = grpc.aio.insecure_channel(f"127.0.0.1:{p1}")
     try:
-        yield out, router_addr, last, stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+        s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
+        yield _Pair(queues, router_addr, first, last, s0, s1)
     finally:
         await ch0.close()
         await ch1.close()
         for svc in (first, last):
             await svc.stop()
         await router.close()
+
+
+@contextlib.asynccontextmanager
+async def _two_stages(llama_dir):
+    async with _stage_pair(llama_dir) as p:
+        yield p.queues["r"], p.router_addr, p.last, p.s0, p.s1
 
 
 def _reference_logits(llama_dir) -> torch.Tensor:
@@ -328,50 +348,121 @@ def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
     import threading
 
     async def main() -> None:
-        inbox = Inbox()
         rids = ["r0", "r1", "r2", "r3"]
-        queues = {rid: inbox.open(rid) for rid in rids}
-        router = make_transport("tcp", inbox)
-        router_addr = await router.start()
-        first = StageService(_stage(llama_dir, 0, 2, 5))
-        last = StageService(_stage(llama_dir, 2, 5, 5))
-        p0, p1 = await first.start(), await last.start()
-        gate = threading.Event()
-        real = first._compute
-        first._compute = lambda work: gate.wait(10) and real(work)
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{p0}") as ch0, \
-                    grpc.aio.insecure_channel(f"127.0.0.1:{p1}") as ch1:  # fmt: skip
-                s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
-                for rid in rids:
-                    await s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
-                                                             next_hop=router_addr))  # fmt: skip
-                    await s0.Open(stage_pb2.OpenStageRequest(
-                        request_id=rid, capacity=64, next_hop=last.transport.address,
-                        report_to=router_addr))  # fmt: skip
-                prefill = _rows([0, 1], [], [], committed=True)
-                root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
-                for i, rid in enumerate(rids):
-                    for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
-                        feed = _feed(seq, 0, act, tokens)
-                        feed.request_id = rid
-                        await s0.Feed(feed)
-                    if i == 0:  # r0's round is on the compute thread (held by the gate)
-                        await asyncio.sleep(0.3)
-                first._compute = real
-                gate.set()
-                want = _reference_logits(llama_dir)
-                for rid in rids:
-                    got = decode(await asyncio.wait_for(queues[rid].get(), 20))
-                    torch.testing.assert_close(got.logits, want)
+        async with _stage_pair(llama_dir, rids) as p:
+            first, last, s0, s1 = p.first, p.last, p.s0, p.s1
+            gate = threading.Event()
+            real = first._compute
+            first._compute = lambda work: gate.wait(10) and real(work)
+            for rid in rids:
+                await s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
+                                                         next_hop=p.router_addr))  # fmt: skip
+                await s0.Open(stage_pb2.OpenStageRequest(
+                    request_id=rid, capacity=64, next_hop=last.transport.address,
+                    report_to=p.router_addr))  # fmt: skip
+            prefill = _rows([0, 1], [], [], committed=True)
+            root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
+            for i, rid in enumerate(rids):
+                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
+                    feed = _feed(seq, 0, act, tokens)
+                    feed.request_id = rid
+                    await s0.Feed(feed)
+                if i == 0:  # r0's round is on the compute thread (held by the gate)
+                    await asyncio.sleep(0.3)
+            first._compute = real
+            gate.set()
+            want = _reference_logits(llama_dir)
+            for rid in rids:
+                got = decode(await asyncio.wait_for(p.queues[rid].get(), 20))
+                torch.testing.assert_close(got.logits, want)
             # r0's round alone, then r1..r3 together: their 6 activations in one frame.
             assert first.transport.parts_sent == 8
             assert first.transport.frames_sent <= 3, first.transport.frames_sent
             assert last.transport.frames_received == first.transport.frames_sent
             assert last.transport.parts_sent == 4 and last.transport.frames_sent <= 3
+
+    asyncio.run(main())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_next_hop_that_died_fails_its_requests_alone(llama_dir) -> None:
+    """Two requests whose next hop is gone (a replica SIGKILLed) share a round with one
+    whose hop is up: the two get UNAVAILABLE error frames (the router replays them), the
+    third its logits, and the stage goes on computing (a regression: the failure path
+    raised and ended the compute loop, so the replica took requests it never computed)."""
+
+    async def main() -> None:
+        rids = ["dead0", "dead1", "live"]
+        gone = f"tcp://127.0.0.1:{_free_port()}"
+        async with _stage_pair(llama_dir, rids) as p:
+            await p.s1.Open(stage_pb2.OpenStageRequest(request_id="live", capacity=64,
+                                                       next_hop=p.router_addr))  # fmt: skip
+            for rid in rids:
+                hop = p.last.transport.address if rid == "live" else gone
+                await p.s0.Open(stage_pb2.OpenStageRequest(
+                    request_id=rid, capacity=64, next_hop=hop, report_to=p.router_addr))  # fmt: skip
+
+            async def feed(rid: str, seq: int, act: Activation, tokens: list[int]) -> None:
+                req = _feed(seq, 0, act, tokens)
+                req.request_id = rid
+                await p.s0.Feed(req)
+
+            for rid in rids:
+                await feed(rid, 0, _rows([0, 1], [], [], committed=True), [5, 9])
+                await feed(rid, 1, _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1]), [13, 7, 11])
+            for rid in ("dead0", "dead1"):
+                frame = await asyncio.wait_for(p.queues[rid].get(), 20)
+                assert frame.kind == Kind.PAYLOAD_KIND_ERROR
+                assert frame.header.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+                assert "cannot reach the next hop" in frame.header.error
+            got = decode(await asyncio.wait_for(p.queues["live"].get(), 20))
+            torch.testing.assert_close(got.logits, _reference_logits(llama_dir))
+            # Still computing: the live request's next layer comes through.
+            await feed("live", 2, _rows([5], [4], [3]), [12])
+            more = decode(await asyncio.wait_for(p.queues["live"].get(), 20))
+            assert more.node_ids.tolist() == [4]
+            assert not p.first._loop_task.done()
+
+    asyncio.run(main())
+
+
+def test_a_service_whose_own_loop_ends_stops_serving() -> None:
+    """`Server.supervise`: a loop that raises takes the replica out (NOT_SERVING, what
+    it holds failed) instead of leaving it accepting work it never does."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from specpipe.services.grpc_util import Server
+
+    async def main() -> None:
+        server = Server(["x.Service"])
+        port = await server.start("127.0.0.1", 0)
+        await server.set_serving(True)
+        failed = []
+
+        async def loop() -> None:
+            await asyncio.sleep(0.05)
+            raise RuntimeError("a bug")
+
+        task = asyncio.create_task(loop(), name="the-loop")
+        server.supervise(task, lambda: failed.append(True))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                health = health_pb2_grpc.HealthStub(ch)
+                check = health_pb2.HealthCheckRequest(service="x.Service")
+                assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+                with contextlib.suppress(RuntimeError):
+                    await task
+                await asyncio.sleep(0.2)
+                status = (await health.Check(check)).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert failed == [True]
         finally:
-            for svc in (first, last):
-                await svc.stop()
-            await router.close()
+            await server.stop()
 
     asyncio.run(main())
