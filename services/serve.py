@@ -250,6 +250,7 @@ async def run_router(args) -> None:
         **router_options(scheduling_options(args)),
         discovery=args.discovery,  # the command line built it
         replay_seconds=args.replay_seconds,
+        max_replays=args.max_replays,
         stall_seconds=args.stall_seconds,
         metrics=router_metrics,
         name=args.router_name,

@@ -246,6 +246,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "path before the request fails UNAVAILABLE",
     )
     p.add_argument(
+        "--max-replays",
+        type=positive_int,
+        default=8,
+        help="how many times one request may be replayed on another path before it fails "
+        "UNAVAILABLE (each replica lost on its path costs one)",
+    )
+    p.add_argument(
         "--stall-seconds",
         type=float,
         default=60.0,

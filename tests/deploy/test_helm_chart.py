@@ -902,3 +902,13 @@ def test_tree_defaults_and_auto_make_the_stages_and_draft_measure_costs(render):
     assert arg(router, "--late-draft-wait-ms") == "250"
     measured = {c["args"][0] for c in mains(docs) if "--measure-costs" in c["args"]}
     assert measured == {"stage", "draft"}
+
+
+def test_router_replay_budget(render):
+    (router,) = [
+        c for c in map(main_container, workloads(render(None))) if c["args"][0] == "router"
+    ]
+    assert arg(router, "--max-replays") == "8" and arg(router, "--replay-seconds") == "10"
+    docs = render({"router": {"maxReplays": 3}})
+    (router,) = [c for c in map(main_container, workloads(docs)) if c["args"][0] == "router"]
+    assert arg(router, "--max-replays") == "3"
