@@ -120,7 +120,6 @@ class Tuner:
     """One deployment's (one model version, one decoding regime) settings and what each
     achieved."""
 
-    stages: int
     costs: DeploymentCosts | None = None
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     explore_every: int = DEFAULT_EXPLORE_EVERY

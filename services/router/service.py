@@ -315,7 +315,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if plan.space is None or model is None:
             return plan, None
         opts, tuned = self.tuning.resolve(
-            plan.mode, plan.opts, plan.space, self.backends, model.weight_hash, len(model.ranges)
+            plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
         )
         return dataclasses.replace(plan, opts=opts), tuned
 

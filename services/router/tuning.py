@@ -80,7 +80,7 @@ class RouterTuning:
         self.explore_every = explore_every
         self.window_tokens = window_tokens
         self.price = price
-        self._tuner(1)  # checks the values
+        self._tuner()  # checks the values
         self.tuners: dict[tuple[str, str], Tuner] = {}
         self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
 
@@ -91,18 +91,15 @@ class RouterTuning:
         space: TuningSpace,
         backends: Backends,
         version: str,
-        stages: int,
     ) -> tuple[DecodeOptions, Tuned | None]:
         """The request's options with its `auto` settings filled in (the defaults in
         modes without a specpipe tree), and the decision to report at its end."""
-        if not space.is_auto:
-            return opts, None
-        if mode != Mode.SPECPIPE:
+        if not space.is_auto or mode != Mode.SPECPIPE:
             return opts, None
         key = (version, regime_of(opts))
         tuner = self.tuners.get(key)
         if tuner is None:
-            tuner = self.tuners[key] = self._tuner(stages)
+            tuner = self.tuners[key] = self._tuner()
         tuner.costs = costs_of(backends, version)  # replicas come and go
         d = tuner.decide(space, opts.max_new_tokens)
         s = d.setting
@@ -116,14 +113,9 @@ class RouterTuning:
         )
         return tuned, Tuned(key, d, opts.max_new_tokens)
 
-    def _tuner(self, stages: int) -> Tuner:
+    def _tuner(self) -> Tuner:
         return Tuner(
-            stages,
-            None,
-            self.calibration_tokens,
-            self.explore_every,
-            self.window_tokens,
-            self.price,
+            None, self.calibration_tokens, self.explore_every, self.window_tokens, self.price
         )
 
     def finish(self, tuned: Tuned | None, stats: DecodeStats | None, tbt_ms: float = 0.0) -> None:

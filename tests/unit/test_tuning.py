@@ -38,7 +38,7 @@ def calibrate(tuner: Tuner, space: TuningSpace, tokens_per_step: dict[int, float
 
 
 def test_every_candidate_is_measured_before_one_is_chosen() -> None:
-    tuner = Tuner(3, costs(0.0), calibration_tokens=64, price="model")
+    tuner = Tuner(costs(0.0), calibration_tokens=64, price="model")
     space = layers_space()
     # Three requests in flight at once get three different settings.
     firsts = [tuner.decide(space, 64) for _ in range(3)]
@@ -49,7 +49,7 @@ def test_every_candidate_is_measured_before_one_is_chosen() -> None:
 
 def test_flat_costs_choose_more_layers_and_costly_rows_fewer() -> None:
     measured = {1: 0.9, 2: 1.5, 3: 1.8}  # tokens per step per K
-    flat = Tuner(3, costs(0.0), calibration_tokens=64, price="model")
+    flat = Tuner(costs(0.0), calibration_tokens=64, price="model")
     calibrate(flat, layers_space(), measured)
     d = flat.decide(layers_space(), 64)
     assert not d.exploring and d.setting.layers_per_step == 3
@@ -57,13 +57,13 @@ def test_flat_costs_choose_more_layers_and_costly_rows_fewer() -> None:
 
     # A CPU-like stage: every row costs as much as the base; three layers of rows cost
     # more than they gain.
-    steep = Tuner(3, costs(0.05), calibration_tokens=64, price="model")
+    steep = Tuner(costs(0.05), calibration_tokens=64, price="model")
     calibrate(steep, layers_space(), measured)
     assert steep.decide(layers_space(), 64).setting.layers_per_step == 1
 
 
 def test_without_cost_curves_the_most_tokens_per_step_wins_and_says_so() -> None:
-    tuner = Tuner(3, None, calibration_tokens=64, price="model")
+    tuner = Tuner(None, calibration_tokens=64, price="model")
     calibrate(tuner, layers_space(), {1: 0.9, 2: 1.5, 3: 1.2})
     d = tuner.decide(layers_space(), 64)
     assert d.setting.layers_per_step == 2
@@ -74,7 +74,7 @@ def test_the_ngram_source_costs_no_draft_forward() -> None:
     space = TuningSpace(width=4, layers_per_step=1, token_source=None, has_draft=True)
     assert {s.token_source for s in space.settings()} == set(TokenSource)
     expensive_draft = CostCurve(ROWS, [0.2] * len(ROWS))
-    tuner = Tuner(3, costs(0.0, expensive_draft), calibration_tokens=64, price="model")
+    tuner = Tuner(costs(0.0, expensive_draft), calibration_tokens=64, price="model")
     rates = {TokenSource.DRAFT: 0.9, TokenSource.HYBRID: 0.95, TokenSource.NGRAM: 0.5}
     for _ in range(20):
         d = tuner.decide(space, 64)
@@ -86,7 +86,7 @@ def test_the_ngram_source_costs_no_draft_forward() -> None:
 
 
 def test_stale_settings_are_re_measured_and_old_measurements_fade() -> None:
-    tuner = Tuner(3, costs(0.0), calibration_tokens=64, explore_every=5, window_tokens=256)
+    tuner = Tuner(costs(0.0), calibration_tokens=64, explore_every=5, window_tokens=256)
     calibrate(tuner, layers_space(), {1: 0.9, 2: 1.5, 3: 1.8})
     kinds = []
     for _ in range(10):
@@ -101,7 +101,7 @@ def test_stale_settings_are_re_measured_and_old_measurements_fade() -> None:
 
 
 def test_failed_or_narrowed_requests_measure_nothing_but_free_their_share() -> None:
-    tuner = Tuner(3, None, calibration_tokens=64)
+    tuner = Tuner(None, calibration_tokens=64)
     d = tuner.decide(layers_space(), 64)
     assert tuner.pending == {d.setting: 64}
     tuner.finish(d.setting, 64)  # failed
@@ -118,15 +118,15 @@ def test_fixed_settings_are_not_candidates() -> None:
 
 def test_bad_tuner_parameters_are_refused() -> None:
     with pytest.raises(ValueError):
-        Tuner(3, None, calibration_tokens=0)
+        Tuner(None, calibration_tokens=0)
     with pytest.raises(ValueError):
-        Tuner(3, None, price="guess")
+        Tuner(None, price="guess")
 
 
 def test_the_wall_price_goes_by_the_measured_time_between_tokens() -> None:
     """Where the model and the wall clock disagree (the draft's K forwards overlap the
     step in the services), the default price follows the wall clock."""
-    tuner = Tuner(3, costs(0.0, CostCurve(ROWS, [0.06] * len(ROWS))), calibration_tokens=64)
+    tuner = Tuner(costs(0.0, CostCurve(ROWS, [0.06] * len(ROWS))), calibration_tokens=64)
     wall_per_token = {1: 0.16, 2: 0.125, 3: 0.097}  # seconds, as bench_tuning measured
     for _ in range(20):
         d = tuner.decide(layers_space(), 64)
