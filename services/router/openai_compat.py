@@ -23,6 +23,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field
 from specpipe.v1 import generation_pb2 as gen
 
+from ..client.common import build_request
 from .requests import StopGeneration
 
 # OpenAI's defaults: 16 new tokens for text completions, sampling at temperature 1.
@@ -175,28 +176,28 @@ class _Common(BaseModel):
         seed = self.seed
         if seed is None:  # OpenAI: without a seed, every sampled request differs
             seed = secrets.randbelow(1 << 31) if temperature > 0 else 0
-        req = gen.GenerateRequest(
+        text = isinstance(prompt, str)
+        return build_request(
+            prompt if text else None,
+            prompt_ids=None if text else prompt,
             model=self.model,
             mode=self.mode or default_mode,
             max_new_tokens=default_max_tokens if n is None else n,
-            sampling=gen.SamplingOptions(temperature=temperature, top_k=self.top_k or 0, seed=seed),
+            temperature=temperature,
+            top_k=self.top_k or 0,
+            top_p=self.top_p,
+            seed=seed,
+            width=self.width,
+            top_k_children=self.top_k_children,
+            depth=self.depth,
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
+            prefill_chunk=self.prefill_chunk,
             priority=self.priority,
+            layers_per_step=self.layers_per_step,
             token_source=self.token_source,
             ranking=self.ranking,
         )
-        if self.top_p is not None:
-            req.sampling.top_p = self.top_p
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        for name in ("width", "layers_per_step", "top_k_children", "depth", "prefill_chunk"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(req, name, 0 if value == "auto" else value)  # 0: the wire's auto
-        return req
 
 
 class CompletionRequest(_Common):
