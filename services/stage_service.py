@@ -515,16 +515,16 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def _hold(self) -> float | None:
         """How long the next round should still wait (0: start it; None: nothing ready)."""
-        active, ready, blocked, prunes = [], [], [], False
+        active, ready, blocked, prunes = [], set(), set(), False
         for st in self._requests.values():
             if st.closed:
                 continue
             active.append(st.request_id)
             order = st.order
             if order.turn_ready():
-                ready.append(st.request_id)
+                ready.add(st.request_id)
             elif order.blocked():
-                blocked.append(st.request_id)
+                blocked.add(st.request_id)
             prunes = prunes or order.next_prune() is not None
         if not ready:
             return 0.0 if prunes else None
