@@ -114,11 +114,17 @@ def payload_nbytes(header: pb.FrameHeader) -> int:
         itemsize = DTYPES[header.dtype].itemsize
     except KeyError:
         raise FrameError(f"unknown payload dtype {header.dtype!r}") from None
-    n = 1
+    n = span = 1
     for d in header.shape:
         if d < 0:
             raise FrameError(f"negative dimension in payload shape {list(header.shape)}")
         n *= d
+        span *= max(d, 1)
+        # An empty tensor's other dimensions still make its strides: bounded like a payload.
+        if span * itemsize > MAX_PAYLOAD_BYTES:
+            raise FrameError(
+                f"payload shape {list(header.shape)} spans more than {MAX_PAYLOAD_BYTES} bytes"
+            )
     return n * itemsize
 
 

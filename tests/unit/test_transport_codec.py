@@ -17,6 +17,7 @@ from specpipe.services.transport.codec import (
     payload_bytes,
     tensor_from_bytes,
 )
+from specpipe.v1 import dataplane_pb2 as pb
 
 
 def _roundtrip(act: Activation, seq: int = 3, after: int = 2) -> tuple[Frame, Activation]:
@@ -87,6 +88,16 @@ def test_inconsistent_frames_are_rejected() -> None:
         decode(Frame(header, tensor_from_bytes(header, buf)))
     with pytest.raises(FrameError, match="too large"):
         parse_preamble((2**31).to_bytes(4, "little") + (0).to_bytes(8, "little"))
+
+
+def test_an_empty_payload_with_a_huge_shape_is_refused() -> None:
+    """No payload bytes, but dimensions whose strides overflow (found by the frame fuzz
+    test): a FrameError, not torch's RuntimeError."""
+    header = pb.FrameHeader(dtype="float64", shape=[0, 3, 3_074_457_345_618_258_603])
+    with pytest.raises(FrameError, match="spans more than"):
+        tensor_from_bytes(header, None)
+    empty = pb.FrameHeader(dtype="float32", shape=[0, 151_936])  # an empty logits row set
+    assert tensor_from_bytes(empty, None).shape == (0, 151_936)
 
 
 def test_prune_signal_roundtrip_and_token_rows() -> None:
