@@ -113,28 +113,16 @@ def tiny_setup(n_prompts: int) -> Setup:
 # -- projection -------------------------------------------------------------------------
 
 
-def specpipe_tbt(run: dict, costs: DeploymentCosts) -> float | None:
-    """Projected TBT (s) of a specpipe/pp run: a step costs as much as its slowest stage,
-    or as the draft's forwards of that step one after another, if those take longer."""
-    if len(run["emit_steps"]) < 2:
-        return None
-    clock = [0.0]
-    for row, forwards in zip(run["trace"], run["draft_forwards"], strict=True):
-        stages = max(c(n) for c, n in zip(costs.stages, row[:-1], strict=True))
-        draft = sum(costs.draft(n) for n in forwards) if costs.draft is not None else 0.0
-        clock.append(clock[-1] + max(stages, draft))
-    first, last = run["emit_steps"][0], run["emit_steps"][-1]
-    return (clock[last] - clock[first]) / (len(run["emit_steps"]) - 1)
-
-
 def project(run: dict, costs: DeploymentCosts) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for view, c in cost_views(costs).items():
         if run["mode"] == "specinfer":
             passes = specinfer_draft_seconds(run["draft_layers"], c)
             v = projected_tbt(run["trace"], run["emit_steps"], c, "specinfer", passes)
-        else:
-            v = specpipe_tbt(run, c)
+        else:  # a step: its slowest stage, or its draft forwards one after another
+            v = projected_tbt(
+                run["trace"], run["emit_steps"], c, "specpipe", draft_forwards=run["draft_forwards"]
+            )
         out[view] = None if v is None else 1e3 * v
     return out
 

@@ -92,7 +92,9 @@ def project_run(run: dict, costs: DeploymentCosts) -> dict[str, float | None]:
         passes = (
             specinfer_draft_seconds(run["draft_layers"], c) if run["mode"] == "specinfer" else ()
         )
-        v = projected_tbt(run["trace"], run["emit_steps"], c, run["mode"], passes)
+        v = projected_tbt(
+            run["trace"], run["emit_steps"], c, run["mode"], passes, run.get("draft_forwards")
+        )
         tbt[view] = None if v is None else 1e3 * v
     return tbt
 
@@ -113,6 +115,7 @@ def run_one(pipeline, draft, prompt: Prompt, mode: Mode, opts: DecodeOptions, co
         "regrowths": s.regrowths,
         "emit_steps": s.emit_steps,
         "trace": s.trace[s.prefill_steps :],  # rows per stage and draft per decode step
+        "draft_forwards": s.draft_forwards[s.prefill_steps :],
         "draft_layers": s.draft_layers,
         "root_children": s.root_children,
         "accepted_lengths": s.accepted_lengths,

@@ -159,13 +159,21 @@ class DeploymentCosts:
         )
 
     def step_seconds(
-        self, rows_per_stage: Sequence[int], draft_rows: int, draft_parallel: bool
+        self, rows_per_stage: Sequence[int], draft_forwards: Sequence[int], draft_parallel: bool
     ) -> float:
+        """A step's cost: its slowest stage, or (`draft_parallel`) the draft's forwards of
+        the step one after another if those take longer (each tree layer is grown from
+        the one before: K layers a step are K forwards, not one of K times the rows)."""
         stage_time = max(
             (c(n) for c, n in zip(self.stages, rows_per_stage, strict=True)), default=0.0
         )
-        draft_time = self.draft(draft_rows) if self.draft is not None else 0.0
-        return max(stage_time, draft_time) if draft_parallel else stage_time
+        return max(stage_time, self.draft_seconds(draft_forwards)) if draft_parallel else stage_time
+
+    def draft_seconds(self, forwards: Sequence[int]) -> float:
+        """The draft's forwards of `forwards` rows each, one after another."""
+        if self.draft is None:
+            return 0.0
+        return sum(self.draft(n) for n in forwards)
 
     def without_draft(self) -> DeploymentCosts:
         """As if the draft had a device fast enough never to hold a step back."""
@@ -204,11 +212,20 @@ class DeploymentCosts:
 
 
 def step_seconds_of_trace(
-    trace: Sequence[Sequence[int]], costs: DeploymentCosts, mode: str
+    trace: Sequence[Sequence[int]],
+    costs: DeploymentCosts,
+    mode: str,
+    draft_forwards: Sequence[Sequence[int]] | None = None,
 ) -> list[float]:
-    """Projected duration of every step of a trace."""
+    """Projected duration of every step of a trace. `draft_forwards` holds the rows of
+    each draft forward per step (`DecodeStats.draft_forwards`); without it a step's draft
+    rows (the trace's last column) count as one forward."""
+    forwards = draft_forwards if draft_forwards is not None else [[row[-1]] for row in trace]
+    if len(forwards) != len(trace):
+        raise ValueError(f"{len(forwards)} steps of draft forwards for a {len(trace)}-step trace")
     return [
-        costs.step_seconds(row[:-1], row[-1], draft_parallel=mode == "specpipe") for row in trace
+        costs.step_seconds(row[:-1], f, draft_parallel=mode == "specpipe")
+        for row, f in zip(trace, forwards, strict=True)
     ]
 
 
@@ -218,17 +235,19 @@ def projected_tbt(
     costs: DeploymentCosts,
     mode: str,
     draft_seconds_per_pass: Sequence[float] = (),
+    draft_forwards: Sequence[Sequence[int]] | None = None,
 ) -> float | None:
     """Time between tokens: from the first emission to the last, per token after the first.
 
     `emit_steps` are 1-based decode step counts at which tokens were emitted (the trace
     holds decode steps only). For specinfer, `draft_seconds_per_pass` adds the draft work
     done before each pass (a pass spans S steps and starts at steps 0, S, 2S, ...).
+    `draft_forwards` as in `step_seconds_of_trace`.
     """
     if len(emit_steps) < 2:
         return None
     clock = [0.0]
-    for sec in step_seconds_of_trace(trace, costs, mode):
+    for sec in step_seconds_of_trace(trace, costs, mode, draft_forwards):
         clock.append(clock[-1] + sec)
     first, last = emit_steps[0], emit_steps[-1]
     elapsed = clock[last] - clock[first]

@@ -47,7 +47,7 @@ def step_seconds(costs: DeploymentCosts, k: int, width: int, uses_draft: bool = 
     device, in parallel) K forwards of `width` rows; a source without the draft model
     (n-grams) costs the draft nothing."""
     stage = max((c(k * width) for c in costs.stages), default=0.0)
-    draft = k * costs.draft(width) if costs.draft is not None and uses_draft else 0.0
+    draft = costs.draft_seconds([width] * k) if uses_draft else 0.0
     return max(stage, draft)
 
 

@@ -5,7 +5,8 @@
 every engine step runs all active requests' rows together, and the engine records the
 rows every stage and the draft computed per step over all requests. `project` prices
 that trace with cost curves of batched forwards: a step costs as much as its slowest
-stage (specpipe: or the draft, which runs beside the stages on its own device); in
+stage (specpipe: or the draft's forwards of the step one after another, the j-th forwards
+of all requests batched; it runs beside the stages on its own device); in
 specinfer the draft builds a pass's tree before the pass enters the pipeline, so the
 draft forwards of the passes that enter at a step (batched over those requests, one
 forward per tree layer) are added to that step, as if the pipeline waited for them.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..runtime.lockstep import LockstepEngine, Run
+from ..runtime.lockstep import LockstepEngine, Run, add_forwards
 from ..spec.options import DecodeOptions, Mode
 from ..spec.stats import DecodeStats
 from .cost_model import DeploymentCosts, step_seconds_of_trace
@@ -61,6 +62,8 @@ class LoadRun:
     # per engine step: rows of each stage over all requests, then the draft's
     trace: list[list[int]]
     served: list[Served] = field(default_factory=list)
+    # per engine step: the rows of each (batched) draft forward
+    draft_forwards: list[list[int]] = field(default_factory=list)
 
 
 def closed_loop(engine: LockstepEngine, asks: Sequence[Ask], concurrency: int) -> LoadRun:
@@ -86,7 +89,7 @@ def closed_loop(engine: LockstepEngine, asks: Sequence[Ask], concurrency: int) -
     while engine.runs:  # carry out the last Finish commands
         engine.step()
     mode = str(Mode(asks[0].mode).value) if asks else ""
-    return LoadRun(mode, concurrency, engine.trace[start:], served)
+    return LoadRun(mode, concurrency, engine.trace[start:], served, engine.draft_forwards[start:])
 
 
 def schedule(runs: Sequence[DecodeStats], concurrency: int) -> LoadRun:
@@ -104,12 +107,13 @@ def schedule(runs: Sequence[DecodeStats], concurrency: int) -> LoadRun:
         length = max(length, join + len(stats.trace))
     width = len(runs[0].trace[0]) if runs else 0
     trace = [[0] * width for _ in range(length)]
+    forwards: list[list[int]] = [[] for _ in range(length)]
     for s in served:
-        for i, row in enumerate(s.stats.trace):
-            trace[s.join_step + i] = [
-                a + b for a, b in zip(trace[s.join_step + i], row, strict=True)
-            ]
-    return LoadRun(runs[0].mode if runs else "", concurrency, trace, served)
+        for i, (row, f) in enumerate(zip(s.stats.trace, s.stats.draft_forwards, strict=True)):
+            t = s.join_step + i
+            trace[t] = [a + b for a, b in zip(trace[t], row, strict=True)]
+            forwards[t] = add_forwards(forwards[t], f)
+    return LoadRun(runs[0].mode if runs else "", concurrency, trace, served, forwards)
 
 
 def _pass_entries(served: Sequence[Served]) -> dict[int, list[list[int]]]:
@@ -130,7 +134,7 @@ def _pass_entries(served: Sequence[Served]) -> dict[int, list[list[int]]]:
 
 def step_clock(load: LoadRun, costs: DeploymentCosts) -> list[float]:
     """clock[i]: the projected time at the end of engine step i (1-based; clock[0] = 0)."""
-    seconds = step_seconds_of_trace(load.trace, costs, load.mode)
+    seconds = step_seconds_of_trace(load.trace, costs, load.mode, load.draft_forwards)
     if load.mode == Mode.SPECINFER.value and costs.draft is not None:
         for step, passes in _pass_entries(load.served).items():
             depth = max(len(p) for p in passes)

@@ -60,7 +60,7 @@ def evaluate_widths(
     options = []
     for w, h in sorted(hit_rates.items()):
         # Steady state: stages 1..S-1 each hold one tree layer, the last stage the root.
-        step = costs.step_seconds([w] * (num_stages - 1) + [1], w, draft_parallel=True)
+        step = costs.step_seconds([w] * (num_stages - 1) + [1], [w], draft_parallel=True)
         options.append(WidthOption(w, h, step, h + (1 - h) * num_stages))
     best = min(options, key=lambda o: o.seconds_per_token)
     return WidthChoice(best.width, options, num_stages, costs.context)

@@ -79,6 +79,12 @@ def new_controller(
     return make_controller(mode, rid, prompt_ids, opts, pipeline.num_stages)
 
 
+def add_forwards(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """Two requests' draft forwards of one step, batched: the j-th forwards together."""
+    n = max(len(a), len(b))
+    return [(a[j] if j < len(a) else 0) + (b[j] if j < len(b) else 0) for j in range(n)]
+
+
 class LockstepEngine:
     def __init__(self, pipeline: Pipeline, draft: Draft | None) -> None:
         self.pipeline, self.draft = pipeline, draft
@@ -86,6 +92,9 @@ class LockstepEngine:
         self.steps = 0
         # per engine step: rows each stage computed over all requests, then the draft's
         self.trace: list[list[int]] = []
+        # per engine step: the rows of each draft forward over all requests (the j-th
+        # forwards of all requests are one batched forward)
+        self.draft_forwards: list[list[int]] = []
 
     def add(
         self,
@@ -130,6 +139,7 @@ class LockstepEngine:
         inputs = {run.request_id: (run.prunes, self._entering(run)) for run in active}
         results = self.pipeline.step_many(inputs)
         total = [0] * (self.pipeline.num_stages + 1)
+        batched: list[int] = []
         for run in active:
             result = results[run.request_id]
             assert run.step is not None
@@ -138,6 +148,7 @@ class LockstepEngine:
             run.stats.trace.append(row)
             run.stats.draft_forwards.append(forwards)
             total = [a + b for a, b in zip(total, row, strict=True)]
+            batched = add_forwards(batched, forwards)
             run.prunes = []
             run.step += 1
             last = result.last
@@ -149,6 +160,7 @@ class LockstepEngine:
                     )
                 run.cmds.extend(cmds)
         self.trace.append(total)
+        self.draft_forwards.append(batched)
         self.steps += 1
 
     def _execute(self, run: Run) -> None:
@@ -167,7 +179,10 @@ class LockstepEngine:
                 run.prunes.append(cmd.prune)
             elif isinstance(cmd, Propose):
                 if cmd.step is not None:
-                    run.draft_rows[cmd.step].append(len(cmd.layer))
+                    # An ask for a step already computed (the chain of K layers grown
+                    # after a verification, between two steps) runs beside the next one.
+                    step = cmd.step if run.step is None else max(cmd.step, run.step)
+                    run.draft_rows[step].append(len(cmd.layer))
                 assert self.draft is not None
                 cand = self.draft.propose(cmd.layer, cmd.top_k, cmd.temperature)
                 run.cmds.extend(ctrl.on_candidates(cmd.ticket, cand))

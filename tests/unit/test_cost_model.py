@@ -55,6 +55,19 @@ def test_specpipe_step_costs_its_slowest_stage_or_the_draft() -> None:
     assert specinfer_draft_seconds([[1, 4], [1]], costs) == pytest.approx([10 + 40, 10])
 
 
+def test_a_steps_draft_forwards_run_one_after_another() -> None:
+    """K layers a step are K draft forwards (each grows from the one before), not one
+    forward of their rows together."""
+    costs = DeploymentCosts(context=16, stages=[curve(lambda n: 1.0)], draft=curve(lambda n: 2.0))
+    trace = [[8, 8], [8, 8]]
+    assert sum(step_seconds_of_trace(trace, costs, "specpipe")) == pytest.approx(2 + 2)
+    forwards = [[4, 4, 4, 4], [8]]
+    assert sum(step_seconds_of_trace(trace, costs, "specpipe", forwards)) == pytest.approx(8 + 2)
+    assert projected_tbt(trace, [1, 2], costs, "specpipe", (), forwards) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="draft forwards"):
+        step_seconds_of_trace(trace, costs, "specpipe", [[8]])
+
+
 def test_tbt_counts_only_time_between_first_and_last_token() -> None:
     costs = DeploymentCosts(context=8, stages=[curve(lambda n: 1.0)] * 2)
     trace = [[1, 0, 0], [1, 1, 0], [0, 1, 0], [1, 1, 0]]
@@ -70,7 +83,7 @@ def test_flat_costs_are_the_one_row_cost() -> None:
     costs = DeploymentCosts(context=8, stages=[curve(lambda n: n)], draft=curve(lambda n: n))
     flat = costs.flat()
     assert flat.draft(16) == 1.0 and flat.stages[0](32) == 1.0
-    assert costs.without_draft().step_seconds([4], 32, draft_parallel=True) == 4.0
+    assert costs.without_draft().step_seconds([4], [32], draft_parallel=True) == 4.0
 
 
 def test_measured_curve_covers_requested_rows_and_leaves_no_state(llama_dir) -> None:

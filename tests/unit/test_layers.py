@@ -112,6 +112,36 @@ def test_an_oracle_draft_gives_k_tokens_per_step(k, stages) -> None:
     assert all(rows <= 2 for f in st.draft_forwards for rows in f)
 
 
+class CountingDraft(RuleDraft):
+    """A rule draft that records the rows of every forward it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards: list[int] = []
+
+    def propose(self, layer: Activation, top_k: int, temperature: float = 0.0) -> Candidates:
+        self.forwards.append(layer.node_ids.numel())
+        return super().propose(layer, top_k, temperature)
+
+
+@pytest.mark.parametrize("source", ["oracle", "blind"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_draft_forward_is_in_the_step_trace(k, source) -> None:
+    """Cost projections price a step's draft work from the trace: a forward missing from
+    it would be free (K > 1 grows a chain of layers after a verification, between two
+    steps)."""
+    draft = CountingDraft(source == "oracle")
+    opts = DecodeOptions(40, width=2, layers_per_step=k)
+    gen = Generation(RulePipeline(4, rule), draft, PROMPT, Mode.SPECPIPE, opts)
+    gen.run()
+    st = gen.stats
+    assert sorted(r for f in st.draft_forwards for r in f) == sorted(draft.forwards)
+    assert sum(row[-1] for row in st.trace) == sum(draft.forwards)
+    if source == "oracle":  # steady state: the K layers of each step's group, one by one
+        steady = st.draft_forwards[st.prefill_steps + 4 : -4]
+        assert steady and all(len(f) == k for f in steady)
+
+
 def test_the_repeating_target_is_all_hits_for_the_ngram_source_without_a_draft() -> None:
     gen = run(4, "ngram", n=40, rule=copy_rule, width=2, layers_per_step=2)
     st = gen.stats

@@ -40,7 +40,8 @@ def test_one_request_projects_as_the_single_request_projection(dep, mode) -> Non
     assert gen.run() == load.served[0].tokens
     s, c = gen.stats, costs()
     passes = specinfer_draft_seconds(s.draft_layers, c) if mode == "specinfer" else ()
-    want = projected_tbt(s.trace[s.prefill_steps :], s.emit_steps, c, mode, passes)
+    decode = slice(s.prefill_steps, None)
+    want = projected_tbt(s.trace[decode], s.emit_steps, c, mode, passes, s.draft_forwards[decode])
     got = project(load, c)
     assert got["tbt_ms"]["p50"] == pytest.approx(1e3 * want, abs=1e-3)
     assert got["total_output_tokens"] == 8 and got["requests"] == 1
@@ -86,3 +87,24 @@ def test_pp_with_flat_costs_emits_one_token_per_s_steps_per_request(dep) -> None
         assert got["tbt_ms"]["p50"] == pytest.approx(S * 10.0)
         tokens_per_second = k * 8 / got["duration_s"]
         assert got["output_throughput"] == pytest.approx(tokens_per_second, rel=1e-3)
+
+
+def test_concurrent_requests_draft_forwards_batch_layer_by_layer(dep) -> None:
+    """With K layers a step each request runs K draft forwards one after another; the
+    j-th forwards of all requests are one batched forward, priced one after another."""
+    o = DecodeOptions(max_new_tokens=10, width=2, layers_per_step=2)
+    asks = [Ask(p, Mode.SPECPIPE, o) for p in ([5, 9, 2], [7, 1])]
+    load = closed_loop(LockstepEngine(dep.pipeline, dep.draft), asks, 2)
+    assert [s.join_step for s in load.served] == [0, 0]
+    per_request = [s.stats.draft_forwards for s in load.served]
+    for t, batched in enumerate(load.draft_forwards):
+        mine = [f[t] for f in per_request if t < len(f)]
+        assert len(batched) == max(map(len, mine), default=0)
+        assert batched == [sum(f[j] for f in mine if j < len(f)) for j in range(len(batched))]
+    assert max(map(len, load.draft_forwards)) == 2
+    # a draft ten times a stage's cost bounds the step: each forward counts
+    slow = costs(stage=lambda n: 0.001, draft=lambda n: 0.01)
+    got = project(load, slow)["duration_s"]
+    forwards = sum(map(len, load.draft_forwards[: max(s.token_steps[-1] for s in load.served)]))
+    assert got == pytest.approx(0.01 * forwards, rel=0.15)
+    assert schedule([s.stats for s in load.served], 2).draft_forwards == load.draft_forwards
