@@ -209,6 +209,11 @@ class StageMetrics(_ComputeMetrics):
             "How long a round waited for requests of the same step (rounds that waited)",
             WAIT_BUCKETS,
         )
+        # Stage 1: feeds per Feed (1) or FeedMany call (a router's feeds of one moment).
+        self.feeds_per_call = self._histogram(
+            "stage_feeds_per_call", "Feeds in one Feed or FeedMany call (first stage)",
+            BATCH_BUCKETS,
+        )  # fmt: skip
 
 
 class DraftMetrics(_ComputeMetrics):

@@ -39,7 +39,13 @@ from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
-from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_capacity, check_input
+from specpipe.common.runtime.validation import (
+    MAX_FEEDS_PER_CALL,
+    MAX_ROWS,
+    Limits,
+    check_capacity,
+    check_input,
+)
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -340,11 +346,39 @@ class StageService(stage_pb2_grpc.StageServicer):
         return stage_pb2.OpenStageResponse()
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
+        await self._check_first(context)
+        self.metrics.feeds_per_call.observe(1)
+        refused = self._take_feed(request)
+        if refused is not None:
+            await context.abort(*refused)
+        return stage_pb2.FeedResponse()
+
+    async def FeedMany(self, request, context) -> stage_pb2.FeedManyResponse:
+        await self._check_first(context)
+        if len(request.feeds) > MAX_FEEDS_PER_CALL:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(request.feeds)} feeds in one call; at most {MAX_FEEDS_PER_CALL}",
+            )
+        self.metrics.feeds_per_call.observe(len(request.feeds))
+        outcomes = []
+        for feed in request.feeds:
+            refused = self._take_feed(feed)
+            code, message = refused if refused is not None else (grpc.StatusCode.OK, "")
+            outcomes.append(stage_pb2.FeedOutcome(code=code.value[0], message=message))
+        return stage_pb2.FeedManyResponse(outcomes=outcomes)
+
+    async def _check_first(self, context) -> None:
         if self.model is None or not self.runtime.is_first:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION, f"{self.name} is not the first stage"
             )
-        st = await self._request(request.request_id, context)
+
+    def _take_feed(self, request) -> tuple[grpc.StatusCode, str] | None:
+        """Queue one feed's rows; what refuses it (status and message) if not taken."""
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return grpc.StatusCode.NOT_FOUND, self._not_open(request.request_id)
         self.leases.renew(st.request_id)
         try:
             act = token_activation(
@@ -353,8 +387,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             check_input(act, self.limits, first=True)
             self._enqueue(st, request.seq, Pending(act, request.after_prune))
         except (FrameError, RequestError) as e:
-            await context.abort(status_code(e), f"{self.name}: {e}")
-        return stage_pb2.FeedResponse()
+            return status_code(e), f"{self.name}: {e}"
+        return None
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         st = await self._request(request.request_id, context)
@@ -396,10 +430,11 @@ class StageService(stage_pb2_grpc.StageServicer):
     async def _request(self, rid: str, context) -> _Request:
         st = self._requests.get(rid)
         if st is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"request {rid!r} is not open on {self.name}"
-            )
+            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_open(rid))
         return st
+
+    def _not_open(self, rid: str) -> str:
+        return f"request {rid!r} is not open on {self.name}"
 
     # -- data plane ----------------------------------------------------------------------
     def _check_hop(self, address: str) -> None:

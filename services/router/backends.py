@@ -34,6 +34,7 @@ from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..grpc_util import SERVING, channel, rpc_error_text
 from .discovery import Discovery, Endpoint
+from .feeds import FeedBatcher
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Backend:
     ready_at: float | None = None  # first time it could take a request
     first_request_at: float | None = None
     served: int = 0  # requests given to it so far (spreads equal loads round robin)
+    feeds: FeedBatcher | None = field(default=None, repr=False)  # a stage's Feed calls
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -226,7 +228,10 @@ class Backends:
         ch = self._make_channel(ep.address)
         kind = ep.kind
         stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
-        return Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)
+        b = Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)
+        if kind == "stage":
+            b.feeds = FeedBatcher(stub, f"stage at {ep.address}")
+        return b
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The discovery source's current set: new replicas are added (and described by

@@ -575,7 +575,8 @@ class RequestDriver:
                 rows=rows_to_proto(cmd.act),
                 token_ids=cmd.act.tokens.tolist(),
             )
-            self._spawn(stage1, "receiving rows", stage1.stub.Feed(req, timeout=self.rpc_timeout))
+            assert stage1.feeds is not None
+            self._spawn(stage1, "receiving rows", stage1.feeds.feed(req, self.rpc_timeout))
         elif isinstance(cmd, BroadcastPrune):
             sig = prune_to_proto(cmd.prune, cmd.seq)
             for s in self.path.stages:

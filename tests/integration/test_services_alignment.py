@@ -162,10 +162,17 @@ def test_concurrent_requests_through_aligning_stages_are_exact(llama_dir) -> Non
             if child.kind in ("stage", "draft"):
                 i = child.argv.index("--batch-wait-ms")
                 assert child.argv[i + 1] == "100", child.argv
+        feeds = []  # (calls, feeds) per stage
         for name, address in dep.metrics_addresses().items():
             if name.startswith("stage"):
                 m = scrape(address)
                 n = m["specpipe:stage_batch_requests_count"]
                 assert n > 0 and m["specpipe:stage_batch_requests_sum"] >= n
+                feeds.append((m["specpipe:stage_feeds_per_call_count"],
+                              m["specpipe:stage_feeds_per_call_sum"]))  # fmt: skip
+        # Only stage 1 takes feeds, and the router sends several in one FeedMany (at
+        # least a request's prompt and root, which it feeds at once).
+        fed = [(calls, n) for calls, n in feeds if calls]
+        assert len(fed) == 1 and fed[0][1] > fed[0][0], feeds
     finally:
         dep.stop()

@@ -466,3 +466,49 @@ def test_a_service_whose_own_loop_ends_stops_serving() -> None:
             await server.stop()
 
     asyncio.run(main())
+
+
+def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
+    """One FeedMany with two requests' feeds, one for a request the stage does not hold
+    and one malformed: the two requests get the engine's logits, the other two their own
+    refusal (what Feed would have answered); the call itself is refused only on a stage
+    that takes no feeds or when it holds too many."""
+    from specpipe.common.runtime.validation import MAX_FEEDS_PER_CALL
+
+    async def main() -> None:
+        rids = ["r0", "r1"]
+        async with _stage_pair(llama_dir, rids) as p:
+            for rid in rids:
+                await p.s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
+                                                           next_hop=p.router_addr))  # fmt: skip
+                await p.s0.Open(stage_pb2.OpenStageRequest(
+                    request_id=rid, capacity=64, next_hop=p.last.transport.address,
+                    report_to=p.router_addr))  # fmt: skip
+            prefill = _rows([0, 1], [], [], committed=True)
+            root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
+            feeds = []
+            for rid in [*rids, "nobody"]:
+                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
+                    feeds.append(_feed(seq, 0, act, tokens))
+                    feeds[-1].request_id = rid
+            bad = _feed(2, 0, _rows([5], [4], [3]), [1, 2])  # two tokens for one row
+            bad.request_id = "r0"
+            reply = await p.s0.FeedMany(stage_pb2.FeedManyRequest(feeds=[*feeds, bad]))
+            codes = [grpc.StatusCode.OK.value[0]] * 4 + [grpc.StatusCode.NOT_FOUND.value[0]] * 2
+            codes.append(grpc.StatusCode.INVALID_ARGUMENT.value[0])
+            assert [o.code for o in reply.outcomes] == codes
+            assert "not open" in reply.outcomes[4].message
+            assert reply.outcomes[6].message
+            want = _reference_logits(llama_dir)
+            for rid in rids:
+                got = decode(await asyncio.wait_for(p.queues[rid].get(), 20))
+                torch.testing.assert_close(got.logits, want)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.s1.FeedMany(stage_pb2.FeedManyRequest(feeds=feeds[:1]))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            many = stage_pb2.FeedManyRequest(feeds=feeds[:1] * (MAX_FEEDS_PER_CALL + 1))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await p.s0.FeedMany(many)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(main())

@@ -89,6 +89,12 @@ class _RecordingStub:
     async def Feed(self, request, timeout: float) -> None:
         self.timeouts.append(timeout)
 
+    async def FeedMany(self, request, timeout: float):
+        from specpipe.v1 import stage_pb2
+
+        self.timeouts += [timeout] * len(request.feeds)
+        return stage_pb2.FeedManyResponse(outcomes=[stage_pb2.FeedOutcome()] * len(request.feeds))
+
 
 def _open_timeouts(deadline_in: float | None) -> list[float]:
     """Timeouts a request's first stage calls get, with the client's deadline that far off."""
@@ -100,12 +106,13 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import RequestPath
     from specpipe.services.router.driver import RequestDriver
+    from specpipe.services.router.feeds import FeedBatcher
     from specpipe.services.transport import Inbox
 
     stub = _RecordingStub()
     stages = [
         SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"), active=0,
-                        version="h")
+                        version="h", feeds=FeedBatcher(stub))
         for i in range(2)
     ]  # fmt: skip
     opts = DecodeOptions(max_new_tokens=4, prefill_chunk=2)

@@ -108,3 +108,23 @@ class FeedRequest(_message.Message):
 class FeedResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class FeedManyRequest(_message.Message):
+    __slots__ = ("feeds",)
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    feeds: _containers.RepeatedCompositeFieldContainer[FeedRequest]
+    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedRequest, _Mapping]]] = ...) -> None: ...
+
+class FeedManyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[FeedOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[FeedOutcome, _Mapping]]] = ...) -> None: ...
+
+class FeedOutcome(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class StageStub:
                 request_serializer=specpipe_dot_v1_dot_stage__pb2.FeedRequest.SerializeToString,
                 response_deserializer=specpipe_dot_v1_dot_stage__pb2.FeedResponse.FromString,
                 _registered_method=True)
+        self.FeedMany = channel.unary_unary(
+                '/specpipe.v1.Stage/FeedMany',
+                request_serializer=specpipe_dot_v1_dot_stage__pb2.FeedManyRequest.SerializeToString,
+                response_deserializer=specpipe_dot_v1_dot_stage__pb2.FeedManyResponse.FromString,
+                _registered_method=True)
         self.Prune = channel.unary_unary(
                 '/specpipe.v1.Stage/Prune',
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.PruneRequest.SerializeToString,
@@ -103,6 +108,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FeedMany(self, request, context):
+        """First stage only: the feeds of several requests in one call (a router's feeds of one
+        moment: they reach the step's batch together). Each is taken or refused on its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Prune(self, request, context):
         """A verification outcome: commit and drop tree rows (applied in signal order).
         """
@@ -146,6 +159,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Feed,
                     request_deserializer=specpipe_dot_v1_dot_stage__pb2.FeedRequest.FromString,
                     response_serializer=specpipe_dot_v1_dot_stage__pb2.FeedResponse.SerializeToString,
+            ),
+            'FeedMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.FeedMany,
+                    request_deserializer=specpipe_dot_v1_dot_stage__pb2.FeedManyRequest.FromString,
+                    response_serializer=specpipe_dot_v1_dot_stage__pb2.FeedManyResponse.SerializeToString,
             ),
             'Prune': grpc.unary_unary_rpc_method_handler(
                     servicer.Prune,
@@ -271,6 +289,33 @@ class Stage:
             '/specpipe.v1.Stage/Feed',
             specpipe_dot_v1_dot_stage__pb2.FeedRequest.SerializeToString,
             specpipe_dot_v1_dot_stage__pb2.FeedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FeedMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpipe.v1.Stage/FeedMany',
+            specpipe_dot_v1_dot_stage__pb2.FeedManyRequest.SerializeToString,
+            specpipe_dot_v1_dot_stage__pb2.FeedManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
