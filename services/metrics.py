@@ -209,9 +209,14 @@ class StageMetrics(_ComputeMetrics):
             "How long a round waited for requests of the same step (rounds that waited)",
             WAIT_BUCKETS,
         )
-        # Stage 1: feeds per Feed (1) or FeedMany call (a router's feeds of one moment).
+        # Feeds (stage 1) and prunes per call: 1 for Feed and Prune, more for FeedMany
+        # and PruneMany (a router's calls of one moment, services/router/batched.py).
         self.feeds_per_call = self._histogram(
             "stage_feeds_per_call", "Feeds in one Feed or FeedMany call (first stage)",
+            BATCH_BUCKETS,
+        )  # fmt: skip
+        self.prunes_per_call = self._histogram(
+            "stage_prunes_per_call", "Prune signals in one Prune or PruneMany call",
             BATCH_BUCKETS,
         )  # fmt: skip
 

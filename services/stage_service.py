@@ -40,7 +40,7 @@ from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.runtime.validation import (
-    MAX_FEEDS_PER_CALL,
+    MAX_CALLS_PER_BATCH,
     MAX_ROWS,
     Limits,
     check_capacity,
@@ -79,6 +79,24 @@ from .transport.codec import Kind, empty_header, error_header
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Stage"
+
+
+async def _check_batch(context, n: int, what: str) -> None:
+    if n > MAX_CALLS_PER_BATCH:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{n} {what} in one call; at most {MAX_CALLS_PER_BATCH}",
+        )
+
+
+def _outcomes(items, take) -> list[pb.CallOutcome]:
+    """Each item of a batched call taken on its own: OK, or what refused it."""
+    outcomes = []
+    for item in items:
+        refused = take(item)
+        code, message = refused if refused is not None else (grpc.StatusCode.OK, "")
+        outcomes.append(pb.CallOutcome(code=code.value[0], message=message))
+    return outcomes
 
 
 @dataclass
@@ -355,18 +373,9 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def FeedMany(self, request, context) -> stage_pb2.FeedManyResponse:
         await self._check_first(context)
-        if len(request.feeds) > MAX_FEEDS_PER_CALL:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(request.feeds)} feeds in one call; at most {MAX_FEEDS_PER_CALL}",
-            )
+        await _check_batch(context, len(request.feeds), "feeds")
         self.metrics.feeds_per_call.observe(len(request.feeds))
-        outcomes = []
-        for feed in request.feeds:
-            refused = self._take_feed(feed)
-            code, message = refused if refused is not None else (grpc.StatusCode.OK, "")
-            outcomes.append(stage_pb2.FeedOutcome(code=code.value[0], message=message))
-        return stage_pb2.FeedManyResponse(outcomes=outcomes)
+        return stage_pb2.FeedManyResponse(outcomes=_outcomes(request.feeds, self._take_feed))
 
     async def _check_first(self, context) -> None:
         if self.model is None or not self.runtime.is_first:
@@ -391,14 +400,29 @@ class StageService(stage_pb2_grpc.StageServicer):
         return None
 
     async def Prune(self, request, context) -> pb.PruneResponse:
-        st = await self._request(request.request_id, context)
+        self.metrics.prunes_per_call.observe(1)
+        refused = self._take_prune(request)
+        if refused is not None:
+            await context.abort(*refused)
+        return pb.PruneResponse()
+
+    async def PruneMany(self, request, context) -> pb.PruneManyResponse:
+        await _check_batch(context, len(request.prunes), "prunes")
+        self.metrics.prunes_per_call.observe(len(request.prunes))
+        return pb.PruneManyResponse(outcomes=_outcomes(request.prunes, self._take_prune))
+
+    def _take_prune(self, request) -> tuple[grpc.StatusCode, str] | None:
+        """Queue one prune signal; what refuses it (status and message) if not taken."""
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return grpc.StatusCode.NOT_FOUND, self._not_open(request.request_id)
         self.leases.renew(st.request_id)
         try:
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
         except (DuplicatePrune, InvalidInput) as e:
-            await context.abort(status_code(e), str(e))
+            return status_code(e), str(e)
         self._wake.set()
-        return pb.PruneResponse()
+        return None
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._drop(request.request_id))

@@ -28,8 +28,8 @@ from .errors import InvalidInput
 MAX_TREE_ROWS = MAX_SPECINFER_DEPTH * MAX_WIDTH + 2
 # Rows of one activation: a prefill chunk or a whole SpecInfer tree.
 MAX_ROWS = max(MAX_PREFILL_CHUNK, MAX_TREE_ROWS)
-# Feeds in one FeedMany call (a router sends more as several calls).
-MAX_FEEDS_PER_CALL = 256
+# Items (feeds, prunes) in one batched control call (a router sends more as several).
+MAX_CALLS_PER_BATCH = 256
 
 
 @dataclass(frozen=True)

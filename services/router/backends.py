@@ -33,8 +33,8 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..grpc_util import SERVING, channel, rpc_error_text
+from .batched import CallBatcher, stage_batchers
 from .discovery import Discovery, Endpoint
-from .feeds import FeedBatcher
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class Backend:
     ready_at: float | None = None  # first time it could take a request
     first_request_at: float | None = None
     served: int = 0  # requests given to it so far (spreads equal loads round robin)
-    feeds: FeedBatcher | None = field(default=None, repr=False)  # a stage's Feed calls
+    # a stage's Feed (stage 1) and Prune calls, batched per event-loop turn
+    feeds: CallBatcher | None = field(default=None, repr=False)
+    prunes: CallBatcher | None = field(default=None, repr=False)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -230,7 +232,7 @@ class Backends:
         stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
         b = Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)
         if kind == "stage":
-            b.feeds = FeedBatcher(stub, f"stage at {ep.address}")
+            b.feeds, b.prunes = stage_batchers(stub, f"stage at {ep.address}")
         return b
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:

@@ -576,12 +576,13 @@ class RequestDriver:
                 token_ids=cmd.act.tokens.tolist(),
             )
             assert stage1.feeds is not None
-            self._spawn(stage1, "receiving rows", stage1.feeds.feed(req, self.rpc_timeout))
+            self._spawn(stage1, "receiving rows", stage1.feeds.call(req, self.rpc_timeout))
         elif isinstance(cmd, BroadcastPrune):
             sig = prune_to_proto(cmd.prune, cmd.seq)
+            req = pb.PruneRequest(request_id=rid, prune=sig)
             for s in self.path.stages:
-                req = pb.PruneRequest(request_id=rid, prune=sig)
-                self._spawn(s, "applying a prune", s.stub.Prune(req, timeout=self.rpc_timeout))
+                assert s.prunes is not None
+                self._spawn(s, "applying a prune", s.prunes.call(req, self.rpc_timeout))
         elif isinstance(cmd, DraftPrune):
             self._draft_prunes.append(prune_to_proto(cmd.prune, cmd.seq))
         elif isinstance(cmd, Propose):

@@ -107,7 +107,11 @@ def _reference_logits(llama_dir) -> torch.Tensor:
     return act.logits
 
 
-def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
+@pytest.mark.parametrize("batched", [False, True], ids=["Prune", "PruneMany"])
+def test_order_prune_gating_and_late_nodes(llama_dir, batched) -> None:
+    """With PruneMany, each stage gets both prunes in one call (out of order), with a
+    duplicate and one for a request it does not hold, each refused on its own."""
+
     async def main() -> None:
         async with _two_stages(llama_dir) as (out, router_addr, last, s0, s1):
             await s1.Open(
@@ -145,10 +149,22 @@ def test_order_prune_gating_and_late_nodes(llama_dir) -> None:
                 Prune(torch.tensor([0]), torch.tensor([1, 3]), horizon=4),
                 Prune(torch.tensor([1]), torch.empty(0, dtype=torch.int64), horizon=4),
             ]
-            for seq in (2, 1):  # out of order: applied in order
-                for stub in (s0, s1):
-                    sig = prune_to_proto(prunes[seq - 1], seq)
-                    await stub.Prune(pb.PruneRequest(request_id="r", prune=sig))
+            signals = [
+                pb.PruneRequest(request_id="r", prune=prune_to_proto(prunes[seq - 1], seq))
+                for seq in (2, 1)  # out of order: applied in order
+            ]
+            for stub in (s0, s1):
+                if not batched:
+                    for req in signals:
+                        await stub.Prune(req)
+                    continue
+                other = pb.PruneRequest(request_id="nobody", prune=signals[0].prune)
+                call = pb.PruneManyRequest(prunes=[*signals, signals[1], other])
+                reply = await stub.PruneMany(call)
+                codes = [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.INVALID_ARGUMENT,
+                                                    grpc.StatusCode.NOT_FOUND]  # fmt: skip
+                assert [o.code for o in reply.outcomes] == [c.value[0] for c in codes], reply
+                assert "already" in reply.outcomes[2].message.lower(), reply
             await s0.Feed(_feed(4, 0, _rows([4], [4], [2]), [12]))  # the late copy
             restart = decode(await asyncio.wait_for(out.get(), 10))
             assert restart.node_ids.tolist() == [5]
@@ -473,7 +489,7 @@ def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
     and one malformed: the two requests get the engine's logits, the other two their own
     refusal (what Feed would have answered); the call itself is refused only on a stage
     that takes no feeds or when it holds too many."""
-    from specpipe.common.runtime.validation import MAX_FEEDS_PER_CALL
+    from specpipe.common.runtime.validation import MAX_CALLS_PER_BATCH
 
     async def main() -> None:
         rids = ["r0", "r1"]
@@ -506,7 +522,7 @@ def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await p.s1.FeedMany(stage_pb2.FeedManyRequest(feeds=feeds[:1]))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            many = stage_pb2.FeedManyRequest(feeds=feeds[:1] * (MAX_FEEDS_PER_CALL + 1))
+            many = stage_pb2.FeedManyRequest(feeds=feeds[:1] * (MAX_CALLS_PER_BATCH + 1))
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await p.s0.FeedMany(many)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -90,10 +90,11 @@ class _RecordingStub:
         self.timeouts.append(timeout)
 
     async def FeedMany(self, request, timeout: float):
-        from specpipe.v1 import stage_pb2
+        from specpipe.v1 import dataplane_pb2, stage_pb2
 
         self.timeouts += [timeout] * len(request.feeds)
-        return stage_pb2.FeedManyResponse(outcomes=[stage_pb2.FeedOutcome()] * len(request.feeds))
+        ok = [dataplane_pb2.CallOutcome()] * len(request.feeds)
+        return stage_pb2.FeedManyResponse(outcomes=ok)
 
 
 def _open_timeouts(deadline_in: float | None) -> list[float]:
@@ -105,16 +106,16 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     from specpipe.common.spec.controller import make_controller
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import RequestPath
+    from specpipe.services.router.batched import stage_batchers
     from specpipe.services.router.driver import RequestDriver
-    from specpipe.services.router.feeds import FeedBatcher
     from specpipe.services.transport import Inbox
 
     stub = _RecordingStub()
-    stages = [
-        SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"), active=0,
-                        version="h", feeds=FeedBatcher(stub))
-        for i in range(2)
-    ]  # fmt: skip
+    stages = []
+    for i in range(2):
+        feeds, prunes = stage_batchers(stub, f"stage {i}")
+        stages.append(SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"),
+                                      active=0, version="h", feeds=feeds, prunes=prunes))  # fmt: skip
     opts = DecodeOptions(max_new_tokens=4, prefill_chunk=2)
     controller = make_controller(Mode.PP, "r", [1, 2, 3, 4, 5], opts, 2)
 

@@ -102,6 +102,26 @@ class PruneResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PruneManyRequest(_message.Message):
+    __slots__ = ("prunes",)
+    PRUNES_FIELD_NUMBER: _ClassVar[int]
+    prunes: _containers.RepeatedCompositeFieldContainer[PruneRequest]
+    def __init__(self, prunes: _Optional[_Iterable[_Union[PruneRequest, _Mapping]]] = ...) -> None: ...
+
+class PruneManyResponse(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[CallOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[CallOutcome, _Mapping]]] = ...) -> None: ...
+
+class CallOutcome(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class RenewRequest(_message.Message):
     __slots__ = ("owner", "epoch", "request_ids")
     OWNER_FIELD_NUMBER: _ClassVar[int]

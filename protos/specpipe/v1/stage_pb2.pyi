@@ -118,13 +118,5 @@ class FeedManyRequest(_message.Message):
 class FeedManyResponse(_message.Message):
     __slots__ = ("outcomes",)
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
-    outcomes: _containers.RepeatedCompositeFieldContainer[FeedOutcome]
-    def __init__(self, outcomes: _Optional[_Iterable[_Union[FeedOutcome, _Mapping]]] = ...) -> None: ...
-
-class FeedOutcome(_message.Message):
-    __slots__ = ("code", "message")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: int
-    message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    outcomes: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.CallOutcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[_dataplane_pb2.CallOutcome, _Mapping]]] = ...) -> None: ...

@@ -65,6 +65,11 @@ class StageStub:
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.PruneRequest.SerializeToString,
                 response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.PruneResponse.FromString,
                 _registered_method=True)
+        self.PruneMany = channel.unary_unary(
+                '/specpipe.v1.Stage/PruneMany',
+                request_serializer=specpipe_dot_v1_dot_dataplane__pb2.PruneManyRequest.SerializeToString,
+                response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.PruneManyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specpipe.v1.Stage/Release',
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.RequestRef.SerializeToString,
@@ -123,6 +128,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PruneMany(self, request, context):
+        """The prunes of several requests in one call, each taken or refused on its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free a request's cache and drop its queued rows (finished, failed or cancelled).
         """
@@ -169,6 +181,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Prune,
                     request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.PruneRequest.FromString,
                     response_serializer=specpipe_dot_v1_dot_dataplane__pb2.PruneResponse.SerializeToString,
+            ),
+            'PruneMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PruneMany,
+                    request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.PruneManyRequest.FromString,
+                    response_serializer=specpipe_dot_v1_dot_dataplane__pb2.PruneManyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -343,6 +360,33 @@ class Stage:
             '/specpipe.v1.Stage/Prune',
             specpipe_dot_v1_dot_dataplane__pb2.PruneRequest.SerializeToString,
             specpipe_dot_v1_dot_dataplane__pb2.PruneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PruneMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specpipe.v1.Stage/PruneMany',
+            specpipe_dot_v1_dot_dataplane__pb2.PruneManyRequest.SerializeToString,
+            specpipe_dot_v1_dot_dataplane__pb2.PruneManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
