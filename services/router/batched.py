@@ -73,7 +73,9 @@ class CallBatcher:
             return
         try:
             self.batches += 1
-            outcomes = await self.many([item for item, _, _ in batch], min(t for _, t, _ in batch))
+            # The longest timeout: a request near its client's deadline must not cut the
+            # call short for the others (its own deadline ends it on its side).
+            outcomes = await self.many([item for item, _, _ in batch], max(t for _, t, _ in batch))
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 _fail(batch, e)

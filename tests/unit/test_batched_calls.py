@@ -98,6 +98,17 @@ def test_the_feeds_of_one_turn_are_one_call_and_each_keeps_its_outcome() -> None
     assert (got.code, got.message, got.replayable) == (want.code, want.message, want.replayable)
 
 
+def test_a_request_near_its_deadline_does_not_shorten_the_others_call() -> None:
+    stage = FakeStage()
+    batcher = feeds(stage)
+
+    async def main() -> None:
+        await asyncio.gather(batcher.call(_feed("a"), 60.0), batcher.call(_feed("late"), 0.01))
+
+    asyncio.run(main())
+    assert stage.calls == [("FeedMany", ["a", "late"], 60.0)]
+
+
 def test_a_stage_without_feed_many_gets_single_feeds_from_then_on() -> None:
     stage = FakeStage(many=False)
     batcher = feeds(stage)
