@@ -23,6 +23,8 @@ from specpipe.common.runtime.validation import MAX_CALLS_PER_BATCH
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2
 
+from ..grpc_util import code_from_number
+
 log = logging.getLogger(__name__)
 
 Single = Callable[[object, float], Awaitable[object]]  # (item, timeout)
@@ -31,7 +33,7 @@ Many = Callable[[list, float], Awaitable[Sequence[pb.CallOutcome]]]  # (items, t
 
 def _refusal(code: int, message: str) -> grpc.aio.AioRpcError:
     """An item's own refusal, raised as the single call would have raised it."""
-    status = next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
+    status = code_from_number(code)
     return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
 
 
@@ -44,7 +46,6 @@ class CallBatcher:
     ) -> None:
         self.single, self.many, self.label, self.max_batch = single, many, label, max_batch
         self.batching = True  # False once the replica answered UNIMPLEMENTED
-        self.batches = 0  # batched calls sent
         self._pending: list[tuple[object, float, asyncio.Future]] = []
         self._flushing = False
         self._sends: set[asyncio.Task] = set()
@@ -72,7 +73,6 @@ class CallBatcher:
             await asyncio.gather(*(self._send_one(*item) for item in batch))
             return
         try:
-            self.batches += 1
             # The longest timeout: a request near its client's deadline must not cut the
             # call short for the others (its own deadline ends it on its side).
             outcomes = await self.many([item for item, _, _ in batch], max(t for _, t, _ in batch))
