@@ -33,8 +33,6 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from torch import Tensor
-
 from .commands import (
     BroadcastPrune,
     Command,
@@ -51,7 +49,7 @@ from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
 from .stats import DecodeStats
-from .tree import TokenTree
+from .tree import Indices, TokenTree
 
 
 class Controller(ABC):
@@ -238,7 +236,7 @@ class Controller(ABC):
     def _asked_for(self, ticket: int, step: int | None) -> None:
         """Record an ask (before any answer to it can come)."""
 
-    def _ask(self, layer: Activation, nodes: Tensor, step: int | None) -> list[Command]:
+    def _ask(self, layer: Activation, nodes: Indices, step: int | None) -> list[Command]:
         """Ask the token sources for the children of `layer` (tree nodes `nodes`): a
         `Propose` to the draft (with the n-gram proposals kept for its answer, hybrid),
         or the n-gram source's answer at once."""
@@ -258,15 +256,15 @@ class Controller(ABC):
         local = self._local.pop(ticket, None)
         return cand if local is None else concat_candidates(cand, beside(local, cand))
 
-    def _ngram_children(self, nodes: Tensor, top_k: int | None = None) -> Candidates:
+    def _ngram_children(self, nodes: Indices, top_k: int | None = None) -> Candidates:
         """The n-gram source's children of tree nodes `nodes` (none without the source)."""
-        if self.ngram is None or nodes.numel() == 0:
+        if self.ngram is None or len(nodes) == 0:
             return Candidates.empty()
         k = top_k or min(self.opts.top_k_children, max(self.width, 1))
         seq = [*self.prompt, *self.out.tokens]
         return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
 
-    def _extend(self, cand: Candidates) -> Tensor:
+    def _extend(self, cand: Candidates) -> Indices:
         """Grow the tree's frontier from `cand` under the request's ranking."""
         opts = self.opts
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)

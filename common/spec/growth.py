@@ -5,25 +5,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-from torch import Tensor
+from numpy.typing import ArrayLike, NDArray
 
-from .messages import EMPTY_IDS, SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates
+from .messages import Activation, Candidates
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
-from .tree import TokenTree
+from .tree import NO_NODES, Indices, TokenTree, member
+
+# A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources.
+Pool = tuple[NDArray[np.int64], NDArray[np.int64], NDArray, NDArray[np.int8]]
 
 
-def layer_activation(request_id: str, tree: TokenTree, idx: Tensor, root_pos: int) -> Activation:
+def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos: int) -> Activation:
     """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix)."""
+    idx = np.asarray(idx, dtype=np.int64)
     parents = tree.parent[idx]
-    parent_ids = torch.where(parents >= 0, tree.ids[parents.clamp(min=0)], -1)
+    parent_ids = np.where(parents >= 0, tree.ids[np.maximum(parents, 0)], -1)
     return Activation(
         request_id=request_id,
-        positions=root_pos + tree.depth[idx],
-        node_ids=tree.ids[idx],
-        parent_ids=parent_ids,
-        tokens=tree.tokens[idx],
+        positions=torch.from_numpy(root_pos + tree.depth[idx]),
+        node_ids=torch.from_numpy(tree.ids[idx]),
+        parent_ids=torch.from_numpy(parent_ids),
+        tokens=torch.from_numpy(tree.tokens[idx]),
     )
 
 
@@ -47,57 +52,62 @@ def extend_frontier(
     width: int,
     ranking: Ranking = Ranking.BEAM,
     sampling: SamplingParams | None = None,
-) -> Tensor:
+) -> Indices:
     """Append the best `width` candidates whose parents are (still) frontier nodes,
     ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
     frontier = tree.frontier()
-    match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
-    alive = match.any(dim=1)
-    if not bool(alive.any()):
-        return EMPTY_IDS
-    cand = merge_candidates(select(cand, alive))
-    match = cand.parent_ids[:, None] == tree.ids[frontier][None, :]
-    parents = frontier[match.to(torch.int8).argmax(dim=1)]
-    logp, dev = edge_scores(parents, cand.probs, ranking, sampling or SamplingParams())
-    return tree.append_layer(parents, cand.tokens, cand.probs, width, logp, dev, cand.sources)
+    frontier_ids = tree.ids[frontier]
+    pool = pool_of(cand)
+    alive = member(pool[0], frontier_ids)
+    if not alive.any():
+        return NO_NODES
+    pid, tokens, probs, sources = merge_candidates(tuple(a[alive] for a in pool))  # type: ignore[arg-type]
+    parents = frontier[(pid[:, None] == frontier_ids[None, :]).argmax(axis=1)]
+    logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
+    return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
 
 
-def select(cand: Candidates, rows: Tensor) -> Candidates:
-    return Candidates(
-        cand.parent_ids[rows], cand.tokens[rows], cand.probs[rows], cand.sources[rows]
-    )
+def pool_of(cand: Candidates) -> Pool:
+    """The candidates' arrays (numpy views of CPU tensors: no copy)."""
+    probs = cand.probs
+    if probs.dtype not in (torch.float32, torch.float64):
+        probs = probs.to(torch.float32)
+    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), cand.sources.numpy()
 
 
-def merge_candidates(cand: Candidates) -> Candidates:
+def candidates_of(pool: Pool) -> Candidates:
+    return Candidates(*(torch.from_numpy(np.ascontiguousarray(a)) for a in pool))
+
+
+def merge_candidates(pool: Pool) -> Pool:
     """One candidate per (parent, token): a token proposed more than once (by the draft
     and the n-gram source, or again from the reserve) keeps its highest probability and
-    the sources of all its proposals."""
-    pairs = torch.stack([cand.parent_ids, cand.tokens])
-    uniq, inv = torch.unique(pairs, dim=1, return_inverse=True)
-    if uniq.shape[1] == len(cand):
-        return cand
-    n = uniq.shape[1]
-    probs = torch.zeros(n, dtype=cand.probs.dtype).scatter_reduce(
-        0, inv, cand.probs, "amax", include_self=False
-    )
-    src = cand.sources.to(torch.int64)
-    source = torch.zeros(n, dtype=torch.int64)
-    for bit in (SOURCE_DRAFT, SOURCE_NGRAM):
-        source |= torch.zeros(n, dtype=torch.int64).scatter_reduce(0, inv, src & bit, "amax")
-    return Candidates(uniq[0], uniq[1], probs, source.to(torch.int8))
+    the sources of all its proposals (then in (parent, token) order)."""
+    pid, tokens, probs, sources = pool
+    if pid.size < 2:
+        return pool
+    key = pid * (int(tokens.max()) + 1) + tokens  # ids and tokens are >= 0
+    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    if uniq.size == key.size:
+        return pool
+    best = np.full(uniq.size, -np.inf, dtype=probs.dtype)
+    np.maximum.at(best, inv, probs)
+    source = np.zeros(uniq.size, dtype=np.int8)
+    np.bitwise_or.at(source, inv, sources.astype(np.int8))
+    return pid[first], tokens[first], best, source
 
 
 def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
     """Candidates whose parent is still in the tree and that did not become a node."""
-    parent_alive = torch.isin(cand.parent_ids, tree.ids)
+    pid, tokens, probs, sources = pool_of(cand)
     has_parent = tree.parent >= 0
     node_parent_ids = tree.ids[tree.parent[has_parent]]
     node_tokens = tree.tokens[has_parent]
     taken = (
-        (cand.parent_ids[:, None] == node_parent_ids[None, :])
-        & (cand.tokens[:, None] == node_tokens[None, :])
-    ).any(dim=1)
-    return select(cand, parent_alive & ~taken)
+        (pid[:, None] == node_parent_ids[None, :]) & (tokens[:, None] == node_tokens[None, :])
+    ).any(axis=1)
+    keep = member(pid, tree.ids) & ~taken
+    return candidates_of((pid[keep], tokens[keep], probs[keep], sources[keep]))
 
 
 def beside(extra: Candidates, main: Candidates) -> Candidates:

@@ -18,10 +18,9 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
 
 from .messages import SOURCE_NGRAM, Candidates
-from .tree import TokenTree
+from .tree import Indices, TokenTree
 
 DEFAULT_MAX_N = 4
 DEFAULT_MIN_N = 1
@@ -82,7 +81,7 @@ class NgramIndex:
 
 
 def ngram_candidates(
-    index: NgramIndex, verified: Sequence[int], tree: TokenTree, nodes: Tensor, k: int
+    index: NgramIndex, verified: Sequence[int], tree: TokenTree, nodes: Indices, k: int
 ) -> Candidates:
     """Children of tree nodes `nodes` (indices) proposed by `index`. `verified` is the
     verified text, ending with the root's token; a node's context is it plus the node's

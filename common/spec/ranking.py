@@ -29,11 +29,10 @@ layer keeps its best `width` candidates by (deviations, -score).
 
 from __future__ import annotations
 
-import math
 from enum import StrEnum
 
-import torch
-from torch import Tensor
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 from .sampling import SamplingParams
 
@@ -43,52 +42,56 @@ class Ranking(StrEnum):
     BEAM = "beam"
 
 
-def sibling_ranks(parents: Tensor, probs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def sibling_ranks(
+    parents: ArrayLike, probs: ArrayLike
+) -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.float64]]:
     """Per candidate: its parent's group index, its rank among its siblings by probability
     (0 = best; ties: the earlier candidate first), and the probability mass of the
     siblings ranked before it."""
-    n = probs.numel()
-    _, group = torch.unique(parents, return_inverse=True)
-    order = torch.argsort(probs, descending=True, stable=True)
-    order = order[torch.argsort(group[order], stable=True)]
-    g, p = group[order], probs[order]
-    first = torch.ones(n, dtype=torch.bool)
+    p = np.asarray(probs, dtype=np.float64)
+    n = p.size
+    _, group = np.unique(np.asarray(parents), return_inverse=True)
+    group = group.reshape(-1)
+    order = np.lexsort((-p, group))  # by parent, then probability down, then position
+    g, p = group[order], p[order]
+    first = np.ones(n, dtype=bool)
     first[1:] = g[1:] != g[:-1]
-    idx = torch.arange(n)
-    start = torch.cummax(torch.where(first, idx, 0), 0).values
-    before_all = torch.cumsum(p, 0) - p
-    rank, before = torch.empty_like(idx), torch.empty_like(p)
+    idx = np.arange(n)
+    start = np.maximum.accumulate(np.where(first, idx, 0))
+    before_all = np.cumsum(p) - p
+    rank, before = np.empty_like(idx), np.empty_like(p)
     rank[order] = idx - start
     before[order] = before_all - before_all[start]
     return group, rank, before
 
 
 def edge_scores(
-    parents: Tensor, probs: Tensor, ranking: Ranking, sampling: SamplingParams
-) -> tuple[Tensor, Tensor]:
+    parents: ArrayLike, probs: ArrayLike, ranking: Ranking, sampling: SamplingParams
+) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
     """(log score, deviation 0/1) of each candidate as the child of its parent (`parents`
     identifies the parent of each candidate); a log score of -inf: never a node."""
-    p = probs.to(torch.float64)
-    zero = torch.zeros(p.numel(), dtype=torch.int64)
-    if ranking == Ranking.BEAM or p.numel() == 0:
-        return torch.log(p), zero
-    group, rank, before = sibling_ranks(parents, p)
-    if sampling.greedy:
-        return torch.log(p), (rank > 0).to(torch.int64)
+    p = np.asarray(probs, dtype=np.float64)
+    zero = np.zeros(p.size, dtype=np.int64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if ranking == Ranking.BEAM or p.size == 0:
+            return np.log(p), zero
+        group, rank, before = sibling_ranks(parents, p)
+        if sampling.greedy:
+            return np.log(p), (rank > 0).astype(np.int64)
 
-    def per_parent(x: Tensor) -> Tensor:
-        return torch.zeros(int(group.max()) + 1, dtype=x.dtype).index_add_(0, group, x)[group]
+        def per_parent(x: NDArray[np.float64]) -> NDArray[np.float64]:
+            return np.bincount(group, weights=x)[group]
 
-    keep = torch.ones(p.numel(), dtype=torch.bool)
-    if sampling.top_k:
-        keep &= rank < sampling.top_k
-        # Renormalize over the top-k where the candidates hold all of it (as the target's
-        # rule does: temperature, then top-k, then top-p).
-        whole = per_parent(torch.ones_like(p)) >= sampling.top_k
-        mass = torch.where(whole, per_parent(p * keep), 1.0)
-        p, before = p / mass, before / mass
-    if sampling.top_p < 1.0:
-        keep &= before < sampling.top_p  # the mass before it has not reached top_p yet
-        # The nucleus's mass: the kept candidates', or top_p where it extends beyond them.
-        p = p / per_parent(p * keep).clamp(min=sampling.top_p)
-    return torch.where(keep, torch.log(p), -math.inf), zero
+        keep = np.ones(p.size, dtype=bool)
+        if sampling.top_k:
+            keep &= rank < sampling.top_k
+            # Renormalize over the top-k where the candidates hold all of it (as the
+            # target's rule does: temperature, then top-k, then top-p).
+            whole = per_parent(np.ones_like(p)) >= sampling.top_k
+            mass = np.where(whole, per_parent(p * keep), 1.0)
+            p, before = p / mass, before / mass
+        if sampling.top_p < 1.0:
+            keep &= before < sampling.top_p  # the mass before it has not reached top_p yet
+            # The nucleus's mass: the kept candidates', or top_p where it extends beyond.
+            p = p / np.maximum(per_parent(p * keep), sampling.top_p)
+        return np.where(keep, np.log(p), -np.inf), zero

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -14,7 +15,7 @@ from .controller import Controller
 from .growth import layer_activation
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .options import DecodeOptions, Mode
-from .tree import TokenTree
+from .tree import NO_NODES, TokenTree, member
 
 
 class SpecInferController(Controller):
@@ -47,7 +48,7 @@ class SpecInferController(Controller):
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        if self._extend(cand).numel() == 0:
+        if self._extend(cand).size == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 
@@ -55,7 +56,7 @@ class SpecInferController(Controller):
         tree = self.tree
         if self.done or not self._fed or act.logits is None:
             return []
-        if not torch.equal(act.node_ids, tree.ids):
+        if not np.array_equal(act.node_ids.numpy(), tree.ids):
             return []  # not this pass's tree (a stale frame)
         return self._verify(act.logits)
 
@@ -105,14 +106,14 @@ class SpecInferController(Controller):
 
     def _feed_tree(self) -> list[Command]:
         whole = layer_activation(
-            self.request_id, self.tree, torch.arange(len(self.tree)), self.root_pos
+            self.request_id, self.tree, np.arange(len(self.tree)), self.root_pos
         )
         self._fed = True
         return [self._feed(whole, self._entry_step(whole))]
 
     def _verify(self, logits: Tensor) -> list[Command]:
         tree = self.tree
-        self.stats.root_children.append(int(tree.children(0).numel()))
+        self.stats.root_children.append(int(tree.children(0).size))
         self._verified(tree.root_id)
         path, emitted = [0], []
         while True:
@@ -130,16 +131,16 @@ class SpecInferController(Controller):
         cmds = self._emit(emitted, done)
         if self.done:
             return cmds
-        path_t = torch.tensor(path)
-        path_ids = tree.ids[path_t]
+        path_ids = tree.ids[path]
         horizon = tree.last_id
-        computed = torch.cat(self._draft_computed) if self._draft_computed else EMPTY_IDS
-        seen = torch.isin(path_ids, computed)
+        computed = np.concatenate([ids.numpy() for ids in self._draft_computed] or [NO_NODES])
+        seen = member(path_ids, computed)
+        commit, draft_commit = torch.from_numpy(path_ids), torch.from_numpy(path_ids[seen])
         cmds += self._prune(
-            Prune(commit_ids=path_ids, keep_ids=EMPTY_IDS, horizon=horizon),
-            draft_prune=Prune(commit_ids=path_ids[seen], keep_ids=EMPTY_IDS, horizon=horizon),
+            Prune(commit_ids=commit, keep_ids=EMPTY_IDS, horizon=horizon),
+            draft_prune=Prune(commit_ids=draft_commit, keep_ids=EMPTY_IDS, horizon=horizon),
         )
-        self._unseen = tree.tokens[path_t][~seen].tolist() if self.uses_draft else []
+        self._unseen = tree.tokens[path][~seen].tolist() if self.uses_draft else []
         # The next tree is rooted at the last emitted token; ids keep increasing.
         self.root_pos += len(path)
         self.tree = TokenTree(emitted[-1], first_id=horizon + 1)

@@ -24,17 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from .commands import Command
 from .controller import Controller
 from .growth import concat_candidates, layer_activation, unused_candidates
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
 from .options import DecodeOptions, Mode
-from .tree import TokenTree
+from .tree import NO_NODES, Indices, TokenTree
 
-ROOT = torch.tensor([0])
+ROOT = np.zeros(1, dtype=np.int64)
 
 
 class SpecPipeController(Controller):
@@ -58,9 +58,9 @@ class SpecPipeController(Controller):
         self._held: list[Candidates] = []  # answers waiting for a verification
         self._asked: dict[int, int] = {}  # outstanding tickets -> the step the source works in
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
-        self._newest = EMPTY_IDS  # node ids of the newest layer grown
+        self._newest = NO_NODES  # node ids of the newest layer grown
         self._newest_ticket: int | None = None
-        self._pending = EMPTY_IDS  # node ids grown but not fed yet (the group being built)
+        self._pending = NO_NODES  # node ids grown but not fed yet (the group being built)
         self._node_depth: dict[int, int] = {}  # depth below the root when a node was fed
 
     @property
@@ -98,7 +98,7 @@ class SpecPipeController(Controller):
         self.tree = TokenTree(seq[-1], first_id=self.tree.last_id + 1)
         self.root_pos = len(seq) - 1
         self._forget_draft_work()
-        self._pending = EMPTY_IDS
+        self._pending = NO_NODES
         return self._add_layer(ROOT, feed_now=True)
 
     def _without_draft(self) -> list[Command]:
@@ -126,13 +126,13 @@ class SpecPipeController(Controller):
         """The step the source works in now: the one before the next group can enter."""
         return max(self._last_enter, self._last_verify)
 
-    def _add_layer(self, idx: Tensor, feed_now: bool = False) -> list[Command]:
+    def _add_layer(self, idx: Indices, feed_now: bool = False) -> list[Command]:
         """New tree nodes `idx` (one layer) join the pending group, which is fed once it
         has K layers (or reaches the depth limit, or `feed_now`); then the source is asked
         for their children."""
         tree = self.tree
         ids = tree.ids[idx]
-        self._pending = torch.cat([self._pending, ids])
+        self._pending = np.concatenate([self._pending, ids])
         self._newest, self._newest_ticket = ids, None
         cmds: list[Command] = []
         full = self._pending_layers() >= self.layers_per_step
@@ -145,14 +145,14 @@ class SpecPipeController(Controller):
 
     def _pending_layers(self) -> int:
         tree = self.tree
-        return int(torch.unique(tree.depth[torch.isin(tree.ids, self._pending)]).numel())
+        return int(np.unique(tree.depth[tree.indices_of(self._pending)]).size)
 
     def _flush(self) -> list[Command]:
         """Feed the pending group (the nodes of it still in the tree) into stage 1."""
         tree, pending = self.tree, self._pending
-        self._pending = EMPTY_IDS
-        idx = torch.isin(tree.ids, pending).nonzero().squeeze(1)
-        if idx.numel() == 0:
+        self._pending = NO_NODES
+        idx = tree.indices_of(pending)
+        if idx.size == 0:
             return []
         group = layer_activation(self.request_id, tree, idx, self.root_pos)
         step = self._entry_step(group)
@@ -183,7 +183,7 @@ class SpecPipeController(Controller):
             path.append(tree.root_id)
             token = self.out.sample(act.logits[rows[tree.root_id]])
             child = tree.child_with_token(0, token)
-            self.stats.root_children.append(int(tree.children(0).numel()))
+            self.stats.root_children.append(int(tree.children(0).size))
             tokens.append(token)
             self.root_pos += 1
             done = self.out.emit(token)
@@ -201,7 +201,9 @@ class SpecPipeController(Controller):
             return cmds
         commit = torch.tensor(path, dtype=torch.int64)
         if hit:
-            prune = Prune(commit_ids=commit, keep_ids=tree.ids.clone(), horizon=horizon)
+            prune = Prune(
+                commit_ids=commit, keep_ids=torch.from_numpy(tree.ids.copy()), horizon=horizon
+            )
         else:
             tree.reset(token)
             prune = Prune(commit_ids=commit, keep_ids=EMPTY_IDS, horizon=horizon)
@@ -209,10 +211,10 @@ class SpecPipeController(Controller):
         live = tree.ids.tolist()
         self._forget_nodes(live)
         self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
-        self._pending = self._pending[torch.isin(self._pending, tree.ids)]
+        self._pending = self._pending[tree.has_ids(self._pending)]
         if not hit:
             self.reserve = Candidates.empty()
-            self._held, self._pending = [], EMPTY_IDS
+            self._held, self._pending = [], NO_NODES
             return cmds + self._add_layer(ROOT, feed_now=True)
         if not self.width or bool((self._pending == tree.root_id).any()):
             cmds += self._flush()  # nothing may wait for growth: the root must go in
@@ -221,7 +223,7 @@ class SpecPipeController(Controller):
         held, self._held = self._held, []
         if held:
             return cmds + self._grow(concat_candidates(*held))
-        newest_alive = bool(torch.isin(self._newest, tree.ids).any())
+        newest_alive = bool(tree.has_ids(self._newest).any())
         if not (newest_alive and self._newest_ticket in self._asked):
             # The newest layer was pruned away (or nothing will come for it): regrow from
             # the kept proposals (and fresh n-gram ones) now instead of waiting.
@@ -244,11 +246,11 @@ class SpecPipeController(Controller):
             self._held.append(cand)  # too deep: wait until a verification makes room
             return []
         pool = concat_candidates(cand, self.reserve)
-        fresh_alive = bool(torch.isin(cand.parent_ids, self.tree.ids).any())
+        fresh_alive = bool(self.tree.has_ids(cand.parent_ids.numpy()).any())
         new = self._extend(pool)
-        if new.numel() and not fresh_alive:
+        if new.size and not fresh_alive:
             self.stats.regrowths += 1
         self.reserve = unused_candidates(self.tree, pool)
-        if new.numel() == 0:
+        if new.size == 0:
             return self._flush()
         return self._add_layer(new)

@@ -8,12 +8,30 @@ carries a stable id (unique for the request's lifetime) so stages can refer to n
 across re-indexing, the source that proposed its token (`messages.SOURCE_*` bits), and
 its path's ranking key for width limiting (`ranking.py`): a cumulative log score and a
 count of deviations from the source's best proposals.
+
+The arrays are numpy, not torch: the controller grows and prunes every request's tree
+once or more per pipeline step on the router's CPU, on arrays of tens of elements, where
+a torch operation's fixed cost (several microseconds) is most of the time and numpy's is
+a fraction of it. Tensors cross at the edges (`growth.layer_activation`, prunes); inputs
+may be either (`np.asarray` reads a CPU tensor without a copy).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+Indices = NDArray[np.int64]
+NO_NODES: Indices = np.empty(0, dtype=np.int64)
+NO_NODES.setflags(write=False)
+
+
+def member(a: NDArray, b: NDArray) -> NDArray[np.bool_]:
+    """`np.isin(a, b)` for the small arrays of a tree: one broadcast comparison, several
+    times faster than isin's sort at these sizes."""
+    if a.size * b.size > 1 << 16:
+        return np.isin(a, b)
+    return (a[:, None] == b[None, :]).any(axis=1)
 
 
 class TokenTree:
@@ -23,25 +41,25 @@ class TokenTree:
 
     def reset(self, root_token: int) -> None:
         """Drop every node; `root_token` becomes the single root (a miss)."""
-        self.tokens = torch.tensor([root_token], dtype=torch.int64)
-        self.parent = torch.tensor([-1], dtype=torch.int64)
-        self.depth = torch.zeros(1, dtype=torch.int64)
-        self.prob = torch.ones(1, dtype=torch.float64)
-        self.cum = torch.ones(1, dtype=torch.float64)
-        self.score = torch.zeros(1, dtype=torch.float64)
-        self.dev = torch.zeros(1, dtype=torch.int64)
-        self.source = torch.zeros(1, dtype=torch.int8)
-        self.mask = torch.ones(1, 1, dtype=torch.bool)
+        self.tokens = np.array([root_token], dtype=np.int64)
+        self.parent = np.array([-1], dtype=np.int64)
+        self.depth = np.zeros(1, dtype=np.int64)
+        self.prob = np.ones(1, dtype=np.float64)
+        self.cum = np.ones(1, dtype=np.float64)
+        self.score = np.zeros(1, dtype=np.float64)
+        self.dev = np.zeros(1, dtype=np.int64)
+        self.source = np.zeros(1, dtype=np.int8)
+        self.mask = np.ones((1, 1), dtype=bool)
         self.ids = self._new_ids(1)
         self.frontier_depth = 0
 
-    def _new_ids(self, n: int) -> Tensor:
-        ids = torch.arange(self._next_id, self._next_id + n, dtype=torch.int64)
+    def _new_ids(self, n: int) -> Indices:
+        ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
         self._next_id += n
         return ids
 
     def __len__(self) -> int:
-        return int(self.tokens.numel())
+        return int(self.tokens.size)
 
     @property
     def root_token(self) -> int:
@@ -56,27 +74,35 @@ class TokenTree:
         """Largest node id ever created (also of nodes pruned since): the tree version."""
         return self._next_id - 1
 
-    def frontier(self) -> Tensor:
+    def frontier(self) -> Indices:
         """Indices of the newest layer: the leaves the draft expands next."""
-        return (self.depth == self.frontier_depth).nonzero().squeeze(1)
+        return np.flatnonzero(self.depth == self.frontier_depth)
 
-    def children(self, node: int) -> Tensor:
-        return (self.parent == node).nonzero().squeeze(1)
+    def children(self, node: int) -> Indices:
+        return np.flatnonzero(self.parent == node)
 
     def child_with_token(self, node: int, token: int) -> int | None:
-        hit = ((self.parent == node) & (self.tokens == token)).nonzero()
-        return int(hit[0, 0]) if hit.numel() else None
+        hit = np.flatnonzero((self.parent == node) & (self.tokens == token))
+        return int(hit[0]) if hit.size else None
+
+    def indices_of(self, ids: ArrayLike) -> Indices:
+        """Indices (in tree order) of the nodes whose ids are among `ids`."""
+        return np.flatnonzero(member(self.ids, np.asarray(ids)))
+
+    def has_ids(self, ids: ArrayLike) -> NDArray[np.bool_]:
+        """Which of `ids` are nodes of the tree."""
+        return member(np.asarray(ids), self.ids)
 
     def append_layer(
         self,
-        parents: Tensor,
-        tokens: Tensor,
-        probs: Tensor,
+        parents: ArrayLike,
+        tokens: ArrayLike,
+        probs: ArrayLike,
         width: int,
-        logp: Tensor | None = None,
-        deviation: Tensor | None = None,
-        source: Tensor | None = None,
-    ) -> Tensor:
+        logp: ArrayLike | None = None,
+        deviation: ArrayLike | None = None,
+        source: ArrayLike | None = None,
+    ) -> Indices:
         """Add the best `width` candidate children by ranking key.
 
         `parents` are node indices (every candidate's parent must be a frontier node),
@@ -86,50 +112,58 @@ class TokenTree:
         `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
         see `ranking.edge_scores`. Returns the new nodes' indices.
         """
-        if parents.numel() == 0 or width <= 0:
-            return torch.empty(0, dtype=torch.int64)
-        if not bool((self.depth[parents] == self.frontier_depth).all()):
+        parents = np.asarray(parents, dtype=np.int64)
+        if parents.size == 0 or width <= 0:
+            return np.empty(0, dtype=np.int64)
+        if not (self.depth[parents] == self.frontier_depth).all():
             raise ValueError("candidates must extend the frontier layer")
-        probs = probs.to(torch.float64)
-        logp = torch.log(probs) if logp is None else logp.to(torch.float64)
+        probs = np.asarray(probs, dtype=np.float64)
+        with np.errstate(divide="ignore"):
+            logp = np.log(probs) if logp is None else np.asarray(logp, dtype=np.float64)
         score = self.score[parents] + logp
-        dev = self.dev[parents] + (0 if deviation is None else deviation)
-        ok = torch.isfinite(score).nonzero().squeeze(1)
-        order = torch.argsort(score[ok], descending=True, stable=True)
-        order = order[torch.argsort(dev[ok][order], stable=True)]
+        dev = self.dev[parents]
+        if deviation is not None:
+            dev = dev + np.asarray(deviation, dtype=np.int64)
+        ok = np.flatnonzero(np.isfinite(score))
+        # best key first: fewer deviations, then higher score; ties keep candidate order
+        order = np.lexsort((-score[ok], dev[ok]))
         best = ok[order[:width]]
-        if best.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
+        if best.size == 0:
+            return np.empty(0, dtype=np.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
-        best = best[torch.argsort(parents[best], stable=True)]
-        par, n0, m = parents[best], len(self), int(best.numel())
-        src = torch.ones(m, dtype=torch.int8) if source is None else source[best].to(torch.int8)
-        self.tokens = torch.cat([self.tokens, tokens[best].to(torch.int64)])
-        self.parent = torch.cat([self.parent, par])
-        self.depth = torch.cat([self.depth, self.depth[par] + 1])
-        self.prob = torch.cat([self.prob, probs[best]])
-        self.cum = torch.cat([self.cum, self.cum[par] * probs[best]])
-        self.score = torch.cat([self.score, score[best]])
-        self.dev = torch.cat([self.dev, dev[best]])
-        self.source = torch.cat([self.source, src])
-        self.ids = torch.cat([self.ids, self._new_ids(m)])
-        mask = torch.zeros(n0 + m, n0 + m, dtype=torch.bool)
+        best = best[np.argsort(parents[best], kind="stable")]
+        par, n0, m = parents[best], len(self), int(best.size)
+        if source is None:
+            src = np.ones(m, dtype=np.int8)
+        else:
+            src = np.asarray(source)[best].astype(np.int8)
+        self.tokens = np.concatenate([self.tokens, np.asarray(tokens, dtype=np.int64)[best]])
+        self.parent = np.concatenate([self.parent, par])
+        self.depth = np.concatenate([self.depth, self.depth[par] + 1])
+        self.prob = np.concatenate([self.prob, probs[best]])
+        self.cum = np.concatenate([self.cum, self.cum[par] * probs[best]])
+        self.score = np.concatenate([self.score, score[best]])
+        self.dev = np.concatenate([self.dev, dev[best]])
+        self.source = np.concatenate([self.source, src])
+        self.ids = np.concatenate([self.ids, self._new_ids(m)])
+        mask = np.zeros((n0 + m, n0 + m), dtype=bool)
         mask[:n0, :n0] = self.mask
         mask[n0:, :n0] = self.mask[par]
-        mask[torch.arange(n0, n0 + m), torch.arange(n0, n0 + m)] = True
+        new = np.arange(n0, n0 + m)
+        mask[new, new] = True
         self.mask = mask
         self.frontier_depth += 1
-        return torch.arange(n0, n0 + m)
+        return new
 
-    def prune_to(self, child: int) -> Tensor:
+    def prune_to(self, child: int) -> Indices:
         """Keep `child` and its descendants; `child` becomes the root. Returns kept old indices."""
         if int(self.parent[child]) != 0:
             raise ValueError("can only prune to a child of the root")
-        keep = self.mask[:, child].nonzero().squeeze(1)
-        remap = torch.full((len(self),), -1, dtype=torch.int64)
-        remap[keep] = torch.arange(keep.numel())
+        keep = np.flatnonzero(self.mask[:, child])
+        remap = np.full(len(self), -1, dtype=np.int64)
+        remap[keep] = np.arange(keep.size)
         old_parent = self.parent[keep]
-        self.parent = torch.where(old_parent >= 0, remap[old_parent.clamp(min=0)], -1)
+        self.parent = np.where(old_parent >= 0, remap[np.maximum(old_parent, 0)], -1)
         self.parent[0] = -1
         self.tokens = self.tokens[keep]
         self.depth = self.depth[keep] - 1
@@ -140,24 +174,24 @@ class TokenTree:
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
         self.source[0] = 0
-        self.mask = self.mask[keep][:, keep]
+        self.mask = self.mask[np.ix_(keep, keep)]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.
         self.frontier_depth = min(self.frontier_depth - 1, int(self.depth.max()))
         return keep
 
-    def path_to(self, node: int) -> Tensor:
+    def path_to(self, node: int) -> Indices:
         """Indices from the root down to `node`, in order."""
-        return self.mask[node].nonzero().squeeze(1)
+        return np.flatnonzero(self.mask[node])
 
     def check_invariants(self) -> None:
         """Assert M equals the ancestor relation of `parent` (used by property tests)."""
         n = len(self)
-        expect = torch.eye(n, dtype=torch.bool)
+        expect = np.eye(n, dtype=bool)
         for i in range(1, n):
             p = int(self.parent[i])
             assert 0 <= p < i, "parents precede children in BFS order"
             expect[i] |= expect[p]
             assert int(self.depth[i]) == int(self.depth[p]) + 1
-        assert torch.equal(expect, self.mask), "ancestor mask disagrees with parent array"
+        assert np.array_equal(expect, self.mask), "ancestor mask disagrees with parent array"
         assert int(self.parent[0]) == -1 and int(self.depth[0]) == 0

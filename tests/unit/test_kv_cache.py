@@ -3,6 +3,7 @@ equals attention recomputed from scratch on the committed tokens plus the node's
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,7 @@ from specpipe.common.model.loading import load_stage
 from specpipe.common.runtime.errors import BadInput, CacheFull
 from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.growth import layer_activation
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
 from specpipe.common.spec.tree import TokenTree
 
@@ -53,25 +55,17 @@ class Mirror:
         self.tree = TokenTree(prompt[-1])
         self.run(torch.tensor([0]))
 
-    def run(self, idx: torch.Tensor) -> None:
+    def run(self, idx) -> None:
         t = self.tree
-        parents = t.parent[idx]
-        act = Activation(
-            "r",
-            positions=len(self.committed) + t.depth[idx],
-            node_ids=t.ids[idx],
-            parent_ids=torch.where(parents >= 0, t.ids[parents.clamp(min=0)], -1),
-            tokens=t.tokens[idx],
-        )
-        out = self.stage.forward(act)
-        for row, node in enumerate(idx.tolist()):
+        out = self.stage.forward(layer_activation("r", t, idx, len(self.committed)))
+        for row, node in enumerate(np.asarray(idx).tolist()):
             path = t.tokens[t.path_to(node)].tolist()
             ref = scratch_logits(self.model, self.committed + path)
             torch.testing.assert_close(out.logits[row], ref, atol=1e-9, rtol=1e-9)
 
     def append(self, k: int, width: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        parents = self.tree.frontier().repeat_interleave(k)
+        parents = torch.from_numpy(self.tree.frontier()).repeat_interleave(k)
         if parents.numel() == 0:
             return
         toks = torch.randint(0, 31, (parents.numel(),), generator=g)
@@ -81,11 +75,11 @@ class Mirror:
     def verify(self, seed: int, hit: bool) -> None:
         t = self.tree
         kids = t.children(0)
-        old_root, horizon = t.ids[:1].clone(), int(t.ids.max())
+        old_root, horizon = torch.tensor(t.ids[:1]), int(t.ids.max())
         self.committed = [*self.committed, t.root_token]
-        if hit and kids.numel():
-            t.prune_to(int(kids[seed % kids.numel()]))
-            self.stage.prune("r", Prune(old_root, t.ids.clone(), horizon))
+        if hit and kids.size:
+            t.prune_to(int(kids[seed % kids.size]))
+            self.stage.prune("r", Prune(old_root, torch.tensor(t.ids), horizon))
         else:
             t.reset(seed % 31)
             self.stage.prune("r", Prune(old_root, EMPTY_IDS, horizon))

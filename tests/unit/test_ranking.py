@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from specpipe.common.spec.ranking import Ranking, edge_scores, sibling_ranks
@@ -39,12 +40,12 @@ def test_sampling_applies_the_requests_top_k_and_top_p_per_parent() -> None:
     parents = t(0, 0, 0, 0, 1, 1)
     top_k = SamplingParams(temperature=1.0, top_k=2)
     logp, dev = edge_scores(parents, probs, Ranking.TARGET, top_k)
-    q = logp.exp()
+    q = np.exp(logp)
     # Parent 0 keeps its top 2, renormalized; parent 1 has just 2 candidates, both kept.
     assert q.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0, 0.6, 0.4])
     assert dev.tolist() == [0] * 6
     top_p = SamplingParams(temperature=1.0, top_p=0.7)
-    q = edge_scores(parents, probs, Ranking.TARGET, top_p)[0].exp()
+    q = np.exp(edge_scores(parents, probs, Ranking.TARGET, top_p)[0])
     # Parent 0: 0.5 and 0.3 reach 0.7 (0.15 and 0.05 come after it is reached).
     assert q.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0, 0, 0.6, 0.4])
 

@@ -13,7 +13,7 @@ def candidates(
     tree: TokenTree, k: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    parents = tree.frontier().repeat_interleave(k)
+    parents = torch.from_numpy(tree.frontier()).repeat_interleave(k)
     tokens = torch.randint(0, 50, (parents.numel(),), generator=g)
     probs = torch.rand(parents.numel(), generator=g, dtype=torch.float64)
     return parents, tokens, probs
@@ -38,16 +38,16 @@ def test_mask_is_the_ancestor_relation_after_any_ops(sequence) -> None:
     seen_ids: set[int] = set(tree.ids.tolist())
     for op, k, width, seed in sequence:
         if op == "append":
-            frontier = tree.frontier().numel()
+            frontier = tree.frontier().size
             new = tree.append_layer(*candidates(tree, k, seed), width)
-            assert new.numel() == min(width, k * frontier)
-            if new.numel():
-                assert tree.depth[new].tolist() == [tree.frontier_depth] * new.numel()
+            assert new.size == min(width, k * frontier)
+            if new.size:
+                assert tree.depth[new].tolist() == [tree.frontier_depth] * new.size
         elif op == "prune":
             kids = tree.children(0)
-            if kids.numel() == 0:
+            if kids.size == 0:
                 continue
-            child = int(kids[seed % kids.numel()])
+            child = int(kids[seed % kids.size])
             child_id, child_token = int(tree.ids[child]), int(tree.tokens[child])
             subtree = set(tree.ids[tree.mask[:, child]].tolist())
             tree.prune_to(child)

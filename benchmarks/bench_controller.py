@@ -1,0 +1,133 @@
+"""CPU time of the request controller per pipeline step (not a test).
+
+The router runs every request's controller on one event loop: at every step each
+request's tree is verified, pruned and grown on the router's CPU. Whatever that costs
+per request is added to every step once the router is busy (`bench_emulated.py`
+measures the whole gap through the services; this measures the controller's share of
+it, alone and reproducibly).
+
+A small random Llama with the target as its own draft (every token a hit: the tree is
+always full) runs in the in-process lockstep engine, closed loop at each concurrency;
+the time spent inside the controller's event handlers (`start`, `on_logits`,
+`on_candidates`) is summed and divided by the engine's steps and by the verifications.
+Model forwards are not counted. The tokens are written too, so that two versions of
+the controller can be checked to decide the same thing (same steps, same tokens).
+
+    python benchmarks/bench_controller.py [--modes specpipe,specinfer] [--concurrency 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_serve import make_model  # noqa: E402
+from specpipe.common.perf.timeline import Ask, closed_loop  # noqa: E402
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
+from specpipe.common.runtime.lockstep import LockstepEngine  # noqa: E402
+from specpipe.common.spec.controller import Controller  # noqa: E402
+from specpipe.common.spec.options import DecodeOptions  # noqa: E402
+from specpipe.common.spec.specinfer import SpecInferController  # noqa: E402
+from specpipe.common.spec.specpipe import SpecPipeController  # noqa: E402
+
+HANDLERS = ("start", "on_logits", "on_candidates")
+
+
+class HandlerClock:
+    """Seconds spent inside the controllers' event handlers while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._saved: list[tuple[type, str, Callable]] = []
+
+    def __enter__(self) -> HandlerClock:
+        for cls in (SpecPipeController, SpecInferController):
+            for name in HANDLERS:
+                f = getattr(cls, name)
+                self._saved.append((cls, name, f))
+                setattr(cls, name, self._timed(f))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, f in self._saved:
+            setattr(cls, name, f)
+
+    def _timed(self, f: Callable) -> Callable:
+        def timed(ctrl: Controller, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(ctrl, *args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="specpipe,specinfer")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--layers-per-step", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(HERE / "results" / "controller"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
+        local = build_local(make_model(Path(tmp), 8, 256, 512), args.stages, ORACLE_DRAFT)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 511, (32,), generator=g).tolist() for _ in range(args.requests)]
+    opts = DecodeOptions(
+        max_new_tokens=args.max_new_tokens,
+        width=args.width,
+        layers_per_step=args.layers_per_step,
+    )
+    rows, tokens = [], {}
+    for mode in args.modes.split(","):
+        for conc in (int(c) for c in args.concurrency.split(",")):
+            engine = LockstepEngine(local.pipeline, local.draft)
+            with HandlerClock() as clock:
+                load = closed_loop(engine, [Ask(p, mode, opts) for p in prompts], conc)
+            verifications = sum(x.stats.verifications for x in load.served)
+            row = {
+                "mode": mode,
+                "concurrency": conc,
+                "steps": engine.steps,
+                "tokens": sum(len(x.tokens) for x in load.served),
+                "verifications": verifications,
+                "controller_s": round(clock.seconds, 4),
+                "controller_ms_per_step": round(1e3 * clock.seconds / engine.steps, 3),
+                "controller_us_per_verification": round(1e6 * clock.seconds / verifications, 1),
+            }
+            rows.append(row)
+            tokens[f"{mode}@{conc}"] = [x.tokens for x in load.served]
+            print(
+                f"{mode:10s} c={conc:<3d} steps {row['steps']:4d} tokens {row['tokens']:5d} "
+                f"controller {row['controller_ms_per_step']:7.2f} ms/step "
+                f"{row['controller_us_per_verification']:7.1f} us/verification",
+                flush=True,
+            )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"config": vars(args), "machine": platform.machine(), "torch": torch.__version__}
+    (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / "tokens.json").write_text(json.dumps(tokens))
+    print(f"wrote {out}/results.json and tokens.json")
+
+
+if __name__ == "__main__":
+    main()
