@@ -166,9 +166,12 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
             kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
             opts = DecodeOptions(max_new_tokens=args.max_new_tokens)
             if mode != "pp":
-                kwargs.update(width=args.width, depth=args.depth)
+                kwargs.update(width=args.width, depth=args.depth, growth=args.growth)
                 opts = DecodeOptions(
-                    max_new_tokens=args.max_new_tokens, width=args.width, specinfer_depth=args.depth
+                    max_new_tokens=args.max_new_tokens,
+                    width=args.width,
+                    specinfer_depth=args.depth,
+                    growth=args.growth,
                 )
             results, tokens, wall = asyncio.run(
                 stream_all(dep.router_address, prompts, conc, kwargs)
@@ -400,6 +403,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--depth", type=int, default=4, help="specinfer tree depth")
+    ap.add_argument("--growth", default="verified", choices=["verified", "eager"])
     ap.add_argument("--stage-ms", type=float, default=100.0, help="synthetic flat stage forward")
     ap.add_argument("--draft-ms", type=float, default=60.0, help="synthetic flat draft forward")
     ap.add_argument("--measure", action="store_true", help="re-measure the batched Qwen curves")

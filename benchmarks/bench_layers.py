@@ -228,14 +228,13 @@ def specpipe_configs(args, temperature: float) -> list[tuple[str, dict]]:
     """(row label, DecodeOptions fields) of every specpipe variant at `temperature` (the
     beam reference and the other sources only at `--extras-temperatures`)."""
     configs = [(f"specpipe K={k}", {"layers_per_step": k}) for k in args.layers]
-    if temperature not in args.extras_temperatures:
-        return configs
-    if args.beam:
-        configs.append(("specpipe K=1 beam", {"layers_per_step": 1, "ranking": "beam"}))
-    for source in args.sources:
-        for k in args.source_layers:
-            configs.append((f"{source} K={k}", {"layers_per_step": k, "token_source": source}))
-    return configs
+    if temperature in args.extras_temperatures:
+        if args.beam:
+            configs.append(("specpipe K=1 beam", {"layers_per_step": 1, "ranking": "beam"}))
+        for source in args.sources:
+            for k in args.source_layers:
+                configs.append((f"{source} K={k}", {"layers_per_step": k, "token_source": source}))
+    return [(label, {**kw, "growth": args.growth}) for label, kw in configs]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -249,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--layers", default="1,2,3", help="specpipe layers per step")
+    ap.add_argument("--growth", default="verified", choices=["verified", "eager"],
+                    help="when specpipe's layers grow (DecodeOptions.growth)")  # fmt: skip
     ap.add_argument("--sources", default="ngram,hybrid", help="token sources besides the draft")
     ap.add_argument("--source-layers", default="2", help="layers per step of those sources")
     ap.add_argument("--extras-temperatures", default="0",

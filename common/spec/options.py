@@ -57,6 +57,21 @@ class TokenSource(StrEnum):
         return self != TokenSource.DRAFT
 
 
+class Growth(StrEnum):
+    """When a layer grows from the token source's answer, relative to the verification
+    of the same step (docs/architecture.md, "2.6")."""
+
+    # after it: the layer grows from the nodes the verification kept, so the whole width
+    # goes where the target can still go (lockstep's rule); in the services the
+    # verification's round trip (logits to the router, the feed back to stage 1) lies
+    # between the last stage's step and stage 1's next one
+    VERIFIED = "verified"
+    # before it, as soon as the source answers: stage 1's next input is ready when it
+    # finishes a step, and the verification then prunes what it rules out, at the price
+    # of the width spent on nodes it drops
+    EAGER = "eager"
+
+
 @dataclass(frozen=True)
 class DecodeOptions:
     max_new_tokens: int
@@ -71,11 +86,13 @@ class DecodeOptions:
     layers_per_step: int = DEFAULT_LAYERS_PER_STEP
     token_source: TokenSource = TokenSource.DRAFT
     ranking: Ranking = Ranking.TARGET
+    growth: Growth = Growth.VERIFIED
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
         object.__setattr__(self, "token_source", TokenSource(self.token_source))
         object.__setattr__(self, "ranking", Ranking(self.ranking))
+        object.__setattr__(self, "growth", Growth(self.growth))
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_new_tokens > MAX_NEW_TOKENS:

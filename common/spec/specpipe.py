@@ -31,7 +31,7 @@ from .commands import Command
 from .controller import Controller
 from .growth import concat_candidates, layer_activation, unused_candidates
 from .messages import EMPTY_IDS, Activation, Candidates, Prune
-from .options import DecodeOptions, Mode
+from .options import DecodeOptions, Growth, Mode
 from .tree import NO_NODES, Indices, TokenTree
 
 ROOT = np.zeros(1, dtype=np.int64)
@@ -47,8 +47,10 @@ class SpecPipeController(Controller):
         num_stages: int,
     ) -> None:
         super().__init__(request_id, prompt, mode, opts, num_stages)
-        # layers in flight ahead of the root: K per stage
-        self.max_depth = num_stages * self.layers_per_step
+        # layers in flight ahead of the root: K per stage, and with eager growth the K of
+        # the group grown before the verification that makes room for it
+        k = self.layers_per_step
+        self.max_depth = num_stages * k + (k if opts.growth == Growth.EAGER else 0)
         self.root_pos = len(self.prompt) - 1
         self.tree = TokenTree(self.prompt[-1])
         # Source proposals not (yet) in the tree, for nodes still in it: if a prune removes
@@ -71,7 +73,7 @@ class SpecPipeController(Controller):
         if self.done or not self._asked or not bool((act.node_ids == self.tree.root_id).any()):
             return False
         due = self._root_due(self.tree.root_id)
-        return any(step < due for step in self._asked.values())
+        return any(self._answer_first(step, due) for step in self._asked.values())
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
@@ -162,7 +164,7 @@ class SpecPipeController(Controller):
 
     def _offer(self, cand: Candidates, step: int) -> list[Command]:
         """Candidates for the layer after the newest, from the source working in `step`."""
-        if self._root_due(self.tree.root_id) <= step:
+        if not self._answer_first(step, self._root_due(self.tree.root_id)):
             self._held.append(cand)
             return []
         return self._grow(cand)
@@ -230,11 +232,17 @@ class SpecPipeController(Controller):
             return cmds + self._grow(self._ngram_children(tree.frontier()))
         return cmds
 
+    def _answer_first(self, step: int, due: int) -> bool:
+        """Whether, in lockstep, the answer of a source working in `step` comes before the
+        verification due at step `due`: strictly before it, or also in the same step
+        with eager growth (`Growth`)."""
+        return step <= due if self.opts.growth == Growth.EAGER else step < due
+
     def _count_late_answers(self) -> None:
         """Answers for layers that entered before this verification's step and are still
         outstanding: in lockstep they would have been used by now (counted once each)."""
         for ticket, step in self._asked.items():
-            if step < self._last_verify and ticket not in self._late:
+            if self._answer_first(step, self._last_verify) and ticket not in self._late:
                 self._late.add(ticket)
                 self.stats.late_draft_answers += 1
 

@@ -84,6 +84,7 @@ def build_request(
     layers_per_step: int | str | None = None,
     token_source: str = "",
     ranking: str = "",
+    growth: str = "",
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default."""
@@ -100,6 +101,7 @@ def build_request(
         priority=priority,
         token_source=token_source,
         ranking=ranking,
+        growth=growth,
     )
     if top_p is not None:
         req.sampling.top_p = top_p

@@ -6,8 +6,9 @@ Requests are pydantic models, so a malformed body is refused field by field. Fie
 OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
-`width`, `layers_per_step`, `token_source`, `ranking`, `top_k_children`, `depth`,
-`prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`, `return_token_ids`;
+`width`, `layers_per_step`, `token_source`, `ranking`, `growth`, `top_k_children`,
+`depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
+`return_token_ids`;
 `width`, `layers_per_step` and `token_source` take "auto": the router's choice).
 """
 
@@ -124,6 +125,7 @@ class _Common(BaseModel):
     layers_per_step: int | Literal["auto"] | None = None
     token_source: str = ""
     ranking: str = ""
+    growth: str = ""
     top_k_children: int | None = None
     depth: int | None = None
     prefill_chunk: int | None = None
@@ -197,6 +199,7 @@ class _Common(BaseModel):
             layers_per_step=self.layers_per_step,
             token_source=self.token_source,
             ranking=self.ranking,
+            growth=self.growth,
         )
 
 

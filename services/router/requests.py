@@ -210,6 +210,8 @@ def plan_request(
     }
     if r.ranking:
         given["ranking"] = r.ranking
+    if r.growth:
+        given["growth"] = r.growth
     # Width, layers per step and token source: the request's, else the router's default;
     # 0 or "auto" leaves them to the router's tuning.
     auto = set()

@@ -52,6 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--ranking", default="", choices=["target", "beam"], help="tree ranking")
     g.add_argument(
+        "--growth",
+        default="",
+        choices=["verified", "eager"],
+        help="a tree layer grows after the step's verification (verified, default) or as "
+        "soon as the draft answers (eager)",
+    )
+    g.add_argument(
         "--top-k-children",
         type=int,
         default=None,
@@ -111,6 +118,7 @@ def _cmd_client_generate(args: argparse.Namespace) -> int:
         layers_per_step=args.layers_per_step,
         token_source=args.token_source,
         ranking=args.ranking,
+        growth=args.growth,
     )
     if args.prompt is not None:
         kwargs["prompt"] = args.prompt

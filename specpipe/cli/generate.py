@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         DEFAULT_SPECINFER_DEPTH,
         DEFAULT_TOP_K_CHILDREN,
         DEFAULT_WIDTH,
+        Growth,
         Mode,
     )
     from specpipe.common.spec.ranking import Ranking
@@ -50,6 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=Ranking.TARGET.value,
         help="tree nodes kept per layer by the chance the target's decoding takes them "
         "(target) or by cumulative draft probability (beam)",
+    )
+    p.add_argument(
+        "--growth",
+        choices=[g.value for g in Growth],
+        default=Growth.VERIFIED.value,
+        help="specpipe: a tree layer grows from the draft's answer after the step's "
+        "verification, from the nodes it kept (verified), or as soon as the draft answers, "
+        "pruned by the verification after (eager: no round trip between the last stage "
+        "and stage 1)",
     )
     p.add_argument("--stages", type=positive_int, default=1)
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPECPIPE.value)
@@ -153,6 +163,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             layers_per_step=layers or 1,
             token_source=source,
             ranking=args.ranking,
+            growth=args.growth,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -87,8 +87,8 @@ def test_nucleus_sampling_and_eos_stop_match_engine(request, transport: str) -> 
 
 @pytest.mark.parametrize("transport", ["tcp", "ucx"])
 def test_every_layers_per_step_and_token_source_is_lossless(request, transport: str) -> None:
-    """Several tree layers per step and the n-gram and hybrid sources emit exactly plain
-    decoding's tokens, greedy and seeded, with the target as its own draft (tcp, S = 2)
+    """Several tree layers per step, the n-gram and hybrid sources and eager growth emit
+    exactly plain decoding's tokens, greedy and seeded, with the target as its own draft (tcp, S = 2)
     and an unrelated draft (ucx, S = 3)."""
     dep = _deployment(request, transport)
     stages = len(dep.ranges)
@@ -98,17 +98,13 @@ def test_every_layers_per_step_and_token_source_is_lossless(request, transport: 
             ref = reference(
                 dep.target, dep.draft, stages, prompt, "autoregressive", n, temperature, seed
             )
+            common = dict(prompt_ids=prompt, max_new_tokens=n, ignore_eos=True,
+                          temperature=temperature, seed=seed)  # fmt: skip
             for k in layers:
                 for source in ("draft", "ngram", "hybrid"):
-                    got = client.generate(
-                        prompt_ids=prompt,
-                        max_new_tokens=n,
-                        temperature=temperature,
-                        seed=seed,
-                        ignore_eos=True,
-                        layers_per_step=k,
-                        token_source=source,
-                    )
+                    got = client.generate(**common, layers_per_step=k, token_source=source)
                     case = (k, source, temperature)
                     assert got.token_ids == ref, case
                     assert (got.stats["layers_per_step"], got.stats["token_source"]) == (k, source)
+                eager = client.generate(**common, layers_per_step=k, growth="eager")
+                assert eager.token_ids == ref, (k, "eager", temperature)

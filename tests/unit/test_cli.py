@@ -83,6 +83,7 @@ def test_layers_per_step_and_token_sources_through_cli(capsys, llama_dir) -> Non
         (["--draft", "oracle", "--layers-per-step", "3"], "draft"),
         (["--draft", "ngram", "--layers-per-step", "2"], "ngram"),
         (["--draft", "oracle", "--ngram", "--ranking", "beam"], "hybrid"),
+        (["--draft", "oracle", "--layers-per-step", "2", "--growth", "eager"], "draft"),
     ):
         code, out, err = run(capsys, *base, *extra)
         assert code == 0, err

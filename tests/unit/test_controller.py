@@ -111,6 +111,7 @@ class RulePipeline:
         for p in prunes:
             req.prune(p)
             flight = [p.filter(a) for a in flight]
+            entering = p.filter(entering)  # as a stage drops rows its last prune rules out
         flight = [entering, *flight[:-1]]
         self.flight[request_id] = flight
         if entering is not None:

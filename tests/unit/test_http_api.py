@@ -110,11 +110,12 @@ def test_chat_body_to_request() -> None:
 def test_tree_settings_and_auto_pass_to_the_router() -> None:
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], "width": "auto",
-         "layers_per_step": 2, "token_source": "auto", "ranking": "beam"}
+         "layers_per_step": 2, "token_source": "auto", "ranking": "beam", "growth": "eager"}
     )  # fmt: skip
     req = body.to_request([1], default_max_tokens=8, default_mode="specpipe")
     assert req.HasField("width") and req.width == 0  # the wire's auto
     assert req.layers_per_step == 2 and req.token_source == "auto" and req.ranking == "beam"
+    assert req.growth == "eager"
     with pytest.raises(ValueError):
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": "hi"}], "layers_per_step": "many"}

@@ -12,7 +12,7 @@ from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.spec.commands import BroadcastPrune, Emit, Feed, Propose
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.messages import Activation, Candidates
-from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.options import DecodeOptions, Growth, Mode
 from specpipe.common.spec.sampling import SamplingParams
 
 from .test_controller import (
@@ -61,32 +61,36 @@ def ideal_steps(stages: int, n: int, k: int) -> int:
 # -- lossless -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("growth", list(Growth))
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("stages", [1, 2, 3, 5])
 @pytest.mark.parametrize("source", ["oracle", "blind", "ngram", "hybrid"])
 @pytest.mark.parametrize("target", [rule, copy_rule])
-def test_several_layers_per_step_emit_plain_decoding(k, stages, source, target) -> None:
-    gen = run(stages, source, rule=target, width=3, layers_per_step=k, prefill_chunk=4)
+def test_several_layers_per_step_emit_plain_decoding(k, stages, source, target, growth) -> None:
+    gen = run(stages, source, rule=target, width=3, layers_per_step=k, prefill_chunk=4,
+              growth=growth)  # fmt: skip
     assert gen.output == plain_decoding(PROMPT, 24, target)
     assert gen.stats.new_tokens == 24 and gen.stats.layers_per_step == k
 
 
+@pytest.mark.parametrize("growth", list(Growth))
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("source", ["oracle", "blind", "ngram", "hybrid"])
-def test_seeded_sampling_with_several_layers_equals_autoregressive(k, source) -> None:
+def test_seeded_sampling_with_several_layers_equals_autoregressive(k, source, growth) -> None:
     sampling = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
     ref = Generation(SoftRulePipeline(1), None, PROMPT, Mode.AUTOREGRESSIVE,
                      DecodeOptions(20, sampling)).run()  # fmt: skip
     for stages in (2, 4):
         gen = run(stages, source, n=20, pipeline=SoftRulePipeline, sampling=sampling,
-                  width=4, layers_per_step=k)  # fmt: skip
+                  width=4, layers_per_step=k, growth=growth)  # fmt: skip
         assert gen.output == ref, f"S={stages}"
 
 
+@pytest.mark.parametrize("growth", list(Growth))
 @pytest.mark.parametrize("k", [2, 3])
 @pytest.mark.parametrize("source", ["oracle", "hybrid"])
 @pytest.mark.parametrize("seed", range(3))
-def test_replays_and_draft_losses_with_several_layers(k, source, seed) -> None:
+def test_replays_and_draft_losses_with_several_layers(k, source, seed, growth) -> None:
     import random
 
     rng = random.Random(seed)
@@ -94,17 +98,19 @@ def test_replays_and_draft_losses_with_several_layers(k, source, seed) -> None:
         rng.randrange(0, 40): rng.choice(["path", "path-no-draft", "draft"]) for _ in range(3)
     }
     h = FaultHarness(Mode.SPECPIPE, 3, n=24, faults=faults, oracle=source == "oracle",
-                     width=3, layers_per_step=k, token_source=token_source(source))  # fmt: skip
+                     width=3, layers_per_step=k, token_source=token_source(source),
+                     growth=growth)  # fmt: skip
     assert h.run().emitted == plain_decoding(PROMPT, 24)
 
 
 # -- tokens per step ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("growth", list(Growth))
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("stages", [2, 4, 7])
-def test_an_oracle_draft_gives_k_tokens_per_step(k, stages) -> None:
-    st = run(stages, "oracle", n=40, width=2, layers_per_step=k).stats
+def test_an_oracle_draft_gives_k_tokens_per_step(k, stages, growth) -> None:
+    st = run(stages, "oracle", n=40, width=2, layers_per_step=k, growth=growth).stats
     assert st.hits == st.new_tokens == 40 and st.regrowths == 0
     assert st.decode_steps == ideal_steps(stages, 40, k)
     # The draft grows K layers a step, one forward of at most `width` rows each.
@@ -202,6 +208,34 @@ def test_two_layers_enter_together_and_are_verified_in_one_step() -> None:
     prune = cmds_of(out, BroadcastPrune)[0].prune
     assert prune.commit_ids.tolist() == [1, 2] and prune.keep_ids.tolist() == [3, 4]
     assert c.stats.hits == 3 and c.stats.decode_steps == 3 and c.tree.root_id == 3
+
+
+@pytest.mark.parametrize("growth", list(Growth))
+def test_eager_growth_feeds_the_next_layer_before_the_verification(growth) -> None:
+    """The draft answers for the layer entering at step 2 while the root (due at step 1)
+    is not verified yet: eager growth feeds that layer at once, and the verification
+    keeps it; verified growth holds the answer until the verification, then grows it."""
+    opts = DecodeOptions(8, width=1, growth=growth)
+    c = make_controller(Mode.SPECPIPE, "r", [5, 6], opts, 2)
+    p0 = cmds_of(c.start(), Propose)[0]
+    out = c.on_candidates(p0.ticket, cand([(0, 7, 0.9)]))
+    assert [f.step for f in cmds_of(out, Feed)] == [1]
+    (p1,) = cmds_of(out, Propose)
+    assert p1.step == 1
+    early = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])), Feed)
+    out = c.on_logits(logits_for(0, 7))  # a hit: node 1
+    late = cmds_of(out, Feed)
+    (layer2,) = early + late
+    assert layer2.step == 2 and layer2.act.tokens.tolist() == [9]
+    prune = cmds_of(out, BroadcastPrune)[0].prune
+    assert prune.commit_ids.tolist() == [0]
+    if growth == Growth.EAGER:
+        assert early and layer2.after_prune == 0  # created before the verification's prune
+        assert prune.keep_ids.tolist() == [1, 2]
+    else:
+        assert late and layer2.after_prune == 1
+        assert prune.keep_ids.tolist() == [1]
+    assert c.stats.late_draft_answers == 0
 
 
 def test_a_miss_inside_the_group_restarts_from_the_drawn_token() -> None:

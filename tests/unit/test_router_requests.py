@@ -23,6 +23,7 @@ def test_defaults_and_given_tree_options() -> None:
     assert (opts.layers_per_step, opts.token_source, opts.ranking) == (1, "draft", "target")
     opts = plan(layers_per_step=3, token_source="hybrid", ranking="beam").opts
     assert (opts.layers_per_step, opts.token_source, opts.ranking) == (3, "hybrid", "beam")
+    assert opts.growth == "verified" and plan(growth="eager").opts.growth == "eager"
 
 
 def test_the_ngram_source_needs_no_draft() -> None:
@@ -41,6 +42,7 @@ def test_the_ngram_source_needs_no_draft() -> None:
         {"width": -2},
         {"token_source": "x"},
         {"ranking": "best"},
+        {"growth": "later"},
     ],
 )
 def test_bad_tree_options_are_invalid_arguments(fields) -> None:
