@@ -195,6 +195,8 @@ class LockstepEngine:
         if run.step is None:
             run.step = run.feeds[0].step if run.feeds else 0
         feeds = run.feeds
+        while feeds and feeds[0].step <= run.step and not self._survives(feeds[0], run):
+            feeds.popleft()  # a layer fed ahead that a verification dropped whole (eager)
         if feeds and feeds[0].step <= run.step:
             feed = feeds.popleft()
             if run.controller.num_stages == self.pipeline.num_stages and feed.step != run.step:
@@ -206,6 +208,14 @@ class LockstepEngine:
         if not feeds and not self.pipeline.in_flight(run.request_id):
             raise RuntimeError("pipeline desynchronized: nothing to compute, nothing emitted")
         return None
+
+    @staticmethod
+    def _survives(feed: Feed, run: Run) -> bool:
+        """Whether any row of `feed` survives the prunes applied with it."""
+        act: Activation | None = feed.act
+        for prune in run.prunes:
+            act = prune.filter(act)
+        return act is not None
 
     def _draft_command(self, rid: str, cmd: Command) -> None:
         draft = self.draft

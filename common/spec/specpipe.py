@@ -213,6 +213,11 @@ class SpecPipeController(Controller):
         live = tree.ids.tolist()
         self._forget_nodes(live)
         self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
+        if self.opts.growth == Growth.EAGER:
+            # A layer fed ahead of this verification that it dropped whole frees its step:
+            # what grows next enters then (a stage drops such rows on arrival).
+            ahead = (s for s in self._node_step.values() if s > self._last_verify)
+            self._last_enter = max(ahead, default=self._last_verify)
         self._pending = self._pending[tree.has_ids(self._pending)]
         if not hit:
             self.reserve = Candidates.empty()

@@ -469,7 +469,10 @@ class FaultHarness:
         while queue:
             cmd = queue.pop(0)
             if isinstance(cmd, Feed):
-                assert cmd.step >= self.step and cmd.step not in self.feeds, (cmd.step, self.step)
+                # A step's slot is free again when its feed (grown ahead, eager) was pruned
+                # away whole: the stages drop such rows, the engine skips them.
+                taken = cmd.step in self.feeds and self._survives(self.feeds[cmd.step])
+                assert cmd.step >= self.step and not taken, (cmd.step, self.step)
                 self.feeds[cmd.step] = cmd.act
                 self.seqs[-1].append(cmd.seq)
                 if not cmd.act.committed:
@@ -499,6 +502,11 @@ class FaultHarness:
                         queue = self.c.on_candidates(*answer) + queue
                     else:
                         self.answers.setdefault(cmd.step, []).append(answer)
+
+    def _survives(self, act: Activation | None) -> bool:
+        for prune in self.prunes:
+            act = prune.filter(act)
+        return act is not None
 
     def run(self) -> FaultHarness:
         self.step = -(10**9)

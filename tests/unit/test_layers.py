@@ -238,6 +238,19 @@ def test_eager_growth_feeds_the_next_layer_before_the_verification(growth) -> No
     assert c.stats.late_draft_answers == 0
 
 
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("source", ["oracle", "blind", "ngram"])
+def test_eager_growth_takes_the_steps_of_verified_growth(k, source) -> None:
+    """A layer grown ahead that the verification drops whole (every miss, with a blind
+    draft) gives its step back: the root after the miss enters in it, as a stage that
+    drops those rows on arrival lets it."""
+    steps = {
+        g: run(3, source, n=24, width=3, layers_per_step=k, growth=g).stats.decode_steps
+        for g in Growth
+    }
+    assert steps[Growth.EAGER] == steps[Growth.VERIFIED]
+
+
 def test_a_miss_inside_the_group_restarts_from_the_drawn_token() -> None:
     c = make_controller(Mode.SPECPIPE, "r", [5, 6], DecodeOptions(8, width=1, layers_per_step=2), 2)
     p0 = cmds_of(c.start(), Propose)[0]
