@@ -53,7 +53,7 @@ from bench_specpipe import COST_VIEWS, cost_views  # noqa: E402
 from specpipe.common.perf.cost_model import DeploymentCosts  # noqa: E402
 from specpipe.common.perf.emulate import EmulatedCosts, costs_from_results  # noqa: E402
 from specpipe.common.perf.timeline import Ask, closed_loop, project, schedule  # noqa: E402
-from specpipe.common.spec.options import DecodeOptions  # noqa: E402
+from specpipe.common.spec.options import DecodeOptions, Growth  # noqa: E402
 from specpipe.common.spec.stats import DecodeStats  # noqa: E402
 
 QWEN = HERE / "results" / "qwen-coder" / "results.json"
@@ -403,7 +403,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--depth", type=int, default=4, help="specinfer tree depth")
-    ap.add_argument("--growth", default="verified", choices=["verified", "eager"])
+    ap.add_argument("--growth", default=Growth.VERIFIED.value, choices=[g.value for g in Growth])
     ap.add_argument("--stage-ms", type=float, default=100.0, help="synthetic flat stage forward")
     ap.add_argument("--draft-ms", type=float, default=60.0, help="synthetic flat draft forward")
     ap.add_argument("--measure", action="store_true", help="re-measure the batched Qwen curves")

@@ -63,7 +63,7 @@ from specpipe.common.perf.layers import evaluate_layers  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import Generation  # noqa: E402
-from specpipe.common.spec.options import DecodeOptions, Mode  # noqa: E402
+from specpipe.common.spec.options import DecodeOptions, Growth, Mode  # noqa: E402
 from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
 
 COST_ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--layers", default="1,2,3", help="specpipe layers per step")
-    ap.add_argument("--growth", default="verified", choices=["verified", "eager"],
+    ap.add_argument("--growth", default=Growth.VERIFIED.value, choices=[g.value for g in Growth],
                     help="when specpipe's layers grow (DecodeOptions.growth)")  # fmt: skip
     ap.add_argument("--sources", default="ngram,hybrid", help="token sources besides the draft")
     ap.add_argument("--source-layers", default="2", help="layers per step of those sources")

@@ -31,7 +31,7 @@ from ..spec.commands import (
     Propose,
 )
 from ..spec.controller import Controller, make_controller
-from ..spec.messages import Activation, Prune
+from ..spec.messages import Activation, Prune, after_prunes
 from ..spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
 from ..spec.stats import DecodeStats
 from .pipeline import Draft, Pipeline
@@ -195,7 +195,9 @@ class LockstepEngine:
         if run.step is None:
             run.step = run.feeds[0].step if run.feeds else 0
         feeds = run.feeds
-        while feeds and feeds[0].step <= run.step and not self._survives(feeds[0], run):
+        while (
+            feeds and feeds[0].step <= run.step and after_prunes(run.prunes, feeds[0].act) is None
+        ):
             feeds.popleft()  # a layer fed ahead that a verification dropped whole (eager)
         if feeds and feeds[0].step <= run.step:
             feed = feeds.popleft()
@@ -208,14 +210,6 @@ class LockstepEngine:
         if not feeds and not self.pipeline.in_flight(run.request_id):
             raise RuntimeError("pipeline desynchronized: nothing to compute, nothing emitted")
         return None
-
-    @staticmethod
-    def _survives(feed: Feed, run: Run) -> bool:
-        """Whether any row of `feed` survives the prunes applied with it."""
-        act: Activation | None = feed.act
-        for prune in run.prunes:
-            act = prune.filter(act)
-        return act is not None
 
     def _draft_command(self, rid: str, cmd: Command) -> None:
         draft = self.draft

@@ -89,6 +89,13 @@ class Prune:
         return act if rows.numel() == len(act) else act.select(rows)
 
 
+def after_prunes(prunes: list[Prune], act: Activation | None) -> Activation | None:
+    """`act` without the rows `prunes` drop, applied in order; None when nothing survives."""
+    for prune in prunes:
+        act = prune.filter(act)
+    return act
+
+
 @dataclass
 class Candidates:
     """Proposed children: for candidate i, parent node id, token and probability, and

@@ -26,7 +26,7 @@ from specpipe.common.spec.commands import (
     Propose,
 )
 from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.messages import Activation, Candidates, Prune
+from specpipe.common.spec.messages import Activation, Candidates, Prune, after_prunes
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 
@@ -471,7 +471,10 @@ class FaultHarness:
             if isinstance(cmd, Feed):
                 # A step's slot is free again when its feed (grown ahead, eager) was pruned
                 # away whole: the stages drop such rows, the engine skips them.
-                taken = cmd.step in self.feeds and self._survives(self.feeds[cmd.step])
+                taken = (
+                    cmd.step in self.feeds
+                    and after_prunes(self.prunes, self.feeds[cmd.step]) is not None
+                )
                 assert cmd.step >= self.step and not taken, (cmd.step, self.step)
                 self.feeds[cmd.step] = cmd.act
                 self.seqs[-1].append(cmd.seq)
@@ -502,11 +505,6 @@ class FaultHarness:
                         queue = self.c.on_candidates(*answer) + queue
                     else:
                         self.answers.setdefault(cmd.step, []).append(answer)
-
-    def _survives(self, act: Activation | None) -> bool:
-        for prune in self.prunes:
-            act = prune.filter(act)
-        return act is not None
 
     def run(self) -> FaultHarness:
         self.step = -(10**9)
