@@ -24,7 +24,8 @@ stage k at step S*i + k - 1, and its tokens are emitted at step S*(i + 1).
 
 `--oracle-check` first runs a model as its own draft (every proposal the target's own
 choice) on 7 stages: today's beam ranking against the target ranking, K = 1 and 2,
-against the ideal (the first token crosses the empty pipeline alone, then K a step).
+against the ideal (the first root crosses the empty pipeline with the K - 1 levels below it,
+then K tokens a step).
 
 Writes results.json, results.md and layers.png under --out and prints the table;
 `--replot` rewrites results.md and layers.png from the results.json there, and
@@ -59,7 +60,7 @@ from specpipe.common.perf.cost_model import (  # noqa: E402
     projected_tbt,
     specinfer_draft_seconds,
 )
-from specpipe.common.perf.layers import evaluate_layers  # noqa: E402
+from specpipe.common.perf.layers import evaluate_layers, ideal_decode_steps  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import Generation  # noqa: E402
@@ -209,7 +210,7 @@ def oracle_check(model: Path, prompts: list[Prompt], stop, args, log) -> dict:
                              stop_token_ids=stop, **kw)  # fmt: skip
         runs = [run_one(dep, p, Mode.SPECPIPE, opts, dep.draft) for p in prompts]
         tokens = sum(r["new_tokens"] for r in runs)
-        ideal = sum(stages + math.ceil((r["new_tokens"] - 1) / k) for r in runs)
+        ideal = sum(ideal_decode_steps(stages, r["new_tokens"], k) for r in runs)
         out[label] = {
             "tokens_per_step": tokens / sum(r["decode_steps"] for r in runs),
             "ideal_tokens_per_step": tokens / ideal,

@@ -15,8 +15,9 @@ and the stage and draft cost curves give the step cost; the expected time per to
 with `steps_per_token` the steady state of the pipeline as a two-state chain: a *steady*
 step verifies a group of K levels, stopping at the first miss (tokens: the levels up to
 and including it; all K hit with probability h^K and the next step is steady again); a
-miss *restarts* the tree from the drawn token, which crosses the empty pipeline alone (S
-steps, one token) and then hits with probability h. K = 1 gives 1 / (h + (1 - h) S).
+miss *restarts* the tree from the drawn token, which crosses the empty pipeline with the
+K - 1 levels grown below it (S steps) and is then verified as a steady group is. K = 1
+gives 1 / (h + (1 - h) S).
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ CANDIDATE_LAYERS = (1, 2, 3, 4)
 def tokens_per_step(h: float, k: int, stages: int) -> float:
     """Expected tokens per step in steady state (see the module docstring)."""
     h = min(max(h, 0.0), 1.0)
-    steady = sum(j * h ** (j - 1) * (1 - h) for j in range(1, k + 1)) + k * h**k
-    p_steady, p_restart = h, 1 - h**k  # stationary weights of the two states
-    if p_steady + p_restart == 0:
-        return 1.0 / stages
-    return (p_steady * steady + p_restart) / (p_steady + p_restart * stages)
+    tokens = sum(j * h ** (j - 1) * (1 - h) for j in range(1, k + 1)) + k * h**k
+    # either state is followed by a steady step with probability h^K
+    return tokens / (h**k + (1 - h**k) * stages)
+
+
+def ideal_decode_steps(stages: int, new_tokens: int, k: int) -> int:
+    """Steps of a run where every token is a hit: the first root crosses the empty
+    pipeline with the K - 1 levels below it (S steps, K tokens), then K tokens a step."""
+    return stages - 1 + -(-new_tokens // k)
 
 
 def step_seconds(costs: DeploymentCosts, k: int, width: int, uses_draft: bool = True) -> float:

@@ -309,8 +309,9 @@ class Controller(ABC):
         return step
 
     def _root_due(self, root_id: int) -> int:
-        """Lockstep step at which the root's logits leave the last stage."""
-        entered = self._node_step.get(root_id, self._last_verify + 1)
+        """Lockstep step at which the root's logits leave the last stage (a root not fed
+        yet enters at the earliest step it can)."""
+        entered = self._node_step.get(root_id, max(self._last_enter, self._last_verify) + 1)
         return max(entered + self.num_stages - 1, self._last_verify + 1)
 
     def _verified(self, root_id: int) -> None:

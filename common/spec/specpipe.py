@@ -77,7 +77,7 @@ class SpecPipeController(Controller):
 
     # -- events ----------------------------------------------------------------------------
     def start(self) -> list[Command]:
-        return [*self._prefill(), *self._add_layer(ROOT, feed_now=True)]
+        return [*self._prefill(), *self._add_root()]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
         step = self._asked.pop(ticket, None)
@@ -101,7 +101,7 @@ class SpecPipeController(Controller):
         self.root_pos = len(seq) - 1
         self._forget_draft_work()
         self._pending = NO_NODES
-        return self._add_layer(ROOT, feed_now=True)
+        return self._add_root()
 
     def _without_draft(self) -> list[Command]:
         # What is in the pipeline is verified as usual; a hit's subtree is already in
@@ -127,6 +127,12 @@ class SpecPipeController(Controller):
     def _work_step(self) -> int:
         """The step the source works in now: the one before the next group can enter."""
         return max(self._last_enter, self._last_verify)
+
+    def _add_root(self) -> list[Command]:
+        """A fresh root (the start, a miss, a replay) joins the pending group like any layer:
+        with K > 1 it enters together with the K - 1 layers grown below it, so the step its
+        logits come out verifies down to them too; without a source it goes in at once."""
+        return self._add_layer(ROOT, feed_now=not self.width)
 
     def _add_layer(self, idx: Indices, feed_now: bool = False) -> list[Command]:
         """New tree nodes `idx` (one layer) join the pending group, which is fed once it
@@ -222,7 +228,7 @@ class SpecPipeController(Controller):
         if not hit:
             self.reserve = Candidates.empty()
             self._held, self._pending = [], NO_NODES
-            return cmds + self._add_layer(ROOT, feed_now=True)
+            return cmds + self._add_root()
         if not self.width or bool((self._pending == tree.root_id).any()):
             cmds += self._flush()  # nothing may wait for growth: the root must go in
             if not self.width:

@@ -454,7 +454,7 @@ class FaultHarness:
         self.done = False
         self.seqs: list[list[int]] = [[]]  # feed seqs per path
         self.prune_seqs: list[list[int]] = [[]]
-        self.max_node_id = -1
+        self.max_node_id = self.old_horizon = -1
         self._fresh_path()
 
     def _fresh_path(self) -> None:
@@ -479,6 +479,8 @@ class FaultHarness:
                 self.feeds[cmd.step] = cmd.act
                 self.seqs[-1].append(cmd.seq)
                 if not cmd.act.committed:
+                    # node ids keep growing: nothing of an old path is taken for the new one
+                    assert int(cmd.act.node_ids.min()) > self.old_horizon
                     self.max_node_id = max(self.max_node_id, int(cmd.act.node_ids.max()))
             elif isinstance(cmd, BroadcastPrune):
                 self.prunes.append(cmd.prune)
@@ -517,7 +519,7 @@ class FaultHarness:
                 self.answers.clear()
                 self.execute(self.c.drop_draft())
             elif kind is not None:
-                old_horizon = self.max_node_id
+                self.old_horizon = self.max_node_id
                 self._fresh_path()
                 self.has_draft = kind == "path" and self.c.mode.uses_draft
                 self.seqs.append([])
@@ -526,7 +528,6 @@ class FaultHarness:
                 self.execute(self.c.replay(uses_draft=kind == "path"))
                 self.step = min(self.feeds)
                 assert self.seqs[-1][0] == 0  # the new path's feeds are numbered afresh
-                assert self.max_node_id > old_horizon  # node ids keep growing
             result = self.pipe.step("r", self.prunes, self.feeds.pop(self.step, None))
             self.prunes = []
             while self.answers.get(self.step):  # an answer may ask again in the same step

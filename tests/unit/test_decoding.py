@@ -244,12 +244,13 @@ def test_several_layers_per_step_fixed_seed_equals_autoregressive(
 def test_oracle_draft_gives_the_ideal_tokens_per_step_for_one_and_two_layers(
     llama_dir, request
 ) -> None:
-    """The target as its own draft, every token a hit: the first token crosses the empty
-    pipeline alone (S steps), then each step verifies its group of K layers whole."""
+    """The target as its own draft, every token a hit: the first root crosses the empty
+    pipeline with the K - 1 layers below it (S steps, K tokens), then each step verifies
+    its group of K layers whole."""
     stages, n = 5, 48
     runs = _layers_runs(llama_dir, "oracle", stages, request, (1, 2), max_new_tokens=n, width=4)
     for k, gen in runs.items():
         st = gen.stats
         assert st.hits == st.new_tokens == n and st.regrowths == 0, f"K={k}"
-        assert st.decode_steps == stages + -(-(n - 1) // k), f"K={k}"
+        assert st.decode_steps == stages - 1 + -(-n // k), f"K={k}"
     assert runs[2].stats.tokens_per_step > 1.6  # more than one token per step

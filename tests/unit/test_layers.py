@@ -53,9 +53,9 @@ def run(stages, source="oracle", n=24, pipeline=RulePipeline, rule=rule, **opts)
 
 
 def ideal_steps(stages: int, n: int, k: int) -> int:
-    """Every token a hit: the root crosses the empty pipeline alone (S steps, one token),
-    then each step's group of K layers is verified whole."""
-    return stages + math.ceil((n - 1) / k)
+    """Every token a hit: the root crosses the empty pipeline with the K - 1 layers grown
+    below it (S steps, K tokens), then each step's group of K layers is verified whole."""
+    return stages - 1 + math.ceil(n / k)
 
 
 # -- lossless -------------------------------------------------------------------------------
@@ -182,32 +182,39 @@ def rows_logits(nodes, parents, tokens) -> Activation:
 
 
 def test_two_layers_enter_together_and_are_verified_in_one_step() -> None:
+    """K = 2: the root waits for the layer below it and enters with it; every group after
+    has two layers, and a step verifies down both."""
     c = make_controller(Mode.SPECPIPE, "r", [5, 6], DecodeOptions(8, width=1, layers_per_step=2), 2)
     assert not c.root_logits_only  # the last stage returns every row's logits
     start = c.start()
-    (root,) = [f for f in cmds_of(start, Feed) if not f.act.committed]
-    assert root.step == 0 and root.act.node_ids.tolist() == [0]  # the root goes in alone
-    p0 = cmds_of(start, Propose)[0]
+    assert not [f for f in cmds_of(start, Feed) if not f.act.committed]  # the root waits
+    (p0,) = cmds_of(start, Propose)
+    assert p0.layer.node_ids.tolist() == [0]
     out = c.on_candidates(p0.ticket, cand([(0, 7, 0.9)]))
-    assert not cmds_of(out, Feed)  # layer 1 waits for layer 2
+    (group,) = cmds_of(out, Feed)
+    assert group.step == 0 and group.act.node_ids.tolist() == [0, 1]
+    assert group.act.parent_ids.tolist() == [-1, 0] and group.act.tokens.tolist() == [6, 7]
     (p1,) = cmds_of(out, Propose)
     assert p1.step == 0 and p1.layer.node_ids.tolist() == [1]  # the draft works in step 0
     out = c.on_candidates(p1.ticket, cand([(1, 9, 0.9)]))
-    (group,) = cmds_of(out, Feed)
-    assert group.step == 1 and group.act.node_ids.tolist() == [1, 2]
-    assert group.act.parent_ids.tolist() == [0, 1] and group.act.tokens.tolist() == [7, 9]
+    assert not cmds_of(out, Feed)  # layer 2 waits for layer 3
     (p2,) = cmds_of(out, Propose)
-    assert c.on_candidates(p2.ticket, cand([(2, 11, 0.9)])) == []  # held: root due at 1
-    out = c.on_logits(logits_for(0, 7))
-    assert cmds_of(out, Emit)[0].tokens == [7]  # node 1's logits are not out yet
-    (p3,) = cmds_of(out, Propose)  # grown from the held answer: node 3 (token 11)
-    (g2,) = cmds_of(c.on_candidates(p3.ticket, cand([(3, 13, 0.9)])), Feed)
-    assert g2.step == 2 and g2.act.tokens.tolist() == [11, 13]
-    out = c.on_logits(rows_logits([1, 2], [0, 1], [9, 11]))
-    assert cmds_of(out, Emit)[0].tokens == [9, 11]  # node 1, then node 2 in the same step
+    out = c.on_candidates(p2.ticket, cand([(2, 11, 0.9)]))
+    (g1,) = cmds_of(out, Feed)
+    assert g1.step == 1 and g1.act.node_ids.tolist() == [2, 3]
+    assert g1.act.parent_ids.tolist() == [1, 2] and g1.act.tokens.tolist() == [9, 11]
+    (p3,) = cmds_of(out, Propose)
+    assert c.on_candidates(p3.ticket, cand([(3, 13, 0.9)])) == []  # held: root due at 1
+    out = c.on_logits(rows_logits([0, 1], [-1, 0], [7, 9]))
+    assert cmds_of(out, Emit)[0].tokens == [7, 9]  # the root, then node 1 in the same step
     prune = cmds_of(out, BroadcastPrune)[0].prune
-    assert prune.commit_ids.tolist() == [1, 2] and prune.keep_ids.tolist() == [3, 4]
-    assert c.stats.hits == 3 and c.stats.decode_steps == 3 and c.tree.root_id == 3
+    assert prune.commit_ids.tolist() == [0, 1] and prune.keep_ids.tolist() == [2, 3]
+    (p4,) = cmds_of(out, Propose)  # grown from the held answer: node 4 (token 13)
+    (g2,) = cmds_of(c.on_candidates(p4.ticket, cand([(4, 15, 0.9)])), Feed)
+    assert g2.step == 2 and g2.act.tokens.tolist() == [13, 15]
+    out = c.on_logits(rows_logits([2, 3], [1, 2], [11, 13]))
+    assert cmds_of(out, Emit)[0].tokens == [11, 13]
+    assert c.stats.hits == 4 and c.stats.decode_steps == 3 and c.tree.root_id == 4
 
 
 @pytest.mark.parametrize("growth", list(Growth))
@@ -257,13 +264,16 @@ def test_a_miss_inside_the_group_restarts_from_the_drawn_token() -> None:
     p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.9)])), Propose)[0]
     p2 = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])), Propose)[0]
     c.on_candidates(p2.ticket, cand([(2, 11, 0.9)]))
-    c.on_logits(logits_for(0, 7))
-    out = c.on_logits(rows_logits([1, 2], [0, 1], [30, 11]))  # node 1's token is not 9
-    assert cmds_of(out, Emit)[0].tokens == [30]
+    out = c.on_logits(rows_logits([0, 1], [-1, 0], [7, 30]))  # node 1's token is not 9
+    assert cmds_of(out, Emit)[0].tokens == [7, 30]
     prune = cmds_of(out, BroadcastPrune)[0].prune
-    assert prune.commit_ids.tolist() == [1] and prune.keep_ids.numel() == 0
-    (restart,) = cmds_of(out, Feed)
-    assert restart.act.tokens.tolist() == [30] and restart.act.positions.tolist() == [3]
+    assert prune.commit_ids.tolist() == [0, 1] and prune.keep_ids.numel() == 0
+    assert not cmds_of(out, Feed)  # the new root waits for the layer below it
+    (p3,) = cmds_of(out, Propose)
+    assert p3.layer.tokens.tolist() == [30] and p3.layer.positions.tolist() == [3]
+    (restart,) = cmds_of(c.on_candidates(p3.ticket, cand([(p3.layer.node_ids.item(), 8, 0.9)])), Feed)
+    assert restart.act.tokens.tolist() == [30, 8] and restart.act.positions.tolist() == [3, 4]
+    assert restart.step == 2  # right after the verification of step 1
 
 
 def test_the_walk_stops_at_the_last_token() -> None:
