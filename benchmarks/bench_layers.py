@@ -64,6 +64,7 @@ from specpipe.common.perf.layers import evaluate_layers, ideal_decode_steps  # n
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import Generation  # noqa: E402
+from specpipe.common.runtime.scripted import ScriptedPipeline  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Growth, Mode  # noqa: E402
 from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
 
@@ -144,8 +145,8 @@ def specinfer_on(run: dict, stages: int) -> dict:
 # -- runs -------------------------------------------------------------------------------
 
 
-def run_one(dep, prompt: Prompt, mode: Mode, opts: DecodeOptions, draft) -> dict:
-    gen = Generation(dep.pipeline, draft, prompt.ids, mode, opts)
+def run_one(pipeline, prompt: Prompt, mode: Mode, opts: DecodeOptions, draft) -> dict:
+    gen = Generation(pipeline, draft, prompt.ids, mode, opts)
     t0 = time.perf_counter()
     tokens = gen.run()
     s = gen.stats
@@ -194,6 +195,20 @@ def aggregate(runs: list[dict], costs: DeploymentCosts) -> dict:
     }
 
 
+def greedy_continuations(setup: Setup, max_new: int, log) -> dict[str, list[int]]:
+    """prompt name -> prompt + the target's greedy continuation (plain decoding, once)."""
+    dep = build_local(setup.target, 1)
+    out = {}
+    for p in setup.prompts:
+        t0 = time.perf_counter()
+        opts = DecodeOptions(max_new_tokens=max_new, stop_token_ids=setup.stop)
+        tokens = Generation(dep.pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
+        out[p.name] = [*p.ids, *tokens]
+        log(f"  {p.name}: the target's greedy continuation, {len(tokens)} tokens "
+            f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    return out
+
+
 def oracle_check(model: Path, prompts: list[Prompt], stop, args, log) -> dict:
     """The target as its own draft: tokens per step against the ideal, per ranking and K."""
     stages = args.oracle_stages
@@ -208,7 +223,7 @@ def oracle_check(model: Path, prompts: list[Prompt], stop, args, log) -> dict:
         k = kw.get("layers_per_step", 1)
         opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width,
                              stop_token_ids=stop, **kw)  # fmt: skip
-        runs = [run_one(dep, p, Mode.SPECPIPE, opts, dep.draft) for p in prompts]
+        runs = [run_one(dep.pipeline, p, Mode.SPECPIPE, opts, dep.draft) for p in prompts]
         tokens = sum(r["new_tokens"] for r in runs)
         ideal = sum(ideal_decode_steps(stages, r["new_tokens"], k) for r in runs)
         out[label] = {
@@ -270,6 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--split", default="even", choices=("even", "balanced"),
                     help="stage layer split (balanced counts the LM head)")  # fmt: skip
+    ap.add_argument("--scripted", action="store_true",
+                    help="greedy only: the target's stages replaced by its recorded "
+                    "continuation (common/runtime/scripted.py; same tokens, steps and traces)")  # fmt: skip
     ap.add_argument("--reproject", action="store_true",
                     help="re-measure costs and re-project the runs in --out's results.json")  # fmt: skip
     ap.add_argument("--replot", action="store_true",
@@ -327,8 +345,25 @@ def main(argv: list[str] | None = None) -> None:
         return DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
                              width=args.width, stop_token_ids=setup.stop, **kw)  # fmt: skip
 
+    scripted = None
+    if args.scripted:
+        if temps != [0.0]:
+            sys.exit("bench_layers: --scripted replays a greedy continuation: --temperatures 0")
+        scripted = greedy_continuations(setup, args.max_new_tokens, log)
+        vocab = ModelConfig.from_dir(setup.target).vocab_size
+        results["scripted_target"] = True
+        for p in setup.prompts:  # every run must emit exactly the target's continuation
+            reference[(p.name, 0.0)] = scripted[p.name][len(p.ids) :]
+
     for S in stages_list:
         dep = build_local(setup.target, S, split=args.split)
+
+        def pipe(p: Prompt, S: int = S, dep=dep):
+            """The real target's stages, or its recorded continuation of `p` (--scripted)."""
+            return (
+                dep.pipeline if scripted is None else ScriptedPipeline(scripted[p.name], S, vocab)
+            )
+
         costs = DeploymentCosts.measure(dep.pipeline.stages, draft.runtime, COST_ROWS, context, 2)
         log(f"S={S}: stage costs (ms) {fmt_costs(costs)}")
         entry: dict = {"costs": costs.to_dict(), "rows": {}}
@@ -346,7 +381,8 @@ def main(argv: list[str] | None = None) -> None:
             for label, kw in specpipe_configs(args, T):
                 d = draft if kw.get("token_source") != "ngram" else None
                 runs = [
-                    run_one(dep, p, Mode.SPECPIPE, base(sampling, **kw), d) for p in setup.prompts
+                    run_one(pipe(p, S), p, Mode.SPECPIPE, base(sampling, **kw), d)
+                    for p in setup.prompts
                 ]
                 for r in runs:  # lossless: every variant emits the same tokens
                     ref = reference.setdefault((r["prompt"], T), r["tokens"])
@@ -360,7 +396,9 @@ def main(argv: list[str] | None = None) -> None:
                         o = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
                                           width=width, specinfer_depth=depth,
                                           stop_token_ids=setup.stop)  # fmt: skip
-                        runs = [run_one(dep, p, Mode.SPECINFER, o, draft) for p in setup.prompts]
+                        runs = [
+                            run_one(pipe(p, S), p, Mode.SPECINFER, o, draft) for p in setup.prompts
+                        ]
                         specinfer_runs[(T, depth, width)] = runs
             sweep = {}
             for (t, depth, width), runs in specinfer_runs.items():
@@ -374,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
                 k: v["aggregate"] for k, v in sweep.items()
             }
             pp = [
-                run_one(dep, p, Mode.PP, base(sampling), None)
+                run_one(pipe(p, S), p, Mode.PP, base(sampling), None)
                 for p in setup.prompts[: args.pp_prompts]
             ]
             record("pp", pp)
