@@ -271,7 +271,9 @@ def test_a_miss_inside_the_group_restarts_from_the_drawn_token() -> None:
     assert not cmds_of(out, Feed)  # the new root waits for the layer below it
     (p3,) = cmds_of(out, Propose)
     assert p3.layer.tokens.tolist() == [30] and p3.layer.positions.tolist() == [3]
-    (restart,) = cmds_of(c.on_candidates(p3.ticket, cand([(p3.layer.node_ids.item(), 8, 0.9)])), Feed)
+    (restart,) = cmds_of(
+        c.on_candidates(p3.ticket, cand([(p3.layer.node_ids.item(), 8, 0.9)])), Feed
+    )
     assert restart.act.tokens.tolist() == [30, 8] and restart.act.positions.tolist() == [3, 4]
     assert restart.step == 2  # right after the verification of step 1
 
