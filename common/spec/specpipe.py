@@ -10,9 +10,11 @@ only ever its root: one token per S steps (pp), or per step with one stage
 
 Layers are grown one at a time (each from the source's children of the previous one)
 and gather in a pending group until it has K layers; the group then enters stage 1 as
-one feed. The root after a miss (or at the start) enters alone at once: its children
-cannot be proposed before it exists. A source works, for the group entering at step
-e + 1, during step e: its asks carry step e.
+one feed. A fresh root (the start, a miss, a replay) is the first layer of its group:
+it enters with the K - 1 layers grown below it right after it is drawn, so the step its
+logits come out verifies K levels, as a steady group does (K = 1: it enters alone). A
+source works, for the group entering at step e + 1, during step e: its asks carry
+step e (an ask made between two steps runs beside the next one).
 
 When the source answers an ask of step e while the root's verification is due at a step
 <= e, its candidates are held until that verification: in lockstep the verification

@@ -106,7 +106,7 @@ class TokenTree:
         """Add the best `width` candidate children by ranking key.
 
         `parents` are node indices (every candidate's parent must be a frontier node),
-        `tokens`/`probs` the proposals. The key of a node is its path's (deviations,
+        `tokens`/`probs` the proposals. The key of a node is its path's (any deviation,
         -score): `logp` is each candidate's log score as its parent's child (default
         log `probs`: beam ranking by cumulative probability; -inf: never a node) and
         `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
@@ -125,8 +125,9 @@ class TokenTree:
         if deviation is not None:
             dev = dev + np.asarray(deviation, dtype=np.int64)
         ok = np.flatnonzero(np.isfinite(score))
-        # best key first: fewer deviations, then higher score; ties keep candidate order
-        order = np.lexsort((-score[ok], dev[ok]))
+        # best key first: on the source's argmax chain, then higher score; ties keep
+        # candidate order
+        order = np.lexsort((-score[ok], dev[ok] > 0))
         best = ok[order[:width]]
         if best.size == 0:
             return np.empty(0, dtype=np.int64)

@@ -78,6 +78,21 @@ def test_the_argmax_chain_survives_a_narrow_width() -> None:
     assert not on  # the beam dropped the chain
 
 
+def test_past_the_chain_a_likely_second_deviation_beats_an_unlikely_first() -> None:
+    """Greedy: the argmax chain first, then cumulative probability, whatever the number of
+    deviations (counting them first kept junk single deviations and lost the paths where
+    the target deviates twice within the levels the tree runs ahead)."""
+    tree = TokenTree(root_token=0)
+    par, pr = t(0, 0, 0), t(0.7, 0.29, 0.01)  # tokens 1 (chain), 2, 3
+    tree.append_layer(par, t(1, 2, 3), pr, 3, *edge_scores(par, pr, Ranking.TARGET, GREEDY))
+    # children of 1 (chain: 11, deviation: 12), of 2 (21, 22) and of 3 (31)
+    par, pr = t(1, 1, 2, 2, 3), t(0.6, 0.001, 0.5, 0.49, 0.99)
+    logp, dev = edge_scores(par, pr, Ranking.TARGET, GREEDY)
+    new = tree.append_layer(par, t(11, 12, 21, 22, 31), pr, 3, logp, dev)
+    assert sorted(tree.tokens[new].tolist()) == [11, 21, 22]  # 22 (0.142) beats 31 (0.0099)
+    assert tree.dev[new].tolist() == [0, 1, 2]
+
+
 def test_candidates_ruled_out_get_no_node() -> None:
     tree = TokenTree(root_token=0)
     logp = t(0.0, -math.inf).double()
