@@ -27,6 +27,12 @@ choice) on 7 stages: today's beam ranking against the target ranking, K = 1 and 
 against the ideal (the first root crosses the empty pipeline with the K - 1 levels below it,
 then K tokens a step).
 
+`--scripted` (greedy only) keeps the real draft and replaces the target's stages by its
+recorded greedy continuation (`common/runtime/scripted.py`): the tokens, steps and rows
+each stage computes are the real pipeline's (`tests/unit/test_scripted.py`), the target's
+forwards are skipped, so a run takes minutes instead of an hour; the costs are still
+measured on the real stages, and every run must emit the target's continuation.
+
 Writes results.json, results.md and layers.png under --out and prints the table;
 `--replot` rewrites results.md and layers.png from the results.json there, and
 `--reproject [--split balanced]` re-measures the costs (a quieter machine, another layer

@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                         if out != full[len(p.ids) :]:
                             raise SystemExit(f"{p.name}: not the target's continuation")
                         s = gen.stats
-                        misses = s.verifications - s.hits if hasattr(s, "verifications") else None
                         decode = slice(s.prefill_steps, None)
                         runs.append({"prompt": p.name, **s.record(), "hits": s.hits,
-                                     "misses": misses, "seconds": time.perf_counter() - t0,
+                                     "misses": s.new_tokens - s.hits, "seconds": time.perf_counter() - t0,
                                      "emit_steps": s.emit_steps, "trace": s.trace[decode],
                                      "draft_forwards": s.draft_forwards[decode]})  # fmt: skip
                     tokens = sum(r["new_tokens"] for r in runs)
@@ -104,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
                            "runs": runs}  # fmt: skip
                     results.append(row)
                     log(f"S={S} K={k} W={w} {ranking}: tok/step {row['tokens_per_step']:.3f} "
-                        f"hit {row['hit_rate']:.3f} regrowths {row['regrowths']} "
+                        f"hit {row['hit_rate']:.3f} misses {sum(r['misses'] for r in runs)} "
+                        f"regrowths {row['regrowths']} "
                         f"{row['per_prompt']} ({sum(r['seconds'] for r in runs):.0f} s)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"s{args.stages}-k{args.layers}-w{args.widths}-{args.rankings}".replace(",", "_")

@@ -14,7 +14,7 @@ target as its own draft, ideal 0.91; `tests/unit/test_layers.py` builds such a d
   comes first, so it always survives the width limit; every other node ranks by
   cumulative probability, like the beam. A candidate that is not its parent's best
   proposal is a *deviation*; the tree counts them per path.
-  Measured (`bench_layers.py --scripted`, Qwen pair, S = 8, K = 2, W = 16, greedy): an
+  Measured (`bench_tree_policy.py`, Qwen pair, S = 8, K = 2, W = 16, greedy): an
   earlier version ranked by the number of deviations first, so a path with two likely
   deviations (0.24, then 0.31 two tokens later) lost to every path with one, however
   unlikely (0.001), and the tree missed where the target deviates twice within the S·K
