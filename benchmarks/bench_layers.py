@@ -144,7 +144,7 @@ def specinfer_on(run: dict, stages: int) -> dict:
             trace.append([n if i == k else 0 for i in range(stages)] + [0])
         step += stages
         emit += [step] * accepted
-    return {**run, "trace": trace, "emit_steps": emit, "stages": stages,
+    return {**run, "trace": trace, "emit_steps": emit, "stages": stages, "decode_steps": step,
             "draft_forwards": [[] for _ in trace]}  # fmt: skip
 
 
