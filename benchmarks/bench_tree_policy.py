@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,11 +24,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_layers import qwen_setup  # noqa: E402
+from bench_layers import greedy_continuations, qwen_setup  # noqa: E402
 from specpipe.common.model.config import ModelConfig  # noqa: E402
 from specpipe.common.model.loading import load_stage  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
-from specpipe.common.runtime.loader import build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import Generation  # noqa: E402
 from specpipe.common.runtime.scripted import ScriptedPipeline  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Mode  # noqa: E402
@@ -38,13 +38,7 @@ def continuations(setup, max_new: int, path: Path, log) -> dict[str, list[int]]:
     cached = json.loads(path.read_text()) if path.is_file() else {}
     missing = [p for p in setup.prompts if len(cached.get(p.name, [])) < len(p.ids) + max_new]
     if missing:
-        dep = build_local(setup.target, 1)
-        for p in missing:
-            t0 = time.perf_counter()
-            opts = DecodeOptions(max_new_tokens=max_new, stop_token_ids=setup.stop)
-            out = Generation(dep.pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
-            cached[p.name] = list(p.ids) + out
-            log(f"  continuation {p.name}: {len(out)} tokens, {time.perf_counter() - t0:.0f} s")
+        cached.update(greedy_continuations(replace(setup, prompts=missing), max_new, log))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(cached))
     return cached
