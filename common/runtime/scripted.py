@@ -1,4 +1,4 @@
-"""A pipeline whose target is a recorded greedy continuation: tree policies in seconds.
+"""A pipeline whose target is a recorded greedy continuation: tree policies in minutes.
 
 Under greedy decoding the controller only ever draws a token from the logits of a node
 whose path is the target's own continuation (the root is verified, and verification
@@ -63,9 +63,14 @@ class ScriptedPipeline:
     ) -> dict[str, StepResult]:
         out = {}
         for rid, (prunes, entering) in inputs.items():
-            held = self._flight[rid]
+            held, on_path = self._flight[rid], self._on_path[rid]
             for prune in prunes:
                 held = [prune.filter(a) for a in held]
+                if on_path:  # forget pruned and committed nodes (new ones hang off live ones)
+                    ids = torch.tensor(list(on_path))
+                    self._on_path[rid] = on_path = {
+                        i: on_path[i] for i in ids[prune.alive(ids)].tolist()
+                    }
             if entering is not None and not entering.committed:
                 self._admit(rid, entering)
             flight = [entering, *held]
