@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
             for label, kw in specpipe_configs(args, T):
                 d = draft if kw.get("token_source") != "ngram" else None
                 runs = [
-                    run_one(pipe(p, S), p, Mode.SPECPIPE, base(sampling, **kw), d)
+                    run_one(pipe(p), p, Mode.SPECPIPE, base(sampling, **kw), d)
                     for p in setup.prompts
                 ]
                 for r in runs:  # lossless: every variant emits the same tokens
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
                                           width=width, specinfer_depth=depth,
                                           stop_token_ids=setup.stop)  # fmt: skip
                         runs = [
-                            run_one(pipe(p, S), p, Mode.SPECINFER, o, draft) for p in setup.prompts
+                            run_one(pipe(p), p, Mode.SPECINFER, o, draft) for p in setup.prompts
                         ]
                         specinfer_runs[(T, depth, width)] = runs
             sweep = {}
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
                 k: v["aggregate"] for k, v in sweep.items()
             }
             pp = [
-                run_one(pipe(p, S), p, Mode.PP, base(sampling), None)
+                run_one(pipe(p), p, Mode.PP, base(sampling), None)
                 for p in setup.prompts[: args.pp_prompts]
             ]
             record("pp", pp)

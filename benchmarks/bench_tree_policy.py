@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,11 +23,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_layers import greedy_continuations, qwen_setup  # noqa: E402
+from bench_layers import greedy_continuations, qwen_setup, run_one  # noqa: E402
 from specpipe.common.model.config import ModelConfig  # noqa: E402
 from specpipe.common.model.loading import load_stage  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
-from specpipe.common.runtime.lockstep import Generation  # noqa: E402
 from specpipe.common.runtime.scripted import ScriptedPipeline  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Mode  # noqa: E402
 
@@ -72,21 +70,14 @@ def main(argv: list[str] | None = None) -> None:
                     runs = []
                     for p in setup.prompts:
                         full = seqs[p.name][: len(p.ids) + args.max_new_tokens]
-                        pipe = ScriptedPipeline(full, S, vocab)
                         opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=w,
                                              layers_per_step=k, ranking=ranking,
                                              stop_token_ids=setup.stop)  # fmt: skip
-                        t0 = time.perf_counter()
-                        gen = Generation(pipe, draft, p.ids, Mode.SPECPIPE, opts)
-                        out = gen.run()
-                        if out != full[len(p.ids) :]:
+                        pipe = ScriptedPipeline(full, S, vocab)
+                        run = run_one(pipe, p, Mode.SPECPIPE, opts, draft)
+                        if run["tokens"] != full[len(p.ids) :]:
                             raise SystemExit(f"{p.name}: not the target's continuation")
-                        s = gen.stats
-                        decode = slice(s.prefill_steps, None)
-                        runs.append({"prompt": p.name, **s.record(), "hits": s.hits,
-                                     "misses": s.new_tokens - s.hits, "seconds": time.perf_counter() - t0,
-                                     "emit_steps": s.emit_steps, "trace": s.trace[decode],
-                                     "draft_forwards": s.draft_forwards[decode]})  # fmt: skip
+                        runs.append({**run, "misses": run["new_tokens"] - run["hits"]})
                     tokens = sum(r["new_tokens"] for r in runs)
                     steps = sum(r["decode_steps"] for r in runs)
                     row = {"stages": S, "layers_per_step": k, "width": w, "ranking": ranking,
@@ -99,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                     log(f"S={S} K={k} W={w} {ranking}: tok/step {row['tokens_per_step']:.3f} "
                         f"hit {row['hit_rate']:.3f} misses {sum(r['misses'] for r in runs)} "
                         f"regrowths {row['regrowths']} "
-                        f"{row['per_prompt']} ({sum(r['seconds'] for r in runs):.0f} s)")  # fmt: skip
+                        f"{row['per_prompt']} ({sum(r['wall_seconds_in_process'] for r in runs):.0f} s)")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"s{args.stages}-k{args.layers}-w{args.widths}-{args.rankings}".replace(",", "_")
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
