@@ -142,6 +142,8 @@ def test_the_keep_alive_holds_an_idle_request(llama_dir) -> None:
 
 
 def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> None:
+    token, other = b"t" * 16, b"u" * 16
+
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
             async with grpc.aio.insecure_channel(addrs[0]) as ch:
@@ -150,18 +152,26 @@ def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> N
                 assert desc.lease_seconds == 60.0
                 await stub.Open(stage_pb2.OpenStageRequest(
                     request_id="a", capacity=16, next_hop="tcp://127.0.0.1:9",
-                    lease_owner="r", lease_epoch="2"))  # fmt: skip
+                    lease_owner="r", lease_epoch=2, lease_token=token))  # fmt: skip
                 resp = await stub.Renew(
-                    pb.RenewRequest(owner="r", epoch="2", request_ids=["a", "lost"])
+                    pb.RenewRequest(owner="r", epoch=2, token=token, request_ids=["a", "lost"])
                 )
                 assert list(resp.unknown_ids) == ["lost"]
                 with pytest.raises(grpc.aio.AioRpcError) as info:  # an older process
-                    await stub.Renew(pb.RenewRequest(owner="r", epoch="1"))
+                    await stub.Renew(pb.RenewRequest(owner="r", epoch=1, token=other))
                 assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                with pytest.raises(grpc.aio.AioRpcError) as info:  # not its token
+                    await stub.Renew(pb.RenewRequest(owner="r", epoch=2, token=other))
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                for bad in (pb.RenewRequest(), pb.RenewRequest(owner="r", epoch=2)):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:  # no owner, no token
+                        await stub.Renew(bad)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert len(stages[0]._requests) == 1
             open_draft = draft_pb2.OpenDraftRequest(
-                request_id="d", capacity=16, prompt_ids=[1, 2], lease_owner="r", lease_epoch="2"
-            )
+                request_id="d", capacity=16, prompt_ids=[1, 2], lease_owner="r", lease_epoch=2,
+                lease_token=token,
+            )  # fmt: skip
             from specpipe.v1 import draft_pb2_grpc
 
             async with grpc.aio.insecure_channel(daddr) as ch:
@@ -170,7 +180,7 @@ def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> N
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await d.Open(open_draft)
                 assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
-                await d.Renew(pb.RenewRequest(owner="r", epoch="3"))  # it restarted
+                await d.Renew(pb.RenewRequest(owner="r", epoch=3, token=other))  # it restarted
                 assert draft.runtime.runtime.info().active_requests == 0
 
     asyncio.run(main())
