@@ -546,6 +546,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             f"{dtype} [rows, {lim.hidden_size}], at most {most} rows"
         )
         rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, why)
+        log.debug("bad frame for %s", st.request_id)
         self._report(st, f"{self.name}: bad frame from {h.sender}: {why}")
         return False
 
@@ -567,6 +568,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             self._enqueue(st, h.seq, Pending(act, h.after_prune, empty))
         except (FrameError, RequestError) as e:
             rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, e)
+            log.debug("bad frame for %s", st.request_id)
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
 
     def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:

@@ -75,8 +75,8 @@ class RequestOrder:
 
     def add_activation(self, seq: int, item: Pending) -> None:
         """Accept activation `seq`; InvalidInput if it was received before or is more
-        than `window` ahead, Overloaded if it would make the waiting work exceed its
-        bounds."""
+        than `window` ahead, Overloaded if it would make the work waiting for an earlier
+        turn exceed its bounds (the activation whose turn it is always fits)."""
         if seq < self.next_seq or seq in self.pending:
             raise InvalidInput(f"activation {seq} was already received")
         if seq >= self.next_seq + self.window:
@@ -84,13 +84,14 @@ class RequestOrder:
                 f"activation {seq} is more than {self.window} ahead of the request's "
                 f"turn ({self.next_seq})"
             )
-        if len(self.pending) >= self.max_pending:
+        size = item.nbytes
+        later = seq != self.next_seq  # the turn's own activation is never refused
+        if later and len(self.pending) >= self.max_pending:
             raise Overloaded(
                 f"activation {seq}: {len(self.pending)} activations of this request wait "
                 f"for their turn already; at most {self.max_pending} may"
             )
-        size = item.nbytes
-        if self.pending_bytes + size > self.max_pending_bytes:
+        if later and self.pending_bytes + size > self.max_pending_bytes:
             raise Overloaded(
                 f"activation {seq} ({size} bytes): {self.pending_bytes} bytes of this "
                 f"request wait for their turn already; at most {self.max_pending_bytes} may"
@@ -102,20 +103,21 @@ class RequestOrder:
     def add_prune(self, seq: int, prune: Prune) -> None:
         """Accept prune `seq`; DuplicatePrune if it was received before, InvalidInput if
         it is more than `window` ahead of the prunes applied, Overloaded beyond the bounds
-        of what waits (prunes count with activations)."""
+        of what waits (prunes count with activations; the prune to apply next fits)."""
         if seq <= self.applied or seq in self.prunes:
             raise DuplicatePrune(f"prune {seq} was already received")
         if seq > self.applied + self.window:
             raise InvalidInput(
                 f"prune {seq} is more than {self.window} ahead of the prunes applied ({self.applied})"
             )
-        if len(self.prunes) >= self.max_pending:
+        size = _prune_bytes(prune)
+        later = seq != self.applied + 1  # the prune to apply next is never refused
+        if later and len(self.prunes) >= self.max_pending:
             raise Overloaded(
                 f"prune {seq}: {len(self.prunes)} prunes of this request wait to be applied "
                 f"already; at most {self.max_pending} may"
             )
-        size = _prune_bytes(prune)
-        if self.pending_bytes + size > self.max_pending_bytes:
+        if later and self.pending_bytes + size > self.max_pending_bytes:
             raise Overloaded(
                 f"prune {seq} ({size} bytes): {self.pending_bytes} bytes of this request "
                 f"wait already; at most {self.max_pending_bytes} may"
