@@ -8,9 +8,9 @@ What it does, as a kubelet would with the chart's pods, on one host:
      main container with the chart's own arguments, environment, volumes, user and
      security settings: `docker run --network host` with the image's entrypoint. The only
      rewrites are the ones one host instead of a pod network needs: `--host 0.0.0.0`
-     becomes 127.0.0.1 (loopback only), `$(POD_IP)` 127.0.0.1, each `--port` and
-     `--data-port` a distinct free port, and the router's stage/draft DNS names those
-     addresses;
+     becomes 127.0.0.1 (loopback only), `$(POD_IP)` and `--peers` 127.0.0.1, each
+     `--port` and `--data-port` a distinct free port, and the router's stage/draft DNS
+     names those addresses;
   3. waits for each container's readiness probe (gRPC health on the probe's port), one
      after the other, and records start-to-ready;
   4. sends requests from the host with `specpipe client generate --json` and checks the
@@ -182,6 +182,8 @@ class Pod:
 
         if arg(a, "--host") == "0.0.0.0":
             put("--host", HOST)
+        if arg(a, "--peers") is not None:  # the pod network is loopback here
+            put("--peers", HOST)
         put("--port", str(self.host_port))
         if self.host_data_port is not None:
             put("--data-port", str(self.host_data_port))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,20 +29,20 @@ from specpipe.common.perf.cost_model import COST_CONTEXT
 from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.draft import Proposal
-from specpipe.common.runtime.errors import InvalidInput, RequestError
+from specpipe.common.runtime.errors import InvalidInput, Overloaded, RequestError
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
 from specpipe.common.runtime.loader import load_draft, parse_dtype
 from specpipe.common.runtime.validation import (
-    MAX_ROWS,
     Limits,
     check_capacity,
     check_rows,
     check_span,
     check_token_ids,
     check_tokens,
+    step_row_cap,
 )
 from specpipe.common.spec.messages import Candidates, Prune
-from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK
+from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
@@ -53,7 +54,7 @@ from .control import (
     token_activation,
 )
 from .grpc_util import Server, wait_until_idle
-from .lease import reap_expired
+from .lease import lease_claim, reap_expired
 from .metrics import DraftMetrics
 from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
@@ -64,6 +65,9 @@ log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Draft"
 DRAFT_FRACTION = 0.25  # of the draft's recent forward: the automatic batch wait
+# Propose calls of one request waiting at once: its router awaits each before the next
+# (a replay's new path has another id), so more is a client flooding the queue.
+MAX_ASKS_PER_REQUEST = 2
 
 
 @dataclass
@@ -89,11 +93,16 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         security: Security | None = None,
         pacer: Pacer | None = None,
         batch_wait: float | None = None,
+        max_step_rows: int | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC (--secure); `pacer`: every forward paced to a
         cost model (--emulate-costs); `batch_wait`: how long a forward may wait for
-        Propose calls of the same step, in seconds (None: automatic; 0: never)."""
+        Propose calls of the same step, in seconds (None: automatic; 0: never);
+        `max_step_rows`: the most rows one call (a prefill chunk, a tree layer) may
+        carry (None: from the measured cost curve, `step_row_cap`)."""
         self.pacer = pacer
+        self.security = security
+        self._max_step_rows = max_step_rows
         self.cost_curve = None  # perf.cost_model.CostCurve, with --measure-costs
         # Every open request asks once per step, at irregular times (answers it grows
         # on at once, or holds until a verification): the requests of the last batch
@@ -105,7 +114,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self._reaper: asyncio.Task | None = None
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
-        self.limits = Limits.of(self.runtime.runtime.model)
+        self._model_limits = Limits.of(self.runtime.runtime.model)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._asks: list[_Ask] = []  # Propose calls waiting for the next batch
         self._wake = asyncio.Event()
@@ -113,7 +122,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         self.draining = False
         self.server = Server(
             [SERVICE_NAME],
-            max_receive_bytes=max_control_bytes(self.limits),
+            max_receive_bytes=max_control_bytes(self._model_limits),
             credentials=security.server_credentials() if security else None,
         )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
@@ -124,6 +133,18 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             lambda: stage.cache_bytes_used / stage.max_cache_bytes if stage.max_cache_bytes else 0,
             lambda: stage.info().active_requests,
         )
+
+    @property
+    def max_step_rows(self) -> int:
+        """The most rows one call (a prefill chunk, a tree layer) may carry here."""
+        if self._max_step_rows is not None:
+            return self._max_step_rows
+        return step_row_cap(self.cost_curve)
+
+    @property
+    def limits(self) -> Limits:
+        """What the draft model accepts (context, vocabulary, rows per call)."""
+        return dataclasses.replace(self._model_limits, max_rows=self.max_step_rows)
 
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
@@ -169,10 +190,19 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         except (InvalidInput, FrameError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
 
+    async def _check_chunk(self, context, chunk: int) -> None:
+        """A prefill chunk the caller chose: at most `max_step_rows`."""
+        if chunk > self.max_step_rows:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"draft: prefill chunk {chunk} is above the {self.max_step_rows} rows one "
+                "step may take here",
+            )
+
     async def _prefill(self, context, rid: str, tokens: torch.Tensor, start: int, chunk: int):
         """Cache verified tokens one chunk per compute call: other requests' calls run in
         between, so one long prefill never stalls every draft user."""
-        chunk = min(chunk or DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK)
+        chunk = min(chunk or DEFAULT_PREFILL_CHUNK, self.max_step_rows)
         for s in range(0, tokens.numel(), chunk):
             part = tokens[s : s + chunk]
             n = part.numel()
@@ -195,6 +225,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             cost_curve=cost_curve_to_proto(self.cost_curve, COST_CONTEXT)
             if self.cost_curve
             else None,
+            max_step_rows=self.max_step_rows,
         )
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
@@ -209,6 +240,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "request_id, capacity and prompt_ids are required"
             )
         n = len(request.prompt_ids)  # checked before anything is built from it
+        await self._check_chunk(context, request.prefill_chunk)
         await self._check(context, check_capacity, int(request.capacity), self.limits)
         await self._check(context, check_span, 0, n, self.limits)
         if n > request.capacity:
@@ -225,7 +257,14 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"draft: request {rid!r} is already open"
             )
         try:
-            stale = self.leases.grant(rid, request.lease_owner, request.lease_epoch)
+            claim = lease_claim(
+                request.lease_owner,
+                request.lease_epoch,
+                request.lease_token,
+                context,
+                authenticated=self.security is not None,
+            )
+            stale = self.leases.grant(rid, claim)
         except RequestError as e:
             await context.abort(status_code(e), f"draft: {e}")
         await self._free(context, stale)
@@ -251,16 +290,21 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             log.warning("draft: freed %d requests of a router that restarted", len(request_ids))
 
     async def _expire(self, rid: str) -> None:
-        rlog.warning("lease", "draft: request %s expired (no word from its router for %.0f s): freed",
-                     rid, self.leases.seconds)  # fmt: skip
+        rlog.warning("lease", "draft: a request expired (no word from its router for %.0f s): freed",
+                     self.leases.seconds)  # fmt: skip
+        log.debug("request %s expired", rid)
         self.aligner.forget(rid)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
 
     async def Renew(self, request, context) -> pb.RenewResponse:
+        """A router's keep-alive: only its own requests are renewed (see StageService)."""
         try:
-            unknown, stale = self.leases.renew_all(
-                request.owner, request.epoch, request.request_ids
+            claim = lease_claim(
+                request.owner, request.epoch, request.token, context, self.security is not None
             )
+            if claim is None:
+                raise InvalidInput("Renew names no lease owner")
+            unknown, stale = self.leases.renew_all(claim, request.request_ids)
         except RequestError as e:
             await context.abort(status_code(e), f"draft: {e}")
         await self._free(context, stale)
@@ -269,6 +313,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
     async def Prefill(self, request, context) -> draft_pb2.PrefillDraftResponse:
         self.leases.renew(request.request_id)
         n = len(request.token_ids)
+        await self._check_chunk(context, request.prefill_chunk)
         await self._check(context, check_span, request.start_position, n, self.limits)
         tokens = torch.tensor(request.token_ids, dtype=torch.int64)
         await self._check(context, check_token_ids, tokens, self.runtime.vocab_size)
@@ -279,13 +324,21 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         return draft_pb2.PrefillDraftResponse()
 
     async def Propose(self, request, context) -> draft_pb2.ProposeResponse:
-        self.leases.renew(request.request_id)
+        rid = request.request_id
+        if not self.leases.renew(rid):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open")
         try:
-            layer = token_activation(request.request_id, request.rows, request.token_ids, MAX_ROWS)
+            layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
             check_rows(layer, self.limits)
             check_tokens(layer, self.limits)
-        except (FrameError, InvalidInput) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
+            waiting = sum(a.proposal.layer.request_id == rid for a in self._asks)
+            if waiting >= MAX_ASKS_PER_REQUEST:
+                raise Overloaded(
+                    f"{waiting} Propose calls of this request wait already; at most "
+                    f"{MAX_ASKS_PER_REQUEST} may (send each after the last one's answer)"
+                )
+        except (FrameError, RequestError) as e:
+            await context.abort(status_code(e), f"draft: {e}")
         prunes = [prune_from_proto(sig) for sig in request.prunes]
         if self._loop_task is None or self._loop_task.done():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)")

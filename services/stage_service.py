@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -31,7 +32,6 @@ from specpipe.common.perf.emulate import Pacer, paced
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.errors import (
     AlreadyOpen,
-    DuplicatePrune,
     InvalidInput,
     RequestError,
 )
@@ -45,6 +45,7 @@ from specpipe.common.runtime.validation import (
     Limits,
     check_capacity,
     check_input,
+    step_row_cap,
 )
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.v1 import dataplane_pb2 as pb
@@ -57,9 +58,10 @@ from .control import (
     token_activation,
 )
 from .grpc_util import Server, wait_until_idle
-from .lease import reap_expired
+from .lease import lease_claim, reap_expired
 from .metrics import StageMetrics
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
+from .peers import Peers
 from .ratelog import RateLimitedLog
 from .security import Security
 from .status import status_code
@@ -142,16 +144,19 @@ class StageService(stage_pb2_grpc.StageServicer):
         allow_configure: bool = False,
         peers: Sequence[str] = (),
         batch_wait: float | None = None,
+        max_step_rows: int | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
-        (loading other weights) only with `allow_configure`; `peers`: the only hosts a
-        request's next hop and report address may name (empty: any host of this
-        deployment's transport; with --secure only peers holding its secret answer);
-        `batch_wait`: how long a round may wait for requests of the same step, in seconds
-        (None: a share of the recent forwards, capped; 0: never; see StepAligner)."""
+        (loading other weights) only with `allow_configure`; `peers`: the only hosts and
+        networks (CIDR) a request's next hop and report address may name, in every mode
+        (empty: loopback only; see `Peers`); `batch_wait`: how long a round may wait for
+        requests of the same step, in seconds (None: a share of the recent forwards,
+        capped; 0: never; see StepAligner); `max_step_rows`: the most rows one activation
+        may carry (None: from the model's measured cost curve, `step_row_cap`)."""
         self.security = security
         self.allow_configure = allow_configure
-        self.peers = frozenset(peers)
+        self.peers = Peers.parse(peers)
+        self._max_step_rows = max_step_rows
         self.model = model
         self.max_cache_bytes = max_cache_bytes
         self.cache_fraction = cache_fraction
@@ -251,9 +256,25 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     @property
     def limits(self) -> Limits:
-        """What this stage's model accepts (context, vocabulary, width, dtype)."""
+        """What this stage's model accepts (context, vocabulary, width, dtype, rows per
+        activation)."""
         assert self.model is not None
-        return Limits.of(self.runtime.model)
+        return dataclasses.replace(Limits.of(self.runtime.model), max_rows=self.max_step_rows)
+
+    @property
+    def max_step_rows(self) -> int:
+        """The most rows one activation (a prefill chunk, a tree feed) may carry here."""
+        if self._max_step_rows is not None:
+            return self._max_step_rows
+        return step_row_cap(self.model.cost_curve if self.model is not None else None)
+
+    def _pending_bytes(self, capacity: int) -> int:
+        """What one request may hold waiting for its turn: every row it may ever cache,
+        as this stage's input (token ids and row ids; hidden states after the first)."""
+        lim = self.limits
+        ids = 4 * torch.int64.itemsize  # position, token, node and parent id
+        hidden = 0 if self.runtime.is_first else lim.row_bytes(lim.hidden_size)
+        return capacity * (ids + hidden)
 
     # -- RPCs ------------------------------------------------------------------------------
     async def Describe(self, request, context) -> stage_pb2.StageDescription:
@@ -265,6 +286,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             active_requests=len(self._requests),
             ready=self.model is not None,
             lease_seconds=self.leases.seconds,
+            max_step_rows=self.max_step_rows,
         )
         if self.model is None:
             desc.free_memory_bytes = free_memory_bytes(self.device)
@@ -345,7 +367,14 @@ class StageService(stage_pb2_grpc.StageServicer):
                     self._check_hop(hop)
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
-            self._free_stale(self.leases.grant(rid, request.lease_owner, request.lease_epoch))
+            claim = lease_claim(
+                request.lease_owner,
+                request.lease_epoch,
+                request.lease_token,
+                context,
+                authenticated=self.security is not None,
+            )
+            self._free_stale(self.leases.grant(rid, claim))
             try:
                 self.runtime.open(rid, int(request.capacity), request.root_logits_only)
             except RequestError:
@@ -358,6 +387,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         # Every prefill chunk may be sent at once (one row each at least), then the layers
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
+        st.order.max_pending_bytes = self._pending_bytes(capacity)
         self._requests[rid] = st
         self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
@@ -391,7 +421,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.leases.renew(st.request_id)
         try:
             act = token_activation(
-                request.request_id, request.rows, request.token_ids, min(st.capacity, MAX_ROWS)
+                request.request_id, request.rows, request.token_ids, self._rows_of(st)
             )
             check_input(act, self.limits, first=True)
             self._enqueue(st, request.seq, Pending(act, request.after_prune))
@@ -419,7 +449,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.leases.renew(st.request_id)
         try:
             st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
-        except (DuplicatePrune, InvalidInput) as e:
+        except (FrameError, RequestError) as e:
             return status_code(e), str(e)
         self._wake.set()
         return None
@@ -428,10 +458,15 @@ class StageService(stage_pb2_grpc.StageServicer):
         return pb.ReleaseResponse(released=self._drop(request.request_id))
 
     async def Renew(self, request, context) -> pb.RenewResponse:
+        """A router's keep-alive: only its own requests (its owner's, its epoch's, with
+        its token) are renewed; a newer epoch of the same owner frees the older's."""
         try:
-            unknown, stale = self.leases.renew_all(
-                request.owner, request.epoch, request.request_ids
+            claim = lease_claim(
+                request.owner, request.epoch, request.token, context, self.security is not None
             )
+            if claim is None:
+                raise InvalidInput("Renew names no lease owner")
+            unknown, stale = self.leases.renew_all(claim, request.request_ids)
         except RequestError as e:
             await context.abort(status_code(e), f"{self.name}: {e}")
         self._free_stale(stale)
@@ -447,8 +482,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             )
 
     def _expire(self, rid: str) -> None:
-        rlog.warning("lease", "%s: request %s expired (no word from its router for %.0f s): freed",
-                     self.name, rid, self.leases.seconds)  # fmt: skip
+        rlog.warning("lease", "%s: a request expired (no word from its router for %.0f s): freed",
+                     self.name, self.leases.seconds)  # fmt: skip
+        log.debug("request %s expired", rid)
         self._drop(rid)
 
     async def _request(self, rid: str, context) -> _Request:
@@ -463,7 +499,8 @@ class StageService(stage_pb2_grpc.StageServicer):
     # -- data plane ----------------------------------------------------------------------
     def _check_hop(self, address: str) -> None:
         """A next hop or report address must be a data-plane address of this deployment's
-        transport (the TLS/HMAC data plane then only talks to peers holding its secret)."""
+        transport on one of this stage's peers (--peers; loopback by default), in every
+        mode: nobody makes a stage send frames elsewhere."""
         try:
             addr = Address.parse(address)
         except ValueError as e:
@@ -472,14 +509,22 @@ class StageService(stage_pb2_grpc.StageServicer):
             raise InvalidInput(
                 f"{address}: this deployment's data plane is {self.transport.scheme}"
             )
-        if self.peers and addr.host not in self.peers:
-            raise InvalidInput(f"{address}: not one of this stage's peers (--peers)")
+        if not self.peers.allows(addr.host):
+            raise InvalidInput(
+                f"{address}: {addr.host} is not one of this stage's peers ({self.peers}; "
+                "see --peers)"
+            )
+
+    def _rows_of(self, st: _Request) -> int:
+        """The most rows one activation of `st` may carry here."""
+        return min(st.capacity, self.max_step_rows)
 
     def _bound_frames(self) -> None:
-        """No frame larger than the largest activation this stage's model takes is read."""
+        """No frame larger than the largest batch of activations a peer sends is read
+        (each part is then held to its request's rows by `_admit`)."""
         if self.model is not None:
             lim = self.limits
-            self.transport.max_payload_bytes = lim.max_rows * lim.row_bytes(lim.hidden_size)
+            self.transport.max_payload_bytes = MAX_ROWS * lim.row_bytes(lim.hidden_size)
 
     def _admit(self, h: pb.FrameHeader) -> bool:
         """Whether to read a frame's payload (the header is all there is yet): frames of
@@ -492,17 +537,16 @@ class StageService(stage_pb2_grpc.StageServicer):
             return False
         if h.kind != Kind.PAYLOAD_KIND_HIDDEN:
             return not h.dtype  # empty and error frames carry no payload
-        rows, lim = len(h.rows.positions), self.limits
+        rows, lim, most = len(h.rows.positions), self.limits, self._rows_of(st)
         dtype = str(lim.dtype).removeprefix("torch.")
-        if rows <= st.capacity and h.dtype == dtype and list(h.shape) == [rows, lim.hidden_size]:
+        if rows <= most and h.dtype == dtype and list(h.shape) == [rows, lim.hidden_size]:
             return True
         why = (
             f"hidden states {h.dtype or '?'} {list(h.shape)} for {rows} rows; this stage takes "
-            f"{dtype} [rows, {lim.hidden_size}], at most {st.capacity} rows"
+            f"{dtype} [rows, {lim.hidden_size}], at most {most} rows"
         )
-        rlog.warning(
-            "bad-frame", "%s: bad frame for %s from %s: %s", self.name, st.request_id, h.sender, why
-        )
+        rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, why)
+        log.debug("bad frame for %s", st.request_id)
         self._report(st, f"{self.name}: bad frame from {h.sender}: {why}")
         return False
 
@@ -523,8 +567,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                 check_input(act, self.limits, first=False)
             self._enqueue(st, h.seq, Pending(act, h.after_prune, empty))
         except (FrameError, RequestError) as e:
-            rlog.warning("bad-frame", "%s: bad frame for %s from %s: %s",
-                         self.name, st.request_id, h.sender, e)  # fmt: skip
+            rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, e)
+            log.debug("bad frame for %s", st.request_id)
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
 
     def _enqueue(self, st: _Request, seq: int, item: Pending) -> None:
@@ -727,7 +771,9 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _fail(self, st: _Request, message: str, unavailable: bool = False) -> None:
         """This request takes no more work here; the router hears why (and releases it)."""
         st.closed = True
-        rlog.error("compute", "%s: request %s failed: %s", self.name, st.request_id, message)
+        redacted = message.replace(st.request_id, "<request id>")
+        rlog.error("compute", "%s: a request failed: %s", self.name, redacted)
+        log.debug("request %s failed: %s", st.request_id, message)
         self._report(st, message, unavailable)
 
     def _for_wire(self, out: Activation | None) -> Activation | None:
@@ -758,7 +804,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             try:
                 await self.transport.send_frame(st.report_to, header)
             except TransportError as e:
-                log.warning("cannot report failure of %s: %s", st.request_id, e)
+                rlog.warning("report", "%s: cannot report a request's failure: %s", self.name, e)
+                log.debug("cannot report failure of %s", st.request_id)
 
         if st.report_to:
             task = asyncio.ensure_future(send())

@@ -11,6 +11,8 @@ from specpipe.common.runtime.errors import (
     DuplicatePrune,
     InvalidInput,
     NotOpen,
+    NotOwner,
+    Overloaded,
 )
 
 from .control import FrameError
@@ -23,6 +25,8 @@ CODES: dict[type[Exception], grpc.StatusCode] = {
     BadInput: grpc.StatusCode.FAILED_PRECONDITION,
     DuplicatePrune: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    NotOwner: grpc.StatusCode.PERMISSION_DENIED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

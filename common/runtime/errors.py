@@ -38,3 +38,13 @@ class InvalidInput(RequestError):
     dtype or with non-finite values, a sequence number far ahead of the request's or seen
     before. Checked before anything is computed or allocated for it
     (`common/runtime/validation.py`)."""
+
+
+class Overloaded(RequestError):
+    """More than a request may hold waiting here: received work that cannot be computed
+    yet beyond its bound (`common/runtime/ordering.py`)."""
+
+
+class NotOwner(RequestError):
+    """A lease call that does not come from the process that holds the leases: the
+    owner's epoch with another lease token (`common/runtime/lease.py`)."""

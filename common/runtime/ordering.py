@@ -12,7 +12,12 @@ a stage on different channels and in any order. The rules:
   computed, it only passes the turn on (the stage forwards an empty frame);
 - a prune or an activation that was already received is refused, and so is one
   numbered more than `window` ahead of the request's (it could never be reached, and
-  would be held forever).
+  would be held forever);
+- what waits is bounded: at most `max_pending` activations and `max_pending_bytes` of
+  their tensors per request (the stage sets it from the request's capacity: every row
+  the request may ever cache, sent at once); beyond that an activation is refused
+  (`Overloaded`, RESOURCE_EXHAUSTED), so one request cannot pile up memory with work
+  that is never computed.
 
 `RequestOrder` holds one request's waiting work and says what to do next; the stage
 service only awaits what it says, computes and sends.
@@ -23,7 +28,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec.messages import Activation, Prune
-from .errors import DuplicatePrune, InvalidInput
+from .errors import DuplicatePrune, InvalidInput, Overloaded
+
+# Activations one request may have waiting (a prompt of the whole context in prefill
+# chunks of 8 rows or more, sent at once, fits).
+MAX_PENDING = 4096
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _prune_bytes(prune: Prune) -> int:
+    return _nbytes(prune.commit_ids, prune.keep_ids)
 
 
 @dataclass
@@ -33,6 +50,12 @@ class Pending:
     act: Activation
     after_prune: int
     empty: bool = False  # pruned away upstream: only passes the turn on
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the activation's tensors (what waiting holds)."""
+        a = self.act
+        return _nbytes(a.positions, a.node_ids, a.parent_ids, a.tokens, a.hidden, a.logits)
 
 
 @dataclass
@@ -45,10 +68,15 @@ class RequestOrder:
     # stage sets it from the request's cache capacity: every prefill chunk may be sent at
     # once, and each has at least one row).
     window: int = 1 << 20
+    max_pending: int = MAX_PENDING
+    max_pending_bytes: int = 1 << 62  # the stage sets it per request
+    pending_bytes: int = 0  # of the activations in `pending`
+    _sizes: dict[int, int] = field(default_factory=dict)  # their bytes, by seq
 
     def add_activation(self, seq: int, item: Pending) -> None:
         """Accept activation `seq`; InvalidInput if it was received before or is more
-        than `window` ahead."""
+        than `window` ahead, Overloaded if it would make the work waiting for an earlier
+        turn exceed its bounds (the activation whose turn it is always fits)."""
         if seq < self.next_seq or seq in self.pending:
             raise InvalidInput(f"activation {seq} was already received")
         if seq >= self.next_seq + self.window:
@@ -56,18 +84,46 @@ class RequestOrder:
                 f"activation {seq} is more than {self.window} ahead of the request's "
                 f"turn ({self.next_seq})"
             )
+        size = item.nbytes
+        later = seq != self.next_seq  # the turn's own activation is never refused
+        if later and len(self.pending) >= self.max_pending:
+            raise Overloaded(
+                f"activation {seq}: {len(self.pending)} activations of this request wait "
+                f"for their turn already; at most {self.max_pending} may"
+            )
+        if later and self.pending_bytes + size > self.max_pending_bytes:
+            raise Overloaded(
+                f"activation {seq} ({size} bytes): {self.pending_bytes} bytes of this "
+                f"request wait for their turn already; at most {self.max_pending_bytes} may"
+            )
         self.pending[seq] = item
+        self._sizes[seq] = size
+        self.pending_bytes += size
 
     def add_prune(self, seq: int, prune: Prune) -> None:
         """Accept prune `seq`; DuplicatePrune if it was received before, InvalidInput if
-        it is more than `window` ahead of the prunes applied."""
+        it is more than `window` ahead of the prunes applied, Overloaded beyond the bounds
+        of what waits (prunes count with activations; the prune to apply next fits)."""
         if seq <= self.applied or seq in self.prunes:
             raise DuplicatePrune(f"prune {seq} was already received")
         if seq > self.applied + self.window:
             raise InvalidInput(
                 f"prune {seq} is more than {self.window} ahead of the prunes applied ({self.applied})"
             )
+        size = _prune_bytes(prune)
+        later = seq != self.applied + 1  # the prune to apply next is never refused
+        if later and len(self.prunes) >= self.max_pending:
+            raise Overloaded(
+                f"prune {seq}: {len(self.prunes)} prunes of this request wait to be applied "
+                f"already; at most {self.max_pending} may"
+            )
+        if later and self.pending_bytes + size > self.max_pending_bytes:
+            raise Overloaded(
+                f"prune {seq} ({size} bytes): {self.pending_bytes} bytes of this request "
+                f"wait already; at most {self.max_pending_bytes} may"
+            )
         self.prunes[seq] = prune
+        self.pending_bytes += size
 
     def next_prune(self) -> tuple[int, Prune] | None:
         """The prune to apply now, if it has arrived; report it with `prune_applied`."""
@@ -78,7 +134,7 @@ class RequestOrder:
     def prune_applied(self, seq: int) -> None:
         if seq != self.applied + 1 or seq not in self.prunes:
             raise ValueError(f"prune {seq} is not the one to apply (applied {self.applied})")
-        del self.prunes[seq]
+        self.pending_bytes -= _prune_bytes(self.prunes.pop(seq))
         self.applied = seq
 
     def next_activation(self) -> tuple[int, Pending] | None:
@@ -89,6 +145,7 @@ class RequestOrder:
             return None
         seq = self.next_seq
         del self.pending[seq]
+        self.pending_bytes -= self._sizes.pop(seq)
         self.next_seq += 1
         return seq, item
 

@@ -13,7 +13,9 @@ before its tensors are built.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -30,6 +32,23 @@ MAX_TREE_ROWS = MAX_SPECINFER_DEPTH * MAX_WIDTH + 2
 MAX_ROWS = max(MAX_PREFILL_CHUNK, MAX_TREE_ROWS)
 # Items (feeds, prunes) in one batched control call (a router sends more as several).
 MAX_CALLS_PER_BATCH = 256
+
+# The rows one activation (a prefill chunk, a tree feed, a draft layer) may carry on a
+# stage or the draft: rows beyond the point where a forward's cost per row stops falling
+# buy no throughput, only a longer forward that every other request waits for, and
+# activation memory. Bounds of the measured point: the floor holds the default prefill
+# chunk and every default tree with room; the ceiling is taken when the cost per row
+# still falls at the largest row count measured (accelerators).
+MIN_STEP_ROWS = 256
+MAX_STEP_ROWS = 2048
+DEFAULT_STEP_ROWS = 1024  # without a measured cost curve
+FLAT_COST_PER_ROW = 1.1  # within 10% of the lowest cost per row measured: flat
+STILL_FALLING = 1.5  # the last two counts measured: a cost per row falling this much
+
+
+class _Curve(Protocol):
+    rows: Sequence[int]
+    seconds: Sequence[float]
 
 
 @dataclass(frozen=True)
@@ -56,6 +75,24 @@ class Limits:
         return width * (dtype or self.dtype).itemsize
 
 
+def step_row_cap(curve: _Curve | None) -> int:
+    """The most rows one activation may carry on a runtime with this measured cost curve
+    (`perf.cost_model.CostCurve`; None: not measured): the fewest rows whose cost per row
+    is within `FLAT_COST_PER_ROW` of the lowest measured, in [MIN_STEP_ROWS,
+    MAX_STEP_ROWS]; MAX_STEP_ROWS when it still falls steeply (`STILL_FALLING`) at the
+    largest count measured."""
+    pairs = zip(curve.rows, curve.seconds, strict=True) if curve is not None else ()
+    points = sorted((int(n), float(sec) / n) for n, sec in pairs if n > 0)
+    if len(points) < 2:
+        return DEFAULT_STEP_ROWS
+    lowest = min(per_row for _, per_row in points)
+    flat = min(n for n, per_row in points if per_row <= FLAT_COST_PER_ROW * lowest)
+    (_, before), (last, at_last) = points[-2:]
+    if flat == last and before >= STILL_FALLING * at_last:
+        return MAX_STEP_ROWS
+    return max(MIN_STEP_ROWS, min(MAX_STEP_ROWS, flat))
+
+
 def check_counts(
     rows: int,
     node_ids: int,
@@ -67,7 +104,10 @@ def check_counts(
     """Row counts of a message, before its tensors exist: at most `max_rows` rows; tree
     rows have one node id and one parent id each, committed rows none; one token per row."""
     if rows > max_rows:
-        raise InvalidInput(f"{rows} rows in one message; at most {max_rows}")
+        raise InvalidInput(
+            f"{rows} rows in one activation; this service takes at most {max_rows} rows "
+            "per step (a prefill chunk or a token tree)"
+        )
     if committed and (node_ids or parent_ids):
         raise InvalidInput("committed rows (a prefill chunk) carry no node or parent ids")
     if not committed and (node_ids != rows or parent_ids != rows):

@@ -119,6 +119,38 @@ def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
     return 2
 
 
+def step_rows(mode: Mode, opts: DecodeOptions) -> int:
+    """The most tree rows one activation of a request carries (a SpecInfer tree fed
+    whole, K SpecPipe layers with their root), prefill chunks aside."""
+    if mode == Mode.SPECPIPE:
+        return opts.layers_per_step * opts.width + 1
+    if mode == Mode.SPECINFER:
+        return opts.specinfer_depth * opts.width + 1
+    return 1
+
+
+def check_step_rows(mode: Mode, opts: DecodeOptions, max_rows: int) -> None:
+    """Reject a request that would send a stage or the draft more than `max_rows` rows
+    in one step (the deployment's cap, which the stages and the draft enforce)."""
+    if opts.prefill_chunk > max_rows:
+        raise ValueError(
+            f"prefill_chunk {opts.prefill_chunk} is above the {max_rows} rows one step may "
+            "take on this deployment's stages and draft: use a smaller prefill_chunk"
+        )
+    rows = step_rows(mode, opts)
+    if rows > max_rows:
+        shape = (
+            f"{opts.specinfer_depth} layers of width {opts.width}"
+            if mode == Mode.SPECINFER
+            else f"{opts.layers_per_step} layers per step of width {opts.width}"
+        )
+        raise ValueError(
+            f"a {mode} tree of {rows} rows in one step ({shape}) is above the {max_rows} "
+            "rows one step may take on this deployment's stages and draft: use a smaller "
+            "width or depth"
+        )
+
+
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
     """Reject a prompt no mode can serve (the CLI, the engine and the router share this)."""
     if not prompt_ids:

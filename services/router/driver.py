@@ -141,7 +141,7 @@ class RequestDriver:
         stall_timeout: float = 60.0,
         on_replay: Callable[[RequestDriver, float], None] | None = None,
         vocab_size: int | None = None,
-        lease: tuple[str, str] = ("", ""),
+        lease: tuple[str, int, bytes] = ("", 0, b""),
         late_draft_wait: float = 0.0,
     ) -> None:
         self.controller, self.backends = controller, backends
@@ -163,7 +163,8 @@ class RequestDriver:
         self._holding = False  # the current path's backends count this request
         self._rows = 0  # rows in flight counted on the current path's stages
         self.vocab_size = vocab_size  # the width of every logits frame
-        self.lease_owner, self.lease_epoch = lease  # the router's name and process epoch
+        # The router's name, process epoch and lease token (common/runtime/lease.py).
+        self.lease_owner, self.lease_epoch, self.lease_token = lease
         # A replica of the path being opened went down: (replica, message); see backend_down.
         self._opening_path: RequestPath | None = None
         self._opening: asyncio.Future | None = None
@@ -516,6 +517,7 @@ class RequestDriver:
                     fills_pipeline=ctrl.fills_pipeline,
                     lease_owner=self.lease_owner,
                     lease_epoch=self.lease_epoch,
+                    lease_token=self.lease_token,
                 ),
                 timeout=timeout,
             )
@@ -595,6 +597,7 @@ class RequestDriver:
                 prefill_chunk=cmd.prefill_chunk,
                 lease_owner=self.lease_owner,
                 lease_epoch=self.lease_epoch,
+                lease_token=self.lease_token,
             )
             self._draft_call(
                 "opening the request", lambda stub: stub.Open(req, timeout=self.rpc_timeout)

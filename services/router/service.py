@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, MIN_TOKEN_BYTES
 from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.options import Mode
+from specpipe.common.spec.options import Mode, check_step_rows
 from specpipe.common.spec.scheduler import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_MAX_WAITING,
@@ -135,10 +135,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.opening = 0  # requests accepted that wait for their path to open
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
-        # Leases: this router's stable name (default host:port, set at start) and this
-        # process's epoch (start time first: a restarted router's is larger).
+        # Leases: this router's stable name (default host:port, set at start), this
+        # process's epoch (its start time in ns: a restarted router's is larger) and its
+        # lease token (random: only this process renews its requests).
         self.name = name
-        self.epoch = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
+        self.epoch = time.time_ns()
+        self.lease_token = secrets.token_bytes(MIN_TOKEN_BYTES)
         self._renewer: asyncio.Task | None = None
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
@@ -262,7 +264,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         calls = [
             b.stub.Renew(
                 pb.RenewRequest(
-                    owner=self.name, epoch=self.epoch, request_ids=list(held.get(b, {}))
+                    owner=self.name,
+                    epoch=self.epoch,
+                    token=self.lease_token,
+                    request_ids=list(held.get(b, {})),
                 ),
                 timeout=5.0,
             )
@@ -300,7 +305,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if prompt is None:
             check_size(r, model)
             prompt = prompt_of(r, self.codec)
-        return plan_request(
+        plan = plan_request(
             r,
             model,
             prompt,
@@ -308,6 +313,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self.transport.max_payload_bytes,
             self.defaults,
         )
+        # The rows one step may take here: the fewest any stage or the draft takes.
+        caps = [b.desc.max_step_rows for b in self.backends.all if b.desc is not None]
+        caps = [c for c in caps if c > 0]
+        if caps:
+            try:
+                check_step_rows(plan.mode, plan.opts, min(caps))
+            except ValueError as e:
+                raise invalid(str(e)) from None
+        return plan
 
     def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
         """Fill in the settings a request leaves to the router (`auto`)."""
@@ -377,7 +391,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             max_replays=self.max_replays,
             on_replay=self.metrics.replayed if self.metrics is not None else None,
             vocab_size=self.model.vocab_size if self.model else None,
-            lease=(self.name, self.epoch),
+            lease=(self.name, self.epoch, self.lease_token),
             late_draft_wait=self.late_draft_wait,
         )
         self.drivers[rid] = driver

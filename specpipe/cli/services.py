@@ -191,8 +191,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--peers",
         default="",
-        help="comma-separated hosts a request's next hop and report address may name "
-        "(default: any)",
+        help="comma-separated hosts, addresses and CIDR networks a request's next hop and "
+        "report address may name, in every mode (default: loopback only)",
     )
     _batch_wait_arg(p)
     _service_args(p, 50052, data_plane=True)
@@ -506,12 +506,17 @@ def _check_costs(args: argparse.Namespace, stage: bool) -> None:
 
 
 def _cmd_stage(args: argparse.Namespace) -> int:
+    from specpipe.services.peers import Peers
     from specpipe.services.serve import run_stage
 
     if not args.model and not args.allow_configure:
         raise CliError("a stage without --model waits for Configure: give --allow-configure")
     _check_costs(args, stage=True)
     args.peers = [h.strip() for h in args.peers.split(",") if h.strip()]
+    try:
+        Peers.parse(args.peers)
+    except ValueError as e:
+        raise CliError(f"--peers: {e}") from None
     args.device = parse_device(args.device)
     _prepare(args)
     args.model = _resolve(args.model)

@@ -279,6 +279,10 @@ def test_services_listen_on_all_interfaces_and_advertise_the_pod_ip(render):
         assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         if component(d) != "draft":
             assert arg(c, "--transport") == "tcp"
+        if component(d) == "stage":  # next hops on the pod network only (issue 22, N8)
+            assert "10.0.0.0/8" in arg(c, "--peers").split(",")
+    assert all(arg(main_container(d), "--peers") is None
+               for d in workloads(render({"stage": {"peers": []}})))  # fmt: skip
     ucx = render({"transport": "ucx", "ucxEnv": [{"name": "UCX_TLS", "value": "rc,tcp"}]})
     for d in workloads(ucx):
         c = main_container(d)

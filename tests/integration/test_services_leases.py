@@ -18,7 +18,7 @@ from specpipe.services.draft_service import DraftService
 from specpipe.services.router.service import RequestFailed, RouterService
 from specpipe.services.stage_service import StageService
 from specpipe.v1 import dataplane_pb2 as pb
-from specpipe.v1 import draft_pb2, stage_pb2, stage_pb2_grpc
+from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 from .test_services_stage import _stage
 
@@ -142,6 +142,8 @@ def test_the_keep_alive_holds_an_idle_request(llama_dir) -> None:
 
 
 def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> None:
+    token, other = b"t" * 16, b"u" * 16
+
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
             async with grpc.aio.insecure_channel(addrs[0]) as ch:
@@ -150,28 +152,116 @@ def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> N
                 assert desc.lease_seconds == 60.0
                 await stub.Open(stage_pb2.OpenStageRequest(
                     request_id="a", capacity=16, next_hop="tcp://127.0.0.1:9",
-                    lease_owner="r", lease_epoch="2"))  # fmt: skip
+                    lease_owner="r", lease_epoch=2, lease_token=token))  # fmt: skip
                 resp = await stub.Renew(
-                    pb.RenewRequest(owner="r", epoch="2", request_ids=["a", "lost"])
+                    pb.RenewRequest(owner="r", epoch=2, token=token, request_ids=["a", "lost"])
                 )
                 assert list(resp.unknown_ids) == ["lost"]
                 with pytest.raises(grpc.aio.AioRpcError) as info:  # an older process
-                    await stub.Renew(pb.RenewRequest(owner="r", epoch="1"))
+                    await stub.Renew(pb.RenewRequest(owner="r", epoch=1, token=other))
                 assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                with pytest.raises(grpc.aio.AioRpcError) as info:  # not its token
+                    await stub.Renew(pb.RenewRequest(owner="r", epoch=2, token=other))
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                for bad in (pb.RenewRequest(), pb.RenewRequest(owner="r", epoch=2)):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:  # no owner, no token
+                        await stub.Renew(bad)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert len(stages[0]._requests) == 1
             open_draft = draft_pb2.OpenDraftRequest(
-                request_id="d", capacity=16, prompt_ids=[1, 2], lease_owner="r", lease_epoch="2"
-            )
-            from specpipe.v1 import draft_pb2_grpc
-
+                request_id="d", capacity=16, prompt_ids=[1, 2], lease_owner="r", lease_epoch=2,
+                lease_token=token,
+            )  # fmt: skip
             async with grpc.aio.insecure_channel(daddr) as ch:
                 d = draft_pb2_grpc.DraftStub(ch)
                 await d.Open(open_draft)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await d.Open(open_draft)
                 assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
-                await d.Renew(pb.RenewRequest(owner="r", epoch="3"))  # it restarted
+                await d.Renew(pb.RenewRequest(owner="r", epoch=3, token=other))  # it restarted
                 assert draft.runtime.runtime.info().active_requests == 0
+
+    asyncio.run(main())
+
+
+@contextlib.asynccontextmanager
+async def _from_another_host(port: int):
+    """A relay whose connections reach 127.0.0.1:`port` from 127.0.0.2: a caller on
+    another host as a service sees it (its gRPC peer address), on loopback alone."""
+
+    async def pipe(reader, writer) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def relay(reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
+                             return_exceptions=True)  # fmt: skip
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def _tokens(responses) -> list[int]:
+    return [t for r in responses if r.HasField("delta") for t in r.delta.token_ids]
+
+
+def test_a_renewal_from_elsewhere_frees_nothing(llama_dir) -> None:
+    """Issue 22, N1: one unauthenticated Renew naming the router with the epoch "~x"
+    (epochs compared as text) freed every request of the router on a stage: the request
+    in flight failed, and later ones were refused ("epoch ... was replaced"). Without
+    mutual TLS a lease owner is the router's name at the caller's host: a caller on
+    another host naming the router with the largest epoch, and opening a request under
+    its name, neither frees nor renews its requests; the request in flight completes
+    with exactly the quiet run's tokens and later requests open."""
+
+    async def main() -> None:
+        async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
+            router = await _router(addrs, daddr, name="router-a")
+            try:
+                quiet = _tokens(await _consume(router.generate(_request("specpipe", 24))))
+                run = router.generate(_request("specpipe", 24))
+                got = [await run.__anext__(), await run.__anext__()]  # open everywhere
+                held = _held(stages, draft)
+                wire_ids = [d.wire_id for d in router.drivers.values()]
+                forged = pb.RenewRequest(owner=router.name, epoch=(1 << 64) - 1,
+                                         token=b"x" * 16, request_ids=wire_ids)  # fmt: skip
+                lease = dict(lease_owner=router.name, lease_epoch=(1 << 64) - 1,
+                             lease_token=b"x" * 16)  # fmt: skip
+                for address, stub_of in [
+                    *((a, stage_pb2_grpc.StageStub) for a in addrs),
+                    (daddr, draft_pb2_grpc.DraftStub),
+                ]:
+                    async with (
+                        _from_another_host(int(address.rpartition(":")[2])) as relay,
+                        grpc.aio.insecure_channel(relay) as ch,
+                    ):
+                        stub = stub_of(ch)
+                        renewed = await stub.Renew(forged)
+                        assert list(renewed.unknown_ids) == wire_ids  # none of them is its
+                        if stub_of is stage_pb2_grpc.StageStub:
+                            await stub.Open(stage_pb2.OpenStageRequest(
+                                request_id="forged", capacity=16,
+                                next_hop="tcp://127.0.0.1:9", **lease))  # fmt: skip
+                        else:
+                            await stub.Open(draft_pb2.OpenDraftRequest(
+                                request_id="forged", capacity=16, prompt_ids=[1, 2], **lease))  # fmt: skip
+                        await stub.Release(pb.RequestRef(request_id="forged"))
+                assert _held(stages, draft) == held
+                got += [r async for r in run]
+                assert _tokens(got) == quiet and got[-1].finished.finish_reason == "length"
+                assert _tokens(await _consume(router.generate(_request("specpipe", 24)))) == quiet
+            finally:
+                await router.stop()
 
     asyncio.run(main())
 

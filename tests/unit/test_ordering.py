@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specpipe.common.runtime.errors import DuplicatePrune
+from specpipe.common.runtime.errors import DuplicatePrune, Overloaded
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
 
@@ -120,3 +120,45 @@ def test_turn_ready_and_blocked_say_what_run_would_do() -> None:
     assert order.turn_ready() and not order.blocked()
     assert run(order) == ["prune 1", "compute 0", "compute 1"]
     assert not order.turn_ready() and not order.blocked()
+
+
+def big(tag: int, rows: int) -> Activation:
+    return Activation("r", torch.arange(rows), committed=True, tokens=torch.full((rows,), tag))
+
+
+def test_waiting_work_is_bounded_by_bytes_and_count() -> None:
+    """Issue 22, N9: one request's feeds that can never be computed (seq 0 never comes)
+    were held without bound (1200 feeds: 337 MB on a stage). What waits is bounded by
+    bytes and by count (Overloaded: RESOURCE_EXHAUSTED); taking a turn frees its share."""
+    item = Pending(big(1, 100), 0)
+    assert item.nbytes == 100 * 8 * 2  # positions and token ids, int64
+    order = RequestOrder(max_pending_bytes=3 * item.nbytes)
+    for seq in (1, 2, 3):
+        order.add_activation(seq, Pending(big(seq, 100), 0))
+    with pytest.raises(Overloaded, match="bytes"):
+        order.add_activation(4, Pending(big(4, 100), 0))
+    assert 4 not in order.pending and order.pending_bytes == 3 * item.nbytes
+    order.add_activation(0, Pending(big(0, 1), 0))  # fits: the turn's own, 16 bytes
+    assert run(order) == [f"compute {s}" for s in range(4)] and order.pending_bytes == 0
+    order.add_activation(4, Pending(big(4, 100), 0))  # room again
+
+    few = RequestOrder(max_pending=2)
+    few.add_activation(1, Pending(act(1), 0))
+    few.add_activation(2, Pending(act(2), 0))
+    with pytest.raises(Overloaded, match="at most 2"):
+        few.add_activation(3, Pending(act(3), 0))
+
+
+def test_waiting_prunes_count_with_the_activations() -> None:
+    order = RequestOrder(max_pending=2)
+    order.add_prune(2, prune(2))
+    order.add_prune(3, prune(3))
+    with pytest.raises(Overloaded):
+        order.add_prune(4, prune(4))
+    ids = torch.arange(64)
+    tight = RequestOrder(max_pending_bytes=64 * 8)
+    tight.add_prune(2, Prune(ids, EMPTY_IDS, 100))
+    with pytest.raises(Overloaded, match="bytes"):
+        tight.add_prune(3, Prune(EMPTY_IDS, torch.arange(1), 100))
+    tight.add_prune(1, Prune(ids, EMPTY_IDS, 100))  # the one to apply next always fits
+    assert run(tight) == ["prune 1", "prune 2"] and tight.pending_bytes == 0

@@ -123,14 +123,16 @@ class CallOutcome(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("owner", "epoch", "request_ids")
+    __slots__ = ("owner", "epoch", "token", "request_ids")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     owner: str
-    epoch: str
+    epoch: int
+    token: bytes
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, owner: _Optional[str] = ..., epoch: _Optional[int] = ..., token: _Optional[bytes] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RenewResponse(_message.Message):
     __slots__ = ("unknown_ids",)

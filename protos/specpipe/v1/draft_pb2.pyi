@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds", "cost_curve")
+    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds", "cost_curve", "max_step_rows")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DraftDescription(_message.Message):
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COST_CURVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     vocab_size: int
@@ -31,23 +32,26 @@ class DraftDescription(_message.Message):
     active_requests: int
     lease_seconds: float
     cost_curve: _dataplane_pb2.CostCurve
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ...) -> None: ...
+    max_step_rows: int
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch")
+    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch", "lease_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_chunk: int
     lease_owner: str
-    lease_epoch: str
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[str] = ...) -> None: ...
+    lease_epoch: int
+    lease_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ...) -> None: ...
 
 class OpenDraftResponse(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve")
+    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve", "max_step_rows")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class StageDescription(_message.Message):
     ROW_BUDGET_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COST_CURVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     layer_start: int
@@ -51,7 +52,8 @@ class StageDescription(_message.Message):
     row_budget: int
     lease_seconds: float
     cost_curve: _dataplane_pb2.CostCurve
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ...) -> None: ...
+    max_step_rows: int
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ...) -> None: ...
 
 class ConfigureStageRequest(_message.Message):
     __slots__ = ("model_path", "layer_start", "layer_end", "dtype", "model_id")
@@ -68,7 +70,7 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "fills_pipeline")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +78,7 @@ class OpenStageRequest(_message.Message):
     ROOT_LOGITS_ONLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILLS_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
@@ -83,9 +86,10 @@ class OpenStageRequest(_message.Message):
     report_to: str
     root_logits_only: bool
     lease_owner: str
-    lease_epoch: str
+    lease_epoch: int
+    lease_token: bytes
     fills_pipeline: bool
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[str] = ..., fills_pipeline: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ()
