@@ -12,7 +12,6 @@ tree before the pass starts.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch
 
 from ..runtime.stage import StageRuntime
 from ..spec.messages import Activation, Prune
+from .clock import device_timer
 
 _MEASURE_ID = "__cost_probe__"
 
@@ -103,9 +103,9 @@ def measure_runtime(
                             **payload(m),
                         )
                     )
-                t0 = time.perf_counter()
-                runtime.forward_many(acts)
-                samples.append(time.perf_counter() - t0)
+                with device_timer(runtime.model.device) as elapsed:
+                    runtime.forward_many(acts)
+                samples.append(elapsed.seconds)
                 for rid in ids[:k]:
                     runtime.prune(rid, Prune(empty, empty, horizon=next_id - 1))
             seconds.append(statistics.median(samples[1:]))
