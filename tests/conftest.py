@@ -6,62 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from specpipe.common.model.synthetic import save_random_model
 
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with
 # service processes the threads only contend.
 torch.set_num_threads(1)
 
 
-def make_tiny_model(
-    path: Path,
-    arch: str = "llama",
-    *,
-    layers: int = 4,
-    hidden: int = 48,
-    heads: int = 6,
-    kv_heads: int = 2,
-    vocab: int = 97,
-    tied: bool = False,
-    seed: int = 0,
-    init: float = 0.6,
-) -> Path:
-    """Save a small random Llama or Qwen2 checkpoint; odd sizes and GQA by default.
-
-    A large init std makes the next-token distributions peaked, like a trained model's,
-    so greedy decoding has no near-ties that float noise could flip.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2 - 6,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        initializer_range=init,
-        eos_token_id=vocab - 1,
-        bos_token_id=0,
-    )
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-        with torch.no_grad():  # random biases so the qkv-bias path is exercised
-            for layer in model.model.layers:
-                for proj in (
-                    layer.self_attn.q_proj,
-                    layer.self_attn.k_proj,
-                    layer.self_attn.v_proj,
-                ):
-                    proj.bias.normal_(0, init)
-    else:
-        raise ValueError(arch)
-    model.eval().save_pretrained(path)
-    return path
+# Tests call it by this name.
+make_tiny_model = save_random_model
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ tree before the pass starts.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ import torch
 
 from ..runtime.stage import StageRuntime
 from ..spec.messages import Activation, Prune
+from .clock import device_timer
 
 _MEASURE_ID = "__cost_probe__"
 
@@ -56,6 +56,75 @@ class CostCurve:
         return {"rows": self.rows, "seconds": self.seconds}
 
 
+class StepProbe:
+    """Synthetic stage steps: `requests` open requests with `context` cached rows each,
+    and batches of n fresh tree rows split among them as evenly as they go (the rows of
+    one pipeline step of SpecPipe-DB). Used by cost measurement and `specpipe selfcheck`.
+    Release with `close` (or use it as a context manager)."""
+
+    def __init__(self, runtime: StageRuntime, context: int, requests: int = 1, max_rows: int = 256):
+        self.runtime, self.context = runtime, context
+        self.ids = [f"{_MEASURE_ID}{r}" for r in range(max(1, requests))]
+        self._gen = torch.Generator().manual_seed(0)
+        self._next_id = 0
+        opened = []
+        try:
+            for rid in self.ids:
+                runtime.open(rid, context + max_rows + 1)
+                opened.append(rid)
+                if context:
+                    runtime.forward(
+                        Activation(
+                            rid, torch.arange(context), committed=True, **self._payload(context)
+                        )
+                    )
+        except BaseException:
+            for rid in opened:
+                runtime.release(rid)
+            raise
+
+    def _payload(self, n: int) -> dict[str, torch.Tensor]:
+        cfg, rt = self.runtime.model.cfg, self.runtime
+        if rt.is_first:
+            return {"tokens": torch.randint(0, cfg.vocab_size, (n,), generator=self._gen)}
+        return {"hidden": torch.randn(n, cfg.hidden_size, generator=self._gen).to(rt.model.dtype)}
+
+    def batch(self, rows: int) -> list[Activation]:
+        """One step's activations: `rows` tree rows (children of the committed prefix)."""
+        k = min(len(self.ids), rows)
+        acts = []
+        for r, rid in enumerate(self.ids[:k]):
+            m = rows // k + (r < rows % k)
+            node_ids = torch.arange(self._next_id, self._next_id + m)
+            self._next_id += m
+            acts.append(
+                Activation(
+                    rid,
+                    positions=torch.full((m,), self.context),
+                    node_ids=node_ids,
+                    parent_ids=torch.full((m,), -1),
+                    **self._payload(m),
+                )
+            )
+        return acts
+
+    def drop(self) -> None:
+        """Prune every tree row so far (the cache holds the context again)."""
+        empty = torch.empty(0, dtype=torch.int64)
+        for rid in self.ids:
+            self.runtime.prune(rid, Prune(empty, empty, horizon=self._next_id - 1))
+
+    def close(self) -> None:
+        for rid in self.ids:
+            self.runtime.release(rid)
+
+    def __enter__(self) -> StepProbe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @torch.inference_mode()
 def measure_runtime(
     runtime: StageRuntime, rows: Sequence[int], context: int, repeats: int = 3, requests: int = 1
@@ -65,54 +134,18 @@ def measure_runtime(
     With `requests` > 1, a batched forward (SpecPipe-DB): the n rows belong to up to
     that many requests (as evenly as they split), each attending to its own `context`
     cached rows, in one `forward_many`."""
-    ids = [f"{_MEASURE_ID}{r}" for r in range(max(1, requests))]
-    for rid in ids:
-        runtime.open(rid, context + max(rows) + 1)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        vocab, hidden = runtime.model.cfg.vocab_size, runtime.model.cfg.hidden_size
-        dtype = runtime.model.dtype
-
-        def payload(n: int) -> dict[str, torch.Tensor]:
-            if runtime.is_first:
-                return {"tokens": torch.randint(0, vocab, (n,), generator=gen)}
-            return {"hidden": torch.randn(n, hidden, generator=gen).to(dtype)}
-
-        if context:
-            for rid in ids:
-                runtime.forward(
-                    Activation(rid, torch.arange(context), committed=True, **payload(context))
-                )
-        next_id, seconds = 0, []
-        empty = torch.empty(0, dtype=torch.int64)
+    seconds = []
+    with StepProbe(runtime, context, requests, max(rows)) as probe:
         for n in rows:
-            k = min(len(ids), n)
-            shares = [n // k + (r < n % k) for r in range(k)]
             samples = []
             for _ in range(repeats + 1):  # first run warms up
-                acts = []
-                for rid, m in zip(ids, shares, strict=False):
-                    node_ids = torch.arange(next_id, next_id + m)
-                    next_id += m
-                    acts.append(
-                        Activation(
-                            rid,
-                            positions=torch.full((m,), context),
-                            node_ids=node_ids,
-                            parent_ids=torch.full((m,), -1),
-                            **payload(m),
-                        )
-                    )
-                t0 = time.perf_counter()
-                runtime.forward_many(acts)
-                samples.append(time.perf_counter() - t0)
-                for rid in ids[:k]:
-                    runtime.prune(rid, Prune(empty, empty, horizon=next_id - 1))
+                acts = probe.batch(n)
+                with device_timer(runtime.model.device) as elapsed:
+                    runtime.forward_many(acts)
+                samples.append(elapsed.seconds)
+                probe.drop()
             seconds.append(statistics.median(samples[1:]))
-        return CostCurve(list(rows), seconds)
-    finally:
-        for rid in ids:
-            runtime.release(rid)
+    return CostCurve(list(rows), seconds)
 
 
 BUDGET_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

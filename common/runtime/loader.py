@@ -72,14 +72,16 @@ def build_local(
     dtype: torch.dtype = torch.float32,
     layer_ranges: list[LayerRange] | None = None,
     split: str = "even",
+    device: str | torch.device = "cpu",
 ) -> InProcessDeployment:
     """Load the target split into `num_stages` stages, and the draft (or the oracle draft).
 
     `split`: "even" (same number of layers per stage) or "balanced" (equal estimated cost
-    per stage, counting the LM head; see `parameter_layer_costs`)."""
+    per stage, counting the LM head; see `parameter_layer_costs`). Every stage and the
+    draft on `device` (one process, one device)."""
     cfg = ModelConfig.from_dir(target_dir)
     ranges = layer_ranges or plan_stages(cfg, num_stages, split)
-    stages = [load_runtime(target_dir, r, dtype) for r in ranges]
+    stages = [load_runtime(target_dir, r, dtype, device) for r in ranges]
     draft = None
     if draft_dir is not None:
         draft_path = target_dir if str(draft_dir) == ORACLE_DRAFT else draft_dir
@@ -88,7 +90,7 @@ def build_local(
             raise ValueError(
                 f"draft vocabulary ({draft_cfg.vocab_size}) is larger than the target's ({cfg.vocab_size})"
             )
-        draft = load_draft(draft_path, dtype)
+        draft = load_draft(draft_path, dtype, device)
     return InProcessDeployment(LocalPipeline(stages), draft, cfg)
 
 

@@ -57,17 +57,25 @@ def position_uniform(seed: int, position: int) -> float:
     return float(np.random.default_rng([seed, position]).random())
 
 
-def sample_token(logits: Tensor, params: SamplingParams, position: int) -> int:
-    """Draw the token at output `position` from `logits` [vocab]."""
+def draw_index(logits: Tensor, params: SamplingParams, position: int) -> Tensor:
+    """The token at output `position` as a 0-d tensor on `logits`' device: every tensor
+    of the draw stays there (a GPU's logits never meet a host tensor), and nothing is
+    read back until the caller asks for the id."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     probs = target_probs(logits, params)
     cdf = probs.cumsum(0)
-    u = position_uniform(params.seed, position) * float(cdf[-1])
-    idx = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True)[0])
+    u = torch.tensor([position_uniform(params.seed, position)], dtype=cdf.dtype, device=cdf.device)
+    u = u * cdf[-1]
+    idx = torch.searchsorted(cdf, u, right=True)[0]
     # Never land on a zero-probability token through rounding at the top of the CDF.
-    idx = min(idx, int(probs.nonzero().max()))
-    return idx
+    ids = torch.arange(probs.numel(), device=probs.device)
+    return torch.minimum(idx, torch.where(probs > 0, ids, 0).max())
+
+
+def sample_token(logits: Tensor, params: SamplingParams, position: int) -> int:
+    """Draw the token at output `position` from `logits` [vocab]."""
+    return int(draw_index(logits, params, position))
 
 
 def draft_probs(logits: Tensor, temperature: float) -> Tensor:

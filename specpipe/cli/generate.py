@@ -7,7 +7,15 @@ import json
 import sys
 from pathlib import Path
 
-from .args import CliError, add_dtype_arg, add_sampling_args, parse_ids, positive_int
+from .args import (
+    CliError,
+    add_device_arg,
+    add_dtype_arg,
+    add_sampling_args,
+    parse_device,
+    parse_ids,
+    positive_int,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_sampling_args(p)
     add_dtype_arg(p)
+    add_device_arg(p)
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK)
     p.add_argument(
         "--split",
@@ -110,6 +119,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from specpipe.common.text import TextCodec
 
     mode = Mode(args.mode)
+    device = parse_device(args.device)
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as e:
@@ -148,7 +158,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
 
     stages = args.stages
-    deployment = build_local(target, stages, draft, parse_dtype(args.dtype), split=args.split)
+    deployment = build_local(
+        target, stages, draft, parse_dtype(args.dtype), split=args.split, device=device
+    )
     layers = _parse_layers(args.layers_per_step)
     width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:

@@ -9,6 +9,7 @@ from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import (
     SamplingParams,
+    draw_index,
     position_uniform,
     sample_token,
     target_probs,
@@ -62,6 +63,24 @@ def test_never_draws_a_filtered_token() -> None:
         for p in range(4)
     }
     assert draws == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(0.8, 3, 0.9, 7)], ids=["greedy", "sampled"]
+)
+def test_the_draw_stays_on_the_logits_device(params) -> None:
+    """On a GPU the logits stay where the last stage computed them; a host tensor in the
+    draw fails there (torch.searchsorted across devices). Logits on the meta device check
+    the placement on any machine: an op that mixes them with a host tensor raises."""
+    idx = draw_index(torch.randn(97).to("meta"), params, position=3)
+    assert idx.device.type == "meta" and idx.dim() == 0
+
+
+def test_draw_index_is_sample_token() -> None:
+    logits = torch.randn(97, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    params = SamplingParams(0.8, 20, 0.9, 7)
+    for p in range(20):
+        assert int(draw_index(logits, params, p)) == sample_token(logits, params, p)
 
 
 @pytest.mark.parametrize(

@@ -44,11 +44,20 @@ def test_resolve_device_with_cuda(monkeypatch) -> None:
         ["stage", "--layers", "0:2", "--device", "tpu"],
         ["draft", "--device", "cuda:x"],
         ["up", "--draft", "oracle", "--device", "nope"],
-        *([] if CUDA else [["stage", "--device", "cuda"], ["draft", "--device", "cuda:0"]]),
+        ["generate", "--prompt-ids", "1,2", "--device", "gpu"],
+        *(
+            []
+            if CUDA
+            else [
+                ["stage", "--device", "cuda"],
+                ["draft", "--device", "cuda:0"],
+                ["generate", "--prompt-ids", "1,2", "--device", "cuda"],
+            ]
+        ),
     ],
 )
 def test_bad_device_is_one_line_and_exit_2(argv, llama_dir, capsys) -> None:
-    flag = "--target" if argv[0] == "up" else "--model"
+    flag = "--target" if argv[0] in ("up", "generate") else "--model"
     code = main([*argv, flag, str(llama_dir)])
     err = capsys.readouterr().err
     assert code == 2
