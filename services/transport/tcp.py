@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 import time
 from dataclasses import dataclass
@@ -52,7 +51,6 @@ from .codec import (
     tensor_from_bytes,
 )
 
-log = logging.getLogger(__name__)
 _SCRATCH = 1 << 16
 
 PREAMBLE_, HEADER, PAYLOAD, TAGS = range(4)
