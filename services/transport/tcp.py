@@ -317,9 +317,8 @@ class TcpTransport(Transport):
                 conn, fresh = await self._connection(address)
                 try:
                     w = conn.writer
-                    w.write(PREAMBLE.pack(len(hb), plen) + hb)
-                    if conn.mac is not None:
-                        w.write(conn.mac.header_tag(hb))
+                    htag = conn.mac.header_tag(hb) if conn.mac is not None else b""
+                    w.write(PREAMBLE.pack(len(hb), plen) + hb + htag)
                     if data is not None:
                         w.write(memoryview(data))
                     if conn.mac is not None:
