@@ -323,8 +323,11 @@ class TcpTransport(Transport):
                         w.write(memoryview(data))
                     if conn.mac is not None:
                         w.write(conn.mac.payload_tag(data))
-                    async with asyncio.timeout(self.frame_seconds):
-                        await w.drain()
+                    if w.transport.get_write_buffer_size():  # the peer lags: bounded
+                        async with asyncio.timeout(self.frame_seconds):
+                            await w.drain()
+                    else:
+                        await w.drain()  # at once (raises if the connection was lost)
                     return
                 except TimeoutError:
                     self._drop(address)
