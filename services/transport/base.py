@@ -57,9 +57,11 @@ rlog = RateLimitedLog(log)
 # The largest payload a receiver reads at all; owners admit less per frame (`admit`).
 DEFAULT_MAX_PAYLOAD_BYTES = MAX_PAYLOAD_BYTES
 # Inbound connections held at once (peers are the deployment's few services), and of
-# those, connections that have not yet delivered a complete frame, per peer address.
+# those, connections that have not yet delivered a complete frame, per peer address (a
+# deployment's own are half-open for the milliseconds their first frame takes; a local
+# deployment's services all share 127.0.0.1, so a burst of them must fit).
 DEFAULT_MAX_CONNECTIONS = 1024
-DEFAULT_MAX_HALF_OPEN_PER_PEER = 8
+DEFAULT_MAX_HALF_OPEN_PER_PEER = 32
 # Deadlines (see the module docstring).
 FRAME_SECONDS = 30.0  # a frame's bytes, from its first byte (or a send, from its start)
 HANDSHAKE_SECONDS = 10.0  # a new connection: the hello, and the first frame's first byte
