@@ -603,6 +603,8 @@ class Backends:
                             b.label, self.stalled_for(b, now))  # fmt: skip
             elif b.stalled and not stalled:
                 b.stalled = False
+                if b.error.startswith("stalled"):
+                    b.error = ""
                 log.info("%s answers again", b.label)
 
     async def _check(self, b: Backend) -> None:
