@@ -433,3 +433,22 @@ def test_request_ids_are_not_logged_above_debug(caplog) -> None:
     for r in caplog.records:
         if "secret-id-123" in r.getMessage():
             assert r.levelno <= logging.DEBUG, r.getMessage()
+
+
+def test_connection_slots_evict_the_oldest_half_open_and_refuse_only_when_all_are_established() -> (
+    None
+):
+    from specpipe.services.transport.admission import ConnectionSlots
+
+    slots: ConnectionSlots[str] = ConnectionSlots(max_connections=4, max_half_open_per_peer=2)
+    assert slots.open("a1", "A") == [] and slots.open("a2", "A") == []
+    assert slots.open("a3", "A") == ["a1"]  # A's own oldest makes way
+    assert slots.open("b1", "B") == [] and slots.open("c1", "C") == []
+    assert len(slots) == 4 and slots.half_open("A") == 2
+    assert slots.open("d1", "D") == ["a2"]  # every slot taken: the oldest half-open
+    for c in ("a3", "b1", "c1", "d1"):
+        slots.established(c)
+    assert slots.half_open() == 0
+    assert slots.open("e1", "E") is None and slots.refused == 1  # nothing may go
+    slots.closed("b1")
+    assert slots.open("e1", "E") == [] and len(slots) == 4
