@@ -435,9 +435,7 @@ def test_request_ids_are_not_logged_above_debug(caplog) -> None:
             assert r.levelno <= logging.DEBUG, r.getMessage()
 
 
-def test_connection_slots_evict_the_oldest_half_open_and_refuse_only_when_all_are_established() -> (
-    None
-):
+def test_slots_evict_the_oldest_half_open_and_refuse_only_when_all_are_established() -> None:
     from specpipe.services.transport.admission import ConnectionSlots
 
     slots: ConnectionSlots[str] = ConnectionSlots(max_connections=4, max_half_open_per_peer=2)
