@@ -258,6 +258,7 @@ async def run_router(args) -> None:
         public_tls=args.public_tls,
     )
     router_metrics.watch(svc)
+    svc.backends.stall_seconds = args.replica_stall_seconds
     host = args.advertise_host or _local(args.host)
     log.info("replicas from %s", args.discovery.describe())
     http, info = None, _serve_metrics(router_metrics, args, host)

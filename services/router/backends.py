@@ -3,10 +3,17 @@ health, identity and load, the model versions they make up, and the path (one re
 per stage, one draft) each new request runs on (docs/architecture.md, "1. Services").
 
 Replicas come from a `Discovery` source (discovery.py) and change while the router runs.
-A replica takes traffic only once it answered `Describe` (layers, model, weight hash)
-and its health says SERVING; one that drains (NOT_SERVING), is terminating, or leaves
-discovery takes no new requests and keeps the ones it has; one that stops answering is
-reported down (`on_down`), and the requests on it are replayed elsewhere.
+A replica takes traffic only once its health said SERVING and it answered `Describe`
+(layers, model, weight hash) since it was found, listed again or last failed a check;
+one that drains (NOT_SERVING), is terminating, or leaves discovery takes no new requests
+and keeps the ones it has; one that stops answering is reported down (`on_down`), and
+the requests on it are replayed elsewhere. Each replica is checked on its own schedule,
+so one that hangs delays no other's checks. A replica that has not answered a check for
+`stall_seconds` (2 s by default; SIGSTOP, a frozen host) is *stalled*: it takes no new
+requests, and every request waiting on it treats it as dead for its path (the request
+driver replays it elsewhere, as on a kill) without waiting for the checks to time out.
+A replica that failed a check and holds no request gets a fresh channel, so one that
+restarted is seen at the next check rather than after gRPC's reconnect backoff.
 
 A model version is the content hash of the target's weights (`weight_hash`). A version
 is complete when its healthy stages chain from layer 0 to the last one. New requests go
@@ -38,6 +45,9 @@ from .discovery import Discovery, Endpoint
 
 log = logging.getLogger(__name__)
 
+# A replica that has not answered a health check for this long is stalled (see above).
+DEFAULT_STALL_SECONDS = 2.0
+
 
 class NoPath(RuntimeError):
     """No complete set of healthy replicas can serve a request right now."""
@@ -64,6 +74,9 @@ class Backend:
     ready_at: float | None = None  # first time it could take a request
     first_request_at: float | None = None
     served: int = 0  # requests given to it so far (spreads equal loads round robin)
+    answered_at: float | None = None  # the last time it answered a health check
+    asked_since: float | None = None  # a check has been waiting for its answer since
+    stalled: bool = False  # no answer for the stall limit (see the module docstring)
     # a stage's Feed (stage 1) and Prune calls, batched per event-loop turn
     feeds: CallBatcher | None = field(default=None, repr=False)
     prunes: CallBatcher | None = field(default=None, repr=False)
@@ -90,6 +103,7 @@ class Backend:
         return (
             self.healthy
             and self.listed
+            and not self.stalled
             and not self.draining
             and not self.refused
             and not self.endpoint.draining
@@ -179,8 +193,10 @@ class Backends:
         transport_kind: str | None = None,
         make_channel: Callable[[str], grpc.aio.Channel] = channel,
         on_version: Callable[[ModelInfo], None] | None = None,
+        stall_seconds: float = DEFAULT_STALL_SECONDS,
     ) -> None:
         self.discovery = discovery
+        self.stall_seconds = stall_seconds
         self._make_channel = make_channel  # mutual TLS with --secure
         self.on_down, self.on_readiness = on_down, on_readiness
         self.on_version = on_version
@@ -227,13 +243,39 @@ class Backends:
         return self._ready
 
     def _backend(self, ep: Endpoint) -> Backend:
-        ch = self._make_channel(ep.address)
-        kind = ep.kind
-        stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
-        b = Backend(kind, ep.address, ch, stub, health_pb2_grpc.HealthStub(ch), ep)
-        if kind == "stage":
-            b.feeds, b.prunes = stage_batchers(stub, f"stage at {ep.address}")
+        b = Backend(ep.kind, ep.address, None, None, None, ep)  # type: ignore[arg-type]
+        self._connect(b)
         return b
+
+    def _connect(self, b: Backend) -> None:
+        """A (new) channel to `b`, and its stubs."""
+        ch = self._make_channel(b.address)
+        stub = (stage_pb2_grpc.StageStub if b.kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
+        b.channel, b.stub, b.health = ch, stub, health_pb2_grpc.HealthStub(ch)
+        if b.kind == "stage":
+            b.feeds, b.prunes = stage_batchers(stub, f"stage at {b.address}")
+
+    def _reconnect(self, b: Backend) -> None:
+        """A fresh channel for a replica that failed a check and holds no request of
+        ours (nothing uses the old one): a replica that restarted is reached at the next
+        check, not after the old channel's reconnect backoff (up to 2 s)."""
+        if b.active > 0 or b.channel is None:
+            return
+        old = b.channel
+        self._connect(b)
+        self._in_background(old.close())
+
+    def _in_background(self, call) -> None:
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def stalled_for(self, b: Backend, now: float | None = None) -> float:
+        """How long `b` has not answered a check that is waiting for its answer (0 when
+        none is waiting): `stall_seconds` or more makes it stalled."""
+        if b.asked_since is None or b.answered_at is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - b.answered_at
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The discovery source's current set: new replicas are added (and described by
@@ -251,7 +293,11 @@ class Backends:
                 )
             else:
                 if not b.listed:
+                    # It may have restarted meanwhile: no traffic before a check passes.
                     log.info("%s is listed again", b.label)
+                    if b.healthy:
+                        b.healthy, b.error = False, "listed again: not checked yet"
+                    self._reconnect(b)
                 b.endpoint, b.listed = ep, True
         for key, b in self.by_key.items():
             if key not in keys and b.listed:
@@ -511,23 +557,59 @@ class Backends:
                 task.add_done_callback(self._background.discard)
 
     async def _watch(self) -> None:
-        while True:
-            backends = self.all
-            if backends:
-                await asyncio.gather(*(self._check(b) for b in backends))
-            for key, b in list(self.by_key.items()):
-                if not b.listed and b.active <= 0:
-                    del self.by_key[key]
-                    log.info("%s removed", b.label)
-                    task = asyncio.ensure_future(b.channel.close())
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-            self._recompute()
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self.check_interval)
+        """Check every replica, each on its own (a check that hangs delays no other),
+        every `check_interval`; mark stalls; forget replicas gone from discovery."""
+        checks: dict[Backend, asyncio.Task] = {}
+        next_check: dict[Backend, float] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                for b in self.all:
+                    t = checks.get(b)
+                    if (t is None or t.done()) and now >= next_check.get(b, 0.0):
+                        checks[b] = asyncio.create_task(self._check(b))
+                        next_check[b] = now + self.check_interval
+                self._mark_stalls(now)
+                for key, b in list(self.by_key.items()):
+                    if not b.listed and b.active <= 0:
+                        del self.by_key[key]
+                        log.info("%s removed", b.label)
+                        t = checks.pop(b, None)
+                        if t is not None:
+                            t.cancel()
+                        next_check.pop(b, None)
+                        self._in_background(b.channel.close())
+                self._recompute()
+                self._changed.clear()
+                tick = min(self.check_interval, max(self.stall_seconds / 4, 0.01))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), tick)
+                if self._changed.is_set():  # new replicas: check them now
+                    next_check.clear()
+        finally:
+            for t in checks.values():
+                t.cancel()
+
+    def _mark_stalls(self, now: float) -> None:
+        """Replicas that have not answered for `stall_seconds` take no new requests (the
+        drivers of requests on them replay those, see driver.py); one that answers again
+        is checked like any other."""
+        for b in self.all:
+            stalled = self.stalled_for(b, now) >= self.stall_seconds
+            if stalled and not b.stalled:
+                b.stalled = True
+                b.error = f"stalled: no answer for {self.stalled_for(b, now):.1f} s"
+                log.warning("%s is stalled: no answer to a health check for %.1f s",
+                            b.label, self.stalled_for(b, now))  # fmt: skip
+            elif b.stalled and not stalled:
+                b.stalled = False
+                if b.error.startswith("stalled"):
+                    b.error = ""
+                log.info("%s answers again", b.label)
 
     async def _check(self, b: Backend) -> None:
+        if b.asked_since is None:
+            b.asked_since = time.monotonic()
         try:
             resp = await b.health.Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout
@@ -536,7 +618,7 @@ class Backends:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 b.slow_checks += 1
                 if b.slow_checks < 3:
-                    return  # busy, not necessarily dead
+                    return  # busy, not necessarily dead (stalled, if it goes on)
             err = rpc_error_text(e)
             was_up = b.healthy or b.draining
             b.healthy, b.draining, b.error = False, False, err
@@ -545,7 +627,11 @@ class Backends:
                 self._recompute()
             if was_up or b.active:  # requests still on it are replayed elsewhere
                 self.on_down(b, err)
+            self._reconnect(b)
             return
+        b.answered_at, b.asked_since = time.monotonic(), None
+        if b.stalled:
+            self._mark_stalls(b.answered_at)
         b.slow_checks = 0
         if resp.status != SERVING:
             # Draining (shutting down): no new requests go there, but it still serves the
@@ -589,3 +675,5 @@ class Backends:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for b in self.all:
             await b.channel.close()
+        if self._background:
+            await asyncio.wait(self._background, timeout=5.0)

@@ -13,7 +13,9 @@ events, keeps deadlines and maps failures to statuses.
 
 Faults: when a replica on the request's path dies or stops answering (a call fails
 UNAVAILABLE / NOT_FOUND / past its timeout, a stage reports its next hop unreachable,
-the health monitor reports it down, or the path goes silent for `stall_timeout`), the
+the health monitor reports it down, the request has waited `Backends.stall_seconds`
+for its path while a replica of it answers no health check (stalled: SIGSTOP, a frozen
+host), or the path goes silent for `stall_timeout` however healthy it looks), the
 driver picks another path of the same model version from `Backends`, opens the request
 there under a new wire id (`<id>~<attempt>`: nothing of the old path can reach the new
 one) and executes `Controller.replay`. A draft that fails only makes the controller go on
@@ -293,21 +295,52 @@ class RequestDriver:
 
     # -- events ----------------------------------------------------------------------------
     async def _next_event(self):
-        timeout = self.stall_timeout
-        if self._parked:
-            timeout = min(timeout, max(self._parked_until - time.monotonic(), 0.0))
-        try:
-            return await asyncio.wait_for(self.events.get(), timeout)
-        except TimeoutError:
+        """The next event; or, while none comes, a failure once a replica of the path
+        is stalled or the path was silent for `stall_timeout`; or None once logits held
+        for a late draft may wait no longer."""
+        started = time.monotonic()
+        stall = self.backends.stall_seconds
+        while True:
+            now = time.monotonic()
+            wait = min(started + self.stall_timeout - now, max(stall / 4, 0.01))
             if self._parked:
+                wait = min(wait, self._parked_until - now)
+            try:
+                return await asyncio.wait_for(self.events.get(), max(wait, 0.0))
+            except TimeoutError:
+                pass
+            now = time.monotonic()
+            if self._parked and now >= self._parked_until:
                 return None  # the late-draft wait is over: verify without the answer
-            return _Failure(
-                self.attempt,
-                grpc.StatusCode.UNAVAILABLE,
-                f"the path ({', '.join(b.label for b in self.path.stages)}) did not answer "
-                f"for {self.stall_timeout:.0f} s",
-                replayable=True,
-            )
+            if now - started >= stall:
+                stalled = self._stalled_replica(now)
+                if stalled is not None:
+                    return stalled
+            if now - started >= self.stall_timeout:
+                return _Failure(
+                    self.attempt,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the path ({', '.join(b.label for b in self.path.stages)}) did not "
+                    f"answer for {self.stall_timeout:.0f} s",
+                    replayable=True,
+                )
+
+    def _stalled_replica(self, now: float) -> _Failure | None:
+        """A replica of the path that answers nothing while the request waits on it:
+        dead for this request (replayed elsewhere, or the draft dropped, as on a kill)."""
+        if not self._holding:
+            return None
+        for b in self.path.backends:
+            quiet = self.backends.stalled_for(b, now)
+            if quiet >= self.backends.stall_seconds:
+                return _Failure(
+                    self.attempt,
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{b.label} stalled: no answer for {quiet:.1f} s",
+                    b,
+                    replayable=True,
+                )
+        return None
 
     async def _handle(self, ev) -> list[Command]:
         cmds = await self._handle_event(ev)

@@ -11,7 +11,21 @@ What a receiver reads is bounded before it is allocated (docs/architecture.md,
 connection, and once the header is read the owner's `admit` decides whether the frame
 is wanted (a request it holds, rows and shape it can take); unwanted frames are read
 past without being kept. With `auth` (the `--secure` data plane, `auth.py`) every frame
-is authenticated, and one that is not closes the connection.
+is authenticated (its header before the header has any effect), and one that is not
+closes the connection.
+
+No peer can hold a receiver or a sender (issue 22, N3): a frame must be complete within
+`frame_seconds` of its first byte, however slowly it drips in; a new connection must
+begin its first frame within `handshake_seconds`; a connection with no frame for
+`idle_seconds` is closed; and half-open connections (no complete frame yet) are capped
+per peer address (`admission.py`), so one peer cannot take the slots the deployment's
+own connections need. A receiver that accepts a connection answers at once with a
+16-byte hello (the `--secure` challenge; random bytes otherwise), and a sender waits
+for it at most `handshake_seconds`: a receiver that refused or cannot accept the
+connection is a TransportError at once, not a frame lost in a socket buffer. A frame
+that the peer does not take within `frame_seconds` is a TransportError too. The stage
+then fails the requests of that hop UNAVAILABLE and tells the router, which replays
+them.
 """
 
 from __future__ import annotations
@@ -42,8 +56,16 @@ rlog = RateLimitedLog(log)
 
 # The largest payload a receiver reads at all; owners admit less per frame (`admit`).
 DEFAULT_MAX_PAYLOAD_BYTES = MAX_PAYLOAD_BYTES
-# Inbound connections held at once (peers are the deployment's few services).
+# Inbound connections held at once (peers are the deployment's few services), and of
+# those, connections that have not yet delivered a complete frame, per peer address (a
+# deployment's own are half-open for the milliseconds their first frame takes; a local
+# deployment's services all share 127.0.0.1, so a burst of them must fit).
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_MAX_HALF_OPEN_PER_PEER = 32
+# Deadlines (see the module docstring).
+FRAME_SECONDS = 30.0  # a frame's bytes, from its first byte (or a send, from its start)
+HANDSHAKE_SECONDS = 10.0  # a new connection: the hello, and the first frame's first byte
+IDLE_SECONDS = 600.0  # no frame at all: the sender reconnects when it has one
 
 
 class TransportError(ConnectionError):
@@ -84,12 +106,20 @@ class Transport(ABC):
         admit: FrameAdmit | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_half_open_per_peer: int = DEFAULT_MAX_HALF_OPEN_PER_PEER,
+        frame_seconds: float = FRAME_SECONDS,
+        handshake_seconds: float = HANDSHAKE_SECONDS,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.on_frame = on_frame
         self.auth = auth  # None: plaintext frames (no --secure)
         self.admit = admit  # None: every frame within max_payload_bytes
         self.max_payload_bytes = max_payload_bytes
         self.max_connections = max_connections
+        self.max_half_open_per_peer = max_half_open_per_peer
+        self.frame_seconds, self.handshake_seconds = frame_seconds, handshake_seconds
+        self.idle_seconds = idle_seconds
+        self.check_every = 1.0  # how often a receiver checks its connections' deadlines
         self.bind_host = bind_host
         self.advertise_host = advertise_host or (
             "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
@@ -147,8 +177,10 @@ class Transport(ABC):
         try:
             self.on_frame(frame)
         except Exception as e:
-            rlog.error("deliver", "%s: handling a frame of %s failed: %s: %s",
-                       self.scheme, frame.request_id, type(e).__name__, e)  # fmt: skip
+            # Request ids are capabilities (DESIGN.md, "8. Security model"): DEBUG only.
+            rlog.error("deliver", "%s: handling a frame failed: %s: %s",
+                       self.scheme, type(e).__name__, e)  # fmt: skip
+            log.debug("%s: the frame that failed was of %s", self.scheme, frame.request_id)
 
     @property
     def address(self) -> str:

@@ -1,16 +1,21 @@
 """Fallback data plane for hosts without UCX: frames over plain asyncio TCP streams.
 
-Same framing as UCX (preamble, protobuf header, raw payload; with `--secure`, a
-challenge first and two tags after every frame, see `auth.py`). The receiver reads
-straight into buffers it allocates for each frame (a `BufferedProtocol`), so payload
-bytes are copied once, from the socket, and only for frames its owner admitted (see
-`base.py`); others are read past through a small scratch buffer.
+Same framing as UCX: preamble, protobuf header, raw payload; with `--secure`, the
+header's tag right after the header and the payload's tag after the payload (`auth.py`).
+The receiver answers every connection it accepts with a 16-byte hello (the challenge
+with `--secure`) and reads straight into buffers it allocates for each frame (a
+`BufferedProtocol`), so payload bytes are copied once, from the socket, and only for
+frames its owner admitted (see `base.py`); others are read past through a small scratch
+buffer.
 
-Connections are bounded: at most `max_connections` inbound at once, a frame must be
-complete within `FRAME_SECONDS` of its first byte (and a connection's first frame within
-as long of its opening), and a connection idle for `IDLE_SECONDS` is closed. Senders
-notice a connection the peer closed (it restarted, or closed it idle) before they
-write and open a new one, and retry a frame once on a fresh connection when a write
+Connections are bounded (`base.py`, `admission.py`): at most `max_connections` inbound
+at once and `max_half_open_per_peer` of them per peer address without a complete frame
+yet (the oldest half-open one goes first), a new connection must begin a frame within
+`handshake_seconds`, a frame must be complete within `frame_seconds` of its first byte,
+and a connection idle for `idle_seconds` is closed. Senders wait for the hello at most
+`handshake_seconds` and for a frame to be taken at most `frame_seconds`; they notice a
+connection the peer closed (it restarted, or closed it idle) before they write and open
+a new one, and retry a frame once on a fresh connection when a write on a cached one
 fails, so a peer's restart costs no request.
 """
 
@@ -26,7 +31,15 @@ import numpy as np
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
-from .auth import CHALLENGE_BYTES, TAG_BYTES, FrameAuthError, FrameMac
+from .admission import ConnectionSlots
+from .auth import (
+    CHALLENGE_BYTES,
+    HEADER_TAG_BYTES,
+    PAYLOAD_TAG_BYTES,
+    FrameAuth,
+    FrameAuthError,
+    FrameMac,
+)
 from .base import Transport, TransportError, rlog
 from .codec import (
     PREAMBLE,
@@ -38,16 +51,14 @@ from .codec import (
     tensor_from_bytes,
 )
 
-FRAME_SECONDS = 30.0  # a frame's bytes, once it has begun (and a first frame after connecting)
-IDLE_SECONDS = 600.0  # no frame at all: the sender reconnects when it has one
-CHALLENGE_SECONDS = 10.0  # a secure receiver answers a connection with its challenge at once
 _SCRATCH = 1 << 16
 
 PREAMBLE_, HEADER, PAYLOAD, TAGS = range(4)
 
 
 class _FrameReader(asyncio.BufferedProtocol):
-    """Reassembles frames from a byte stream: preamble, header, payload, [tags], repeat."""
+    """Reassembles frames from a byte stream: preamble, header [+ tag], payload,
+    [payload tag], repeat; and keeps the connection's deadlines."""
 
     def __init__(self, transport: TcpTransport) -> None:
         self.owner = transport
@@ -55,7 +66,8 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._mac: FrameMac | None = None
         self._scratch: np.ndarray | None = None
         self._frames = 0
-        self._last = time.monotonic()
+        self._opened = self._last_frame = time.monotonic()
+        self._frame_started: float | None = None  # the first byte of the frame being read
         self._timer: asyncio.TimerHandle | None = None
         self._new_frame()
 
@@ -67,6 +79,7 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._hbytes = b""
         self._payload: np.ndarray | None = None
         self._keep = True
+        self._frame_started = None
 
     def _expect(self, buf: np.ndarray, discard: int = 0) -> None:
         """Read into `buf`; or, with `discard`, read that many bytes into scratch space."""
@@ -76,36 +89,49 @@ class _FrameReader(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         owner = self.owner
-        if len(owner._readers) > owner.max_connections:
-            rlog.warning(
-                "tcp-conns", "tcp: refusing a connection: %d open (the most)", len(owner._readers)
-            )
+        peer = transport.get_extra_info("peername")
+        if not owner._accept(self, str(peer[0]) if peer else ""):
             transport.close()
             return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        challenge = FrameAuth.challenge()  # the hello: "accepted"
         if owner.auth is not None:
-            challenge = owner.auth.challenge()
             self._mac = owner.auth.session(challenge)
-            transport.write(challenge)  # type: ignore[attr-defined]
+        transport.write(challenge)  # type: ignore[attr-defined]
         self._arm()
+
+    def close(self, why: str) -> None:
+        """Close the connection (it broke a limit or a rule); `why` is logged."""
+        rlog.warning("tcp-close", "tcp: closing a connection: %s", why)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.owner._slots.closed(self)
+        if self._transport is not None:
+            self._transport.close()
 
     def _arm(self) -> None:
         if self.owner.check_every > 0:
             loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self.owner.check_every, self._check_idle)
+            self._timer = loop.call_later(self.owner.check_every, self._check_deadlines)
 
-    def _check_idle(self) -> None:
+    def _check_deadlines(self) -> None:
+        self._timer = None
         if self._transport is None or self._transport.is_closing():
             return
-        quiet = time.monotonic() - self._last
-        mid_frame = self._stage != PREAMBLE_ or self._filled > 0 or self._frames == 0
-        limit = self.owner.frame_seconds if mid_frame else self.owner.idle_seconds
-        if quiet > limit:
-            what = "a frame stalled" if mid_frame else "idle"
-            rlog.warning("tcp-idle", "tcp: closing a connection: %s for %.0f s", what, quiet)
-            self._transport.close()
+        owner, now = self.owner, time.monotonic()
+        if self._frame_started is not None:
+            if now - self._frame_started > owner.frame_seconds:
+                self.close(f"a frame not complete {owner.frame_seconds:g} s after its first byte")
+                return
+        elif self._frames == 0:
+            if now - self._opened > owner.handshake_seconds:
+                self.close(f"no frame within {owner.handshake_seconds:g} s of connecting")
+                return
+        elif now - self._last_frame > owner.idle_seconds:
+            self.close(f"idle for {owner.idle_seconds:g} s")
             return
         self._arm()
 
@@ -117,16 +143,15 @@ class _FrameReader(asyncio.BufferedProtocol):
         return self._view[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._frame_started is None:
+            self._frame_started = time.monotonic()
         self._filled += nbytes
-        self._last = time.monotonic()
         try:
             while self._filled == (self._discard or len(self._buf)):
                 if not self._advance():
                     break
         except (FrameError, FrameAuthError) as e:
-            rlog.warning("tcp-drop", "tcp: dropping a connection: %s", e)
-            assert self._transport is not None
-            self._transport.close()
+            self.close(f"dropping it: {e}")
 
     def _advance(self) -> bool:
         """A part of the frame is complete; set up the next one. False when waiting."""
@@ -138,10 +163,16 @@ class _FrameReader(asyncio.BufferedProtocol):
                     f"a frame announces {self._plen} payload bytes; at most {owner.max_payload_bytes}"
                 )
             self._stage = HEADER
-            self._expect(np.empty(hlen, dtype=np.uint8))
-            return hlen == 0
+            tag = HEADER_TAG_BYTES if self._mac is not None else 0
+            self._expect(np.empty(hlen + tag, dtype=np.uint8))
+            return hlen + tag == 0
         if self._stage == HEADER:
-            self._hbytes = self._buf.tobytes()
+            raw = self._buf.tobytes()
+            if self._mac is not None:  # authentic before it has any effect
+                self._hbytes = raw[:-HEADER_TAG_BYTES]
+                self._mac.check_header(self._hbytes, raw[-HEADER_TAG_BYTES:])
+            else:
+                self._hbytes = raw
             self._header = parse_header(self._hbytes, self._plen)
             self._keep = owner._admitted(self._header)
             self._stage = PAYLOAD
@@ -154,20 +185,23 @@ class _FrameReader(asyncio.BufferedProtocol):
             self._payload = self._buf if self._keep and self._plen else None
             if self._mac is not None:
                 self._stage = TAGS
-                self._expect(np.empty(TAG_BYTES, dtype=np.uint8))
+                self._expect(np.empty(PAYLOAD_TAG_BYTES, dtype=np.uint8))
                 return False
-        else:  # tags
+        else:  # the payload's tag
             assert self._mac is not None
             if self._keep:
-                self._mac.verify(self._hbytes, self._payload, self._buf.tobytes())
+                self._mac.check_payload(self._payload, self._buf.tobytes())
             else:
-                self._mac.skip()
+                self._mac.skip_payload()
         return self._complete()
 
     def _complete(self) -> bool:
         header, payload, keep = self._header, self._payload, self._keep
         assert header is not None
+        if self._frames == 0:
+            self.owner._slots.established(self)
         self._frames += 1
+        self._last_frame = time.monotonic()
         self._new_frame()
         if keep:
             self.owner._deliver(Frame(header, tensor_from_bytes(header, payload)), keep)
@@ -176,6 +210,8 @@ class _FrameReader(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+        self.owner._slots.closed(self)
         self.owner._readers.discard(self)
 
 
@@ -198,10 +234,24 @@ class TcpTransport(Transport):
         super().__init__(*args, **kwargs)
         self._server: asyncio.Server | None = None
         self._readers: set[_FrameReader] = set()
+        self._slots: ConnectionSlots[_FrameReader] = ConnectionSlots(
+            self.max_connections, self.max_half_open_per_peer
+        )
         self._conns: dict[str, _Conn] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.frame_seconds, self.idle_seconds = FRAME_SECONDS, IDLE_SECONDS
-        self.check_every = 1.0
+
+    def _accept(self, reader: _FrameReader, peer: str) -> bool:
+        """Whether to keep a new connection from `peer`; closes the ones it replaces."""
+        self._slots.max_connections = self.max_connections
+        self._slots.max_half_open_per_peer = self.max_half_open_per_peer
+        victims = self._slots.open(reader, peer)
+        if victims is None:
+            rlog.warning("tcp-conns", "tcp: refusing a connection: %d open (the most)",
+                         len(self._slots))  # fmt: skip
+            return False
+        for v in victims:
+            v.close(f"a newer connection needs its slot ({peer or '?'} had no complete frame yet)")
+        return True
 
     async def start(self, port: int = 0) -> str:
         loop = asyncio.get_running_loop()
@@ -215,34 +265,38 @@ class TcpTransport(Transport):
         self.port = self._server.sockets[0].getsockname()[1]
         return self.address
 
-    async def _connection(self, address: str) -> _Conn:
+    async def _connection(self, address: str) -> tuple[_Conn, bool]:
+        """The connection to `address` and whether it is a fresh one."""
         conn = self._conns.get(address)
         if conn is not None and not conn.stale:
-            return conn
+            return conn, False
         if conn is not None:
             self._drop(address)
         addr = self._check_scheme(address)
         try:
-            reader, writer = await asyncio.open_connection(addr.host, addr.port)
-        except OSError as e:
-            raise TransportError(f"cannot connect to {address}: {e}") from None
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(addr.host, addr.port), self.handshake_seconds
+            )
+        except (OSError, TimeoutError) as e:
+            raise TransportError(f"cannot connect to {address}: {e!r}") from None
         sock = writer.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mac = None
-        if self.auth is not None:
-            try:
-                challenge = await asyncio.wait_for(
-                    reader.readexactly(CHALLENGE_BYTES), CHALLENGE_SECONDS
-                )
-            except (TimeoutError, asyncio.IncompleteReadError, OSError) as e:
-                writer.close()
-                raise TransportError(
-                    f"{address} sent no data-plane challenge (not a --secure peer?): {e!r}"
-                ) from None
-            mac = self.auth.session(challenge)
+        try:
+            hello = await asyncio.wait_for(
+                reader.readexactly(CHALLENGE_BYTES), self.handshake_seconds
+            )
+        except (TimeoutError, asyncio.IncompleteReadError, OSError) as e:
+            writer.close()
+            why = "no answer" if isinstance(e, TimeoutError) else "closed"
+            raise TransportError(
+                f"{address} did not accept the connection ({why} within "
+                f"{self.handshake_seconds:g} s: refused for want of slots, not a data-plane "
+                "port, or not answering)"
+            ) from None
+        mac = self.auth.session(hello) if self.auth is not None else None
         conn = self._conns[address] = _Conn(reader, writer, mac)
-        return conn
+        return conn, True
 
     def _drop(self, address: str) -> None:
         conn = self._conns.pop(address, None)
@@ -259,19 +313,30 @@ class TcpTransport(Transport):
         plen = 0 if data is None else data.nbytes
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
-            for attempt in (0, 1):  # a fresh connection once if the cached one broke
-                conn = await self._connection(address)
+            while True:  # once more on a fresh connection if a cached one broke
+                conn, fresh = await self._connection(address)
                 try:
-                    conn.writer.write(PREAMBLE.pack(len(hb), plen) + hb)
+                    w = conn.writer
+                    htag = conn.mac.header_tag(hb) if conn.mac is not None else b""
+                    w.write(PREAMBLE.pack(len(hb), plen) + hb + htag)
                     if data is not None:
-                        conn.writer.write(memoryview(data))
+                        w.write(memoryview(data))
                     if conn.mac is not None:
-                        conn.writer.write(conn.mac.tag(hb, data))
-                    await conn.writer.drain()
+                        w.write(conn.mac.payload_tag(data))
+                    if w.transport.get_write_buffer_size():  # the peer lags: bounded
+                        async with asyncio.timeout(self.frame_seconds):
+                            await w.drain()
+                    else:
+                        await w.drain()  # at once (raises if the connection was lost)
                     return
+                except TimeoutError:
+                    self._drop(address)
+                    raise TransportError(
+                        f"{address} did not take a frame within {self.frame_seconds:g} s"
+                    ) from None
                 except (OSError, RuntimeError) as e:
                     self._drop(address)
-                    if attempt:
+                    if fresh:
                         raise TransportError(f"sending to {address} failed: {e}") from None
 
     async def close(self) -> None:

@@ -10,12 +10,20 @@ pointer as host memory, so payloads are staged through host memory like TCP's.
 Messages of one endpoint are matched in order, so frames to one address arrive in the
 order they were sent.
 
-Bounds and authentication as over TCP (`base.py`, `auth.py`): the preamble's lengths
-are checked before anything is allocated, frames the owner does not admit are received
-into a buffer of at most `max_payload_bytes` and dropped, and with `--secure` the
-listener sends each new endpoint a challenge and every frame ends with a fourth message,
-its tags (payloads then always go through host memory, where the tags are computed). A
-sender whose endpoint broke reconnects and retries the frame once.
+Bounds, deadlines and authentication as over TCP (`base.py`, `admission.py`,
+`auth.py`): the listener answers each new endpoint with a 16-byte hello (the challenge
+with `--secure`), which the sender waits for at most `handshake_seconds`; an endpoint
+must send its first preamble within `handshake_seconds` and the rest of every frame
+within `frame_seconds` of its preamble, and is closed after `idle_seconds` without a
+frame. Half-open endpoints (no complete frame yet) are capped like TCP connections, but
+all together: ucxx does not tell a listener its peer's address, so every peer counts as
+one (the oldest half-open endpoint makes way for a new one). The preamble's lengths are
+checked before anything is allocated; with `--secure` the header message carries the
+header's tag, checked before the header has any effect, and a fourth message the
+payload's tag (payloads then always go through host memory, where the tags are
+computed); frames the owner does not admit are received into a buffer of at most
+`max_payload_bytes` and dropped. A sender whose endpoint broke reconnects and retries the
+frame once; one whose frame is not taken within `frame_seconds` gets a TransportError.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import torch
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
-from .auth import CHALLENGE_BYTES, TAG_BYTES, FrameAuthError
+from .admission import ConnectionSlots
+from .auth import CHALLENGE_BYTES, HEADER_TAG_BYTES, PAYLOAD_TAG_BYTES, FrameAuth, FrameAuthError
 from .base import Transport, TransportError, rlog
 from .codec import (
     MAX_HEADER_BYTES,
@@ -163,7 +172,15 @@ class UcxTransport(Transport):
         self._eps: dict[str, tuple[object, object]] = {}  # address -> (endpoint, FrameMac)
         self._locks: dict[str, asyncio.Lock] = {}
         self._handlers: set[asyncio.Task] = set()
-        self._peers: set = set()  # endpoints that connected to our listener
+        self._serving: dict[object, asyncio.Task] = {}  # endpoints that connected to us
+        self._slots: ConnectionSlots = ConnectionSlots(
+            self.max_connections, self.max_half_open_per_peer
+        )
+
+    @property
+    def _peers(self) -> list:
+        """Endpoints that connected to our listener."""
+        return list(self._serving)
 
     @property
     def host_payloads(self) -> bool:
@@ -174,117 +191,166 @@ class UcxTransport(Transport):
 
         async def handler(ep) -> None:
             task = asyncio.current_task()
-            if task is not None:
-                self._handlers.add(task)
-            if len(self._peers) >= self.max_connections:
+            assert task is not None
+            self._slots.max_connections = self.max_connections
+            self._slots.max_half_open_per_peer = self.max_half_open_per_peer
+            victims = self._slots.open(ep, "")  # ucxx does not tell the peer's address
+            if victims is None:
                 rlog.warning(
-                    "ucx-conns", "ucx: refusing an endpoint: %d open (the most)", len(self._peers)
+                    "ucx-conns", "ucx: refusing an endpoint: %d open (the most)", len(self._slots)
                 )
                 with contextlib.suppress(Exception):
                     await ep.close()
                 return
-            self._peers.add(ep)
+            for v in victims:
+                rlog.warning("ucx-close", "ucx: closing an endpoint with no complete frame "
+                             "yet: a newer one needs its slot")  # fmt: skip
+                victim = self._serving.get(v)
+                if victim is not None:
+                    victim.cancel()
+            self._serving[ep] = task
+            self._handlers.add(task)
             try:
                 await self._serve(ep)
             finally:
-                self._peers.discard(ep)
-                if task is not None:
-                    self._handlers.discard(task)
+                self._slots.closed(ep)
+                self._serving.pop(ep, None)
+                self._handlers.discard(task)
 
         self._listener = ucxx.create_listener(handler, port=port)
         self.port = self._listener.port
         return self.address
 
     async def _serve(self, ep) -> None:
-        """Receive frames from one peer until it goes away."""
+        """Receive frames from one peer until it goes away or breaks a deadline."""
+        loop = asyncio.get_running_loop()
+        hello = FrameAuth.challenge()  # "accepted" (the challenge with --secure)
+        mac = self.auth.session(hello) if self.auth is not None else None
         pre = np.empty(2, dtype=np.uint64)
-        mac = None
-        if self.auth is not None:
-            challenge = self.auth.challenge()
-            mac = self.auth.session(challenge)
+        frames, opened = 0, loop.time()
+        last = opened
+        try:
             try:
                 _kick()
-                await ep.send(np.frombuffer(challenge, dtype=np.uint8))
+                async with asyncio.timeout(self.handshake_seconds):
+                    await ep.send(np.frombuffer(hello, dtype=np.uint8))
             except Exception:
                 return
-        while True:
-            try:
-                if _progress is not None:
-                    # Post a receive only once a message is there: ucxx waits for a
-                    # request by yielding to the loop in a spin, so an idle posted
-                    # receive would cost a CPU.
-                    while not ep.tag_probe().matched:
-                        if ep.closed:
-                            raise ConnectionError("peer closed")
-                        await _progress.activity()
-                _kick()
-                await ep.recv(pre)
-                hlen, plen = int(pre[0]), int(pre[1])
-                if hlen > MAX_HEADER_BYTES or plen > self.max_payload_bytes:
-                    raise FrameError(f"frame too large: header {hlen} bytes, payload {plen} bytes")
-                hbuf = np.empty(hlen, dtype=np.uint8)
-                if hlen:
-                    _kick()
-                    await ep.recv(hbuf)
-                hbytes = hbuf.tobytes()
-                header = parse_header(hbytes, plen)
-                keep = self._admitted(header)
-                buf = None
-                if plen:  # a UCX message is received whole: dropped frames too (bounded)
-                    buf = (
-                        np.empty(plen, dtype=np.uint8)
-                        if not keep or self.device == "cpu" or self.host_payloads
-                        else torch.empty(plen, dtype=torch.uint8, device=self.device)
-                    )
-                    _kick()
-                    await ep.recv(buf)
-                if mac is not None:
-                    tags = np.empty(TAG_BYTES, dtype=np.uint8)
-                    _kick()
-                    await ep.recv(tags)
-                    if keep:
-                        mac.verify(hbytes, buf, tags.tobytes())
-                    else:
-                        mac.skip()
-                if not keep:
-                    continue
-                payload = tensor_from_bytes(header, buf)
-            except (FrameError, FrameAuthError) as e:
-                rlog.warning("ucx-drop", "ucx: dropping an endpoint: %s", e)
-                break
-            except Exception:  # the peer closed or died: ucxx raises its own errors
-                break
-            self._deliver(Frame(header, payload), keep)
-        with contextlib.suppress(Exception):
-            await ep.close()
+            while True:
+                if frames == 0:
+                    until, what = opened + self.handshake_seconds, "no frame after connecting"
+                else:
+                    until, what = last + self.idle_seconds, "idle"
+                try:
+                    async with asyncio.timeout_at(until):
+                        await self._next_message(ep)
+                        _kick()
+                        await ep.recv(pre)
+                except TimeoutError:
+                    rlog.warning("ucx-close", "ucx: closing an endpoint: %s for %.0f s",
+                                 what, loop.time() - last)  # fmt: skip
+                    return
+                try:
+                    async with asyncio.timeout(self.frame_seconds):
+                        frame, keep = await self._rest_of_frame(ep, pre, mac)
+                except TimeoutError:
+                    rlog.warning("ucx-close", "ucx: closing an endpoint: a frame not complete "
+                                 "%g s after its preamble", self.frame_seconds)  # fmt: skip
+                    return
+                except (FrameError, FrameAuthError) as e:
+                    rlog.warning("ucx-drop", "ucx: dropping an endpoint: %s", e)
+                    return
+                if frames == 0:
+                    self._slots.established(ep)
+                frames += 1
+                last = loop.time()
+                if keep:
+                    self._deliver(frame, keep)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the peer closed or died: ucxx raises its own errors
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                await ep.close()
+
+    async def _next_message(self, ep) -> None:
+        """Until a message is there to receive."""
+        if _progress is None:
+            return
+        # Post a receive only once a message is there: ucxx waits for a request by
+        # yielding to the loop in a spin, so an idle posted receive would cost a CPU.
+        while not ep.tag_probe().matched:
+            if ep.closed:
+                raise ConnectionError("peer closed")
+            await _progress.activity()
+
+    async def _rest_of_frame(self, ep, pre: np.ndarray, mac):
+        """The header, payload and tags after a preamble: (frame, admission); the
+        header's tag is checked before the header has any effect."""
+        hlen, plen = int(pre[0]), int(pre[1])
+        if hlen > MAX_HEADER_BYTES or plen > self.max_payload_bytes:
+            raise FrameError(f"frame too large: header {hlen} bytes, payload {plen} bytes")
+        tag = HEADER_TAG_BYTES if mac is not None else 0
+        hbuf = np.empty(hlen + tag, dtype=np.uint8)
+        if hlen + tag:
+            _kick()
+            await ep.recv(hbuf)
+        raw = hbuf.tobytes()
+        hbytes = raw[:hlen]
+        if mac is not None:
+            mac.check_header(hbytes, raw[hlen:])
+        header = parse_header(hbytes, plen)
+        keep = self._admitted(header)
+        buf = None
+        if plen:  # a UCX message is received whole: dropped frames too (bounded)
+            buf = (
+                np.empty(plen, dtype=np.uint8)
+                if not keep or self.device == "cpu" or self.host_payloads
+                else torch.empty(plen, dtype=torch.uint8, device=self.device)
+            )
+            _kick()
+            await ep.recv(buf)
+        if mac is not None:
+            tags = np.empty(PAYLOAD_TAG_BYTES, dtype=np.uint8)
+            _kick()
+            await ep.recv(tags)
+            if keep:
+                mac.check_payload(buf, tags.tobytes())
+            else:
+                mac.skip_payload()
+        payload = tensor_from_bytes(header, buf) if keep else None
+        return Frame(header, payload), keep
 
     async def _endpoint(self, address: str):
-        """(endpoint, FrameMac or None) to `address`, reconnecting if the peer closed it."""
+        """(endpoint, FrameMac or None, fresh) to `address`, reconnecting if the peer
+        closed it; the receiver's hello is waited for at most `handshake_seconds`."""
         conn = self._eps.get(address)
         if conn is not None and not conn[0].closed:
-            return conn
+            return (*conn, False)
         self._eps.pop(address, None)
         addr = self._check_scheme(address)
         ucxx = _ucxx()
         try:
-            ep = await ucxx.create_endpoint(addr.host, addr.port)
+            ep = await asyncio.wait_for(
+                ucxx.create_endpoint(addr.host, addr.port), self.handshake_seconds
+            )
         except Exception as e:
-            raise TransportError(f"cannot connect to {address}: {e}") from None
-        mac = None
-        if self.auth is not None:
-            challenge = np.empty(CHALLENGE_BYTES, dtype=np.uint8)
-            try:
-                _kick()
-                await asyncio.wait_for(ep.recv(challenge), 10.0)
-            except Exception as e:
-                with contextlib.suppress(Exception):
-                    await ep.close()
-                raise TransportError(
-                    f"{address} sent no data-plane challenge (not a --secure peer?): {e!r}"
-                ) from None
-            mac = self.auth.session(challenge.tobytes())
+            raise TransportError(f"cannot connect to {address}: {e!r}") from None
+        hello = np.empty(CHALLENGE_BYTES, dtype=np.uint8)
+        try:
+            _kick()
+            await asyncio.wait_for(ep.recv(hello), self.handshake_seconds)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await ep.close()
+            raise TransportError(
+                f"{address} did not accept the endpoint within {self.handshake_seconds:g} s "
+                f"(refused for want of slots, or not a data-plane port): {e!r}"
+            ) from None
+        mac = self.auth.session(hello.tobytes()) if self.auth is not None else None
         self._eps[address] = (ep, mac)
-        return ep, mac
+        return ep, mac, True
 
     async def send_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
@@ -295,42 +361,53 @@ class UcxTransport(Transport):
             buf = payload_bytes(payload.cpu())  # stages copy device outputs before this
         else:  # CUDA buffers go as they are (UCX_TLS names a CUDA transport)
             buf = payload.reshape(-1).view(torch.uint8)
-        hb = np.frombuffer(header.SerializeToString(), dtype=np.uint8)
-        pre = np.array([hb.nbytes, 0 if buf is None else buf.nbytes], dtype=np.uint64)
+        hbytes = header.SerializeToString()
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
-            for attempt in (0, 1):  # a fresh endpoint once if the cached one broke
-                ep, mac = await self._endpoint(address)
+            while True:  # once more on a fresh endpoint if a cached one broke
+                ep, mac, fresh = await self._endpoint(address)
                 try:
-                    _kick()
-                    await ep.send(pre)
-                    if hb.nbytes:
-                        _kick()
-                        await ep.send(hb)
-                    if buf is not None:
-                        _kick()
-                        await ep.send(buf)
-                    if mac is not None:
-                        _kick()
-                        await ep.send(np.frombuffer(mac.tag(hb.tobytes(), buf), dtype=np.uint8))
+                    async with asyncio.timeout(self.frame_seconds):
+                        await self._send_parts(ep, mac, hbytes, buf)
                     return
                 except Exception as e:
                     self._eps.pop(address, None)
                     with contextlib.suppress(Exception):
                         await ep.close()
-                    if attempt:
+                    if isinstance(e, TimeoutError):
+                        raise TransportError(
+                            f"{address} did not take a frame within {self.frame_seconds:g} s"
+                        ) from None
+                    if fresh:
                         raise TransportError(f"sending to {address} failed: {e}") from None
 
+    @staticmethod
+    async def _send_parts(ep, mac, hbytes: bytes, buf) -> None:
+        """Preamble, header [+ its tag], payload, [payload tag]: one message each."""
+        head = hbytes + (mac.header_tag(hbytes) if mac is not None else b"")
+        pre = np.array([len(hbytes), 0 if buf is None else buf.nbytes], dtype=np.uint64)
+        _kick()
+        await ep.send(pre)
+        if head:
+            _kick()
+            await ep.send(np.frombuffer(head, dtype=np.uint8))
+        if buf is not None:
+            _kick()
+            await ep.send(buf)
+        if mac is not None:
+            _kick()
+            await ep.send(np.frombuffer(mac.payload_tag(buf), dtype=np.uint8))
+
     async def close(self) -> None:
-        for ep in [*(c[0] for c in self._eps.values()), *self._peers]:
+        for ep in [*(c[0] for c in self._eps.values()), *self._serving]:
             with contextlib.suppress(Exception):
                 await ep.close()
         self._eps.clear()
-        self._peers.clear()
         handlers = list(self._handlers)
         for t in handlers:
             t.cancel()
         await asyncio.gather(*handlers, return_exceptions=True)
+        self._serving.clear()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

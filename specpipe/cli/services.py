@@ -260,6 +260,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "request is replayed on another, and fails UNAVAILABLE after --replay-seconds "
         "without one)",
     )
+
+    def stall_seconds(text: str) -> float:
+        value = float(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+        return value
+
+    p.add_argument(
+        "--replica-stall-seconds",
+        type=stall_seconds,
+        default=2.0,  # services/router/backends.py DEFAULT_STALL_SECONDS (a test checks)
+        help="a replica that answers no health check for this long is stalled: it takes "
+        "no new requests, and a request waiting on it is replayed on another path as if "
+        "it had died (default %(default)s)",
+    )
     p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
     p.add_argument("--startup-timeout", type=float, default=180.0)

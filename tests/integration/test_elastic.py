@@ -334,6 +334,36 @@ def test_prometheus_scrapes_every_service(elastic, tmp_path) -> None:
         proc.wait(timeout=30)
 
 
+def test_a_sigstopped_stage_replica_is_dead_for_its_requests(elastic) -> None:
+    """SIGSTOP of a stage replica a request runs on (issue 22, N14: the stream stalled
+    7.5 s, until three health checks had timed out): the requests on it treat it as dead
+    once it has answered nothing for the stall limit (2 s) and replay on the other
+    replica, exactly; the router says it stalled. It takes requests again once it
+    answers (SIGCONT)."""
+    import signal
+
+    dep = elastic
+    up = [b for b in router_view(dep).backends if b.healthy and not b.draining]
+    stages = sum(b.kind == "stage" for b in up)
+    third = dep.add_stage(1, name="stage1.stopped")
+    wait_backends(dep, stages=stages + 1)
+    streams = Streams(dep.router_address, REQUESTS)
+    streams.wait_tokens(3)
+    victim = dep.children[on_path(dep, "stage1")]
+    router_log = dep.children["router"].log_file
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        streams.join()
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    streams.check_exact(dep)
+    assert sum(d.stats["replays"] for d in streams.done) >= 1
+    assert f"{victim.info['address']} is stalled" in router_log.read_text()
+    wait_backends(dep, stages=stages + 1)  # it answers again
+    dep.unlist(third.name)
+    wait_backends(dep, stages=stages)
+
+
 def test_router_follows_kubernetes_endpoint_slices(tcp_deployment, tmp_path) -> None:
     """A router process with `--discovery kubernetes` (the official client, configured by
     a kubeconfig) against the in-test API server: it starts once the slices list a

@@ -122,3 +122,84 @@ def test_other_vocabularies_are_refused_with_the_reason() -> None:
     other_plane = add(bs, "stage", "u", version="v1")
     other_plane.desc.data_address = "ucx://h:1"
     assert "ucx data plane" in bs._refusal(other_plane)
+
+
+def test_a_replica_listed_again_takes_no_request_before_a_check_passes() -> None:
+    """A replica that left discovery while it still held requests (so it was kept) and
+    is listed again may have restarted meanwhile (issue 22, N14: requests refused after
+    a restarted stage was ready): no path uses it until a health check and Describe
+    pass again."""
+    bs = backends()
+    s = add(bs, "stage", "s")
+    s.active = 1  # a request still on it: kept while it is unlisted
+    bs.update(frozenset())
+    assert not s.listed and bs.by_key
+    with pytest.raises(NoPath):
+        bs.path(need_draft=False)
+    bs.update(frozenset([s.endpoint]))
+    assert s.listed and not s.eligible
+    with pytest.raises(NoPath, match="not checked yet"):
+        bs.path(need_draft=False)
+
+
+def test_a_replica_that_answers_no_check_for_the_stall_limit_is_stalled() -> None:
+    """No answer for `stall_seconds` while a check waits: no new requests (and the
+    drivers of requests on it replay them, see test_services_stalls.py); answering
+    again ends it. A replica that is not being asked is never stalled."""
+    bs = backends()
+    bs.stall_seconds = 2.0
+    s0, s1 = add(bs, "stage", "s0"), add(bs, "stage", "s1")
+    s0.answered_at = s1.answered_at = 100.0
+    assert bs.stalled_for(s0, 150.0) == 0.0  # nothing asked of it: not stalled
+    s0.asked_since = s1.asked_since = 100.2
+    s1.answered_at = 101.0
+    assert bs.stalled_for(s0, 101.9) == pytest.approx(1.9)
+    bs._mark_stalls(102.1)
+    bs._recompute()
+    assert s0.stalled and not s1.stalled and "stalled" in s0.error
+    assert bs.path(need_draft=False).stages == [s1]
+    s0.asked_since, s0.answered_at = None, 102.2  # it answered
+    bs._mark_stalls(102.3)
+    assert not s0.stalled and s0.eligible
+
+
+def test_the_command_line_default_stall_limit_is_the_routers() -> None:
+    from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
+
+    from specpipe.cli import build_parser
+
+    args = build_parser().parse_args(["router", "--stages", "h:1"])
+    assert args.replica_stall_seconds == DEFAULT_STALL_SECONDS == 2.0
+
+
+def test_an_idle_replica_that_fails_a_check_gets_a_fresh_channel() -> None:
+    """gRPC backs a broken channel's reconnects off up to 2 s: a replica that restarted
+    would stay unseen that long after it is ready. A replica that failed a check and
+    holds no request is checked next on a new channel; one that holds requests keeps
+    its channel (their calls use it)."""
+    import asyncio
+    import socket
+
+    from specpipe.services.grpc_util import channel
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nobody listens there
+    made: list = []
+
+    def make(address: str):
+        made.append(channel(address))
+        return made[-1]
+
+    async def main() -> None:
+        bs = Backends(StaticDiscovery([f"127.0.0.1:{port}"]), on_down=lambda b, e: None,
+                      on_readiness=lambda ready: None, make_channel=make, check_timeout=5.0)  # fmt: skip
+        (b,) = bs.all
+        await bs._check(b)
+        assert not b.healthy and len(made) == 2 and b.channel is made[1]
+        b.active = 1
+        await bs._check(b)
+        assert len(made) == 2
+        await bs.close()
+
+    asyncio.run(main())

@@ -1,13 +1,16 @@
 """Fuzzing the data-plane frame codec and the TCP frame reader (hypothesis): arbitrary
 headers, mutated and truncated byte streams, with and without frame tags. Nothing may
-escape but the codec's own FrameError / InvalidInput: the reader closes a connection on
-garbage and otherwise delivers only frames whose payload matches their header."""
+escape but the codec's own FrameError / InvalidInput: a payload of another size than its
+header announces is refused, the reader closes a connection on garbage and otherwise
+delivers only frames whose payload matches their header, and with tags no header that
+was changed on the way reaches the owner's `admit`."""
 
 from __future__ import annotations
 
 import struct
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -60,6 +63,10 @@ def test_arbitrary_headers_decode_or_fail_cleanly(header, extra, data) -> None:
         return
     plen = max(0, n + extra) if n < 1 << 16 else 0
     raw = data.draw(st.binary(min_size=plen, max_size=plen))
+    if plen != n:  # a payload of another size than announced never gets further
+        with pytest.raises(FrameError, match="header announces"):
+            parse_header(header.SerializeToString(), plen)
+        return
     try:
         parsed = parse_header(header.SerializeToString(), plen)
         payload = tensor_from_bytes(
@@ -96,11 +103,21 @@ class _FakeTransport:
         return None
 
 
-def _owner(auth=None) -> tuple[TcpTransport, list[Frame]]:
+def _owner(auth=None) -> tuple[TcpTransport, list[Frame], list[bytes]]:
+    """A receiver, the frames it delivers and the headers its `admit` was shown."""
     got: list[Frame] = []
-    owner = TcpTransport(got.append, auth=auth, max_payload_bytes=1 << 20)
+    admitted: list[bytes] = []
+    owner = TcpTransport(got.append, auth=auth, max_payload_bytes=1 << 20,
+                         admit=lambda h: admitted.append(h.SerializeToString()) or True)  # fmt: skip
     owner.check_every = 0  # no timers: no event loop here
-    return owner, got
+    return owner, got, admitted
+
+
+def _header_bytes(rows: int, seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    act = Activation("r", torch.arange(rows), node_ids=torch.arange(rows),
+                     parent_ids=torch.full((rows,), -1), hidden=torch.randn(rows, 4, generator=g))  # fmt: skip
+    return encode(act, seed)[0].SerializeToString()
 
 
 def _frame_bytes(rows: int, seed: int, mac=None) -> bytes:
@@ -111,8 +128,10 @@ def _frame_bytes(rows: int, seed: int, mac=None) -> bytes:
     hb = header.SerializeToString()
     data = payload_bytes(payload)
     body = b"" if data is None else data.tobytes()
-    out = struct.pack("<IQ", len(hb), len(body)) + hb + body
-    return out + (mac.tag(hb, data) if mac is not None else b"")
+    if mac is None:
+        return struct.pack("<IQ", len(hb), len(body)) + hb + body
+    htag = mac.header_tag(hb)  # right after the header, checked before it has any effect
+    return struct.pack("<IQ", len(hb), len(body)) + hb + htag + body + mac.payload_tag(data)
 
 
 def _feed(reader: _FrameReader, stream: bytes, cuts: list[int]) -> None:
@@ -145,7 +164,7 @@ mutations = st.lists(
 )
 def test_mutated_streams_never_crash_the_reader(rows, muts, cuts, secure) -> None:
     auth = FrameAuth(b"s" * 32) if secure else None
-    owner, got = _owner(auth)
+    owner, got, admitted = _owner(auth)
     reader = _FrameReader(owner)
     fake = _FakeTransport()
     reader.connection_made(fake)
@@ -176,3 +195,5 @@ def test_mutated_streams_never_crash_the_reader(rows, muts, cuts, secure) -> Non
                        min(len(stream), len(b"".join(clean))))  # fmt: skip
         whole = np.cumsum([len(c) for c in clean])
         assert len(got) <= int((whole <= changed).sum())
+        # No header changed on the way reached `admit`: those it saw are the clean ones.
+        assert admitted == [_header_bytes(n, i) for i, n in enumerate(rows)][: len(admitted)]

@@ -189,18 +189,21 @@ def test_a_restarted_peer_costs_no_frame(kind: str, secure: bool) -> None:
 def test_tcp_receiver_bounds_what_it_reads_and_holds() -> None:
     """A preamble claiming 8 GiB closes the connection before anything is allocated; a
     frame of an unknown request is read past without being kept and the stream stays in
-    step; a stalled frame and connections beyond the limit are closed (issue 13: 8 GiB
-    reserved before the payload arrived, 3000 idle connections held)."""
+    step; a stalled frame is closed, and with every slot taken a new connection takes
+    the slot of the oldest one that never sent a frame (issue 13: 8 GiB reserved before
+    the payload arrived, 3000 idle connections held; issue 22: such connections refused
+    the deployment's own)."""
     import socket
     import struct
 
+    from specpipe.services.transport.auth import CHALLENGE_BYTES
     from specpipe.services.transport.codec import encode, payload_bytes
 
     async def main() -> None:
         inbox = Inbox()
         q = inbox.open("a")
         rx = make_transport("tcp", inbox, admit=inbox.admit, max_connections=3)
-        rx.frame_seconds, rx.check_every = 0.5, 0.1
+        rx.frame_seconds, rx.handshake_seconds, rx.check_every = 0.5, 0.5, 0.1
         addr = await rx.start()
         loop = asyncio.get_running_loop()
 
@@ -210,9 +213,13 @@ def test_tcp_receiver_bounds_what_it_reads_and_holds() -> None:
             return s
 
         def closed_within(s: socket.socket, seconds: float) -> bool:
+            """Whether the receiver closes `s` within `seconds` (its hello read past)."""
             s.settimeout(seconds)
             try:
-                return s.recv(1) == b""
+                while True:
+                    got = s.recv(CHALLENGE_BYTES)
+                    if not got:
+                        return True
             except TimeoutError:
                 return False
             finally:
@@ -234,14 +241,17 @@ def test_tcp_receiver_bounds_what_it_reads_and_holds() -> None:
             s.close()
             stalled = raw(struct.pack("<IQ", 10, 100))  # a header that never comes
             assert await loop.run_in_executor(None, closed_within, stalled, 5)
+            rx.handshake_seconds = 30.0
             idle = [raw(b"") for _ in range(3)]
-            await asyncio.sleep(0.05)
-            extra = raw(b"")
-            assert await loop.run_in_executor(None, closed_within, extra, 2)
-            for s in idle:  # a first frame never came: closed after frame_seconds
-                assert await loop.run_in_executor(None, closed_within, s, 5)
+            await asyncio.sleep(0.1)
+            newest = raw(b"")  # takes the slot of the oldest idle one
+            assert await loop.run_in_executor(None, closed_within, idle[0], 2)
+            await asyncio.sleep(0.1)
+            assert len(rx._slots) == 3 and rx._slots.evicted == 1
+            for s in (*idle[1:], newest):
+                s.close()
             await asyncio.sleep(0.2)
-            assert len(rx._readers) == 0
+            assert len(rx._readers) == 0 and len(rx._slots) == 0
             tx = make_transport("tcp", lambda f: None)
             await tx.send(addr, _act("a", 1, 0), seq=5)  # still serving
             assert (await asyncio.wait_for(q.get(), 10)).header.seq == 5
