@@ -54,6 +54,9 @@ class StopRequested(Exception):
 PARENT_FD_ENV = "SPECPIPE_PARENT_FD"
 PARENT_GRACE_ENV = "SPECPIPE_PARENT_GRACE"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long a stopping child may take beyond its drain (closing servers, exiting) before
+# it is killed.
+STOP_SLACK = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -566,11 +569,6 @@ class ServicesDeployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# How long a stopping child may take beyond its drain (closing servers, exiting) before
-# it is killed.
-STOP_SLACK = 5.0
 
 
 @contextlib.contextmanager
