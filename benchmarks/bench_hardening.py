@@ -142,7 +142,9 @@ def make_model(root: Path, max_positions: int = 512) -> Path:
 def deployment(model: Path, log_dir: Path, **extra):
     from specpipe.services.launcher import ServicesDeployment
 
-    kw = dict(transport="tcp", threads=1, log_dir=log_dir, dtype="float32", drain_seconds=2)
+    # Plaintext: these attacks call stages and the draft without credentials.
+    kw = dict(transport="tcp", threads=1, log_dir=log_dir, dtype="float32", drain_seconds=2,
+              secure=False)  # fmt: skip
     for k, v in extra.items():
         kw[k] = v
     try:

@@ -6,13 +6,17 @@ What it does, as a kubelet would with the chart's pods, on one host:
      that is mounted at the image's SPECPIPE_MODEL_CACHE (/models) in every container;
   2. renders helm/specpipe (pinned helm) for those models, and runs each pod's init and
      main container with the chart's own arguments, environment, volumes, user and
-     security settings: `docker run --network host` with the image's entrypoint. The only
-     rewrites are the ones one host instead of a pod network needs: `--host 0.0.0.0`
-     becomes 127.0.0.1 (loopback only), `$(POD_IP)` and `--peers` 127.0.0.1, each
-     `--port` and `--data-port` a distinct free port, and the router's stage/draft DNS
-     names those addresses;
-  3. waits for each container's readiness probe (gRPC health on the probe's port), one
-     after the other, and records start-to-ready;
+     security settings (the chart's defaults: mutual TLS among the services with the TLS
+     Secret the chart renders, mounted read only as the kubelet would), `docker run
+     --network host` with the image's entrypoint. The only rewrites are the ones one host
+     instead of a pod network and an API server needs: `--host 0.0.0.0` becomes
+     127.0.0.1 (loopback only), `$(POD_IP)` and `--peers` 127.0.0.1, every port flag (`--port`,
+     `--data-port`, `--health-port`, `--metrics-port`, `--http-port`) a distinct free
+     port, the router's `--discovery kubernetes` a discovery file listing the stage and
+     draft containers (`file:/models/backends`; static `--stages`/`--draft` DNS names
+     become those addresses);
+  3. waits for each container's readiness probe (gRPC health or HTTP GET on the probe's
+     port), one after the other, and records start-to-ready;
   4. sends requests from the host with `specpipe client generate --json` and checks the
      tokens against the in-process engine (`specpipe generate --json`);
   5. opens long streams, stops the last stage's container with `docker stop` (SIGTERM)
@@ -147,12 +151,49 @@ def arg(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
+# The flags that give a service a port to listen on: each gets a free one on this host.
+PORT_FLAGS = ("--port", "--data-port", "--health-port", "--metrics-port", "--http-port")
+# Where the router's discovery file is, inside the containers (the model volume).
+DISCOVERY_FILE = "/models/backends"
+
+
+def write_secrets(docs: list[dict], out: Path) -> dict[str, Path]:
+    """The Secrets the chart renders (the internal TLS one by default), each as a
+    directory of its entries (what a secret volume shows a pod); name -> directory."""
+    import base64
+
+    dirs = {}
+    for d in docs:
+        if d["kind"] != "Secret":
+            continue
+        path = out / d["metadata"]["name"]
+        path.mkdir(parents=True)
+        for key, value in (d.get("data") or {}).items():
+            (path / key).write_bytes(base64.b64decode(value))
+            (path / key).chmod(0o440)
+        dirs[d["metadata"]["name"]] = path
+    return dirs
+
+
+def discovery_lines(pods: list[Pod]) -> str:
+    """The router's discovery file: every stage and draft container, with its model
+    version (what the EndpointSlices' labels say in a cluster)."""
+    lines = [
+        f"{pod.component} {HOST}:{pod.host_port} {pod.version}".rstrip()
+        for pod in pods
+        if pod.component in ("stage", "draft")
+    ]
+    return "".join(f"{line}\n" for line in lines)
+
+
 class Pod:
     """One workload's pod, as `docker run` arguments."""
 
     def __init__(self, doc: dict) -> None:
         tmpl = doc["spec"]["template"]
-        self.component = tmpl["metadata"]["labels"]["app.kubernetes.io/component"]
+        labels = tmpl["metadata"]["labels"]
+        self.component = labels["app.kubernetes.io/component"]
+        self.version = labels.get("specpipe.dev/model-version", "")
         self.name = doc["metadata"]["name"]
         self.pod_name = f"{self.name}-0" if doc["kind"] == "StatefulSet" else self.name
         self.service = doc["spec"].get("serviceName")
@@ -161,14 +202,29 @@ class Pod:
         self.grace = int(self.spec["terminationGracePeriodSeconds"])
         self.args = list(self.main["args"])
         self.port = int(self.arg("--port"))
-        probe = self.main["readinessProbe"]["grpc"]["port"]
-        if int(probe) != self.port:
-            raise Failed(
-                f"{self.name}: readiness probe on {probe}, the command listens on {self.port}"
-            )
-        self.host_port = free_port()
-        self.host_data_port = free_port() if "--data-port" in self.args else None
+        self.host_ports = {f: free_port() for f in PORT_FLAGS if f in self.args}
+        self.host_port = self.host_ports["--port"]
+        self.host_data_port = self.host_ports.get("--data-port")
+        self.probe = self._probe()
         self.container = ""
+
+    def _probe(self) -> tuple[str, int, str]:
+        """The readiness probe as (grpc|http|https, host port, path): it must check a port
+        the command listens on."""
+        named = {p["name"]: p["containerPort"] for p in self.main.get("ports", [])}
+        probe = self.main["readinessProbe"]
+        if "grpc" in probe:
+            kind, port, path = "grpc", probe["grpc"]["port"], ""
+        else:
+            get = probe["httpGet"]
+            kind, port, path = get.get("scheme", "HTTP").lower(), get["port"], get["path"]
+        port = int(named.get(port, port))
+        flags = [f for f in self.host_ports if int(self.arg(f)) == port]
+        if not flags:
+            raise Failed(
+                f"{self.name}: readiness probe on {port}, which the command does not listen on"
+            )
+        return kind, self.host_ports[flags[0]], path
 
     def arg(self, flag: str) -> str | None:
         return arg(self.args, flag)
@@ -184,15 +240,37 @@ class Pod:
             put("--host", HOST)
         if arg(a, "--peers") is not None:  # the pod network is loopback here
             put("--peers", HOST)
-        put("--port", str(self.host_port))
-        if self.host_data_port is not None:
-            put("--data-port", str(self.host_data_port))
+        for flag, port in self.host_ports.items():
+            put(flag, str(port))
         for flag in ("--stages", "--draft"):
             if arg(a, flag) is not None:
                 put(flag, ",".join(addresses[x] for x in arg(a, flag).split(",")))
+        if arg(a, "--discovery") == "kubernetes":  # no API server here: a discovery file
+            put("--discovery", f"file:{DISCOVERY_FILE}")
+            for flag in ("--discovery-selector", "--discovery-namespace"):
+                if flag in a:
+                    del a[a.index(flag) : a.index(flag) + 2]
         return [x.replace("$(POD_IP)", HOST) for x in a]
 
-    def docker_args(self, container: dict, run_id: str, models: Path, name: str) -> list[str]:
+    def mounts(self, container: dict, models: Path, secrets: dict[str, Path]) -> dict[str, Path]:
+        """The container's bind mounts, container path -> host path: the model volume and
+        the Secrets' directories (read only); tmpfs and shm volumes are not mounts."""
+        volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
+        out = {}
+        for m in container.get("volumeMounts", []):
+            v = volumes[m["name"]]
+            if m["name"] == "model-cache":
+                out[m["mountPath"]] = models
+            elif "secret" in v:
+                name = v["secret"]["secretName"]
+                if name not in secrets:
+                    raise Failed(f"{self.name}: Secret {name} is not rendered by the chart")
+                out[m["mountPath"]] = secrets[name]
+        return out
+
+    def docker_args(
+        self, container: dict, run_id: str, models: Path, name: str, secrets: dict[str, Path]
+    ) -> list[str]:
         ctx = self.spec.get("securityContext", {})
         sec = container.get("securityContext", {})
         cmd = [
@@ -215,10 +293,12 @@ class Pod:
         if sec.get("allowPrivilegeEscalation") is False:
             cmd += ["--security-opt", "no-new-privileges"]
         volumes = {v["name"]: v for v in self.spec.get("volumes", [])}
+        binds = self.mounts(container, models, secrets)
         for m in container.get("volumeMounts", []):
             v = volumes[m["name"]]
-            if m["name"] == "model-cache":
-                cmd += ["-v", f"{models}:{m['mountPath']}"]
+            if m["mountPath"] in binds:
+                ro = ":ro" if m.get("readOnly") else ""
+                cmd += ["-v", f"{binds[m['mountPath']]}:{m['mountPath']}{ro}"]
             elif v.get("emptyDir", {}).get("medium") == "Memory" and m["mountPath"] == "/dev/shm":
                 cmd += [
                     "--shm-size",
@@ -253,6 +333,25 @@ def health(port: int, timeout: float = 2.0) -> str:
         except grpc.RpcError as e:
             return e.code().name
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def probe_passes(pod: Pod) -> str:
+    """The pod's readiness probe, as the kubelet runs it: SERVING (gRPC) or HTTP 200."""
+    kind, port, path = pod.probe
+    if kind == "grpc":
+        return health(port)
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    ctx = ssl._create_unverified_context() if kind == "https" else None  # the kubelet's way
+    try:
+        with urllib.request.urlopen(f"{kind}://{HOST}:{port}{path}", timeout=2, context=ctx) as r:
+            return "SERVING" if r.status == 200 else f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except OSError as e:
+        return repr(e)
 
 
 def docker_logs(container: str) -> str:
@@ -319,7 +418,8 @@ def start(pod: Pod, addresses: dict[str, str], models: Path, args) -> dict[str, 
     for i, init in enumerate(pod.spec.get("initContainers", [])):
         name = f"specpipe-e2e-{args.run_id}-{pod.name}-init{i}"
         log(f"{pod.name}: init container {init['name']}: specpipe {shlex.join(init['args'])}")
-        run([*pod.docker_args(init, args.run_id, models, name), args.image, *init["args"]])
+        docker = pod.docker_args(init, args.run_id, models, name, args.secrets)
+        run([*docker, args.image, *init["args"]])
         run(["docker", "wait", name], timeout=3600)
         if state(name)["ExitCode"] != 0:
             raise Failed(f"{name} failed:\n{docker_logs(name)[-3000:]}")
@@ -327,9 +427,9 @@ def start(pod: Pod, addresses: dict[str, str], models: Path, args) -> dict[str, 
     argv = pod.host_args(addresses)
     log(f"{pod.name}: specpipe {shlex.join(argv)}")
     t0 = time.monotonic()
-    run([*pod.docker_args(pod.main, args.run_id, models, name), args.image, *argv])
+    run([*pod.docker_args(pod.main, args.run_id, models, name, args.secrets), args.image, *argv])
     t_run = time.monotonic() - t0
-    while (status := health(pod.host_port)) != "SERVING":
+    while (status := probe_passes(pod)) != "SERVING":
         if not state(name)["Running"]:
             raise Failed(f"{name} exited:\n{docker_logs(name)[-3000:]}")
         if time.monotonic() - t0 > 600:
@@ -479,11 +579,14 @@ def main() -> int:
     models = args.work / "models"
     models.mkdir(parents=True)
     make_models(models, args.layers)
-    run(["chown", "-R", "10001:10001", str(models)])  # the chart's fsGroup makes it the pods'
     docs = render(args.image, args.stages, args.layers, args.drain_seconds)
+    args.secrets = write_secrets(docs, args.work / "secrets")
     order = {"stage": 0, "draft": 1, "router": 2}
     pods = [Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
     pods.sort(key=lambda x: (order[x.component], x.name))
+    (models / Path(DISCOVERY_FILE).name).write_text(discovery_lines(pods))
+    # The chart's fsGroup makes the volumes the pods' (10001, the image's user).
+    run(["chown", "-R", "10001:10001", str(models), str(args.work / "secrets")])
     addresses: dict[str, str] = {}
     for pod in pods:
         if pod.service:  # a stage pod's DNS name: <pod>.<headless service>:<port>

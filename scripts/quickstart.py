@@ -51,7 +51,11 @@ def main() -> int:
     print(f"== pulling {args.target} and {args.draft} (first time only)", flush=True)
     subprocess.run(["specpipe", "models", "pull", args.target, args.draft], check=True)
 
-    print(f"== starting router, draft and {args.stages} stages (specpipe up)", flush=True)
+    print(
+        f"== starting router, draft and {args.stages} stages (specpipe up: mutual TLS among "
+        "them, with a throwaway CA)",
+        flush=True,
+    )
     up = subprocess.Popen(
         [
             "specpipe",

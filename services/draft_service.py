@@ -54,7 +54,7 @@ from .control import (
     token_activation,
 )
 from .grpc_util import Server, wait_until_idle
-from .lease import lease_claim, reap_expired
+from .lease import DRAIN_LEASE_SECONDS, lease_claim, reap_expired
 from .metrics import DraftMetrics
 from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
@@ -161,6 +161,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         serving open ones until their router releases them or `seconds` pass."""
         self.draining = True
         await self.server.enter_drain()
+        self.leases.shorten(DRAIN_LEASE_SECONDS)  # a crashed router's requests go soon
         await wait_until_idle(lambda: self.runtime.runtime.info().active_requests, seconds)
 
     async def stop(self) -> None:

@@ -4,6 +4,13 @@ Each child is a plain `specpipe stage|draft|router` process (the same command a
 container runs), started with free ports chosen here; a child reports readiness by
 writing a small JSON file. The launcher waits until all are ready, then stays in the
 foreground; stopping it stops every child (SIGTERM, then SIGKILL after a grace period).
+Children die with the launcher however it ends: each watches a pipe whose only writer
+is the launcher, and the pipe's end (the launcher exited, even by SIGKILL) stops the
+child as the launcher's own stop would (`watch_parent`).
+
+Secure by default: a throwaway CA and certificate for mutual TLS and authenticated
+frames among the processes, and next hops only to this host's addresses (`--peers`);
+`secure=False` (`specpipe up --insecure`) for plaintext.
 
 The router finds the stages and the draft through a discovery file the launcher writes
 (`--discovery file:PATH`, one `stage|draft HOST:PORT [GROUP]` a line), so replicas can
@@ -13,6 +20,7 @@ live membership Kubernetes gives the chart's routers through EndpointSlices.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,8 +29,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +43,20 @@ from .transport import TCP
 
 class LaunchError(RuntimeError):
     """A child did not come up; the message includes the tail of its log."""
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while the deployment was starting (it has been stopped)."""
+
+
+# A child's end of the launcher's pipe (its fd number) and how long it may drain when the
+# launcher is gone before it kills itself (`watch_parent`).
+PARENT_FD_ENV = "SPECPIPE_PARENT_FD"
+PARENT_GRACE_ENV = "SPECPIPE_PARENT_GRACE"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long a stopping child may take beyond its drain (closing servers, exiting) before
+# it is killed.
+STOP_SLACK = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,7 +110,7 @@ class ServicesDeployment:
         replay_seconds: float | None = None,
         group: str = "",
         lease_seconds: float | None = None,
-        secure: bool = False,
+        secure: bool = True,
         public_tls=None,
         emulate_costs: str | Path | None = None,
         batch_wait: float | None = None,
@@ -107,6 +130,9 @@ class ServicesDeployment:
         if layers and len(self.ranges) != stages:
             raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")
         self.transport, self.host, self.dtype = transport, host, dtype
+        # The address every child advertises (a wildcard listens everywhere, but the
+        # children reach each other on loopback): the stages' only --peers.
+        self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.device = device  # every stage and the draft (one GPU shared on one host)
         self.drain_seconds = drain_seconds
         self.router_port = router_port
@@ -135,7 +161,8 @@ class ServicesDeployment:
         # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
         self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
         self.lease_seconds = lease_seconds  # of the stages and the draft; None: theirs
-        # --secure: a throwaway CA and certificate (made at start) for every process
+        # --secure (default): a throwaway CA and certificate (made at start) for every
+        # process; False: --insecure, plaintext
         self.secure = secure
         self.public_tls = public_tls  # a security.PublicTls for the router's public ports
         # --emulate-costs: every stage (its own curve of the file) and the draft paced
@@ -152,6 +179,11 @@ class ServicesDeployment:
         self.discovery_file = self.log_dir / "backends"
         self.router_address = ""
         self.http_address = ""  # HOST:PORT of the HTTP API once started
+        # Every child holds the read end; only this process the write end: when it exits
+        # (however), the children see the pipe end (`watch_parent`).
+        self._parent_r, self._parent_w = os.pipe()
+        self.stop_signal: int | None = None  # the first stop signal (`stop_on_signals`)
+        self._hurry = False  # a second one: kill the children now
 
     def _free_port(self) -> int:
         """A free port not handed to another child of this deployment (the kernel may
@@ -195,6 +227,7 @@ class ServicesDeployment:
                 "--data-port", str(data_port),
                 "--transport", self.transport,
                 "--dtype", dtype or self.dtype,
+                "--peers", self.advertise_host,
                 *self._cache_args(),
                 *(["--measure-costs"] if self._measure_costs(stage=True) else []),
                 *self._emulate_args(index),
@@ -303,14 +336,24 @@ class ServicesDeployment:
         return f"{base}.{i}"
 
     def _spawn(self, child: Child) -> None:
+        if self.stop_signal is not None:
+            raise StopRequested(f"stopping (signal {self.stop_signal})")
+        if self._parent_r < 0:
+            raise LaunchError("this deployment was stopped")
         child.started_at = time.monotonic()
+        env = {
+            **self.env,
+            PARENT_FD_ENV: str(self._parent_r),
+            PARENT_GRACE_ENV: f"{self.drain_seconds + STOP_SLACK:g}",
+        }
         with child.log_file.open("ab") as log:
             child.proc = subprocess.Popen(
                 child.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=env,
+                pass_fds=(self._parent_r,),
                 start_new_session=True,  # a terminal's Ctrl-C reaches only the launcher
             )
 
@@ -338,7 +381,7 @@ class ServicesDeployment:
 
     def _secure_args(self) -> list[str]:
         if not self.secure:
-            return []
+            return ["--insecure"]
         from .security import make_pki
 
         if not (self.tls_dir / "tls.crt").is_file():
@@ -422,6 +465,8 @@ class ServicesDeployment:
         deadline = time.monotonic() + self.startup_timeout
         waiting = set(self.children if names is None else names)
         while waiting:
+            if self.stop_signal is not None:
+                raise StopRequested(f"stopped while starting (signal {self.stop_signal})")
             for name in list(waiting):
                 child = self.children[name]
                 assert child.proc is not None
@@ -443,32 +488,34 @@ class ServicesDeployment:
         ]
 
     def wait(self) -> int:
-        """Foreground until interrupted. A child that dies is reported and left dead (the
-        router then reports itself not ready, as it would in a cluster); the exit code
-        is 1 if any child died, else 0."""
-        stop = {"flag": False}
-
-        def handler(signum, frame) -> None:
-            stop["flag"] = True
-
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        """Foreground until a stop signal (`stop_on_signals`). A child that dies is
+        reported and left dead (the router then reports itself not ready, as it would in
+        a cluster); the exit code is 1 if any child died, else 0."""
         reported: set[str] = set()
-        try:
-            while not stop["flag"]:
-                for n in self.dead_children():
-                    if n not in reported:
-                        reported.add(n)
-                        c = self.children[n]
-                        print(
-                            f"{n} exited (code {c.proc.returncode}):\n{c.log_tail()}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                time.sleep(0.2)
-            return 1 if reported else 0
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+        while self.stop_signal is None:
+            for n in self.dead_children():
+                if n not in reported:
+                    reported.add(n)
+                    c = self.children[n]
+                    print(
+                        f"{n} exited (code {c.proc.returncode}):\n{c.log_tail()}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            time.sleep(0.1)
+        return 1 if reported else 0
+
+    def request_stop(self, signum: int) -> None:
+        """A stop signal: the first makes `start` give up and `wait` return (the caller
+        then `stop`s: the children drain); a second one kills every child at once."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            return
+        self._hurry = True
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.kill()
 
     def kill(self, name: str) -> None:
         """SIGKILL one child (tests: a stage dying mid-request)."""
@@ -487,27 +534,34 @@ class ServicesDeployment:
         return child.proc.wait(timeout=self.drain_seconds + 30) if wait else None
 
     def stop(self, grace: float | None = None) -> None:
-        """SIGTERM every child (router first; each drains its open requests), SIGKILL
-        what is left after `grace` (default: the drain time plus 5 s)."""
+        """SIGTERM every child at once (router first; each drains its open requests,
+        and a stage or draft whose router is gone frees them within its drain lease),
+        SIGKILL what is left after `grace` (default: the drain time plus STOP_SLACK) or
+        at a second stop signal."""
         if grace is None:
-            grace = self.drain_seconds + 5.0
+            grace = self.drain_seconds + STOP_SLACK
         order = ["router", *[n for n in self.children if n != "router"]]
-        procs = [self.children[n].proc for n in order if n in self.children]
+        procs = [p for n in order if n in self.children and (p := self.children[n].proc)]
         for p in procs:
-            if p is not None and p.poll() is None:
+            if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + grace
-        for p in procs:
-            if p is None:
-                continue
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        while any(p.poll() is None for p in procs):
+            if self._hurry or time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.02)
         self._keys_file().unlink(missing_ok=True)
         if self._own_dir and os.environ.get("SPECPIPE_KEEP_LOGS") != "1":
             shutil.rmtree(self.log_dir, ignore_errors=True)
+        for fd in (self._parent_r, self._parent_w):  # nothing is started after a stop
+            if fd >= 0:
+                os.close(fd)
+        self._parent_r = self._parent_w = -1
 
     def __enter__(self) -> ServicesDeployment:
         self.start()
@@ -515,3 +569,41 @@ class ServicesDeployment:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def stop_on_signals(dep: ServicesDeployment) -> Iterator[None]:
+    """While in the foreground (starting, serving, stopping): SIGINT, SIGTERM and SIGHUP
+    ask `dep` to stop (`request_stop`); a second one kills its children at once."""
+
+    def handler(signum, frame) -> None:
+        dep.request_stop(signum)
+
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def watch_parent() -> None:
+    """In a child of `ServicesDeployment` (its environment names the pipe; nothing
+    otherwise): when the launcher is gone, stop as its `stop` would have stopped this
+    process, SIGTERM (the drain), then SIGKILL after the grace it was given."""
+    fd_text = os.environ.pop(PARENT_FD_ENV, None)
+    grace = float(os.environ.pop(PARENT_GRACE_ENV, None) or STOP_SLACK)
+    if fd_text is None:
+        return
+    fd = int(fd_text)
+    os.set_inheritable(fd, False)  # not into this process's own children
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):
+            while os.read(fd, 1):  # nobody writes: returns b"" once the launcher is gone
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 log = logging.getLogger("specpipe.services")
 
@@ -34,6 +36,20 @@ def security_of(args):
     from .security import Security
 
     return Security.load(args.tls_dir, args.data_key_file, args.tls_server_name)
+
+
+def exit_stopped(code: int = 0) -> NoReturn:
+    """End a process that has stopped cleanly (a service: servers and data plane closed,
+    open requests drained or failed; `specpipe up`: every child stopped) without the
+    interpreter's teardown: collecting the objects of torch, transformers and grpc took
+    3.5 to 4.9 s of an idle stage's stop on a loaded 2-core machine, 0.15 s without
+    (docs/deploy.md, "Stopping a pod"). Logs and standard streams are flushed first;
+    nothing else is left to do."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def write_ready(path: str | None, **info) -> None:

@@ -58,7 +58,7 @@ from .control import (
     token_activation,
 )
 from .grpc_util import Server, wait_until_idle
-from .lease import lease_claim, reap_expired
+from .lease import DRAIN_LEASE_SECONDS, lease_claim, reap_expired
 from .metrics import StageMetrics
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .peers import Peers
@@ -229,6 +229,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         computing open ones until their router releases them or `seconds` pass."""
         self.draining = True
         await self.server.enter_drain()
+        self.leases.shorten(DRAIN_LEASE_SECONDS)  # a crashed router's requests go soon
         await wait_until_idle(lambda: len(self._requests), seconds)
 
     async def stop(self) -> None:

@@ -162,3 +162,14 @@ class LeaseTable:
 
     def end(self, request_id: str) -> None:
         self._leases.pop(request_id, None)
+
+    def shorten(self, seconds: float) -> None:
+        """From now on a lease runs at most `seconds` past its last renewal (a draining
+        service: what its router no longer renews is freed soon, not after the full
+        lease time)."""
+        if seconds <= 0:
+            raise ValueError(f"the lease time must be positive, got {seconds}")
+        self.seconds = min(self.seconds, seconds)
+        latest = self.clock() + self.seconds
+        for lease in self._leases.values():
+            lease.expires = min(lease.expires, latest)

@@ -31,6 +31,7 @@ from specpipe.v1 import generation_pb2_grpc
 
 from ..auth import ApiKeys
 from ..grpc_util import Server, channel, wait_until_idle
+from ..lease import DRAIN_RENEW_SECONDS
 from ..security import PublicTls, Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
@@ -251,16 +252,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         leases = [t for t in leases if t > 0] or [DEFAULT_LEASE_SECONDS]
         return min(leases) / 3
 
-    async def renew(self) -> None:
-        """One keep-alive round: every backend renews the leases of this router's requests
-        on it (by their ids on their current paths); a request a backend no longer holds
-        (its lease expired, or the backend restarted) is replayed elsewhere."""
+    async def renew(self, draining_only: bool = False) -> None:
+        """One keep-alive round: every backend (or, `draining_only`, every draining one)
+        renews the leases of this router's requests on it (by their ids on their current
+        paths); a request a backend no longer holds (its lease expired, or the backend
+        restarted) is replayed elsewhere."""
         held: dict[Backend, dict[str, RequestDriver]] = {}
         for d in self.drivers.values():
             if d.holding:
                 for b in d.path.backends:
                     held.setdefault(b, {})[d.wire_id] = d
-        backends = [b for b in self.backends.all if b.stub is not None]
+        backends = [
+            b for b in self.backends.all if b.stub is not None and (b.draining or not draining_only)
+        ]
         calls = [
             b.stub.Renew(
                 pb.RenewRequest(
@@ -286,9 +290,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     )
 
     async def _renew_forever(self) -> None:
+        """Every `renew_interval`; and a draining replica's leases every
+        DRAIN_RENEW_SECONDS, since it frees what no router renews within its short drain
+        lease (services/lease.py)."""
+        due = time.monotonic() + self.renew_interval()
         while True:
-            await asyncio.sleep(self.renew_interval())
-            await self.renew()
+            await asyncio.sleep(max(0.0, min(DRAIN_RENEW_SECONDS, due - time.monotonic())))
+            if time.monotonic() >= due:
+                await self.renew()
+                due = time.monotonic() + self.renew_interval()
+            elif any(b.draining for b in self.backends.all):
+                await self.renew(draining_only=True)
 
     def _backend_down(self, b: Backend, error: str) -> None:
         for d in list(self.drivers.values()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 
 from specpipe.common.runtime.alignment import AUTO_CAP, MAX_WAIT
@@ -63,12 +64,21 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
 
 
 def _secure_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("security (docs/architecture.md, section 9)")
-    g.add_argument(
+    g = p.add_argument_group(
+        "security (docs/architecture.md, section 9); one of --secure and --insecure is required"
+    )
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument(
         "--secure",
         action="store_true",
         help="mutual TLS on gRPC among router, stages and draft, and authenticated "
         "data-plane frames (needs --tls-dir)",
+    )
+    mode.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, unauthenticated gRPC and data plane among the services (anyone "
+        "who reaches their ports can call them): only on a network you trust completely",
     )
     g.add_argument(
         "--tls-dir",
@@ -326,11 +336,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="do not give every process a Prometheus metrics port",
     )
-    p.add_argument(
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
         "--secure",
         action="store_true",
-        help="mutual TLS and authenticated frames among the processes, with a throwaway CA "
-        "and certificate made in the log directory",
+        help="the default: mutual TLS and authenticated frames among the processes, with a "
+        "throwaway CA and certificate made in the log directory, and next hops only to "
+        "this host (--peers)",
+    )
+    mode.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, unauthenticated gRPC and data plane among the processes (their "
+        "ports listen on --host): only on a network you trust completely",
     )
     p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
     _batch_wait_arg(p)
@@ -476,10 +494,31 @@ def _api_keys(args: argparse.Namespace):
         raise CliError(str(e)) from None
 
 
-def _prepare(args: argparse.Namespace) -> None:
-    from specpipe.services.serve import security_of, setup_logging
+INSECURE_WARNING = (
+    "--insecure: gRPC and the data plane among router, stages and draft are plaintext and "
+    "unauthenticated; anyone who reaches these ports can call them (use --secure)"
+)
 
+
+def _check_security_mode(args: argparse.Namespace) -> None:
+    """Services started by hand say how they talk to each other: nothing is insecure by
+    default (DESIGN.md, section 8)."""
+    if not (args.secure or args.insecure):
+        raise CliError(
+            f"specpipe {args.command} needs --secure (with --tls-dir: `specpipe certs DIR` "
+            "makes one) or --insecure (plaintext, only on a network you trust completely)"
+        )
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from specpipe.services.launcher import watch_parent
+    from specpipe.services.serve import log, security_of, setup_logging
+
+    watch_parent()  # started by `specpipe up`: stop when it is gone
+    _check_security_mode(args)
     setup_logging(args.log_level)
+    if args.insecure:
+        log.warning(INSECURE_WARNING)
     if args.secure and not args.tls_dir:
         raise CliError("--secure needs --tls-dir (or $SPECPIPE_TLS_DIR)")
     if args.secure:
@@ -522,7 +561,7 @@ def _check_costs(args: argparse.Namespace, stage: bool) -> None:
 
 def _cmd_stage(args: argparse.Namespace) -> int:
     from specpipe.services.peers import Peers
-    from specpipe.services.serve import run_stage
+    from specpipe.services.serve import exit_stopped, run_stage
 
     if not args.model and not args.allow_configure:
         raise CliError("a stage without --model waits for Configure: give --allow-configure")
@@ -536,23 +575,25 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_stage(args))
+    exit_stopped()
     return 0
 
 
 def _cmd_draft(args: argparse.Namespace) -> int:
-    from specpipe.services.serve import run_draft
+    from specpipe.services.serve import exit_stopped, run_draft
 
     args.device = parse_device(args.device)
     _check_costs(args, stage=False)
     _prepare(args)
     args.model = _resolve(args.model)
     asyncio.run(run_draft(args))
+    exit_stopped()
     return 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
     from specpipe.services.router.discovery import DiscoveryError, make_discovery
-    from specpipe.services.serve import run_router
+    from specpipe.services.serve import exit_stopped, run_router
 
     _prepare(args)
     stages = [s.strip() for s in (args.stages or "").split(",") if s.strip()]
@@ -567,12 +608,18 @@ def _cmd_router(args: argparse.Namespace) -> int:
     args.public_tls = _public_tls(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
+    exit_stopped()
     return 0
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from specpipe.services.launcher import LaunchError, ServicesDeployment
-    from specpipe.services.serve import scheduling_options
+    from specpipe.services.launcher import (
+        LaunchError,
+        ServicesDeployment,
+        StopRequested,
+        stop_on_signals,
+    )
+    from specpipe.services.serve import exit_stopped, scheduling_options
 
     transport = args.transport
     device = parse_device(args.device)
@@ -601,7 +648,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             scheduling=scheduling_options(args),
             stage_replicas=args.stage_replicas,
             metrics=not args.no_metrics,
-            secure=args.secure,
+            secure=not args.insecure,
             lease_seconds=args.lease_seconds,
             public_tls=public_tls,
             emulate_costs=args.emulate_costs,
@@ -617,21 +664,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    try:
-        address = dep.start()
-    except LaunchError as e:
-        raise CliError(str(e)) from None
-    print(f"router: {address}", flush=True)
-    if dep.http_address:
-        scheme = "https" if public_tls else "http"
-        print(f"http: {scheme}://{dep.http_address}/v1", flush=True)
-    for name, metrics in dep.metrics_addresses().items():
-        print(f"metrics {name}: http://{metrics}/metrics", flush=True)
-    print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
-    try:
-        return dep.wait()
-    finally:
-        dep.stop()
+    if args.insecure:
+        print(f"specpipe up: warning: {INSECURE_WARNING}", file=sys.stderr, flush=True)
+    with stop_on_signals(dep):  # from here to the end: a second Ctrl-C kills at once
+        try:
+            address = dep.start()
+        except LaunchError as e:
+            raise CliError(str(e)) from None
+        except StopRequested:
+            exit_stopped(128 + (dep.stop_signal or signal.SIGINT))
+        try:
+            print(f"router: {address}", flush=True)
+            if dep.http_address:
+                scheme = "https" if public_tls else "http"
+                print(f"http: {scheme}://{dep.http_address}/v1", flush=True)
+            for name, metrics in dep.metrics_addresses().items():
+                print(f"metrics {name}: http://{metrics}/metrics", flush=True)
+            print("serving; Ctrl-C stops every process", file=sys.stderr, flush=True)
+            code = dep.wait()
+        finally:
+            dep.stop()
+    exit_stopped(code)
+    return code
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:

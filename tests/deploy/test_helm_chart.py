@@ -367,6 +367,26 @@ def test_api_keys_come_from_a_secret_file(render):
     assert env["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "one"}
 
 
+def test_api_keys_are_one_value_away(render):
+    """router.apiKeys.generate: the chart makes a Secret with one random key, which the
+    router requires and `helm test` sends; a Secret of your own wins."""
+    import base64
+
+    docs = render({"router": {"apiKeys": {"generate": True}}}, tests=True)
+    secret = named(docs, "Secret", "specpipe-api-keys")
+    (key,) = base64.b64decode(secret["data"]["api-keys"]).decode().splitlines()
+    assert re.fullmatch(r"sk-[A-Za-z0-9]{40}", key)
+    r = router(docs)
+    assert arg(main_container(r), "--api-key-file") == "/etc/specpipe/api-keys/api-keys"
+    assert _volume(r, "api-keys")["secret"]["secretName"] == "specpipe-api-keys"
+    (pod,) = of_kind(docs, "Pod")
+    env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}["SPECPIPE_API_KEY"]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "specpipe-api-keys", "key": "api-keys"}
+    theirs = render({"router": {"apiKeys": {"generate": True, "existingSecret": "keys"}}})
+    assert _volume(router(theirs), "api-keys")["secret"]["secretName"] == "keys"
+    assert not [d for d in of_kind(theirs, "Secret") if d["metadata"]["name"].endswith("api-keys")]
+
+
 def test_no_draft_means_no_draft_workload(render):
     docs = render({"model": {"draft": ""}}, tests=True)
     assert not [d for d in workloads(docs) if component(d) == "draft"]
@@ -835,7 +855,9 @@ def test_every_service_is_secure_by_default(render):
         assert _volume(d, "internal-tls")["secret"]["secretName"] == "mine"
     off = render({"security": {"enabled": False}})
     assert not of_kind(off, "Secret")
-    assert not [d for d in workloads(off) if "--secure" in main_container(d)["args"]]
+    for d in workloads(off):  # plaintext only when asked for, and then explicitly
+        args = main_container(d)["args"]
+        assert "--insecure" in args and "--secure" not in args, component(d)
 
 
 def test_cert_manager_can_fill_the_tls_secret(render):
@@ -863,12 +885,12 @@ def test_network_policies_admit_only_the_release_to_backend_ports(render):
     assert backends["podSelector"]["matchExpressions"] == [
         {"key": "app.kubernetes.io/component", "operator": "In", "values": ["stage", "draft"]}
     ]
-    inner, probes = backends["ingress"]
+    inner, probes, _scrape = backends["ingress"]
     assert inner["from"] == [{"podSelector": {"matchLabels": own}}]
     assert ports(inner) == [50052, 50053, 50060] and ports(probes) == [50059]
     assert "from" not in probes  # health only: the kubelet's probes
     router_policy = named(docs, "NetworkPolicy", "specpipe-router")["spec"]
-    public, data = router_policy["ingress"]
+    public, data, _scrape = router_policy["ingress"]
     assert "from" not in public and ports(public) == [8000, 50051, 50059]
     assert data["from"] == [{"podSelector": {"matchLabels": own}}] and ports(data) == [50055]
     # Every stage, draft and router pod is selected by one of them.
@@ -877,6 +899,96 @@ def test_network_policies_admit_only_the_release_to_backend_ports(render):
         comp = labels["app.kubernetes.io/component"]
         assert all(labels[k] == v for k, v in own.items()) and comp in ("stage", "draft", "router")
     assert not of_kind(render({"security": {"networkPolicy": {"enabled": False}}}), "NetworkPolicy")
+
+
+def _selected(selector: dict | None, labels: dict) -> bool:
+    """A label selector (matchLabels, matchExpressions) against labels; {} selects all."""
+    selector = selector or {}
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        has, value = e["key"] in labels, labels.get(e["key"])
+        ok = {"In": has and value in e.get("values", []),
+              "NotIn": not has or value not in e.get("values", []),
+              "Exists": has, "DoesNotExist": not has}[e["operator"]]  # fmt: skip
+        if not ok:
+            return False
+    return True
+
+
+def _admits(docs: list[dict], pod: dict, port: int, peer_ns: dict, peer_pod: dict) -> bool:
+    """Whether the release's NetworkPolicies let a peer (its namespace's labels and its
+    own; None: the release's namespace) reach `port` of a pod (its labels), as a CNI
+    enforces them: a pod no policy selects admits all; else any rule of those may."""
+    policies = [p["spec"] for p in of_kind(docs, "NetworkPolicy")]
+    mine = [p for p in policies if _selected(p["podSelector"], pod)]
+    if not mine:
+        return True
+    for policy in mine:
+        for rule in policy.get("ingress", []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            if "from" not in rule:
+                return True
+            for peer in rule["from"]:
+                if "namespaceSelector" in peer:
+                    in_ns = peer_ns is not None and _selected(peer["namespaceSelector"], peer_ns)
+                else:
+                    in_ns = peer_ns is None
+                if in_ns and _selected(peer.get("podSelector"), peer_pod):
+                    return True
+    return False
+
+
+MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
+PROMETHEUS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def test_prometheus_may_scrape_every_pod_through_the_network_policies(render):
+    """Issue 22, N7: with the defaults no NetworkPolicy admitted the metrics port, so
+    Prometheus scraped nothing and the serving-metric autoscalers never got data. Now
+    the monitoring namespace reaches every pod's metrics port (and nothing else there);
+    the peers are values (namespace and/or pod selectors)."""
+    docs = render()
+    pods = [d["spec"]["template"]["metadata"]["labels"] for d in workloads(docs)]
+    assert {p["app.kubernetes.io/component"] for p in pods} == {"router", "stage", "draft"}
+    for d in workloads(docs):
+        c = main_container(d)
+        assert {p["name"]: p["containerPort"] for p in c["ports"]}["metrics"] == 9090
+        assert arg(c, "--metrics-port") == "9090"
+    other = {"kubernetes.io/metadata.name": "default"}
+    for pod in pods:
+        assert _admits(docs, pod, 9090, MONITORING, PROMETHEUS), pod
+        assert not _admits(docs, pod, 9090, other, PROMETHEUS), pod
+        if pod["app.kubernetes.io/component"] != "router":  # the backends stay closed
+            assert not _admits(docs, pod, 50052, MONITORING, PROMETHEUS)
+            assert not _admits(docs, pod, 50053, MONITORING, PROMETHEUS)
+    # Narrowed to Prometheus' own pods in that namespace.
+    only = {
+        "namespaceSelector": {"matchLabels": MONITORING},
+        "podSelector": {"matchLabels": PROMETHEUS},
+    }
+    narrow = render({"security": {"networkPolicy": {"metricsFrom": [only]}}})
+    for pod in pods:
+        assert _admits(narrow, pod, 9090, MONITORING, PROMETHEUS)
+        assert not _admits(narrow, pod, 9090, MONITORING, {"app": "grafana"})
+    # A Prometheus in the release's own namespace (a pod selector alone).
+    local = render(
+        {
+            "security": {
+                "networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": PROMETHEUS}}]}
+            }
+        }
+    )
+    assert all(_admits(local, pod, 9090, None, PROMETHEUS) for pod in pods)
+    assert not any(_admits(local, pod, 9090, MONITORING, PROMETHEUS) for pod in pods)
+    # Nobody, or no metrics at all: no rule for the port.
+    for values in (
+        {"security": {"networkPolicy": {"metricsFrom": []}}},
+        {"metrics": {"enabled": False}},
+    ):
+        closed = render(values)
+        assert not any(_admits(closed, pod, 9090, MONITORING, PROMETHEUS) for pod in pods)
 
 
 def test_public_tls_on_the_router_ports(render):

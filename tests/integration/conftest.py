@@ -80,7 +80,11 @@ LOG_TAIL_LINES = 40
 
 
 def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
+    """A deployment, plaintext unless `secure=True` is given: these tests call stages and
+    the draft themselves. The launcher's default (secure) is what `specpipe up` runs;
+    tests/integration/test_launcher.py and the --secure tests cover it."""
     kw.setdefault("dtype", DTYPE)
+    kw.setdefault("secure", False)
     dep = ServicesDeployment(target, draft, stages, transport=transport, threads=1, **kw)
     dep.start()
     return dep
@@ -160,11 +164,16 @@ def reference(target: Path, draft, stages: int, prompt: list[int], mode: str, *a
     return reference_run(target, draft, stages, prompt, mode, *args, **kw).output
 
 
-def service_stub(address: str, kind: str):
-    """A Stage or Draft stub (for Describe) on a fresh channel."""
+def service_stub(address: str, kind: str, security=None):
+    """A Stage or Draft stub (for Describe) on a fresh channel; mutual TLS with
+    `security` (a deployment's `ServicesDeployment.security`)."""
     from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
-    ch = grpc.insecure_channel(address)
+    if security is None:
+        ch = grpc.insecure_channel(address)
+    else:
+        creds, options = security.channel_credentials(), security.channel_options()
+        ch = grpc.secure_channel(address, creds, options)
     stub = (stage_pb2_grpc.StageStub if kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
     return ch, stub
 
@@ -182,7 +191,7 @@ def active_requests(dep: ServicesDeployment) -> dict[str, int]:
     for name, child in dep.children.items():
         if name == "router":
             continue
-        ch, stub = service_stub(child.info["grpc"], child.kind)
+        ch, stub = service_stub(child.info["grpc"], child.kind, dep.security)
         with ch:
             counts[name] = stub.Describe(dataplane_pb2.DescribeRequest(), timeout=5).active_requests
     return counts

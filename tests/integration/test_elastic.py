@@ -392,7 +392,7 @@ def test_router_follows_kubernetes_endpoint_slices(tcp_deployment, tmp_path) -> 
                 [sys.executable, "-c", ENTRY, "router", "--discovery", "kubernetes",
                  "--discovery-namespace", "specpipe", "--target", str(dep.target),
                  "--transport", "tcp", "--port", "0", "--data-port", "0",
-                 "--ready-file", str(ready)],
+                 "--ready-file", str(ready), "--insecure"],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
         try:

@@ -136,7 +136,7 @@ def test_router_drains_on_sigterm(tcp_deployment, tmp_path) -> None:
         proc = subprocess.Popen(
             [sys.executable, "-c", ENTRY, "router", "--stages", stages, "--target", str(dep.target),
              "--draft", dep.children["draft"].info["grpc"], "--transport", "tcp", "--port", "0",
-             "--data-port", "0", "--drain-seconds", "300", "--ready-file", str(ready)],
+             "--data-port", "0", "--drain-seconds", "300", "--ready-file", str(ready), "--insecure"],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:

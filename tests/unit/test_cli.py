@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -201,3 +202,39 @@ def test_batch_wait_flag(capsys, command) -> None:
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and "--batch-wait-ms" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["stage", "--model", "m"], ["draft", "--model", "m"], ["router", "--stages", "h:1"]],
+)
+def test_services_started_by_hand_say_secure_or_insecure(capsys, argv) -> None:
+    """Issue 22: nothing is plaintext by default. Neither flag: one line, exit 2, before
+    anything loads; both: an argument error."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--secure" in err and "--insecure" in err, err
+    code, _, err = run(capsys, *argv, "--secure", "--insecure")
+    assert code == 2 and "not allowed with" in err, err
+
+
+def test_insecure_warns_in_exactly_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "specpipe.cli", "draft", "--insecure", "--model", "/nope/model"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    warned = [line for line in proc.stderr.splitlines() if "--insecure:" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0], proc.stderr
+    assert proc.returncode == 2 and re.search("not found|no such", proc.stderr), proc.stderr
+
+
+def test_up_is_secure_unless_told_otherwise(capsys) -> None:
+    from specpipe.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert not parse(["up", "--target", "t"]).insecure
+    assert parse(["up", "--target", "t", "--insecure"]).insecure
+    with pytest.raises(SystemExit) as e:
+        parse(["up", "--target", "t", "--secure", "--insecure"])
+    assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err

@@ -329,7 +329,8 @@ initContainers:
 {{- .Values.security.tls.existingSecret | default (printf "%s-internal-tls" (include "specpipe.fullname" .)) -}}
 {{- end -}}
 
-{{/* Arguments every service gets with security.enabled; argument: root. */}}
+{{/* Every service's security arguments (the services want --secure or an explicit
+--insecure); argument: root. */}}
 {{- define "specpipe.secureArgs" -}}
 {{- if .Values.security.enabled }}
 - --secure
@@ -339,7 +340,20 @@ initContainers:
 - {{ .Values.security.serverName | quote }}
 - --health-port
 - {{ .Values.ports.health | int | toString | quote }}
+{{- else }}
+- --insecure
 {{- end }}
+{{- end -}}
+
+{{/* The Secret of the router's API keys: router.apiKeys.existingSecret, or the one the
+chart makes with router.apiKeys.generate; "" when API keys are off. */}}
+{{- define "specpipe.apiKeySecret" -}}
+{{- $keys := .Values.router.apiKeys | default dict -}}
+{{- if $keys.existingSecret -}}
+{{- $keys.existingSecret -}}
+{{- else if $keys.generate -}}
+{{- printf "%s-api-keys" (include "specpipe.fullname" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Stages and draft: the lease of a request's state (security.leaseSeconds). */}}
