@@ -25,6 +25,19 @@ from ..spec.messages import Activation, Prune
 _MEASURE_ID = "__cost_probe__"
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait until the device has finished the work queued on it, so that a timer read
+    after this measures that work (CUDA and other accelerators run kernels
+    asynchronously: without it a timer measures only their launch)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    else:
+        torch.accelerator.synchronize(device)
+
+
 @dataclass
 class CostCurve:
     """Seconds to run n rows through one runtime at a fixed context length: interpolated
@@ -71,7 +84,7 @@ def measure_runtime(
     try:
         gen = torch.Generator().manual_seed(0)
         vocab, hidden = runtime.model.cfg.vocab_size, runtime.model.cfg.hidden_size
-        dtype = runtime.model.dtype
+        dtype, device = runtime.model.dtype, runtime.model.device
 
         def payload(n: int) -> dict[str, torch.Tensor]:
             if runtime.is_first:
@@ -103,8 +116,10 @@ def measure_runtime(
                             **payload(m),
                         )
                     )
+                synchronize(device)
                 t0 = time.perf_counter()
                 runtime.forward_many(acts)
+                synchronize(device)
                 samples.append(time.perf_counter() - t0)
                 for rid in ids[:k]:
                     runtime.prune(rid, Prune(empty, empty, horizon=next_id - 1))
