@@ -37,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--contexts",
         type=_ints,
         default=list(PROFILE_CONTEXTS),
-        help="cached rows each row count is timed at (default %(default)s)",
+        help="cached rows each row count is timed at (default "
+        + ",".join(map(str, PROFILE_CONTEXTS))
+        + ")",
     )
     p.add_argument(
         "--requests",
@@ -229,6 +231,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if not args.stages.isdigit() or int(args.stages) < 1:
             raise CliError(f"--stages must be a positive integer or auto, got {args.stages!r}")
         stages = int(args.stages)
+    if not 0 < args.tokens_per_step < float("inf"):
+        raise CliError(f"--tokens-per-step must be positive, got {args.tokens_per_step}")
     nodes = _parse_nodes(args.nodes)
     try:
         profiles = [(NodeProfile.load(path), count) for path, count in nodes]

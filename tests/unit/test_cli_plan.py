@@ -114,6 +114,7 @@ def test_plan_with_fixed_stages(capsys, llama_dir, fast_slow) -> None:
         ("{fast}:1", ["--stages", "0"], "--stages"),
         ("{fast}:1", ["--stages", "3"], "between 1 and"),
         ("{fast}:1,{fast}:1", [], "distinct names"),
+        ("{fast}:1", ["--tokens-per-step", "0"], "--tokens-per-step"),
     ],
 )
 def test_plan_errors_are_one_line_exit_2(capsys, llama_dir, tmp_path, nodes, extra, message):
