@@ -97,11 +97,17 @@ class NodeProfile:
         return self.memory_bytes / GIB
 
     def at(self, rows: int, context: int) -> NodeSpeed:
+        """Costs at `rows` rows a forward and `context`; never negative (a curve measured
+        with noise can slope down, and beyond its last row count it is extrapolated)."""
+
+        def cost(f: ForwardCost) -> float:
+            return max(0.0, f(rows, context))
+
         return NodeSpeed(
-            layer=self.layer(rows, context),
-            stage=self.stage(rows, context),
-            embed=self.embed(rows, context),
-            head=self.head(rows, context),
+            layer=cost(self.layer),
+            stage=cost(self.stage),
+            embed=cost(self.embed),
+            head=cost(self.head),
             memory_bytes=self.memory_bytes,
         )
 
@@ -413,7 +419,11 @@ def measure_profile(
         return ForwardCost(tuple(contexts), tuple(curves))
 
     def layer_of(o: float, s: float) -> float:
-        return max(0.0, (s - o) / (many - 1)) if many > 1 else o
+        """The slope between one layer and several; where noise made it not positive,
+        the mean over the several (every second counted as the layers')."""
+        if many > 1 and s > o:
+            return (s - o) / (many - 1)
+        return s / many
 
     return NodeProfile(
         name=name,
