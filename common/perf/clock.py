@@ -17,10 +17,12 @@ import torch
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait until `device` has finished the work queued so far (a no-op off CUDA)."""
+    """Wait until `device` has finished the work queued so far (a no-op on the CPU)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type not in ("cpu", "meta"):  # other accelerators queue work too
+        torch.accelerator.synchronize(device)
 
 
 @dataclass

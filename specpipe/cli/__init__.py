@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import bench, client, generate, models, selfcheck, services
+from . import bench, client, generate, models, planning, selfcheck, services
 from .args import CliError, Parser
 
 
@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     services.register(sub)
     client.register(sub)
     bench.register(sub)
+    planning.register(sub)
     selfcheck.register(sub)
     return parser
 
