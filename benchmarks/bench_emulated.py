@@ -249,6 +249,149 @@ def run_serve(args) -> list[dict]:
     return services_cells(args, tiny_target(), args.serve_stages, flat, cells)
 
 
+# -- 3. the control loop: services' overhead, router CPU and bytes per step ---------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def router_bytes(m: dict[str, float], verifications: float, vocab: int) -> float:
+    """Bytes the last stage sent the router: its data-plane counter where the build has
+    one, else (builds that sent logits) one fp32 logits row per verification."""
+    key = "specpipe:dataplane_received_bytes_total"
+    return m[key] if key in m else verifications * vocab * 4
+
+
+def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list[dict]:
+    """`services_cells` with the router's CPU seconds per pipeline step (the last stage's
+    forwards) and the bytes to the router per emitted token."""
+    from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+    from specpipe.common.runtime.lockstep import LockstepEngine
+    from specpipe.services.client.loadgen import load_dataset, summarize
+    from specpipe.services.launcher import ServicesDeployment
+
+    work = Path(tempfile.mkdtemp(prefix="bench-control-"))
+    cost_file = costs.save(work / "costs.json")
+    priced = costs.at(args.prompt_len + args.max_new_tokens, stages)
+    local = build_local(target, stages, ORACLE_DRAFT)
+    vocab = local.pipeline.vocab_size
+    dep = ServicesDeployment(
+        target, "oracle", stages, threads=1, emulate_costs=cost_file, log_dir=work / "logs",
+        metrics=True, scheduling={"max_running": max(args.concurrency)},
+    )  # fmt: skip
+    dep.start()
+    rows = []
+    last = f"stage{stages - 1}"
+    try:
+        router = dep.children["router"].proc
+        assert router is not None
+        for mode in args.modes:
+            for conc in args.concurrency:
+                n = max(args.min_requests, conc * args.requests_per_client)
+                prompts = [
+                    list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", n, 511, conc)
+                ]
+                kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                opts = DecodeOptions(max_new_tokens=args.max_new_tokens)
+                if mode != "pp":
+                    kwargs.update(width=args.width)
+                    opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width)
+                addrs = dep.metrics_addresses()
+                before = {k: scrape(a) for k, a in addrs.items()}
+                cpu0, load0 = cpu_seconds(router.pid), os.getloadavg()[0]
+                results, tokens, wall = asyncio.run(
+                    stream_all(dep.router_address, prompts, conc, kwargs)
+                )
+                cpu = cpu_seconds(router.pid) - cpu0
+                after = {k: scrape(a) for k, a in addrs.items()}
+
+                key = "specpipe:stage_forward_seconds_count"
+                steps = after[last].get(key, 0.0) - before[last].get(key, 0.0)
+                emitted = sum(len(t) for t in tokens)
+                key = "specpipe:spec_verifications_total"
+                verifs = after["router"].get(key, 0.0) - before["router"].get(key, 0.0)
+                sent = router_bytes(after["router"], verifs, vocab) - router_bytes(
+                    before["router"], 0, vocab
+                )
+                s = summarize(results, wall)
+                s["tbt_ms_mean"] = round(1e3 * statistics.mean(r.tbt for r in results), 3)
+                s["steady_tokens_per_step"] = round(
+                    statistics.mean(float(r.stats["steady_tokens_per_step"]) for r in results), 4
+                )
+                draft = local.draft if mode != "pp" else None
+                ask = [Ask(p, mode, opts) for p in prompts]
+                load = closed_loop(LockstepEngine(local.pipeline, draft), ask, conc)
+                proj = project(load, priced)
+                cell = {
+                    "stages": stages,
+                    "costs": costs.source,
+                    "mode": mode,
+                    "concurrency": conc,
+                    "requests": n,
+                    "services": s,
+                    "projected": proj,
+                    "tbt_wall_over_projected": round(s["tbt_ms_mean"] / proj["tbt_ms"]["mean"], 3),
+                    "throughput_projected_over_wall": round(
+                        proj["output_throughput"] / s["output_throughput"], 3
+                    ),
+                    "router_cpu_ms_per_step": round(1e3 * cpu / steps, 3) if steps else None,
+                    "router_bytes_per_token": round(sent / emitted, 1) if emitted else None,
+                    "last_stage_steps": int(steps),
+                    "identical": sum(
+                        t == x.tokens for t, x in zip(tokens, load.served, strict=True)
+                    ),
+                    "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                }
+                rows.append(cell)
+                log(fmt_control(cell))
+    finally:
+        dep.stop()
+    return rows
+
+
+def fmt_control(c: dict) -> str:
+    s, p = c["services"], c["projected"]
+    return (
+        f"{c['costs']:18s} S={c['stages']} {c['mode']:8s} c={c['concurrency']:<2d} "
+        f"TBT {s['tbt_ms_mean']:7.1f}/{p['tbt_ms']['mean']:7.1f} ms "
+        f"(x{c['tbt_wall_over_projected']}) tok/s {s['output_throughput']:7.1f}/"
+        f"{p['output_throughput']:7.1f} (x{c['throughput_projected_over_wall']}) "
+        f"router {c['router_cpu_ms_per_step']} ms CPU/step, {c['router_bytes_per_token']} B/token "
+        f"identical {c['identical']}/{c['requests']} load {c['load_average']}"
+    )
+
+
+def run_control(args) -> list[dict]:
+    """Flat stage costs (the draft at half) x S x modes x clients."""
+    target, rows = tiny_target(), []
+    for stage_ms in args.control_stage_ms:
+        for stages in args.control_stages:
+            costs = synthetic_flat(stage_ms, stage_ms / 2)
+            rows += control_cells(args, target, stages, costs)
+    return rows
+
+
+def control_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| stage ms | S | mode | clients | TBT ms wall / projected (x) "
+        "| tok/s wall / projected (x) | router CPU ms / step | bytes to router / token "
+        "| identical | load |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in rows:
+        s, p = c["services"], c["projected"]
+        lines.append(
+            f"| {c['costs'].split()[1].split('/')[0]} | {c['stages']} | {c['mode']} "
+            f"| {c['concurrency']} | {s['tbt_ms_mean']:.1f} / {p['tbt_ms']['mean']:.1f} "
+            f"({c['tbt_wall_over_projected']}) | {s['output_throughput']:.1f} / "
+            f"{p['output_throughput']:.1f} ({c['throughput_projected_over_wall']}) "
+            f"| {c['router_cpu_ms_per_step']} | {c['router_bytes_per_token']} "
+            f"| {c['identical']}/{c['requests']} | {c['load_average'][0]}-{c['load_average'][1]} |"
+        )
+    return lines
+
+
 # -- 2. S = 8 projected from recorded traces ----------------------------------------------
 def recorded_runs(mode: str, temperature: str = "0.0") -> list[DecodeStats]:
     """bench_specpipe.py's S = 8 runs of `mode` as DecodeStats, with the prefill step
@@ -417,6 +560,10 @@ def main() -> None:
         default=None,
         help="the stages' --batch-wait-ms (default: theirs, auto; 0: no step alignment)",
     )
+    ap.add_argument(
+        "--control-stage-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20, 100]
+    )
+    ap.add_argument("--control-stages", type=ints, default=[4, 8])
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.modes = args.modes.split(",")
@@ -425,7 +572,7 @@ def main() -> None:
     path = args.out / "results.json"
     results = json.loads(path.read_text()) if path.is_file() else {}
     parts = args.parts.split(",")
-    for part, run in (("gap", run_gap), ("serve", run_serve)):
+    for part, run in (("gap", run_gap), ("serve", run_serve), ("control", run_control)):
         if part in parts:
             results[part] = run(args)
     if "project" in parts:
@@ -446,6 +593,9 @@ def main() -> None:
                 "",
             ]
             lines += [*services_table(results[part]), ""]
+    if results.get("control"):
+        lines += ["The control loop (flat stage costs, draft at half):", ""]
+        lines += [*control_table(results["control"]), ""]
     if results.get("project"):
         lines += ["Projected, Qwen pair, S = 8, closed loop (recorded traces, batched costs):", ""]
         lines += projection_table(results["project"])
