@@ -9,7 +9,10 @@ import torch
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.runtime.errors import InvalidInput
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
-from specpipe.common.spec.messages import Activation, Prune
+from specpipe.common.spec.messages import Activation, Prune, TokenLogprobs, Verified
+from specpipe.common.spec.options import MAX_LOGPROBS
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.verify import VerifySpec
 from specpipe.v1 import dataplane_pb2 as pb
 
 
@@ -39,6 +42,7 @@ def rows_to_proto(act: Activation) -> pb.Rows:
         committed=act.committed,
         node_ids=act.node_ids.tolist(),
         parent_ids=act.parent_ids.tolist(),
+        token_ids=[] if act.row_tokens is None else act.row_tokens.tolist(),
     )
 
 
@@ -54,6 +58,8 @@ def activation_from_rows(
         )  # fmt: skip
     except InvalidInput as e:
         raise FrameError(str(e)) from None
+    if rows.token_ids and len(rows.token_ids) != len(rows.positions):
+        raise FrameError(f"{len(rows.token_ids)} row token ids for {len(rows.positions)} rows")
     i64 = torch.int64
     return Activation(
         request_id=request_id,
@@ -61,6 +67,7 @@ def activation_from_rows(
         committed=rows.committed,
         node_ids=torch.tensor(rows.node_ids, dtype=i64),
         parent_ids=torch.tensor(rows.parent_ids, dtype=i64),
+        row_tokens=torch.tensor(rows.token_ids, dtype=i64) if rows.token_ids else None,
     )
 
 
@@ -89,6 +96,70 @@ def token_activation(
     act = activation_from_rows(request_id, rows, len(token_ids), max_rows)
     act.tokens = torch.tensor(token_ids, dtype=torch.int64)
     return act
+
+
+def verify_spec_to_proto(spec: VerifySpec) -> pb.VerifySpec:
+    sp = spec.sampling
+    msg = pb.VerifySpec(
+        temperature=sp.temperature,
+        top_k=sp.top_k,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        output_start=spec.output_start,
+    )
+    if spec.logprobs is not None:
+        msg.logprobs = spec.logprobs
+    return msg
+
+
+def verify_spec_from_proto(msg: pb.VerifySpec) -> VerifySpec:
+    """A request's verification parameters, checked (InvalidInput if out of range)."""
+    try:
+        sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+        logprobs = msg.logprobs if msg.HasField("logprobs") else None
+        return VerifySpec(sampling, msg.output_start, logprobs)
+    except ValueError as e:
+        raise InvalidInput(f"bad verification parameters: {e}") from None
+
+
+def logprobs_to_proto(logprobs) -> list[pb.TokenLogprobs]:
+    return [
+        pb.TokenLogprobs(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+        for lp in logprobs
+    ]
+
+
+def verified_to_proto(v: Verified) -> pb.Verification:
+    msg = pb.Verification(node_ids=v.node_ids, token_ids=v.tokens, position=v.position)
+    msg.logprobs.extend(logprobs_to_proto(v.logprobs or ()))
+    return msg
+
+
+def verified_from_proto(
+    request_id: str, msg: pb.Verification, max_nodes: int, vocab: int | None, logprobs: bool
+) -> Verified:
+    """A last stage's verification, checked against what the request can have: at most
+    `max_nodes` nodes, tokens in the vocabulary, logprobs (one per token, at most
+    MAX_LOGPROBS alternatives each) exactly when the request asked for them."""
+    n = len(msg.node_ids)
+    if not 1 <= n <= max_nodes or len(msg.token_ids) != n:
+        raise FrameError(
+            f"a verification of {n} nodes and {len(msg.token_ids)} tokens (at most {max_nodes})"
+        )
+    high = vocab if vocab else 1 << 62
+    if any(not 0 <= t < high for t in msg.token_ids):
+        raise FrameError(f"a verified token outside the vocabulary of {vocab}")
+    lps = None
+    if logprobs:
+        if len(msg.logprobs) != n:
+            raise FrameError(f"{len(msg.logprobs)} logprobs for {n} tokens")
+        lps = []
+        for lp in msg.logprobs:
+            if len(lp.top_ids) > MAX_LOGPROBS or len(lp.top_ids) != len(lp.top_logprobs):
+                raise FrameError("malformed top logprobs")
+            lps.append(TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)))
+        lps = tuple(lps)
+    return Verified(request_id, tuple(msg.node_ids), tuple(msg.token_ids), msg.position, lps)
 
 
 def cost_curve_to_proto(curve: CostCurve, context: int = 0) -> pb.CostCurve:

@@ -8,10 +8,13 @@ applies the prunes and runs every ready activation in one batched forward
 (`StageRuntime.forward_many`), then sends each output to its request's next hop; a round
 that would miss requests expected within a few milliseconds waits for them first, a
 bounded window (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`), so
-that the requests of one pipeline step share a forward. The
-last stage sends logits to the router (for specpipe/pp only the root's, possibly once a
-prune makes a computed row the root). Requests join and leave between rounds; a request
-that fails fails alone. Everything else is the runtime's `StageRuntime`.
+that the requests of one pipeline step share a forward. Tree rows carry their token ids
+on (`Rows.token_ids`). The last stage verifies each request opened with a `VerifySpec`
+(`common/runtime/verifier.py`: it draws the tokens and walks down the tree) and sends
+the router a small `Verification` instead of logits (without one, logits as before:
+for specpipe/pp only the root's, possibly once a prune makes a computed row the root).
+Requests join and leave between rounds; a request that fails fails alone. Everything
+else is the runtime's `StageRuntime`.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from specpipe.common.runtime.validation import (
     check_input,
     step_row_cap,
 )
-from specpipe.common.spec.messages import Activation, Prune
+from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of
+from specpipe.common.spec.messages import Activation, Prune, Verified
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
@@ -56,6 +60,8 @@ from .control import (
     max_control_bytes,
     prune_from_proto,
     token_activation,
+    verified_to_proto,
+    verify_spec_from_proto,
 )
 from .grpc_util import Server, wait_until_idle
 from .lease import DRAIN_LEASE_SECONDS, lease_claim, reap_expired
@@ -111,6 +117,7 @@ class _Request:
     capacity: int = MAX_ROWS
     order: RequestOrder = field(default_factory=RequestOrder)
     closed: bool = False  # released, or failed here: takes no more work
+    verifier: RequestVerifier | None = None  # last stage: verifies the request here
 
 
 @dataclass
@@ -122,7 +129,8 @@ class _Work:
     turns: list[tuple[int, Pending]]
     root_seq: int  # seq to send a root released by a prune under
     released: list[Activation] = field(default_factory=list)  # roots the prunes released
-    outputs: list[Activation | None] = field(default_factory=list)  # one per turn
+    # one per turn: the next hop's activation, or (last stage, verifying) what it verified
+    outputs: list[Activation | list[Verified] | None] = field(default_factory=list)
     error: RequestError | None = None
 
 
@@ -375,9 +383,17 @@ class StageService(stage_pb2_grpc.StageServicer):
                 context,
                 authenticated=self.security is not None,
             )
+            verify = None
+            if request.HasField("verify") and self.runtime.is_last:
+                verify = verify_spec_from_proto(request.verify)
             self._free_stale(self.leases.grant(rid, claim))
             try:
-                self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+                self.runtime.open(
+                    rid,
+                    int(request.capacity),
+                    request.root_logits_only and verify is None,
+                    final_hidden=verify is not None,
+                )
             except RequestError:
                 self.leases.end(rid)
                 raise
@@ -385,6 +401,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.abort(status_code(e), f"{self.name}: {e}")
         capacity = int(request.capacity)
         st = _Request(rid, request.next_hop, request.report_to, capacity)
+        if verify is not None:
+            st.verifier = RequestVerifier(rid, verify, self.runtime.model.logits)
         # Every prefill chunk may be sent at once (one row each at least), then the layers
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
@@ -688,16 +706,21 @@ class StageService(stage_pb2_grpc.StageServicer):
             try:
                 for _, prune in w.prunes:
                     root = runtime.prune(w.st.request_id, prune)
+                    if w.st.verifier is not None:
+                        w.st.verifier.on_prune(prune)
                     if root is not None:  # last stage: a held row became the root
                         w.released.append(self._for_wire(root))
             except RequestError as e:
                 w.error = e
         batch = [(w, i) for w in work if w.error is None for i, (_, p) in enumerate(w.turns)]
-        acts = [w.turns[i][1].act for w, i in batch if not w.turns[i][1].empty]
+        taken = [(w, w.turns[i][1].act) for w, i in batch if not w.turns[i][1].empty]
+        acts = [a for _, a in taken]
         rows = sum(len(a) for a in acts)
         start = time.perf_counter()
         with self.metrics.forward(rows), paced(self.pacer, acts):
-            results = iter(runtime.forward_many(acts))
+            outs = runtime.forward_many(acts)
+            # the last stage's verification is part of its step (LM head and draws)
+            results = iter([self._output(w, a, o) for (w, a), o in zip(taken, outs, strict=True)])
         seconds = time.perf_counter() - start if rows else None
         if rows:
             self.metrics.batch_requests.observe(len({a.request_id for a in acts}))
@@ -710,8 +733,22 @@ class StageService(stage_pb2_grpc.StageServicer):
             if isinstance(out, RequestError):
                 w.error = w.error or out
             else:
-                w.outputs[i] = self._for_wire(out)
+                w.outputs[i] = out if isinstance(out, list) else self._for_wire(out)
         return seconds
+
+    def _output(self, w: _Work, inp: Activation, out):
+        """One request's forward output: its rows' token ids carried on; on the last
+        stage, what its verifier drew (a request that fails here fails alone)."""
+        if out is None or isinstance(out, RequestError):
+            return out
+        out.row_tokens = row_tokens_of(out, inp)
+        verifier = w.st.verifier
+        if verifier is None or not self.runtime.is_last:
+            return out
+        try:
+            return verifier.on_output(out)
+        except ValueError as e:
+            return InvalidInput(str(e))
 
     async def _deliver(self, work: list[_Work]) -> None:
         """Send a round's outputs: every request's frames in its order, and the frames of
@@ -738,7 +775,10 @@ class StageService(stage_pb2_grpc.StageServicer):
                     "%s seq %d after prune %d: nodes %s",
                     st.request_id, seq, item.after_prune, item.act.node_ids.tolist(),
                 )  # fmt: skip
-            outs.append((seq, item.after_prune, out))
+            if isinstance(out, list):  # verifications (last stage)
+                outs += [(seq, item.after_prune, v) for v in out]
+            else:
+                outs.append((seq, item.after_prune, out))
         try:
             frames = [self._frame(st, seq, after, out) for seq, after, out in outs]
         except Exception as e:  # a payload the data plane cannot carry: this request only
@@ -747,10 +787,21 @@ class StageService(stage_pb2_grpc.StageServicer):
             return []
         return [(st.next_hop, f) for f in frames if f is not None]
 
-    def _frame(self, st: _Request, seq: int, after_prune: int, out: Activation | None):
+    def _frame(self, st: _Request, seq: int, after_prune: int, out: Activation | Verified | None):
         """The frame of one output for the next hop, or None: the last stage sends only
-        logits (prefill chunks and pruned rows bring the router nothing); the others
-        keep the order of `seq` with an empty frame for a fully pruned activation."""
+        verifications (or logits; prefill chunks and pruned rows bring the router
+        nothing); the others keep the order of `seq` with an empty frame for a fully
+        pruned activation."""
+        if isinstance(out, Verified):
+            header = pb.FrameHeader(
+                request_id=st.request_id,
+                seq=seq,
+                after_prune=after_prune,
+                kind=Kind.PAYLOAD_KIND_VERIFIED,
+                sender=self.name,
+                verified=verified_to_proto(out),
+            )
+            return header, None
         if self.runtime.is_last:
             if out is not None and out.logits is not None:
                 return encode(out, seq, after_prune, self.name)

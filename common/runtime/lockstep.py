@@ -111,7 +111,7 @@ class LockstepEngine:
     def add_controller(self, ctrl: Controller) -> Run:
         if ctrl.uses_draft and self.draft is None:
             raise ValueError(f"mode {ctrl.mode} needs a draft")
-        self.pipeline.open(ctrl.request_id, ctrl.capacity)
+        self.pipeline.open(ctrl.request_id, ctrl.capacity, verify=ctrl.verify_spec)
         run = Run(ctrl, deque(ctrl.start()))
         self.runs[ctrl.request_id] = run
         return run
@@ -152,8 +152,12 @@ class LockstepEngine:
             run.prunes = []
             run.step += 1
             last = result.last
+            events = list(result.verified)
             if last is not None and last.logits is not None:
-                cmds = run.controller.on_logits(last)
+                events.append(last)
+            for ev in events:
+                ctrl = run.controller
+                cmds = ctrl.on_logits(ev) if isinstance(ev, Activation) else ctrl.on_verified(ev)
                 if not any(isinstance(c, Emit) for c in cmds):
                     raise RuntimeError(
                         "pipeline desynchronized: the last stage did not compute the root"

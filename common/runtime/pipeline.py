@@ -4,8 +4,10 @@ One call to `step` is one pipeline step for one request
 (docs/architecture.md, "3. The pipeline step"; phases in the order the network version
 runs them): apply the prunes decided since the previous step to every stage's cache and
 to the activations in flight, move surviving activations one stage forward with the new tree
-layer entering stage 1, then let every stage compute. The last stage's output (logits
-for its tree nodes) comes back to the router.
+layer entering stage 1, then let every stage compute. The last stage verifies the roots it computes
+(`verifier.py`, as the stage service does) and its `Verified` messages come back to the
+router; pipelines that return logits instead (test and study pipelines) leave the same
+walk to the controller (`Controller.on_logits`).
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ from typing import Protocol
 
 from torch import Tensor
 
-from ..spec.messages import Activation, Candidates, Prune
+from ..spec.messages import Activation, Candidates, Prune, Verified
+from ..spec.verify import VerifySpec
 from .stage import StageRuntime
+from .verifier import RequestVerifier, row_tokens_of
 
 
 @dataclass
 class StepResult:
-    last: Activation | None  # what the last stage computed this step (logits for tree nodes)
+    # what the last stage computed this step: logits for tree nodes (pipelines that leave
+    # verification to the controller), or nothing to report
+    last: Activation | None
     nodes_per_stage: list[int]  # rows each stage computed this step (for cost projection)
+    verified: tuple[Verified, ...] = ()  # what the last stage verified this step
 
 
 class Pipeline(Protocol):
@@ -37,7 +44,10 @@ class Pipeline(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    def open(self, request_id: str, capacity: int) -> None: ...
+    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
+        """Open a request; with `verify`, the last stage verifies it (pipelines that
+        return logits may ignore it)."""
+        ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -77,6 +87,7 @@ class LocalPipeline:
                 raise ValueError("stage layer ranges must be contiguous")
         self.stages = stages
         self._in_flight: dict[str, list[Activation | None]] = {}
+        self._verifiers: dict[str, RequestVerifier] = {}
 
     @property
     def num_stages(self) -> int:
@@ -90,22 +101,26 @@ class LocalPipeline:
     def max_context(self) -> int:
         return self.stages[0].model.cfg.max_position_embeddings
 
-    def open(self, request_id: str, capacity: int) -> None:
+    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
         opened: list[StageRuntime] = []
         try:
             for s in self.stages:
-                s.open(request_id, capacity)
+                s.open(request_id, capacity, final_hidden=verify is not None)
                 opened.append(s)
         except Exception:
             for s in opened:
                 s.release(request_id)
             raise
         self._in_flight[request_id] = [None] * (len(self.stages) - 1)
+        if verify is not None:
+            last = self.stages[-1].model
+            self._verifiers[request_id] = RequestVerifier(request_id, verify, last.logits)
 
     def release(self, request_id: str) -> None:
         for s in self.stages:
             s.release(request_id)
         self._in_flight.pop(request_id, None)
+        self._verifiers.pop(request_id, None)
 
     def in_flight(self, request_id: str) -> bool:
         return any(a is not None for a in self._in_flight[request_id])
@@ -123,9 +138,12 @@ class LocalPipeline:
         flight: dict[str, list[Activation | None]] = {}
         for rid, (prunes, entering) in inputs.items():
             held = self._in_flight[rid]
+            verifier = self._verifiers.get(rid)
             for prune in prunes:
                 for s in self.stages:
                     s.prune(rid, prune)
+                if verifier is not None:
+                    verifier.on_prune(prune)
                 held = [prune.filter(a) for a in held]
             flight[rid] = [entering, *held]  # the input of every stage this step
         outputs: dict[str, list[Activation | None]] = {rid: [] for rid in inputs}
@@ -137,12 +155,19 @@ class LocalPipeline:
                 out = done.get(rid)
                 if isinstance(out, Exception):
                     raise out
+                if out is not None:
+                    out.row_tokens = row_tokens_of(out, flight[rid][k])  # type: ignore[arg-type]
                 outputs[rid].append(out)
         result = {}
         for rid in inputs:
             self._in_flight[rid] = outputs[rid][:-1]
             rows = [len(a) if a is not None else 0 for a in flight[rid]]
-            result[rid] = StepResult(last=outputs[rid][-1], nodes_per_stage=rows)
+            last, verified = outputs[rid][-1], ()
+            verifier = self._verifiers.get(rid)
+            if verifier is not None:
+                verified = tuple(verifier.on_output(last)) if last is not None else ()
+                last = None
+            result[rid] = StepResult(last=last, nodes_per_stage=rows, verified=verified)
         return result
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..spec.messages import Activation, Prune
+from ..spec.verify import VerifySpec
 from .pipeline import StepResult
 
 
@@ -47,7 +48,8 @@ class ScriptedPipeline:
     def max_context(self) -> int:
         return len(self.sequence) + 1
 
-    def open(self, request_id: str, capacity: int) -> None:
+    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
+        """`verify` is ignored: this pipeline returns logits (the controller walks them)."""
         self._flight[request_id] = [None] * (self._stages - 1)
         self._on_path[request_id] = {}
 

@@ -66,6 +66,8 @@ class StageRuntime:
         # Last stage, requests opened with root_logits_only: tree rows computed before
         # they became the root, with their final hidden states (logits not yet computed).
         self._held: dict[str, Activation | None] = {}
+        # Last stage, requests opened with final_hidden: the caller verifies (verifier.py)
+        self._final_hidden: set[str] = set()
         self._lock = threading.Lock()
         self._compute_lock = threading.Lock()
 
@@ -102,14 +104,23 @@ class StageRuntime:
         )
 
     # -- request lifecycle -------------------------------------------------------------
-    def open(self, request_id: str, capacity: int, root_logits_only: bool = False) -> None:
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        root_logits_only: bool = False,
+        final_hidden: bool = False,
+    ) -> None:
         """Preallocate the request's cache: `capacity` rows (prompt + output + tree).
 
         `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
         a time): compute and return logits only for tree rows that are the root, i.e. whose
         parent is committed. Other rows keep their final hidden states until the prune
         that commits their parent makes them the root (`prune` returns their logits), or
-        drops them. Without it, every tree row's logits come out (specinfer)."""
+        drops them. Without it, every tree row's logits come out (specinfer).
+
+        `final_hidden` (last stage): no logits; the final hidden states of every row come
+        out, for the caller to verify (`common/runtime/verifier.py`)."""
         need = self.cache_bytes_for(capacity)
         cfg = self.model.cfg
         with self._lock:
@@ -130,11 +141,14 @@ class StageRuntime:
             )
             if root_logits_only and self.is_last:
                 self._held[request_id] = None
+            if final_hidden and self.is_last:
+                self._final_hidden.add(request_id)
 
     def release(self, request_id: str) -> bool:
         with self._lock:
             self._last_prune.pop(request_id, None)
             self._held.pop(request_id, None)
+            self._final_hidden.discard(request_id)
             return self._caches.pop(request_id, None) is not None
 
     def _cache(self, request_id: str) -> TreeKVCache:
@@ -189,7 +203,7 @@ class StageRuntime:
                 # up): its output goes nowhere, and the others' must not suffer for it.
                 results[b.index] = NotOpen(f"request {b.act.request_id!r} was released")
                 continue
-            if self.is_last:
+            if self.is_last and b.act.request_id not in self._final_hidden:
                 if b.act.committed:
                     out.hidden = None  # type: ignore[union-attr]
                 else:

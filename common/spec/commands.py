@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .messages import Activation, Prune
+from .messages import Activation, Prune, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,11 @@ class Propose:
 
 @dataclass(frozen=True)
 class Emit:
-    """Verified tokens, in order: send them to the client."""
+    """Verified tokens, in order: send them to the client (with their logprobs, one per
+    token, for a request that asked for them)."""
 
     tokens: list[int]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The request controller: every decision of one request, as a state machine with no I/O
 (docs/architecture.md, "5. The request controller and its executors").
 
-Events in: logits of some rows out of the last stage (`on_logits`), the draft's
-candidates for a layer it was asked to expand (`on_candidates`), a failure
-(`on_failure`). Commands out (`commands.py`): feed rows to stage 1, broadcast a prune,
+Events in: the tokens the last stage verified (`on_verified`: it draws them and walks
+down the tree itself, `common/runtime/verifier.py`; a pipeline that returns logits goes
+through `on_logits`, the same walk, `verify.py`), the draft's candidates for a layer it
+was asked to expand (`on_candidates`), a failure (`on_failure`). Commands out (`commands.py`): feed rows to stage 1, broadcast a prune,
 open/prefill/prune the draft and ask it to propose, emit tokens, finish. The controller
 owns the statistics and the step accounting: the pipeline step at which every feed
 enters stage 1 and every verification happens, had the stages run in lockstep. The
@@ -33,6 +34,8 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+import numpy as np
+
 from .commands import (
     BroadcastPrune,
     Command,
@@ -44,18 +47,28 @@ from .commands import (
     Propose,
 )
 from .growth import beside, concat_candidates, extend_frontier, prefill_chunks
-from .messages import SOURCE_DRAFT, SOURCE_NGRAM, Activation, Candidates, Prune
+from .messages import (
+    SOURCE_DRAFT,
+    SOURCE_NGRAM,
+    Activation,
+    Candidates,
+    Prune,
+    TokenLogprobs,
+    Verified,
+)
 from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
 from .stats import DecodeStats
 from .tree import Indices, TokenTree
+from .verify import VerifySpec, verify_logits
 
 
 class Controller(ABC):
     """One request's decisions. `num_stages` is the pipeline depth the accounting uses."""
 
     tree: TokenTree  # the request's token tree (the modes make it)
+    root_pos: int  # the root's sequence position (the modes keep it)
 
     def __init__(
         self,
@@ -116,6 +129,12 @@ class Controller(ABC):
         return len(self.prompt) + self.opts.max_new_tokens + self.tree_rows
 
     @property
+    def verify_spec(self) -> VerifySpec:
+        """What the last stage needs to draw this request's tokens (`Open`, and again at
+        every replay: the draws depend on (seed, position) only)."""
+        return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs)
+
+    @property
     def root_logits_only(self) -> bool:
         """The last stage needs to return logits only for the root (one verification at a
         time); specinfer verifies whole trees, and specpipe with several layers per step
@@ -149,9 +168,10 @@ class Controller(ABC):
         load by it)."""
         return 0
 
-    def draft_is_late_for(self, act: Activation) -> bool:
-        """Whether verifying these logits now would pass by a draft answer that lockstep
-        would have had by then (an executor may hold them a while: the late-draft wait)."""
+    def draft_is_late_for(self, v: Verified) -> bool:
+        """Whether accepting this verification now would pass by a draft answer that
+        lockstep would have had by then (an executor may hold it a while: the late-draft
+        wait)."""
         return False
 
     # -- events ----------------------------------------------------------------------------
@@ -160,12 +180,31 @@ class Controller(ABC):
         """The request's first commands: prefill, the draft's prompt, the first root."""
 
     @abstractmethod
-    def on_logits(self, act: Activation) -> list[Command]:
-        """Rows with logits came out of the last stage."""
+    def on_verified(self, v: Verified) -> list[Command]:
+        """The last stage drew tokens along the tree (`Verified`); a verification that is
+        not of the current root (a stale one) changes nothing."""
 
-    @abstractmethod
-    def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
-        """The draft answered `Propose(ticket=...)` (possibly with no candidates)."""
+    def on_logits(self, act: Activation) -> list[Command]:
+        """Rows with logits came out of a pipeline that returns logits (in-process test
+        and study pipelines, a last stage that predates verification): the last stage's
+        walk over them (`verification_of`), then `on_verified`."""
+        v = self.verification_of(act)
+        return [] if v is None else self.on_verified(v)
+
+    def verification_of(self, act: Activation) -> Verified | None:
+        """The last stage's walk (`verify.verify_logits`) over rows with logits; None
+        when they hold no logits of the current root (rows a prune dropped after they
+        left the stage before)."""
+        if self.done or act.logits is None:
+            return None
+        ids = act.node_ids.numpy()
+        root = np.flatnonzero(ids == self.tree.root_id)
+        if root.size == 0:
+            return None
+        tree = self.tree
+        at = np.minimum(np.searchsorted(tree.ids, ids), len(tree) - 1)
+        tokens = np.where(tree.ids[at] == ids, tree.tokens[at], -1)
+        return verify_logits(act, int(root[0]), tokens, self.verify_spec, self.root_pos)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the
@@ -222,6 +261,16 @@ class Controller(ABC):
     @abstractmethod
     def _without_draft(self) -> list[Command]:
         """Forget the draft's outstanding work; commands needed to go on without it."""
+
+    def _desynchronized(self, v: Verified, why: str) -> list[Command]:
+        """A verification the tree cannot have given (a bug, never a race): fail."""
+        return self.on_failure(
+            f"the last stage's verification of nodes {list(v.node_ids)} disagrees with the "
+            f"request's tree: {why}"
+        )
+
+    def _logprobs_of(self, v: Verified, i: int) -> TokenLogprobs | None:
+        return None if v.logprobs is None else v.logprobs[i]
 
     def on_failure(self, message: str) -> list[Command]:
         """A stage or the draft failed the request."""
@@ -330,7 +379,12 @@ class Controller(ABC):
             cmds.append(DraftPrune(draft_prune or prune, self._prunes))
         return cmds
 
-    def _emit(self, tokens: list[int], done: bool) -> list[Command]:
+    def _emit(
+        self,
+        tokens: list[int],
+        done: bool,
+        logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> list[Command]:
         """Record verified tokens (already added to `out`); finish when done."""
         st = self.stats
         if self.ngram is not None:
@@ -339,7 +393,11 @@ class Controller(ABC):
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits
         st.finish_reason = self.out.finish_reason
-        cmds: list[Command] = [Emit(tokens)]
+        lp = None
+        if logprobs is not None and self.opts.logprobs is not None:
+            lp = [x for x in logprobs if x is not None]
+            lp = lp if len(lp) == len(tokens) else None
+        cmds: list[Command] = [Emit(tokens, lp)]
         if done:
             self.done = True
             cmds.append(Finish(self.out.finish_reason))

@@ -1,9 +1,11 @@
 """The small typed objects that move through the pipeline.
 
 `Activation` is the data plane: what one stage hands the next for one request in one
-step. `Prune` is the control plane: the verification outcome every stage and the draft
-apply to their caches and to activations still in flight. `Candidates` are what the draft
-proposes as children of tree nodes.
+step. `Verified` is what the last stage sends the router instead of logits: the tokens it
+drew along the tree (docs/architecture.md, "3. The pipeline step"). `Prune` is the
+control plane: the verification outcome every stage and the draft apply to their caches
+and to activations still in flight. `Candidates` are what the draft proposes as children
+of tree nodes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class Activation:
     Either a prefill chunk of verified tokens (`committed=True`, causal among themselves)
     or tree nodes (`committed=False`) identified by stable node ids with parent ids.
     Exactly one of `tokens` (into stage 1), `hidden` (between stages) or `logits`
-    (out of the last stage) is set.
+    (out of the last stage) is set. `row_tokens` (tree rows after stage 1) are the rows'
+    token ids, carried along so that the last stage can walk the tree it verifies.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class Activation:
     tokens: Tensor | None = None
     hidden: Tensor | None = None
     logits: Tensor | None = None
+    row_tokens: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.positions.numel())
@@ -58,7 +62,45 @@ class Activation:
             tokens=pick(self.tokens),
             hidden=pick(self.hidden),
             logits=pick(self.logits),
+            row_tokens=pick(self.row_tokens),
         )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A verified token's log-probability and the `top` most likely tokens' at its
+    position: log_softmax of the target's raw logits there (before temperature, top-k and
+    top-p, as vLLM reports them by default: `logprobs_mode="raw_logprobs"`)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What one verification at the last stage drew (docs/architecture.md, "3. The
+    pipeline step"): the tree nodes it drew at, root first, each the child of the one
+    before with the token drawn there (`node_ids[i + 1]` has token `tokens[i]`), and
+    the token drawn at each. The last token either is a child whose logits were not
+    computed yet (a hit; the next verification starts there) or no child (a miss).
+    `position` is the root's position; `logprobs` one per token, for a request that
+    asked for them."""
+
+    request_id: str
+    node_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    position: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.node_ids or len(self.node_ids) != len(self.tokens):
+            raise ValueError(
+                f"a verification draws one token per node: {len(self.node_ids)} nodes, "
+                f"{len(self.tokens)} tokens"
+            )
+        if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.tokens)} tokens")
 
 
 @dataclass

@@ -26,6 +26,7 @@ MAX_SPECINFER_DEPTH = 64
 MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
 MAX_NEW_TOKENS = 1 << 20
 MAX_LAYERS_PER_STEP = 16
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
 
 
 class Mode(StrEnum):
@@ -87,6 +88,9 @@ class DecodeOptions:
     token_source: TokenSource = TokenSource.DRAFT
     ranking: Ranking = Ranking.TARGET
     growth: Growth = Growth.VERIFIED
+    # report each token's logprob and this many top alternatives (0-20; None: none):
+    # log_softmax of the target's raw logits, as vLLM's default (`verify.token_logprobs`)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
@@ -107,6 +111,8 @@ class DecodeOptions:
             value = getattr(self, name)
             if not 1 <= value <= high:
                 raise ValueError(f"{name} must be in [1, {high}], got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor
-
-from .sampling import SamplingParams, sample_token
+from .messages import TokenLogprobs
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -15,16 +14,16 @@ class OutputState:
     sampling: SamplingParams
     stop_token_ids: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
+    # one per token, for a request that asked for logprobs
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str = "length"
     hits: int = 0  # emitted tokens that were already in the tree when verified
 
-    def sample(self, logits: Tensor) -> int:
-        """The target's token at the next position (the draw depends on (seed, position))."""
-        return sample_token(logits, self.sampling, len(self.tokens))
-
-    def emit(self, token: int) -> bool:
+    def emit(self, token: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Record a verified token; True when generation must stop."""
         self.tokens.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
             return True

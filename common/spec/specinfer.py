@@ -13,7 +13,7 @@ from torch import Tensor
 from .commands import Command, DraftPrefill
 from .controller import Controller
 from .growth import layer_activation
-from .messages import EMPTY_IDS, Activation, Candidates, Prune
+from .messages import EMPTY_IDS, Candidates, Prune, Verified
 from .options import DecodeOptions, Mode
 from .tree import NO_NODES, TokenTree, member
 
@@ -52,13 +52,12 @@ class SpecInferController(Controller):
             return self._feed_tree()
         return self._propose_or_feed()
 
-    def on_logits(self, act: Activation) -> list[Command]:
-        tree = self.tree
-        if self.done or not self._fed or act.logits is None:
-            return []
-        if not np.array_equal(act.node_ids.numpy(), tree.ids):
+    def on_verified(self, v: Verified) -> list[Command]:
+        if self.done or not self._fed or v.node_ids[0] != self.tree.root_id:
             return []  # not this pass's tree (a stale frame)
-        return self._verify(act.logits)
+        if v.position != self.root_pos:
+            return self._desynchronized(v, f"root at {v.position}, not {self.root_pos}")
+        return self._verify(v)
 
     # -- faults ----------------------------------------------------------------------------
     def _restart_at(self, seq: list[int]) -> list[Command]:
@@ -111,24 +110,30 @@ class SpecInferController(Controller):
         self._fed = True
         return [self._feed(whole, self._entry_step(whole))]
 
-    def _verify(self, logits: Tensor) -> list[Command]:
+    def _verify(self, v: Verified) -> list[Command]:
+        """The walk down the whole tree the last stage made: the longest verified path
+        plus one token."""
         tree = self.tree
         self.stats.root_children.append(int(tree.children(0).size))
         self._verified(tree.root_id)
-        path, emitted = [0], []
-        while True:
-            token = self.out.sample(logits[path[-1]])
+        path, emitted, logprobs = [0], [], []
+        for i, token in enumerate(v.tokens):
+            if v.node_ids[i] != int(tree.ids[path[-1]]):
+                return self._desynchronized(v, f"node {v.node_ids[i]} is off the path")
             emitted.append(token)
-            done = self.out.emit(token)
+            logprobs.append(self._logprobs_of(v, i))
+            done = self.out.emit(token, logprobs[-1])
             child = tree.child_with_token(path[-1], token)
             if child is None or done:
                 break
+            if i + 1 == len(v.tokens):  # every row of the tree had its logits there
+                return self._desynchronized(v, "the walk stopped at a child")
             self.out.hits += 1
             self._count_hit(int(tree.source[child]))
             path.append(child)
             self.stats.hit_depths.append(len(path) - 1)
         self.stats.accepted_lengths.append(len(emitted))
-        cmds = self._emit(emitted, done)
+        cmds = self._emit(emitted, done, logprobs)
         if self.done:
             return cmds
         path_ids = tree.ids[path]

@@ -32,7 +32,7 @@ import torch
 from .commands import Command
 from .controller import Controller
 from .growth import concat_candidates, layer_activation, unused_candidates
-from .messages import EMPTY_IDS, Activation, Candidates, Prune
+from .messages import EMPTY_IDS, Candidates, Prune, Verified
 from .options import DecodeOptions, Growth, Mode
 from .tree import NO_NODES, Indices, TokenTree
 
@@ -71,8 +71,8 @@ class SpecPipeController(Controller):
     def rows_in_flight(self) -> int:
         return len(self.tree)  # the tree's nodes: fed, or about to be
 
-    def draft_is_late_for(self, act: Activation) -> bool:
-        if self.done or not self._asked or not bool((act.node_ids == self.tree.root_id).any()):
+    def draft_is_late_for(self, v: Verified) -> bool:
+        if self.done or not self._asked or v.node_ids[0] != self.tree.root_id:
             return False
         due = self._root_due(self.tree.root_id)
         return any(self._answer_first(step, due) for step in self._asked.values())
@@ -89,12 +89,12 @@ class SpecPipeController(Controller):
             return []
         return self._offer(cand, step)
 
-    def on_logits(self, act: Activation) -> list[Command]:
-        if self.done or act.logits is None:
-            return []
-        if not bool((act.node_ids == self.tree.root_id).any()):
-            return []  # rows a prune dropped after they left the stage before
-        return self._verify(act)
+    def on_verified(self, v: Verified) -> list[Command]:
+        if self.done or v.node_ids[0] != self.tree.root_id:
+            return []  # a verification of rows a prune dropped after they left the stage
+        if v.position != self.root_pos:
+            return self._desynchronized(v, f"root at {v.position}, not {self.root_pos}")
+        return self._verify(v)
 
     # -- faults ----------------------------------------------------------------------------
     def _restart_at(self, seq: list[int]) -> list[Command]:
@@ -177,36 +177,37 @@ class SpecPipeController(Controller):
             return []
         return self._grow(cand)
 
-    def _verify(self, act: Activation) -> list[Command]:
-        """The root's logits are out: draw its token, and while that token is a child whose
-        logits came out too, that child's; then prune to the subtree of the last hit, or
-        restart from the drawn token (a miss)."""
+    def _verify(self, v: Verified) -> list[Command]:
+        """The last stage drew the root's token, and while that token was a child whose
+        logits it had too, that child's (`Verified`): accept them in order; then prune to
+        the subtree of the last hit, or restart from the drawn token (a miss)."""
         tree = self.tree
-        assert act.logits is not None
-        rows = {int(n): i for i, n in enumerate(act.node_ids.tolist())}
         self._verified(tree.root_id)
         self._count_late_answers()
         horizon = tree.last_id
         path: list[int] = []
         tokens: list[int] = []
-        while True:
+        logprobs = []
+        for i, token in enumerate(v.tokens):
+            if v.node_ids[i] != tree.root_id:
+                return self._desynchronized(v, f"node {v.node_ids[i]} is not the root's child")
             path.append(tree.root_id)
-            token = self.out.sample(act.logits[rows[tree.root_id]])
             child = tree.child_with_token(0, token)
             self.stats.root_children.append(int(tree.children(0).size))
             tokens.append(token)
+            logprobs.append(self._logprobs_of(v, i))
             self.root_pos += 1
-            done = self.out.emit(token)
+            done = self.out.emit(token, logprobs[-1])
             if child is None:
                 break
             self.out.hits += 1
             self._count_hit(int(tree.source[child]))
             self.stats.hit_depths.append(self._node_depth.get(int(tree.ids[child]), 1))
             tree.prune_to(child)
-            if done or tree.root_id not in rows:
+            if done or i + 1 == len(v.tokens):
                 break
         hit = child is not None
-        cmds = self._emit(tokens, done)
+        cmds = self._emit(tokens, done, logprobs)
         if self.done:
             return cmds
         commit = torch.tensor(path, dtype=torch.int64)

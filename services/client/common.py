@@ -38,6 +38,8 @@ class Chunk:
     token_ids: list[int]
     text: str
     index: int  # position of the first token in the output
+    # per token, for a request that asked for logprobs: (logprob, {top id: logprob})
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Completion:
     stats: dict[str, object] = field(default_factory=dict)
     model: str = ""
     weight_hash: str = ""  # the model version that served it (content hash of the weights)
+    # per token, for a request that asked for logprobs: (logprob, {top id: logprob})
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
         """The stats keys `specpipe generate --json` prints."""
@@ -85,6 +89,7 @@ def build_request(
     token_source: str = "",
     ranking: str = "",
     growth: str = "",
+    logprobs: int | None = None,
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default."""
@@ -105,6 +110,8 @@ def build_request(
     )
     if top_p is not None:
         req.sampling.top_p = top_p
+    if logprobs is not None:
+        req.logprobs = logprobs
     if prompt is not None:
         req.text = prompt
     elif prompt_ids is not None:
@@ -132,6 +139,7 @@ class Collector:
         self.weight_hash = ""
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
+        self.logprobs: list[tuple[float, dict[int, float]]] = []
         self.text: list[str] = []
         self.completion: Completion | None = None
 
@@ -145,7 +153,12 @@ class Collector:
             d = resp.delta
             self.token_ids.extend(d.token_ids)
             self.text.append(d.text)
-            return Chunk(list(d.token_ids), d.text, d.index)
+            lps = [
+                (lp.logprob, dict(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                for lp in d.logprobs
+            ]
+            self.logprobs += lps
+            return Chunk(list(d.token_ids), d.text, d.index, lps)
         elif kind == "finished":
             f = resp.finished
             self.text.append(f.text)
@@ -159,6 +172,7 @@ class Collector:
                 stats=stats_from_proto(f.stats),
                 model=self.model,
                 weight_hash=self.weight_hash,
+                logprobs=list(self.logprobs),
             )
             if f.text:
                 return Chunk([], f.text, len(self.token_ids))

@@ -3,9 +3,11 @@ over gRPC and the data plane (docs/architecture.md, "5. The request controller a
 executors").
 
 There is no global step. Stage 1 receives feeds from here over gRPC; each stage computes
-as soon as its input is ready and pushes it to the request's next hop; the last stage's
-logits come back through the router's data-plane inbox. Events (logits, draft answers,
-failures) are handled one at a time from one queue, so the controller is never touched
+as soon as its input is ready and pushes it to the request's next hop; the last stage
+verifies (draws the tokens and walks down the tree: common/runtime/verifier.py) and its
+`Verification`s come back through the router's data-plane inbox (a last stage that
+predates verification sends logits, which the controller walks the same way). Events
+(verifications, draft answers, failures) are handled one at a time from one queue, so the controller is never touched
 concurrently. Draft calls of a request run in one ordered lane, so the draft sees prunes
 and layers in the order the controller created them; prunes for the draft ride on the
 next `Propose`. Every decision is the controller's: this module only moves commands and
@@ -22,9 +24,9 @@ one) and executes `Controller.replay`. A draft that fails only makes the control
 without it (`Controller.drop_draft`). With no path left after `replay_timeout`, the
 request fails UNAVAILABLE.
 
-A late draft (`late_draft_wait`): when the last stage's logits would verify a root
+A late draft (`late_draft_wait`): when the last stage's verification of a root arrives
 before the draft has answered for a layer that lockstep would have grown by then
-(`Controller.draft_is_late_for`), the driver may hold those logits up to that long for
+(`Controller.draft_is_late_for`), the driver may hold it up to that long for
 the answer, so the tree keeps the layer (lockstep's schedule: the step waits for the
 draft) instead of the verification passing it by (a miss or a regrowth, and no wait).
 Either way the tokens are the same; which is faster depends on how late drafts are.
@@ -54,12 +56,17 @@ from specpipe.common.spec.commands import (
     Propose,
 )
 from specpipe.common.spec.controller import Controller
-from specpipe.common.spec.messages import Candidates
+from specpipe.common.spec.messages import Candidates, Verified
 from specpipe.common.spec.stats import DecodeStats
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import prune_to_proto, rows_to_proto
+from ..control import (
+    prune_to_proto,
+    rows_to_proto,
+    verified_from_proto,
+    verify_spec_to_proto,
+)
 from ..grpc_util import code_from_number
 from ..transport import FrameError, Inbox, decode
 from ..transport.codec import Kind
@@ -237,6 +244,10 @@ class RequestDriver:
             self._count_rows()
             cmds = await self._handle(await self._next_event())
 
+    def logprobs_of(self, index: int, tokens: list[int]) -> list:
+        """The logprobs of the output's tokens from `index` (none without them)."""
+        return self.controller.out.logprobs[index : index + len(tokens)]
+
     def backend_down(self, b: Backend, message: str) -> None:
         """The health monitor found `b` down, or `b` no longer holds this request (its
         lease): replay if it is on this request's path. A path still being opened is
@@ -255,15 +266,26 @@ class RequestDriver:
             self._down_while_opening = (b, message)
             self._opening.cancel()
 
-    def _logits(self, frame):
-        """The activation of a logits frame, checked: [rows, vocab] floats, finite."""
+    def _verification(self, frame) -> Verified | None:
+        """What a last stage's frame verified, checked: a `Verification`, or logits
+        ([rows, vocab] floats, finite; a last stage that predates verification) walked
+        by the controller. None: logits of no current root (stale)."""
+        ctrl = self.controller
+        if frame.kind == Kind.PAYLOAD_KIND_VERIFIED:
+            return verified_from_proto(
+                self.wire_id,
+                frame.header.verified,
+                ctrl.tree_rows,
+                self.vocab_size,
+                ctrl.opts.logprobs is not None,
+            )
         act = decode(frame) if frame.kind == Kind.PAYLOAD_KIND_LOGITS else None
         if act is None or act.logits is None:
-            raise FrameError(f"the router takes logits, not frames of kind {frame.kind}")
+            raise FrameError(f"the router takes verifications, not frames of kind {frame.kind}")
         x = act.logits
         vocab = self.vocab_size or (x.shape[-1] if x.ndim else 0)
         check_payload(x, len(act), vocab, LOGIT_DTYPES, "logits")
-        return act
+        return ctrl.verification_of(act)
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Called from outside (router shutdown): fail the request at the next event."""
@@ -352,21 +374,21 @@ class RequestDriver:
             cmds += self._unpark()
         return cmds
 
-    def _verify(self, act) -> list[Command]:
-        """Logits to the controller, or held while the draft is late (see the module
-        docstring); logits that come while others are held queue behind them."""
+    def _verify(self, v: Verified) -> list[Command]:
+        """A verification to the controller, or held while the draft is late (see the
+        module docstring); verifications that come while others are held queue behind."""
         ctrl = self.controller
         if self._parked:
-            self._parked.append(act)
+            self._parked.append(v)
             return []
-        if self.late_draft_wait > 0 and ctrl.draft_is_late_for(act):
-            self._parked, self._parked_until = [act], time.monotonic() + self.late_draft_wait
+        if self.late_draft_wait > 0 and ctrl.draft_is_late_for(v):
+            self._parked, self._parked_until = [v], time.monotonic() + self.late_draft_wait
             return []
-        return ctrl.on_logits(act)
+        return ctrl.on_verified(v)
 
     def _unpark(self) -> list[Command]:
         parked, self._parked = self._parked, []
-        return [cmd for act in parked for cmd in self.controller.on_logits(act)]
+        return [cmd for v in parked for cmd in self.controller.on_verified(v)]
 
     async def _handle_event(self, ev) -> list[Command]:
         ctrl = self.controller
@@ -397,12 +419,12 @@ class RequestDriver:
             ctrl.on_failure(message)
             raise DriverError(code, message)
         try:
-            act = self._logits(ev)
-        except (FrameError, InvalidInput) as e:
+            v = self._verification(ev)
+        except (FrameError, InvalidInput, ValueError) as e:
             raise DriverError(
                 grpc.StatusCode.INTERNAL, f"bad frame from {ev.header.sender}: {e}"
             ) from None
-        return self._verify(act)
+        return [] if v is None else self._verify(v)
 
     # -- faults ----------------------------------------------------------------------------
     async def _replay(self, failed: Backend | None, message: str) -> list[Command]:
@@ -539,6 +561,7 @@ class RequestDriver:
         ctrl, stages = self.controller, path.stages
         hops = [s.desc.data_address for s in stages[1:]] + [self.router_address]
         timeout = min(self.rpc_timeout, self.open_timeout)
+        verify = verify_spec_to_proto(ctrl.verify_spec)  # the last stage verifies
         calls = [
             s.stub.Open(
                 stage_pb2.OpenStageRequest(
@@ -551,6 +574,7 @@ class RequestDriver:
                     lease_owner=self.lease_owner,
                     lease_epoch=self.lease_epoch,
                     lease_token=self.lease_token,
+                    verify=verify if s is stages[-1] else None,
                 ),
                 timeout=timeout,
             )

@@ -212,6 +212,8 @@ def plan_request(
         given["ranking"] = r.ranking
     if r.growth:
         given["growth"] = r.growth
+    if r.HasField("logprobs"):
+        given["logprobs"] = r.logprobs
     # Width, layers per step and token source: the request's, else the router's default;
     # 0 or "auto" leaves them to the router's tuning.
     auto = set()

@@ -30,6 +30,7 @@ from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..auth import ApiKeys
+from ..control import logprobs_to_proto
 from ..grpc_util import Server, channel, wait_until_idle
 from ..lease import DRAIN_RENEW_SECONDS
 from ..security import PublicTls, Security
@@ -438,10 +439,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     if metrics is not None:
                         metrics.tokens(driver, len(tokens))
                     text = "".join(stream.push(t) for t in tokens) if stream else ""
+                    delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
+                    delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
                     try:
-                        yield gen.GenerateResponse(
-                            delta=gen.TokenDelta(token_ids=tokens, text=text, index=index)
-                        )
+                        yield gen.GenerateResponse(delta=delta)
                     except StopGeneration:
                         stopped = True
                         break

@@ -23,12 +23,14 @@ from specpipe.client import Client, SpecPipeError
 from .conftest import reference, start
 
 # Requests of every kind that must come out exactly: greedy and seeded sampling,
-# specpipe (with the draft), pp and specinfer.
+# specpipe (with the draft; one and two layers per step), pp and specinfer.
 REQUESTS = [
     dict(prompt_ids=[3, 14, 15], mode="specpipe", max_new_tokens=60),
     dict(prompt_ids=[9, 2, 6, 5, 3], mode="specpipe", max_new_tokens=50, temperature=0.9, seed=7),
     dict(prompt_ids=[27, 18], mode="pp", max_new_tokens=30),
     dict(prompt_ids=[31, 41, 59], mode="specinfer", max_new_tokens=50, temperature=0.7, seed=3),
+    # two layers per step: the last stage walks two levels a step (its replay too)
+    dict(prompt_ids=[8, 1, 4], mode="specpipe", max_new_tokens=50, layers_per_step=2),
 ]
 
 

@@ -4,10 +4,14 @@ transports, greedy and seeded sampling, multi-chunk prefill, stopping at EOS."""
 from __future__ import annotations
 
 import pytest
+from specpipe.common.runtime.loader import build_local, parse_dtype
+from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.spec.options import DecodeOptions
+from specpipe.common.spec.sampling import SamplingParams
 
 from specpipe.client import Client
 
-from .conftest import EOS, reference, reference_run
+from .conftest import DTYPE, EOS, reference, reference_run
 
 MODES = ["specpipe", "pp", "specinfer", "autoregressive"]
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
@@ -108,3 +112,40 @@ def test_every_layers_per_step_and_token_source_is_lossless(request, transport: 
                     assert (got.stats["layers_per_step"], got.stats["token_source"]) == (k, source)
                 eager = client.generate(**common, layers_per_step=k, growth="eager")
                 assert eager.token_ids == ref, (k, "eager", temperature)
+
+
+def test_logprobs_and_verification_at_the_last_stage(tcp_deployment) -> None:
+    """With verification at the last stage, a request that asks for logprobs gets, per
+    token, the target's own log_softmax there and its top alternatives: those of the
+    in-process engine (checked against transformers in tests/unit/test_verify.py), in
+    every mode, greedy and seeded, with one and two layers per step."""
+    dep = tcp_deployment
+    stages = len(dep.ranges)
+    local = build_local(dep.target, stages, dep.target, parse_dtype(DTYPE))
+    with Client(dep.router_address, timeout=60) as client:
+        for mode, k, temperature in [
+            ("specpipe", 1, 0.0),
+            ("specpipe", 2, 0.9),
+            ("specinfer", 1, 0.9),
+            ("pp", 1, 0.0),
+        ]:
+            got = client.generate(
+                prompt_ids=PROMPT,
+                mode=mode,
+                max_new_tokens=12,
+                temperature=temperature,
+                seed=5,
+                ignore_eos=True,
+                layers_per_step=k,
+                logprobs=3,
+            )
+            sampling = SamplingParams(temperature=temperature, seed=5)
+            opts = DecodeOptions(12, sampling=sampling, layers_per_step=k, logprobs=3)
+            ref = Generation(local.pipeline, local.draft, PROMPT, mode, opts)
+            assert got.token_ids == ref.run(), (mode, k, temperature)
+            want = ref.controller.out.logprobs
+            assert len(got.logprobs) == len(want) == 12
+            for (lp, top), w in zip(got.logprobs, want, strict=True):
+                assert lp == pytest.approx(w.logprob, abs=1e-9)
+                assert list(top) == list(w.top_ids)
+                assert list(top.values()) == pytest.approx(list(w.top_logprobs), abs=1e-9)

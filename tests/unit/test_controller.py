@@ -92,7 +92,7 @@ class RulePipeline:
         self.requests: dict[str, RuleRequest] = {}
         self.flight: dict[str, list[Activation | None]] = {}
 
-    def open(self, request_id: str, capacity: int) -> None:
+    def open(self, request_id: str, capacity: int, verify=None) -> None:
         self.requests[request_id] = RuleRequest()
         self.flight[request_id] = [None] * self.num_stages
 

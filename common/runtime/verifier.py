@@ -1,0 +1,202 @@
+"""Verification at the last stage (docs/architecture.md, "3. The pipeline step").
+
+The last stage computes the final hidden states of every tree row it runs; for the rows
+that are the root of a request's tree it computes the logits, draws the token there
+(`sampling.draw_index`, on the logits' device) and walks down the tree as far as rows
+are present (`spec.verify.walk`). What leaves the stage is a `Verified` message (the
+nodes drawn at and their tokens, logprobs if asked for), not logits.
+
+Which row is the root the stage decides itself, without waiting for the router's prune:
+after drawing token x at node p, p's child with token x is the next root, whenever it
+arrives; p's other children, and everything below them, are dead. A row whose parent
+the stage has never seen (attached to the committed prefix: the first root, the root
+after a miss, a pending root fed after the router's prune) is a root as well. The
+router's controller decides the same from the same draws (it holds the tree, so a child
+that reached the stage is one it had grown), so the two never disagree; the router's
+prunes then only clean up (they apply to the cache as before, and forget what this
+module no longer needs).
+
+Rows that are neither roots nor dead (their parent is a tree row not drawn at yet) keep
+their final hidden states here until a walk reaches them or a prune drops them.
+Everything is per request and bounded by the rows the request has in the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..spec.messages import Activation, Prune, TokenLogprobs, Verified
+from ..spec.verify import VerifySpec, draw_at, walk
+
+NONE = np.empty(0, dtype=np.int64)
+
+
+@dataclass
+class _Rows:
+    """Tree rows with final hidden states, in arrival order (parents before children)."""
+
+    ids: np.ndarray
+    parents: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    hidden: Tensor | None
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def take(self, keep: np.ndarray) -> _Rows:
+        if keep.all():
+            return self
+        idx = np.flatnonzero(keep)
+        hidden = None
+        if self.hidden is not None and idx.size:
+            hidden = self.hidden.index_select(0, torch.from_numpy(idx).to(self.hidden.device))
+        return _Rows(
+            self.ids[idx], self.parents[idx], self.tokens[idx], self.positions[idx], hidden
+        )
+
+    @staticmethod
+    def cat(a: _Rows | None, b: _Rows) -> _Rows:
+        if a is None or len(a) == 0:
+            return b
+        assert a.hidden is not None and b.hidden is not None
+        return _Rows(
+            np.concatenate([a.ids, b.ids]),
+            np.concatenate([a.parents, b.parents]),
+            np.concatenate([a.tokens, b.tokens]),
+            np.concatenate([a.positions, b.positions]),
+            torch.cat([a.hidden, b.hidden.to(a.hidden.device)]),
+        )
+
+
+def row_tokens_of(out: Activation, inp: Activation) -> Tensor | None:
+    """The token ids of `out`'s tree rows, from the activation they were computed from
+    (its `tokens` on the first stage, its `row_tokens` after): a stage's output keeps
+    only the rows a prune left, so they are looked up by node id."""
+    src = inp.tokens if inp.row_tokens is None else inp.row_tokens
+    if src is None or out.committed or len(out) == 0:
+        return None
+    if len(out) == len(inp) and torch.equal(out.node_ids, inp.node_ids):
+        return src
+    order = torch.argsort(inp.node_ids)
+    at = torch.searchsorted(inp.node_ids[order], out.node_ids)
+    return src[order[at]]
+
+
+class RequestVerifier:
+    """One request's verification at the last stage. `logits` computes the LM head of
+    final hidden states [rows, hidden] (the stage model's)."""
+
+    def __init__(
+        self, request_id: str, spec: VerifySpec, logits: Callable[[Tensor], Tensor]
+    ) -> None:
+        self.request_id, self.spec, self._logits = request_id, spec, logits
+        self._held: _Rows | None = None  # rows whose parent is a tree row not drawn at yet
+        self._dead = NONE  # ids of rows a draw ruled out (until a prune's horizon passes them)
+        self._drawn = NONE  # ids drawn at before the tip (until the router commits them)
+        self._tip: tuple[int, int] | None = None  # (node drawn at last, its token)
+
+    @property
+    def held_rows(self) -> int:
+        return 0 if self._held is None else len(self._held)
+
+    def on_output(self, out: Activation) -> list[Verified]:
+        """The final hidden states of tree rows this stage just computed: every walk
+        they allow, in order (usually one, or none)."""
+        if out.committed or len(out) == 0:
+            return []
+        if out.hidden is None or out.row_tokens is None:
+            raise ValueError("verification needs the rows' final hidden states and token ids")
+        new = _Rows(
+            out.node_ids.numpy(),
+            out.parent_ids.numpy(),
+            out.row_tokens.numpy(),
+            out.positions.numpy(),
+            out.hidden,
+        )
+        rows = _Rows.cat(self._held, new)
+        found: list[Verified] = []
+        while True:
+            dead, root = self._classify(rows)
+            self._dead = np.union1d(self._dead, rows.ids[dead])
+            if root is None:
+                rows = rows.take(~dead)
+                break
+            path, verified = self._walk(rows, root)
+            found.append(verified)
+            gone = dead.copy()
+            gone[path] = True
+            rows = rows.take(~gone)
+        self._held = rows if len(rows) else None
+        return found
+
+    def on_prune(self, prune: Prune) -> None:
+        """The router's prune: forget what it settles (rows it drops or commits, dead
+        rows and draws at or below its horizon, which the stage now filters itself)."""
+        h = prune.horizon
+        if self._held is not None:
+            ids = self._held.ids
+            alive = (ids > h) | np.isin(ids, prune.keep_ids.numpy())
+            self._held = self._held.take(alive) if alive.any() else None
+        self._dead = self._dead[self._dead > h]
+        self._drawn = self._drawn[self._drawn > h]
+
+    # -- one walk ----------------------------------------------------------------------
+    def _classify(self, rows: _Rows) -> tuple[np.ndarray, int | None]:
+        """Which rows are dead, and the first root (None: none), by the parent of each
+        (rows are in order, so a dead parent comes before its children)."""
+        n = len(rows)
+        dead = np.zeros(n, dtype=bool)
+        present = set(rows.ids.tolist())
+        dead_ids = set(self._dead.tolist())
+        drawn = set(self._drawn.tolist())
+        tip_node, tip_token = self._tip if self._tip is not None else (None, None)
+        root = None
+        for i, (node, parent, token) in enumerate(
+            zip(rows.ids.tolist(), rows.parents.tolist(), rows.tokens.tolist(), strict=True)
+        ):
+            if parent in dead_ids or parent in drawn:
+                is_root = False
+            elif parent == tip_node:
+                is_root = token == tip_token
+            elif parent in present:
+                continue  # below a row not drawn at yet: held
+            else:
+                is_root = True  # attached to the committed prefix
+            if is_root:
+                if root is None:
+                    root = i
+            else:
+                dead[i] = True
+                dead_ids.add(node)
+        return dead, root
+
+    def _walk(self, rows: _Rows, root: int) -> tuple[list[int], Verified]:
+        spec, logprobs = self.spec, []
+        hidden = rows.hidden
+        assert hidden is not None
+
+        def draw(row: int) -> int:
+            logits = self._logits(hidden[row : row + 1])[0]
+            return draw_at(logits, spec, int(rows.positions[row]), logprobs)
+
+        path, tokens = walk(root, rows.ids, rows.parents, rows.tokens, draw)
+        ids = rows.ids[path]
+        self._drawn = np.union1d(self._drawn, ids[:-1])
+        if self._tip is not None:
+            self._drawn = np.union1d(self._drawn, [self._tip[0]])
+        self._tip = (int(ids[-1]), tokens[-1])
+        found: tuple[TokenLogprobs, ...] | None = None if spec.logprobs is None else tuple(logprobs)
+        verified = Verified(
+            self.request_id,
+            tuple(int(i) for i in ids),
+            tuple(tokens),
+            int(rows.positions[root]),
+            found,
+        )
+        return path, verified

@@ -1,0 +1,119 @@
+"""The verification walk (docs/architecture.md, "3. The pipeline step"), one pure function
+every executor uses: the last stage of the services and of the in-process pipeline
+(`common/runtime/verifier.py`), and the controller's `on_logits` for pipelines that
+return logits.
+
+Draw the token at the root; while the drawn token is a child of the node drawn at whose
+row is present (its logits can be computed in the same step), draw at that child. What
+comes out is the path of nodes drawn at and the token drawn at each; the router's
+controller accepts it (the last token is a hit on a child not computed yet, or a miss)
+and prunes. The draw at every node depends only on its logits and (seed, position)
+(`sampling.py`), so where the walk runs does not change a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .messages import Activation, TokenLogprobs, Verified
+from .options import MAX_LOGPROBS
+from .sampling import SamplingParams, draw_index
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """What the last stage needs to draw a request's tokens: its sampling parameters,
+    where its output starts (the original prompt's length: the token drawn from the
+    logits of the row at sequence position p is output token p + 1 - output_start, the
+    position its (seed, position) draw uses), and how many top logprobs to report with
+    each token (None: no logprobs)."""
+
+    sampling: SamplingParams
+    output_start: int
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.output_start < 1:
+            raise ValueError(f"output_start must be >= 1, got {self.output_start}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    def draw_position(self, row_position: int) -> int:
+        """The output index drawn from the logits of the row at `row_position`."""
+        return row_position + 1 - self.output_start
+
+
+def walk(
+    root_row: int,
+    node_ids: np.ndarray,
+    parent_ids: np.ndarray,
+    tokens: np.ndarray,
+    draw: Callable[[int], int],
+) -> tuple[list[int], list[int]]:
+    """The rows drawn at, root first, and the token drawn at each: from `root_row`,
+    `draw(row)` gives the row's token, and the walk goes on at the row whose parent is
+    the row's node and whose token was drawn, while there is one (rows: `node_ids`,
+    `parent_ids`, `tokens`)."""
+    rows, drawn = [], []
+    row = root_row
+    while True:
+        token = int(draw(row))
+        rows.append(row)
+        drawn.append(token)
+        child = np.flatnonzero((parent_ids == node_ids[row]) & (tokens == token))
+        if child.size == 0:
+            return rows, drawn
+        row = int(child[0])
+
+
+def token_logprobs(logits: Tensor, token: int, top: int) -> TokenLogprobs:
+    """`token`'s log-probability under the raw logits [vocab] and the `top` best (vLLM's
+    default `raw_logprobs`: before temperature, top-k and top-p)."""
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.numel()))
+        top_ids, top_lp = tuple(ids.tolist()), tuple(values.tolist())
+    else:
+        top_ids, top_lp = (), ()
+    return TokenLogprobs(float(logp[token]), top_ids, top_lp)
+
+
+def draw_at(
+    logits: Tensor, spec: VerifySpec, row_position: int, logprobs: list[TokenLogprobs]
+) -> int:
+    """The token drawn from one row's logits [vocab] (on their device), its logprobs
+    appended to `logprobs` when the request asked for them."""
+    token = int(draw_index(logits, spec.sampling, spec.draw_position(row_position)))
+    if spec.logprobs is not None:
+        logprobs.append(token_logprobs(logits, token, spec.logprobs))
+    return token
+
+
+def verify_logits(
+    act: Activation, root_row: int, tokens: np.ndarray, spec: VerifySpec, root_position: int
+) -> Verified:
+    """The walk over rows whose logits are all there (`act.logits`; `tokens`: the rows'
+    token ids; the root at sequence position `root_position`, each node drawn at one
+    further): what a pipeline that returns logits leaves to the controller."""
+    assert act.logits is not None
+    logits, logprobs, depth = act.logits, [], [root_position]
+    ids = act.node_ids.numpy()
+
+    def draw(row: int) -> int:
+        token = draw_at(logits[row], spec, depth[0], logprobs)
+        depth[0] += 1
+        return token
+
+    path, drawn = walk(root_row, ids, act.parent_ids.numpy(), tokens, draw)
+    return Verified(
+        act.request_id,
+        tuple(int(ids[r]) for r in path),
+        tuple(drawn),
+        root_position,
+        None if spec.logprobs is None else tuple(logprobs),
+    )

@@ -1,0 +1,178 @@
+"""Verification at the last stage: the walk (one pure function), the last stage's own
+view of which row is the root (no round trip to the router), and logprobs equal to the
+target's own forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation, LockstepEngine
+from specpipe.common.runtime.verifier import RequestVerifier
+from specpipe.common.spec.messages import Activation, Prune
+from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.verify import VerifySpec, walk
+from transformers import AutoModelForCausalLM
+
+VOCAB = 16
+GREEDY = VerifySpec(SamplingParams(), output_start=3)
+PROMPT = [5, 17, 33, 2, 8, 90, 41, 12, 60]
+
+
+def test_walk_descends_while_the_drawn_token_is_a_present_child() -> None:
+    #          0
+    #      1(a=4)  2(b=5)
+    #    3(6)        4(6)
+    ids = np.array([0, 1, 2, 3, 4])
+    parents = np.array([-1, 0, 0, 1, 2])
+    tokens = np.array([9, 4, 5, 6, 6])
+    draws = {0: 5, 2: 6, 4: 7}  # root draws 5 (node 2), node 2 draws 6 (node 4), then 7
+    assert walk(0, ids, parents, tokens, draws.__getitem__) == ([0, 2, 4], [5, 6, 7])
+    miss = {0: 8}
+    assert walk(0, ids, parents, tokens, miss.__getitem__) == ([0], [8])
+
+
+# -- the last stage's verifier, with hidden states that are their own logits -----------------
+def rows(ids, parents, tokens, draws, position=2) -> Activation:
+    """Tree rows whose 'final hidden state' is a one-hot of the token to draw there."""
+    hidden = torch.zeros(len(ids), VOCAB, dtype=torch.float64)
+    hidden[torch.arange(len(ids)), torch.tensor(draws)] = 1.0
+    depth = {-1: -1}
+    pos = []
+    for i, p in zip(ids, parents, strict=True):
+        depth[i] = depth.get(p, depth[-1]) + 1
+        pos.append(position + depth[i])
+    return Activation(
+        "r",
+        torch.tensor(pos),
+        node_ids=torch.tensor(ids),
+        parent_ids=torch.tensor(parents),
+        hidden=hidden,
+        row_tokens=torch.tensor(tokens),
+    )
+
+
+def verifier(spec: VerifySpec = GREEDY) -> RequestVerifier:
+    return RequestVerifier("r", spec, lambda h: h)
+
+
+def walked(found) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [(v.node_ids, v.tokens) for v in found]
+
+
+def test_next_root_is_the_drawn_child_without_waiting_for_the_prune() -> None:
+    v = verifier()
+    assert walked(v.on_output(rows([0], [-1], [9], [4]))) == [((0,), (4,))]
+    # the root's children arrive before any prune: the child with token 4 is the root
+    out = v.on_output(rows([1, 2], [0, 0], [4, 5], [7, 3], position=3))
+    assert walked(out) == [((1,), (7,))]
+    assert out[0].position == 3
+    # grandchildren: under node 1 the one with token 7 is next; under dead node 2, dead
+    out = v.on_output(rows([3, 4, 5], [1, 1, 2], [7, 8, 7], [1, 1, 1], position=4))
+    assert walked(out) == [((3,), (1,))]
+    assert v.held_rows == 0
+
+
+def test_a_group_of_layers_is_walked_in_one_output() -> None:
+    v = verifier()
+    group = rows([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [9, 4, 5, 6, 6], [5, 0, 6, 0, 7])
+    assert walked(v.on_output(group)) == [((0, 2, 4), (5, 6, 7))]
+
+
+def test_rows_below_a_dead_node_are_dead_whenever_they_arrive() -> None:
+    v = verifier()
+    # the root draws 5 (node 2): node 1 is dead, and so is node 3 below it, which
+    # arrives with the next group before the router's prune
+    v.on_output(rows([0, 1, 2], [-1, 0, 0], [9, 4, 5], [5, 0, 0]))
+    assert v.on_output(rows([3], [1], [6], [0], position=4)) == []
+    assert v.held_rows == 0
+    # once the router's prune passes them, the stage's own filter takes over
+    v.on_prune(Prune(torch.tensor([0]), torch.tensor([2]), horizon=3))
+    assert v._dead.size == 0 and v._drawn.size == 0
+
+
+def test_a_miss_then_the_new_root_after_the_routers_prune() -> None:
+    v = verifier()
+    v.on_output(rows([0, 1], [-1, 0], [9, 4], [8, 0]))  # draws 8: no child has it (a miss)
+    assert v.held_rows == 0
+    v.on_prune(Prune(torch.tensor([0]), torch.empty(0, dtype=torch.int64), horizon=1))
+    # the router's new root (token 8, parent -1) and its children
+    out = v.on_output(rows([2, 3], [-1, 2], [8, 3], [3, 1], position=3))
+    assert walked(out) == [((2, 3), (3, 1))]
+
+
+def test_a_late_child_of_the_tip_after_the_prune_is_verified_once() -> None:
+    v = verifier()
+    v.on_output(rows([0], [-1], [9], [4]))
+    # the router grew node 1 (token 4) late, took the hit, pruned, then fed it
+    v.on_prune(Prune(torch.tensor([0]), torch.tensor([1]), horizon=1))
+    assert walked(v.on_output(rows([1], [0], [4], [2], position=3))) == [((1,), (2,))]
+    assert v.on_output(rows([2], [0], [6], [2], position=3)) == []  # no second root
+
+
+def test_seeded_draws_use_the_output_position() -> None:
+    spec = VerifySpec(SamplingParams(temperature=1.0, seed=3), output_start=3)
+    logits = torch.randn(1, VOCAB, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    draws = []
+    for position in (2, 5, 9):  # output positions 0, 3, 7
+        act = Activation(
+            "r",
+            torch.tensor([position]),
+            node_ids=torch.tensor([position]),
+            parent_ids=torch.tensor([-1]),
+            hidden=logits,
+            row_tokens=torch.tensor([0]),
+        )
+        (v,) = RequestVerifier("r", spec, lambda h: h).on_output(act)
+        draws.append(v.tokens[0])
+    from specpipe.common.spec.sampling import sample_token
+
+    assert draws == [sample_token(logits[0], spec.sampling, i) for i in (0, 3, 7)]
+
+
+# -- through the in-process pipeline: the last stage verifies ---------------------------------
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_in_process_last_stage_sends_verifications_not_logits(llama_dir, k) -> None:
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
+    engine = LockstepEngine(dep.pipeline, dep.draft)
+    opts = DecodeOptions(20, width=3, layers_per_step=k)
+    run = engine.add(PROMPT, Mode.SPECPIPE, opts)
+    seen = []
+    step_many = dep.pipeline.step_many
+
+    def spy(inputs):
+        results = step_many(inputs)
+        seen.extend(results.values())
+        return results
+
+    dep.pipeline.step_many = spy  # type: ignore[method-assign]
+    engine.run_all()
+    assert all(r.last is None for r in seen)  # no logits leave the last stage
+    assert sum(len(r.verified) for r in seen) == run.stats.verifications
+    ref = Generation(dep.pipeline, None, PROMPT, Mode.AUTOREGRESSIVE, DecodeOptions(20)).run()
+    assert run.tokens == ref
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("mode", [Mode.SPECPIPE, Mode.SPECINFER, Mode.PP])
+def test_logprobs_are_the_targets_own(llama_dir, mode, temperature) -> None:
+    """Each token's logprob and top 5 are log_softmax of the target's raw logits at its
+    position (transformers' own forward of the emitted sequence, fp64)."""
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
+    sampling = SamplingParams(temperature=temperature, seed=4)
+    opts = DecodeOptions(12, sampling=sampling, width=3, logprobs=5)
+    gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+    gen.run()
+    lps = gen.controller.out.logprobs
+    assert len(lps) == len(gen.output) == 12
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + gen.output])).logits[0]
+    want = torch.log_softmax(logits[len(PROMPT) - 1 : -1], dim=-1)
+    for i, (lp, token) in enumerate(zip(lps, gen.output, strict=True)):
+        assert lp.logprob == pytest.approx(float(want[i, token]), abs=1e-9)
+        top = torch.topk(want[i], 5)
+        assert list(lp.top_ids) == top.indices.tolist()
+        assert list(lp.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-9)
