@@ -127,6 +127,7 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
+        self.metrics.watch_dataplane(None)  # the draft has no data plane: 0 bytes
         stage = self.runtime.runtime
         self.metrics.watch(
             lambda: self.metrics.queued,

@@ -31,7 +31,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "specpipe:"
 # vLLM's buckets for the request latencies.
@@ -48,6 +48,9 @@ WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1
 FAST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 TOKENS_PER_STEP_BUCKETS = (0.05, 0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5,
                            2.0, 3.0, 4.0, 6.0, 8.0)  # fmt: skip
+# A step's service overhead and the router's CPU per step: fractions of a stage's step.
+OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.02,
+                    0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)  # fmt: skip
 MAX_DEPTH_LABEL = 16  # hits deeper than this count under depth "16+"
 
 
@@ -109,6 +112,11 @@ class ServiceMetrics:
 
     def _histogram(self, name: str, doc: str, buckets, labels=()) -> Histogram:
         return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def watch_dataplane(self, transport) -> None:
+        """`specpipe:dataplane_{received,sent}_bytes_total`: the data-plane bytes of
+        `transport` (frames as framed; None: a service without a data plane, 0)."""
+        self.registry.register(_DataplaneCollector(transport))
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port (0: any free port); returns the port."""
@@ -219,6 +227,14 @@ class StageMetrics(_ComputeMetrics):
             "stage_prunes_per_call", "Prune signals in one Prune or PruneMany call",
             BATCH_BUCKETS,
         )  # fmt: skip
+        # The services' own time in a step (first stage): from the last stage's output
+        # (its verification) to this stage's next input of the same request.
+        self.step_overhead = self._histogram(
+            "step_overhead_seconds",
+            "From a last-stage verification to the same request's next stage-1 input "
+            "(first stage; the hosts' clocks)",
+            OVERHEAD_BUCKETS,
+        )
 
 
 class DraftMetrics(_ComputeMetrics):
@@ -310,9 +326,18 @@ class RouterMetrics(ServiceMetrics):
         self.path_choice = self._histogram(
             "path_choice_seconds", "Time to choose a request's path (router overhead)", FAST_BUCKETS
         )
+        # The router's CPU per step: per request-step (one verification handled: the
+        # controller's decisions and the calls they give), and the process in all.
+        self.step_cpu = self._histogram(
+            "router_step_cpu_seconds",
+            "CPU seconds the router spent on one request's verification (decisions and calls)",
+            OVERHEAD_BUCKETS,
+        )
+        self.registry.register(_ProcessCpuCollector())
 
     def watch(self, router) -> None:
         """Running/waiting requests and the replicas, read from `router` when scraped."""
+        self.watch_dataplane(router.transport)
         drivers = router.drivers
         self.running.set_function(
             _safe(lambda: sum(1 for d in list(drivers.values()) if not d.waiting))
@@ -358,6 +383,39 @@ class RouterMetrics(ServiceMetrics):
         if st.decode_steps:
             self.tokens_per_step.observe(st.tokens_per_step)
         self.success.labels(driver.finish_reason).inc()
+
+
+class _DataplaneCollector:
+    """specpipe:dataplane_{received,sent}_bytes_total, read from a transport's counts."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        t = self.transport
+        for way, doc in (("received", "received"), ("sent", "sent")):
+            yield CounterMetricFamily(
+                f"{PREFIX}dataplane_{way}_bytes",
+                f"Data-plane bytes {doc} (frames as framed: preamble, header, payload)",
+                value=0 if t is None else getattr(t, f"bytes_{way}"),
+            )
+
+
+class _ProcessCpuCollector:
+    """specpipe:router_cpu_seconds_total: the process's CPU time (all its threads)."""
+
+    def describe(self):
+        return list(self.collect())
+
+    def collect(self):
+        yield CounterMetricFamily(
+            f"{PREFIX}router_cpu_seconds",
+            "CPU seconds the router process used (user and system, every thread)",
+            value=time.process_time(),
+        )
 
 
 class _BackendCollector:

@@ -200,6 +200,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
         self.metrics = metrics or StageMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch(self._queued_rows, self._kv_usage, lambda: len(self._requests))
+        self.metrics.watch_dataplane(self.transport)
 
     def _queued_rows(self) -> int:
         """Rows received and not yet computed (read by the metrics thread)."""
@@ -438,6 +439,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         if st is None:
             return grpc.StatusCode.NOT_FOUND, self._not_open(request.request_id)
         self.leases.renew(st.request_id)
+        if request.verified_at_ns > 0:
+            self.metrics.step_overhead.observe(
+                max(time.time_ns() - request.verified_at_ns, 0) / 1e9
+            )
         try:
             act = token_activation(
                 request.request_id, request.rows, request.token_ids, self._rows_of(st)
@@ -801,6 +806,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 sender=self.name,
                 verified=verified_to_proto(out),
             )
+            header.verified.sent_at_ns = time.time_ns()
             return header, None
         if self.runtime.is_last:
             if out is not None and out.logits is not None:

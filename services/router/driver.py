@@ -191,6 +191,12 @@ class RequestDriver:
         self.late_draft_wait = late_draft_wait
         self._parked: list = []
         self._parked_until = 0.0
+        # The step's service overhead and the router's CPU per step (metrics): when the
+        # last stage sent the verification being handled (unix ns; 0: none), which
+        # stage 1 gets with the feeds it gives; the thread CPU time its handling began.
+        self._verified_at = 0
+        self._step_cpu: float | None = None
+        self.on_step_cpu: Callable[[float], None] | None = None
 
     @property
     def stats(self) -> DecodeStats:
@@ -242,7 +248,16 @@ class RequestDriver:
                 else:
                     self._execute(cmd)
             self._count_rows()
-            cmds = await self._handle(await self._next_event())
+            if self._step_cpu is not None:  # a verification handled: its decisions and calls
+                if self.on_step_cpu is not None:
+                    self.on_step_cpu(time.thread_time() - self._step_cpu)
+                self._step_cpu = None
+            self._verified_at = 0
+            ev = await self._next_event()
+            cpu = time.thread_time()
+            cmds = await self._handle(ev)
+            if self._verified_at:
+                self._step_cpu = cpu
 
     def logprobs_of(self, index: int, tokens: list[int]) -> list:
         """The logprobs of the output's tokens from `index` (none without them)."""
@@ -418,6 +433,8 @@ class RequestDriver:
                 return await self._replay(None, message)  # a next hop is unreachable
             ctrl.on_failure(message)
             raise DriverError(code, message)
+        if ev.kind == Kind.PAYLOAD_KIND_VERIFIED:
+            self._verified_at = ev.header.verified.sent_at_ns or 0
         try:
             v = self._verification(ev)
         except (FrameError, InvalidInput, ValueError) as e:
@@ -633,6 +650,7 @@ class RequestDriver:
                 after_prune=cmd.after_prune,
                 rows=rows_to_proto(cmd.act),
                 token_ids=cmd.act.tokens.tolist(),
+                verified_at_ns=self._verified_at,
             )
             assert stage1.feeds is not None
             self._spawn(stage1, "receiving rows", stage1.feeds.call(req, self.rpc_timeout))

@@ -407,6 +407,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             lease=(self.name, self.epoch, self.lease_token),
             late_draft_wait=self.late_draft_wait,
         )
+        if self.metrics is not None:
+            driver.on_step_cpu = self.metrics.step_cpu.observe
         self.drivers[rid] = driver
         self._apply_widths()
         log.info(

@@ -43,7 +43,7 @@ from torch import Tensor
 from ..ratelog import RateLimitedLog
 from . import batch
 from .auth import FrameAuth
-from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header
+from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes
 
 FrameHandler = Callable[[Frame], None]
 FrameAdmit = Callable[[pb.FrameHeader], bool]
@@ -131,6 +131,8 @@ class Transport(ABC):
         # Frames on the wire and the per-request frames they carried (batches carry
         # several); frames received (a batch counts once).
         self.frames_sent = self.parts_sent = self.frames_received = 0
+        # Data-plane bytes of frames sent (`send_many`) and received, as framed.
+        self.bytes_sent = self.bytes_received = 0
 
     @property
     def host_payloads(self) -> bool:
@@ -164,6 +166,7 @@ class Transport(ABC):
         """Hand a frame (or the admitted parts of a batch) to the owner; its failure
         never breaks the connection."""
         self.frames_received += 1
+        self.bytes_received += frame_bytes(frame.header, frame.payload)
         if frame.kind != pb.PAYLOAD_KIND_BATCH:
             self._deliver_one(frame)
             return
@@ -212,6 +215,7 @@ class Transport(ABC):
         for group in batch.batches(parts):
             header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
             await self.send_frame(address, header, payload)
+            self.bytes_sent += frame_bytes(header, payload)
             self.frames_sent += 1
             self.parts_sent += len(group)
 

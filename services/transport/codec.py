@@ -165,6 +165,12 @@ def decode(frame: Frame) -> Activation:
     return act
 
 
+def frame_bytes(header: pb.FrameHeader, payload: Tensor | None) -> int:
+    """Bytes of a frame as framed (preamble, header, payload; not an auth tag)."""
+    n = 0 if payload is None else payload.numel() * payload.element_size()
+    return PREAMBLE.size + header.ByteSize() + n
+
+
 def pack_header(header: pb.FrameHeader, payload_len: int) -> bytes:
     """Preamble + serialized header, as stream transports send them."""
     hb = header.SerializeToString()

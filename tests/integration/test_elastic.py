@@ -276,6 +276,24 @@ def test_metrics_move_with_traffic(elastic) -> None:
     assert s1["specpipe:stage_busy_ratio"] > 0
     d0, d1 = before["draft.1"], after["draft.1"]
     assert d1["specpipe:draft_forward_seconds_count"] > d0["specpipe:draft_forward_seconds_count"]
+    # The control loop: the step's service overhead (stage 1, from the last stage's
+    # verification to the next feed), the router's CPU per step, data-plane bytes.
+    overhead = "specpipe:step_overhead_seconds_count"
+    assert s1[overhead] > s0[overhead]
+    assert s1["specpipe:step_overhead_seconds_sum"] >= s0["specpipe:step_overhead_seconds_sum"]
+    cpu = "specpipe:router_step_cpu_seconds_count"
+    assert 0 < r1[cpu] - r0[cpu] <= verified
+    assert r1["specpipe:router_cpu_seconds_total"] > r0["specpipe:router_cpu_seconds_total"]
+    got = "specpipe:dataplane_received_bytes_total"
+    sent = "specpipe:dataplane_sent_bytes_total"
+    for name in addrs:
+        assert got in after[name] and sent in after[name], name
+    assert after["draft.1"][got] == after["draft.1"][sent] == 0  # no data plane
+    assert s1[sent] > s0[sent]
+    # The last stage sends the router verifications, not logits (a float64 logits row
+    # of this model's 97-token vocabulary alone is 776 bytes).
+    received = r1[got] - r0[got]
+    assert 0 < received < 400 * verified
 
 
 def test_prometheus_scrapes_every_service(elastic, tmp_path) -> None:

@@ -95,16 +95,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("node_ids", "token_ids", "position", "logprobs")
+    __slots__ = ("node_ids", "token_ids", "position", "logprobs", "sent_at_ns")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_NS_FIELD_NUMBER: _ClassVar[int]
     node_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     position: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, node_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    sent_at_ns: int
+    def __init__(self, node_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., sent_at_ns: _Optional[int] = ...) -> None: ...
 
 class PruneSignal(_message.Message):
     __slots__ = ("seq", "commit_ids", "keep_ids", "horizon")

@@ -98,18 +98,20 @@ class OpenStageResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class FeedRequest(_message.Message):
-    __slots__ = ("request_id", "seq", "after_prune", "rows", "token_ids")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "token_ids", "verified_at_ns")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_AT_NS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     after_prune: int
     rows: _dataplane_pb2.Rows
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    verified_at_ns: int
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[_dataplane_pb2.Rows, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., verified_at_ns: _Optional[int] = ...) -> None: ...
 
 class FeedResponse(_message.Message):
     __slots__ = ()
