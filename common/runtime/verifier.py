@@ -23,6 +23,7 @@ Everything is per request and bounded by the rows the request has in the tree.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from ..spec.messages import Activation, Prune, TokenLogprobs, Verified
 from ..spec.verify import VerifySpec, draw_at, walk
 
 NONE = np.empty(0, dtype=np.int64)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,18 +135,32 @@ class RequestVerifier:
             gone[path] = True
             rows = rows.take(~gone)
         self._held = rows if len(rows) else None
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "verify %s: rows %s parents %s tokens %s -> %s; tip %s dead %s drawn %s held %d",
+                self.request_id, new.ids.tolist(), new.parents.tolist(), new.tokens.tolist(),
+                [(v.node_ids, v.tokens) for v in found], self._tip, self._dead.tolist(),
+                self._drawn.tolist(), self.held_rows,
+            )  # fmt: skip
         return found
 
     def on_prune(self, prune: Prune) -> None:
-        """The router's prune: forget what it settles (rows it drops or commits, dead
-        rows and draws at or below its horizon, which the stage now filters itself)."""
+        """The router's prune: forget what it settles. The router decides after this
+        stage (it verifies what the stage drew, later), so its prune may still keep
+        nodes the stage already knows are dead or drew at: those are remembered until a
+        prune drops or commits them (the stage's own filter then drops what hangs below
+        them)."""
         h = prune.horizon
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("verify %s: prune commit %s keep %s horizon %d", self.request_id,
+                      prune.commit_ids.tolist(), prune.keep_ids.tolist(), h)  # fmt: skip
         if self._held is not None:
             ids = self._held.ids
             alive = (ids > h) | np.isin(ids, prune.keep_ids.numpy())
             self._held = self._held.take(alive) if alive.any() else None
-        self._dead = self._dead[self._dead > h]
-        self._drawn = self._drawn[self._drawn > h]
+        keep = prune.keep_ids.numpy()
+        self._dead = self._dead[(self._dead > h) | np.isin(self._dead, keep)]
+        self._drawn = self._drawn[(self._drawn > h) | np.isin(self._drawn, keep)]
 
     # -- one walk ----------------------------------------------------------------------
     def _classify(self, rows: _Rows) -> tuple[np.ndarray, int | None]:

@@ -93,6 +93,25 @@ def test_rows_below_a_dead_node_are_dead_whenever_they_arrive() -> None:
     assert v._dead.size == 0 and v._drawn.size == 0
 
 
+def test_a_prune_that_lags_behind_the_stage_does_not_revive_dead_nodes() -> None:
+    """The router decides after the stage: its prune may keep nodes the stage already
+    knows are dead. A row below one of them is still dead, not a root."""
+    v = verifier()
+    v.on_output(rows([0], [-1], [9], [4]))  # 0 draws 4
+    v.on_output(rows([1], [0], [4], [5], position=3))  # 1 draws 5
+    out = v.on_output(rows([2, 3], [1, 1], [5, 6], [7, 0], position=4))
+    assert walked(out) == [((2,), (7,))]  # node 3 (token 6) is dead
+    # the router's verification of node 0 (it lags two steps) keeps 1's whole subtree
+    v.on_prune(Prune(torch.tensor([0]), torch.tensor([1, 2, 3, 4, 5]), horizon=5))
+    # node 3's child arrives: dead, not a root (the stage does not forget node 3);
+    # node 2's child with the token drawn there is the next root
+    out = v.on_output(rows([4, 5], [3, 2], [1, 7], [0, 8], position=5))
+    assert walked(out) == [((5,), (8,))]
+    # once a prune drops node 3 the stage forgets it (its own filter drops the rest)
+    v.on_prune(Prune(torch.tensor([1, 2]), torch.tensor([5]), horizon=5))
+    assert v._dead.size == 0
+
+
 def test_a_miss_then_the_new_root_after_the_routers_prune() -> None:
     v = verifier()
     v.on_output(rows([0, 1], [-1, 0], [9, 4], [8, 0]))  # draws 8: no child has it (a miss)
