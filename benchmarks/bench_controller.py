@@ -8,7 +8,7 @@ it, alone and reproducibly).
 
 A small random Llama with the target as its own draft (every token a hit: the tree is
 always full) runs in the in-process lockstep engine, closed loop at each concurrency;
-the time spent inside the controller's event handlers (`start`, `on_logits`,
+the time spent inside the controller's event handlers (`start`, `on_verified`,
 `on_candidates`) is summed and divided by the engine's steps and by the verifications.
 Model forwards are not counted. The tokens are written too, so that two versions of
 the controller can be checked to decide the same thing (same steps, same tokens).
@@ -41,7 +41,7 @@ from specpipe.common.spec.options import DecodeOptions  # noqa: E402
 from specpipe.common.spec.specinfer import SpecInferController  # noqa: E402
 from specpipe.common.spec.specpipe import SpecPipeController  # noqa: E402
 
-HANDLERS = ("start", "on_logits", "on_candidates")
+HANDLERS = ("start", "on_verified", "on_candidates")
 
 
 class HandlerClock:

@@ -122,9 +122,16 @@ def beside(extra: Candidates, main: Candidates) -> Candidates:
 
 
 def concat_candidates(*parts: Candidates) -> Candidates:
-    return Candidates(
-        torch.cat([c.parent_ids for c in parts]),
-        torch.cat([c.tokens for c in parts]),
-        torch.cat([c.probs.to(torch.float32) for c in parts]),
-        torch.cat([c.sources for c in parts]),
+    """The candidates of `parts`, in order (numpy on the router's CPU: a torch operation's
+    fixed cost is most of the time at these sizes, see tree.py)."""
+    if len(parts) == 1 and parts[0].probs.dtype == torch.float32:
+        return parts[0]
+    pools = [pool_of(c) for c in parts]
+    return candidates_of(
+        (
+            np.concatenate([p[0] for p in pools]),
+            np.concatenate([p[1] for p in pools]),
+            np.concatenate([p[2].astype(np.float32, copy=False) for p in pools]),
+            np.concatenate([p[3] for p in pools]),
+        )
     )

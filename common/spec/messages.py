@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+_NO_PROBS = torch.empty(0, dtype=torch.float32)
+_NO_SOURCES = torch.empty(0, dtype=torch.int8)
 
 # Where a tree node's token came from (bits: a token both sources proposed has both).
 SOURCE_DRAFT = 1  # the draft model
@@ -155,9 +158,8 @@ class Candidates:
     def sources(self) -> Tensor:
         if self.source is not None:
             return self.source
-        return torch.full((len(self),), SOURCE_DRAFT, dtype=torch.int8)
+        return torch.from_numpy(np.full(len(self), SOURCE_DRAFT, dtype=np.int8))
 
     @classmethod
     def empty(cls) -> Candidates:
-        e = torch.empty(0, dtype=torch.int64)
-        return cls(e, e, torch.empty(0, dtype=torch.float32), torch.empty(0, dtype=torch.int8))
+        return cls(EMPTY_IDS, EMPTY_IDS, _NO_PROBS, _NO_SOURCES)

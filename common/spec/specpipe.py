@@ -166,8 +166,7 @@ class SpecPipeController(Controller):
             return []
         group = layer_activation(self.request_id, tree, idx, self.root_pos)
         step = self._entry_step(group)
-        depths = (group.positions - self.root_pos).tolist()
-        self._node_depth.update(zip(group.node_ids.tolist(), depths, strict=True))
+        self._node_depth.update(zip(tree.ids[idx].tolist(), tree.depth[idx].tolist(), strict=True))
         return [self._feed(group, step)]
 
     def _offer(self, cand: Candidates, step: int) -> list[Command]:
