@@ -17,6 +17,12 @@
    and flat with a free draft). `serve`: concurrency 1, 2, 4, 8 for specpipe, pp and
    specinfer at S = 3 under a synthetic flat model (100 ms a stage forward, 60 ms a draft
    forward: slower than the real forwards here, so that the pacing holds).
+3. `control` (issue 24): flat stage costs (`--control-stage-ms`, the draft at half),
+   S (`--control-stages`), specpipe and pp at 1, 8 and 32 clients on a model small
+   enough that its forwards fit the modelled ones (`--control-hidden`): wall clock
+   against projection, the router's CPU per step (its process, per forward of the last
+   stage), bytes to the router per emitted token (its data-plane counter), stage 1's
+   step overhead, and how often each paced process ran over its model.
 2. `project`: the Qwen pair at S = 8, many requests: closed-loop schedules of the
    single-request lockstep traces recorded by bench_specpipe.py (requests do not interact
    in lockstep without a row budget: `timeline.schedule`, tested against the engine),
@@ -26,6 +32,7 @@
 
     python benchmarks/bench_emulated.py                   # every part, ~25 minutes here
     python benchmarks/bench_emulated.py --parts project   # projections only, seconds
+    python benchmarks/bench_emulated.py --parts control --modes specpipe,pp   # ~15 minutes
 
 Writes results/emulated/results.json and results.md (the tables printed).
 """
@@ -295,8 +302,10 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
                 kwargs = dict(mode=mode, max_new_tokens=args.max_new_tokens, ignore_eos=True)
                 opts = DecodeOptions(max_new_tokens=args.max_new_tokens)
                 if mode != "pp":
-                    kwargs.update(width=args.width)
-                    opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width)
+                    kwargs.update(width=args.width, growth=args.growth)
+                    opts = DecodeOptions(
+                        max_new_tokens=args.max_new_tokens, width=args.width, growth=args.growth
+                    )
                 addrs = dep.metrics_addresses()
                 before = {k: scrape(a) for k, a in addrs.items()}
                 cpu0, load0 = cpu_seconds(router.pid), os.getloadavg()[0]
@@ -313,6 +322,13 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
                 verifs = after["router"].get(key, 0.0) - before["router"].get(key, 0.0)
                 sent = router_bytes(after["router"], verifs, vocab) - router_bytes(
                     before["router"], 0, vocab
+                )
+                key = "specpipe:step_overhead_seconds"
+                n_over = after["stage0"].get(f"{key}_count", 0.0) - before["stage0"].get(
+                    f"{key}_count", 0.0
+                )
+                t_over = after["stage0"].get(f"{key}_sum", 0.0) - before["stage0"].get(
+                    f"{key}_sum", 0.0
                 )
                 s = summarize(results, wall)
                 s["tbt_ms_mean"] = round(1e3 * statistics.mean(r.tbt for r in results), 3)
@@ -338,6 +354,10 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
                     "router_cpu_ms_per_step": round(1e3 * cpu / steps, 3) if steps else None,
                     "router_bytes_per_token": round(sent / emitted, 1) if emitted else None,
                     "last_stage_steps": int(steps),
+                    "growth": args.growth if mode != "pp" else "",
+                    # the step's service overhead stage 1 measured (from the last stage's
+                    # verification to the next feed; builds that have the metric)
+                    "step_overhead_ms": round(1e3 * t_over / n_over, 2) if n_over else None,
                     "identical": sum(
                         t == x.tokens for t, x in zip(tokens, load.served, strict=True)
                     ),
@@ -347,7 +367,19 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
                 log(fmt_control(cell))
     finally:
         dep.stop()
+    report = emulation_report(work / "logs")
+    for cell in rows:
+        cell["emulation"] = report
     return rows
+
+
+def overrun_share(cell: dict) -> str:
+    """The largest share of a paced process's forwards that ran over their model (the
+    emulation holds while this is small), stage and draft."""
+    rep = cell.get("emulation", {})
+    share = {n: r["overruns"] / r["forwards"] for n, r in rep.items() if r.get("forwards")}
+    stage = max((v for n, v in share.items() if n.startswith("stage")), default=0.0)
+    return f"{stage:.0%} / {share.get('draft', 0.0):.0%}"
 
 
 def fmt_control(c: dict) -> str:
@@ -358,13 +390,17 @@ def fmt_control(c: dict) -> str:
         f"(x{c['tbt_wall_over_projected']}) tok/s {s['output_throughput']:7.1f}/"
         f"{p['output_throughput']:7.1f} (x{c['throughput_projected_over_wall']}) "
         f"router {c['router_cpu_ms_per_step']} ms CPU/step, {c['router_bytes_per_token']} B/token "
+        f"tps {s['mean_tokens_per_step']}/{p['mean_tokens_per_step']} "
+        f"overhead {c['step_overhead_ms']} ms "
         f"identical {c['identical']}/{c['requests']} load {c['load_average']}"
     )
 
 
 def run_control(args) -> list[dict]:
-    """Flat stage costs (the draft at half) x S x modes x clients."""
-    target, rows = tiny_target(), []
+    """Flat stage costs (the draft at half) x S x modes x clients, on a model small
+    enough (hidden `--control-hidden`) that its real forwards fit the modelled ones."""
+    root = Path(tempfile.mkdtemp(prefix="bench-emulated-model-"))
+    target, rows = make_model(root, 8, args.control_hidden, 512), []
     for stage_ms in args.control_stage_ms:
         for stages in args.control_stages:
             costs = synthetic_flat(stage_ms, stage_ms / 2)
@@ -376,8 +412,8 @@ def control_table(rows: list[dict]) -> list[str]:
     lines = [
         "| stage ms | S | mode | clients | TBT ms wall / projected (x) "
         "| tok/s wall / projected (x) | router CPU ms / step | bytes to router / token "
-        "| identical | load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| step overhead ms | identical | load | overruns stage / draft |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in rows:
         s, p = c["services"], c["projected"]
@@ -387,7 +423,8 @@ def control_table(rows: list[dict]) -> list[str]:
             f"({c['tbt_wall_over_projected']}) | {s['output_throughput']:.1f} / "
             f"{p['output_throughput']:.1f} ({c['throughput_projected_over_wall']}) "
             f"| {c['router_cpu_ms_per_step']} | {c['router_bytes_per_token']} "
-            f"| {c['identical']}/{c['requests']} | {c['load_average'][0]}-{c['load_average'][1]} |"
+            f"| {c.get('step_overhead_ms') or '-'} | {c['identical']}/{c['requests']} | {c['load_average'][0]}-{c['load_average'][1]} "
+            f"| {overrun_share(c)} |"
         )
     return lines
 
@@ -564,6 +601,7 @@ def main() -> None:
         "--control-stage-ms", type=lambda s: [float(x) for x in s.split(",")], default=[20, 100]
     )
     ap.add_argument("--control-stages", type=ints, default=[4, 8])
+    ap.add_argument("--control-hidden", type=int, default=64, help="the control part's model")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.modes = args.modes.split(",")
