@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +25,24 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .partition import LayerRange
 
-if TYPE_CHECKING:
-    from ..runtime.kv_cache import TreeKVCache
-
 
 @dataclass(frozen=True)
 class Segment:
-    """One request's rows within a forward: `rows` of the concatenated batch, written to
-    cache rows [start, start + n); `mask` [n, start + n] says which cache rows each new
-    row attends to."""
+    """One request's rows within a forward: `rows` of the concatenated batch; their K/V go
+    to cache slots `write_slots`, and they attend to the cache rows in `key_slots` (the
+    request's rows, new ones included) where `mask` [n, len(key_slots)] is True."""
 
     rows: slice
-    cache: TreeKVCache
-    start: int
+    write_slots: Tensor
+    key_slots: Tensor
     mask: Tensor
+
+
+class PagedKV(Protocol):
+    """Where K/V rows live: [layers, slots, kv_heads, head_dim] (`runtime.block_pool`)."""
+
+    k: Tensor
+    v: Tensor
 
 
 class RMSNorm(nn.Module):
@@ -87,16 +91,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: PagedKV | None,
+        segments: Sequence[Segment],
+        layer: int,
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         q = self.q_proj(x).view(n, self.cfg.num_heads, d).transpose(0, 1)
         k = self.k_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
         v = self.v_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is None:  # one causal sequence, no cache
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, enable_gqa=True
+            )[0]
+            return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
         outs = []
         for seg in segments:
-            keys, values = seg.cache.write(layer, seg.start, k[:, seg.rows], v[:, seg.rows])
+            k_cache.index_copy_(0, seg.write_slots, k[:, seg.rows].transpose(0, 1))
+            v_cache.index_copy_(0, seg.write_slots, v[:, seg.rows].transpose(0, 1))
+            keys = k_cache.index_select(0, seg.key_slots).transpose(0, 1)
+            values = v_cache.index_select(0, seg.key_slots).transpose(0, 1)
             out = F.scaled_dot_product_attention(
                 q[None, :, seg.rows], keys[None], values[None], attn_mask=seg.mask, enable_gqa=True
             )
@@ -125,9 +144,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        kv: PagedKV | None,
+        segments: Sequence[Segment],
+        layer: int,
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, segments, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,24 +185,24 @@ class StageModel(nn.Module):
             raise RuntimeError("only the first stage embeds tokens")
         return self.embed_tokens(token_ids)
 
-    def forward(
-        self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: TreeKVCache, start: int
-    ) -> Tensor:
-        """Run new rows `hidden` [n, H] at `positions`; their K/V go to cache rows [start, start+n).
-
-        `mask` is boolean [n, start + n]: True where a new row may attend to a cache row.
-        """
-        seg = Segment(slice(0, hidden.shape[0]), cache, start, mask)
-        return self.forward_batch(hidden, positions, [seg])
+    def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """One causal sequence `hidden` [n, H] at `positions`, without a cache (a reference
+        for tests and checks; serving goes through `forward_batch`)."""
+        return self._layers(hidden, positions, None, ())
 
     def forward_batch(
-        self, hidden: Tensor, positions: Tensor, segments: Sequence[Segment]
+        self, hidden: Tensor, positions: Tensor, kv: PagedKV, segments: Sequence[Segment]
     ) -> Tensor:
         """The rows of several requests, concatenated in `hidden` [N, H]; `segments` say
-        which rows are whose (in order, covering all N rows)."""
+        which rows are whose (in order, covering all N rows) and where their K/V go."""
+        return self._layers(hidden, positions, kv, segments)
+
+    def _layers(
+        self, hidden: Tensor, positions: Tensor, kv: PagedKV | None, segments: Sequence[Segment]
+    ) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, segments, i)
+            hidden = layer(hidden, cos, sin, kv, segments, i)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
