@@ -48,6 +48,7 @@ class BlockPool:
         self._free: list[int] = []  # stored blocks nobody holds
         self.k = self._zeros(0)
         self.v = self._zeros(0)
+        self._gather = torch.empty(2, 0, *self.row_shape, dtype=dtype, device=self.device)
 
     def _zeros(self, blocks: int) -> Tensor:
         # Zeros, not empty: a padded gather reads slots it masks out, and garbage there
@@ -93,6 +94,13 @@ class BlockPool:
     def release(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    def reserve(self, blocks: int) -> None:
+        """Store room for `blocks` blocks now (at most the budget), so no step has to grow
+        the storage (a device that should hold its whole budget from the start)."""
+        blocks = min(blocks, self.max_blocks)
+        if blocks > self._stored:
+            self._grow(blocks)
+
     def _grow(self, need: int) -> None:
         blocks = min(max(need, 2 * self._stored, _MIN_STORAGE_BLOCKS), max(need, self.max_blocks))
         k, v = self._zeros(blocks), self._zeros(blocks)
@@ -102,6 +110,20 @@ class BlockPool:
         # Lowest ids on top of the stack: a request's blocks tend to be adjacent.
         self._free = list(range(blocks - 1, self._stored - 1, -1)) + self._free
         self._stored = blocks
+
+    def gather_buffers(self, rows: int) -> tuple[Tensor, Tensor]:
+        """Room for `rows` gathered K and V rows, kept between steps: a step's attention
+        gathers every request's keys into them, layer after layer, instead of allocating
+        (and, on a CPU, page-faulting) two fresh tensors per layer."""
+        if self._gather.shape[1] < rows:
+            self._gather = torch.empty(
+                2,
+                max(rows, 2 * self._gather.shape[1]),
+                *self.row_shape,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        return self._gather[0, :rows], self._gather[1, :rows]
 
     def slots(self, blocks: list[int], start: int, stop: int) -> np.ndarray:
         """Slots of rows [start, stop) of a block table."""

@@ -32,12 +32,13 @@ class NewRows:
 
     `slots`: their slots. The request's keys, in the order the attention sees them, are
     its committed rows then its tree rows (`TreeKVCache.key_slots`); new row i attends to
-    keys [0, prefix[i]) and to the key columns `ancestors[i]` (tree rows: the node's
-    ancestors and itself; committed rows: none, their prefix is causal)."""
+    keys [0, prefix[i]) and to the key columns `ancestors[i]` [n, depth], padded with -1
+    (tree rows: the node's ancestors and itself; committed rows: none, their prefix is
+    causal)."""
 
     slots: np.ndarray
     prefix: np.ndarray
-    ancestors: list[np.ndarray]
+    ancestors: np.ndarray
 
 
 class TreeKVCache:
@@ -87,7 +88,8 @@ class TreeKVCache:
         self.blocks += self.pool.allocate(self.pool.blocks_for(start + n) - len(self.blocks))
         self.n_committed += n
         prefix = np.arange(start + 1, start + n + 1)
-        return NewRows(self.pool.slots(self.blocks, start, start + n), prefix, [_EMPTY] * n)
+        no_tree = np.empty((n, 0), dtype=np.int64)
+        return NewRows(self.pool.slots(self.blocks, start, start + n), prefix, no_tree)
 
     def append_nodes(self, node_ids: np.ndarray, parent_ids: np.ndarray) -> NewRows:
         """Rows for tree nodes (BFS order).
@@ -121,9 +123,14 @@ class TreeKVCache:
                 mask[t0 + i] |= mask[pidx[i]]
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        nc = self.n_committed
-        ancestors = [nc + np.flatnonzero(mask[t0 + i]) for i in range(n)]
-        return NewRows(slots, np.full(n, nc), ancestors)
+        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(mask[t0:]))
+
+    def _ancestors(self, rows: np.ndarray) -> np.ndarray:
+        """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
+        depth = int(rows.sum(axis=1).max()) if rows.size else 0
+        cols = np.argsort(~rows, axis=1, kind="stable")[:, :depth]
+        marked = np.take_along_axis(rows, cols, axis=1)
+        return np.where(marked, self.n_committed + cols, -1)
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)

@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..model.layers import Segment, StageModel
+from ..model.layers import StageModel
 from ..spec.messages import Activation, Prune
 from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
+from .paged_batch import pack
 
 # What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
 StageOutput = Activation | None | RequestError
@@ -405,28 +406,13 @@ class StageRuntime:
             hidden = self.model.embed(torch.from_numpy(tokens).to(device))
         else:
             parts = [b.act.hidden for b in batch]
-            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type]
+            hidden = torch.cat(parts)  # type: ignore[arg-type]
             if keep is not None:
                 hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
             hidden = hidden.to(device=device, dtype=self.model.dtype)
         positions = torch.from_numpy(np.concatenate([b.positions for b in batch])).to(device)
-        segments, row = [], 0
-        for b in batch:
-            n = len(b)
-            keys = b.cache.key_slots()
-            mask = np.arange(keys.size)[None, :] < b.rows.prefix[:, None]
-            for i, anc in enumerate(b.rows.ancestors):
-                mask[i, anc] = True
-            segments.append(
-                Segment(
-                    slice(row, row + n),
-                    torch.from_numpy(b.rows.slots).to(device),
-                    torch.from_numpy(keys).to(device),
-                    torch.from_numpy(mask).to(device),
-                )
-            )
-            row += n
-        return self.model.forward_batch(hidden, positions, self.pool, segments)
+        attention = pack([b.rows for b in batch], [b.cache.key_slots() for b in batch], self.pool)
+        return self.model.forward_batch(hidden, positions, attention)
 
     @torch.inference_mode()
     def prune(self, request_id: str, prune: Prune) -> Activation | None:
