@@ -125,3 +125,30 @@ def test_a_step_on_the_cpu_runs_no_syncing_operation(llama_dir) -> None:
         counter, _ = count_step(llama_dir, layers, "cpu", 4)
         assert not counter.syncing, counter.syncing
 
+
+def test_the_draft_grows_every_request_in_one_forward_on_its_paged_cache(llama_dir) -> None:
+    from specpipe.common.runtime.draft import DraftRuntime, Proposal
+
+    draft = DraftRuntime(load_stage(llama_dir, dtype=torch.float64))
+    calls = []
+    real = draft.runtime.model.forward_batch
+
+    def counting(*args):
+        calls.append(args[2].shape)  # the PagedBatch's (requests, query rows, keys)
+        return real(*args)
+
+    draft.runtime.model.forward_batch = counting
+    for i, n in enumerate((3, 7, 20)):
+        draft.open(f"r{i}", 64)
+        draft.prefill(f"r{i}", torch.arange(n) % 50, 0, 8)
+    assert draft.runtime.info().cache_blocks_used == 1 + 1 + 2  # blocks of 16 rows
+    calls.clear()
+    asks = [
+        Proposal(Activation(f"r{i}", t(n), node_ids=t(0), parent_ids=t(-1), tokens=t(5)), 2)
+        for i, n in enumerate((3, 7, 20))
+    ]
+    out = draft.propose_many(asks)
+    assert calls == [(3, 1, 21)] and all(len(c) == 2 for c in out)
+    for i in range(3):
+        draft.release(f"r{i}")
+    assert draft.runtime.info().cache_blocks_used == 0
