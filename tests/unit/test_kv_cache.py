@@ -228,3 +228,30 @@ def test_budget_and_release(model) -> None:
 def block_bytes(model, blocks: int) -> int:
     cfg = model.cfg
     return 2 * len(model.layers) * cfg.num_kv_heads * cfg.head_dim * BLOCK * blocks * 8
+
+
+def test_a_pool_that_runs_out_mid_request_fails_that_request_only(model) -> None:
+    """Documented behaviour: no preemption; the request whose rows need a block when none
+    is free gets CacheFull (RESOURCE_EXHAUSTED), its cache unchanged, the others go on."""
+    stage = StageRuntime(model, max_cache_bytes=block_bytes(model, 3))
+    for rid in "ab":
+        stage.open(rid, 1000)
+        stage.forward(prefill(rid, BLOCK))  # one full block each
+    root = Activation("a", t(BLOCK), node_ids=t(0), parent_ids=t(-1), tokens=t(1))
+    stage.forward(root)  # a's tree block: the last free one
+    late = Activation("b", t(BLOCK), node_ids=t(0), parent_ids=t(-1), tokens=t(1))
+    out = stage.forward_many(
+        [late, Activation("a", t(BLOCK + 1), node_ids=t(1), parent_ids=t(0), tokens=t(2))]
+    )
+    assert isinstance(out[0], CacheFull) and "pool exhausted" in str(out[0])
+    assert out[1].logits.shape[0] == 1  # a's slot was in its own tree block
+    assert stage._cache("b").length == BLOCK
+    # Committing a's root needs a new committed block: none is free, the prune fails.
+    with pytest.raises(CacheFull, match="pool exhausted"):
+        stage.prune("a", Prune(t(0), t(1), horizon=1))
+    stage.release("b")
+    stage.forward(Activation("a", t(BLOCK + 2), node_ids=t(2), parent_ids=t(1), tokens=t(3)))
+    assert stage.info().cache_blocks_used == 2
+
+
+t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
