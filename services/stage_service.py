@@ -309,6 +309,11 @@ class StageService(stage_pb2_grpc.StageServicer):
             info.cache_bytes_used,
             info.cache_bytes_limit,
         )
+        desc.cache_blocks_used, desc.cache_blocks_free = (
+            info.cache_blocks_used,
+            info.cache_blocks_free,
+        )
+        desc.cache_block_rows = info.cache_block_rows
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:

@@ -1,9 +1,10 @@
 """The draft: a small causal LM that proposes the children of tree nodes.
 
-It keeps its own tree-aware KV cache per request (the same `StageRuntime` as a target
-stage, holding every layer), so each step it only runs the newest tree layer. The router
-owns the tree: the draft returns top-k candidates per node, the router keeps the best `w`.
-The layers of several requests grow in one batched forward (`propose_many`).
+It runs on the same engine as a target stage (a `StageRuntime` holding every layer): a
+paged KV cache in one block pool, each request's tree rows beside its committed prefix,
+so each step it only runs the newest tree layer; the layers of several requests grow in
+one batched forward with one attention call per layer (`propose_many`). The router owns
+the tree: the draft returns top-k candidates per node, the router keeps the best `w`.
 """
 
 from __future__ import annotations
