@@ -1,4 +1,8 @@
-"""`specpipe stage|draft|router|up|client`: the network services' command lines."""
+"""`specpipe stage|draft|router|up|certs`: the network services' command lines.
+
+Each command's flags are the fields of its configuration (`services/config.py`): the
+parser takes its defaults from there, and `*_config(args)` builds the typed
+configuration once, with every check a user may fail, before anything loads."""
 
 from __future__ import annotations
 
@@ -9,6 +13,16 @@ import signal
 import sys
 
 from specpipe.common.runtime.alignment import AUTO_CAP, MAX_WAIT
+from specpipe.services.config import (
+    TRANSPORTS,
+    DeploymentConfig,
+    DraftConfig,
+    ModelServiceConfig,
+    RouterConfig,
+    SchedulingConfig,
+    ServiceConfig,
+    StageConfig,
+)
 
 from .args import (
     DEFAULT_ROUTER_PORT,
@@ -21,22 +35,27 @@ from .args import (
     positive_int,
 )
 
-DEFAULT_DRAIN_SECONDS = 25.0
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `stage`, `draft`, `router`, `up` and `certs` commands."""
+    _add_stage(sub)
+    _add_draft(sub)
+    _add_router(sub)
+    _add_up(sub)
+    _add_certs(sub)
 
 
-def _default_transport() -> str:
-    from specpipe.services.transport import TCP, UCX
-    from specpipe.services.transport.ucx import available
-
-    return UCX if available() else TCP
+# -- flags -------------------------------------------------------------------------------
 
 
-def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> None:
-    from specpipe.services.transport import TRANSPORTS
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
 
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+
+def _service_args(p: argparse.ArgumentParser, defaults: ServiceConfig, data_plane: bool) -> None:
+    p.add_argument("--host", default=defaults.host, help="address to listen on (0.0.0.0: all)")
     p.add_argument("--advertise-host", default=None, help="address others reach this one at")
-    p.add_argument("--port", type=int, default=port, help="gRPC port (0: any free port)")
+    p.add_argument("--port", type=int, default=defaults.port, help="gRPC port (0: any free port)")
     if data_plane:
         p.add_argument("--data-port", type=int, default=0, help="hidden-state port (0: any)")
         p.add_argument(
@@ -48,7 +67,7 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
     p.add_argument(
         "--drain-seconds",
         type=float,
-        default=DEFAULT_DRAIN_SECONDS,
+        default=defaults.drain_seconds,
         help="on SIGTERM: NOT_SERVING, refuse new requests, let open ones finish this long "
         "(keep it below the pod's terminationGracePeriodSeconds)",
     )
@@ -59,13 +78,13 @@ def _service_args(p: argparse.ArgumentParser, port: int, data_plane: bool) -> No
         help="serve Prometheus metrics at /metrics on this port (0: any free port; default: none)",
     )
     p.add_argument("--ready-file", default=None, help="write addresses here (JSON) once serving")
-    p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", "INFO"))
-    _secure_args(p)
+    p.add_argument("--log-level", default=os.environ.get("SPECPIPE_LOG_LEVEL", defaults.log_level))
+    _secure_args(p, defaults)
 
 
-def _secure_args(p: argparse.ArgumentParser) -> None:
+def _secure_args(p: argparse.ArgumentParser, defaults: ServiceConfig) -> None:
     g = p.add_argument_group(
-        "security (docs/architecture.md, section 9); one of --secure and --insecure is required"
+        'security (docs/architecture.md, "9. Security"); one of --secure and --insecure is required'
     )
     mode = g.add_mutually_exclusive_group()
     mode.add_argument(
@@ -94,7 +113,7 @@ def _secure_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tls-server-name",
-        default="specpipe-internal",
+        default=defaults.tls_server_name,
         help="the name the deployment's certificates carry (checked instead of hosts)",
     )
     g.add_argument(
@@ -106,7 +125,7 @@ def _secure_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
+def _model_args(p: argparse.ArgumentParser, defaults: ModelServiceConfig, required: bool) -> None:
     p.add_argument("--model", required=required, help="model: name, HF directory or GGUF file")
     p.add_argument(
         "--model-id", default="", help="name reported to clients (default: directory name)"
@@ -122,23 +141,25 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument(
         "--cache-fraction",
         type=float,
-        default=0.8,
+        default=defaults.cache_fraction,
         help="without --max-cache-gib: this share of the device's free memory once the "
         "weights are loaded",
     )
     p.add_argument(
         "--lease-seconds",
         type=float,
-        default=60.0,
+        default=defaults.lease_seconds,
         help="free a request's state when its router has not renewed it for this long",
     )
     add_device_arg(p)
     _emulate_arg(p)
+    _batch_wait_arg(p)
 
 
 def _batch_wait_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-wait-ms",
+        dest="batch_wait",
         type=_batch_wait,
         default=None,
         metavar="MS|auto",
@@ -168,16 +189,15 @@ def _emulate_arg(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="emulated device: pace every forward to the cost model in FILE (JSON: a "
         "measured curve of seconds per row count, or flat), sleeping the rest of its "
-        "modelled time (docs/architecture.md, 'Emulated devices')",
+        'modelled time (docs/architecture.md, "5. The request controller and its '
+        'executors", "Emulated devices")',
     )
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `stage`, `draft`, `router`, `up` and `client` commands."""
-    from specpipe.services.transport import TCP, TRANSPORTS
-
+def _add_stage(sub: argparse._SubParsersAction) -> None:
+    defaults = StageConfig()
     p = sub.add_parser("stage", help="serve layers of the target model (a pipeline stage)")
-    _model_args(p, required=False)
+    _model_args(p, defaults, required=False)
     p.add_argument("--layers", default=None, help="START:END decoder layers (default: all)")
     p.add_argument(
         "--measure-costs",
@@ -200,33 +220,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--peers",
-        default="",
+        type=_comma_list,
+        default=(),
         help="comma-separated hosts, addresses and CIDR networks a request's next hop and "
         "report address may name, in every mode (default: loopback only)",
     )
-    _batch_wait_arg(p)
-    _service_args(p, 50052, data_plane=True)
+    _service_args(p, defaults, data_plane=True)
     p.set_defaults(func=_cmd_stage)
 
+
+def _add_draft(sub: argparse._SubParsersAction) -> None:
+    defaults = DraftConfig()
     p = sub.add_parser("draft", help="serve a draft model that proposes tree layers")
-    _model_args(p, required=True)
+    _model_args(p, defaults, required=True)
     p.add_argument(
         "--measure-costs",
         action="store_true",
         help="measure the draft's cost per row count at start (for the router's auto settings)",
     )
-    _batch_wait_arg(p)
-    _service_args(p, 50060, data_plane=False)
+    _service_args(p, defaults, data_plane=False)
     p.set_defaults(func=_cmd_draft)
 
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
+    return value
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    defaults = RouterConfig()
     p = sub.add_parser("router", help="serve clients: trees, verification, streaming")
     p.add_argument(
         "--stages",
-        default=None,
+        type=_comma_list,
+        default=(),
         help="comma-separated stage gRPC addresses HOST:PORT (a static list)",
     )
     p.add_argument(
-        "--draft", default=None, help="draft gRPC address(es) HOST:PORT, comma-separated"
+        "--draft",
+        dest="drafts",
+        type=_comma_list,
+        default=(),
+        help="draft gRPC address(es) HOST:PORT, comma-separated",
     )
     p.add_argument(
         "--discovery",
@@ -251,58 +291,54 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--replay-seconds",
         type=float,
-        default=10.0,
+        default=defaults.replay_seconds,
         help="when a replica on a request's path is lost: how long to wait for another "
         "path before the request fails UNAVAILABLE",
     )
     p.add_argument(
         "--max-replays",
         type=positive_int,
-        default=8,
+        default=defaults.max_replays,
         help="how many times one request may be replayed on another path before it fails "
         "UNAVAILABLE (each replica lost on its path costs one)",
     )
     p.add_argument(
         "--stall-seconds",
         type=float,
-        default=60.0,
+        default=defaults.stall_seconds,
         help="the watchdog: a path that sends nothing for this long counts as lost (the "
         "request is replayed on another, and fails UNAVAILABLE after --replay-seconds "
         "without one)",
     )
-
-    def stall_seconds(text: str) -> float:
-        value = float(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
-        return value
-
     p.add_argument(
         "--replica-stall-seconds",
-        type=stall_seconds,
-        default=2.0,  # services/router/backends.py DEFAULT_STALL_SECONDS (a test checks)
+        type=_positive_seconds,
+        default=defaults.replica_stall_seconds,
         help="a replica that answers no health check for this long is stalled: it takes "
         "no new requests, and a request waiting on it is replayed on another path as if "
         "it had died (default %(default)s)",
     )
     p.add_argument("--target", default=None, help="target model directory (for its tokenizer)")
     p.add_argument("--model-id", default="", help="name clients use (default: the stages')")
-    p.add_argument("--startup-timeout", type=float, default=180.0)
+    p.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout)
     p.add_argument(
         "--router-name",
         default="",
         help="this router's name on the stages and the draft (default HOST:PORT): a router "
         "restarted under the same name frees its predecessor's requests at once",
     )
-    _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
+    _service_args(p, defaults, data_plane=True)
     _http_args(p)
-    _scheduling_args(p)
+    _scheduling_args(p, defaults.scheduling)
     p.set_defaults(func=_cmd_router)
 
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    defaults = DeploymentConfig(target="")
     p = sub.add_parser("up", help="run router, draft and stages as local processes")
     p.add_argument("--target", required=True)
     p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
-    p.add_argument("--stages", type=positive_int, default=2)
+    p.add_argument("--stages", type=positive_int, default=defaults.stages)
     p.add_argument(
         "--stage-replicas",
         type=positive_int,
@@ -313,19 +349,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--transport",
         choices=list(TRANSPORTS),
-        default=TCP,
+        default=defaults.transport,
         help="data plane between the local processes (default tcp: on one host UCX has no "
         "RDMA/NVLink to use, and its polling progress was measured slower on small CPU nodes)",
     )
     p.add_argument("--router-port", type=int, default=DEFAULT_ROUTER_PORT)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=defaults.host)
     add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
     add_device_arg(p)
     p.add_argument(
         "--drain-seconds",
         type=float,
-        default=DEFAULT_DRAIN_SECONDS,
+        default=defaults.drain_seconds,
         help="on Ctrl-C/SIGTERM: how long open requests may finish before the processes stop",
     )
     p.add_argument("--log-dir", default=None, help="keep child logs here")
@@ -354,9 +390,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _batch_wait_arg(p)
     _emulate_arg(p)
     _http_args(p)
-    _scheduling_args(p)
+    _scheduling_args(p, SchedulingConfig())
     p.set_defaults(func=_cmd_up)
 
+
+def _add_certs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "certs",
         help="make a CA, a certificate and a data-plane key for --secure (ca.crt, tls.crt, "
@@ -369,24 +407,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         help="an extra name or IP the certificate carries (repeatable)",
     )
-    p.add_argument("--server-name", default="specpipe-internal")
+    p.add_argument("--server-name", default=ServiceConfig().tls_server_name)
     p.add_argument("--days", type=positive_int, default=365)
     p.set_defaults(func=_cmd_certs)
 
 
-def _scheduling_args(p: argparse.ArgumentParser) -> None:
-    from specpipe.common.spec.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
-
+def _scheduling_args(p: argparse.ArgumentParser, defaults: SchedulingConfig) -> None:
     p.add_argument(
         "--max-running",
         type=positive_int,
-        default=DEFAULT_MAX_RUNNING,
+        default=defaults.max_running,
         help="requests decoding at once; more wait, by priority",
     )
     p.add_argument(
         "--max-waiting",
         type=int,
-        default=DEFAULT_MAX_WAITING,
+        default=defaults.max_waiting,
         help="requests queued beyond --max-running; more are refused (RESOURCE_EXHAUSTED)",
     )
     p.add_argument(
@@ -451,6 +487,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
+        dest="api_keys",
         action="append",
         default=[],
         metavar="KEY",
@@ -459,6 +496,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key-file",
+        dest="api_key_files",
         action="append",
         default=[],
         metavar="FILE",
@@ -472,27 +510,7 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-tls-key", default=None, help="the key of --public-tls-cert (PEM)")
 
 
-def _public_tls(args: argparse.Namespace):
-    if bool(args.public_tls_cert) != bool(args.public_tls_key):
-        raise CliError("--public-tls-cert and --public-tls-key go together")
-    if not args.public_tls_cert:
-        return None
-    from specpipe.services.security import PublicTls, SecurityError
-
-    try:
-        return PublicTls.load(args.public_tls_cert, args.public_tls_key)
-    except (SecurityError, ValueError) as e:
-        raise CliError(f"public TLS: {e}") from None
-
-
-def _api_keys(args: argparse.Namespace):
-    from specpipe.services.auth import ApiKeyError, ApiKeys
-
-    try:
-        return ApiKeys.load(args.api_key, args.api_key_file)
-    except ApiKeyError as e:
-        raise CliError(str(e)) from None
-
+# -- configurations ----------------------------------------------------------------------
 
 INSECURE_WARNING = (
     "--insecure: gRPC and the data plane among router, stages and draft are plaintext and "
@@ -502,7 +520,7 @@ INSECURE_WARNING = (
 
 def _check_security_mode(args: argparse.Namespace) -> None:
     """Services started by hand say how they talk to each other: nothing is insecure by
-    default (DESIGN.md, section 8)."""
+    default (docs/architecture.md, "9. Security")."""
     if not (args.secure or args.insecure):
         raise CliError(
             f"specpipe {args.command} needs --secure (with --tls-dir: `specpipe certs DIR` "
@@ -510,31 +528,25 @@ def _check_security_mode(args: argparse.Namespace) -> None:
         )
 
 
-def _prepare(args: argparse.Namespace) -> None:
-    from specpipe.services.launcher import watch_parent
-    from specpipe.services.serve import log, security_of, setup_logging
-
-    watch_parent()  # started by `specpipe up`: stop when it is gone
-    _check_security_mode(args)
-    setup_logging(args.log_level)
-    if args.insecure:
-        log.warning(INSECURE_WARNING)
-    if args.secure and not args.tls_dir:
+def _checked_security(config: ServiceConfig) -> None:
+    if not config.secure:
+        return
+    if not config.tls_dir:
         raise CliError("--secure needs --tls-dir (or $SPECPIPE_TLS_DIR)")
-    if args.secure:
-        from specpipe.services.security import SecurityError
+    from specpipe.services.security import SecurityError
+    from specpipe.services.serve import security_of
 
-        try:
-            security_of(args)
-        except SecurityError as e:
-            raise CliError(str(e)) from None
-    if getattr(args, "transport", "x") is None:
-        args.transport = _default_transport()
-    threads = getattr(args, "threads", 0)
-    if threads and threads > 0:
-        import torch
+    try:
+        security_of(config)
+    except SecurityError as e:
+        raise CliError(str(e)) from None
 
-        torch.set_num_threads(threads)
+
+def _default_transport() -> str:
+    from specpipe.services.transport import TCP, UCX
+    from specpipe.services.transport.ucx import available
+
+    return UCX if available() else TCP
 
 
 def _resolve(spec: str | None) -> str | None:
@@ -545,69 +557,165 @@ def _resolve(spec: str | None) -> str | None:
     return str(resolve_model(spec))
 
 
-def _check_costs(args: argparse.Namespace, stage: bool) -> None:
+def _check_costs(config: ModelServiceConfig, stage: int | None = None) -> None:
     """A bad --emulate-costs file is a usage error before anything loads."""
-    if not args.emulate_costs:
+    if not config.emulate_costs:
         return
     from specpipe.common.perf.emulate import EmulatedCosts
 
     try:
-        costs = EmulatedCosts.load(args.emulate_costs)
-        if stage:
-            costs.stage(args.emulate_stage)
+        costs = EmulatedCosts.load(config.emulate_costs)
+        if isinstance(config, StageConfig):
+            costs.stage(config.emulate_stage)
     except ValueError as e:
         raise CliError(str(e)) from None
 
 
-def _cmd_stage(args: argparse.Namespace) -> int:
+def stage_config(args: argparse.Namespace) -> StageConfig:
+    """`specpipe stage`'s configuration, checked (the model not resolved yet)."""
     from specpipe.services.peers import Peers
-    from specpipe.services.serve import exit_stopped, run_stage
 
-    if not args.model and not args.allow_configure:
+    _check_security_mode(args)
+    config = StageConfig.from_args(args)
+    if not config.model and not config.allow_configure:
         raise CliError("a stage without --model waits for Configure: give --allow-configure")
-    _check_costs(args, stage=True)
-    args.peers = [h.strip() for h in args.peers.split(",") if h.strip()]
+    _check_costs(config)
     try:
-        Peers.parse(args.peers)
+        Peers.parse(config.peers)
     except ValueError as e:
         raise CliError(f"--peers: {e}") from None
-    args.device = parse_device(args.device)
-    _prepare(args)
-    args.model = _resolve(args.model)
-    asyncio.run(run_stage(args))
+    return config
+
+
+def draft_config(args: argparse.Namespace) -> DraftConfig:
+    """`specpipe draft`'s configuration, checked (the model not resolved yet)."""
+    _check_security_mode(args)
+    config = DraftConfig.from_args(args)
+    _check_costs(config)
+    return config
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """`specpipe router`'s configuration."""
+    _check_security_mode(args)
+    try:
+        return RouterConfig.from_args(args)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+    """`specpipe up`'s configuration (API keys and public TLS loaded from their files)."""
+    from specpipe.services.serve import load_api_keys, load_public_tls
+
+    try:
+        router = RouterConfig(  # the router's flags that `up` has too
+            api_keys=tuple(args.api_keys),
+            api_key_files=tuple(args.api_key_files),
+            public_tls_cert=args.public_tls_cert,
+            public_tls_key=args.public_tls_key,
+        )
+        api_keys, public_tls = load_api_keys(router), load_public_tls(router)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return DeploymentConfig(
+        target=_resolve(args.target),
+        draft=args.draft if args.draft in ("oracle", "none") else _resolve(args.draft),
+        stages=args.stages,
+        stage_replicas=args.stage_replicas,
+        layers=args.layers,
+        transport=args.transport,
+        router_port=args.router_port,
+        host=args.host,
+        dtype=args.dtype,
+        threads=args.threads or None,
+        device=parse_device(args.device),
+        drain_seconds=args.drain_seconds,
+        log_dir=args.log_dir,
+        startup_timeout=args.startup_timeout,
+        max_cache_gib=args.max_cache_gib,
+        http_port=args.http_port,
+        api_keys=api_keys.keys,
+        scheduling=SchedulingConfig.from_args(args),
+        metrics=not args.no_metrics,
+        secure=not args.insecure,
+        lease_seconds=args.lease_seconds,
+        public_tls=public_tls,
+        emulate_costs=args.emulate_costs,
+        batch_wait=args.batch_wait,
+    )
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def _prepare(config: ServiceConfig) -> None:
+    """What every service process does first: stop with its launcher, log, warn when
+    insecure, check its credentials."""
+    from specpipe.services.launcher import watch_parent
+    from specpipe.services.serve import log, setup_logging
+
+    watch_parent()  # started by `specpipe up`: stop when it is gone
+    setup_logging(config.log_level)
+    if not config.secure:
+        log.warning(INSECURE_WARNING)
+    _checked_security(config)
+
+
+def _set_threads(threads: int) -> None:
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from specpipe.services.serve import exit_stopped, run_stage
+
+    config = stage_config(args)
+    config = replace(config, device=parse_device(config.device))
+    _prepare(config)
+    config = replace(
+        config, transport=config.transport or _default_transport(), model=_resolve(config.model)
+    )
+    _set_threads(config.threads)
+    asyncio.run(run_stage(config))
     exit_stopped()
     return 0
 
 
 def _cmd_draft(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from specpipe.services.serve import exit_stopped, run_draft
 
-    args.device = parse_device(args.device)
-    _check_costs(args, stage=False)
-    _prepare(args)
-    args.model = _resolve(args.model)
-    asyncio.run(run_draft(args))
+    config = draft_config(args)
+    config = replace(config, device=parse_device(config.device))
+    _prepare(config)
+    config = replace(config, model=_resolve(config.model))
+    _set_threads(config.threads)
+    asyncio.run(run_draft(config))
     exit_stopped()
     return 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from specpipe.services.router.discovery import DiscoveryError, make_discovery
-    from specpipe.services.serve import exit_stopped, run_router
+    from dataclasses import replace
 
-    _prepare(args)
-    stages = [s.strip() for s in (args.stages or "").split(",") if s.strip()]
-    drafts = [s.strip() for s in (args.draft or "").split(",") if s.strip()]
+    from specpipe.services.serve import RouterInputs, exit_stopped, run_router
+
+    config = router_config(args)
+    _prepare(config)
+    config = replace(
+        config, transport=config.transport or _default_transport(), target=_resolve(config.target)
+    )
     try:
-        args.discovery = make_discovery(
-            args.discovery, stages, drafts, args.discovery_namespace, args.discovery_selector
-        )
-    except DiscoveryError as e:
+        inputs = RouterInputs.load(config)
+    except ValueError as e:
         raise CliError(str(e)) from None
-    args.api_keys = _api_keys(args)
-    args.public_tls = _public_tls(args)
-    args.target = _resolve(args.target)
-    asyncio.run(run_router(args))
+    asyncio.run(run_router(config, inputs))
     exit_stopped()
     return 0
 
@@ -619,52 +727,22 @@ def _cmd_up(args: argparse.Namespace) -> int:
         StopRequested,
         stop_on_signals,
     )
-    from specpipe.services.serve import exit_stopped, scheduling_options
+    from specpipe.services.serve import exit_stopped
 
-    transport = args.transport
-    device = parse_device(args.device)
-    target = _resolve(args.target)
-    draft = args.draft if args.draft in ("oracle", "none") else _resolve(args.draft)
-    api_keys = _api_keys(args)
-    public_tls = _public_tls(args)
+    config = deployment_config(args)
     try:
-        dep = ServicesDeployment(
-            target,
-            draft,
-            args.stages,
-            transport=transport,
-            router_port=args.router_port,
-            layers=args.layers,
-            host=args.host,
-            dtype=args.dtype,
-            threads=args.threads or None,
-            device=device,
-            drain_seconds=args.drain_seconds,
-            log_dir=args.log_dir,
-            startup_timeout=args.startup_timeout,
-            max_cache_gib=args.max_cache_gib,
-            http_port=args.http_port,
-            api_keys=api_keys.keys,
-            scheduling=scheduling_options(args),
-            stage_replicas=args.stage_replicas,
-            metrics=not args.no_metrics,
-            secure=not args.insecure,
-            lease_seconds=args.lease_seconds,
-            public_tls=public_tls,
-            emulate_costs=args.emulate_costs,
-            batch_wait=args.batch_wait_ms,
-        )
+        dep = ServicesDeployment(config)
     except ValueError as e:
         raise CliError(str(e)) from None
     replicas = f" x{args.stage_replicas}" if args.stage_replicas > 1 else ""
     print(
         f"starting {len(dep.ranges)} stages{replicas} "
         f"({', '.join(f'{r.start}:{r.end}' for r in dep.ranges)}), "
-        f"draft={draft}, transport={transport}, device={device} ...",
+        f"draft={config.draft}, transport={config.transport}, device={config.device} ...",
         file=sys.stderr,
         flush=True,
     )
-    if args.insecure:
+    if not config.secure:
         print(f"specpipe up: warning: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     with stop_on_signals(dep):  # from here to the end: a second Ctrl-C kills at once
         try:
@@ -676,7 +754,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         try:
             print(f"router: {address}", flush=True)
             if dep.http_address:
-                scheme = "https" if public_tls else "http"
+                scheme = "https" if config.public_tls else "http"
                 print(f"http: {scheme}://{dep.http_address}/v1", flush=True)
             for name, metrics in dep.metrics_addresses().items():
                 print(f"metrics {name}: http://{metrics}/metrics", flush=True)
@@ -696,6 +774,3 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     print(f"wrote {out}/ca.crt, tls.crt, tls.key, data.key (the CA's key is not kept)")
     print(f"kubectl create secret generic specpipe-internal-tls --from-file={out}")
     return 0
-
-
-# -- client ------------------------------------------------------------------------------
