@@ -145,6 +145,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         peers: Sequence[str] = (),
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
         (loading other weights) only with `allow_configure`; `peers`: the only hosts and
@@ -155,6 +156,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         may carry (None: from the model's measured cost curve, `step_row_cap`)."""
         self.security = security
         self.allow_configure = allow_configure
+        self.pacer = pacer
         self.peers = Peers.parse(peers)
         self._max_step_rows = max_step_rows
         self.model = model
