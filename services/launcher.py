@@ -16,6 +16,9 @@ The router finds the stages and the draft through a discovery file the launcher 
 (`--discovery file:PATH`, one `stage|draft HOST:PORT [GROUP]` a line), so replicas can
 be added and removed while it serves (`add_stage`, `add_draft`, `unlist`): the same
 live membership Kubernetes gives the chart's routers through EndpointSlices.
+
+One module: the children, the ports handed out, the discovery file and the pipe the
+children watch are the state of one deployment, started and stopped together.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ that the requests of one pipeline step share a forward. The
 last stage sends logits to the router (for specpipe/pp only the root's, possibly once a
 prune makes a computed row the root). Requests join and leave between rounds; a request
 that fails fails alone. Everything else is the runtime's `StageRuntime`.
+
+One module for now: the gRPC handlers, the data-plane admission and the compute loop all
+act on the same per-request state (`_Request`) and the loop's rounds (the replica
+lifecycle and the compute round are to become modules of their own, issue 25).
 """
 
 from __future__ import annotations
@@ -490,12 +494,6 @@ class StageService(stage_pb2_grpc.StageServicer):
         log.debug("request %s expired", rid)
         self._drop(rid)
 
-    async def _request(self, rid: str, context) -> _Request:
-        st = self._requests.get(rid)
-        if st is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_open(rid))
-        return st
-
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"
 
@@ -823,8 +821,3 @@ class StageService(stage_pb2_grpc.StageServicer):
             st.closed = True
         released = self.model is not None and self.runtime.release(rid)
         return st is not None or released
-
-
-def set_threads(threads: int) -> None:
-    if threads > 0:
-        torch.set_num_threads(threads)

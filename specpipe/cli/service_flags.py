@@ -174,8 +174,9 @@ def _emulate_arg(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="emulated device: pace every forward to the cost model in FILE (JSON: a "
         "measured curve of seconds per row count, or flat), sleeping the rest of its "
-        'modelled time (docs/architecture.md, "5. The request controller and its '
-        'executors", "Emulated devices")',
+        "modelled time "
+        '(docs/architecture.md, "5. The request controller and its executors", '
+        '"Emulated devices")',
     )
 
 
