@@ -25,6 +25,8 @@ What it does, as a kubelet would with the chart's pods, on one host:
   6. stops every container (SIGTERM, router first), checks they exit 0, removes them.
 
 Prints a JSON report on stdout; exit code 0 only if every check passed.
+
+One module: one end-to-end script whose steps share the containers it started.
 """
 
 from __future__ import annotations

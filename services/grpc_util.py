@@ -133,10 +133,6 @@ def channel(address: str, security=None) -> grpc.aio.Channel:
     return grpc.aio.secure_channel(address, security.channel_credentials(), options=options)
 
 
-def status_name(code: grpc.StatusCode) -> str:
-    return code.name
-
-
 def code_from_number(number: int) -> grpc.StatusCode:
     for code in grpc.StatusCode:
         if code.value[0] == number:

@@ -12,6 +12,10 @@ that the requests of one pipeline step share a forward. The
 last stage sends logits to the router (for specpipe/pp only the root's, possibly once a
 prune makes a computed row the root). Requests join and leave between rounds; a request
 that fails fails alone. Everything else is the runtime's `StageRuntime`.
+
+One module for now: the gRPC handlers, the data-plane admission and the compute loop all
+act on the same per-request state (`_Request`) and the loop's rounds (the replica
+lifecycle and the compute round are to become modules of their own, issue 25).
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         peers: Sequence[str] = (),
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
         (loading other weights) only with `allow_configure`; `peers`: the only hosts and
@@ -155,6 +160,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         may carry (None: from the model's measured cost curve, `step_row_cap`)."""
         self.security = security
         self.allow_configure = allow_configure
+        self.pacer = pacer
         self.peers = Peers.parse(peers)
         self._max_step_rows = max_step_rows
         self.model = model
@@ -493,12 +499,6 @@ class StageService(stage_pb2_grpc.StageServicer):
         log.debug("request %s expired", rid)
         self._drop(rid)
 
-    async def _request(self, rid: str, context) -> _Request:
-        st = self._requests.get(rid)
-        if st is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_open(rid))
-        return st
-
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"
 
@@ -826,8 +826,3 @@ class StageService(stage_pb2_grpc.StageServicer):
             st.closed = True
         released = self.model is not None and self.runtime.release(rid)
         return st is not None or released
-
-
-def set_threads(threads: int) -> None:
-    if threads > 0:
-        torch.set_num_threads(threads)

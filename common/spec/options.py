@@ -42,7 +42,8 @@ class Mode(StrEnum):
 
 
 class TokenSource(StrEnum):
-    """What proposes the tree's tokens (docs/architecture.md, "2.6")."""
+    """What proposes the tree's tokens (docs/architecture.md, "2. Token tree", "Token
+    sources")."""
 
     DRAFT = "draft"  # the draft model (a draft service)
     NGRAM = "ngram"  # n-gram lookup over prompt and output: no model, no draft service
@@ -59,7 +60,7 @@ class TokenSource(StrEnum):
 
 class Growth(StrEnum):
     """When a layer grows from the token source's answer, relative to the verification
-    of the same step (docs/architecture.md, "2.6")."""
+    of the same step (docs/architecture.md, "3. The pipeline step", "When a layer grows")."""
 
     # after it: the layer grows from the nodes the verification kept, so the whole width
     # goes where the target can still go (lockstep's rule); in the services the

@@ -22,6 +22,9 @@ new version's stages take new requests as soon as they make a complete path and 
 version's drain; a request stays on its version to the end, also when replayed. All
 versions must keep the vocabulary of the first one this router served: a version with
 another is refused (its replicas are listed with the reason, never used).
+
+One module: health, identity, load and versions are facts of the same replica set, and
+choosing a path reads them all at once.
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ before the draft has answered for a layer that lockstep would have grown by then
 the answer, so the tree keeps the layer (lockstep's schedule: the step waits for the
 draft) instead of the verification passing it by (a miss or a regrowth, and no wait).
 Either way the tokens are the same; which is faster depends on how late drafts are.
+
+One module: every command and event of one request goes through one object and one
+queue, so that the controller is never touched concurrently (a path session and a
+command executor apart are issue 25).
 """
 
 from __future__ import annotations

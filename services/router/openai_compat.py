@@ -10,6 +10,9 @@ as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`
 `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
 `return_token_ids`;
 `width`, `layers_per_step` and `token_source` take "auto": the router's choice).
+
+One module: every OpenAI request and response shape and its translation, so that the
+HTTP API's contract is read in one file.
 """
 
 from __future__ import annotations

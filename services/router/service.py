@@ -1,6 +1,10 @@
 """The router: the client-facing Generation service, request validation, and one
 `RequestDriver` per request over a path of healthy stage and draft replicas, found
-through a discovery source (backends.py, discovery.py)."""
+through a discovery source (backends.py, discovery.py).
+
+One module: the Generation RPCs, admission and each request's lifecycle share the
+router's state (scheduler, backends, drivers, leases).
+"""
 
 from __future__ import annotations
 

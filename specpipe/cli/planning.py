@@ -1,5 +1,5 @@
 """`specpipe profile` and `specpipe plan`: measure a node kind, and plan which node kind
-hosts which layers (DESIGN 10; docs/planning.md)."""
+hosts which layers (docs/planning.md)."""
 
 from __future__ import annotations
 
