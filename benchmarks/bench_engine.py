@@ -1,5 +1,7 @@
 """The stage engine (issue 23): forward time of one stage, operations per stage step, and
-how many chats without `max_tokens` fit one KV budget.
+how many chats without `max_tokens` fit one KV budget. One module: the three
+measurements share the stage they build and the A/B driver that runs them on two
+checkouts.
 
 One stage of Qwen2.5-Coder-1.5B's shape split in two (S = 2: layers [0, 14) of 28, hidden
 1536, 12 query / 2 K/V heads of 128, the embedding) with random weights, in fp32 and bf16,

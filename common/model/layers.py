@@ -9,7 +9,8 @@ for all of them (`PagedBatch`): each request's keys are gathered from the stage'
 KV cache into a padded batch, and a boolean mask built on the device says which keys each
 row sees (its committed prefix, causal for a prefill chunk; its tree ancestors and
 itself for tree rows). Why padded SDPA rather than FlexAttention or a loop over requests:
-docs/architecture.md, "The stage engine".
+docs/architecture.md, "5. The request controller and its executors",
+"The stage engine".
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The stage runtime: one slice of the target model plus the KV caches of its requests.
 
 This object is everything a pipeline stage does; the gRPC service wraps it without adding
-logic. It is safe to call from several threads (one model forward at a time).
+logic. It is safe to call from several threads (one model forward at a time). It is
+one module because a request's lifecycle (open, forward, prune, release) and the batched
+step that runs every request's rows share the same caches and locks.
 """
 
 from __future__ import annotations
@@ -188,8 +190,8 @@ class StageRuntime:
         """Open the request's cache, which may grow to `capacity` rows (prompt + output +
         tree). Nothing is reserved: blocks are taken as rows arrive, and a request is
         admitted while the pool has a free block (a request that later finds the pool
-        empty fails with CacheFull, RESOURCE_EXHAUSTED; docs/architecture.md, "The KV
-        cache").
+        empty fails with CacheFull, RESOURCE_EXHAUSTED; docs/architecture.md, "5. The request
+        controller and its executors", "The stage engine").
 
         `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
         a time): compute and return logits only for tree rows that are the root, i.e. whose
