@@ -1,4 +1,5 @@
-"""Pipelines the router steps: the interface, and the in-process implementation.
+"""The pipeline the lockstep executor steps: the interface, and the in-process
+implementation (the network router drives the services instead: services/router/).
 
 One call to `step` is one pipeline step for one request
 (docs/architecture.md, "3. The pipeline step"; phases in the order the network version
