@@ -1,0 +1,218 @@
+"""The HTTP port's guard around uvicorn: connection caps and request timeouts.
+
+uvicorn has no cap on connections and no timeout before a request's headers (its
+keep-alive timeout starts only after a first response), so silent or slow-header
+connections would stay open until the process runs out of file descriptors, taking the
+gRPC port and /health down with it. Here:
+
+- `GuardedListener`, the listening socket handed to uvicorn: its `accept` counts every
+  connection (`ConnectionCounts`: at most `max_connections`, and
+  `max_connections_per_client` from one address) and closes one over a cap at once,
+  after a fixed 503 answer, before asyncio builds a transport or a task for it. A
+  connection is counted until its socket is closed, so a TLS handshake counts too; one
+  whose handshake has not finished within the header timeout is shut down.
+- `guarded_protocol`: uvicorn's h11 protocol, plus a timer from the connection's start
+  (and from the first byte of every later request) to the end of the request's headers:
+  a connection that has not sent them in `header_timeout` seconds is closed.
+- `RateLimitFilter`: refusals and uvicorn's "Invalid HTTP request" warnings are logged
+  at a bounded rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..conn_limits import ConnectionCounts
+from ..ratelog import RateLimitedLog
+from .edge import EdgeLimits
+
+log = logging.getLogger(__name__)
+_REFUSAL_BODY = (
+    b'{"error":{"message":"too many connections: retry later",'
+    b'"type":"service_unavailable_error","param":null,"code":"too_many_connections"}}'
+)
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+    % (len(_REFUSAL_BODY), _REFUSAL_BODY)
+)
+# Refusals done in one `accept` call; then asyncio's loop runs other work and comes back.
+REFUSALS_PER_ACCEPT = 64
+
+
+class ConnectionGuard:
+    """The HTTP port's connection caps and the connections not yet started (TLS)."""
+
+    def __init__(self, limits: EdgeLimits, loop: asyncio.AbstractEventLoop) -> None:
+        self.limits = limits
+        self.loop = loop
+        self.counts = ConnectionCounts(limits.max_connections, limits.max_connections_per_client)
+        self.refusals = RateLimitedLog(log)
+        self._unstarted: dict[Any, asyncio.TimerHandle] = {}  # peername -> deadline
+
+    def listen(self, sock: socket.socket) -> GuardedListener:
+        """`sock` (listening) as a `GuardedListener` (the same descriptor)."""
+        listener = GuardedListener(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        listener.guard = self
+        return listener
+
+    def admitted(self, conn: GuardedConnection, addr) -> None:
+        """Count `conn` until it closes; shut it down if it has not started (its TLS
+        handshake done) within the header timeout."""
+        host = _host(addr)
+        key = _peer_key(addr)
+
+        def released() -> None:
+            self.counts.release(host)
+            timer = self._unstarted.pop(key, None)
+            if timer is not None:
+                timer.cancel()
+
+        conn.on_close = released
+        self._unstarted[key] = self.loop.call_later(
+            self.limits.header_timeout, self._expire, conn, key
+        )
+
+    def started(self, peername) -> None:
+        """The protocol has the connection: from here its own timer applies."""
+        timer = self._unstarted.pop(_peer_key(peername), None)
+        if timer is not None:
+            timer.cancel()
+
+    def _expire(self, conn: GuardedConnection, key) -> None:
+        if self._unstarted.pop(key, None) is not None:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # the transport sees the end and closes
+
+    def refuse(self, conn: socket.socket, addr, why: str) -> None:
+        """A fixed 503 if the socket takes it at once, then close."""
+        self.refusals.warning("refused", "HTTP port: refused a connection (%s)", why)
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(REFUSAL)
+        conn.close()
+
+
+class GuardedConnection(socket.socket):
+    """An accepted connection that tells its guard when it closes."""
+
+    on_close = None
+
+    def close(self) -> None:
+        callback, self.on_close = self.on_close, None
+        super().close()
+        if callback is not None:
+            callback()
+
+
+class GuardedListener(socket.socket):
+    """A listening socket whose `accept` enforces the guard's caps."""
+
+    guard: ConnectionGuard
+
+    def accept(self):
+        for _ in range(REFUSALS_PER_ACCEPT):
+            fd, addr = self._accept()  # BlockingIOError: none waiting (asyncio stops)
+            conn = GuardedConnection(self.family, self.type, self.proto, fileno=fd)
+            why = self.guard.counts.admit(_host(addr))
+            if why is None:
+                self.guard.admitted(conn, addr)
+                return conn, addr
+            self.guard.refuse(conn, addr, why)
+        raise BlockingIOError  # more may be waiting: asyncio's next turn takes them
+
+
+def _host(addr) -> str:
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+
+
+def _peer_key(addr):
+    return tuple(addr[:2]) if isinstance(addr, tuple) else addr
+
+
+def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with the header timeout of `guard.limits`."""
+    timeout = guard.limits.header_timeout
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            guard.started(transport.get_extra_info("peername"))
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self._between_requests():
+                self._arm()  # the first byte of a later request on a kept-alive connection
+            super().data_received(data)
+            if self._header_timer is not None and not self._between_requests():
+                self._header_timer.cancel()  # its headers are in
+                self._header_timer = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self._between_requests() and not self.transport.is_closing():
+                guard.refusals.warning(
+                    "slow", "HTTP port: closed a connection that sent no request in %.0f s",
+                    timeout,
+                )  # fmt: skip
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+class RateLimitFilter(logging.Filter):
+    """At most one record of each message per `interval` seconds (a flood of invalid
+    requests must not fill the disk); the next one says how many were left out."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        key = str(record.msg)
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._skipped[key] = self._skipped.get(key, 0) + 1
+            return False
+        if len(self._last) > 256:
+            self._last.clear()
+        self._last[key] = now
+        skipped = self._skipped.pop(key, 0)
+        if skipped:
+            record.msg = (
+                f"{record.msg} ({skipped} more like this in the last {self.interval:.0f} s)"
+            )
+        return True
+
+
+def limit_uvicorn_logs() -> None:
+    """Rate-limit uvicorn's warnings (once per process)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
+        logger.addFilter(RateLimitFilter())
