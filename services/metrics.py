@@ -145,7 +145,13 @@ class ServiceMetrics:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = BoundedHTTPServer((host, port), Handler)
+        self._server = BoundedHTTPServer(
+            (host, port),
+            Handler,
+            METRICS_MAX_CONNECTIONS,
+            METRICS_MAX_PER_CLIENT,
+            METRICS_CONNECTION_SECONDS,
+        )
         thread = threading.Thread(target=self._server.serve_forever, args=(0.5,), daemon=True,
                                   name="metrics")  # fmt: skip
         thread.start()
@@ -166,6 +172,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     down by the serving loop, so a thread is never held for longer."""
 
     daemon_threads = True
+    request_queue_size = 64  # the listen backlog: refusals are cheap, let them be seen
 
     def __init__(
         self,

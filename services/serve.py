@@ -256,6 +256,7 @@ async def run_router(args) -> None:
         name=args.router_name,
         security=security_of(args),
         public_tls=args.public_tls,
+        limits=getattr(args, "edge_limits", None),
     )
     router_metrics.watch(svc)
     host = args.advertise_host or _local(args.host)

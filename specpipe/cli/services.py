@@ -271,6 +271,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     _service_args(p, DEFAULT_ROUTER_PORT, data_plane=True)
     _http_args(p)
+    _edge_args(p)
     _scheduling_args(p)
     p.set_defaults(func=_cmd_router)
 
@@ -439,6 +440,56 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--public-tls-key", default=None, help="the key of --public-tls-cert (PEM)")
 
 
+# -- the router's public edge (services/router/edge.py; issue 22) ---------------------------
+def _edge_args(p: argparse.ArgumentParser) -> None:
+    from specpipe.services.auth import DEFAULT_MAX_PRIORITY
+    from specpipe.services.router.edge import DEFAULT_PER_CLIENT, HEADER_TIMEOUT
+
+    g = p.add_argument_group("public ports' limits")
+    g.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        default=None,
+        help="connections the HTTP port holds at once (and the gRPC port, each); more are "
+        "refused 503 (default: 1024, or a quarter of the file-descriptor limit)",
+    )
+    g.add_argument(
+        "--http-max-connections-per-client",
+        type=int,
+        default=DEFAULT_PER_CLIENT,
+        help="connections one client address may hold on the HTTP port (0: no cap; behind "
+        f"a proxy every client has the proxy's address; default {DEFAULT_PER_CLIENT})",
+    )
+    g.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=HEADER_TIMEOUT,
+        help="seconds a connection has to send a request's headers (from its start, or "
+        f"from the first byte of a later request) before it is closed (default {HEADER_TIMEOUT:g})",
+    )
+    g.add_argument(
+        "--max-priority",
+        type=int,
+        default=DEFAULT_MAX_PRIORITY,
+        help="the highest request priority a client may ask for unless its API key's line "
+        f"says max_priority=N (default {DEFAULT_MAX_PRIORITY}; higher is refused)",
+    )
+
+
+def _edge_limits(args: argparse.Namespace):
+    from specpipe.services.router.edge import EdgeLimits
+
+    given = {"max_connections": args.http_max_connections} if args.http_max_connections else {}
+    try:
+        return EdgeLimits(
+            max_connections_per_client=args.http_max_connections_per_client,
+            header_timeout=args.http_header_timeout,
+            **given,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
 def _public_tls(args: argparse.Namespace):
     if bool(args.public_tls_cert) != bool(args.public_tls_key):
         raise CliError("--public-tls-cert and --public-tls-key go together")
@@ -453,10 +504,11 @@ def _public_tls(args: argparse.Namespace):
 
 
 def _api_keys(args: argparse.Namespace):
-    from specpipe.services.auth import ApiKeyError, ApiKeys
+    from specpipe.services.auth import DEFAULT_MAX_PRIORITY, ApiKeyError, ApiKeys
 
+    cap = getattr(args, "max_priority", DEFAULT_MAX_PRIORITY)  # `specpipe up`: the default
     try:
-        return ApiKeys.load(args.api_key, args.api_key_file)
+        return ApiKeys.load(args.api_key, args.api_key_file, cap)
     except ApiKeyError as e:
         raise CliError(str(e)) from None
 
@@ -544,6 +596,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     except DiscoveryError as e:
         raise CliError(str(e)) from None
     args.api_keys = _api_keys(args)
+    args.edge_limits = _edge_limits(args)
     args.public_tls = _public_tls(args)
     args.target = _resolve(args.target)
     asyncio.run(run_router(args))
@@ -577,7 +630,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             max_cache_gib=args.max_cache_gib,
             http_port=args.http_port,
-            api_keys=api_keys.keys,
+            api_keys=api_keys.lines,
             scheduling=scheduling_options(args),
             stage_replicas=args.stage_replicas,
             metrics=not args.no_metrics,
