@@ -7,10 +7,12 @@ gRPC port and /health down with it. Here:
 
 - `GuardedListener`, the listening socket handed to uvicorn: its `accept` counts every
   connection (`ConnectionCounts`: at most `max_connections`, and
-  `max_connections_per_client` from one address) and closes one over a cap at once,
-  after a fixed 503 answer, before asyncio builds a transport or a task for it. A
-  connection is counted until its socket is closed, so a TLS handshake counts too; one
-  whose handshake has not finished within the header timeout is shut down.
+  `max_connections_per_client` from one address). When the port is full, the oldest
+  idle connection (no request under way) is closed for the new one; when all are busy,
+  or the client holds its share, the new one gets a fixed 503 and is closed at once,
+  before asyncio builds a transport or a task for it. A connection is counted until its
+  socket is closed, so a TLS handshake counts too; one whose handshake has not finished
+  within the header timeout is shut down.
 - `guarded_protocol`: uvicorn's h11 protocol, plus a timer from the connection's start
   (and from the first byte of every later request) to the end of the request's headers:
   a connection that has not sent them in `header_timeout` seconds is closed.
@@ -48,14 +50,22 @@ REFUSALS_PER_ACCEPT = 64
 
 
 class ConnectionGuard:
-    """The HTTP port's connection caps and the connections not yet started (TLS)."""
+    """The HTTP port's connections: counted, capped, and the idle ones known.
+
+    A connection is idle from its admission until its request's headers are in, and
+    again from the end of each response until the next request's headers are in. When
+    the port is full, a new connection takes the place of the oldest idle one (closed),
+    so silent or slow connections from many addresses cannot keep clients with a
+    request to send out; only when every connection is busy is a new one refused."""
 
     def __init__(self, limits: EdgeLimits, loop: asyncio.AbstractEventLoop) -> None:
         self.limits = limits
         self.loop = loop
         self.counts = ConnectionCounts(limits.max_connections, limits.max_connections_per_client)
         self.refusals = RateLimitedLog(log)
-        self._unstarted: dict[Any, asyncio.TimerHandle] = {}  # peername -> deadline
+        self.evicted = 0
+        self._open: dict[Any, GuardedConnection] = {}  # peername -> connection
+        self._idle: dict[Any, None] = {}  # peernames of idle connections, oldest first
 
     def listen(self, sock: socket.socket) -> GuardedListener:
         """`sock` (listening) as a `GuardedListener` (the same descriptor)."""
@@ -63,40 +73,92 @@ class ConnectionGuard:
         listener.guard = self
         return listener
 
-    def admitted(self, conn: GuardedConnection, addr) -> None:
-        """Count `conn` until it closes; shut it down if it has not started (its TLS
-        handshake done) within the header timeout."""
+    def take(self, conn: GuardedConnection, addr) -> bool:
+        """Admit a new connection (counted until it closes), or refuse it: False."""
         host = _host(addr)
+        per_client = self.counts.per_client
+        if self.counts.open >= self.counts.total and not (
+            per_client and self.counts.held_by(host) >= per_client
+        ):
+            self._evict_oldest_idle()
+        why = self.counts.admit(host)
+        if why is not None:
+            self.refuse(conn, why)
+            return False
         key = _peer_key(addr)
-
-        def released() -> None:
-            self.counts.release(host)
-            timer = self._unstarted.pop(key, None)
-            if timer is not None:
-                timer.cancel()
-
-        conn.on_close = released
-        self._unstarted[key] = self.loop.call_later(
-            self.limits.header_timeout, self._expire, conn, key
-        )
+        conn.host, conn.key = host, key
+        conn.on_close = lambda: self._closed(conn)
+        self._open[key] = conn
+        self._idle[key] = None
+        # Until the protocol has it (a TLS handshake first), nothing else would close a
+        # connection that never starts.
+        conn.unstarted = self.loop.call_later(self.limits.header_timeout, self._expire, conn)
+        return True
 
     def started(self, peername) -> None:
         """The protocol has the connection: from here its own timer applies."""
-        timer = self._unstarted.pop(_peer_key(peername), None)
-        if timer is not None:
-            timer.cancel()
+        conn = self._open.get(_peer_key(peername))
+        if conn is not None and conn.unstarted is not None:
+            conn.unstarted.cancel()
+            conn.unstarted = None
 
-    def _expire(self, conn: GuardedConnection, key) -> None:
-        if self._unstarted.pop(key, None) is not None:
+    def busy(self, peername) -> None:
+        """The connection's request headers are in: it is not idle."""
+        self._idle.pop(_peer_key(peername), None)
+
+    def idle(self, peername) -> None:
+        """Its response is done and it waits for the next request (the newest idle)."""
+        key = _peer_key(peername)
+        if key in self._open:
+            self._idle.pop(key, None)
+            self._idle[key] = None
+
+    def _evict_oldest_idle(self) -> bool:
+        while self._idle:
+            key = next(iter(self._idle))
+            del self._idle[key]
+            conn = self._open.get(key)
+            if conn is None or conn.evicted:
+                continue
+            conn.evicted = True  # its place is free now; its descriptor at its close
+            self.counts.release(conn.host)
+            self.evicted += 1
+            self.refusals.warning(
+                "evicted", "HTTP port full: closed the oldest idle connection for a new one"
+            )
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # the transport sees the end and closes
+                conn.shutdown(socket.SHUT_RDWR)  # its transport sees the end and closes
+            return True
+        return False
 
-    def refuse(self, conn: socket.socket, addr, why: str) -> None:
-        """A fixed 503 if the socket takes it at once, then close."""
+    def _closed(self, conn: GuardedConnection) -> None:
+        if self._open.get(conn.key) is conn:  # (a new one may have its address by now)
+            del self._open[conn.key]
+            self._idle.pop(conn.key, None)
+        if conn.unstarted is not None:
+            conn.unstarted.cancel()
+            conn.unstarted = None
+        if not conn.evicted:
+            self.counts.release(conn.host)
+
+    def _expire(self, conn: GuardedConnection) -> None:
+        conn.unstarted = None
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def refuse(self, conn: socket.socket, why: str) -> None:
+        """A fixed 503 if the socket takes it at once, then close (what the client
+        already sent is read and dropped first: closing over unread bytes would reset
+        the connection, and the client might lose the answer)."""
         self.refusals.warning("refused", "HTTP port: refused a connection (%s)", why)
         with contextlib.suppress(OSError):
             conn.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                for _ in range(4):
+                    if not conn.recv(65536):
+                        break
             conn.send(REFUSAL)
+            conn.shutdown(socket.SHUT_WR)
         conn.close()
 
 
@@ -104,6 +166,9 @@ class GuardedConnection(socket.socket):
     """An accepted connection that tells its guard when it closes."""
 
     on_close = None
+    host, key = "", None
+    unstarted: asyncio.TimerHandle | None = None
+    evicted = False
 
     def close(self) -> None:
         callback, self.on_close = self.on_close, None
@@ -121,11 +186,8 @@ class GuardedListener(socket.socket):
         for _ in range(REFUSALS_PER_ACCEPT):
             fd, addr = self._accept()  # BlockingIOError: none waiting (asyncio stops)
             conn = GuardedConnection(self.family, self.type, self.proto, fileno=fd)
-            why = self.guard.counts.admit(_host(addr))
-            if why is None:
-                self.guard.admitted(conn, addr)
+            if self.guard.take(conn, addr):
                 return conn, addr
-            self.guard.refuse(conn, addr, why)
         raise BlockingIOError  # more may be waiting: asyncio's next turn takes them
 
 
@@ -146,7 +208,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            guard.started(transport.get_extra_info("peername"))
+            self.client_peer = transport.get_extra_info("peername")
+            guard.started(self.client_peer)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -156,6 +219,12 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
             if self._header_timer is not None and not self._between_requests():
                 self._header_timer.cancel()  # its headers are in
                 self._header_timer = None
+                guard.busy(self.client_peer)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._between_requests() and not self.transport.is_closing():
+                guard.idle(self.client_peer)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:

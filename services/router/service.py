@@ -31,6 +31,7 @@ from specpipe.v1 import generation_pb2_grpc
 
 from ..auth import ApiKeys, Caller
 from ..grpc_util import Server, channel, wait_until_idle
+from ..ratelog import RateLimitedLog
 from ..security import PublicTls, Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
@@ -161,6 +162,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         # Tokenizing (and chat templates) off the event loop, bounded: a long prompt never
         # delays other requests' tokens or the health checks (tokenizing.py).
         self._tokenizing = TokenizingQueue()
+        self._failures = RateLimitedLog(log)  # a failing replica fails many requests
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -443,7 +445,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             failed = False
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
-            log.warning("a %s request failed: %s %s", plan.mode, e.code.name, e.message)
+            self._failures.warning(
+                e.code.name, "a %s request failed: %s %s", plan.mode, e.code.name, e.message
+            )
             log.debug("%s failed", rid)
             raise RequestFailed(e.code, e.message) from None
         except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline

@@ -29,6 +29,7 @@ from specpipe.services.router.backends import ModelInfo
 from specpipe.services.router.edge import EdgeLimits
 from specpipe.services.router.http_api import HttpServer
 from specpipe.services.router.http_guard import RateLimitFilter
+from specpipe.services.router.requests import RequestFailed
 from specpipe.services.router.service import RouterService, is_local_peer
 from specpipe.services.router.tokenizing import SHORT_CHARS
 from specpipe.v1 import generation_pb2 as gen
@@ -168,6 +169,40 @@ def test_a_body_that_does_not_arrive_is_refused_408() -> None:
     assert status == 408 and "did not arrive" in body["error"]["message"]
 
 
+def test_tls_connections_that_never_finish_their_handshake_are_closed(tmp_path) -> None:
+    """With public TLS the protocol sees a connection only after its handshake: the
+    guard shuts down one whose handshake has not finished within the header timeout
+    (asyncio's own handshake timeout is 60 s), and counts it until then."""
+    import ssl
+
+    from specpipe.services.security import PublicTls, make_pki
+
+    pki = make_pki(tmp_path / "public", hosts=["127.0.0.1"])
+    tls = PublicTls.load(pki / "tls.crt", pki / "tls.key")
+
+    async def main():
+        router = RouterService(["127.0.0.1:9"], None, limits=EdgeLimits(header_timeout=0.5))
+        http = HttpServer(router)
+        port = await http.start("127.0.0.1", 0, tls)
+        try:
+            conns = await silent(port, 5)
+            while http.guard.counts.open < 5:
+                await asyncio.sleep(0.01)
+            got = await answers(conns)
+            ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+            r, w = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+            w.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            status = parse(await asyncio.wait_for(r.read(), WAIT))[0]
+            w.close()
+            return got, status
+        finally:
+            await http.stop()
+            await router.backends.close()
+
+    got, status = asyncio.run(main())
+    assert got == [b""] * 5 and status == 503  # starting: but served over TLS
+
+
 def test_connections_per_client_are_capped_and_other_clients_served() -> None:
     async def main():
         limits = EdgeLimits(max_connections_per_client=4, header_timeout=1.0)
@@ -184,19 +219,63 @@ def test_connections_per_client_are_capped_and_other_clients_served() -> None:
     assert b"too many connections" in refused[0] and b"Retry-After: 1" in refused[0]
 
 
-def test_connections_in_all_are_capped_and_free_again_after_the_timeout(caplog) -> None:
+def test_a_full_port_closes_its_oldest_idle_connection_for_a_new_one(caplog) -> None:
+    """40 silent connections (as from 40 addresses) on a port that holds 6: at most 6
+    are open at any time, each new one closes the oldest idle one, and a client with a
+    request is served at once; one log line."""
+
     async def main():
         limits = EdgeLimits(max_connections=6, max_connections_per_client=0, header_timeout=1.0)
         async with edge(limits) as e:
             conns = await silent(e.port, 40)
+            served = await request(e.port)
+            guard = e.http.guard
+            most = guard.counts.open
             got = await answers(conns)
-            return got, await request(e.port), e.http.guard.counts.open
+            return served, most, got, guard.evicted, guard.counts.open
 
     with caplog.at_level(logging.WARNING):
-        got, (status, body), left = asyncio.run(main())
-    assert got.count(b"") == 6 and len([g for g in got if b" 503 " in g[:20]]) == 34
-    assert status == 200 and body["status"] == "ok" and left == 0
-    # 34 refusals, one log line (the rest counted in the next one, at most every 10 s).
+        served, most, got, evicted, left = asyncio.run(main())
+    assert served == (200, {"status": "ok", "model": "m"})
+    assert most <= 6 and evicted == 35 and got == [b""] * 40 and left == 0
+    lines = [r for r in caplog.records if "oldest idle" in r.getMessage()]
+    assert len(lines) == 1
+
+
+def test_a_port_full_of_busy_connections_refuses_new_ones_503(caplog) -> None:
+    """When every connection has a request under way, a new one is answered 503 and
+    closed (not queued, no descriptor kept); 30 refusals, one log line."""
+    release = asyncio.Event
+
+    async def main():
+        limits = EdgeLimits(max_connections=2, max_connections_per_client=0)
+        async with edge(limits) as e:
+            go = release()
+
+            async def held(req):
+                await go.wait()
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "released")
+                yield
+
+            e.router.generate = lambda req, deadline=None, caller=None: held(req)
+            busy = [asyncio.ensure_future(request(e.port, "/v1/completions", {"prompt": [1]}))
+                    for _ in range(2)]  # fmt: skip
+            while e.http.guard._idle or e.http.guard.counts.open < 2:
+                await asyncio.sleep(0.01)
+            refused = []
+            for _ in range(30):
+                try:
+                    refused.append(await request(e.port))
+                except ConnectionResetError:  # closed before our request was read: refused
+                    refused.append((503, {"error": {"code": "too_many_connections"}}))
+            go.set()
+            return refused, [await b for b in busy], await request(e.port)
+
+    with caplog.at_level(logging.WARNING):
+        refused, busy, after = asyncio.run(main())
+    assert {s for s, _ in refused} == {503}
+    assert refused[0][1]["error"]["code"] == "too_many_connections"
+    assert [s for s, _ in busy] == [503, 503] and after[0] == 200  # released, then free
     lines = [r for r in caplog.records if "refused a connection" in r.getMessage()]
     assert len(lines) == 1
 
