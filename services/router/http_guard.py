@@ -45,6 +45,10 @@ REFUSAL = (
     b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
     % (len(_REFUSAL_BODY), _REFUSAL_BODY)
 )
+# Connections closed for new ones whose descriptors are not closed yet (their transports
+# close them on the loop's next turns): beyond this many, new ones are refused instead,
+# so the port never holds more than `max_connections` + this many descriptors.
+EVICTIONS_IN_FLIGHT = 64
 # Refusals done in one `accept` call; then asyncio's loop runs other work and comes back.
 REFUSALS_PER_ACCEPT = 64
 
@@ -64,6 +68,7 @@ class ConnectionGuard:
         self.counts = ConnectionCounts(limits.max_connections, limits.max_connections_per_client)
         self.refusals = RateLimitedLog(log)
         self.evicted = 0
+        self._closing = 0  # evicted connections not closed yet
         self._open: dict[Any, GuardedConnection] = {}  # peername -> connection
         self._idle: dict[Any, None] = {}  # peernames of idle connections, oldest first
 
@@ -114,6 +119,8 @@ class ConnectionGuard:
             self._idle[key] = None
 
     def _evict_oldest_idle(self) -> bool:
+        if self._closing >= EVICTIONS_IN_FLIGHT:
+            return False
         while self._idle:
             key = next(iter(self._idle))
             del self._idle[key]
@@ -121,6 +128,7 @@ class ConnectionGuard:
             if conn is None or conn.evicted:
                 continue
             conn.evicted = True  # its place is free now; its descriptor at its close
+            self._closing += 1
             self.counts.release(conn.host)
             self.evicted += 1
             self.refusals.warning(
@@ -138,7 +146,9 @@ class ConnectionGuard:
         if conn.unstarted is not None:
             conn.unstarted.cancel()
             conn.unstarted = None
-        if not conn.evicted:
+        if conn.evicted:
+            self._closing -= 1
+        else:
             self.counts.release(conn.host)
 
     def _expire(self, conn: GuardedConnection) -> None:

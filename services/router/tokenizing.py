@@ -5,9 +5,11 @@ Two lanes of threads: short texts (up to SHORT_CHARS characters) have a thread o
 their own, so a neighbour's short prompt never waits behind long ones; long texts share
 LONG_THREADS threads, and at most `budget` characters of them may be queued or running
 at once. A text beyond that is refused at once, RESOURCE_EXHAUSTED (HTTP 429), instead
-of waiting in an unbounded queue while its request holds its memory. The router's
-budget is BUDGET_PROMPTS prompts of the largest size its context admits, so a prompt of
-any admissible size gets through whenever nothing else is being tokenized.
+of waiting in an unbounded queue while its request holds its memory (a tokenizer's
+encoding of a million characters takes hundreds of MB). The router's budget is
+BUDGET_PROMPTS prompt of the largest size its context admits (1M characters for a
+32k context: many ordinary long prompts at once), so a prompt of any admissible size
+gets through whenever no other long one is being tokenized.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ T = TypeVar("T")
 SHORT_CHARS = 16 << 10
 SHORT_THREADS = 1
 LONG_THREADS = 2
-BUDGET_PROMPTS = 2
+BUDGET_PROMPTS = 1
 MAX_SHORT_JOBS = 256  # short texts queued or running
 
 
