@@ -86,6 +86,8 @@ class HttpApi:
             BodyLimit,
             limit=lambda: self.router.max_request_bytes,
             timeout=self.router.limits.body_timeout,
+            # A body of n bytes holds at least n/4 characters (UTF-8).
+            busy=lambda length: self.router.tokenizer_full(length // 4),
         )
         return app
 
@@ -286,10 +288,11 @@ class BodyLimit:
     parsed: by its Content-Length, or by reading a chunked body up to the limit (the
     body is then passed on as read); one that has not all arrived `timeout` seconds
     after its headers is refused 408 (a client sending a byte at a time holds nothing
-    for long)."""
+    for long); one whose size alone says its prompt could not be tokenized now
+    (`busy(length)`) is refused 429 before it is read or parsed."""
 
-    def __init__(self, app, limit, timeout: float) -> None:
-        self.app, self.limit, self.timeout = app, limit, timeout
+    def __init__(self, app, limit, timeout: float, busy=lambda length: False) -> None:
+        self.app, self.limit, self.timeout, self.busy = app, limit, timeout, busy
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -299,6 +302,12 @@ class BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > cap):
             await self._refuse(cap, scope, receive, send)
+            return
+        if length is not None and self.busy(int(length)):
+            e = ApiError(429, "the router is tokenizing as much as it may at once: retry later",
+                         "resource_exhausted")  # fmt: skip
+            await _drain(receive)
+            await _error_response(e, close=True)(scope, receive, send)
             return
         read, seen = [], 0
         deadline = asyncio.get_running_loop().time() + self.timeout
@@ -329,7 +338,25 @@ class BodyLimit:
     @staticmethod
     async def _refuse(cap: int, scope, receive, send) -> None:
         e = ApiError(413, f"the request body is larger than {cap} bytes", "request_too_large")
+        await _drain(receive)
         await _error_response(e, close=True)(scope, receive, send)
+
+
+# A refused body is read and dropped, up to this much for this long, before the answer:
+# closing a connection over unread bytes resets it, and the client may lose the answer.
+DRAIN_BYTES = 8 << 20
+DRAIN_SECONDS = 1.0
+
+
+async def _drain(receive) -> None:
+    seen = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while seen <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    return
+                seen += len(message.get("body", b""))
 
 
 # -- errors --------------------------------------------------------------------------------

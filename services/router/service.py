@@ -327,12 +327,17 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         )
         return dataclasses.replace(plan, opts=opts), tuned
 
+    def _tokenize_budget(self) -> int:
+        return BUDGET_PROMPTS * max_prompt_chars(self._check_model("").max_positions)
+
     async def tokenize_off_loop(self, chars: int, fn, *args):
         """`fn(*args)` (tokenizing, a chat template) for a text of `chars` characters, on
         the tokenizer threads; RESOURCE_EXHAUSTED when they have too much to do."""
-        model = self._check_model("")
-        budget = BUDGET_PROMPTS * max_prompt_chars(model.max_positions)
-        return await self._tokenizing.run(chars, budget, fn, *args)
+        return await self._tokenizing.run(chars, self._tokenize_budget(), fn, *args)
+
+    def tokenizer_full(self, chars: int) -> bool:
+        """Whether a text of at least `chars` characters would be refused now."""
+        return self.model is not None and self._tokenizing.full(chars, self._tokenize_budget())
 
     async def prepare(self, r: gen.GenerateRequest) -> Plan:
         """`plan`, with a text prompt tokenized off the event loop."""

@@ -42,6 +42,11 @@ class TokenizingQueue:
         self.long_chars = 0  # characters of long texts queued or running
         self.short_jobs = 0
 
+    def full(self, chars: int, budget: int) -> bool:
+        """Whether a text of at least `chars` characters would be refused now (the HTTP
+        API asks before it reads and parses a large body)."""
+        return chars > SHORT_CHARS and bool(self.long_chars) and self.long_chars + chars > budget
+
     async def run(self, chars: int, budget: int, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` on a tokenizer thread, for a text of `chars` characters; refused
         (RequestFailed, RESOURCE_EXHAUSTED) when its lane is full. `budget`: the

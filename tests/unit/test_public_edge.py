@@ -326,13 +326,17 @@ def test_long_prompts_beyond_the_tokenizer_budget_are_429_and_short_ones_pass() 
                 await asyncio.wait(longs, timeout=0.05)
             refused = [t.result() for t in longs if t.done()]
             neighbour = await request(e.port, "/v1/chat/completions", chat(10))
+            # 600 kB cannot be under 150k characters: refused before it is read or parsed
+            # (it is not even JSON).
+            unread = await request(e.port, "/v1/chat/completions", b"x" * 600_000)
             queue = e.router._tokenizing
             held = (queue.long_chars, codec.long_started)
             codec.release.set()
             rest = await asyncio.gather(*longs)
-            return refused, neighbour, held, rest, queue.long_chars
+            return refused, neighbour, unread, held, rest, queue.long_chars
 
-    refused, neighbour, held, rest, after = asyncio.run(main())
+    refused, neighbour, unread, held, rest, after = asyncio.run(main())
+    assert unread[0] == 429 and "tokenizing" in unread[1]["error"]["message"]
     assert [s for s, _ in refused] == [429] * 7
     assert "retry later" in refused[0][1]["error"]["message"]
     assert neighbour[0] == ADMITTED  # tokenized while the long ones were held
