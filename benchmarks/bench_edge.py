@@ -50,7 +50,7 @@ def threads(pid: int) -> int:
 
 
 def http(address: str, path: str, body: bytes | dict | None = None, timeout: float = 120):
-    """(status, seconds) of one request."""
+    """(status, seconds) of one request (an error's status with its code)."""
     data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
     req = urllib.request.Request(f"http://{address}{path}", data=data,
                                  headers={"Content-Type": "application/json"})  # fmt: skip
@@ -61,6 +61,8 @@ def http(address: str, path: str, body: bytes | dict | None = None, timeout: flo
             status = r.status
     except urllib.error.HTTPError as e:
         status = e.code
+        with contextlib.suppress(ValueError, OSError, KeyError, TypeError):
+            status = f"{e.code} {json.loads(e.read())['error']['code']}"
     except OSError as e:
         status = type(e).__name__
     return status, round(time.monotonic() - t0, 3)
