@@ -29,13 +29,16 @@ DEFAULT_DRAIN_SECONDS = 25.0
 # or grpc, which a command line's parser should not wait for (a test checks each equals
 # its origin): services/modelinfo.py, services/router/backends.py DEFAULT_STALL_SECONDS,
 # services/security.py, common/runtime/lease.py, common/spec/scheduler.py,
-# services/transport/__init__.py.
+# services/transport/__init__.py, services/router/edge.py, services/auth.py.
 DEFAULT_CACHE_FRACTION = 0.8
 DEFAULT_REPLICA_STALL_SECONDS = 2.0
 DEFAULT_SERVER_NAME = "specpipe-internal"
 DEFAULT_LEASE_SECONDS = 60.0
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_WAITING = 256
+DEFAULT_HTTP_PER_CLIENT = 64  # connections one client address may hold on the HTTP port
+DEFAULT_HTTP_HEADER_TIMEOUT = 5.0
+DEFAULT_MAX_PRIORITY = 10  # a client's highest priority unless its API key says otherwise
 TRANSPORTS = ("ucx", "tcp")  # every data plane
 TCP = TRANSPORTS[1]
 
@@ -227,6 +230,11 @@ class RouterConfig(ServiceConfig):
     api_key_files: tuple[str, ...] = flag((), name="--api-key-file")
     public_tls_cert: str | None = flag()
     public_tls_key: str | None = flag()
+    # The public ports' limits (services/router/edge.py, EdgeLimits; None: its default).
+    http_max_connections: int | None = flag()
+    http_max_connections_per_client: int = flag(DEFAULT_HTTP_PER_CLIENT)
+    http_header_timeout: float = flag(DEFAULT_HTTP_HEADER_TIMEOUT)
+    max_priority: int = flag(DEFAULT_MAX_PRIORITY)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     def __post_init__(self) -> None:

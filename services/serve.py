@@ -225,7 +225,7 @@ def load_api_keys(config: RouterConfig):
     for a file that cannot be read or lists none)."""
     from .auth import ApiKeys
 
-    return ApiKeys.load(config.api_keys, config.api_key_files)
+    return ApiKeys.load(config.api_keys, config.api_key_files, config.max_priority)
 
 
 def load_public_tls(config: RouterConfig):
@@ -289,6 +289,19 @@ def router_arguments(config: RouterConfig, inputs: RouterInputs) -> dict[str, ob
         name=config.router_name,
         security=security_of(config),
         public_tls=inputs.public_tls,
+        limits=edge_limits(config),
+    )
+
+
+def edge_limits(config: RouterConfig):
+    """The public ports' limits of a router configuration (ValueError for bad ones)."""
+    from .router.edge import EdgeLimits
+
+    given = {"max_connections": config.http_max_connections} if config.http_max_connections else {}
+    return EdgeLimits(
+        max_connections_per_client=config.http_max_connections_per_client,
+        header_timeout=config.http_header_timeout,
+        **given,
     )
 
 

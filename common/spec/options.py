@@ -26,6 +26,7 @@ MAX_SPECINFER_DEPTH = 64
 MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
 MAX_NEW_TOKENS = 1 << 20
 MAX_LAYERS_PER_STEP = 16
+MAX_STOP_TOKEN_IDS = 1024  # a client's (every emitted token is checked against them)
 
 
 class Mode(StrEnum):
@@ -97,7 +98,9 @@ class DecodeOptions:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_new_tokens > MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens {self.max_new_tokens} is too large")
+            raise ValueError(
+                f"max_new_tokens {self.max_new_tokens} is too large (at most {MAX_NEW_TOKENS})"
+            )
         for name, high in (
             ("width", MAX_WIDTH),
             ("top_k_children", MAX_TOP_K_CHILDREN),

@@ -310,6 +310,7 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
     )
     _service_args(p, defaults, data_plane=True)
     _http_args(p)
+    _edge_args(p, defaults)
     _scheduling_args(p, defaults.scheduling)
 
 
@@ -446,6 +447,39 @@ def _scheduling_args(p: argparse.ArgumentParser, defaults: SchedulingConfig) -> 
         help="how long a verification may wait for a draft answer that is late (lockstep "
         "would have it): the tree keeps its layer instead of missing it (default 0: never "
         "wait)",
+    )
+
+
+def _edge_args(p: argparse.ArgumentParser, defaults: RouterConfig) -> None:
+    """The public ports' limits (services/router/edge.py; issue 22)."""
+    g = p.add_argument_group("public ports' limits")
+    g.add_argument(
+        "--http-max-connections",
+        type=positive_int,
+        default=None,
+        help="connections the HTTP port holds at once (and the gRPC port, each); more are "
+        "refused 503 (default: 1024, or a quarter of the file-descriptor limit)",
+    )
+    g.add_argument(
+        "--http-max-connections-per-client",
+        type=int,
+        default=defaults.http_max_connections_per_client,
+        help="connections one client address may hold on the HTTP port (0: no cap; behind "
+        "a proxy every client has the proxy's address; default %(default)s)",
+    )
+    g.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=defaults.http_header_timeout,
+        help="seconds a connection has to send a request's headers (from its start, or "
+        "from the first byte of a later request) before it is closed (default %(default)s)",
+    )
+    g.add_argument(
+        "--max-priority",
+        type=int,
+        default=defaults.max_priority,
+        help="the highest request priority a client may ask for unless its API key's line "
+        "says max_priority=N (default %(default)s; higher is refused)",
     )
 
 

@@ -135,11 +135,15 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """`specpipe router`'s configuration."""
+    from specpipe.services.serve import edge_limits
+
     _check_security_mode(args)
     try:
-        return RouterConfig.from_args(args)
+        config = RouterConfig.from_args(args)
+        edge_limits(config)  # checked now: a bad limit is a command-line error
     except ValueError as e:
         raise CliError(str(e)) from None
+    return config
 
 
 def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
@@ -173,7 +177,7 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         startup_timeout=args.startup_timeout,
         max_cache_gib=args.max_cache_gib,
         http_port=args.http_port,
-        api_keys=api_keys.keys,
+        api_keys=api_keys.lines,  # with their attributes (max_priority=N, operator)
         scheduling=SchedulingConfig.from_args(args),
         metrics=not args.no_metrics,
         secure=not args.insecure,

@@ -46,7 +46,8 @@ ROUTER = RouterConfig(
     max_replays=2, stall_seconds=30.0, replica_stall_seconds=1.5, target="/models/m",
     model_id="served", startup_timeout=12.0, router_name="r1", http_port=8000,
     api_keys=("k1", "k2"), api_key_files=("/a", "/b"), public_tls_cert="/c.pem",
-    public_tls_key="/k.pem",
+    public_tls_key="/k.pem", http_max_connections=100, http_max_connections_per_client=3,
+    http_header_timeout=2.5, max_priority=4,
     scheduling=SchedulingConfig(
         max_running=3, max_waiting=4, row_budget="auto", width=8, layers_per_step="auto",
         token_source="ngram", tune_calibration_tokens=64, tune_price="model",
@@ -120,8 +121,13 @@ def test_repeated_defaults_equal_their_origins() -> None:
     from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
     from specpipe.common.spec.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
     from specpipe.services import config, modelinfo, security, transport
+    from specpipe.services.auth import DEFAULT_MAX_PRIORITY
     from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
+    from specpipe.services.router.edge import DEFAULT_PER_CLIENT, HEADER_TIMEOUT
 
+    assert config.DEFAULT_HTTP_PER_CLIENT == DEFAULT_PER_CLIENT
+    assert config.DEFAULT_HTTP_HEADER_TIMEOUT == HEADER_TIMEOUT
+    assert config.DEFAULT_MAX_PRIORITY == DEFAULT_MAX_PRIORITY
     assert config.DEFAULT_CACHE_FRACTION == modelinfo.DEFAULT_CACHE_FRACTION
     assert config.DEFAULT_REPLICA_STALL_SECONDS == DEFAULT_STALL_SECONDS
     assert config.DEFAULT_SERVER_NAME == security.DEFAULT_SERVER_NAME
