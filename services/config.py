@@ -57,7 +57,10 @@ def _comma(name: str, values: Sequence[str]) -> list[str]:
 
 
 def _ms(name: str, seconds: float | None) -> list[str]:
-    return [] if seconds is None else [name, repr(seconds * 1e3)]
+    if seconds is None:
+        return []
+    ms = seconds * 1e3
+    return [name, str(int(ms)) if ms == int(ms) else repr(ms)]
 
 
 def _security_mode(_: str, secure: bool) -> list[str]:
