@@ -479,9 +479,10 @@ class Backends:
         need_draft: bool = True,
         exclude: Iterable[Backend] = (),
     ) -> RequestPath:
-        """The least loaded eligible replica of every stage of `version` (None: the newest
-        complete version that has room), and a draft when `need_draft` and one is up (else
-        None: the request goes on without). NoPath says why there is none."""
+        """An eligible replica of every stage of `version` (None: the newest complete
+        version that has room), each the one `pick` chooses, and a draft when `need_draft`
+        and one is up (else None: the request goes on without). NoPath says why there is
+        none."""
         excluded = set(exclude)
         if version is not None:
             candidates = [version]
