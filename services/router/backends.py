@@ -24,7 +24,10 @@ faster replica takes more rows before a slower one is as quick (on accelerator-l
 flat curves: every request until its curve rises). Replicas priced within
 `SPEED_TOLERANCE` of the best are equal (identical replicas measure a little
 differently) and go by load: rows in flight, requests, free KV cache, then round robin.
-Without curves, load alone decides.
+Without curves, load alone decides. (Measured against the alternative of load first and
+speed only to break exact ties, benchmarks/bench_mixed_replicas.py: that one lost the
+fast replica whenever a closed-loop client's next request came before the last one's
+release was done, and was no faster at 8 clients than load alone.)
 
 A model version is the content hash of the target's weights (`weight_hash`). A version
 is complete when its healthy stages chain from layer 0 to the last one. New requests go

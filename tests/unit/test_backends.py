@@ -238,6 +238,15 @@ def test_at_equal_load_the_faster_replica_takes_the_request() -> None:
     assert bs.path(need_draft=False).stages == [fast]
     publish(fast, pb.CostCurve(rows=[1, 64, 128], seconds=[0.01, 0.01, 0.2]))
     assert bs.path(need_draft=False).stages == [slow]
+    # Both idle by this router's counts, but the fast one just finished a request: its
+    # last Describe (up to a check interval old) still says one request and some KV
+    # cache in use, and a closed-loop client's next request comes before the old one's
+    # release is done. Still the fast one: one request more costs it nothing here.
+    slow.rows = slow.active = 0
+    fast.rows, fast.active = 0, 1
+    fast.desc = SimpleNamespace(**{**vars(fast.desc), "active_requests": 1,
+                                   "cache_bytes_used": 10, "cache_bytes_limit": 1000})  # fmt: skip
+    assert bs.path(need_draft=False).stages == [fast]
     # The draft replicas too.
     add(bs, "draft", "d-slow", curve=curve(fixed=0.004))
     d_fast = add(bs, "draft", "d-fast", curve=curve(fixed=0.001))
