@@ -1,5 +1,6 @@
 """`specpipe profile` and `specpipe plan`: measure a node kind, and plan which node kind
-hosts which layers (docs/planning.md)."""
+hosts which layers (docs/planning.md). One module: the two commands share the node
+profiles' loading and the plan's printing, and `plan` writes what `profile` reads."""
 
 from __future__ import annotations
 
