@@ -114,6 +114,7 @@ class ServicesDeployment:
         public_tls=None,
         emulate_costs: str | Path | None = None,
         batch_wait: float | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.target = Path(target)
         self.draft = (
@@ -173,6 +174,7 @@ class ServicesDeployment:
             EmulatedCosts.load(self.emulate_costs).check_stages(len(self.ranges))
         # --batch-wait-ms of every stage and the draft, in seconds (None: the stages' automatic window)
         self.batch_wait = batch_wait
+        self.prefix_cache = prefix_cache  # False: --no-prefix-cache on every stage and the draft
         self.children: dict[str, Child] = {}
         self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
@@ -435,13 +437,14 @@ class ServicesDeployment:
 
     def _cache_args(self) -> list[str]:
         """A fixed budget, or an equal share of the free memory of the one device every
-        stage and the draft share here."""
+        stage and the draft share here; and the prefix cache off if asked."""
+        off = [] if self.prefix_cache else ["--no-prefix-cache"]
         if self.max_cache_gib is not None:
-            return ["--max-cache-gib", str(self.max_cache_gib)]
+            return ["--max-cache-gib", str(self.max_cache_gib), *off]
         from .modelinfo import DEFAULT_CACHE_FRACTION
 
         share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
-        return ["--cache-fraction", f"{share:.4f}"]
+        return ["--cache-fraction", f"{share:.4f}", *off]
 
     def _router_api_args(self) -> list[str]:
         args = []

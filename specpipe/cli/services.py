@@ -134,6 +134,16 @@ def _model_args(p: argparse.ArgumentParser, required: bool) -> None:
     )
     add_device_arg(p)
     _emulate_arg(p)
+    _prefix_cache_arg(p)
+
+
+def _prefix_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn the prefix cache off: no KV cache blocks shared between requests with a "
+        "common prompt prefix, every prompt prefilled whole",
+    )
 
 
 def _batch_wait_arg(p: argparse.ArgumentParser) -> None:
@@ -353,6 +363,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lease-seconds", type=float, default=None, help="of the stages and draft")
     _batch_wait_arg(p)
     _emulate_arg(p)
+    _prefix_cache_arg(p)
     _http_args(p)
     _scheduling_args(p)
     p.set_defaults(func=_cmd_up)
@@ -653,6 +664,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             public_tls=public_tls,
             emulate_costs=args.emulate_costs,
             batch_wait=args.batch_wait_ms,
+            prefix_cache=not args.no_prefix_cache,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
