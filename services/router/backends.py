@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,6 +42,7 @@ from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 from ..grpc_util import SERVING, channel, rpc_error_text
 from .batched import CallBatcher, stage_batchers
 from .discovery import Discovery, Endpoint
+from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,8 @@ class Backend:
     # a stage's Feed (stage 1) and Prune calls, batched per event-loop turn
     feeds: CallBatcher | None = field(default=None, repr=False)
     prunes: CallBatcher | None = field(default=None, repr=False)
+    # block keys of the prompts sent to it (prefix-aware routing, prefix_affinity.py)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -159,6 +162,10 @@ class ModelInfo:
     draft_model: str = ""
     draft_vocab: int = 0
     rank: float = 0.0  # newer versions rank higher (discovery order)
+
+
+def _least_loaded(replicas: Sequence[Backend]) -> Backend:
+    return min(replicas, key=Backend.load_key)
 
 
 def _chains(ranges: Iterable[tuple[int, int]], num_layers: int) -> list[list[tuple[int, int]]]:
@@ -440,11 +447,15 @@ class Backends:
         version: str | None = None,
         need_draft: bool = True,
         exclude: Iterable[Backend] = (),
+        prompt: Sequence[int] = (),
     ) -> RequestPath:
         """The least loaded eligible replica of every stage of `version` (None: the newest
         complete version that has room), and a draft when `need_draft` and one is up (else
-        None: the request goes on without). NoPath says why there is none."""
+        None: the request goes on without). NoPath says why there is none. With `prompt`,
+        a replica that was sent a longer prefix of it is preferred, load permitting
+        (`prefix_affinity.prefer_prefix`), and remembers this one."""
         excluded = set(exclude)
+        keys = PromptKeys(prompt)
         if version is not None:
             candidates = [version]
         else:
@@ -458,15 +469,20 @@ class Backends:
         reasons = []
         for wh in candidates:
             try:
-                stages = self._stages_of(wh, excluded)
+                stages = self._stages_of(wh, excluded, keys)
             except NoPath as e:
                 reasons.append(str(e))
                 continue
+            if keys:
+                for b in stages:
+                    b.prefixes.add(keys.of(b.desc), key_limit(b.desc))
             draft = self._draft_for(stages, excluded) if need_draft else None
             return RequestPath(stages, draft)
         raise NoPath("; ".join(reasons))
 
-    def _stages_of(self, version: str, excluded: set[Backend]) -> list[Backend]:
+    def _stages_of(
+        self, version: str, excluded: set[Backend], keys: PromptKeys | None = None
+    ) -> list[Backend]:
         usable: dict[tuple[int, int], list[Backend]] = {}
         num_layers = 0
         for b in self.stages:
@@ -476,7 +492,7 @@ class Backends:
         best: list[Backend] | None = None
         best_key = None
         for chain in _chains(usable, num_layers) if usable else []:
-            chosen = [min(usable[r], key=Backend.load_key) for r in chain]
+            chosen = [prefer_prefix(usable[r], _least_loaded, keys) for r in chain]
             key = (max(b.load_key() for b in chosen), len(chain))
             if best_key is None or key < best_key:
                 best, best_key = chosen, key
