@@ -10,7 +10,9 @@ user turn of its own (24 tokens), asking for 4 tokens; the client measures the t
 sending a request to its first token. Rounds alternate between the two deployments (the
 order swapped every round), and each request position's figure is the best of
 `--rounds` (the machine is shared: the minimum is the figure least disturbed by other
-processes). The tokens of both deployments must be equal (the prefix cache is exact).
+processes). The tokens of both deployments are compared (the prefix cache is exact:
+equal in fp32 here; in bf16 a hit's prefill groups rows differently from a cold run's,
+which changes rounding, as a different `prefill_chunk` does).
 
 Models (random weights, made here): `--shape deep` (default), a tiny-but-deep Qwen2
 (hidden 256, 24 layers, 4 query / 2 K/V heads, vocabulary 2,048): prefill compute is
@@ -167,7 +169,7 @@ def run(args) -> dict:
     }
     times: dict[str, list[list[float]]] = {label: [] for label in deps}
     steps: dict[str, list[list[int]]] = {label: [] for label in deps}
-    same = True
+    same = 0  # requests whose tokens both deployments agree on
     try:
         for label, dep in deps.items():
             print(f"starting {label} ...", flush=True)
@@ -187,7 +189,7 @@ def run(args) -> dict:
                     + " ".join(f"{1e3 * t:7.1f}" for t, _, _ in got),
                     flush=True,
                 )
-            same &= outputs["cache"] == outputs["no cache"]
+            same += sum(a == b for a, b in zip(*outputs.values(), strict=True))
         counters = {label: stage_counters(dep) for label, dep in deps.items()}
     finally:
         for dep in deps.values():
@@ -199,7 +201,7 @@ def run(args) -> dict:
         "threads_per_process": args.threads,
         "system_tokens": SYSTEM_TOKENS,
         "user_tokens": USER_TOKENS,
-        "identical_tokens": same,
+        "identical_requests": f"{same} of {REQUESTS * args.rounds}",
         "stages": counters,
     }
     for label in deps:
@@ -229,7 +231,7 @@ def table(rec: dict) -> str:
     lines.append(
         f"\nlater / first (mean of requests 2-8 over request 1, best): with the cache "
         f"{c['later_over_first_best']}, without {n['later_over_first_best']}; "
-        f"identical tokens: {rec['identical_tokens']}"
+        f"requests with identical tokens: {rec['identical_requests']}"
     )
     return "\n".join(lines)
 
