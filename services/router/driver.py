@@ -568,7 +568,7 @@ class RequestDriver:
         ]
         if not failed:
             # The prefill starts after the prefix every stage of the path holds cached.
-            ctrl.cached_prefix = min(int(r.cached_tokens) for r in results)
+            ctrl.cached_prefix = min(int(getattr(r, "cached_tokens", 0)) for r in results)
             return None
         opened = [
             s for s, r in zip(stages, results, strict=True) if not isinstance(r, BaseException)
