@@ -181,6 +181,7 @@ class ModelServiceConfig(ServiceConfig):
     measure_costs: bool = flag(False)
     # How long a round may wait for requests of the same step, in seconds (None: auto).
     batch_wait: float | None = flag(name="--batch-wait-ms", render=_ms)
+    no_prefix_cache: bool = flag(False)  # no KV blocks shared by requests' common prefixes
 
     @property
     def max_cache_bytes(self) -> int | None:
@@ -278,6 +279,7 @@ class DeploymentConfig:
     public_tls: Any = None  # a security.PublicTls for the router's public ports
     emulate_costs: str | Path | None = None  # every stage (its own curve) and the draft
     batch_wait: float | None = None  # seconds, of every stage and the draft; None: auto
+    prefix_cache: bool = True  # False: --no-prefix-cache on every stage and the draft
 
     def __post_init__(self) -> None:
         # Tests and benchmarks give scheduling as a mapping of field names.

@@ -265,11 +265,12 @@ class ServicesDeployment:
 
     def _cache_budget(self) -> dict[str, float]:
         """A fixed budget, or an equal share of the free memory of the one device every
-        stage and the draft share here."""
+        stage and the draft share here; and the prefix cache off if asked."""
+        off = {} if self.config.prefix_cache else {"no_prefix_cache": True}
         if self.config.max_cache_gib is not None:
-            return {"max_cache_gib": self.config.max_cache_gib}
+            return {"max_cache_gib": self.config.max_cache_gib, **off}
         share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
-        return {"cache_fraction": round(share, 4)}
+        return {"cache_fraction": round(share, 4), **off}
 
     def _write_keys(self) -> Path:
         """The API keys in a private file, not on the command line (ps shows that)."""

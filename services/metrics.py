@@ -252,6 +252,19 @@ class _ComputeMetrics(ServiceMetrics):
             "kv_cache_usage_perc", "KV cache use: bytes in use / budget (0 without a budget)"
         )
         self.running = self._gauge("num_requests_running", f"Requests open on the {k}")
+        # The prefix cache (as vLLM's prefix_cache_queries / _hits): prompt tokens looked
+        # up at Open, and of those the ones found cached (whole blocks).
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", f"Prompt tokens the {k} looked up in its prefix cache"
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", f"Prompt tokens the {k} found in its prefix cache"
+        )
+
+    def prefix_cache_queried(self, tokens: int, hits: int) -> None:
+        """An Open looked `tokens` prompt tokens up in the prefix cache; `hits` were there."""
+        self.prefix_cache_queries.inc(tokens)
+        self.prefix_cache_hits.inc(hits)
 
     def watch(
         self,

@@ -393,9 +393,11 @@ def _closer(metrics):
 
 def _set_cache_budget(runtime, config: ModelServiceConfig) -> None:
     """Without --max-cache-gib: a share of the device's free memory once the weights are
-    loaded (--cache-fraction), not a fixed size whatever the machine."""
+    loaded (--cache-fraction), not a fixed size whatever the machine. The prefix cache is
+    on unless --no-prefix-cache."""
     from .modelinfo import cache_budget
 
+    runtime.prefix_caching = not config.no_prefix_cache
     if config.max_cache_gib is None:
         runtime.max_cache_bytes = cache_budget(runtime.model.device, config.cache_fraction)
     log.info("KV cache budget %.2f GiB", runtime.max_cache_bytes / (1 << 30))

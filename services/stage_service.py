@@ -320,6 +320,12 @@ class StageService(stage_pb2_grpc.StageServicer):
             info.cache_blocks_free,
         )
         desc.cache_block_rows = info.cache_block_rows
+        desc.prefix_caching, desc.cache_blocks_cached = (
+            info.prefix_caching,
+            info.cache_blocks_cached,
+        )
+        desc.prefix_cache_queries = info.prefix_cache_queries
+        desc.prefix_cache_hits = info.prefix_cache_hits
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
@@ -388,7 +394,12 @@ class StageService(stage_pb2_grpc.StageServicer):
             )
             self._free_stale(self.leases.grant(rid, claim))
             try:
-                self.runtime.open(rid, int(request.capacity), request.root_logits_only)
+                cached = self.runtime.open(
+                    rid,
+                    int(request.capacity),
+                    request.root_logits_only,
+                    prefix_tokens=request.prefix_token_ids,
+                )
             except RequestError:
                 self.leases.end(rid)
                 raise
@@ -403,7 +414,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._requests[rid] = st
         self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
-        return stage_pb2.OpenStageResponse()
+        if self.runtime.prefix_caching:
+            self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
+        return stage_pb2.OpenStageResponse(cached_tokens=cached)
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
         await self._check_first(context)

@@ -10,6 +10,14 @@ them, so a new node's ancestors are its parent's plus itself (docs/architecture.
 tree block nobody uses goes back to the pool); a committed node's K/V row is copied once
 to the end of the committed prefix, the only K/V a prune moves.
 
+Prefix caching (`block_pool`): a request opened with the token ids it will commit before
+its first root (`attach_prefix`) starts with the cached blocks of their longest cached
+prefix as its first committed rows, shared with other requests, and registers its own
+full blocks of those tokens once computed (`register_full_blocks`), for the next. Shared
+or registered blocks are never written: committed rows are only appended past them, and
+rewriting from inside one (`append_committed` at an earlier position) copies it first.
+Tree rows never enter the prefix cache.
+
 Everything here runs on the host, on numpy arrays derived from the messages; the device
 only receives slot indices (`StageRuntime` packs them for a step).
 """
@@ -22,6 +30,7 @@ import numpy as np
 
 from .block_pool import BlockPool
 from .errors import BadInput, CacheFull
+from .prefix_hash import block_keys
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -52,6 +61,11 @@ class TreeKVCache:
         self.tree_blocks: list[int] = []
         self._free_tree_slots: list[int] = []
         self._committed_ids: set[int] = set()
+        # Prefix caching: the token ids the request commits first (given at open), the
+        # keys of their full blocks, and how many leading blocks are in the cache.
+        self.known_tokens: np.ndarray | None = None
+        self._keys: list[bytes] = []
+        self._registered = 0
 
     @property
     def num_tree_rows(self) -> int:
@@ -78,11 +92,75 @@ class TreeKVCache:
         if self.length + n > self.capacity:
             raise CacheFull(f"KV cache full: {self.length} + {n} rows > capacity {self.capacity}")
 
+    # -- the prefix cache --------------------------------------------------------------
+    def attach_prefix(self, tokens: np.ndarray) -> int:
+        """A fresh request that will commit `tokens` first: take the pool's cached blocks
+        of their longest cached prefix as its first committed rows; the number of rows
+        (tokens) it holds so. Its own full blocks of `tokens` are registered as they are
+        computed (`register_full_blocks`)."""
+        if self.length or self.blocks:
+            raise BadInput("a prefix can only be attached to an empty cache")
+        if tokens.size > self.capacity:
+            raise BadInput(f"{tokens.size} prefix tokens exceed the capacity {self.capacity}")
+        if not self.pool.prefix_caching:
+            return 0
+        self.known_tokens = tokens
+        self._keys = block_keys(tokens, self.pool.block_size)
+        self.blocks = self.pool.lookup(self._keys)
+        self._registered = len(self.blocks)
+        self.n_committed = len(self.blocks) * self.pool.block_size
+        return self.n_committed
+
+    def check_tokens(self, start: int, tokens: np.ndarray) -> None:
+        """Committed tokens at `start`..: those the request announced at open must be
+        these (the first stage and the draft see tokens; their blocks get the keys of the
+        announced ones)."""
+        known = self.known_tokens
+        if known is None or start >= known.size:
+            return
+        n = min(tokens.size, known.size - start)
+        if not np.array_equal(known[start : start + n], tokens[:n]):
+            raise BadInput("prefill tokens differ from the prefix the request was opened with")
+
+    def register_full_blocks(self) -> None:
+        """Offer the request's full blocks of its announced tokens, computed by now, to
+        the prefix cache."""
+        full = min(self.n_committed // self.pool.block_size, len(self._keys))
+        for i in range(self._registered, full):
+            self.pool.register(self.blocks[i], self._keys[i])
+        self._registered = max(self._registered, full)
+
+    def _truncate_committed(self, n: int) -> None:
+        """Keep the first `n` committed rows. A kept block that is shared or cached and
+        now only partly kept is copied first (its rows stay valid for its key)."""
+        bs = self.pool.block_size
+        keep = self.pool.blocks_for(n)
+        if n % bs and self.pool.is_cached(self.blocks[keep - 1]):
+            old = self.blocks[keep - 1]
+            (new,) = self.pool.allocate(1)
+            start = (keep - 1) * bs
+            self.pool.copy_rows(
+                self.pool.slots([old], 0, n - start), self.pool.slots([new], 0, n - start)
+            )
+            self.blocks[keep - 1] = new
+            self.pool.release([old])
+        self.pool.release(self.blocks[keep:])
+        del self.blocks[keep:]
+        self.n_committed = n
+        self._registered = min(self._registered, n // bs)
+
     # -- growing -----------------------------------------------------------------------
-    def append_committed(self, n: int) -> NewRows:
-        """Rows for `n` verified tokens (a prefill chunk), causal among themselves."""
+    def append_committed(self, n: int, start: int | None = None) -> NewRows:
+        """Rows for `n` verified tokens (a prefill chunk), causal among themselves, at
+        position `start` (default: after the committed rows). A start before the end of
+        the committed rows rewrites from there: what the prefix cache gave beyond the
+        prefix every stage of the path holds (the router starts the prefill there)."""
         if self.num_tree_rows:
             raise BadInput("committed rows can only be appended while no tree rows are cached")
+        if start is not None and start < self.n_committed:
+            if start < 0:
+                raise BadInput(f"committed rows at negative position {start}")
+            self._truncate_committed(start)
         self._check_room(n)
         start = self.n_committed
         self.blocks += self.pool.allocate(self.pool.blocks_for(start + n) - len(self.blocks))
@@ -225,5 +303,6 @@ class TreeKVCache:
         self.pool.release(self.blocks + self.tree_blocks)
         self.blocks, self.tree_blocks, self._free_tree_slots = [], [], []
         self.n_committed = 0
+        self.known_tokens, self._keys, self._registered = None, [], 0
         self.tree_ids = self.tree_slots = _EMPTY
         self.tree_mask = np.zeros((0, 0), dtype=bool)

@@ -38,7 +38,11 @@ class Pipeline(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    def open(self, request_id: str, capacity: int) -> None: ...
+    def open(self, request_id: str, capacity: int, prefix_tokens: Sequence[int] = ()) -> int:
+        """Open the request on every stage; how many leading `prefix_tokens` (what it
+        commits before its first root) every stage holds cached (its prefill starts
+        there)."""
+        ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -54,7 +58,10 @@ class Pipeline(Protocol):
 
 
 class Draft(Protocol):
-    def open(self, request_id: str, capacity: int) -> None: ...
+    def open(self, request_id: str, capacity: int, prompt: Sequence[int] = ()) -> int:
+        """Open the request; how many leading tokens of `prompt` (all but the first
+        root) the draft holds cached (the caller prefills the rest)."""
+        ...
 
     def release(self, request_id: str) -> bool: ...
 
@@ -91,17 +98,19 @@ class LocalPipeline:
     def max_context(self) -> int:
         return self.stages[0].model.cfg.max_position_embeddings
 
-    def open(self, request_id: str, capacity: int) -> None:
+    def open(self, request_id: str, capacity: int, prefix_tokens: Sequence[int] = ()) -> int:
         opened: list[StageRuntime] = []
+        cached: list[int] = []
         try:
             for s in self.stages:
-                s.open(request_id, capacity)
+                cached.append(s.open(request_id, capacity, prefix_tokens=prefix_tokens))
                 opened.append(s)
         except Exception:
             for s in opened:
                 s.release(request_id)
             raise
         self._in_flight[request_id] = [None] * (len(self.stages) - 1)
+        return min(cached)
 
     def release(self, request_id: str) -> None:
         for s in self.stages:

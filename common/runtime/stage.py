@@ -107,6 +107,12 @@ class StageInfo:
     cache_blocks_used: int = 0
     cache_blocks_free: int = 0
     cache_block_rows: int = BLOCK_SIZE
+    # The prefix cache: on or off, blocks nobody holds kept for their prefix, and the
+    # prompt tokens asked for at open and found cached since start.
+    prefix_caching: bool = True
+    cache_blocks_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StageRuntime:
@@ -115,6 +121,7 @@ class StageRuntime:
         model: StageModel,
         max_cache_bytes: int | None = None,
         block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = True,
     ) -> None:
         self.model = model
         cfg = model.cfg
@@ -126,6 +133,7 @@ class StageRuntime:
             block_size,
             model.dtype,
             model.device,
+            prefix_caching,
         )
         self._max_cache_bytes = self.pool.max_blocks * self.pool.block_bytes
         self._caches: dict[str, TreeKVCache] = {}
@@ -136,6 +144,8 @@ class StageRuntime:
         # Caches of released requests whose blocks go back once no forward runs (a
         # forward may be writing their rows).
         self._to_free: list[TreeKVCache] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at open
+        self.prefix_hits = 0  # of those, tokens found cached
 
     @property
     def is_first(self) -> bool:
@@ -155,6 +165,18 @@ class StageRuntime:
             self.pool.set_budget(value)
             self._max_cache_bytes = value
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        """On or off (`--no-prefix-cache`); off forgets what is cached."""
+        with self._lock:
+            self.pool.prefix_caching = on
+            if not on:
+                self.pool.clear_prefix_cache()
+
     def cache_bytes_for(self, rows: int) -> int:
         """Bytes of the blocks that `rows` rows of one request take."""
         return self.pool.blocks_for(rows) * self.pool.block_bytes
@@ -168,6 +190,7 @@ class StageRuntime:
         r = self.model.layer_range
         with self._lock:
             used, free, active = self.pool.used_blocks, self.pool.free_blocks, len(self._caches)
+            cached, queries, hits = self.pool.cached_blocks, self.prefix_queries, self.prefix_hits
         return StageInfo(
             start=r.start,
             end=r.end,
@@ -183,15 +206,32 @@ class StageRuntime:
             cache_blocks_used=used,
             cache_blocks_free=free,
             cache_block_rows=self.pool.block_size,
+            prefix_caching=self.pool.prefix_caching,
+            cache_blocks_cached=cached,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
         )
 
     # -- request lifecycle -------------------------------------------------------------
-    def open(self, request_id: str, capacity: int, root_logits_only: bool = False) -> None:
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        root_logits_only: bool = False,
+        prefix_tokens: Sequence[int] | np.ndarray | None = None,
+    ) -> int:
         """Open the request's cache, which may grow to `capacity` rows (prompt + output +
         tree). Nothing is reserved: blocks are taken as rows arrive, and a request is
         admitted while the pool has a free block (a request that later finds the pool
         empty fails with CacheFull, RESOURCE_EXHAUSTED; docs/architecture.md, "5. The request
         controller and its executors", "The stage engine").
+
+        `prefix_tokens`: the token ids the request commits before its first root (the
+        prompt but its last token). Returns how many of them this stage holds cached
+        (whole blocks of their longest cached prefix, now the request's first committed
+        rows; 0 with prefix caching off): the router starts the request's prefill at the
+        least of its path's. Its blocks of these tokens are cached for later requests as
+        they are computed.
 
         `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
         a time): compute and return logits only for tree rows that are the root, i.e. whose
@@ -206,9 +246,18 @@ class StageRuntime:
                     f"KV cache budget exhausted: {self.pool.used_blocks} of "
                     f"{self.pool.max_blocks} blocks in use"
                 )
-            self._caches[request_id] = TreeKVCache(self.pool, capacity)
+            cache = TreeKVCache(self.pool, capacity)
+            cached = 0
+            if prefix_tokens is not None:
+                tokens = np.asarray(prefix_tokens, dtype=np.int64).reshape(-1)
+                cached = cache.attach_prefix(tokens)
+                if self.pool.prefix_caching:
+                    self.prefix_queries += int(tokens.size)
+                    self.prefix_hits += cached
+            self._caches[request_id] = cache
             if root_logits_only and self.is_last:
                 self._held[request_id] = _Held.empty()
+            return cached
 
     def release(self, request_id: str) -> bool:
         with self._lock:
@@ -284,6 +333,9 @@ class StageRuntime:
                 for b in batch:
                     b.cache.undo_append(len(b), b.act.committed)
                 raise
+            for b in batch:
+                if b.act.committed:
+                    b.cache.register_full_blocks()  # computed: other requests may share them
             with self._lock:
                 released = [b.act.request_id not in self._caches for b in batch]
             self._free_released_locked()
@@ -392,7 +444,10 @@ class StageRuntime:
             # Rows whose parent is committed (not a cached or new tree row) are roots.
             is_root = ~np.isin(parent_ids, np.concatenate([cache.tree_ids, node_ids]))
         if act.committed:
-            rows = cache.append_committed(positions.size)
+            start = int(positions[0])
+            if self.is_first:
+                cache.check_tokens(start, host(act.tokens))  # type: ignore[arg-type]
+            rows = cache.append_committed(positions.size, start)
         else:
             rows = cache.append_nodes(node_ids, parent_ids)
         return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids, is_root)

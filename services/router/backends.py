@@ -48,7 +48,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +61,7 @@ from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
 from .batched import CallBatcher, stage_batchers
 from .discovery import Discovery, Endpoint
+from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class Backend:
     feeds: CallBatcher | None = field(default=None, repr=False)
     prunes: CallBatcher | None = field(default=None, repr=False)
     _curve: tuple[object, CostCurve | None] = field(default=(None, None), repr=False)
+    # block keys of the prompts sent to it (prefix-aware routing, prefix_affinity.py)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
     @property
     def cost_curve(self) -> CostCurve | None:
@@ -484,12 +487,15 @@ class Backends:
         version: str | None = None,
         need_draft: bool = True,
         exclude: Iterable[Backend] = (),
+        prompt: Sequence[int] = (),
     ) -> RequestPath:
         """An eligible replica of every stage of `version` (None: the newest complete
         version that has room), each the one `pick` chooses, and a draft when `need_draft`
         and one is up (else None: the request goes on without). NoPath says why there is
-        none."""
+        none. With `prompt`, a replica that was sent a longer prefix of it is preferred,
+        load permitting (`prefix_affinity.prefer_prefix`), and remembers this one."""
         excluded = set(exclude)
+        keys = PromptKeys(prompt)
         if version is not None:
             candidates = [version]
         else:
@@ -503,10 +509,13 @@ class Backends:
         reasons = []
         for wh in candidates:
             try:
-                stages = self._stages_of(wh, excluded)
+                stages = self._stages_of(wh, excluded, keys)
             except NoPath as e:
                 reasons.append(str(e))
                 continue
+            if keys:
+                for b in stages:
+                    b.prefixes.add(keys.of(b.desc), key_limit(b.desc))
             draft = self._draft_for(stages, excluded) if need_draft else None
             return RequestPath(stages, draft)
         raise NoPath("; ".join(reasons))
@@ -532,7 +541,9 @@ class Backends:
         requests = sum(b.active for b in active)
         return max(1.0, sum(b.rows for b in active) / requests) if requests else 1.0
 
-    def _stages_of(self, version: str, excluded: set[Backend]) -> list[Backend]:
+    def _stages_of(
+        self, version: str, excluded: set[Backend], keys: PromptKeys | None = None
+    ) -> list[Backend]:
         usable: dict[tuple[int, int], list[Backend]] = {}
         num_layers = 0
         for b in self.stages:
@@ -543,7 +554,10 @@ class Backends:
         best_key = None
         per_request = self.rows_per_request()
         for chain in _chains(usable, num_layers) if usable else []:
-            chosen = [self.pick(usable[r], per_request) for r in chain]
+            chosen = [
+                prefer_prefix(usable[r], lambda reps: self.pick(reps, per_request), keys)
+                for r in chain
+            ]
             key = (max(b.load_key() for b in chosen), len(chain))
             if best_key is None or key < best_key:
                 best, best_key = chosen, key

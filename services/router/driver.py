@@ -543,6 +543,7 @@ class RequestDriver:
         ctrl, stages = self.controller, path.stages
         hops = [s.desc.data_address for s in stages[1:]] + [self.router_address]
         timeout = min(self.rpc_timeout, self.open_timeout)
+        prefix = ctrl.committed_before_root  # looked up in each stage's prefix cache
         calls = [
             s.stub.Open(
                 stage_pb2.OpenStageRequest(
@@ -555,6 +556,7 @@ class RequestDriver:
                     lease_owner=self.lease_owner,
                     lease_epoch=self.lease_epoch,
                     lease_token=self.lease_token,
+                    prefix_token_ids=prefix,
                 ),
                 timeout=timeout,
             )
@@ -569,6 +571,8 @@ class RequestDriver:
             (s, r) for s, r in zip(stages, results, strict=True) if isinstance(r, BaseException)
         ]
         if not failed:
+            # The prefill starts after the prefix every stage of the path holds cached.
+            ctrl.cached_prefix = min(int(getattr(r, "cached_tokens", 0)) for r in results)
             return None
         opened = [
             s for s, r in zip(stages, results, strict=True) if not isinstance(r, BaseException)

@@ -406,7 +406,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         t0 = time.perf_counter()
         try:
             path = self.backends.path(
-                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model
+                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model,
+                prompt=plan.prompt,
             )
         except NoPath as e:
             self._leave(rid)

@@ -131,6 +131,12 @@ def _model_args(p: argparse.ArgumentParser, defaults: ModelServiceConfig, requir
         "weights are loaded",
     )
     p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn the prefix cache off: no KV cache blocks shared between requests with a "
+        "common prompt prefix, every prompt prefilled whole",
+    )
+    p.add_argument(
         "--lease-seconds",
         type=float,
         default=defaults.lease_seconds,
@@ -326,6 +332,11 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         help="replicas of every stage (the router picks one of each per request)",
     )
     p.add_argument("--layers", default=None, help="per-stage layer ranges: 0:7,7:14,...")
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="every stage and the draft without the prefix cache (every prompt prefilled whole)",
+    )
     p.add_argument(
         "--transport",
         choices=list(TRANSPORTS),

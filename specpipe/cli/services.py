@@ -185,6 +185,7 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         public_tls=public_tls,
         emulate_costs=args.emulate_costs,
         batch_wait=args.batch_wait,
+        prefix_cache=not args.no_prefix_cache,
     )
 
 

@@ -28,7 +28,7 @@ STAGE = StageConfig(
     health_port=7003, model="/models/m", model_id="m1", dtype="float64", threads=3,
     device="cuda:1", max_cache_gib=1.5, cache_fraction=0.25, lease_seconds=9.0,
     emulate_costs="/tmp/c.json", measure_costs=True, batch_wait=0.005, data_port=7004,
-    transport="tcp", layers="3:7", emulate_stage=1, allow_configure=True,
+    transport="tcp", layers="3:7", emulate_stage=1, allow_configure=True, no_prefix_cache=True,
     peers=("10.0.0.0/8", "127.0.0.1"),
 )  # fmt: skip
 DRAFT = DraftConfig(
