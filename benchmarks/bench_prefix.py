@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from specpipe.common.model.synthetic import QWEN25_1_5B
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "engine"
@@ -43,6 +44,15 @@ SYSTEM_TOKENS = 1000
 USER_TOKENS = 24
 REQUESTS = 8
 
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
 SHAPES = {
     "deep": dict(
         vocab_size=2048,
@@ -53,15 +63,8 @@ SHAPES = {
         num_key_value_heads=2,
         max_position_embeddings=4096,
     ),
-    "qwen1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=32768,
-    ),
+    # Qwen2.5-Coder-1.5B's shape (the package's one copy of it)
+    "qwen1.5b": {k: QWEN25_1_5B[k] for k in SHAPE_KEYS},
 }
 
 
