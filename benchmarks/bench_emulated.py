@@ -1,5 +1,6 @@
-"""Emulated devices: wall clock of the real services beside the projection of the same run
-(DESIGN 6), and SpecPipe-DB's serving figures at S = 8 projected from lockstep traces.
+"""Emulated devices: wall clock of the real services beside the projection of the same
+run (docs/architecture.md, "11. How performance is stated"), and SpecPipe-DB's serving
+figures at S = 8 projected from lockstep traces.
 
 1. `gap` and `serve`: multi-process deployments (`specpipe up`'s launcher: router, draft
    and S stages, each its own process) of a tiny random Llama with the target as its own
@@ -35,6 +36,9 @@
     python benchmarks/bench_emulated.py --parts control --modes specpipe,pp   # ~15 minutes
 
 Writes results/emulated/results.json and results.md (the tables printed).
+
+One module, as every benchmark here: a script run end to end whose parts share its
+deployment helpers and tables.
 """
 
 from __future__ import annotations

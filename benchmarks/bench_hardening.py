@@ -18,9 +18,14 @@ authentication costs per hop.
    one after another and waited for at the receiver; the mean time per frame, plaintext
    and with per-frame HMAC (the `--secure` data plane).
 
+4. `edge` (issue 22; benchmarks/bench_edge.py): silent connections to the router's HTTP
+   port, 4 MB chat bodies at once, idle connections to its metrics port, malformed
+   fields: descriptors, threads and memory of the router, time to refuse, a neighbour's
+   latency.
+
 Prints a summary and writes JSON (`--out`). Run from the repository root:
 
-    python benchmarks/bench_hardening.py [--only oversize,lease,frame] [--out FILE]
+    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge] [--out FILE]
 """
 
 from __future__ import annotations
@@ -410,6 +415,10 @@ def main() -> int:
                 result["lease"] = bench_lease(tmp, args.lease_seconds, args.lease_limit)
             elif part == "frame":
                 result["frame"] = bench_frame(args.frames)
+            elif part == "edge":
+                from bench_edge import bench_edge
+
+                result["edge"] = bench_edge(tmp)
             print(f"{part}: {json.dumps(result.get(part), indent=1)} ({time.monotonic() - t0:.0f} s)",
                   flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

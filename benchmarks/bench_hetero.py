@@ -1,9 +1,10 @@
-"""Heterogeneous nodes, emulated (issue 26, DESIGN 10): the planned split against the even
-and parameter-balanced splits on the same nodes, through the real services.
+"""Heterogeneous nodes, emulated (issue 26, docs/planning.md): the planned split against
+the even and parameter-balanced splits on the same nodes, through the real services.
 
-Every stage of `specpipe up` is an emulated device (DESIGN 6) paced to its node kind's
-cost for its layers: one `--emulate-costs` file per split, stage k's curve its node's
-speed times its layer count plus the head on the last stage
+Every stage of `specpipe up` is an emulated device (docs/architecture.md, "5. The
+request controller and its executors", "Emulated devices") paced to its node kind's cost
+for its layers: one `--emulate-costs` file per split, stage k's curve its node's speed
+times its layer count plus the head on the last stage
 (`common/perf/profile.emulated_costs`). Costs are flat (accelerator-like: any rows cost
 one row's time) or, with `--flat-rows R`, flat up to R rows a forward and linear beyond.
 The model is a random 24-layer Llama (hidden 64) whose real stage forwards take a few

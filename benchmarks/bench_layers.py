@@ -4,10 +4,11 @@ width and plain PP, on S = 2, 4, 8 stages, greedy and T = 0.8.
 
 Everything runs in one process with the lockstep engine (the services' controller), and
 time between tokens is projected for one device per stage from each run's step trace and
-this machine's measured stage and draft costs (DESIGN 6), under the cost views of
-`bench_specpipe.py`: *measured*, *flat* (n rows cost as much as one, stages and draft)
-and *flat, free draft*. The draft grows K layers a step, one forward each: a specpipe step
-costs max(slowest stage, the sum of the step's draft forwards).
+this machine's measured stage and draft costs (docs/architecture.md, "11. How
+performance is stated"), under the cost views of `bench_specpipe.py`: *measured*, *flat*
+(n rows cost as much as one, stages and draft) and *flat, free draft*. The draft grows K
+layers a step, one forward each: a specpipe step costs max(slowest stage, the sum of the
+step's draft forwards).
 
 `auto` is what `--layers-per-step auto` would pick (`common/perf/layers.py`): from the
 hit rates measured here at K = 1, 2, 3 and the cost curves, the K with the least
@@ -40,6 +41,9 @@ split: which rows each stage computed does not depend on its layers) and re-proj
 recorded runs. The SpecInfer sweep keeps only aggregates: with flat costs each of its
 passes costs the stages' one-row costs plus D draft forwards, so its flat figures are
 rescaled by those sums; its measured figure is dropped.
+
+One module, as every benchmark here: a script run end to end whose parts share its runs,
+projections and tables.
 """
 
 from __future__ import annotations
@@ -458,7 +462,8 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
-        "TBT projected for one device per stage from each run's step trace (DESIGN 6), ms: "
+        "TBT projected for one device per stage from each run's step trace "
+        '(docs/architecture.md, "11. How performance is stated"), ms: '
         "measured (this CPU) / flat (n rows cost as 1) / flat with a free draft. `auto` and "
         "`specinfer best` pick per cost view (the chosen K or D x W in brackets).",
         "",

@@ -3,13 +3,17 @@
 Runs every mode in one process with the stages stepped as a pipeline (the engine the
 services wrap), records each run's per-step trace, measures every stage's cost on this
 machine for 1..64 rows, and projects the time between tokens on a pipeline with one
-device per stage (DESIGN section 6). Also checks that greedy `specpipe` output equals
-`autoregressive` output token for token, and compares `--width auto` with fixed widths.
+device per stage (docs/architecture.md, "11. How performance is stated"). Also checks
+that greedy `specpipe` output equals `autoregressive` output token for token, and
+compares `--width auto` with fixed widths.
 
     python benchmarks/bench_specpipe.py                       # defaults: Qwen2.5-Coder pair
     python benchmarks/bench_specpipe.py --quick               # SmolLM2, a minute or two
 
 Writes results.json, results.md and tokens_per_step.png under --out.
+
+One module, as every benchmark here: a script run end to end whose parts share its runs,
+projections and tables.
 """
 
 from __future__ import annotations
@@ -378,7 +382,8 @@ def write_outputs(out: Path, results: dict, stages_list: list[int], temps: list[
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
-        "TBT is projected for one device per stage from each run's step trace (DESIGN 6):",
+        "TBT is projected for one device per stage from each run's step trace "
+        '(docs/architecture.md, "11. How performance is stated"):',
         "*measured* = this CPU's stage and draft costs (draft on its own device: in parallel for",
         "specpipe, before each pass for specinfer); *flat* = accelerator-like, n rows cost as much",
         "as 1 row, for stages and draft; *flat, free draft* = flat stages and a draft that never",

@@ -25,6 +25,8 @@ What it does, as a kubelet would with the chart's pods, on one host:
   6. stops every container (SIGTERM, router first), checks they exit 0, removes them.
 
 Prints a JSON report on stdout; exit code 0 only if every check passed.
+
+One module: one end-to-end script whose steps share the containers it started.
 """
 
 from __future__ import annotations
@@ -111,7 +113,11 @@ def make_models(models: Path, layers: int) -> None:
 
 
 # -- the chart's pods --------------------------------------------------------------------------
-def render(image: str, stages: int, layers: int, drain: int) -> list[dict]:
+def render(
+    image: str, stages: int, layers: int, drain: int, pools: list[str] | None = None
+) -> list[dict]:
+    """The chart's manifests for the tiny models; `pools`: layer ranges of stage pools
+    (stagePools, one pod each) instead of `stages` even stages."""
     spec = importlib.util.spec_from_file_location("k8s_tools", ROOT / "scripts" / "k8s_tools.py")
     k8s_tools = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(k8s_tools)
@@ -130,6 +136,11 @@ def render(image: str, stages: int, layers: int, drain: int) -> list[dict]:
         "draft": {"threads": 1, "drainSeconds": drain},
         "router": {"drainSeconds": drain, "startupTimeoutSeconds": 300},
     }
+    if pools:
+        values["stagePools"] = [
+            {"name": f"pool-{i}", "layers": r, "replicas": 1, "autoscaling": {"enabled": False}}
+            for i, r in enumerate(pools)
+        ]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         yaml.safe_dump(values, f)
         f.flush()
@@ -566,6 +577,12 @@ def main() -> int:
     p.add_argument("--image", required=True)
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the tiny target")
+    p.add_argument(
+        "--stage-pools",
+        default="",
+        help="stage pools' layer ranges, one chain (e.g. 0:2,2:4,2:4: two replicas of 2:4 "
+        "in pools of their own) instead of --stages even stages",
+    )
     p.add_argument("--max-new-tokens", type=int, default=40)
     p.add_argument("--drain-tokens", type=int, default=160, help="length of the drained streams")
     p.add_argument("--drain-seconds", type=int, default=60)
@@ -574,12 +591,15 @@ def main() -> int:
     args = p.parse_args()
     started = time.monotonic()
     failures: list[str] = []
-    report: dict = {"image": args.image, "stages": args.stages}
 
     models = args.work / "models"
     models.mkdir(parents=True)
     make_models(models, args.layers)
-    docs = render(args.image, args.stages, args.layers, args.drain_seconds)
+    pools = [r for r in args.stage_pools.split(",") if r]
+    if pools:  # the pipeline's stages: the distinct ranges (the references' --stages)
+        args.stages = len(set(pools))
+    report: dict = {"image": args.image, "stages": args.stages, "stage_pools": pools}
+    docs = render(args.image, args.stages, args.layers, args.drain_seconds, pools)
     args.secrets = write_secrets(docs, args.work / "secrets")
     order = {"stage": 0, "draft": 1, "router": 2}
     pods = [Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]

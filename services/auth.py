@@ -4,12 +4,19 @@
 One `ApiKeys` serves both. Without keys everything is open (the default); with keys, a
 request needs one of them. Health and reflection stay open (probes and tools call them).
 Keys are compared in constant time.
+
+What a caller may do comes with its key (`Caller`): the highest `priority` its requests
+may ask for, and whether it is an operator (the router's `Describe` then shows internal
+addresses). A key file line is `KEY [max_priority=N] [operator]`; keys without
+`max_priority`, keys given on the command line, and every caller of a router without
+keys get the default cap (`--max-priority`, DEFAULT_MAX_PRIORITY).
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,35 +27,104 @@ MISSING_KEY = (
     "(the openai client's api_key, or specpipe's --api-key)"
 )
 WRONG_KEY = "the API key is not valid"
+# The highest priority a request may ask for unless its key allows more. Waiting
+# requests gain one level per aging period (10 s, common/spec/scheduler.py), so nobody
+# waits more than about cap x 10 s behind requests of higher priority.
+DEFAULT_MAX_PRIORITY = 10
+OPERATOR = "operator"
+MAX_PRIORITY = "max_priority"
 
 
 class ApiKeyError(ValueError):
-    """A key file that cannot be read or names no key."""
+    """A key file that cannot be read, names no key, or has a line it cannot parse."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What the client of one call may do (from its key, or the defaults)."""
+
+    max_priority: int = DEFAULT_MAX_PRIORITY
+    operator: bool = False
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """A key file's attributes of one key (None: the default cap)."""
+
+    max_priority: int | None = None
+    operator: bool = False
+
+
+def parse_key_line(line: str) -> tuple[str, KeyPolicy]:
+    """`KEY [max_priority=N] [operator]`."""
+    key, *attrs = line.split()
+    max_priority, operator = None, False
+    for a in attrs:
+        name, eq, value = a.partition("=")
+        if a == OPERATOR:
+            operator = True
+        elif name == MAX_PRIORITY and eq and value.lstrip("-").isdigit():
+            max_priority = int(value)
+        else:
+            raise ApiKeyError(
+                f"unknown key attribute {a!r} (a line is: KEY [{MAX_PRIORITY}=N] [{OPERATOR}])"
+            )
+    return key, KeyPolicy(max_priority, operator)
 
 
 class ApiKeys:
-    def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._keys = [k.encode() for k in dict.fromkeys(k.strip() for k in keys) if k]
+    def __init__(
+        self,
+        keys: Iterable[str] = (),
+        policies: dict[str, KeyPolicy] | None = None,
+        default_max_priority: int = DEFAULT_MAX_PRIORITY,
+    ) -> None:
+        """`policies`: attributes of some keys (every key in them is a key too)."""
+        policies = policies or {}
+        names = dict.fromkeys(k.strip() for k in [*keys, *policies])
+        self._keys = [k.encode() for k in names if k]
+        self._policies = [policies.get(k, KeyPolicy()) for k in names if k]
+        self.default_max_priority = default_max_priority
 
     @classmethod
-    def load(cls, keys: Sequence[str] = (), files: Sequence[str | Path] = ()) -> ApiKeys:
-        """Keys given directly plus those of key files: one a line; blank lines and lines
-        starting with '#' are skipped."""
-        found = list(keys)
+    def load(
+        cls,
+        keys: Sequence[str] = (),
+        files: Sequence[str | Path] = (),
+        default_max_priority: int = DEFAULT_MAX_PRIORITY,
+    ) -> ApiKeys:
+        """Keys given directly plus those of key files: one a line, `KEY
+        [max_priority=N] [operator]`; blank lines and lines starting with '#' are
+        skipped."""
+        policies: dict[str, KeyPolicy] = {}
         for f in files:
             try:
                 lines = Path(f).read_text().splitlines()
             except OSError as e:
                 raise ApiKeyError(f"cannot read API key file {f}: {e.strerror}") from None
-            names = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
-            if not names:
+            lines = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+            if not lines:
                 raise ApiKeyError(f"API key file {f} lists no key")
-            found += names
-        return cls(found)
+            for ln in lines:
+                try:
+                    key, policy = parse_key_line(ln)
+                except ApiKeyError as e:
+                    raise ApiKeyError(f"API key file {f}: {e}") from None
+                policies[key] = policy
+        return cls(keys, policies, default_max_priority)
 
     @property
     def keys(self) -> list[str]:
         return [k.decode() for k in self._keys]
+
+    @property
+    def lines(self) -> list[str]:
+        """The keys as key file lines, with their attributes (what `load` reads back)."""
+        out = []
+        for k, p in zip(self.keys, self._policies, strict=True):
+            attrs = [] if p.max_priority is None else [f"{MAX_PRIORITY}={p.max_priority}"]
+            out.append(" ".join([k, *attrs, *([OPERATOR] if p.operator else [])]))
+        return out
 
     @property
     def enabled(self) -> bool:
@@ -59,11 +135,33 @@ class ApiKeys:
 
     def valid(self, key: str) -> bool:
         """Whether `key` is one of the keys (every key compared, in constant time)."""
+        return self._find(key) is not None
+
+    def _find(self, key: str) -> int | None:
+        """The index of `key` among the keys; every key is compared (constant time)."""
         given = key.encode()
-        ok = False
-        for k in self._keys:
-            ok |= hmac.compare_digest(given, k)
-        return ok
+        found = None
+        for i, k in enumerate(self._keys):
+            if hmac.compare_digest(given, k):
+                found = i
+        return found
+
+    def caller(self, authorization: str | None) -> Caller:
+        """What the client presenting this `Authorization` value may do (call `check`
+        first: an invalid key gets the defaults here)."""
+        _, _, key = (authorization or "").strip().partition(" ")
+        i = self._find(key.strip()) if self.enabled else None
+        if i is None:
+            return Caller(self.default_max_priority)
+        p = self._policies[i]
+        cap = self.default_max_priority if p.max_priority is None else p.max_priority
+        return Caller(cap, p.operator)
+
+    def caller_of_call(self, context) -> Caller:
+        """`caller` for a gRPC call (its `authorization` metadata); None: no call."""
+        metadata = context.invocation_metadata() if context is not None else None
+        found = {k.lower(): v for k, v in metadata or ()}
+        return self.caller(found.get("authorization"))
 
     def check(self, authorization: str | None) -> str | None:
         """None when the `Authorization` value lets the request through, else why not."""

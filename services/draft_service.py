@@ -228,6 +228,10 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             if self.cost_curve
             else None,
             max_step_rows=self.max_step_rows,
+            prefix_caching=info.prefix_caching,
+            cache_blocks_cached=info.cache_blocks_cached,
+            prefix_cache_queries=info.prefix_cache_queries,
+            prefix_cache_hits=info.prefix_cache_hits,
         )
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
@@ -271,16 +275,21 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             await context.abort(status_code(e), f"draft: {e}")
         await self._free(context, stale)
         opened = False
+        body = prompt[:-1]  # the first root is not prefilled
         try:
-            await self._call(context, self.runtime.open, rid, int(request.capacity))
+            cached = await self._call(
+                context, self.runtime.open, rid, int(request.capacity), body.numpy()
+            )
             opened = True
             self.metrics.requests.inc()
         finally:
             if not opened:
                 self.leases.end(rid)
-        if prompt.numel() > 1:
-            await self._prefill(context, rid, prompt[:-1], 0, request.prefill_chunk)
-        return draft_pb2.OpenDraftResponse()
+        if self.runtime.runtime.prefix_caching:
+            self.metrics.prefix_cache_queried(body.numel(), cached)
+        if body.numel() > cached:
+            await self._prefill(context, rid, body[cached:], cached, request.prefill_chunk)
+        return draft_pb2.OpenDraftResponse(cached_tokens=cached)
 
     async def _free(self, context, request_ids: list[str]) -> None:
         """Requests of a router process that was replaced (it restarted): free them now."""

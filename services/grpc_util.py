@@ -42,15 +42,18 @@ class Server:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         max_receive_bytes: int = MAX_MESSAGE_BYTES,
         credentials: grpc.ServerCredentials | None = None,
+        options: Sequence[tuple[str, int]] = (),
     ) -> None:
         """`max_receive_bytes`: larger messages are refused (RESOURCE_EXHAUSTED) by gRPC
         before they are read; each service derives it from its model. `credentials`:
-        TLS (mutual TLS between a deployment's services, `security.py`); None: plaintext."""
+        TLS (mutual TLS between a deployment's services, `security.py`); None: plaintext.
+        `options`: more gRPC server options (the router's public port: its caps)."""
         self.credentials = credentials
         self.health_server: grpc.aio.Server | None = None
         options = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", max_receive_bytes),
+            *options,
         ]
         self.server = grpc.aio.server(options=options, interceptors=list(interceptors))
         self.health = health.aio.HealthServicer()
@@ -131,10 +134,6 @@ def channel(address: str, security=None) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     options = [*CHANNEL_OPTIONS, *security.channel_options()]
     return grpc.aio.secure_channel(address, security.channel_credentials(), options=options)
-
-
-def status_name(code: grpc.StatusCode) -> str:
-    return code.name
 
 
 def code_from_number(number: int) -> grpc.StatusCode:

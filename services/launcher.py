@@ -16,6 +16,9 @@ The router finds the stages and the draft through a discovery file the launcher 
 (`--discovery file:PATH`, one `stage|draft HOST:PORT [GROUP]` a line), so replicas can
 be added and removed while it serves (`add_stage`, `add_draft`, `unlist`): the same
 live membership Kubernetes gives the chart's routers through EndpointSlices.
+
+One module: the children, the ports handed out, the discovery file and the pipe the
+children watch are the state of one deployment, started and stopped together.
 """
 
 from __future__ import annotations
@@ -31,14 +34,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.partition import parse_layer_ranges, split_layers
 
-from .transport import TCP
+from .config import (
+    DEFAULT_CACHE_FRACTION,
+    DeploymentConfig,
+    DraftConfig,
+    RouterConfig,
+    ServiceConfig,
+    StageConfig,
+)
 
 
 class LaunchError(RuntimeError):
@@ -85,94 +95,67 @@ class Child:
 
 
 class ServicesDeployment:
+    """`specpipe up` from a `DeploymentConfig`. `ServicesDeployment(target, draft, stages,
+    **fields)` is the same with the configuration's fields given one by one."""
+
     def __init__(
         self,
-        target: str | Path,
-        draft: str | Path | None,
-        stages: int,
-        transport: str = TCP,
-        router_port: int = 0,
-        layers: str | None = None,
-        host: str = "127.0.0.1",
-        dtype: str = "float32",
-        threads: int | None = None,
-        device: str = "cpu",
-        drain_seconds: float = 25.0,
-        log_dir: str | Path | None = None,
-        startup_timeout: float = 180.0,
-        env: dict[str, str] | None = None,
-        max_cache_gib: float | None = None,
-        http_port: int | None = None,
-        api_keys: Sequence[str] = (),
-        scheduling: Mapping[str, object] | None = None,
-        stage_replicas: int | Sequence[int] = 1,
-        metrics: bool = False,
-        replay_seconds: float | None = None,
-        group: str = "",
-        lease_seconds: float | None = None,
-        secure: bool = True,
-        public_tls=None,
-        emulate_costs: str | Path | None = None,
-        batch_wait: float | None = None,
+        config: DeploymentConfig | str | Path,
+        draft: str | Path | None = None,
+        stages: int | None = None,
+        **fields,
     ) -> None:
-        self.target = Path(target)
+        if not isinstance(config, DeploymentConfig):
+            stages = 2 if stages is None else stages
+            config = DeploymentConfig(target=config, draft=draft, stages=stages, **fields)
+        elif draft is not None or stages is not None or fields:
+            raise TypeError("a DeploymentConfig says everything; give nothing else")
+        self.config = c = config
+        self.target = Path(c.target)
         self.draft = (
-            None if draft in (None, "none") else Path(self.target if draft == "oracle" else draft)
+            None
+            if c.draft in (None, "none")
+            else Path(self.target if c.draft == "oracle" else c.draft)
         )
         cfg = ModelConfig.from_dir(self.target)
-        if stages < 1 or stages > cfg.num_layers:
-            raise ValueError(f"--stages must be in [1, {cfg.num_layers}], got {stages}")
+        if c.stages < 1 or c.stages > cfg.num_layers:
+            raise ValueError(f"--stages must be in [1, {cfg.num_layers}], got {c.stages}")
         self.ranges = (
-            parse_layer_ranges(layers, cfg.num_layers)
-            if layers
-            else split_layers(cfg.num_layers, stages)
+            parse_layer_ranges(c.layers, cfg.num_layers)
+            if c.layers
+            else split_layers(cfg.num_layers, c.stages)
         )
-        if layers and len(self.ranges) != stages:
-            raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {stages}")
-        self.transport, self.host, self.dtype = transport, host, dtype
+        if c.layers and len(self.ranges) != c.stages:
+            raise ValueError(f"--layers lists {len(self.ranges)} stages, --stages is {c.stages}")
+        self.host = c.host
         # The address every child advertises (a wildcard listens everywhere, but the
         # children reach each other on loopback): the stages' only --peers.
-        self.advertise_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.device = device  # every stage and the draft (one GPU shared on one host)
-        self.drain_seconds = drain_seconds
-        self.router_port = router_port
+        self.advertise_host = "127.0.0.1" if c.host in ("0.0.0.0", "::", "") else c.host
         per_stage = (
-            [stage_replicas] * len(self.ranges)
-            if isinstance(stage_replicas, int)
-            else list(stage_replicas)
+            [c.stage_replicas] * len(self.ranges)
+            if isinstance(c.stage_replicas, int)
+            else list(c.stage_replicas)
         )
         if len(per_stage) != len(self.ranges) or min(per_stage) < 1:
-            raise ValueError(f"--stage-replicas must be at least 1, got {stage_replicas}")
+            raise ValueError(f"--stage-replicas must be at least 1, got {c.stage_replicas}")
         self.stage_replicas = per_stage  # replicas of each stage
-        self.metrics = metrics  # every process gets a --metrics-port
-        self.replay_seconds = replay_seconds
-        self.group = group  # discovery group of the first model version
+        self.group = c.group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
         procs = sum(per_stage) + (1 if self.draft else 0)
-        self.threads = threads or max(1, cpus // procs)
-        self._own_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
+        self.threads = c.threads or max(1, cpus // procs)
+        self.drain_seconds = c.drain_seconds
+        self.startup_timeout = c.startup_timeout
+        self._own_dir = c.log_dir is None
+        self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.startup_timeout = startup_timeout
-        self.env = {**os.environ, **(env or {})}
-        self.max_cache_gib = max_cache_gib  # per stage and draft; None: a share of free memory
-        self.http_port = http_port  # the router's HTTP API; None: off, 0: any free port
-        self.api_keys = list(api_keys)
-        # The router's --max-running, --max-waiting, --row-budget (None: its defaults).
-        self.scheduling = {k: v for k, v in (scheduling or {}).items() if v is not None}
-        self.lease_seconds = lease_seconds  # of the stages and the draft; None: theirs
-        # --secure (default): a throwaway CA and certificate (made at start) for every
-        # process; False: --insecure, plaintext
-        self.secure = secure
-        self.public_tls = public_tls  # a security.PublicTls for the router's public ports
-        # --emulate-costs: every stage (its own curve of the file) and the draft paced
-        self.emulate_costs = Path(emulate_costs).resolve() if emulate_costs else None
+        self.env = {**os.environ, **(c.env or {})}
+        self.api_keys = list(c.api_keys)
+        self.secure = c.secure
+        self.emulate_costs = Path(c.emulate_costs).resolve() if c.emulate_costs else None
         if self.emulate_costs is not None:
             from specpipe.common.perf.emulate import EmulatedCosts
 
             EmulatedCosts.load(self.emulate_costs).check_stages(len(self.ranges))
-        # --batch-wait-ms of every stage and the draft, in seconds (None: the stages' automatic window)
-        self.batch_wait = batch_wait
         self.children: dict[str, Child] = {}
         self._ports: set[int] = set()  # handed out: two children never get the same one
         self.listed: list[str] = []  # children in the discovery file, in order
@@ -195,16 +178,43 @@ class ServicesDeployment:
                 return port
         raise LaunchError("no free port")
 
-    # -- children --------------------------------------------------------------------------
-    def _child(self, name: str, args: list[str], kind: str = "", group: str = "") -> Child:
+    # -- children: their configurations and command lines --------------------------------
+    def _child(self, name: str, kind: str, config: ServiceConfig, group: str = "") -> Child:
+        """A child process running `config` (its ready file and metrics port set here)."""
         ready = self.log_dir / f"{name}.ready"
         ready.unlink(missing_ok=True)
-        if self.metrics:
-            args = [*args, "--metrics-port", str(self._free_port())]
-        argv = [sys.executable, "-m", "specpipe.cli", *args, "--ready-file", str(ready)]
+        metrics_port = self._free_port() if self.config.metrics else None
+        config = replace(config, ready_file=str(ready), metrics_port=metrics_port)
+        argv = [sys.executable, "-m", "specpipe.cli", kind, *config.argv()]
         child = Child(name, argv, ready, self.log_dir / f"{name}.log", kind=kind, group=group)
+        child.info["address"] = f"{self.host}:{config.port}"
         self.children[name] = child
         return child
+
+    def _service(self) -> dict[str, object]:
+        """What every child's configuration shares."""
+        return dict(
+            host=self.host,
+            drain_seconds=self.drain_seconds,
+            log_level=self.env.get("SPECPIPE_LOG_LEVEL", ServiceConfig().log_level),
+            secure=self.secure,
+            tls_dir=str(self._tls()) if self.secure else None,
+        )
+
+    def _model_service(self, stage: bool) -> dict[str, object]:
+        """What a stage's and the draft's configurations share."""
+        c = self.config
+        return dict(
+            self._service(),
+            dtype=c.dtype,
+            threads=self.threads,
+            device=c.device,
+            **self._cache_budget(),
+            **({} if c.lease_seconds is None else {"lease_seconds": c.lease_seconds}),
+            emulate_costs=str(self.emulate_costs) if self.emulate_costs else None,
+            measure_costs=c.scheduling.needs_costs(stage),
+            batch_wait=c.batch_wait,
+        )
 
     def _stage_child(
         self,
@@ -212,65 +222,63 @@ class ServicesDeployment:
         target: Path,
         layers: str,
         group: str,
-        dtype: str | None = None,
         index: int | None = None,
     ) -> Child:
         """`index`: the stage's place in the pipeline (its curve of --emulate-costs)."""
-        port, data_port = self._free_port(), self._free_port()
-        child = self._child(
-            name,
-            [
-                "stage",
-                "--model", str(target),
-                "--layers", layers,
-                "--port", str(port),
-                "--data-port", str(data_port),
-                "--transport", self.transport,
-                "--dtype", dtype or self.dtype,
-                "--peers", self.advertise_host,
-                *self._cache_args(),
-                *(["--measure-costs"] if self._measure_costs(stage=True) else []),
-                *self._emulate_args(index),
-                *self._batch_wait_args(),
-                *self._common_args(),
-            ],
-            kind="stage",
-            group=group,
-        )  # fmt: skip
-        child.info["address"] = f"{self.host}:{port}"
-        return child
+        config = StageConfig(
+            **self._model_service(stage=True),
+            model=str(target),
+            layers=layers,
+            port=self._free_port(),
+            data_port=self._free_port(),
+            transport=self.config.transport,
+            peers=(self.advertise_host,),
+            emulate_stage=index if self.emulate_costs is not None else None,
+        )
+        return self._child(name, "stage", config, group)
 
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
-        port = self._free_port()
-        args = ["draft", "--model", str(model), "--port", str(port), "--dtype", self.dtype]
-        args += [*self._cache_args(), *self._emulate_args(), *self._batch_wait_args()]
-        args += ["--measure-costs"] if self._measure_costs(stage=False) else []
-        child = self._child(name, [*args, *self._common_args()], kind="draft", group=group)
-        child.info["address"] = f"{self.host}:{port}"
-        return child
+        config = DraftConfig(
+            **self._model_service(stage=False), model=str(model), port=self._free_port()
+        )
+        return self._child(name, "draft", config, group)
 
-    def _measure_costs(self, stage: bool) -> bool:
-        """The router prices steps with measured costs for --row-budget auto (stages)
-        and for auto settings (stages and draft)."""
-        tuned = any(self.scheduling.get(k) == "auto" for k in ("width", "layers_per_step"))
-        tuned = tuned or self.scheduling.get("token_source") == "auto"
-        return tuned or (stage and self.scheduling.get("row_budget") == "auto")
+    def _router_child(self) -> Child:
+        c = self.config
+        config = RouterConfig(
+            **self._service(),
+            target=str(self.target),
+            discovery=f"file:{self.discovery_file}",
+            port=c.router_port or self._free_port(),
+            data_port=self._free_port(),
+            transport=c.transport,
+            startup_timeout=c.startup_timeout,
+            **({"replay_seconds": c.replay_seconds} if c.replay_seconds else {}),
+            # 0: a free port picked here, like every other one
+            http_port=None if c.http_port is None else c.http_port or self._free_port(),
+            public_tls_cert=str(c.public_tls.cert_file) if c.public_tls else None,
+            public_tls_key=str(c.public_tls.key_file) if c.public_tls else None,
+            api_key_files=(str(self._write_keys()),) if self.api_keys else (),
+            scheduling=c.scheduling,
+        )
+        return self._child("router", "router", config)
 
-    def _batch_wait_args(self) -> list[str]:
-        return [] if self.batch_wait is None else ["--batch-wait-ms", f"{self.batch_wait * 1e3:g}"]
+    def _cache_budget(self) -> dict[str, float]:
+        """A fixed budget, or an equal share of the free memory of the one device every
+        stage and the draft share here; and the prefix cache off if asked."""
+        off = {} if self.config.prefix_cache else {"no_prefix_cache": True}
+        if self.config.max_cache_gib is not None:
+            return {"max_cache_gib": self.config.max_cache_gib, **off}
+        share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
+        return {"cache_fraction": round(share, 4), **off}
 
-    def _emulate_args(self, stage: int | None = None) -> list[str]:
-        if self.emulate_costs is None:
-            return []
-        index = [] if stage is None else ["--emulate-stage", str(stage)]
-        return ["--emulate-costs", str(self.emulate_costs), *index]
-
-    def _common_args(self) -> list[str]:
-        """Of every stage and draft."""
-        return [
-            "--host", self.host, "--threads", str(self.threads), "--device", self.device,
-            "--drain-seconds", str(self.drain_seconds), *self._secure_args(), *self._lease_args(),
-        ]  # fmt: skip
+    def _write_keys(self) -> Path:
+        """The API keys in a private file, not on the command line (ps shows that)."""
+        path = self._keys_file()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{k}\n" for k in self.api_keys))
+        return path
 
     # -- discovery -----------------------------------------------------------------------
     def write_discovery(self) -> None:
@@ -379,14 +387,13 @@ class ServicesDeployment:
 
         return Security.load(self.tls_dir)
 
-    def _secure_args(self) -> list[str]:
-        if not self.secure:
-            return ["--insecure"]
+    def _tls(self) -> Path:
+        """The deployment's throwaway CA and certificate, made at first use."""
         from .security import make_pki
 
         if not (self.tls_dir / "tls.crt").is_file():
             make_pki(self.tls_dir, hosts=[self.host, "127.0.0.1", "localhost"])
-        return ["--secure", "--tls-dir", str(self.tls_dir)]
+        return self.tls_dir
 
     def _start(self) -> str:
         for i, r in enumerate(self.ranges):
@@ -398,22 +405,7 @@ class ServicesDeployment:
             self._draft_child("draft", self.draft, self.group)
             self.listed.append("draft")
         self.write_discovery()
-        router_args = [
-            "router",
-            "--target", str(self.target),
-            "--discovery", f"file:{self.discovery_file}",
-            "--port", str(self.router_port or self._free_port()),
-            "--data-port", str(self._free_port()),
-            "--transport", self.transport,
-            "--startup-timeout", str(self.startup_timeout),
-            "--host", self.host,
-            "--drain-seconds", str(self.drain_seconds),
-            *self._secure_args(),
-            *(["--replay-seconds", str(self.replay_seconds)] if self.replay_seconds else []),
-            *self._router_api_args(),
-            *(a for k, v in self.scheduling.items() for a in (f"--{k.replace('_', '-')}", str(v))),
-        ]  # fmt: skip
-        self._child("router", router_args, kind="router")
+        self._router_child()
         # All at once: the router waits for the stages itself.
         for child in self.children.values():
             self._spawn(child)
@@ -429,34 +421,6 @@ class ServicesDeployment:
             for n, c in self.children.items()
             if "metrics" in c.info and c.proc is not None and c.proc.poll() is None
         }
-
-    def _lease_args(self) -> list[str]:
-        return [] if self.lease_seconds is None else ["--lease-seconds", str(self.lease_seconds)]
-
-    def _cache_args(self) -> list[str]:
-        """A fixed budget, or an equal share of the free memory of the one device every
-        stage and the draft share here."""
-        if self.max_cache_gib is not None:
-            return ["--max-cache-gib", str(self.max_cache_gib)]
-        from .modelinfo import DEFAULT_CACHE_FRACTION
-
-        share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
-        return ["--cache-fraction", f"{share:.4f}"]
-
-    def _router_api_args(self) -> list[str]:
-        args = []
-        if self.http_port is not None:  # 0: a free port picked here, like every other one
-            args += ["--http-port", str(self.http_port or self._free_port())]
-        if self.public_tls is not None:
-            args += ["--public-tls-cert", str(self.public_tls.cert_file)]
-            args += ["--public-tls-key", str(self.public_tls.key_file)]
-        if self.api_keys:  # in a private file, not on the command line (ps shows that)
-            path = self._keys_file()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(f"{k}\n" for k in self.api_keys))
-            args += ["--api-key-file", str(path)]
-        return args
 
     def _keys_file(self) -> Path:
         return self.log_dir / "router.api-keys"

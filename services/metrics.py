@@ -1,7 +1,9 @@
 """Prometheus metrics of the three services (`--metrics-port`: `/metrics`), named after
 vLLM's with the prefix `specpipe:` (docs/deploy.md, "Metrics and autoscaling").
 
-Each service has its own registry and serves it from a small HTTP server in a thread, on
+One module for the three services' metrics, since they share their server, their
+naming and most of their families. Each service has its own registry and serves it from
+a small HTTP server in a thread, on
 a port of its own: the same for the router, the stages and the draft (which run no ASGI
 stack), scrapes answered even while the event loop or the compute thread is busy, and
 metrics kept off the client API port (API keys, public exposure). It always answers in
@@ -17,6 +19,8 @@ histograms are updated where the work happens.
 from __future__ import annotations
 
 import contextlib
+import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -33,6 +37,10 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .conn_limits import ConnectionCounts
+from .ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
 PREFIX = "specpipe:"
 # vLLM's buckets for the request latencies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -52,6 +60,14 @@ TOKENS_PER_STEP_BUCKETS = (0.05, 0.1, 0.2, 0.25, 0.33, 0.5, 0.6, 0.7, 0.8, 0.9, 
 OVERHEAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 0.01, 0.015, 0.02,
                     0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)  # fmt: skip
 MAX_DEPTH_LABEL = 16  # hits deeper than this count under depth "16+"
+# The metrics port's own bounds: a scrape is one short request, so a connection may stay
+# silent this long between bytes and open this long in all; at most this many are
+# served at once (one thread each), and this many from one address (Prometheus scrapes
+# a target one request at a time).
+METRICS_SOCKET_TIMEOUT = 5.0
+METRICS_CONNECTION_SECONDS = 10.0
+METRICS_MAX_CONNECTIONS = 32
+METRICS_MAX_PER_CLIENT = 8
 
 
 class BusyMeter:
@@ -123,6 +139,8 @@ class ServiceMetrics:
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = METRICS_SOCKET_TIMEOUT  # a silent connection is closed after this
+
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                     self.send_error(404)
@@ -137,9 +155,14 @@ class ServiceMetrics:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+        self._server = BoundedHTTPServer(
+            (host, port),
+            Handler,
+            METRICS_MAX_CONNECTIONS,
+            METRICS_MAX_PER_CLIENT,
+            METRICS_CONNECTION_SECONDS,
+        )
+        thread = threading.Thread(target=self._server.serve_forever, args=(0.5,), daemon=True,
                                   name="metrics")  # fmt: skip
         thread.start()
         self.port = self._server.server_port
@@ -150,6 +173,67 @@ class ServiceMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, but at most `max_connections` of them (and
+    `per_client` from one address): more are closed at once. A connection open longer
+    than `connection_seconds` (a client that sends or reads a byte at a time) is shut
+    down by the serving loop, so a thread is never held for longer."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog: refusals are cheap, let them be seen
+
+    def __init__(
+        self,
+        address,
+        handler,
+        max_connections: int = METRICS_MAX_CONNECTIONS,
+        per_client: int = METRICS_MAX_PER_CLIENT,
+        connection_seconds: float = METRICS_CONNECTION_SECONDS,
+    ) -> None:
+        self.counts = ConnectionCounts(max_connections, per_client)
+        self.connection_seconds = connection_seconds
+        self.refusals = RateLimitedLog(log)
+        self._opened: dict[socket.socket, float] = {}
+        self._lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        why = self.counts.admit(client_address[0])
+        if why is not None:
+            self.refusals.warning("refused", "metrics port: refused a connection (%s)", why)
+            self.shutdown_request(request)
+            return
+        with self._lock:
+            self._opened[request] = time.monotonic()
+        try:
+            super().process_request(request, client_address)  # starts its thread
+        except BaseException:
+            self._forget(request, client_address)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request, client_address)
+
+    def _forget(self, request, client_address) -> None:
+        with self._lock:
+            known = self._opened.pop(request, None) is not None
+        if known:
+            self.counts.release(client_address[0])
+
+    def service_actions(self) -> None:
+        """Between polls of the listening socket: end connections open too long (their
+        threads then see the end of the stream and finish)."""
+        deadline = time.monotonic() - self.connection_seconds
+        with self._lock:
+            late = [s for s, t in self._opened.items() if t < deadline]
+        for s in late:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
 
 
 class _ComputeMetrics(ServiceMetrics):
@@ -176,6 +260,19 @@ class _ComputeMetrics(ServiceMetrics):
             "kv_cache_usage_perc", "KV cache use: bytes in use / budget (0 without a budget)"
         )
         self.running = self._gauge("num_requests_running", f"Requests open on the {k}")
+        # The prefix cache (as vLLM's prefix_cache_queries / _hits): prompt tokens looked
+        # up at Open, and of those the ones found cached (whole blocks).
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", f"Prompt tokens the {k} looked up in its prefix cache"
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", f"Prompt tokens the {k} found in its prefix cache"
+        )
+
+    def prefix_cache_queried(self, tokens: int, hits: int) -> None:
+        """An Open looked `tokens` prompt tokens up in the prefix cache; `hits` were there."""
+        self.prefix_cache_queries.inc(tokens)
+        self.prefix_cache_hits.inc(hits)
 
     def watch(
         self,

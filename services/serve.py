@@ -1,4 +1,6 @@
-"""Process entry points of the three services (used by `specpipe stage|draft|router`).
+"""Process entry points of the three services (used by `specpipe stage|draft|router`):
+each takes its typed configuration (services/config.py) and maps it onto its service's
+constructor, here and nowhere else.
 
 Each runs one asyncio loop until SIGINT/SIGTERM, then drains (NOT_SERVING in gRPC
 health, new requests refused with UNAVAILABLE, open ones finish for up to
@@ -16,8 +18,16 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+from .config import TCP, DraftConfig, ModelServiceConfig, RouterConfig, ServiceConfig, StageConfig
+
+if TYPE_CHECKING:
+    from .auth import ApiKeys
+    from .router.discovery import Discovery
+    from .security import PublicTls
 
 log = logging.getLogger("specpipe.services")
 
@@ -29,13 +39,13 @@ def setup_logging(level: str = "INFO") -> None:
     )
 
 
-def security_of(args):
+def security_of(config: ServiceConfig):
     """The internal planes' credentials of `--secure` (None without it)."""
-    if not getattr(args, "secure", False):
+    if not config.secure:
         return None
     from .security import Security
 
-    return Security.load(args.tls_dir, args.data_key_file, args.tls_server_name)
+    return Security.load(config.tls_dir, config.data_key_file, config.tls_server_name)
 
 
 def exit_stopped(code: int = 0) -> NoReturn:
@@ -111,7 +121,7 @@ async def _serve_until_stopped(svc, drain_seconds: float, also_stop=()) -> None:
             await stop()
 
 
-async def run_stage(args) -> None:
+async def run_stage(config: StageConfig) -> None:
     from specpipe.common.model.config import ModelConfig
     from specpipe.common.model.partition import parse_layer_range
     from specpipe.common.runtime.loader import load_model
@@ -119,23 +129,23 @@ async def run_stage(args) -> None:
     from .stage_service import StageService
 
     model = None
-    if args.model:
+    if config.model:
         layers = None
-        if args.layers:
-            num_layers = ModelConfig.from_dir(args.model).num_layers
-            r = parse_layer_range(args.layers, num_layers)
+        if config.layers:
+            num_layers = ModelConfig.from_dir(config.model).num_layers
+            r = parse_layer_range(config.layers, num_layers)
             layers = (r.start, r.end)
         model = load_model(
-            args.model,
+            config.model,
             layers,
-            args.dtype,
-            args.model_id,
-            device=args.device,
-            max_cache_bytes=_gib(args.max_cache_gib),
+            config.dtype,
+            config.model_id,
+            device=config.device,
+            max_cache_bytes=config.max_cache_bytes,
         )
-        _set_cache_budget(model.runtime, args)
-    pacer = _pacer(args, "stage")
-    if model is not None and args.measure_costs:
+        _set_cache_budget(model.runtime, config)
+    pacer = _pacer(config)
+    if model is not None and config.measure_costs:
         from specpipe.common.perf.cost_model import row_budget
 
         model.cost_curve = _cost_curve(model.runtime, pacer)
@@ -145,25 +155,26 @@ async def run_stage(args) -> None:
         )
     svc = StageService(
         model,
-        transport_kind=args.transport,
-        bind_host=args.host,
-        advertise_host=args.advertise_host,
-        max_cache_bytes=_gib(args.max_cache_gib),
-        device=args.device,
-        cache_fraction=args.cache_fraction,
-        lease_seconds=args.lease_seconds,
-        security=security_of(args),
-        allow_configure=args.allow_configure,
-        peers=args.peers,
-        batch_wait=args.batch_wait_ms,
+        transport_kind=config.transport or TCP,
+        bind_host=config.host,
+        advertise_host=config.advertise_host,
+        max_cache_bytes=config.max_cache_bytes,
+        device=config.device,
+        cache_fraction=config.cache_fraction,
+        lease_seconds=config.lease_seconds,
+        security=security_of(config),
+        allow_configure=config.allow_configure,
+        peers=config.peers,
+        batch_wait=config.batch_wait,
+        pacer=pacer,
     )
-    svc.pacer = pacer
-    metrics = _serve_metrics(svc.metrics, args, svc.transport.advertise_host)
-    port = await svc.start(args.host, args.port, args.data_port, args.health_port)
+    metrics = _serve_metrics(svc.metrics, config, svc.transport.advertise_host)
+    port = await svc.start(config.host, config.port, config.data_port, config.health_port)
     addr = f"{svc.transport.advertise_host}:{port}"
-    write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **metrics)
+    write_ready(config.ready_file, grpc=addr, data=svc.transport.address, **metrics)
     log.info("%s ready at %s (data %s)", svc.name, addr, svc.transport.address)
-    await _serve_until_stopped(svc, args.drain_seconds, [_closer(svc.metrics), _report(pacer)])
+    stops = [_closer(svc.metrics), _report(pacer)]
+    await _serve_until_stopped(svc, config.drain_seconds, stops)
 
 
 def _cost_curve(runtime, pacer):
@@ -181,141 +192,176 @@ def _cost_curve(runtime, pacer):
     return measure_runtime(runtime, BUDGET_ROWS, context=COST_CONTEXT, repeats=2)
 
 
-async def run_draft(args) -> None:
+async def run_draft(config: DraftConfig) -> None:
     from .draft_service import DraftService
 
     svc = DraftService(
-        args.model,
-        args.dtype,
-        args.model_id,
-        device=args.device,
-        max_cache_bytes=_gib(args.max_cache_gib),
-        lease_seconds=args.lease_seconds,
-        security=security_of(args),
-        pacer=_pacer(args, "draft"),
-        batch_wait=args.batch_wait_ms,
+        config.model,
+        config.dtype,
+        config.model_id,
+        device=config.device,
+        max_cache_bytes=config.max_cache_bytes,
+        lease_seconds=config.lease_seconds,
+        security=security_of(config),
+        pacer=_pacer(config),
+        batch_wait=config.batch_wait,
     )
-    _set_cache_budget(svc.runtime.runtime, args)
-    if args.measure_costs:
+    _set_cache_budget(svc.runtime.runtime, config)
+    if config.measure_costs:
         svc.cost_curve = _cost_curve(svc.runtime.runtime, svc.pacer)
         log.info("draft cost per row count %s", svc.cost_curve.to_dict())
-    host = args.advertise_host or _local(args.host)
-    metrics = _serve_metrics(svc.metrics, args, host)
-    port = await svc.start(args.host, args.port, args.health_port)
+    host = config.advertise_host or _local(config.host)
+    metrics = _serve_metrics(svc.metrics, config, host)
+    port = await svc.start(config.host, config.port, config.health_port)
     addr = f"{host}:{port}"
-    write_ready(args.ready_file, grpc=addr, **metrics)
+    write_ready(config.ready_file, grpc=addr, **metrics)
     log.info("draft %s ready at %s", svc.model_id, addr)
     stops = [_closer(svc.metrics), _report(svc.pacer)]
-    await _serve_until_stopped(svc, args.drain_seconds, stops)
+    await _serve_until_stopped(svc, config.drain_seconds, stops)
 
 
-TUNING_FLAGS = (
-    "width",
-    "layers_per_step",
-    "token_source",
-    "tune_calibration_tokens",
-    "tune_price",
-)
-POLICY_FLAGS = (*TUNING_FLAGS, "late_draft_wait_ms")
+def load_api_keys(config: RouterConfig):
+    """The API keys of `--api-key` and `--api-key-file` (an `ApiKeyError`, a ValueError,
+    for a file that cannot be read or lists none)."""
+    from .auth import ApiKeys
+
+    return ApiKeys.load(config.api_keys, config.api_key_files, config.max_priority)
 
 
-def scheduling_options(args) -> dict[str, object]:
-    """The router's scheduling flags (`--max-running`, `--max-waiting`, `--row-budget`, the
-    request defaults and tuning, `TUNING_FLAGS`, and `--late-draft-wait-ms`) by name: what
-    `specpipe up` passes its router (None: the router's default)."""
-    return dict(
-        max_running=args.max_running,
-        max_waiting=args.max_waiting,
-        row_budget=args.row_budget,
-        **{k: getattr(args, k, None) for k in POLICY_FLAGS},
-    )
+def load_public_tls(config: RouterConfig):
+    """The public ports' TLS (`--public-tls-cert/-key`), checked now; None without it."""
+    if not config.public_tls_cert:
+        return None
+    from .security import PublicTls
+
+    return PublicTls.load(config.public_tls_cert, config.public_tls_key)
 
 
-def router_options(options: dict[str, object]) -> dict[str, object]:
-    """`scheduling_options` as keyword arguments of RouterService."""
+@dataclass(frozen=True)
+class RouterInputs:
+    """What a router's configuration names, made or read: the source of its replicas,
+    its API keys and its public TLS. `load` raises ValueError (DiscoveryError,
+    ApiKeyError, SecurityError) with a message for the user."""
+
+    discovery: Discovery
+    api_keys: ApiKeys
+    public_tls: PublicTls | None
+
+    @classmethod
+    def load(cls, config: RouterConfig) -> RouterInputs:
+        from .router.discovery import make_discovery
+
+        discovery = make_discovery(
+            config.discovery,
+            config.stages,
+            config.drafts,
+            config.discovery_namespace,
+            config.discovery_selector,
+        )
+        return cls(discovery, load_api_keys(config), load_public_tls(config))
+
+
+def router_arguments(config: RouterConfig, inputs: RouterInputs) -> dict[str, object]:
+    """A router configuration as keyword arguments of RouterService: the one place the
+    flags meet the constructor."""
     from .router.requests import RequestDefaults
     from .router.tuning import RouterTuning
 
-    kw = {k: v for k, v in options.items() if k not in POLICY_FLAGS}
-    tuning = {
-        "calibration_tokens": options.get("tune_calibration_tokens"),
-        "price": options.get("tune_price"),
-    }
-    defaults = {k: options.get(k) for k in ("width", "layers_per_step", "token_source")}
+    s = config.scheduling
+    tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
     return dict(
-        kw,
-        defaults=RequestDefaults(**defaults),
+        tokenizer_dir=config.target,
+        transport_kind=config.transport or TCP,
+        bind_host=config.host,
+        advertise_host=config.advertise_host,
+        model_id=config.model_id,
+        api_keys=inputs.api_keys,
+        max_running=s.max_running,
+        max_waiting=s.max_waiting,
+        row_budget=s.row_budget,
+        defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
         tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
-        late_draft_wait=float(options.get("late_draft_wait_ms") or 0) / 1e3,
+        late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
+        discovery=inputs.discovery,
+        replay_seconds=config.replay_seconds,
+        max_replays=config.max_replays,
+        stall_seconds=config.stall_seconds,
+        name=config.router_name,
+        security=security_of(config),
+        public_tls=inputs.public_tls,
+        limits=edge_limits(config),
     )
 
 
-async def run_router(args) -> None:
+def edge_limits(config: RouterConfig):
+    """The public ports' limits of a router configuration (ValueError for bad ones)."""
+    from .router.edge import EdgeLimits
+
+    given = {"max_connections": config.http_max_connections} if config.http_max_connections else {}
+    return EdgeLimits(
+        max_connections_per_client=config.http_max_connections_per_client,
+        header_timeout=config.http_header_timeout,
+        **given,
+    )
+
+
+async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -> None:
+    """`inputs`: loaded already (the command line checks them first); None: load them."""
     from .metrics import RouterMetrics
     from .router import RouterService
 
-    api_keys = args.api_keys  # an ApiKeys (the command line loaded it)
+    inputs = inputs or RouterInputs.load(config)
     router_metrics = RouterMetrics()
-    svc = RouterService(
-        tokenizer_dir=args.target,
-        transport_kind=args.transport,
-        bind_host=args.host,
-        advertise_host=args.advertise_host,
-        model_id=args.model_id,
-        api_keys=api_keys,
-        **router_options(scheduling_options(args)),
-        discovery=args.discovery,  # the command line built it
-        replay_seconds=args.replay_seconds,
-        max_replays=args.max_replays,
-        stall_seconds=args.stall_seconds,
-        metrics=router_metrics,
-        name=args.router_name,
-        security=security_of(args),
-        public_tls=args.public_tls,
-    )
+    svc = RouterService(**router_arguments(config, inputs), metrics=router_metrics)
     router_metrics.watch(svc)
-    svc.backends.stall_seconds = args.replica_stall_seconds
-    host = args.advertise_host or _local(args.host)
-    log.info("replicas from %s", args.discovery.describe())
-    http, info = None, _serve_metrics(router_metrics, args, host)
-    if args.http_port is not None:  # first: /health says "starting" while stages load
+    svc.backends.stall_seconds = config.replica_stall_seconds
+    host = config.advertise_host or _local(config.host)
+    log.info("replicas from %s", inputs.discovery.describe())
+    http, info = None, _serve_metrics(router_metrics, config, host)
+    if config.http_port is not None:  # first: /health says "starting" while stages load
         from .router.http_api import HttpServer
 
         http = HttpServer(svc)
-        info["http"] = f"{host}:{await http.start(args.host, args.http_port, args.public_tls)}"
+        port = await http.start(config.host, config.http_port, inputs.public_tls)
+        info["http"] = f"{host}:{port}"
         log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])
     try:
         port = await svc.start(
-            args.host, args.port, args.data_port, args.startup_timeout, args.health_port
+            config.host,
+            config.port,
+            config.data_port,
+            config.startup_timeout,
+            config.health_port,
         )
     except BaseException:
         if http:
             await http.stop()
         raise
     addr = f"{host}:{port}"
-    if api_keys.enabled:
-        log.info("API keys on: %d key(s)", len(api_keys))
-    write_ready(args.ready_file, grpc=addr, data=svc.transport.address, **info)
+    if inputs.api_keys.enabled:
+        log.info("API keys on: %d key(s)", len(inputs.api_keys))
+    write_ready(config.ready_file, grpc=addr, data=svc.transport.address, **info)
     log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
     stops = [*([http.stop] if http else []), _closer(router_metrics)]
-    await _serve_until_stopped(svc, args.drain_seconds, stops)
+    await _serve_until_stopped(svc, config.drain_seconds, stops)
 
 
-def _pacer(args, kind: str):
+def _pacer(config: ModelServiceConfig):
     """--emulate-costs FILE: this stage's (--emulate-stage) or the draft's cost model
     (common/perf/emulate.py); None without it, or for a draft the file has no costs for."""
-    if not getattr(args, "emulate_costs", None):
+    if not config.emulate_costs:
         return None
     from specpipe.common.perf.emulate import EmulatedCosts, Pacer
 
-    costs = EmulatedCosts.load(args.emulate_costs)
-    cost = costs.stage(args.emulate_stage) if kind == "stage" else costs.draft()
+    costs = EmulatedCosts.load(config.emulate_costs)
+    stage = isinstance(config, StageConfig)
+    cost = costs.stage(config.emulate_stage) if stage else costs.draft()
     if cost is None:
         log.info("emulated costs %s: none for the draft; its forwards are not paced", costs.source)
         return None
     log.info("emulated device: every forward paced to %s (1 row: %.2f ms)", costs.source,
              1e3 * cost(1, 128))  # fmt: skip
-    return Pacer(cost, name=kind)
+    return Pacer(cost, name="stage" if stage else "draft")
 
 
 def _report(pacer):
@@ -328,12 +374,12 @@ def _report(pacer):
     return report
 
 
-def _serve_metrics(metrics, args, host: str) -> dict[str, str]:
+def _serve_metrics(metrics, config: ServiceConfig, host: str) -> dict[str, str]:
     """Start the /metrics server when --metrics-port is given; its address for the
     ready file."""
-    if args.metrics_port is None:
+    if config.metrics_port is None:
         return {}
-    port = metrics.serve(args.host, args.metrics_port)
+    port = metrics.serve(config.host, config.metrics_port)
     log.info("metrics at http://%s:%d/metrics", host, port)
     return {"metrics": f"{host}:{port}"}
 
@@ -345,19 +391,17 @@ def _closer(metrics):
     return close
 
 
-def _set_cache_budget(runtime, args) -> None:
+def _set_cache_budget(runtime, config: ModelServiceConfig) -> None:
     """Without --max-cache-gib: a share of the device's free memory once the weights are
-    loaded (--cache-fraction), not a fixed size whatever the machine."""
+    loaded (--cache-fraction), not a fixed size whatever the machine. The prefix cache is
+    on unless --no-prefix-cache."""
     from .modelinfo import cache_budget
 
-    if args.max_cache_gib is None:
-        runtime.max_cache_bytes = cache_budget(runtime.model.device, args.cache_fraction)
+    runtime.prefix_caching = not config.no_prefix_cache
+    if config.max_cache_gib is None:
+        runtime.max_cache_bytes = cache_budget(runtime.model.device, config.cache_fraction)
     log.info("KV cache budget %.2f GiB", runtime.max_cache_bytes / (1 << 30))
 
 
 def _local(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def _gib(value: float | None) -> int | None:
-    return None if value is None else int(value * (1 << 30))

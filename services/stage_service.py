@@ -15,6 +15,10 @@ the router a small `Verification` instead of logits (without one, logits as befo
 for specpipe/pp only the root's, possibly once a prune makes a computed row the root).
 Requests join and leave between rounds; a request that fails fails alone. Everything
 else is the runtime's `StageRuntime`.
+
+One module for now: the gRPC handlers, the data-plane admission and the compute loop all
+act on the same per-request state (`_Request`) and the loop's rounds (the replica
+lifecycle and the compute round are to become modules of their own, issue 25).
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         peers: Sequence[str] = (),
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
         (loading other weights) only with `allow_configure`; `peers`: the only hosts and
@@ -163,6 +168,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         may carry (None: from the model's measured cost curve, `step_row_cap`)."""
         self.security = security
         self.allow_configure = allow_configure
+        self.pacer = pacer
         self.peers = Peers.parse(peers)
         self._max_step_rows = max_step_rows
         self.model = model
@@ -318,6 +324,17 @@ class StageService(stage_pb2_grpc.StageServicer):
             info.cache_bytes_used,
             info.cache_bytes_limit,
         )
+        desc.cache_blocks_used, desc.cache_blocks_free = (
+            info.cache_blocks_used,
+            info.cache_blocks_free,
+        )
+        desc.cache_block_rows = info.cache_block_rows
+        desc.prefix_caching, desc.cache_blocks_cached = (
+            info.prefix_caching,
+            info.cache_blocks_cached,
+        )
+        desc.prefix_cache_queries = info.prefix_cache_queries
+        desc.prefix_cache_hits = info.prefix_cache_hits
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
@@ -389,10 +406,11 @@ class StageService(stage_pb2_grpc.StageServicer):
                 verify = verify_spec_from_proto(request.verify)
             self._free_stale(self.leases.grant(rid, claim))
             try:
-                self.runtime.open(
+                cached = self.runtime.open(
                     rid,
                     int(request.capacity),
                     request.root_logits_only and verify is None,
+                    prefix_tokens=request.prefix_token_ids,
                     final_hidden=verify is not None,
                 )
             except RequestError:
@@ -411,7 +429,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._requests[rid] = st
         self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
-        return stage_pb2.OpenStageResponse()
+        if self.runtime.prefix_caching:
+            self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
+        return stage_pb2.OpenStageResponse(cached_tokens=cached)
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
         await self._check_first(context)
@@ -510,12 +530,6 @@ class StageService(stage_pb2_grpc.StageServicer):
                      self.name, self.leases.seconds)  # fmt: skip
         log.debug("request %s expired", rid)
         self._drop(rid)
-
-    async def _request(self, rid: str, context) -> _Request:
-        st = self._requests.get(rid)
-        if st is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, self._not_open(rid))
-        return st
 
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"
@@ -878,8 +892,3 @@ class StageService(stage_pb2_grpc.StageServicer):
             st.closed = True
         released = self.model is not None and self.runtime.release(rid)
         return st is not None or released
-
-
-def set_threads(threads: int) -> None:
-    if threads > 0:
-        torch.set_num_threads(threads)

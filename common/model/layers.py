@@ -1,22 +1,21 @@
 """A compact Llama-family decoder (Llama, Mistral, SmolLM, Qwen2) that runs as pipeline stages.
 
 A `StageModel` owns decoder layers ``[start, end)``; the first stage also owns the token
-embedding, the last also the final norm and LM head. Attention takes an explicit boolean
-mask over [cached rows + new rows], so the same code runs prefill chunks (causal), tree
-layers (ancestor mask) and plain decoding.
+embedding, the last also the final norm and LM head.
 
 Several requests run in one forward (SpecPipe-DB): their rows are concatenated, so the
-projections and the MLP are one GEMM over all rows, and attention runs per request
-(`Segment`) against that request's own cache and mask. A loop over requests is exact,
-needs no padding and no kernel we do not have on every device; attention is the small
-part of a step at these row counts (see benchmarks/README.md, "Batched forward").
+projections and the MLP are one GEMM over all rows, and attention is one call per layer
+for all of them (`PagedBatch`): each request's keys are gathered from the stage's paged
+KV cache into a padded batch, and a boolean mask built on the device says which keys each
+row sees (its committed prefix, causal for a prefill chunk; its tree ancestors and
+itself for tree rows). Why padded SDPA rather than FlexAttention or a loop over requests:
+docs/architecture.md, "5. The request controller and its executors",
+"The stage engine".
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +24,31 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .partition import LayerRange
 
-if TYPE_CHECKING:
-    from ..runtime.kv_cache import TreeKVCache
-
 
 @dataclass(frozen=True)
-class Segment:
-    """One request's rows within a forward: `rows` of the concatenated batch, written to
-    cache rows [start, start + n); `mask` [n, start + n] says which cache rows each new
-    row attends to."""
+class PagedBatch:
+    """One step's rows of every request, for attention in one call per layer.
 
-    rows: slice
-    cache: TreeKVCache
-    start: int
+    K/V live in `k`, `v` [layers, slots, kv_heads, head_dim] (a stage's block pool). The
+    N new rows write their K/V to `write_slots` [N]. Attention runs as a padded batch of
+    B requests x Q query rows x L keys: query position p of the batch holds new row
+    `query_rows[p]`, request b's keys are the slots `key_slots[b*L:(b+1)*L]`, gathered
+    into `key_buffer`, `value_buffer` [B*L, kv_heads, head_dim] (reused by every layer),
+    `mask` [B, 1, Q, L] is added to the scores (0 where a query row sees a key: its
+    request's committed prefix, its tree ancestors and itself; -inf elsewhere), and new
+    row i's output is at `out_rows[i]`. `runtime.paged_batch.pack` builds one from the
+    requests' block tables."""
+
+    k: Tensor
+    v: Tensor
+    key_buffer: Tensor
+    value_buffer: Tensor
+    write_slots: Tensor
+    key_slots: Tensor
+    query_rows: Tensor
+    out_rows: Tensor
     mask: Tensor
+    shape: tuple[int, int, int]  # B, Q, L
 
 
 class RMSNorm(nn.Module):
@@ -70,7 +80,7 @@ def rope_cos_sin(
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [heads, n, head_dim]; cos/sin: [n, head_dim] (HF rotate-half convention)."""
+    """x: [n, heads, head_dim]; cos/sin: [n, 1, head_dim] (HF rotate-half convention)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -87,22 +97,39 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, layer: int
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(n, self.cfg.num_heads, d).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.cfg.num_kv_heads, d).transpose(0, 1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
-        for seg in segments:
-            keys, values = seg.cache.write(layer, seg.start, k[:, seg.rows], v[:, seg.rows])
+        heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
+        q = apply_rope(self.q_proj(x).view(n, heads, d), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
+        v = self.v_proj(x).view(n, kv_heads, d)
+        if batch is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
-                q[None, :, seg.rows], keys[None], values[None], attn_mask=seg.mask, enable_gqa=True
-            )
-            outs.append(out[0])
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                is_causal=True,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+            return self.o_proj(out.reshape(n, heads * d))
+        k_cache, v_cache = batch.k[layer], batch.v[layer]
+        k_cache.index_copy_(0, batch.write_slots, k)
+        v_cache.index_copy_(0, batch.write_slots, v)
+        b, nq, length = batch.shape
+        keys = torch.index_select(k_cache, 0, batch.key_slots, out=batch.key_buffer)
+        values = torch.index_select(v_cache, 0, batch.key_slots, out=batch.value_buffer)
+        keys, values = keys.view(b, length, kv_heads, d), values.view(b, length, kv_heads, d)
+        queries = q.index_select(0, batch.query_rows).view(b, nq, heads, d)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=batch.mask,
+            enable_gqa=True,
+        )  # [B, heads, Q, d]
+        out = out.transpose(1, 2).reshape(b * nq, heads * d).index_select(0, batch.out_rows)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -125,9 +152,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, segments: Sequence[Segment], layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, layer)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -160,24 +187,21 @@ class StageModel(nn.Module):
             raise RuntimeError("only the first stage embeds tokens")
         return self.embed_tokens(token_ids)
 
-    def forward(
-        self, hidden: Tensor, positions: Tensor, mask: Tensor, cache: TreeKVCache, start: int
-    ) -> Tensor:
-        """Run new rows `hidden` [n, H] at `positions`; their K/V go to cache rows [start, start+n).
+    def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """One causal sequence `hidden` [n, H] at `positions`, without a cache (a reference
+        for tests and checks; serving goes through `forward_batch`)."""
+        return self._layers(hidden, positions, None)
 
-        `mask` is boolean [n, start + n]: True where a new row may attend to a cache row.
-        """
-        seg = Segment(slice(0, hidden.shape[0]), cache, start, mask)
-        return self.forward_batch(hidden, positions, [seg])
+    def forward_batch(self, hidden: Tensor, positions: Tensor, batch: PagedBatch) -> Tensor:
+        """The rows of several requests, concatenated in `hidden` [N, H] at `positions`
+        [N]; `batch` says whose they are, where their K/V go and what they attend to."""
+        return self._layers(hidden, positions, batch)
 
-    def forward_batch(
-        self, hidden: Tensor, positions: Tensor, segments: Sequence[Segment]
-    ) -> Tensor:
-        """The rows of several requests, concatenated in `hidden` [N, H]; `segments` say
-        which rows are whose (in order, covering all N rows)."""
+    def _layers(self, hidden: Tensor, positions: Tensor, batch: PagedBatch | None) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
+        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, segments, i)
+            hidden = layer(hidden, cos, sin, batch, i)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -1,4 +1,5 @@
-"""Emulated devices (DESIGN 6): every forward of a stage or the draft paced to a cost model.
+"""Emulated devices: every forward of a stage or the draft paced to a cost model
+(docs/architecture.md, "11. How performance is stated").
 
 On a machine with fewer cores than services, the wall clock of a multi-process
 deployment measures CPU contention, not the pipeline. With `--emulate-costs FILE` a

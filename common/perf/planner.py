@@ -1,4 +1,5 @@
-"""Which node kind hosts which layers (DESIGN 10): the split minimizing the slowest stage.
+"""Which node kind hosts which layers (docs/planning.md): the split minimizing the
+slowest stage.
 
 A pipeline step waits for its slowest stage. Given node kinds (each with a count, its
 speed at the regime planned for, and its memory), choose the number of stages, the kind

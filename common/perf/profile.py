@@ -1,5 +1,5 @@
-"""Node profiles (DESIGN 10): how fast one kind of node runs the target's pieces and how
-much memory it offers, measured (`specpipe profile`) or written by hand.
+"""Node profiles (docs/planning.md): how fast one kind of node runs the target's pieces
+and how much memory it offers, measured (`specpipe profile`) or written by hand.
 
 A profile prices any stage on that node: a stage holding layers [a, b) of a forward of
 n rows at context c costs
@@ -10,6 +10,9 @@ n rows at context c costs
 The planner (`planner.py`) takes these numbers at one regime; `emulated_costs` turns a
 split into the per-stage cost file `--emulate-costs` paces to. The JSON schema, flat and
 measured, is in docs/planning.md.
+
+One module: a measured profile and one written by hand are the same `NodeProfile` with
+one JSON schema, and the measurement is what fills it.
 """
 
 from __future__ import annotations

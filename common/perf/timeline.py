@@ -1,4 +1,5 @@
-"""Projected serving of many requests from a lockstep run (SpecPipe-DB, DESIGN 2.4 and 6).
+"""Projected serving of many requests from a lockstep run (SpecPipe-DB; docs/architecture.md,
+"11. How performance is stated").
 
 `closed_loop` drives the lockstep engine as `specpipe bench serve` drives the router:
 `concurrency` clients, each sending its next request when the previous one finished;

@@ -1,5 +1,6 @@
 """Width, layers per step and token source chosen for a deployment from what it serves:
-the router's `auto` (docs/architecture.md, "2.6").
+the router's `auto` (docs/architecture.md, "3. The pipeline step", "Choosing W, K and the
+source").
 
 Every setting emits the same tokens (every mode is lossless), so trying one costs only
 speed. The tuner gives `auto` requests each candidate setting in turn until it has seen

@@ -1,9 +1,12 @@
 """The draft: a small causal LM that proposes the children of tree nodes.
 
-It keeps its own tree-aware KV cache per request (the same `StageRuntime` as a target
-stage, holding every layer), so each step it only runs the newest tree layer. The router
-owns the tree: the draft returns top-k candidates per node, the router keeps the best `w`.
-The layers of several requests grow in one batched forward (`propose_many`).
+It runs on the same engine as a target stage (a `StageRuntime` holding every layer): a
+paged KV cache in one block pool, each request's tree rows beside its committed prefix,
+so each step it only runs the newest tree layer; the layers of several requests grow in
+one batched forward with one attention call per layer (`propose_many`), and prompts share
+cached blocks of their common prefixes (`open` says how much of a prompt it holds; the
+caller prefills only the rest). The router owns the tree: the draft returns top-k
+candidates per node, the router keeps the best `w`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,17 +47,21 @@ def _top_children(out: Activation, top_k: int, temperature: float) -> Candidates
 
 
 class DraftRuntime:
-    def __init__(self, model: StageModel, max_cache_bytes: int | None = None) -> None:
+    def __init__(
+        self, model: StageModel, max_cache_bytes: int | None = None, prefix_caching: bool = True
+    ) -> None:
         if not (model.layer_range.is_first and model.layer_range.is_last):
             raise ValueError("a draft holds the whole model")
-        self.runtime = StageRuntime(model, max_cache_bytes)
+        self.runtime = StageRuntime(model, max_cache_bytes, prefix_caching=prefix_caching)
 
     @property
     def vocab_size(self) -> int:
         return self.runtime.model.cfg.vocab_size
 
-    def open(self, request_id: str, capacity: int) -> None:
-        self.runtime.open(request_id, capacity)
+    def open(self, request_id: str, capacity: int, prompt: Sequence[int] | np.ndarray = ()) -> int:
+        """Open the request; of `prompt` (its first root not included), how many leading
+        tokens the prefix cache holds (the caller prefills the rest, from there)."""
+        return self.runtime.open(request_id, capacity, prefix_tokens=prompt)
 
     def release(self, request_id: str) -> bool:
         return self.runtime.release(request_id)

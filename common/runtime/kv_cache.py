@@ -1,147 +1,308 @@
-"""Per-request, per-stage KV cache that holds a committed prefix followed by token-tree rows.
+"""One request's KV cache on one stage: a committed prefix followed by token-tree rows,
+stored in blocks of the stage's `BlockPool`.
 
-Rows ``[0, n_committed)`` are verified tokens, in order. Rows after them belong to tree
-nodes this stage has computed, identified by the router's stable node ids; the cache
-also keeps the ancestor mask among those rows, so a new node's attention mask is its
-parent's row plus its own bit (docs/architecture.md, "2. Token tree"). Commit and prune
-are index operations on tensors.
+Rows ``[0, n_committed)`` are verified tokens, in order, in the request's committed
+blocks (its block table: row i is in block ``blocks[i // block_size]``). Tree rows belong
+to nodes this stage has computed, identified by the router's stable node ids; each has a
+slot of its own in the request's tree blocks, and the cache keeps the ancestor mask among
+them, so a new node's ancestors are its parent's plus itself (docs/architecture.md,
+"2. Token tree"). Pruning edits these tables: dropped nodes give their slots back (and a
+tree block nobody uses goes back to the pool); a committed node's K/V row is copied once
+to the end of the committed prefix, the only K/V a prune moves.
+
+Prefix caching (`block_pool`): a request opened with the token ids it will commit before
+its first root (`attach_prefix`) starts with the cached blocks of their longest cached
+prefix as its first committed rows, shared with other requests, and registers its own
+full blocks of those tokens once computed (`register_full_blocks`), for the next. Shared
+or registered blocks are never written: committed rows are only appended past them, and
+rewriting from inside one (`append_committed` at an earlier position) copies it first.
+Tree rows never enter the prefix cache.
+
+Everything here runs on the host, on numpy arrays derived from the messages; the device
+only receives slot indices (`StageRuntime` packs them for a step).
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from dataclasses import dataclass
 
+import numpy as np
+
+from .block_pool import BlockPool
 from .errors import BadInput, CacheFull
+from .prefix_hash import block_keys
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class NewRows:
+    """Where a step's new rows of one request go and what each attends to.
+
+    `slots`: their slots. The request's keys, in the order the attention sees them, are
+    its committed rows then its tree rows (`TreeKVCache.key_slots`); new row i attends to
+    keys [0, prefix[i]) and to the key columns `ancestors[i]` [n, depth], padded with -1
+    (tree rows: the node's ancestors and itself; committed rows: none, their prefix is
+    causal)."""
+
+    slots: np.ndarray
+    prefix: np.ndarray
+    ancestors: np.ndarray
 
 
 class TreeKVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+    def __init__(self, pool: BlockPool, capacity: int) -> None:
+        self.pool, self.capacity = pool, capacity
+        self.blocks: list[int] = []  # committed rows' block table
         self.n_committed = 0
-        self.tree_ids = torch.empty(0, dtype=torch.int64)
-        self.tree_mask = torch.empty(0, 0, dtype=torch.bool)
+        self.tree_ids = _EMPTY  # node id of each tree row, in the order rows were added
+        self.tree_slots = _EMPTY
+        self.tree_mask = np.zeros((0, 0), dtype=bool)  # [i, j]: tree row j is i or an ancestor
+        self.tree_blocks: list[int] = []
+        self._free_tree_slots: list[int] = []
         self._committed_ids: set[int] = set()
+        # Prefix caching: the token ids the request commits first (given at open), the
+        # keys of their full blocks, and how many leading blocks are in the cache.
+        self.known_tokens: np.ndarray | None = None
+        self._keys: list[bytes] = []
+        self._registered = 0
 
     @property
     def num_tree_rows(self) -> int:
-        return int(self.tree_ids.numel())
+        return int(self.tree_ids.size)
 
     @property
     def length(self) -> int:
         return self.n_committed + self.num_tree_rows
 
     @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + len(self.tree_blocks)
+
+    @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return self.num_blocks * self.pool.block_bytes
+
+    def key_slots(self) -> np.ndarray:
+        """Slots of every cached row: the committed prefix in order, then the tree rows."""
+        committed = self.pool.slots(self.blocks, 0, self.n_committed)
+        return np.concatenate([committed, self.tree_slots])
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
             raise CacheFull(f"KV cache full: {self.length} + {n} rows > capacity {self.capacity}")
 
+    # -- the prefix cache --------------------------------------------------------------
+    def attach_prefix(self, tokens: np.ndarray) -> int:
+        """A fresh request that will commit `tokens` first: take the pool's cached blocks
+        of their longest cached prefix as its first committed rows; the number of rows
+        (tokens) it holds so. Its own full blocks of `tokens` are registered as they are
+        computed (`register_full_blocks`)."""
+        if self.length or self.blocks:
+            raise BadInput("a prefix can only be attached to an empty cache")
+        if tokens.size > self.capacity:
+            raise BadInput(f"{tokens.size} prefix tokens exceed the capacity {self.capacity}")
+        if not self.pool.prefix_caching:
+            return 0
+        self.known_tokens = tokens
+        self._keys = block_keys(tokens, self.pool.block_size)
+        self.blocks = self.pool.lookup(self._keys)
+        self._registered = len(self.blocks)
+        self.n_committed = len(self.blocks) * self.pool.block_size
+        return self.n_committed
+
+    def check_tokens(self, start: int, tokens: np.ndarray) -> None:
+        """Committed tokens at `start`..: those the request announced at open must be
+        these (the first stage and the draft see tokens; their blocks get the keys of the
+        announced ones)."""
+        known = self.known_tokens
+        if known is None or start >= known.size:
+            return
+        n = min(tokens.size, known.size - start)
+        if not np.array_equal(known[start : start + n], tokens[:n]):
+            raise BadInput("prefill tokens differ from the prefix the request was opened with")
+
+    def register_full_blocks(self) -> None:
+        """Offer the request's full blocks of its announced tokens, computed by now, to
+        the prefix cache."""
+        full = min(self.n_committed // self.pool.block_size, len(self._keys))
+        for i in range(self._registered, full):
+            self.pool.register(self.blocks[i], self._keys[i])
+        self._registered = max(self._registered, full)
+
+    def _truncate_committed(self, n: int) -> None:
+        """Keep the first `n` committed rows. A kept block that is shared or cached and
+        now only partly kept is copied first (its rows stay valid for its key)."""
+        bs = self.pool.block_size
+        keep = self.pool.blocks_for(n)
+        if n % bs and self.pool.is_cached(self.blocks[keep - 1]):
+            old = self.blocks[keep - 1]
+            (new,) = self.pool.allocate(1)
+            start = (keep - 1) * bs
+            self.pool.copy_rows(
+                self.pool.slots([old], 0, n - start), self.pool.slots([new], 0, n - start)
+            )
+            self.blocks[keep - 1] = new
+            self.pool.release([old])
+        self.pool.release(self.blocks[keep:])
+        del self.blocks[keep:]
+        self.n_committed = n
+        self._registered = min(self._registered, n // bs)
+
     # -- growing -----------------------------------------------------------------------
-    def append_committed(self, n: int) -> tuple[int, Tensor]:
-        """Reserve `n` rows of verified tokens (a prefill chunk); returns (start row, mask)."""
+    def append_committed(self, n: int, start: int | None = None) -> NewRows:
+        """Rows for `n` verified tokens (a prefill chunk), causal among themselves, at
+        position `start` (default: after the committed rows). A start before the end of
+        the committed rows rewrites from there: what the prefix cache gave beyond the
+        prefix every stage of the path holds (the router starts the prefill there)."""
         if self.num_tree_rows:
             raise BadInput("committed rows can only be appended while no tree rows are cached")
+        if start is not None and start < self.n_committed:
+            if start < 0:
+                raise BadInput(f"committed rows at negative position {start}")
+            self._truncate_committed(start)
         self._check_room(n)
         start = self.n_committed
-        causal = torch.ones(n, n, dtype=torch.bool).tril_()
-        mask = torch.cat([torch.ones(n, start, dtype=torch.bool), causal], dim=1)
+        self.blocks += self.pool.allocate(self.pool.blocks_for(start + n) - len(self.blocks))
         self.n_committed += n
-        return start, mask
+        prefix = np.arange(start + 1, start + n + 1)
+        no_tree = np.empty((n, 0), dtype=np.int64)
+        return NewRows(self.pool.slots(self.blocks, start, start + n), prefix, no_tree)
 
-    def append_nodes(self, node_ids: Tensor, parent_ids: Tensor) -> tuple[int, Tensor]:
-        """Add tree nodes (BFS order); returns (start row, attention mask [n, length]).
+    def append_nodes(self, node_ids: np.ndarray, parent_ids: np.ndarray) -> NewRows:
+        """Rows for tree nodes (BFS order).
 
         A parent is a cached tree row, an earlier node of this batch, or a committed token
         (then the node attends to the committed prefix only, which includes its parent).
         """
-        n = int(node_ids.numel())
+        n = int(node_ids.size)
         self._check_room(n)
         t0 = self.num_tree_rows
-        all_ids = torch.cat([self.tree_ids, node_ids])
-        if torch.unique(all_ids).numel() != all_ids.numel():
+        all_ids = np.concatenate([self.tree_ids, node_ids])
+        if np.unique(all_ids).size != all_ids.size:
             raise BadInput("duplicate tree node ids")
-        match = parent_ids[:, None] == all_ids[None, :]
-        has_parent = match.any(dim=1)
-        pidx = match.to(torch.int8).argmax(dim=1)
-        if bool((has_parent & (pidx >= t0 + torch.arange(n))).any()):
+        order = np.argsort(all_ids, kind="stable")
+        at = np.searchsorted(all_ids[order], parent_ids).clip(max=all_ids.size - 1)
+        has_parent = all_ids[order][at] == parent_ids
+        pidx = np.where(has_parent, order[at], -1)
+        if (has_parent & (pidx >= t0 + np.arange(n))).any():
             raise BadInput("tree nodes must come after their parent (BFS order)")
-        orphans = parent_ids[~has_parent].tolist()
-        unknown = [p for p in orphans if p != -1 and p not in self._committed_ids]
+        orphans = parent_ids[~has_parent]
+        unknown = [int(p) for p in orphans if p != -1 and int(p) not in self._committed_ids]
         if unknown:
             raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
+        slots = self._take_tree_slots(n)
 
-        rows = torch.zeros(n, t0 + n, dtype=torch.bool)
-        rows[torch.arange(n), t0 + torch.arange(n)] = True
-        in_cache = has_parent & (pidx < t0)
-        rows[in_cache, :t0] = self.tree_mask[pidx[in_cache]]
-        # Parents inside the batch: resolve level by level (one iteration per tree depth).
-        pending = has_parent & (pidx >= t0)
-        while bool(pending.any()):
-            ready = pending.clone()
-            ready[pending] = ~pending[pidx[pending] - t0]
-            rows[ready] |= rows[pidx[ready] - t0]
-            pending &= ~ready
-
-        mask = torch.zeros(t0 + n, t0 + n, dtype=torch.bool)
+        mask = np.zeros((t0 + n, t0 + n), dtype=bool)
         mask[:t0, :t0] = self.tree_mask
-        mask[t0:] = rows
-        self.tree_mask = mask
-        self.tree_ids = all_ids
-        start = self.length - n
-        attn = torch.cat([torch.ones(n, self.n_committed, dtype=torch.bool), rows], dim=1)
-        return start, attn
+        mask[np.arange(t0, t0 + n), np.arange(t0, t0 + n)] = True
+        for i in range(n):  # parents come first (BFS), so their rows are complete
+            if has_parent[i]:
+                mask[t0 + i] |= mask[pidx[i]]
+        self.tree_mask, self.tree_ids = mask, all_ids
+        self.tree_slots = np.concatenate([self.tree_slots, slots])
+        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(mask[t0:]))
 
-    def write(self, layer: int, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new rows' K/V [heads, n, d] for a layer; return K/V over all rows up to them."""
-        end = start + k.shape[1]
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+    def _ancestors(self, rows: np.ndarray) -> np.ndarray:
+        """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
+        depth = int(rows.sum(axis=1).max()) if rows.size else 0
+        cols = np.argsort(~rows, axis=1, kind="stable")[:, :depth]
+        marked = np.take_along_axis(rows, cols, axis=1)
+        return np.where(marked, self.n_committed + cols, -1)
+
+    def _take_tree_slots(self, n: int) -> np.ndarray:
+        short = n - len(self._free_tree_slots)
+        if short > 0:
+            new = self.pool.allocate(self.pool.blocks_for(short))
+            self.tree_blocks += new
+            bs = self.pool.block_size
+            self._free_tree_slots += [
+                b * bs + o for b in reversed(new) for o in range(bs - 1, -1, -1)
+            ]
+        taken = self._free_tree_slots[-n:] if n else []
+        del self._free_tree_slots[len(self._free_tree_slots) - n :]
+        return np.asarray(taken[::-1], dtype=np.int64)
+
+    def undo_append(self, n: int, committed: bool) -> None:
+        """Forget the last `n` rows appended (their forward failed)."""
+        if committed:
+            self.n_committed -= n
+            keep = self.pool.blocks_for(self.n_committed)
+            self.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+        else:
+            t = self.num_tree_rows - n
+            self._drop_tree_rows(np.arange(t, t + n))
 
     # -- shrinking ---------------------------------------------------------------------
-    def prune(self, commit_ids: Tensor, keep_ids: Tensor, horizon: int | None = None) -> None:
+    def prune(
+        self, commit_ids: np.ndarray, keep_ids: np.ndarray, horizon: int | None = None
+    ) -> None:
         """Commit verified nodes (in order); of the other tree rows with ids up to `horizon`
-        (default: all), keep only `keep_ids`."""
+        (default: all), keep only `keep_ids`.
+
+        CacheFull when the committed rows need a block and the pool has none; the dropped
+        rows are gone then, the commit not done."""
         commit_rows = self._rows_of(commit_ids)
-        committed = torch.isin(self.tree_ids, commit_ids)
-        keep = torch.isin(self.tree_ids, keep_ids)
+        committed = np.isin(self.tree_ids, commit_ids)
+        keep = np.isin(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.
         ok = keep | committed
-        keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(dim=1)
-        keep_rows = keep.nonzero().squeeze(1)
-        order = torch.cat([commit_rows, keep_rows])
-        nc = self.n_committed
-        src = (nc + order).to(self.k.device)  # row bookkeeping is on the CPU, K/V may not be
-        dst = slice(nc, nc + order.numel())
-        self.k[:, :, dst] = self.k.index_select(2, src)
-        self.v[:, :, dst] = self.v.index_select(2, src)
-        self.tree_ids = self.tree_ids[keep_rows]
-        self.tree_mask = self.tree_mask[keep_rows][:, keep_rows]
-        self.n_committed += commit_rows.numel()
-        self._committed_ids.update(commit_ids.tolist())
+        keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(axis=1)
+        self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
+        if commit_rows.size:
+            commit_rows = self._rows_of(commit_ids)  # rows moved up by the drop
+            nc, m = self.n_committed, commit_rows.size
+            self.blocks += self.pool.allocate(self.pool.blocks_for(nc + m) - len(self.blocks))
+            self.pool.copy_rows(
+                self.tree_slots[commit_rows], self.pool.slots(self.blocks, nc, nc + m)
+            )
+            self.n_committed += m
+            self._committed_ids.update(int(i) for i in commit_ids)
+            self._drop_tree_rows(commit_rows)
 
-    def _rows_of(self, node_ids: Tensor) -> Tensor:
-        if node_ids.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
-        match = node_ids[:, None] == self.tree_ids[None, :]
-        found = match.any(dim=1)
-        if not bool(found.all()):
+    def _drop_tree_rows(self, rows: np.ndarray) -> None:
+        """Forget tree rows; their slots are free again, and tree blocks left empty go back."""
+        if rows.size == 0:
+            return
+        live = np.ones(self.num_tree_rows, dtype=bool)
+        live[rows] = False
+        self._free_tree_slots += self.tree_slots[rows].tolist()
+        self.tree_ids, self.tree_slots = self.tree_ids[live], self.tree_slots[live]
+        self.tree_mask = self.tree_mask[live][:, live]
+        bs = self.pool.block_size
+        used = set((self.tree_slots // bs).tolist())
+        empty = [b for b in self.tree_blocks if b not in used]
+        if empty:
+            gone = set(empty)
+            self.tree_blocks = [b for b in self.tree_blocks if b not in gone]
+            self._free_tree_slots = [s for s in self._free_tree_slots if s // bs not in gone]
+            self.pool.release(empty)
+
+    def _rows_of(self, node_ids: np.ndarray) -> np.ndarray:
+        if node_ids.size == 0:
+            return _EMPTY
+        order = np.argsort(self.tree_ids, kind="stable")
+        at = np.searchsorted(self.tree_ids[order], node_ids).clip(
+            max=max(self.num_tree_rows - 1, 0)
+        )
+        found = (
+            self.tree_ids[order][at] == node_ids
+            if self.num_tree_rows
+            else np.zeros(node_ids.size, bool)
+        )
+        if not found.all():
             missing = node_ids[~found].tolist()
             raise BadInput(f"cannot commit node ids {missing[:4]}: not cached at this stage")
-        return match.to(torch.int8).argmax(dim=1)
+        return order[at]
+
+    def release(self) -> None:
+        """Give every block back to the pool."""
+        self.pool.release(self.blocks + self.tree_blocks)
+        self.blocks, self.tree_blocks, self._free_tree_slots = [], [], []
+        self.n_committed = 0
+        self.known_tokens, self._keys, self._registered = None, [], 0
+        self.tree_ids = self.tree_slots = _EMPTY
+        self.tree_mask = np.zeros((0, 0), dtype=bool)

@@ -1,4 +1,4 @@
-"""Per-request state as a lease (docs/architecture.md, section 6, "Leases"), without I/O.
+"""Per-request state as a lease, without I/O (docs/architecture.md, "9. Security").
 
 A stage or the draft holds a request's cache only while its router keeps the lease
 alive: every call and frame of the request renews it, and the router renews every

@@ -111,7 +111,9 @@ class LockstepEngine:
     def add_controller(self, ctrl: Controller) -> Run:
         if ctrl.uses_draft and self.draft is None:
             raise ValueError(f"mode {ctrl.mode} needs a draft")
-        self.pipeline.open(ctrl.request_id, ctrl.capacity, verify=ctrl.verify_spec)
+        ctrl.cached_prefix = self.pipeline.open(
+            ctrl.request_id, ctrl.capacity, ctrl.committed_before_root, verify=ctrl.verify_spec
+        )
         run = Run(ctrl, deque(ctrl.start()))
         self.runs[ctrl.request_id] = run
         return run
@@ -219,10 +221,10 @@ class LockstepEngine:
         draft = self.draft
         assert draft is not None
         if isinstance(cmd, DraftOpen):
-            draft.open(rid, cmd.capacity)
-            if len(cmd.prompt) > 1:
-                prompt = torch.tensor(cmd.prompt[:-1], dtype=torch.int64)
-                draft.prefill(rid, prompt, 0, cmd.prefill_chunk)
+            cached = draft.open(rid, cmd.capacity, cmd.prompt[:-1])
+            if len(cmd.prompt) - 1 > cached:
+                prompt = torch.tensor(cmd.prompt[cached:-1], dtype=torch.int64)
+                draft.prefill(rid, prompt, cached, cmd.prefill_chunk)
         elif isinstance(cmd, DraftPrune):
             draft.prune(rid, cmd.prune)
         elif isinstance(cmd, DraftPrefill):

@@ -85,20 +85,26 @@ class RequestOrder:
                 f"turn ({self.next_seq})"
             )
         size = item.nbytes
-        later = seq != self.next_seq  # the turn's own activation is never refused
-        if later and len(self.pending) >= self.max_pending:
-            raise Overloaded(
-                f"activation {seq}: {len(self.pending)} activations of this request wait "
-                f"for their turn already; at most {self.max_pending} may"
-            )
-        if later and self.pending_bytes + size > self.max_pending_bytes:
-            raise Overloaded(
-                f"activation {seq} ({size} bytes): {self.pending_bytes} bytes of this "
-                f"request wait for their turn already; at most {self.max_pending_bytes} may"
-            )
+        if seq != self.next_seq:  # the turn's own activation is never refused
+            self._check_room(f"activation {seq}", len(self.pending), "activations", size,
+                             "wait for their turn")  # fmt: skip
         self.pending[seq] = item
         self._sizes[seq] = size
         self.pending_bytes += size
+
+    def _check_room(self, item: str, waiting: int, kind: str, size: int, why: str) -> None:
+        """Overloaded if one more waiting item of `size` bytes passes the bounds (count of
+        its kind, bytes of everything that waits)."""
+        if waiting >= self.max_pending:
+            raise Overloaded(
+                f"{item}: {waiting} {kind} of this request {why} already; "
+                f"at most {self.max_pending} may"
+            )
+        if self.pending_bytes + size > self.max_pending_bytes:
+            raise Overloaded(
+                f"{item} ({size} bytes): {self.pending_bytes} bytes of this request "
+                f"{why} already; at most {self.max_pending_bytes} may"
+            )
 
     def add_prune(self, seq: int, prune: Prune) -> None:
         """Accept prune `seq`; DuplicatePrune if it was received before, InvalidInput if
@@ -111,17 +117,9 @@ class RequestOrder:
                 f"prune {seq} is more than {self.window} ahead of the prunes applied ({self.applied})"
             )
         size = _prune_bytes(prune)
-        later = seq != self.applied + 1  # the prune to apply next is never refused
-        if later and len(self.prunes) >= self.max_pending:
-            raise Overloaded(
-                f"prune {seq}: {len(self.prunes)} prunes of this request wait to be applied "
-                f"already; at most {self.max_pending} may"
-            )
-        if later and self.pending_bytes + size > self.max_pending_bytes:
-            raise Overloaded(
-                f"prune {seq} ({size} bytes): {self.pending_bytes} bytes of this request "
-                f"wait already; at most {self.max_pending_bytes} may"
-            )
+        if seq != self.applied + 1:  # the prune to apply next is never refused
+            self._check_room(f"prune {seq}", len(self.prunes), "prunes", size,
+                             "wait to be applied")  # fmt: skip
         self.prunes[seq] = prune
         self.pending_bytes += size
 

@@ -1,4 +1,5 @@
-"""Pipelines the router steps: the interface, and the in-process implementation.
+"""The pipeline the lockstep executor steps: the interface, and the in-process
+implementation (the network router drives the services instead: services/router/).
 
 One call to `step` is one pipeline step for one request
 (docs/architecture.md, "3. The pipeline step"; phases in the order the network version
@@ -44,9 +45,17 @@ class Pipeline(Protocol):
     @property
     def max_context(self) -> int: ...
 
-    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
-        """Open a request; with `verify`, the last stage verifies it (pipelines that
-        return logits may ignore it)."""
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        prefix_tokens: Sequence[int] = (),
+        verify: VerifySpec | None = None,
+    ) -> int:
+        """Open the request on every stage; how many leading `prefix_tokens` (what it
+        commits before its first root) every stage holds cached (its prefill starts
+        there). With `verify`, the last stage verifies it (pipelines that return logits
+        may ignore it)."""
         ...
 
     def release(self, request_id: str) -> None: ...
@@ -63,7 +72,10 @@ class Pipeline(Protocol):
 
 
 class Draft(Protocol):
-    def open(self, request_id: str, capacity: int) -> None: ...
+    def open(self, request_id: str, capacity: int, prompt: Sequence[int] = ()) -> int:
+        """Open the request; how many leading tokens of `prompt` (all but the first
+        root) the draft holds cached (the caller prefills the rest)."""
+        ...
 
     def release(self, request_id: str) -> bool: ...
 
@@ -101,11 +113,25 @@ class LocalPipeline:
     def max_context(self) -> int:
         return self.stages[0].model.cfg.max_position_embeddings
 
-    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        prefix_tokens: Sequence[int] = (),
+        verify: VerifySpec | None = None,
+    ) -> int:
         opened: list[StageRuntime] = []
+        cached: list[int] = []
         try:
             for s in self.stages:
-                s.open(request_id, capacity, final_hidden=verify is not None)
+                cached.append(
+                    s.open(
+                        request_id,
+                        capacity,
+                        prefix_tokens=prefix_tokens,
+                        final_hidden=verify is not None,
+                    )
+                )
                 opened.append(s)
         except Exception:
             for s in opened:
@@ -115,6 +141,7 @@ class LocalPipeline:
         if verify is not None:
             last = self.stages[-1].model
             self._verifiers[request_id] = RequestVerifier(request_id, verify, last.logits)
+        return min(cached)
 
     def release(self, request_id: str) -> None:
         for s in self.stages:

@@ -48,10 +48,17 @@ class ScriptedPipeline:
     def max_context(self) -> int:
         return len(self.sequence) + 1
 
-    def open(self, request_id: str, capacity: int, verify: VerifySpec | None = None) -> None:
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        prefix_tokens: Sequence[int] = (),
+        verify: VerifySpec | None = None,
+    ) -> int:
         """`verify` is ignored: this pipeline returns logits (the controller walks them)."""
         self._flight[request_id] = [None] * (self._stages - 1)
         self._on_path[request_id] = {}
+        return 0  # nothing cached: no K/V here
 
     def release(self, request_id: str) -> None:
         self._flight.pop(request_id, None)

@@ -1,41 +1,94 @@
 """The stage runtime: one slice of the target model plus the KV caches of its requests.
 
 This object is everything a pipeline stage does; the gRPC service wraps it without adding
-logic. It is safe to call from several threads (one model forward at a time).
+logic. It is safe to call from several threads (one model forward at a time). It is
+one module because a request's lifecycle (open, forward, prune, release) and the batched
+step that runs every request's rows share the same caches and locks.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..model.layers import Segment, StageModel
+from ..model.layers import StageModel
 from ..spec.messages import Activation, Prune
+from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
-from .kv_cache import TreeKVCache
+from .kv_cache import NewRows, TreeKVCache
+from .paged_batch import pack
 
 # What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
 StageOutput = Activation | None | RequestError
+DEFAULT_CACHE_BYTES = 8 << 30
+
+
+def host(t: Tensor) -> np.ndarray:
+    """A message's host tensor as numpy (ids and positions arrive on the host)."""
+    return t.numpy()
 
 
 @dataclass
 class _Prepared:
-    """One request's rows in a batch, with their reserved cache rows."""
+    """One request's rows in a batch, with the cache rows they were given.
+
+    `keep`: the rows of `act` that run (a prune applied here dropped the others), None
+    for all; `node_ids`, `parent_ids`, `positions` are those rows'."""
 
     index: int
     act: Activation
     cache: TreeKVCache
-    start: int
-    mask: Tensor
-    is_root: Tensor | None
+    rows: NewRows
+    keep: np.ndarray | None
+    positions: np.ndarray
+    node_ids: np.ndarray
+    parent_ids: np.ndarray
+    is_root: np.ndarray | None
+    out_rows: np.ndarray | None = None  # last stage: rows whose logits go out now
+
+    def __len__(self) -> int:
+        return int(self.positions.size)
+
+    def output(self, **tensors: Tensor | None) -> Activation:
+        """The activation of these rows (ids and positions of the rows that ran)."""
+        act = self.act
+        if self.keep is None:
+            return Activation(
+                act.request_id,
+                act.positions,
+                act.committed,
+                act.node_ids,
+                act.parent_ids,
+                **tensors,
+            )
+        return Activation(
+            act.request_id,
+            torch.from_numpy(self.positions),
+            act.committed,
+            torch.from_numpy(self.node_ids),
+            torch.from_numpy(self.parent_ids),
+            **tensors,
+        )
 
 
-def _split(hidden: Tensor, batch: Sequence[_Prepared]) -> list[Tensor]:
-    return list(hidden.split([len(b.act) for b in batch]))
+@dataclass
+class _Held:
+    """Last stage, `root_logits_only`: final hidden states of tree rows computed before
+    they became the root, in chunks as they came (concatenated when a prune needs them)."""
+
+    node_ids: list[np.ndarray]
+    parent_ids: list[np.ndarray]
+    positions: list[np.ndarray]
+    hidden: list[Tensor]
+
+    @classmethod
+    def empty(cls) -> _Held:
+        return cls([], [], [], [])
 
 
 @dataclass(frozen=True)
@@ -51,25 +104,50 @@ class StageInfo:
     cache_bytes_used: int
     cache_bytes_limit: int
     active_requests: int
+    cache_blocks_used: int = 0
+    cache_blocks_free: int = 0
+    cache_block_rows: int = BLOCK_SIZE
+    # The prefix cache: on or off, blocks nobody holds kept for their prefix, and the
+    # prompt tokens asked for at open and found cached since start.
+    prefix_caching: bool = True
+    cache_blocks_cached: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class StageRuntime:
-    def __init__(self, model: StageModel, max_cache_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        model: StageModel,
+        max_cache_bytes: int | None = None,
+        block_size: int = BLOCK_SIZE,
+        prefix_caching: bool = True,
+    ) -> None:
         self.model = model
         cfg = model.cfg
-        self._row_bytes = (
-            2 * model.layer_range.size * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self.pool = BlockPool(
+            model.layer_range.size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            max_cache_bytes if max_cache_bytes is not None else DEFAULT_CACHE_BYTES,
+            block_size,
+            model.dtype,
+            model.device,
+            prefix_caching,
         )
-        self.max_cache_bytes = max_cache_bytes if max_cache_bytes is not None else 8 << 30
+        self._max_cache_bytes = self.pool.max_blocks * self.pool.block_bytes
         self._caches: dict[str, TreeKVCache] = {}
         self._last_prune: dict[str, Prune] = {}
-        # Last stage, requests opened with root_logits_only: tree rows computed before
-        # they became the root, with their final hidden states (logits not yet computed).
-        self._held: dict[str, Activation | None] = {}
+        self._held: dict[str, _Held] = {}
         # Last stage, requests opened with final_hidden: the caller verifies (verifier.py)
         self._final_hidden: set[str] = set()
         self._lock = threading.Lock()
         self._compute_lock = threading.Lock()
+        # Caches of released requests whose blocks go back once no forward runs (a
+        # forward may be writing their rows).
+        self._to_free: list[TreeKVCache] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache at open
+        self.prefix_hits = 0  # of those, tokens found cached
 
     @property
     def is_first(self) -> bool:
@@ -79,16 +157,42 @@ class StageRuntime:
     def is_last(self) -> bool:
         return self.model.layer_range.is_last
 
-    def cache_bytes_for(self, capacity: int) -> int:
-        return capacity * self._row_bytes
+    @property
+    def max_cache_bytes(self) -> int:
+        return self._max_cache_bytes
+
+    @max_cache_bytes.setter
+    def max_cache_bytes(self, value: int) -> None:
+        with self._lock:
+            self.pool.set_budget(value)
+            self._max_cache_bytes = value
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.pool.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        """On or off (`--no-prefix-cache`); off forgets what is cached."""
+        with self._lock:
+            self.pool.prefix_caching = on
+            if not on:
+                self.pool.clear_prefix_cache()
+
+    def cache_bytes_for(self, rows: int) -> int:
+        """Bytes of the blocks that `rows` rows of one request take."""
+        return self.pool.blocks_for(rows) * self.pool.block_bytes
 
     @property
     def cache_bytes_used(self) -> int:
         with self._lock:
-            return sum(c.nbytes for c in self._caches.values())
+            return self.pool.used_bytes
 
     def info(self) -> StageInfo:
         r = self.model.layer_range
+        with self._lock:
+            used, free, active = self.pool.used_blocks, self.pool.free_blocks, len(self._caches)
+            cached, queries, hits = self.pool.cached_blocks, self.prefix_queries, self.prefix_hits
         return StageInfo(
             start=r.start,
             end=r.end,
@@ -98,9 +202,16 @@ class StageRuntime:
             dtype=str(self.model.dtype).removeprefix("torch."),
             device=str(self.model.device),
             weight_bytes=self.model.num_bytes(),
-            cache_bytes_used=self.cache_bytes_used,
+            cache_bytes_used=used * self.pool.block_bytes,
             cache_bytes_limit=self.max_cache_bytes,
-            active_requests=len(self._caches),
+            active_requests=active,
+            cache_blocks_used=used,
+            cache_blocks_free=free,
+            cache_block_rows=self.pool.block_size,
+            prefix_caching=self.pool.prefix_caching,
+            cache_blocks_cached=cached,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
         )
 
     # -- request lifecycle -------------------------------------------------------------
@@ -109,9 +220,21 @@ class StageRuntime:
         request_id: str,
         capacity: int,
         root_logits_only: bool = False,
+        prefix_tokens: Sequence[int] | np.ndarray | None = None,
         final_hidden: bool = False,
-    ) -> None:
-        """Preallocate the request's cache: `capacity` rows (prompt + output + tree).
+    ) -> int:
+        """Open the request's cache, which may grow to `capacity` rows (prompt + output +
+        tree). Nothing is reserved: blocks are taken as rows arrive, and a request is
+        admitted while the pool has a free block (a request that later finds the pool
+        empty fails with CacheFull, RESOURCE_EXHAUSTED; docs/architecture.md, "5. The request
+        controller and its executors", "The stage engine").
+
+        `prefix_tokens`: the token ids the request commits before its first root (the
+        prompt but its last token). Returns how many of them this stage holds cached
+        (whole blocks of their longest cached prefix, now the request's first committed
+        rows; 0 with prefix caching off): the router starts the request's prefill at the
+        least of its path's. Its blocks of these tokens are cached for later requests as
+        they are computed.
 
         `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
         a time): compute and return logits only for tree rows that are the root, i.e. whose
@@ -121,35 +244,56 @@ class StageRuntime:
 
         `final_hidden` (last stage): no logits; the final hidden states of every row come
         out, for the caller to verify (`common/runtime/verifier.py`)."""
-        need = self.cache_bytes_for(capacity)
-        cfg = self.model.cfg
         with self._lock:
             if request_id in self._caches:
                 raise AlreadyOpen(f"request {request_id!r} is already open on this stage")
-            used = sum(c.nbytes for c in self._caches.values())
-            if used + need > self.max_cache_bytes:
+            if self.pool.free_blocks < 1:
                 raise CacheFull(
-                    f"KV cache budget exhausted: need {need} bytes, {self.max_cache_bytes - used} free"
+                    f"KV cache budget exhausted: {self.pool.used_blocks} of "
+                    f"{self.pool.max_blocks} blocks in use"
                 )
-            self._caches[request_id] = TreeKVCache(
-                self.model.layer_range.size,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                capacity,
-                dtype=self.model.dtype,
-                device=self.model.device,
-            )
+            cache = TreeKVCache(self.pool, capacity)
+            cached = 0
+            if prefix_tokens is not None:
+                tokens = np.asarray(prefix_tokens, dtype=np.int64).reshape(-1)
+                cached = cache.attach_prefix(tokens)
+                if self.pool.prefix_caching:
+                    self.prefix_queries += int(tokens.size)
+                    self.prefix_hits += cached
+            self._caches[request_id] = cache
             if root_logits_only and self.is_last:
-                self._held[request_id] = None
+                self._held[request_id] = _Held.empty()
             if final_hidden and self.is_last:
                 self._final_hidden.add(request_id)
+            return cached
 
     def release(self, request_id: str) -> bool:
         with self._lock:
             self._last_prune.pop(request_id, None)
             self._held.pop(request_id, None)
             self._final_hidden.discard(request_id)
-            return self._caches.pop(request_id, None) is not None
+            cache = self._caches.pop(request_id, None)
+            if cache is None:
+                return False
+            self._to_free.append(cache)
+        self._free_released()
+        return True
+
+    def _free_released(self) -> None:
+        """Give released requests' blocks back, unless a forward or prune runs (then it
+        does so when it ends)."""
+        if not self._compute_lock.acquire(blocking=False):
+            return
+        try:
+            self._free_released_locked()
+        finally:
+            self._compute_lock.release()
+
+    def _free_released_locked(self) -> None:
+        with self._lock:
+            caches, self._to_free = self._to_free, []
+        for cache in caches:
+            cache.release()
 
     def _cache(self, request_id: str) -> TreeKVCache:
         try:
@@ -175,6 +319,9 @@ class StageRuntime:
         the roots', if any, for a `root_logits_only` request); None when nothing is left
         (nodes a prune already applied here has dropped arrived late, and are skipped); or
         the `RequestError` that request failed with, which fails no other request.
+
+        Every decision is taken on the host from the messages' ids; the device runs one
+        fixed sequence of operations for the whole batch and nothing is read back from it.
         """
         results: list[StageOutput] = [None] * len(acts)
         with self._compute_lock:
@@ -193,109 +340,147 @@ class StageRuntime:
                 hidden = self._run(batch)
             except Exception:
                 for b in batch:
-                    self._rollback(b.cache, b.act, b.start)
+                    b.cache.undo_append(len(b), b.act.committed)
                 raise
-        need_logits: list[tuple[int, Activation]] = []  # rows whose hidden states go on
-        for b, rows in zip(batch, _split(hidden, batch), strict=True):
-            out: Activation | None = replace(b.act, tokens=None, hidden=rows, logits=None)
-            if b.act.request_id not in self._caches:
-                # Released while its rows were computed (cancelled, or its router gave
-                # up): its output goes nowhere, and the others' must not suffer for it.
-                results[b.index] = NotOpen(f"request {b.act.request_id!r} was released")
-                continue
-            if self.is_last and b.act.request_id not in self._final_hidden:
+            for b in batch:
                 if b.act.committed:
-                    out.hidden = None  # type: ignore[union-attr]
-                else:
-                    if b.is_root is not None:
-                        out = self._hold_later_rows(out, b.is_root)  # type: ignore[arg-type]
-                    if out is not None:
-                        need_logits.append((b.index, out))
-                        continue
-            results[b.index] = out
-        if need_logits:  # one LM head GEMM over every request's rows
-            outs = [out for _, out in need_logits]
-            logits = self.model.logits(torch.cat([o.hidden for o in outs]))  # type: ignore[misc]
-            for (index, out), lg in zip(
-                need_logits, logits.split([len(o) for o in outs]), strict=True
-            ):
-                out.hidden, out.logits = None, lg
-                results[index] = out
+                    b.cache.register_full_blocks()  # computed: other requests may share them
+            with self._lock:
+                released = [b.act.request_id not in self._caches for b in batch]
+            self._free_released_locked()
+        self._free_released()  # released after the check above
+        self._outputs(batch, hidden, released, results)
         return results
 
+    def _outputs(
+        self,
+        batch: Sequence[_Prepared],
+        hidden: Tensor,
+        released: Sequence[bool],
+        results: list[StageOutput],
+    ) -> None:
+        """Each request's output rows: hidden states on, or (last stage) logits of the rows
+        that need them now, with one gather and one LM head over the whole batch."""
+        if not self.is_last:
+            for b, rows, gone in zip(
+                batch, hidden.split([len(b) for b in batch]), released, strict=True
+            ):
+                results[b.index] = self._gone(b) if gone else b.output(hidden=rows)
+            return
+        logit_rows: list[np.ndarray] = []  # rows of `hidden` whose logits go out now
+        hold_rows: list[np.ndarray] = []  # rows held until a prune makes them the root
+        takers: list[_Prepared] = []
+        holders: list[tuple[_Prepared, np.ndarray]] = []
+        row = 0
+        for b, gone in zip(batch, released, strict=True):
+            n = len(b)
+            if gone:
+                results[b.index] = self._gone(b)
+            elif b.act.request_id in self._final_hidden:  # the caller verifies
+                results[b.index] = b.output(hidden=hidden[row : row + n])
+            elif b.act.committed:  # prefill chunks give no logits
+                results[b.index] = b.output()
+            else:
+                roots = np.arange(n) if b.is_root is None else np.flatnonzero(b.is_root)
+                if b.is_root is not None and roots.size < n:
+                    later = np.flatnonzero(~b.is_root)
+                    hold_rows.append(row + later)
+                    holders.append((b, later))
+                if roots.size:
+                    logit_rows.append(row + roots)
+                    takers.append(b)
+                    b.out_rows = roots
+            row += n
+        if hold_rows:
+            held = hidden.index_select(0, _index(hold_rows, hidden.device))
+            with self._lock:
+                for (b, later), part in zip(
+                    holders, held.split([r.size for r in hold_rows]), strict=True
+                ):
+                    h = self._held.get(b.act.request_id)
+                    if h is not None:
+                        h.node_ids.append(b.node_ids[later])
+                        h.parent_ids.append(b.parent_ids[later])
+                        h.positions.append(b.positions[later])
+                        h.hidden.append(part)
+        if not takers:
+            return
+        logits = self.model.logits(hidden.index_select(0, _index(logit_rows, hidden.device)))
+        for b, lg in zip(takers, logits.split([r.size for r in logit_rows]), strict=True):
+            rows = b.out_rows
+            assert rows is not None
+            if rows.size == len(b):
+                results[b.index] = b.output(logits=lg)
+            else:
+                results[b.index] = Activation(
+                    b.act.request_id,
+                    torch.from_numpy(b.positions[rows]),
+                    False,
+                    torch.from_numpy(b.node_ids[rows]),
+                    torch.from_numpy(b.parent_ids[rows]),
+                    logits=lg,
+                )
+
+    @staticmethod
+    def _gone(b: _Prepared) -> NotOpen:
+        # Released while its rows were computed (cancelled, or its router gave up): its
+        # output goes nowhere, and the others' must not suffer for it.
+        return NotOpen(f"request {b.act.request_id!r} was released")
+
     def _prepare(self, index: int, act: Activation) -> _Prepared | None:
-        """Check one request's rows and reserve their cache rows; None: nothing to run."""
+        """Check one request's rows and give them cache rows; None: nothing to run."""
         cache = self._cache(act.request_id)
         if len(act) == 0:
             return None
-        last_prune = self._last_prune.get(act.request_id)
-        if last_prune is not None:
-            act = last_prune.filter(act)
-            if act is None:
-                return None
         if self.is_first and act.tokens is None:
             raise BadInput("the first stage needs token ids")
         if not self.is_first and act.hidden is None:
             raise BadInput("stages after the first need hidden states")
+        positions, node_ids, parent_ids = (
+            host(act.positions),
+            host(act.node_ids),
+            host(act.parent_ids),
+        )
+        keep = None
+        last_prune = self._last_prune.get(act.request_id)
+        if last_prune is not None and not act.committed:
+            alive = (node_ids > last_prune.horizon) | np.isin(node_ids, host(last_prune.keep_ids))
+            if not alive.any():
+                return None
+            if not alive.all():
+                keep = np.flatnonzero(alive)
+                positions, node_ids, parent_ids = positions[keep], node_ids[keep], parent_ids[keep]
         is_root = None
         if act.request_id in self._held and not act.committed:
             # Rows whose parent is committed (not a cached or new tree row) are roots.
-            tree = torch.cat([cache.tree_ids, act.node_ids])
-            is_root = ~torch.isin(act.parent_ids, tree)
+            is_root = ~np.isin(parent_ids, np.concatenate([cache.tree_ids, node_ids]))
         if act.committed:
-            start, mask = cache.append_committed(len(act))
+            start = int(positions[0])
+            if self.is_first:
+                cache.check_tokens(start, host(act.tokens))  # type: ignore[arg-type]
+            rows = cache.append_committed(positions.size, start)
         else:
-            start, mask = cache.append_nodes(act.node_ids, act.parent_ids)
-        return _Prepared(index, act, cache, start, mask, is_root)
+            rows = cache.append_nodes(node_ids, parent_ids)
+        return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids, is_root)
 
     def _run(self, batch: Sequence[_Prepared]) -> Tensor:
         """One forward over the concatenated rows of `batch`."""
         device = self.model.device
+        keep = _input_rows(batch)
         if self.is_first:
-            tokens = torch.cat([b.act.tokens for b in batch])  # type: ignore[misc]
-            hidden = self.model.embed(tokens.to(device))
+            tokens = np.concatenate([host(b.act.tokens) for b in batch])  # type: ignore[arg-type]
+            if keep is not None:
+                tokens = tokens[keep]
+            hidden = self.model.embed(torch.from_numpy(tokens).to(device))
         else:
-            parts = [b.act.hidden.to(device=device, dtype=self.model.dtype) for b in batch]  # type: ignore[union-attr]
-            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
-        positions = torch.cat([b.act.positions for b in batch]).to(device)
-        segments, row = [], 0
-        for b in batch:
-            n = len(b.act)
-            segments.append(Segment(slice(row, row + n), b.cache, b.start, b.mask.to(device)))
-            row += n
-        return self.model.forward_batch(hidden, positions, segments)
-
-    def _hold_later_rows(self, out: Activation, is_root: Tensor) -> Activation | None:
-        """`root_logits_only`: keep the root rows (their logits go out now); hold the other
-        rows' final hidden states until a prune makes one of them the root."""
-        later = (~is_root).nonzero().squeeze(1)
-        if later.numel():
-            with self._lock:
-                if out.request_id not in self._held:  # released meanwhile
-                    return None
-                held = self._held[out.request_id]
-                new = out.select(later)
-                self._held[out.request_id] = new if held is None else _concat(held, new)
-        roots = is_root.nonzero().squeeze(1)
-        return out.select(roots) if roots.numel() else None
-
-    def _logits_of(self, rows: Activation, idx: Tensor) -> Activation | None:
-        """`rows` (holding final hidden states) restricted to `idx`, with their logits."""
-        if idx.numel() == 0:
-            return None
-        out = rows.select(idx)
-        assert out.hidden is not None
-        out.logits, out.hidden = self.model.logits(out.hidden), None
-        return out
-
-    @staticmethod
-    def _rollback(cache: TreeKVCache, act: Activation, start: int) -> None:
-        """Undo the row reservation of a failed forward so the request stays consistent."""
-        if act.committed:
-            cache.n_committed = start
-        else:
-            keep = cache.tree_ids[: cache.num_tree_rows - len(act)]
-            cache.prune(torch.empty(0, dtype=torch.int64), keep)
+            parts = [b.act.hidden for b in batch]
+            hidden = torch.cat(parts)  # type: ignore[arg-type]
+            if keep is not None:
+                hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
+            hidden = hidden.to(device=device, dtype=self.model.dtype)
+        positions = torch.from_numpy(np.concatenate([b.positions for b in batch])).to(device)
+        attention = pack([b.rows for b in batch], [b.cache.key_slots() for b in batch], self.pool)
+        return self.model.forward_batch(hidden, positions, attention)
 
     @torch.inference_mode()
     def prune(self, request_id: str, prune: Prune) -> Activation | None:
@@ -303,30 +488,60 @@ class StageRuntime:
 
         For a `root_logits_only` request on the last stage, returns the logits of held
         rows this prune made the root (their parent was committed), if any."""
-        cache = self._cache(request_id)
+        commit_ids, keep_ids = host(prune.commit_ids), host(prune.keep_ids)
         with self._compute_lock:
-            cache.prune(prune.commit_ids, prune.keep_ids, prune.horizon)
-            self._last_prune[request_id] = prune
-            held = self._held.get(request_id)
-            if held is None:
-                return None
-            held = prune.filter(held)
-            if held is None:
-                self._held[request_id] = None
-                return None
-            now_root = torch.isin(held.parent_ids, prune.commit_ids)
-            later = (~now_root).nonzero().squeeze(1)
-            self._held[request_id] = held.select(later) if later.numel() else None
-            return self._logits_of(held, now_root.nonzero().squeeze(1))
+            return self._prune(request_id, prune, commit_ids, keep_ids)
+
+    def _prune(
+        self, request_id: str, prune: Prune, commit_ids: np.ndarray, keep_ids: np.ndarray
+    ) -> Activation | None:
+        with self._lock:
+            cache = self._cache(request_id)  # under the compute lock: not freed meanwhile
+        try:
+            cache.prune(commit_ids, keep_ids, prune.horizon)
+        finally:
+            self._free_released_locked()
+        self._last_prune[request_id] = prune
+        held = self._held.get(request_id)
+        if held is None or not held.hidden:
+            return None
+        ids = np.concatenate(held.node_ids)
+        parents = np.concatenate(held.parent_ids)
+        positions = np.concatenate(held.positions)
+        alive = (ids > prune.horizon) | np.isin(ids, keep_ids)
+        now_root = alive & np.isin(parents, commit_ids)
+        later = alive & ~now_root
+        hidden = torch.cat(held.hidden) if len(held.hidden) > 1 else held.hidden[0]
+        self._held[request_id] = _Held.empty()
+        if later.any():
+            idx = np.flatnonzero(later)
+            part = hidden.index_select(0, torch.from_numpy(idx).to(hidden.device))
+            self._held[request_id] = _Held([ids[idx]], [parents[idx]], [positions[idx]], [part])
+        if not now_root.any():
+            return None
+        idx = np.flatnonzero(now_root)
+        rows = hidden.index_select(0, torch.from_numpy(idx).to(hidden.device))
+        return Activation(
+            request_id,
+            torch.from_numpy(positions[idx]),
+            False,
+            torch.from_numpy(ids[idx]),
+            torch.from_numpy(parents[idx]),
+            logits=self.model.logits(rows),
+        )
 
 
-def _concat(a: Activation, b: Activation) -> Activation:
-    """Tree rows of two activations of one request, in order (hidden states only)."""
-    assert a.hidden is not None and b.hidden is not None
-    return Activation(
-        request_id=a.request_id,
-        positions=torch.cat([a.positions, b.positions]),
-        node_ids=torch.cat([a.node_ids, b.node_ids]),
-        parent_ids=torch.cat([a.parent_ids, b.parent_ids]),
-        hidden=torch.cat([a.hidden, b.hidden]),
-    )
+def _index(parts: list[np.ndarray], device: torch.device) -> Tensor:
+    return torch.from_numpy(np.concatenate(parts)).to(device)
+
+
+def _input_rows(batch: Sequence[_Prepared]) -> np.ndarray | None:
+    """Rows of the concatenated inputs that run, None for all (a late prune dropped some)."""
+    if all(b.keep is None for b in batch):
+        return None
+    parts, row = [], 0
+    for b in batch:
+        n = len(b.act)
+        parts.append(row + (np.arange(n) if b.keep is None else b.keep))
+        row += n
+    return np.concatenate(parts)

@@ -106,6 +106,10 @@ class Controller(ABC):
         self._node_step: dict[int, int] = {}
         self._last_enter = -1
         self._last_verify = -1
+        # Set by the executor after each (re)open: how many leading tokens of
+        # `committed_before_root` every stage of the path holds cached (the prefix
+        # cache); the prefill starts there.
+        self.cached_prefix = 0
 
     # -- what executors ask --------------------------------------------------------------
     @property
@@ -133,6 +137,18 @@ class Controller(ABC):
         """What the last stage needs to draw this request's tokens (`Open`, and again at
         every replay: the draws depend on (seed, position) only)."""
         return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs)
+
+    @property
+    def committed_before_root(self) -> list[int]:
+        """The tokens a (re)opened path commits before the tree's root: the prompt and
+        the tokens emitted so far, but the last (the root). Stages and the draft look
+        their prefix up in their prefix caches at open."""
+        return [*self.prompt, *self.out.tokens][:-1]
+
+    def _prefill_start(self, seq: Sequence[int]) -> int:
+        """Where the prefill of `seq` starts: after the cached prefix (at most all but
+        the root)."""
+        return max(0, min(int(self.cached_prefix), len(seq) - 1))
 
     @property
     def root_logits_only(self) -> bool:
@@ -231,7 +247,9 @@ class Controller(ABC):
         self._feeds = self._prunes = 0
         self._node_step = {}
         start = max(self._last_enter, self._last_verify) + 1
-        chunks = prefill_chunks(self.request_id, seq, self.opts.prefill_chunk)
+        chunks = prefill_chunks(
+            self.request_id, seq, self.opts.prefill_chunk, self._prefill_start(seq)
+        )
         cmds: list[Command] = []
         if self.uses_draft:
             cmds.append(DraftOpen(seq, self.capacity, self.opts.prefill_chunk))
@@ -329,7 +347,9 @@ class Controller(ABC):
     def _prefill(self) -> list[Command]:
         """Verified prompt tokens (all but the last, the first root) into stage 1, one chunk
         per step before step 0; the draft caches the prompt at the same time."""
-        chunks = prefill_chunks(self.request_id, self.prompt, self.opts.prefill_chunk)
+        chunks = prefill_chunks(
+            self.request_id, self.prompt, self.opts.prefill_chunk, self._prefill_start(self.prompt)
+        )
         self.stats.prefill_steps = len(chunks)
         cmds: list[Command] = []
         if self.uses_draft:

@@ -32,8 +32,11 @@ def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos:
     )
 
 
-def prefill_chunks(request_id: str, prompt: Sequence[int], chunk: int) -> list[Activation]:
-    """The verified prompt tokens except the last (the first root) as committed chunks."""
+def prefill_chunks(
+    request_id: str, prompt: Sequence[int], chunk: int, start: int = 0
+) -> list[Activation]:
+    """The verified prompt tokens except the last (the first root) as committed chunks,
+    from position `start` (the tokens before it are cached on the path already)."""
     body = torch.tensor(list(prompt[:-1]), dtype=torch.int64)
     return [
         Activation(
@@ -42,7 +45,7 @@ def prefill_chunks(request_id: str, prompt: Sequence[int], chunk: int) -> list[A
             committed=True,
             tokens=body[s : s + chunk],
         )
-        for s in range(0, body.numel(), chunk)
+        for s in range(start, body.numel(), chunk)
     ]
 
 

@@ -27,6 +27,7 @@ MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one ac
 MAX_NEW_TOKENS = 1 << 20
 MAX_LAYERS_PER_STEP = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
+MAX_STOP_TOKEN_IDS = 1024  # a client's (every emitted token is checked against them)
 
 
 class Mode(StrEnum):
@@ -43,7 +44,8 @@ class Mode(StrEnum):
 
 
 class TokenSource(StrEnum):
-    """What proposes the tree's tokens (docs/architecture.md, "2.6")."""
+    """What proposes the tree's tokens (docs/architecture.md, "2. Token tree", "Token
+    sources")."""
 
     DRAFT = "draft"  # the draft model (a draft service)
     NGRAM = "ngram"  # n-gram lookup over prompt and output: no model, no draft service
@@ -60,7 +62,7 @@ class TokenSource(StrEnum):
 
 class Growth(StrEnum):
     """When a layer grows from the token source's answer, relative to the verification
-    of the same step (docs/architecture.md, "2.6")."""
+    of the same step (docs/architecture.md, "3. The pipeline step", "When a layer grows")."""
 
     # after it: the layer grows from the nodes the verification kept, so the whole width
     # goes where the target can still go (lockstep's rule); in the services the
@@ -100,7 +102,9 @@ class DecodeOptions:
         if self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.max_new_tokens > MAX_NEW_TOKENS:
-            raise ValueError(f"max_new_tokens {self.max_new_tokens} is too large")
+            raise ValueError(
+                f"max_new_tokens {self.max_new_tokens} is too large (at most {MAX_NEW_TOKENS})"
+            )
         for name, high in (
             ("width", MAX_WIDTH),
             ("top_k_children", MAX_TOP_K_CHILDREN),

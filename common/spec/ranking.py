@@ -1,5 +1,5 @@
 """Which candidate children become tree nodes: ranked by the chance that the target's own
-decoding takes them (docs/architecture.md, "2.6 Several tree layers per step").
+decoding takes them (docs/architecture.md, "2. Token tree", "Ranking").
 
 A node is worth computing ahead only if the target can reach it, and the target decodes
 by the request's rule, not by the draft's beam. `Ranking.BEAM` (the paper's) keeps the

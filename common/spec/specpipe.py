@@ -4,7 +4,7 @@ The tree enters stage 1 `layers_per_step` (K) layers per step; the root is verif
 when it leaves the last stage (docs/architecture.md, "3. The pipeline step"), and with
 K > 1 the verification goes on down the tree as far as the same step's logits go: a
 drawn token that is a child whose logits came out with the root's is verified at once,
-and so on, so a step may emit up to K tokens (DESIGN 2.6). Without a source the tree is
+and so on, so a step may emit up to K tokens. Without a source the tree is
 only ever its root: one token per S steps (pp), or per step with one stage
 (autoregressive).
 

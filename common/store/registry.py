@@ -90,10 +90,6 @@ MODELS: dict[str, StoreModel] = {
 }
 
 
-def known_names() -> list[str]:
-    return list(MODELS)
-
-
 def lookup(name: str) -> StoreModel:
     """The registry entry for `name` (case-insensitive), or a one-line error listing the names."""
     model = MODELS.get(name.strip().lower())

@@ -15,6 +15,20 @@ driver replays it elsewhere, as on a kill) without waiting for the checks to tim
 A replica that failed a check and holds no request gets a fresh channel, so one that
 restarted is seen at the next check rather than after gRPC's reconnect backoff.
 
+Among the eligible replicas of one layer range (and among drafts) a new request goes to
+the one where its step is expected soonest (`Backends.pick`, the one place that choice
+is made): where every candidate published the cost curve it measured at start
+(`--measure-costs`, Describe's `cost_curve`), each is priced at its load, the rows in
+flight there plus the new request's, so at equal load the faster kind wins, and a
+faster replica takes more rows before a slower one is as quick (on accelerator-like,
+flat curves: every request until its curve rises). Replicas priced within
+`SPEED_TOLERANCE` of the best are equal (identical replicas measure a little
+differently) and go by load: rows in flight, requests, free KV cache, then round robin.
+Without curves, load alone decides. (Measured against the alternative of load first and
+speed only to break exact ties, benchmarks/bench_mixed_replicas.py: that one lost the
+fast replica whenever a closed-loop client's next request came before the last one's
+release was done, and was no faster at 8 clients than load alone.)
+
 A model version is the content hash of the target's weights (`weight_hash`). A version
 is complete when its healthy stages chain from layer 0 to the last one. New requests go
 to the newest complete version (ranked by when discovery first listed its stages), so a
@@ -22,6 +36,9 @@ new version's stages take new requests as soon as they make a complete path and 
 version's drain; a request stays on its version to the end, also when replayed. All
 versions must keep the vocabulary of the first one this router served: a version with
 another is refused (its replicas are listed with the reason, never used).
+
+One module: health, identity, load and versions are facts of the same replica set, and
+choosing a path reads them all at once.
 """
 
 from __future__ import annotations
@@ -31,22 +48,28 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specpipe.common.perf.cost_model import CostCurve
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
+from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
 from .batched import CallBatcher, stage_batchers
 from .discovery import Discovery, Endpoint
+from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
 log = logging.getLogger(__name__)
 
 # A replica that has not answered a health check for this long is stalled (see above).
 DEFAULT_STALL_SECONDS = 2.0
+# Replicas whose expected step is within this share of the fastest count as equally fast
+# (cost curves of identical replicas differ by measurement noise): load decides there.
+SPEED_TOLERANCE = 0.1
 
 
 class NoPath(RuntimeError):
@@ -80,6 +103,30 @@ class Backend:
     # a stage's Feed (stage 1) and Prune calls, batched per event-loop turn
     feeds: CallBatcher | None = field(default=None, repr=False)
     prunes: CallBatcher | None = field(default=None, repr=False)
+    _curve: tuple[object, CostCurve | None] = field(default=(None, None), repr=False)
+    # block keys of the prompts sent to it (prefix-aware routing, prefix_affinity.py)
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
+
+    @property
+    def cost_curve(self) -> CostCurve | None:
+        """The cost curve it published in its last Describe (None: not measured)."""
+        d = self.desc
+        if self._curve[0] is not d:
+            msg = getattr(d, "cost_curve", None) if d is not None else None
+            self._curve = (d, cost_curve_from_proto(msg))
+        return self._curve[1]
+
+    def expected_seconds(self, rows_per_request: float) -> float | None:
+        """Its step's seconds by its cost curve if a request of `rows_per_request` rows
+        joins: the rows in flight of this router's requests there, at least that many
+        per request it holds (ours not yet counting rows, and others' as reported), plus
+        the new one's. None without a curve."""
+        curve = self.cost_curve
+        if curve is None:
+            return None
+        reported = getattr(self.desc, "active_requests", 0)
+        rows = max(self.rows, rows_per_request * max(self.active, reported))
+        return curve(math.ceil(rows + rows_per_request))
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -440,11 +487,15 @@ class Backends:
         version: str | None = None,
         need_draft: bool = True,
         exclude: Iterable[Backend] = (),
+        prompt: Sequence[int] = (),
     ) -> RequestPath:
-        """The least loaded eligible replica of every stage of `version` (None: the newest
-        complete version that has room), and a draft when `need_draft` and one is up (else
-        None: the request goes on without). NoPath says why there is none."""
+        """An eligible replica of every stage of `version` (None: the newest complete
+        version that has room), each the one `pick` chooses, and a draft when `need_draft`
+        and one is up (else None: the request goes on without). NoPath says why there is
+        none. With `prompt`, a replica that was sent a longer prefix of it is preferred,
+        load permitting (`prefix_affinity.prefer_prefix`), and remembers this one."""
         excluded = set(exclude)
+        keys = PromptKeys(prompt)
         if version is not None:
             candidates = [version]
         else:
@@ -458,15 +509,41 @@ class Backends:
         reasons = []
         for wh in candidates:
             try:
-                stages = self._stages_of(wh, excluded)
+                stages = self._stages_of(wh, excluded, keys)
             except NoPath as e:
                 reasons.append(str(e))
                 continue
+            if keys:
+                for b in stages:
+                    b.prefixes.add(keys.of(b.desc), key_limit(b.desc))
             draft = self._draft_for(stages, excluded) if need_draft else None
             return RequestPath(stages, draft)
         raise NoPath("; ".join(reasons))
 
-    def _stages_of(self, version: str, excluded: set[Backend]) -> list[Backend]:
+    def pick(self, replicas: list[Backend], rows_per_request: float | None = None) -> Backend:
+        """The replica of `replicas` (one layer range, or drafts) a new request goes to:
+        the least loaded among those expected fastest (module docstring)."""
+        if rows_per_request is None:
+            rows_per_request = self.rows_per_request()
+        expected = [b.expected_seconds(rows_per_request) for b in replicas]
+        if len(replicas) > 1 and None not in expected:
+            fastest = min(expected)
+            replicas = [
+                b
+                for b, sec in zip(replicas, expected, strict=True)
+                if sec <= fastest * (1 + SPEED_TOLERANCE)
+            ]
+        return min(replicas, key=Backend.load_key)
+
+    def rows_per_request(self) -> float:
+        """Rows in flight per request of this router on its stages now (1 when none)."""
+        active = [b for b in self.stages if b.active > 0]
+        requests = sum(b.active for b in active)
+        return max(1.0, sum(b.rows for b in active) / requests) if requests else 1.0
+
+    def _stages_of(
+        self, version: str, excluded: set[Backend], keys: PromptKeys | None = None
+    ) -> list[Backend]:
         usable: dict[tuple[int, int], list[Backend]] = {}
         num_layers = 0
         for b in self.stages:
@@ -475,8 +552,12 @@ class Backends:
                 num_layers = b.desc.num_layers
         best: list[Backend] | None = None
         best_key = None
+        per_request = self.rows_per_request()
         for chain in _chains(usable, num_layers) if usable else []:
-            chosen = [min(usable[r], key=Backend.load_key) for r in chain]
+            chosen = [
+                prefer_prefix(usable[r], lambda reps: self.pick(reps, per_request), keys)
+                for r in chain
+            ]
             key = (max(b.load_key() for b in chosen), len(chain))
             if best_key is None or key < best_key:
                 best, best_key = chosen, key
@@ -523,7 +604,7 @@ class Backends:
             return None
         groups = {b.endpoint.group for b in stages}
         same = [d for d in drafts if d.endpoint.group in groups] or drafts
-        return min(same, key=Backend.load_key)
+        return self.pick(same)
 
     def acquire(self, path: RequestPath) -> None:
         now = time.monotonic()

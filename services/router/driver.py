@@ -30,6 +30,10 @@ before the draft has answered for a layer that lockstep would have grown by then
 the answer, so the tree keeps the layer (lockstep's schedule: the step waits for the
 draft) instead of the verification passing it by (a miss or a regrowth, and no wait).
 Either way the tokens are the same; which is faster depends on how late drafts are.
+
+One module: every command and event of one request goes through one object and one
+queue, so that the controller is never touched concurrently (a path session and a
+command executor apart are issue 25).
 """
 
 from __future__ import annotations
@@ -579,6 +583,7 @@ class RequestDriver:
         hops = [s.desc.data_address for s in stages[1:]] + [self.router_address]
         timeout = min(self.rpc_timeout, self.open_timeout)
         verify = verify_spec_to_proto(ctrl.verify_spec)  # the last stage verifies
+        prefix = ctrl.committed_before_root  # looked up in each stage's prefix cache
         calls = [
             s.stub.Open(
                 stage_pb2.OpenStageRequest(
@@ -592,6 +597,7 @@ class RequestDriver:
                     lease_epoch=self.lease_epoch,
                     lease_token=self.lease_token,
                     verify=verify if s is stages[-1] else None,
+                    prefix_token_ids=prefix,
                 ),
                 timeout=timeout,
             )
@@ -606,6 +612,8 @@ class RequestDriver:
             (s, r) for s, r in zip(stages, results, strict=True) if isinstance(r, BaseException)
         ]
         if not failed:
+            # The prefill starts after the prefix every stage of the path holds cached.
+            ctrl.cached_prefix = min(int(getattr(r, "cached_tokens", 0)) for r in results)
             return None
         opened = [
             s for s, r in zip(stages, results, strict=True) if not isinstance(r, BaseException)

@@ -8,10 +8,15 @@ gRPC hop or cross-loop plumbing for every token, for nothing: the router's work 
 token is small and asynchronous.) uvicorn runs without its signal handlers; the
 router's process owns SIGTERM and its drain.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
+One module: the routes, their error mapping and the server that runs them change
+together. Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
 ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health. Errors come in
 OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
 request on every stage and the draft.
+
+The port is guarded (http_guard.py, the router's `EdgeLimits`): capped connections, in
+all and per client address; a request's headers within a few seconds, its body within
+`body_timeout` and no larger than the router's request cap (413 before it is parsed).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from specpipe.v1 import generation_pb2 as gen
 from starlette.exceptions import HTTPException
 
 from .bounds import max_prompt_chars
+from .edge import EdgeLimits
+from .http_guard import ConnectionGuard, guarded_protocol, limit_uvicorn_logs
 from .openai_compat import (
     DEFAULT_COMPLETION_TOKENS,
     ApiError,
@@ -76,7 +83,13 @@ class HttpApi:
         )
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
-        app.add_middleware(BodyLimit, limit=lambda: self.router.max_request_bytes)
+        app.add_middleware(
+            BodyLimit,
+            limit=lambda: self.router.max_request_bytes,
+            timeout=self.router.limits.body_timeout,
+            # A body of n bytes holds at least n/4 characters (UTF-8).
+            busy=lambda length: self.router.tokenizer_full(length // 4),
+        )
         return app
 
     # -- routes ------------------------------------------------------------------------
@@ -97,7 +110,8 @@ class HttpApi:
             status = "unavailable"
         else:
             return JSONResponse({"status": "ok", "model": r.model.model_id})
-        down = [f"{b.label}: {b.error or 'down'}" for b in r.backends.all if not b.healthy]
+        # Open to anyone: replicas by kind and layers, never their addresses or errors.
+        down = [_public_label(b) for b in r.backends.all if not b.healthy]
         return JSONResponse({"status": status, "unhealthy": down}, status_code=503)
 
     async def _cards(self) -> list[dict[str, Any]]:
@@ -142,7 +156,7 @@ class HttpApi:
                     f"the model's context of {model.max_positions} tokens",
                     "messages",
                 )
-            ids = await self.router.tokenize_off_loop(self._render, messages)
+            ids = await self.router.tokenize_off_loop(chars, self._render, messages)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
         # OpenAI: without max_tokens, a chat completion may fill the context.
@@ -174,7 +188,8 @@ class HttpApi:
     async def _respond(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest, req, chat: bool
     ) -> Response:
-        run = Generation(self.router.generate(req), body.stops)
+        caller = self.router.api_keys.caller(request.headers.get("authorization"))
+        run = Generation(self.router.generate(req, caller=caller), body.stops)
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
@@ -263,13 +278,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _public_label(b) -> str:
+    """A replica as the public may see it: its kind and layers."""
+    layers = f" {b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
+    return f"{b.kind}{layers}"
+
+
 class BodyLimit:
     """ASGI middleware: a request body over `limit()` bytes is refused 413 before it is
     parsed: by its Content-Length, or by reading a chunked body up to the limit (the
-    body is then passed on as read)."""
+    body is then passed on as read); one that has not all arrived `timeout` seconds
+    after its headers is refused 408 (a client sending a byte at a time holds nothing
+    for long); one whose size alone says its prompt could not be tokenized now
+    (`busy(length)`) is refused 429 before it is read or parsed."""
 
-    def __init__(self, app, limit) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit, timeout: float, busy=lambda length: False) -> None:
+        self.app, self.limit, self.timeout, self.busy = app, limit, timeout, busy
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -280,9 +304,23 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > cap):
             await self._refuse(cap, scope, receive, send)
             return
+        if length is not None and self.busy(int(length)):
+            e = ApiError(429, "the router is tokenizing as much as it may at once: retry later",
+                         "resource_exhausted")  # fmt: skip
+            await _drain(receive)
+            await _error_response(e, close=True)(scope, receive, send)
+            return
         read, seen = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                e = ApiError(408, f"the request body did not arrive within {self.timeout:.0f} s",
+                             "request_timeout")  # fmt: skip
+                await _error_response(e, close=True)(scope, receive, send)
+                return
             read.append(message)
             if message["type"] != "http.request":
                 break
@@ -301,13 +339,34 @@ class BodyLimit:
     @staticmethod
     async def _refuse(cap: int, scope, receive, send) -> None:
         e = ApiError(413, f"the request body is larger than {cap} bytes", "request_too_large")
-        await _error_response(e)(scope, receive, send)
+        await _drain(receive)
+        await _error_response(e, close=True)(scope, receive, send)
+
+
+# A refused body is read and dropped, up to this much for this long, before the answer:
+# closing a connection over unread bytes resets it, and the client may lose the answer.
+DRAIN_BYTES = 8 << 20
+DRAIN_SECONDS = 1.0
+
+
+async def _drain(receive) -> None:
+    seen = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while seen <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    return
+                seen += len(message.get("body", b""))
 
 
 # -- errors --------------------------------------------------------------------------------
-def _error_response(e: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+def _error_response(e: ApiError, close: bool = False) -> JSONResponse:
+    """`close`: the body was not read, so the connection ends with this response."""
+    headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
+    if close:
+        headers["Connection"] = "close"
+    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
 
 
 async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -320,15 +379,22 @@ async def _validation_error(request: Request, e: RequestValidationError) -> JSON
     first = errors[0] if errors else {}
     loc = [p for p in first.get("loc", ()) if p != "body"]
     field = str(loc[0]) if loc else None
-    message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
+        message = first.get("msg", "invalid request")
         message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', message)})"
-        field = None
-    # A union (prompt, stop, content) fails once per accepted shape: name the field only.
+        return _error_response(bad_request(message))
+    # A union (prompt, stop, content) fails once per accepted shape: the error of the
+    # shape the value has (a bound, bad text) says more than "should be a list".
     same = [x for x in errors if [p for p in x.get("loc", ()) if p != "body"][:1] == loc[:1]]
-    if len(same) > 1:
+    best = next((x for x in same if not x.get("type", "").endswith(_SHAPE_ERRORS)), first)
+    message = best.get("msg", "invalid request").removeprefix("Value error, ")
+    if len(same) > 1 and best.get("type", "").endswith(_SHAPE_ERRORS):
         message = f"{message}, nor any other accepted shape"
     return _error_response(bad_request(f"{field}: {message}" if field else message, field))
+
+
+# pydantic error types that only say the value has another shape than one union member.
+_SHAPE_ERRORS = ("_type", "literal_error", "union_tag_invalid")
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -351,6 +417,7 @@ class HttpServer:
 
     def __init__(self, router: RouterService) -> None:
         self.api = HttpApi(router)
+        self.guard: ConnectionGuard | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -360,8 +427,15 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.port = sock.getsockname()[1]
+        limits: EdgeLimits = self.api.router.limits
+        self.guard = ConnectionGuard(limits, asyncio.get_running_loop())
+        listener = self.guard.listen(sock)
+        limit_uvicorn_logs()
         config = uvicorn.Config(
             self.api.app,
+            http=guarded_protocol(self.guard),
+            timeout_keep_alive=limits.idle_timeout,
+            h11_max_incomplete_event_size=limits.max_header_bytes,
             log_config=None,  # the process's logging, not uvicorn's own setup
             access_log=False,
             lifespan="off",
@@ -373,7 +447,7 @@ class HttpServer:
             ),
         )
         self._server = _Server(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="http-api")
+        self._task = asyncio.create_task(self._server.serve(sockets=[listener]), name="http-api")
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises what stopped it

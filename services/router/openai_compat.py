@@ -2,7 +2,9 @@
 Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP here:
 `http_api` serves these; everything in this module can be tested without a server.
 
-Requests are pydantic models, so a malformed body is refused field by field. Fields of
+Requests are pydantic models, so a malformed body is refused field by field (400, never
+500): integers must fit the Generation API's fields (int64; `priority` int32) and text
+must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
 OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
@@ -10,6 +12,9 @@ as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`
 `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
 `return_token_ids`;
 `width`, `layers_per_step` and `token_source` take "auto": the router's choice).
+
+One module: every OpenAI request and response shape and its translation, so that the
+HTTP API's contract is read in one file.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from specpipe.v1 import generation_pb2 as gen
 
 from ..client.common import build_request
@@ -31,6 +36,7 @@ from .requests import StopGeneration
 DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string (the stop matcher holds back up to this much text)
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -82,6 +88,29 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 # -- requests ------------------------------------------------------------------------------
+INT64_MAX = (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+
+
+def _valid_unicode(text: str) -> str:
+    """Text a protobuf string field and a tokenizer take: no lone surrogates."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the text has a lone surrogate ({text[e.start]!r}) at character {e.start}: "
+                "it is not valid Unicode"
+            ) from None
+    return text
+
+
+# The Generation API's field types: larger values are refused with 400 by the schema.
+Int64 = Annotated[int, Field(ge=-(1 << 63), le=INT64_MAX)]
+Int32 = Annotated[int, Field(ge=-(1 << 31), le=INT32_MAX)]
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -109,31 +138,31 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = ""
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    model: Text = ""
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
     # SpecPipe's own.
-    mode: str | None = None
-    width: int | Literal["auto"] | None = None
-    layers_per_step: int | Literal["auto"] | None = None
-    token_source: str = ""
-    ranking: str = ""
-    growth: str = ""
-    top_k_children: int | None = None
-    depth: int | None = None
-    prefill_chunk: int | None = None
-    top_k: int | None = None
+    mode: Text | None = None
+    width: Int64 | Literal["auto"] | None = None
+    layers_per_step: Int64 | Literal["auto"] | None = None
+    token_source: Text = ""
+    ranking: Text = ""
+    growth: Text = ""
+    top_k_children: Int64 | None = None
+    depth: Int64 | None = None
+    prefill_chunk: Int64 | None = None
+    top_k: Int64 | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Int64] = Field(default_factory=list)
     return_token_ids: bool = False
-    priority: int = 0
+    priority: Int32 = 0
 
     def check(self) -> None:
         """Refuse what the model validates but SpecPipe cannot do."""
@@ -159,6 +188,8 @@ class _Common(BaseModel):
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
         if any(not s for s in stops):
             raise bad_request("stop strings must not be empty", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"a stop string has more than {MAX_STOP_CHARS} characters", "stop")
         return stops
 
     @property
@@ -179,6 +210,12 @@ class _Common(BaseModel):
         if seed is None:  # OpenAI: without a seed, every sampled request differs
             seed = secrets.randbelow(1 << 31) if temperature > 0 else 0
         text = isinstance(prompt, str)
+        try:
+            return self._build(prompt, text, n, default_max_tokens, default_mode, temperature, seed)
+        except (ValueError, TypeError) as e:  # the schema's bounds should have caught it
+            raise bad_request(f"a field is out of range or malformed: {e}") from None
+
+    def _build(self, prompt, text, n, default_max_tokens, default_mode, temperature, seed):
         return build_request(
             prompt if text else None,
             prompt_ids=None if text else prompt,
@@ -205,7 +242,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # A text, or token ids; a list of one of either (OpenAI's batches of one).
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
@@ -223,13 +260,13 @@ class CompletionRequest(_Common):
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def rendered(self) -> dict[str, str]:
         """{role, content} for the model's chat template (developer is OpenAI's newer

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 from specpipe.common.perf.tuning import AUTO_LAYERS, AUTO_WIDTHS, TuningSpace
 from specpipe.common.spec.options import (
+    MAX_STOP_TOKEN_IDS,
     DecodeOptions,
     Mode,
     TokenSource,
@@ -131,6 +132,17 @@ def tokenize(codec, text: str, chat: bool) -> list[int]:
         raise invalid(str(e)) from None
 
 
+def check_priority(priority: int, caller) -> None:
+    """A request may ask for at most its caller's priority (`auth.Caller`: its API
+    key's `max_priority`, else the router's `--max-priority`); PERMISSION_DENIED above."""
+    if priority > caller.max_priority:
+        raise InvalidRequest(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"priority {priority} is above the highest this client may ask for "
+            f"({caller.max_priority}; an API key's max_priority raises it)",
+        )
+
+
 def check_size(r: gen.GenerateRequest, model: ModelInfo) -> None:
     """Refuse a prompt that cannot fit the context from its length alone, before it is
     copied or tokenized."""
@@ -190,6 +202,8 @@ def plan_request(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"mode {mode} needs a draft and this deployment has none (use pp)",
         )
+    if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(r.stop_token_ids)}")
     stops = list(r.stop_token_ids)
     bad = [t for t in stops if not 0 <= t < model.vocab_size]
     if bad:

@@ -1,18 +1,22 @@
 """The router: the client-facing Generation service, request validation, and one
 `RequestDriver` per request over a path of healthy stage and draft replicas, found
-through a discovery source (backends.py, discovery.py)."""
+through a discovery source (backends.py, discovery.py).
+
+One module: the Generation RPCs, admission and each request's lifecycle share the
+router's state (scheduler, backends, drivers, leases).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, MIN_TOKEN_BYTES
@@ -29,10 +33,11 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from ..auth import ApiKeys
+from ..auth import ApiKeys, Caller
 from ..control import logprobs_to_proto
 from ..grpc_util import Server, channel, wait_until_idle
 from ..lease import DRAIN_RENEW_SECONDS
+from ..ratelog import RateLimitedLog
 from ..security import PublicTls, Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
@@ -40,14 +45,15 @@ from .backends import Backend, Backends, ModelInfo, NoPath
 from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .discovery import Discovery, StaticDiscovery
 from .driver import DriverError, RequestDriver
+from .edge import EdgeLimits, InvalidMessages
 from .requests import (
-    InvalidRequest,
     Plan,
     RequestDefaults,
     RequestFailed,
     RequestIds,
     StopGeneration,
     check_model,
+    check_priority,
     check_size,
     invalid,
     load_codec,
@@ -55,6 +61,7 @@ from .requests import (
     prompt_of,
     tokenize,
 )
+from .tokenizing import BUDGET_PROMPTS, TokenizingQueue
 from .tuning import RouterTuning, Tuned
 
 log = logging.getLogger(__name__)
@@ -87,13 +94,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         defaults: RequestDefaults | None = None,
         tuning: RouterTuning | None = None,
         late_draft_wait: float = 0.0,
+        limits: EdgeLimits | None = None,
     ) -> None:
         """`security`: mutual TLS to the stages and the draft and authenticated frames
         (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
         `defaults`: width, layers per step and token source of requests that leave them
         unset (values or "auto"); `tuning`: how `auto` settings are chosen;
         `late_draft_wait`: how long a verification may wait for a late draft answer
-        (seconds; 0: never, see driver.py)."""
+        (seconds; 0: never, see driver.py); `limits`: connection caps and timeouts of
+        the public ports (edge.py)."""
         self.security = security
         self.public_tls = public_tls
         self.inbox = Inbox()
@@ -146,19 +155,22 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._renewer: asyncio.Task | None = None
         self.draining = False
         self.api_keys = api_keys or ApiKeys()
+        self.limits = limits or EdgeLimits()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
         # Requests larger than any prompt that fits the context are refused by gRPC
         # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
         self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
         self.server = Server(
             [SERVICE_NAME],
-            interceptors=auth,
+            interceptors=[*auth, InvalidMessages(SERVICE_NAME)],
             max_receive_bytes=self.max_request_bytes,
             credentials=public_tls.server_credentials() if public_tls else None,
+            options=self.limits.grpc_options(),
         )
-        # Tokenizing (and chat templates) off the event loop: a long prompt never delays
-        # other requests' tokens or the health checks.
-        self._tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # Tokenizing (and chat templates) off the event loop, bounded: a long prompt never
+        # delays other requests' tokens or the health checks (tokenizing.py).
+        self._tokenizing = TokenizingQueue()
+        self._failures = RateLimitedLog(log)  # a failing replica fails many requests
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -241,7 +253,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             await asyncio.wait(self._cleanup, timeout=5.0)
         await self.backends.close()
         await self.transport.close()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._tokenizing.shutdown()
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
@@ -346,22 +358,35 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         )
         return dataclasses.replace(plan, opts=opts), tuned
 
-    async def tokenize_off_loop(self, fn, *args):
-        """`fn(*args)` (tokenizing, a chat template) on the tokenizer threads."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, fn, *args)
+    def _tokenize_budget(self) -> int:
+        return BUDGET_PROMPTS * max_prompt_chars(self._check_model("").max_positions)
+
+    async def tokenize_off_loop(self, chars: int, fn, *args):
+        """`fn(*args)` (tokenizing, a chat template) for a text of `chars` characters, on
+        the tokenizer threads; RESOURCE_EXHAUSTED when they have too much to do."""
+        return await self._tokenizing.run(chars, self._tokenize_budget(), fn, *args)
+
+    def tokenizer_full(self, chars: int) -> bool:
+        """Whether a text of at least `chars` characters would be refused now."""
+        return self.model is not None and self._tokenizing.full(chars, self._tokenize_budget())
 
     async def prepare(self, r: gen.GenerateRequest) -> Plan:
-        """`plan`, with the prompt tokenized off the event loop."""
+        """`plan`, with a text prompt tokenized off the event loop."""
         check_size(r, self._check_model(r.model))
-        return self.plan(r, await self.tokenize_off_loop(prompt_of, r, self.codec))
+        if r.WhichOneof("prompt") != "text" or not r.text:
+            return self.plan(r)
+        return self.plan(r, await self.tokenize_off_loop(len(r.text), prompt_of, r, self.codec))
 
     # -- RPCs ------------------------------------------------------------------------------
     async def generate(
-        self, request: gen.GenerateRequest, deadline: float | None = None
+        self,
+        request: gen.GenerateRequest,
+        deadline: float | None = None,
+        caller: Caller | None = None,
     ) -> AsyncIterator[gen.GenerateResponse]:
         """One request: `started`, then `delta`s, then `finished`; raises RequestFailed.
-        `deadline` is on time.monotonic() (None: none). The gRPC and HTTP APIs both serve
+        `deadline` is on time.monotonic() (None: none); `caller`: what the client may do
+        (its API key's; None: the defaults). The gRPC and HTTP APIs both serve
         requests through this. Closing the generator early (the client went away)
         releases the request on every stage and the draft; throwing StopGeneration in at
         a delta ends it as finished ("stop") and yields the final message."""
@@ -371,6 +396,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
             )
+        check_priority(request.priority, caller or self.api_keys.caller(None))
         plan, tuned = self._tune(await self.prepare(request))
         rid = self._ids.next()
         try:
@@ -381,13 +407,16 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         t0 = time.perf_counter()
         try:
             path = self.backends.path(
-                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model
+                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model,
+                prompt=plan.prompt,
             )
         except NoPath as e:
             self._leave(rid)
             self.tuning.finish(tuned, None)
+            log.debug("no path for a request: %s", e)  # names replicas: not for clients
             raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE, f"cannot serve requests now: {e}"
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot serve requests now: no complete path of healthy replicas",
             ) from None
         if self.metrics is not None:
             self.metrics.path_choice.observe(time.perf_counter() - t0)
@@ -411,7 +440,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             driver.on_step_cpu = self.metrics.step_cpu.observe
         self.drivers[rid] = driver
         self._apply_widths()
-        log.info(
+        log.debug(  # request ids are capabilities: never above DEBUG
             "%s: %s, %d prompt tokens, %d new%s",
             rid,
             plan.mode,
@@ -455,11 +484,15 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             failed = False
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
-            log.warning("%s failed: %s %s", rid, e.code.name, e.message)
+            self._failures.warning(
+                e.code.name, "a %s request failed: %s %s", plan.mode, e.code.name, e.message
+            )
+            log.debug("%s failed", rid)
             raise RequestFailed(e.code, e.message) from None
         except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
-            log.exception("%s failed", rid)
-            raise RequestFailed(grpc.StatusCode.INTERNAL, f"request {rid} failed: {e}") from None
+            log.exception("a %s request failed", plan.mode)
+            log.debug("%s failed", rid)
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"the request failed: {e}") from None
         finally:
             self.drivers.pop(rid, None)
             self._leave(rid)
@@ -510,7 +543,8 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
-        async with contextlib.aclosing(self.generate(request, deadline)) as responses:
+        caller = self.api_keys.caller_of_call(context)
+        async with contextlib.aclosing(self.generate(request, deadline, caller)) as responses:
             try:
                 async for response in responses:
                     yield response
@@ -534,8 +568,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             model = self._check_model(request.model)
             if len(request.text) > max_prompt_chars(model.max_positions):
                 raise invalid(f"the text has {len(request.text)} characters: too long")
-            ids = await self.tokenize_off_loop(tokenize, self.codec, request.text, request.chat)
-        except InvalidRequest as e:
+            ids = await self.tokenize_off_loop(
+                len(request.text), tokenize, self.codec, request.text, request.chat
+            )
+        except RequestFailed as e:
             await context.abort(e.code, e.message)
         return gen.TokenizeResponse(token_ids=ids)
 
@@ -559,16 +595,25 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return gen.ListModelsResponse(models=[card])
 
     async def Describe(self, request, context) -> gen.RouterDescription:
+        """The router's state. Replicas' addresses and errors and the router's data
+        address are internal: only an operator sees them (a key marked `operator`, or,
+        on a router without API keys, a caller on this host); everyone else gets the
+        replicas by kind, layers, version, health and load."""
+        internal = self._sees_internals(context)
         backends = []
         for b in self.backends.all:
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
+            if internal:
+                error = b.refused or b.error
+            else:
+                error = "refused: incompatible" if b.refused else ("" if b.healthy else "down")
             backends.append(
                 gen.Backend(
                     kind=b.kind,
-                    address=b.address,
+                    address=b.address if internal else "",
                     healthy=b.healthy,
                     layers=layers,
-                    error=b.refused or b.error,
+                    error=error,
                     weight_hash=b.version,
                     active_requests=b.active,
                     draining=b.draining or b.endpoint.draining or not b.listed,
@@ -580,10 +625,33 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             active_requests=len(self.drivers),
             backends=backends,
             transport=self.transport_kind,
-            data_address=self.transport.address,
+            data_address=self.transport.address if internal else "",
             waiting_requests=len(self.scheduler.waiting),
             max_running=self.scheduler.max_running,
             max_waiting=self.scheduler.max_waiting,
             row_budget=self.scheduler.row_budget or 0,
             tuning=self.tuning.describe(),
         )
+
+    def _sees_internals(self, context) -> bool:
+        """Whether the caller of `context` is an operator (None: an in-process call)."""
+        if context is None:
+            return True
+        if self.api_keys.caller_of_call(context).operator:
+            return True
+        return not self.api_keys.enabled and is_local_peer(context.peer())
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") is on
+    this host's loopback."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback

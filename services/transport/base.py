@@ -180,7 +180,7 @@ class Transport(ABC):
         try:
             self.on_frame(frame)
         except Exception as e:
-            # Request ids are capabilities (DESIGN.md, "8. Security model"): DEBUG only.
+            # Request ids are capabilities (docs/architecture.md, "9. Security"): DEBUG only.
             rlog.error("deliver", "%s: handling a frame failed: %s: %s",
                        self.scheme, type(e).__name__, e)  # fmt: skip
             log.debug("%s: the frame that failed was of %s", self.scheme, frame.request_id)

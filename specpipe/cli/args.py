@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import NoReturn
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float64")
+from specpipe.services.config import DEFAULT_ROUTER_PORT as DEFAULT_ROUTER_PORT
 
-DEFAULT_ROUTER_PORT = 50051  # the router's gRPC port unless told otherwise
+DTYPE_CHOICES = ("float32", "bfloat16", "float64")
 
 
 class CliError(Exception):

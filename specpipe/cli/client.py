@@ -70,6 +70,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--prefill-chunk", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument(
+        "--stop-token-ids",
+        type=_token_ids,
+        default=(),
+        metavar="IDS",
+        help="comma-separated token ids that also end generation",
+    )
+    g.add_argument(
         "--priority", type=int, default=0, help="higher runs first when the router is busy"
     )
     g.add_argument("--json", action="store_true", help="print one JSON object")
@@ -96,30 +103,27 @@ def _client_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true", help="the router serves TLS: trust system roots")
 
 
-# -- services ----------------------------------------------------------------------------
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def request_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The request options of `client generate`, as the SDK's keywords: every option of
+    `common/spec/request_options.py` that has a flag."""
+    from specpipe.common.spec.request_options import REQUEST_OPTIONS
+
+    return {o.keyword: getattr(args, o.dest) for o in REQUEST_OPTIONS if o.dest}
+
+
 def _cmd_client_generate(args: argparse.Namespace) -> int:
     from specpipe.services.client import Client, SpecPipeError
 
-    kwargs = dict(
-        model=args.model,
-        mode=args.mode,
-        chat=args.chat,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        width=args.width,
-        top_k_children=args.top_k_children,
-        depth=args.depth,
-        ignore_eos=args.ignore_eos,
-        prefill_chunk=args.prefill_chunk,
-        priority=args.priority,
-        layers_per_step=args.layers_per_step,
-        token_source=args.token_source,
-        ranking=args.ranking,
-        growth=args.growth,
-    )
+    kwargs = request_kwargs(args)
     if args.prompt is not None:
         kwargs["prompt"] = args.prompt
     else:

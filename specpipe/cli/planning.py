@@ -1,5 +1,6 @@
 """`specpipe profile` and `specpipe plan`: measure a node kind, and plan which node kind
-hosts which layers (DESIGN 10; docs/planning.md)."""
+hosts which layers (docs/planning.md). One module: the two commands share the node
+profiles' loading and the plan's printing, and `plan` writes what `profile` reads."""
 
 from __future__ import annotations
 
@@ -114,8 +115,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--helm-values",
         default=None,
         metavar="FILE",
-        help="write the stages as Helm values (stagePools: name, layers, replicas, "
-        "nodeSelector, resources)",
+        help="write the stages as Helm values (stagePools: name, layers, replicas, and the "
+        "node kind's nodeSelector, resources and gpu)",
+    )
+    p.add_argument(
+        "--emulate-costs",
+        default=None,
+        metavar="FILE",
+        help="write the cost file that paces each stage of the plan as its node kind "
+        "(`specpipe up --layers ... --emulate-costs FILE`: the cluster emulated on one "
+        "machine; the draft is left unpaced)",
     )
     p.set_defaults(func=_cmd_plan)
 
@@ -245,14 +254,39 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report = plan_report(args, cfg, profiles, stages)
     except (PlanError, ProfileError) as e:
         raise CliError(str(e)) from None
+    by_name = dict(profiles_by_name(profiles))
     if args.helm_values:
         path = Path(args.helm_values)
-        path.write_text(helm_values(report["plan"], dict(profiles_by_name(profiles))))
+        path.write_text(helm_values(report["plan"], by_name))
+    text = report["text"]
+    if args.emulate_costs:
+        from specpipe.common.perf.profile import emulated_costs
+
+        plan = report["plan"]
+        emulated_costs([(by_name[st.node], st.layers) for st in plan.stages]).save(
+            args.emulate_costs
+        )
+        text += [
+            "",
+            f"{args.emulate_costs}: the plan's per-stage costs; emulate it on one machine with",
+            "  " + up_command(args.target, plan, args.emulate_costs),
+        ]
     if args.json:
         print(json.dumps(report["json"]))
     else:
-        print("\n".join(report["text"]))
+        print("\n".join(text))
     return 0
+
+
+def up_command(target: str, plan, cost_file: str) -> str:
+    """The `specpipe up` line that runs `plan` on this machine, each stage paced by its
+    node kind's costs (the cost file's stage k is stage k of the plan)."""
+    import shlex
+
+    layers = ",".join(st.layers_text for st in plan.stages)
+    argv = ["specpipe", "up", "--target", target, "--stages", str(len(plan.stages))]
+    argv += ["--layers", layers, "--emulate-costs", cost_file]
+    return shlex.join(argv)
 
 
 def profiles_by_name(profiles) -> list[tuple[str, Any]]:
@@ -382,21 +416,28 @@ def _table(rows: list[tuple[str, ...]], indent: str = "") -> list[str]:
 
 
 def helm_values(plan, profiles: dict[str, Any]) -> str:
-    """The plan as a Helm values snippet: one stage pool per stage (docs/planning.md)."""
+    """The plan as a Helm values snippet: one stage pool per stage (docs/planning.md), in
+    the chart's `stagePools` shape (helm/specpipe/values.yaml). A node kind's scheduling
+    is written only where its profile gives it, so a pool without it keeps the chart's
+    stage settings; `gpu` from the device a measured profile was taken on."""
     import yaml
 
     pools = []
     for k, st in enumerate(plan.stages):
         profile = profiles[st.node]
-        pools.append(
-            {
-                "name": f"stage-{k}-{_slug(st.node)[:24]}".rstrip("-"),
-                "layers": st.layers_text,
-                "replicas": 1,
-                "nodeSelector": dict(profile.node_selector),
-                "resources": dict(profile.resources),
-            }
-        )
+        pool: dict[str, Any] = {
+            "name": f"stage-{k}-{_slug(st.node)[:24]}".rstrip("-"),
+            "layers": st.layers_text,
+            "replicas": 1,
+        }
+        if profile.node_selector:
+            pool["nodeSelector"] = dict(profile.node_selector)
+        if profile.resources:
+            pool["resources"] = dict(profile.resources)
+        device = (profile.extra.get("device") or {}).get("type")
+        if device in ("cuda", "cpu"):
+            pool["gpu"] = device == "cuda"
+        pools.append(pool)
     header = (
         f"# specpipe plan: {len(pools)} stages, step {1e3 * plan.step_seconds:.2f} ms "
         "(docs/planning.md)\n"

@@ -95,3 +95,27 @@ def test_the_charts_secure_pods_serve_together_on_one_host(helm, tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_stage_pool_pods_get_the_same_one_host_rewrites(helm):
+    """container_e2e.py with stage pools (`--stage-pools 0:2,2:4,2:4`): every pool's pod
+    is a stage container of its own, with its own ports, its layers, and a line in the
+    router's discovery file (two replicas of 2:4 for the router to choose from)."""
+    e2e = _script()
+    docs = e2e.render("specpipe:e2e", 2, 4, 30, ["0:2", "2:4", "2:4"])
+    pods = [e2e.Pod(d) for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    stages = sorted((p for p in pods if p.component == "stage"), key=lambda p: p.name)
+    assert [(p.name, p.arg("--layers")) for p in stages] == [
+        ("specpipe-e2e-pool-0", "0:2"),
+        ("specpipe-e2e-pool-1", "2:4"),
+        ("specpipe-e2e-pool-2", "2:4"),
+    ]
+    ports = [port for p in pods for port in p.host_ports.values()]
+    assert len(ports) == len(set(ports))
+    lines = e2e.discovery_lines(pods).splitlines()
+    assert sorted(line.split()[0] for line in lines) == ["draft", "stage", "stage", "stage"]
+    for pod in stages:
+        assert f"stage {e2e.HOST}:{pod.host_port} e2e" in lines
+        argv = pod.host_args({})
+        assert argv[argv.index("--port") + 1] == str(pod.host_port)
+        assert argv[argv.index("--host") + 1] == e2e.HOST

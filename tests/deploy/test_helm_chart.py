@@ -45,6 +45,54 @@ TWO_GPUS = {
     "stage": {"device": "cuda:1"},
     "draft": {"device": "auto"},
 }
+# Heterogeneous nodes: layers 0:9 on a GPU pool, 9:28 on a CPU pool and on a second GPU
+# pool (a mixed replica set of one range), each placed and sized on its own.
+H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+SPREAD = {
+    "podAntiAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 1,
+                "podAffinityTerm": {
+                    "topologyKey": "kubernetes.io/hostname",
+                    "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "stage"}},
+                },
+            }
+        ]
+    }
+}
+CPU_TAINT = {"key": "cpu-only", "operator": "Exists", "effect": "NoSchedule"}
+POOLS = {
+    "stagePools": [
+        {
+            "name": "stage-0-h100",
+            "layers": "0:9",
+            "replicas": 2,
+            "gpu": True,
+            "nodeSelector": H100,
+            "resources": {"limits": {"memory": "40Gi"}},
+            "autoscaling": {"enabled": False},
+        },
+        {
+            "name": "stage-1-cpu",
+            "layers": "9:28",
+            "replicas": 3,
+            "nodeSelector": {"node.kubernetes.io/instance-type": "c7i.8xlarge"},
+            "tolerations": [CPU_TAINT],
+            "affinity": SPREAD,
+            "resources": {"requests": {"cpu": "30", "memory": "60Gi"}},
+            "threads": 30,
+            "autoscaling": {"enabled": False},
+        },
+        {
+            "name": "stage-1-h100",
+            "layers": "9:28",
+            "gpu": True,
+            "nodeSelector": H100,
+            "autoscaling": {"minReplicas": 2, "maxReplicas": 6},
+        },
+    ]
+}
 WITH_PREVIOUS = {
     "model": {"version": "v2", "stages": 3},
     "previousModels": [
@@ -138,7 +186,9 @@ def specpipe_argv(container: dict) -> list[str]:
 
 
 # -- lint and schema validation --------------------------------------------------------------
-@pytest.mark.parametrize("values", [None, EVERYTHING_ON], ids=["defaults", "everything-on"])
+@pytest.mark.parametrize(
+    "values", [None, EVERYTHING_ON, POOLS], ids=["defaults", "everything-on", "stage-pools"]
+)
 def test_chart_lints_clean(helm, tmp_path, values):
     cmd = [str(helm), "lint", "--strict", str(CHART)]
     if values:
@@ -151,8 +201,15 @@ def test_chart_lints_clean(helm, tmp_path, values):
 
 @pytest.mark.parametrize(
     "values",
-    [None, EVERYTHING_ON, WITH_PREVIOUS, {"model": {"draft": ""}}],
-    ids=["defaults", "everything-on", "previous-model", "no-draft"],
+    [
+        None,
+        EVERYTHING_ON,
+        WITH_PREVIOUS,
+        {"model": {"draft": ""}},
+        POOLS,
+        {**POOLS, **EVERYTHING_ON},
+    ],
+    ids=["defaults", "everything-on", "previous-model", "no-draft", "stage-pools", "pools-on"],
 )
 def test_every_manifest_is_valid_kubernetes(render, values):
     docs = render(values, tests=True)
@@ -238,6 +295,193 @@ def test_the_chart_knows_the_layer_count_of_every_store_model(render):
             assert only == (0, json.loads(config.read_text())["num_hidden_layers"]), name
 
 
+# -- stage pools (heterogeneous nodes, docs/deploy.md) ----------------------------------------
+def pool_sets(docs: list[dict], version: str = CURRENT) -> dict[str, dict]:
+    """The stage StatefulSets of one model version by pool name."""
+    out = {}
+    for d in of_kind(docs, "StatefulSet"):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        if labels["specpipe.dev/model-version"] == version and "specpipe.dev/pool" in labels:
+            out[labels["specpipe.dev/pool"]] = d
+    return out
+
+
+def selector_matches(selector: str, labels: dict) -> bool:
+    """A label selector string of the forms the chart writes (k=v, "k in (a,b)")."""
+    for term in re.split(r",(?![^(]*\))", selector):
+        if " in " in term:
+            key, _, values = term.partition(" in ")
+            if labels.get(key.strip()) not in values.strip(" ()").split(","):
+                return False
+        else:
+            key, _, value = term.partition("=")
+            if labels.get(key.strip()) != value.strip():
+                return False
+    return True
+
+
+def test_stage_pools_make_one_workload_each_with_its_own_placement(render):
+    """One StatefulSet and headless Service per pool, each with the pool's layers,
+    replicas, resources, node selector, affinity and tolerations (GPU pools get the GPU
+    and --device cuda, the CPU pool neither), and nothing of the per-stage layout."""
+    docs = render(POOLS)
+    pools = {p["name"]: p for p in POOLS["stagePools"]}
+    sets = pool_sets(docs)
+    assert set(sets) == set(pools)
+    assert len(of_kind(docs, "StatefulSet")) == len(pools)  # no model.stages workloads
+    for name, sts in sets.items():
+        pool = pools[name]
+        assert sts["metadata"]["name"] == f"specpipe-{CURRENT}-{name}"
+        c, spec = main_container(sts), sts["spec"]["template"]["spec"]
+        assert arg(c, "--layers") == pool["layers"]
+        assert (
+            sts["spec"]["template"]["metadata"]["annotations"]["specpipe.dev/layers"]
+            == (pool["layers"])
+        )
+        svc = named(docs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None" and selects(svc, sts)
+        assert [d for d in of_kind(docs, "StatefulSet") if selects(svc, d)] == [sts]
+        assert spec["nodeSelector"] == pool["nodeSelector"]
+        assert spec.get("affinity") == pool.get("affinity")
+        gpu = pool.get("gpu", False)
+        tolerations = spec.get("tolerations", [])
+        assert (CPU_TAINT in tolerations) == (CPU_TAINT in pool.get("tolerations", []))
+        assert any(t.get("key") == GPU for t in tolerations) == gpu
+        assert arg(c, "--device") == ("cuda" if gpu else "cpu")
+        res = c["resources"]
+        assert res.get("limits", {}).get(GPU) == (1 if gpu else None)
+        if "resources" in pool:  # the pool's own, not merged with stage.resources
+            for part in ("requests", "limits"):
+                own = {k: v for k, v in res.get(part, {}).items() if k != GPU}
+                assert own == pool["resources"].get(part, {}), (name, part)
+        else:
+            assert res["requests"]["memory"] == "8Gi"  # the stage values'
+        assert arg(c, "--threads") == str(pool.get("threads", 4))
+        assert "--measure-costs" in c["args"]  # the router prefers the faster by its curve
+    # Replicas: the pool's when it is not autoscaled; else an HPA of its own.
+    assert sets["stage-0-h100"]["spec"]["replicas"] == 2
+    assert sets["stage-1-cpu"]["spec"]["replicas"] == 3
+    assert "replicas" not in sets["stage-1-h100"]["spec"]
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h["spec"]
+            for h in of_kind(docs, "HorizontalPodAutoscaler")}  # fmt: skip
+    hpa = hpas["specpipe-v1-stage-1-h100"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
+    assert "specpipe-v1-stage-0-h100" not in hpas and "specpipe-v1-stage-1-cpu" not in hpas
+    pdbs = {p["metadata"]["name"] for p in of_kind(docs, "PodDisruptionBudget")}
+    assert {s["metadata"]["name"] for s in sets.values()} <= pdbs
+
+
+def test_the_router_and_the_network_policies_cover_every_pool(render):
+    """Discovery (the EndpointSlices of Services matching the router's selector: Kubernetes
+    copies a Service's labels onto its slices), the static address list and the
+    NetworkPolicies reach every pool's pods."""
+    docs = render(POOLS)
+    sets = pool_sets(docs)
+    selector = arg(main_container(router(docs)), "--discovery-selector")
+    for sts in sets.values():
+        svc = named(docs, "Service", sts["spec"]["serviceName"])
+        assert selector_matches(selector, svc["metadata"]["labels"]), svc["metadata"]["name"]
+        pod = sts["spec"]["template"]["metadata"]["labels"]
+        assert _admits(docs, pod, 50052, None, {**pod, "app.kubernetes.io/component": "router"})
+        assert not _admits(docs, pod, 50052, None, {"app": "other"})
+    static = render({**POOLS, "router": {"discovery": "static"}})
+    addresses = arg(main_container(router(static)), "--stages").split(",")
+    expected = [f"specpipe-v1-{n}-{i}.specpipe-v1-{n}:50052" for n, count in
+                (("stage-0-h100", 2), ("stage-1-cpu", 3), ("stage-1-h100", 2)) for i in range(count)]  # fmt: skip
+    assert addresses == expected
+
+
+def test_stage_pools_of_a_previous_version_stay_as_they_were(render):
+    """Rolling out a new version: the old one's pools move into its previousModels entry
+    and render exactly as before (same names, same pods)."""
+    before = pool_sets(render(POOLS))
+    old = {"version": CURRENT, "target": "qwen2.5-coder-1.5b-instruct",
+           "draft": "qwen2.5-coder-0.5b-instruct", "stages": 2, **POOLS}  # fmt: skip
+    docs = render({"model": {"version": "v2"}, "previousModels": [old]})
+    assert pool_sets(docs) == before
+    assert layer_ranges(docs, "v2") == [(0, 14), (14, 28)]  # the new one per stage
+    v2 = [d for d in stage_sets(docs, "v2")]
+    assert all("--measure-costs" not in main_container(d)["args"] for d in v2)
+
+
+def test_a_draft_on_cpu_nodes_beside_gpu_stages(render):
+    docs = render(
+        {"gpu": {"enabled": True}, "draft": {"gpu": False, "nodeSelector": {"pool": "cpu"}}}
+    )
+    (draft,) = [d for d in workloads(docs) if component(d) == "draft"]
+    c = main_container(draft)
+    assert arg(c, "--device") == "cpu" and GPU not in c["resources"].get("limits", {})
+    assert draft["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert all(arg(main_container(d), "--device") == "cuda" for d in stage_sets(docs))
+
+
+@pytest.mark.parametrize(
+    ("pools", "extra", "message"),
+    [
+        ([("a", "0:10"), ("b", "11:28")], {}, "ends at layer 10, where no pool's layers start"),
+        ([("a", "0:10"), ("b", "10:27")], {}, "ends at layer 27"),
+        ([("a", "1:28")], {}, "starts at layer 1, where no pool's layers end"),
+        ([("a", "0:10"), ("b", "10:28"), ("c", "0:14")], {}, "ends at layer 14"),
+        ([("a", "0:10"), ("a", "10:28")], {}, "listed twice"),
+        ([("draft", "0:28")], {}, "may not be named"),
+        ([("a", "0:29")], {}, "within the target's 28 layers"),
+        ([("a", "9:9")], {}, "non-empty range"),
+        ([("a" * 50, "0:28")], {}, "at most 52"),
+        ([("A", "0:28")], {}, "does not match pattern"),
+        ([("a", "0-28")], {}, "does not match pattern"),
+        ([("a", "0:28")], {"model": {"layers": ["0:28"], "stages": 1}}, "not both"),
+    ],
+)
+def test_bad_stage_pools_fail_to_render_with_a_reason(render, pools, extra, message):
+    values = {"stagePools": [{"name": n, "layers": r} for n, r in pools], **extra}
+    with pytest.raises(render.error, match=message):
+        render(values)
+
+
+def test_stage_pool_typos_and_misplaced_pools_are_refused(render):
+    with pytest.raises(render.error, match="additional properties 'colour'"):
+        render({"stagePools": [{"name": "a", "layers": "0:28", "colour": "red"}]})
+    with pytest.raises(render.error, match="top-level stagePools"):
+        render({"model": {"stagePools": [{"name": "a", "layers": "0:28"}]}})
+
+
+def test_specpipe_plan_helm_values_render_through_the_chart(render, llama_dir, tmp_path, capsys):
+    """`specpipe plan --helm-values` output is chart values as they are: one workload
+    per planned stage with the planned layers and each node kind's placement."""
+    from specpipe.common.model.config import ModelConfig
+
+    from specpipe.cli import main
+
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps({"name": "fast", "seconds_per_layer": 0.01, "seconds_head": 0.01,
+                                "memory_gib": 1, "nodeSelector": {"accelerator": "h100"},
+                                "resources": {"limits": {GPU: 1}}}))  # fmt: skip
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"name": "slow", "seconds_per_layer": 0.025,
+                                "seconds_head": 0.025, "memory_gib": 1}))  # fmt: skip
+    out = tmp_path / "stages.yaml"
+    argv = ["plan", "--target", str(llama_dir), "--nodes", f"{fast}:2,{slow}:2", "--json"]
+    assert main([*argv, "--helm-values", str(out)]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    values = yaml.safe_load(out.read_text())
+    n = ModelConfig.from_dir(llama_dir).num_layers
+    values["model"] = {"target": str(llama_dir), "draft": "", "numLayers": n}
+    docs = render(values)
+    sets = list(pool_sets(docs).values())
+    assert [arg(main_container(d), "--layers") for d in sets] == [
+        s["layers"] for s in plan["stages"]
+    ]
+    for sts, stage in zip(sets, plan["stages"], strict=True):
+        spec = sts["spec"]["template"]["spec"]
+        if stage["node"] == "fast":
+            assert spec["nodeSelector"] == {"accelerator": "h100"}
+            assert main_container(sts)["resources"] == {"limits": {GPU: 1}}
+        else:
+            assert "nodeSelector" not in spec
+    for d in docs:
+        kubernetes_validate.validate(d, KUBE_VERSIONS[-1], strict=True)
+
+
 # -- wiring ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("stage", "replicas"),
@@ -291,7 +535,9 @@ def test_services_listen_on_all_interfaces_and_advertise_the_pod_ip(render):
 
 
 @pytest.mark.parametrize(
-    "values", [None, EVERYTHING_ON, TWO_GPUS], ids=["defaults", "everything-on", "two-gpus"]
+    "values",
+    [None, EVERYTHING_ON, TWO_GPUS, POOLS],
+    ids=["defaults", "everything-on", "two-gpus", "stage-pools"],
 )
 def test_every_container_command_line_is_one_specpipe_accepts(render, values, capsys, monkeypatch):
     """The chart's arguments against the real `specpipe` parser (catches flag drift), and

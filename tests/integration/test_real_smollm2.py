@@ -17,7 +17,6 @@ import torch
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import split_layers
-from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
 from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.spec.options import DecodeOptions, Mode
@@ -88,12 +87,10 @@ def _our_logits(model_dir: Path, ids: torch.Tensor, stages: int) -> torch.Tensor
     hidden = None
     for r in split_layers(cfg.num_layers, stages):
         stage = load_stage(model_dir, r, torch.float32)
-        cache = TreeKVCache(r.size, cfg.num_kv_heads, cfg.head_dim, n)
-        start, mask = cache.append_committed(n)
         if hidden is None:
             hidden = stage.embed(ids)
         with torch.no_grad():
-            hidden = stage(hidden, torch.arange(n), mask, cache, start)
+            hidden = stage(hidden, torch.arange(n))
     return stage.logits(hidden)
 
 

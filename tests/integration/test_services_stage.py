@@ -245,6 +245,9 @@ def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:
                     5,
                 )
                 assert desc.vocab_size == 97 and desc.weight_hash and desc.free_memory_bytes > 0
+                # The paged KV cache: nothing held yet, the whole budget free in blocks.
+                assert desc.cache_block_rows > 0 and desc.cache_blocks_used == 0
+                assert desc.cache_blocks_free * desc.cache_block_rows > 0
                 bad = stage_pb2.ConfigureStageRequest(model_path="/nonexistent", layer_start=0)
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await stub.Configure(bad)

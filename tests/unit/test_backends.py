@@ -6,8 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from specpipe.services.control import cost_curve_from_proto
 from specpipe.services.router.backends import Backend, Backends, NoPath
 from specpipe.services.router.discovery import Endpoint, StaticDiscovery
+from specpipe.v1 import dataplane_pb2 as pb
 
 
 def backends() -> Backends:
@@ -17,12 +19,13 @@ def backends() -> Backends:
 
 
 def add(bs: Backends, kind, address, layers=(0, 4), version="v1", *, vocab=97, group="",
-        order=0.0, limit=0, used=0, num_layers=4) -> Backend:  # fmt: skip
+        order=0.0, limit=0, used=0, num_layers=4, curve=None) -> Backend:  # fmt: skip
     desc = SimpleNamespace(
         model_id=f"model-{version}", weight_hash=version, layer_start=layers[0],
         layer_end=layers[1], num_layers=num_layers, vocab_size=vocab,
         max_position_embeddings=256, eos_token_ids=[96], data_address="tcp://h:1",
         cache_bytes_used=used, cache_bytes_limit=limit, active_requests=0, ready=True,
+        cost_curve=curve,
     )  # fmt: skip
     ep = Endpoint(kind, address, group, order=order)
     b = Backend(kind, address, None, None, None, ep, desc=desc, healthy=True, error="")
@@ -203,3 +206,140 @@ def test_an_idle_replica_that_fails_a_check_gets_a_fresh_channel() -> None:
         await bs.close()
 
     asyncio.run(main())
+
+
+# -- speed: the cost curves replicas publish in Describe (--measure-costs) ------------------
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def curve(per_row: float = 0.0, fixed: float = 0.0) -> pb.CostCurve:
+    """A published cost curve: `fixed` + `per_row` seconds per row (CPU-like when
+    per_row dominates, accelerator-like when flat)."""
+    return pb.CostCurve(rows=ROWS, seconds=[fixed + per_row * n for n in ROWS], context=128)
+
+
+def publish(b: Backend, msg: pb.CostCurve) -> None:
+    """`b` answers a Describe with another cost curve (a new description, as each check
+    gets)."""
+    b.desc = SimpleNamespace(**{**vars(b.desc), "cost_curve": msg})
+
+
+def test_at_equal_load_the_faster_replica_takes_the_request() -> None:
+    bs = backends()
+    slow = add(bs, "stage", "slow", curve=curve(fixed=0.025))
+    fast = add(bs, "stage", "fast", curve=curve(fixed=0.010))
+    for rows in (0, 8, 40):  # idle, and equally busy
+        slow.rows = fast.rows = rows
+        slow.active = fast.active = 1 if rows else 0
+        assert bs.path(need_draft=False).stages == [fast]
+    # Flat (accelerator-like) costs: the fast one is quicker however many rows it has,
+    # until its curve rises past the slow one's.
+    slow.rows, slow.active, fast.rows, fast.active = 0, 0, 64, 8
+    assert bs.path(need_draft=False).stages == [fast]
+    publish(fast, pb.CostCurve(rows=[1, 64, 128], seconds=[0.01, 0.01, 0.2]))
+    assert bs.path(need_draft=False).stages == [slow]
+    # Both idle by this router's counts, but the fast one just finished a request: its
+    # last Describe (up to a check interval old) still says one request and some KV
+    # cache in use, and a closed-loop client's next request comes before the old one's
+    # release is done. Still the fast one: one request more costs it nothing here.
+    slow.rows = slow.active = 0
+    fast.rows, fast.active = 0, 1
+    fast.desc = SimpleNamespace(**{**vars(fast.desc), "active_requests": 1,
+                                   "cache_bytes_used": 10, "cache_bytes_limit": 1000})  # fmt: skip
+    assert bs.path(need_draft=False).stages == [fast]
+    # The draft replicas too.
+    add(bs, "draft", "d-slow", curve=curve(fixed=0.004))
+    d_fast = add(bs, "draft", "d-fast", curve=curve(fixed=0.001))
+    assert bs.path().draft is d_fast
+
+
+def test_a_faster_replica_takes_more_rows_before_a_slower_one_is_as_quick() -> None:
+    """CPU-like costs (seconds grow with the rows): a replica 2.5x as fast is chosen
+    while its step with the new request is still the quicker one, although it holds
+    more requests (load alone would send this one to the idle replica)."""
+    bs = backends()
+    fast = add(bs, "stage", "fast", curve=curve(per_row=0.001))
+    slow = add(bs, "stage", "slow", curve=curve(per_row=0.0025))
+    fast.active, fast.rows = 1, 8  # 8 rows a request: the new one makes 16 there
+    assert bs.path(need_draft=False).stages == [fast]  # 16 ms there, 20 ms on the slow one
+    fast.active, fast.rows = 2, 16
+    assert bs.path(need_draft=False).stages == [slow]  # 24 ms there: now the slow one
+    # A request opened there but not counting rows yet counts as a typical one.
+    fast.active, fast.rows = 2, 8
+    assert bs.path(need_draft=False).stages == [slow]
+
+
+def test_replicas_of_one_speed_share_by_load_and_without_curves_load_decides() -> None:
+    """Identical replicas measure a little differently: within the tolerance they are
+    equally fast and take turns (round robin at equal load), as replicas without
+    published curves do; one replica without a curve makes the set go by load."""
+    bs = backends()
+    a = add(bs, "stage", "a", curve=curve(fixed=0.0100))
+    b = add(bs, "stage", "b", curve=curve(fixed=0.0105))
+    picks = []
+    for _ in range(4):
+        path = bs.path(need_draft=False)
+        bs.acquire(path)
+        bs.release(path.backends)
+        picks.append(path.stages[0])
+    assert picks.count(a) == 2 and picks.count(b) == 2
+    publish(b, curve(fixed=0.05))
+    a.rows, a.active = 8, 1
+    assert bs.path(need_draft=False).stages == [a]  # 5x as fast: busy, still first
+    unmeasured = add(bs, "stage", "c")
+    assert unmeasured.cost_curve is None
+    assert bs.path(need_draft=False).stages != [a]  # load alone: an idle one
+    assert cost_curve_from_proto(a.desc.cost_curve)(1) == a.cost_curve(1)
+
+
+def simulate_stream(bs: Backends, replicas, costs, *, requests=400, gap=0.12, steps=20, rows=8):
+    """A stream of requests, one every `gap` seconds of a virtual clock, each `steps`
+    steps of `rows` rows; a replica's step takes its true cost at the rows it holds
+    (batched), shared by its requests. Returns the requests each replica served and the
+    mean seconds a request took."""
+    true = {b: cost_curve_from_proto(c) for b, c in zip(replicas, costs, strict=True)}
+    served = dict.fromkeys(replicas, 0)
+    now, running, took = 0.0, [], []
+    arrivals = [i * gap for i in range(requests)]
+
+    def step(b: Backend) -> float:
+        return true[b](b.rows)
+
+    while arrivals or running:
+        done = min(running, key=lambda r: r[1] * step(r[0]), default=None)
+        until_done = done[1] * step(done[0]) if done else float("inf")
+        until_arrival = arrivals[0] - now if arrivals else float("inf")
+        dt = min(until_done, until_arrival)
+        for r in running:
+            r[1] -= dt / step(r[0])
+        now += dt
+        if until_arrival <= until_done:
+            arrivals.pop(0)
+            path = bs.path(need_draft=False)
+            bs.acquire(path)
+            (b,) = path.stages
+            b.rows += rows
+            served[b] += 1
+            running.append([b, float(steps), now])
+        else:
+            running.remove(done)
+            done[0].rows -= rows
+            bs.release([done[0]])
+            took.append(now - done[2])
+    return [served[b] for b in replicas], sum(took) / len(took)
+
+
+def test_a_faster_replica_takes_proportionally_more_of_a_stream_of_requests() -> None:
+    """A mixed replica set (one 2.5x as fast), a stream that keeps both busy: the fast
+    one serves at least 2.5x the requests of the slow one (which still serves some),
+    and requests finish sooner on average than when load alone decides (the same
+    replicas publishing no curves)."""
+    costs = [curve(per_row=0.001), curve(per_row=0.0025)]
+    bs = backends()
+    replicas = [add(bs, "stage", n, curve=c) for n, c in zip(("fast", "slow"), costs, strict=True)]
+    (fast, slow), mean = simulate_stream(bs, replicas, costs)
+    assert fast >= 2.5 * slow and slow > 0
+    blind = backends()
+    replicas = [add(blind, "stage", n) for n in ("fast", "slow")]
+    _, mean_by_load = simulate_stream(blind, replicas, costs)
+    assert mean < mean_by_load

@@ -192,10 +192,10 @@ def test_batch_wait_flag(capsys, command) -> None:
 
     need = {"stage": [], "draft": ["--model", "m"], "up": ["--target", "t"]}[command]
     parse = build_parser().parse_args
-    assert parse([command, *need]).batch_wait_ms is None  # auto
-    assert parse([command, *need, "--batch-wait-ms", "auto"]).batch_wait_ms is None
-    assert parse([command, *need, "--batch-wait-ms", "5"]).batch_wait_ms == pytest.approx(0.005)
-    assert parse([command, *need, "--batch-wait-ms", "0"]).batch_wait_ms == 0.0
+    assert parse([command, *need]).batch_wait is None  # auto
+    assert parse([command, *need, "--batch-wait-ms", "auto"]).batch_wait is None
+    assert parse([command, *need, "--batch-wait-ms", "5"]).batch_wait == pytest.approx(0.005)
+    assert parse([command, *need, "--batch-wait-ms", "0"]).batch_wait == 0.0
     for bad in ("-1", "5000", "soon"):
         with pytest.raises(SystemExit) as e:
             parse([command, *need, "--batch-wait-ms", bad])

@@ -74,19 +74,51 @@ def test_plan_json_contract(capsys, llama_dir, fast_slow, tmp_path) -> None:
     pools = yaml.safe_load(values.read_text())["stagePools"]
     assert [p["layers"] for p in pools] == [s["layers"] for s in stages]
     for pool, stage in zip(pools, stages, strict=True):
-        assert pool["replicas"] == 1 and set(pool) == {
-            "name",
-            "layers",
-            "replicas",
-            "nodeSelector",
-            "resources",
-        }
+        assert pool["replicas"] == 1
         if stage["node"] == "fast":
+            assert set(pool) == {"name", "layers", "replicas", "nodeSelector", "resources"}
             assert pool["nodeSelector"] == {"accelerator": "h100"}
             assert pool["resources"] == {"limits": {"nvidia.com/gpu": 1}}
-        else:
-            assert pool["nodeSelector"] == {} and pool["resources"] == {}
+        else:  # nothing given: the pool keeps the chart's stage settings
+            assert set(pool) == {"name", "layers", "replicas"}
     assert len({p["name"] for p in pools}) == len(pools)
+
+
+def test_plan_writes_the_cost_file_specpipe_up_paces_its_stages_to(
+    capsys, llama_dir, fast_slow, tmp_path
+) -> None:
+    """`plan --emulate-costs FILE` writes what `specpipe up --layers ... --emulate-costs
+    FILE` takes: stage k's curve is its node kind's cost for its layers, and the printed
+    `specpipe up` line is one the CLI accepts, with the plan's layers."""
+    import shlex
+
+    from specpipe.common.model.partition import LayerRange
+    from specpipe.common.perf.emulate import EmulatedCosts
+    from specpipe.common.perf.profile import NodeProfile
+
+    from specpipe.cli import build_parser
+
+    cost_file = tmp_path / "split.json"
+    argv = ["plan", "--target", str(llama_dir), "--nodes", fast_slow]
+    code, out, err = run(capsys, *argv, "--json", "--emulate-costs", str(cost_file))
+    assert code == 0, err
+    plan = json.loads(out)
+    costs = EmulatedCosts.load(cost_file)
+    costs.check_stages(len(plan["stages"]))
+    n = ModelConfig.from_dir(llama_dir).num_layers
+    profiles = {p.stem: NodeProfile.load(p) for p in tmp_path.glob("*.json") if p != cost_file}
+    for k, st in enumerate(plan["stages"]):
+        a, b = (int(x) for x in st["layers"].split(":"))
+        want = profiles[st["node"]].stage_cost(LayerRange(a, b, n))
+        for rows in (1, 8, 64):
+            assert costs.stage(k)(rows, 128) == pytest.approx(want(rows, 128))
+    # The text output names the `specpipe up` line that runs it.
+    code, out, err = run(capsys, *argv, "--emulate-costs", str(cost_file))
+    assert code == 0, err
+    (line,) = [x.strip() for x in out.splitlines() if x.strip().startswith("specpipe up ")]
+    up = build_parser().parse_args(shlex.split(line)[1:])
+    assert up.layers == ",".join(s["layers"] for s in plan["stages"])
+    assert up.emulate_costs == str(cost_file) and up.stages == len(plan["stages"])
 
 
 def test_plan_text_compares_with_even_and_balanced(capsys, llama_dir, fast_slow) -> None:

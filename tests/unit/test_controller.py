@@ -92,9 +92,10 @@ class RulePipeline:
         self.requests: dict[str, RuleRequest] = {}
         self.flight: dict[str, list[Activation | None]] = {}
 
-    def open(self, request_id: str, capacity: int, verify=None) -> None:
+    def open(self, request_id: str, capacity: int, prefix_tokens=(), verify=None) -> int:
         self.requests[request_id] = RuleRequest()
         self.flight[request_id] = [None] * self.num_stages
+        return 0  # no prefix cache
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -132,8 +133,9 @@ class RuleDraft:
         self.oracle, self.rule = oracle, rule
         self.requests: dict[str, RuleRequest] = {}
 
-    def open(self, request_id: str, capacity: int) -> None:
+    def open(self, request_id: str, capacity: int, prompt=()) -> int:
         self.requests[request_id] = RuleRequest()
+        return 0  # no prefix cache
 
     def release(self, request_id: str) -> bool:
         return self.requests.pop(request_id, None) is not None

@@ -183,8 +183,8 @@ def test_pacing_in_real_time_takes_at_least_the_modelled_time() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["stage", "--layers", "0:2"], "has 2 stage curves"),
-        (["draft"], "No such file"),
+        (["stage", "--insecure", "--layers", "0:2"], "has 2 stage curves"),
+        (["draft", "--insecure"], "No such file"),
         (["up", "--stages", "3", "--draft", "oracle"], "the deployment has 3 stages"),
     ],
 )

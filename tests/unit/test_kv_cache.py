@@ -9,6 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specpipe.common.model.loading import load_stage
+from specpipe.common.runtime.block_pool import BLOCK_SIZE as BLOCK
+from specpipe.common.runtime.block_pool import BlockPool
 from specpipe.common.runtime.errors import BadInput, CacheFull
 from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.stage import StageRuntime
@@ -28,11 +30,9 @@ def model(tmp_path_factory):
 
 
 def scratch_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The last token's logits from a causal forward of the whole sequence, no cache."""
     n = len(tokens)
-    cfg = model.cfg
-    cache = TreeKVCache(len(model.layers), cfg.num_kv_heads, cfg.head_dim, n, torch.float64)
-    hidden = model.embed(torch.tensor(tokens))
-    out = model(hidden, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), cache, 0)
+    out = model(model.embed(torch.tensor(tokens)), torch.arange(n))
     return model.logits(out)[-1]
 
 
@@ -40,16 +40,18 @@ class Mirror:
     """A router-side tree plus one stage; checks every computed node against scratch."""
 
     def __init__(self, model, prompt: list[int]) -> None:
-        self.model, self.stage = model, StageRuntime(model)
+        # Blocks of 3 rows: prefixes, trees and commits cross block boundaries.
+        self.model, self.stage = model, StageRuntime(model, block_size=3)
         self.stage.open("r", 64)
         self.committed = prompt[:-1]
-        if self.committed:
+        for s in range(0, len(self.committed), 2):  # prefill chunks of 2
+            chunk = self.committed[s : s + 2]
             self.stage.forward(
                 Activation(
                     "r",
-                    torch.arange(len(self.committed)),
+                    torch.arange(s, s + len(chunk)),
                     committed=True,
-                    tokens=torch.tensor(self.committed),
+                    tokens=torch.tensor(chunk),
                 )
             )
         self.tree = TokenTree(prompt[-1])
@@ -189,27 +191,67 @@ def test_late_prune_keeps_newer_nodes(model) -> None:
 
 
 def test_prune_drops_descendants_of_dropped_nodes() -> None:
-    cache = TreeKVCache(1, 1, 2, 16)
-    cache.append_nodes(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))
-    cache.append_nodes(torch.tensor([3, 4]), torch.tensor([1, 2]))
+    cache = TreeKVCache(BlockPool(1, 1, 2, 1 << 20), 16)
+    cache.append_nodes(np.array([0, 1, 2]), np.array([-1, 0, 0]))
+    cache.append_nodes(np.array([3, 4]), np.array([1, 2]))
     # Node 4 is newer than the horizon but hangs under dropped node 2.
-    cache.prune(torch.tensor([0]), torch.tensor([1]), horizon=2)
+    cache.prune(np.array([0]), np.array([1]), horizon=2)
     assert cache.tree_ids.tolist() == [1, 3]
     assert cache.tree_mask.tolist() == [[True, False], [True, True]]
 
 
+def prefill(rid: str, n: int, start: int = 0) -> Activation:
+    return Activation(
+        rid, torch.arange(start, start + n), committed=True, tokens=torch.arange(n) % 31
+    )
+
+
 def test_budget_and_release(model) -> None:
-    stage = StageRuntime(model, max_cache_bytes=stage_bytes(model, 10))
-    stage.open("a", 10)
-    with pytest.raises(RuntimeError, match="budget"):
+    """A request holds the blocks of the rows it has, not of its capacity; the budget
+    refuses a request only when no block is free, and a release gives every block back."""
+    stage = StageRuntime(model, max_cache_bytes=block_bytes(model, 2))
+    stage.open("a", 1000)  # a capacity far beyond the budget reserves nothing
+    stage.forward(prefill("a", BLOCK + 1))  # two blocks: the whole budget
+    assert stage.info().cache_blocks_used == 2 and stage.info().cache_blocks_free == 0
+    with pytest.raises(CacheFull, match="budget"):
         stage.open("b", 1)
     with pytest.raises(RuntimeError, match="already open"):
         stage.open("a", 1)
     assert stage.release("a") and not stage.release("a")
+    assert stage.cache_bytes_used == 0
     stage.open("b", 10)
-    assert stage.info().cache_bytes_used == stage_bytes(model, 10)
+    assert stage.info().cache_bytes_used == 0
+    stage.forward(prefill("b", 3))
+    assert stage.info().cache_bytes_used == block_bytes(model, 1)
 
 
-def stage_bytes(model, rows: int) -> int:
+def block_bytes(model, blocks: int) -> int:
     cfg = model.cfg
-    return 2 * len(model.layers) * cfg.num_kv_heads * cfg.head_dim * rows * 8
+    return 2 * len(model.layers) * cfg.num_kv_heads * cfg.head_dim * BLOCK * blocks * 8
+
+
+def test_a_pool_that_runs_out_mid_request_fails_that_request_only(model) -> None:
+    """Documented behaviour: no preemption; the request whose rows need a block when none
+    is free gets CacheFull (RESOURCE_EXHAUSTED), its cache unchanged, the others go on."""
+    stage = StageRuntime(model, max_cache_bytes=block_bytes(model, 3))
+    for rid in "ab":
+        stage.open(rid, 1000)
+        stage.forward(prefill(rid, BLOCK))  # one full block each
+    root = Activation("a", t(BLOCK), node_ids=t(0), parent_ids=t(-1), tokens=t(1))
+    stage.forward(root)  # a's tree block: the last free one
+    late = Activation("b", t(BLOCK), node_ids=t(0), parent_ids=t(-1), tokens=t(1))
+    out = stage.forward_many(
+        [late, Activation("a", t(BLOCK + 1), node_ids=t(1), parent_ids=t(0), tokens=t(2))]
+    )
+    assert isinstance(out[0], CacheFull) and "pool exhausted" in str(out[0])
+    assert out[1].logits.shape[0] == 1  # a's slot was in its own tree block
+    assert stage._cache("b").length == BLOCK
+    # Committing a's root needs a new committed block: none is free, the prune fails.
+    with pytest.raises(CacheFull, match="pool exhausted"):
+        stage.prune("a", Prune(t(0), t(1), horizon=1))
+    stage.release("b")
+    stage.forward(Activation("a", t(BLOCK + 2), node_ids=t(2), parent_ids=t(1), tokens=t(3)))
+    assert stage.info().cache_blocks_used == 2
+
+
+t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731

@@ -13,20 +13,15 @@ from specpipe.common.model.partition import (
     split_layers,
     split_layers_by_cost,
 )
-from specpipe.common.runtime.kv_cache import TreeKVCache
 from transformers import AutoModelForCausalLM
 
 
 def run_chain(stages: list[StageModel], tokens: torch.Tensor) -> torch.Tensor:
     """Causal forward of a whole sequence through a chain of stages; returns logits."""
-    n = tokens.numel()
-    positions = torch.arange(n)
-    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    positions = torch.arange(tokens.numel())
     hidden = stages[0].embed(tokens)
     for stage in stages:
-        cfg = stage.cfg
-        cache = TreeKVCache(stage.layer_range.size, cfg.num_kv_heads, cfg.head_dim, n, stage.dtype)
-        hidden = stage(hidden, positions, mask, cache, 0)
+        hidden = stage(hidden, positions)
     return stages[-1].logits(hidden)
 
 

@@ -548,7 +548,6 @@ def test_real_conversion_of_a_tiny_gguf(
     """GGUF -> safetensors dir via transformers; our model code must load it and agree."""
     from specpipe.common.model.config import ModelConfig
     from specpipe.common.model.loading import load_stage
-    from specpipe.common.runtime.kv_cache import TreeKVCache
     from specpipe.common.text import TextCodec
     from transformers import AutoModelForCausalLM
 
@@ -579,10 +578,8 @@ def test_real_conversion_of_a_tiny_gguf(
     # fp64 on both sides: the converted weights are compared, not two kernels' fp32 noise.
     stage = load_stage(model_dir, dtype=torch.float64)
     n = ids.numel()
-    kv = TreeKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, n, torch.float64)
-    start, mask = kv.append_committed(n)
     with torch.no_grad():
-        ours = stage.logits(stage(stage.embed(ids), torch.arange(n), mask, kv, start))
+        ours = stage.logits(stage(stage.embed(ids), torch.arange(n)))
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
         ref = hf(ids[None]).logits[0]
         direct = AutoModelForCausalLM.from_pretrained(

@@ -212,8 +212,11 @@ def test_model_sizes_are_the_loaded_stages_bytes(llama_dir, qwen_dir) -> None:
         for r in (LayerRange(0, 1, n), LayerRange(1, n - 1, n), LayerRange(n - 1, n, n)):
             runtime = StageRuntime(load_stage(model_dir, r, torch.float32))
             assert sizes.stage_bytes(r.size, r.is_first, r.is_last, 0) == runtime.model.num_bytes()
-            kv = sizes.stage_bytes(r.size, r.is_first, r.is_last, 37) - runtime.model.num_bytes()
-            assert kv == runtime.cache_bytes_for(37)
+            # Whole blocks (the paged cache allocates by block), so rounding cannot hide a
+            # wrong per-row size.
+            rows = 3 * runtime.pool.block_size
+            kv = sizes.stage_bytes(r.size, r.is_first, r.is_last, rows) - runtime.model.num_bytes()
+            assert kv == runtime.cache_bytes_for(rows)
 
 
 # -- node profiles ---------------------------------------------------------------------------

@@ -41,16 +41,16 @@ def test_resolve_device_with_cuda(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["stage", "--layers", "0:2", "--device", "tpu"],
-        ["draft", "--device", "cuda:x"],
+        ["stage", "--insecure", "--layers", "0:2", "--device", "tpu"],
+        ["draft", "--insecure", "--device", "cuda:x"],
         ["up", "--draft", "oracle", "--device", "nope"],
         ["generate", "--prompt-ids", "1,2", "--device", "gpu"],
         *(
             []
             if CUDA
             else [
-                ["stage", "--device", "cuda"],
-                ["draft", "--device", "cuda:0"],
+                ["stage", "--insecure", "--device", "cuda"],
+                ["draft", "--insecure", "--device", "cuda:0"],
                 ["generate", "--prompt-ids", "1,2", "--device", "cuda"],
             ]
         ),

@@ -409,8 +409,8 @@ def test_a_tcp_header_is_checked_before_its_payload_is_read() -> None:
 
 
 def test_request_ids_are_not_logged_above_debug(caplog) -> None:
-    """Request ids are capabilities (DESIGN.md section 8): a frame whose handling fails
-    is logged without its request id except at DEBUG."""
+    """Request ids are capabilities (docs/architecture.md, "9. Security"): a frame whose
+    handling fails is logged without its request id except at DEBUG."""
     import logging
 
     async def main() -> None:

@@ -22,9 +22,14 @@
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{/* Workload names; argument: dict "root" $ "model" $m ("stage" k). */}}
+{{/* Workload names; argument: dict "root" $ "model" $m and "stage" k, or "pool" (a
+stage pool's name: <release>-<version>-<pool>). */}}
 {{- define "specpipe.stageName" -}}
+{{- if .pool -}}
+{{- printf "%s-%s-%s" (include "specpipe.fullname" .root) .model.version .pool -}}
+{{- else -}}
 {{- printf "%s-%s-stage-%d" (include "specpipe.fullname" .root) .model.version (int .stage) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "specpipe.draftName" -}}
@@ -78,12 +83,17 @@ app.kubernetes.io/part-of: specpipe
 {{ include "specpipe.selectorLabels" . }}
 {{- end -}}
 
-{{/* Selector of one stage's pods; argument: dict "root" "model" "stage". */}}
+{{/* Selector of one stage workload's pods; argument: dict "root" "model" and "stage"
+(its index, without stage pools) or "pool" (the stage pool's name). */}}
 {{- define "specpipe.stageSelector" -}}
 {{ include "specpipe.selectorLabels" .root }}
 app.kubernetes.io/component: stage
 specpipe.dev/model-version: {{ .model.version | quote }}
+{{- if .pool }}
+specpipe.dev/pool: {{ .pool | quote }}
+{{- else }}
 specpipe.dev/stage: {{ .stage | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "specpipe.draftSelector" -}}
@@ -107,9 +117,16 @@ specpipe.dev/draft-weight-hash: {{ .model.draftWeightHash | default "" | quote }
 
 {{/* Model versions ---------------------------------------------------------------------- */}}
 
-{{/* Every served model version, current first, validated; JSON list. */}}
+{{/* Every served model version, current first, validated; JSON list. The current
+version's stage pools are the top-level `stagePools` (put in its entry here); an earlier
+version's are its own entry's `stagePools`. */}}
 {{- define "specpipe.models" -}}
-{{- $models := concat (list .Values.model) (.Values.previousModels | default list) -}}
+{{- if hasKey .Values.model "stagePools" -}}
+{{- fail "model.stagePools: the current version's stage pools are the top-level stagePools (previousModels entries keep their own)" -}}
+{{- end -}}
+{{- $current := deepCopy .Values.model -}}
+{{- $_ := set $current "stagePools" (.Values.stagePools | default list) -}}
+{{- $models := concat (list $current) (.Values.previousModels | default list) -}}
 {{- $seen := dict -}}
 {{- range $models -}}
 {{- $v := toString .version -}}
@@ -196,6 +213,107 @@ its neighbours.
 {{- toJson $ranges -}}
 {{- end -}}
 
+{{/*
+The stage workloads of one model version, as JSON; argument: dict "root" "model". Each is
+{"name", "layers": "A:B", "stage": k or -1, "pool": its name or "", "index": its place in
+stagePools or -1, "replicas": the pods a static router lists}. Without stage pools: one
+per stage of model.stages / model.layers, with the stage values (replicas from
+stage.replicasPerStage or stage.replicas). With stage pools: one per pool; the layer
+ranges of the pools must chain from layer 0 to the last (several pools may serve the
+same range: the router picks among all their replicas).
+*/}}
+{{- define "specpipe.stageWorkloads" -}}
+{{- $root := .root -}}
+{{- $m := .model -}}
+{{- $v := toString $m.version -}}
+{{- $out := list -}}
+{{- if $m.stagePools -}}
+{{- if $m.layers -}}
+{{- fail (printf "model %q: give the layer ranges in stagePools or in model.layers, not both" $v) -}}
+{{- end -}}
+{{- $L := int (include "specpipe.numLayers" $m) -}}
+{{- $seen := dict -}}
+{{- $starts := dict -}}
+{{- $ends := dict -}}
+{{- range $i, $p := $m.stagePools -}}
+{{- $pool := toString ($p.name | default "") -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" $pool) -}}
+{{- fail (printf "model %q: stage pool name %q must be a DNS label (lowercase letters, digits, '-')" $v $pool) -}}
+{{- end -}}
+{{- if eq $pool "draft" -}}
+{{- fail (printf "model %q: a stage pool may not be named \"draft\" (the draft's workload has that name)" $v) -}}
+{{- end -}}
+{{- if hasKey $seen $pool -}}
+{{- fail (printf "model %q: stage pool %q is listed twice" $v $pool) -}}
+{{- end -}}
+{{- $_ := set $seen $pool true -}}
+{{- $name := include "specpipe.stageName" (dict "root" $root "model" $m "pool" $pool) -}}
+{{- if gt (len $name) 52 -}}
+{{- fail (printf "model %q: stage pool %q makes the workload name %s (%d characters; at most 52, the pods' revision label must fit 63): shorten the pool name, the model version or the release name" $v $pool $name (len $name)) -}}
+{{- end -}}
+{{- $r := toString ($p.layers | default "") -}}
+{{- if not (regexMatch "^[0-9]+:[0-9]+$" $r) -}}
+{{- fail (printf "model %q: stage pool %q: layers %q must look like START:END" $v $pool $r) -}}
+{{- end -}}
+{{- $a := atoi (first (splitList ":" $r)) -}}
+{{- $b := atoi (last (splitList ":" $r)) -}}
+{{- if or (ge $a $b) (gt $b $L) -}}
+{{- fail (printf "model %q: stage pool %q: layers %s must be a non-empty range within the target's %d layers" $v $pool $r $L) -}}
+{{- end -}}
+{{- $_ := set $starts (toString $a) true -}}
+{{- $_ := set $ends (toString $b) true -}}
+{{- $values := include "specpipe.poolValues" (dict "root" $root "pool" $p) | fromJson -}}
+{{- $svc := $values.svc -}}
+{{- $replicas := ternary (int $svc.autoscaling.minReplicas) (int $svc.replicas) (not (not $svc.autoscaling.enabled)) -}}
+{{- $out = append $out (dict "name" $name "layers" (printf "%d:%d" $a $b) "stage" -1 "pool" $pool "index" $i "replicas" $replicas) -}}
+{{- end -}}
+{{- range $w := $out -}}
+{{- $a := first (splitList ":" $w.layers) -}}
+{{- $b := last (splitList ":" $w.layers) -}}
+{{- if and (ne $a "0") (not (hasKey $ends $a)) -}}
+{{- fail (printf "model %q: stage pool %q starts at layer %s, where no pool's layers end (the pools' ranges must chain from layer 0 to %d)" $v $w.pool $a $L) -}}
+{{- end -}}
+{{- if and (ne (int $b) $L) (not (hasKey $starts $b)) -}}
+{{- fail (printf "model %q: stage pool %q ends at layer %s, where no pool's layers start (the pools' ranges must chain from layer 0 to %d)" $v $w.pool $b $L) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- range $k, $r := include "specpipe.layerRanges" $m | fromJsonArray -}}
+{{- $name := include "specpipe.stageName" (dict "root" $root "model" $m "stage" $k) -}}
+{{- $replicas := include "specpipe.stageReplicas" (dict "stage" $root.Values.stage "k" $k) | int -}}
+{{- $out = append $out (dict "name" $name "layers" (printf "%d:%d" (int (index $r 0)) (int (index $r 1))) "stage" $k "pool" "" "index" -1 "replicas" $replicas) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/*
+A stage pool's settings, as JSON {"svc": the stage values with the pool's own over
+them, "gpu": whether its pods get GPUs}; argument: dict "root" "pool". The pool's
+resources, nodeSelector, affinity, tolerations, replicas, device, threads and
+maxCacheGiB replace the stage values' (not merged: a pool's resources are all of its
+resources); each key of its autoscaling replaces stage.autoscaling's; gpu defaults to
+gpu.enabled.
+*/}}
+{{- define "specpipe.poolValues" -}}
+{{- $p := .pool -}}
+{{- $stage := .root.Values.stage -}}
+{{- $svc := deepCopy $stage -}}
+{{- range $key := list "replicas" "resources" "nodeSelector" "affinity" "tolerations" "device" "threads" "maxCacheGiB" -}}
+{{- if hasKey $p $key -}}
+{{- $_ := set $svc $key (get $p $key) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key, $value := ($p.autoscaling | default dict) -}}
+{{- $_ := set $svc.autoscaling $key $value -}}
+{{- end -}}
+{{- $gpu := .root.Values.gpu.enabled -}}
+{{- if and (hasKey $p "gpu") (not (kindIs "invalid" $p.gpu)) -}}
+{{- $gpu = $p.gpu -}}
+{{- end -}}
+{{- toJson (dict "svc" $svc "gpu" $gpu) -}}
+{{- end -}}
+
 {{/* float32 without GPUs, bfloat16 with them, unless the model says. */}}
 {{- define "specpipe.dtype" -}}
 {{- if .model.dtype -}}
@@ -209,13 +327,15 @@ float32
 
 {{/*
 --device of a stage or draft; argument: dict "root" "svc" (values block) "what" (its
-name, for messages). The service's `device`, or cuda with gpu.enabled and cpu without.
+name, for messages), and optionally "gpu" (whether the pod gets GPUs; default
+gpu.enabled). The service's `device`, or cuda with GPUs and cpu without.
 cuda:N must name one of the gpu.count GPUs the pod sees (they are numbered from 0).
 */}}
 {{- define "specpipe.device" -}}
 {{- $gpu := .root.Values.gpu -}}
+{{- $enabled := ternary .gpu $gpu.enabled (hasKey . "gpu") -}}
 {{- $device := .svc.device | default "" | toString | lower -}}
-{{- if and (not $device) $gpu.enabled -}}
+{{- if and (not $device) $enabled -}}
 {{- $device = "cuda" -}}
 {{- else if not $device -}}
 {{- $device = "cpu" -}}
@@ -223,7 +343,7 @@ cuda:N must name one of the gpu.count GPUs the pod sees (they are numbered from 
 {{- if not (regexMatch "^(cpu|auto|cuda|cuda:[0-9]+)$" $device) -}}
 {{- fail (printf "%s.device %q: choose cpu, cuda, cuda:N or auto" .what $device) -}}
 {{- end -}}
-{{- if and $gpu.enabled (hasPrefix "cuda:" $device) -}}
+{{- if and $enabled (hasPrefix "cuda:" $device) -}}
 {{- $n := atoi (trimPrefix "cuda:" $device) -}}
 {{- if ge $n (int $gpu.count) -}}
 {{- fail (printf "%s.device %q: a pod sees gpu.count=%d GPU(s), cuda:0 to cuda:%d" .what $device (int $gpu.count) (sub (int $gpu.count) 1)) -}}
@@ -437,7 +557,7 @@ nodeSelector:
 {{- end }}
 {{- $tolerations := .svc.tolerations | default list -}}
 {{- if .gpu }}
-{{- $tolerations = concat $tolerations ($root.Values.gpu.tolerations | default list) -}}
+{{- $tolerations = concat $tolerations ($root.Values.gpu.tolerations | default list) | uniq -}}
 {{- end }}
 {{- with $tolerations }}
 tolerations:
@@ -645,6 +765,18 @@ measure their cost curves at start (--measure-costs) for it to price steps with.
 {{- define "specpipe.measureCosts" -}}
 {{- $t := .Values.router.treeDefaults | default dict -}}
 {{- if or (eq (toString $t.width) "auto") (eq (toString $t.layersPerStep) "auto") (eq (toString $t.tokenSource) "auto") -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" when the stages measure their cost curves at start (--measure-costs):
+stage.measureCosts, or when it is null, whenever the router tunes a tree setting
+("auto") or the model version has stage pools (node kinds of different speeds: the
+router prefers the faster replica by its published curve); argument: dict "root"
+"model". */}}
+{{- define "specpipe.stageMeasureCosts" -}}
+{{- $v := .root.Values.stage.measureCosts -}}
+{{- if kindIs "invalid" $v -}}
+{{- if or (include "specpipe.measureCosts" .root) .model.stagePools -}}true{{- end -}}
+{{- else if $v -}}true{{- end -}}
 {{- end -}}
 
 {{/* The router's defaults for requests' tree settings and its late-draft wait. */}}

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specpipe.v1 import dataplane_pb2 as specpipe_dot_v1_dot_dataplane__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpipe/v1/stage.proto\x12\x0bspecpipe.v1\x1a\x1bspecpipe/v1/dataplane.proto\"\x87\x04\n\x10StageDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bweight_hash\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x03\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\r \x01(\x04\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x0e \x01(\x04\x12\x19\n\x11\x63\x61\x63he_bytes_limit\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x10 \x01(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x11 \x01(\t\x12\r\n\x05ready\x18\x12 \x01(\x08\x12\x12\n\nrow_budget\x18\x13 \x01(\r\x12\x15\n\rlease_seconds\x18\x14 \x01(\x01\x12*\n\ncost_curve\x18\x15 \x01(\x0b\x32\x16.specpipe.v1.CostCurve\x12\x15\n\rmax_step_rows\x18\x16 \x01(\r\"t\n\x15\x43onfigureStageRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\"\xfd\x01\n\x10OpenStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x10\n\x08next_hop\x18\x03 \x01(\t\x12\x11\n\treport_to\x18\x04 \x01(\t\x12\x18\n\x10root_logits_only\x18\x05 \x01(\x08\x12\x13\n\x0blease_owner\x18\x06 \x01(\t\x12\x13\n\x0blease_epoch\x18\t \x01(\x04\x12\x13\n\x0blease_token\x18\n \x01(\x0c\x12\x16\n\x0e\x66ills_pipeline\x18\x08 \x01(\x08\x12\'\n\x06verify\x18\x0b \x01(\x0b\x32\x17.specpipe.v1.VerifySpecJ\x04\x08\x07\x10\x08\"\x13\n\x11OpenStageResponse\"\x8f\x01\n\x0b\x46\x65\x65\x64Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12\x16\n\x0everified_at_ns\x18\x06 \x01(\x03\"\x0e\n\x0c\x46\x65\x65\x64Response\":\n\x0f\x46\x65\x65\x64ManyRequest\x12\'\n\x05\x66\x65\x65\x64s\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.FeedRequest\">\n\x10\x46\x65\x65\x64ManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome2\xfb\x04\n\x05Stage\x12G\n\x08\x44\x65scribe\x12\x1c.specpipe.v1.DescribeRequest\x1a\x1d.specpipe.v1.StageDescription\x12N\n\tConfigure\x12\".specpipe.v1.ConfigureStageRequest\x1a\x1d.specpipe.v1.StageDescription\x12\x45\n\x04Open\x12\x1d.specpipe.v1.OpenStageRequest\x1a\x1e.specpipe.v1.OpenStageResponse\x12;\n\x04\x46\x65\x65\x64\x12\x18.specpipe.v1.FeedRequest\x1a\x19.specpipe.v1.FeedResponse\x12G\n\x08\x46\x65\x65\x64Many\x12\x1c.specpipe.v1.FeedManyRequest\x1a\x1d.specpipe.v1.FeedManyResponse\x12>\n\x05Prune\x12\x19.specpipe.v1.PruneRequest\x1a\x1a.specpipe.v1.PruneResponse\x12J\n\tPruneMany\x12\x1d.specpipe.v1.PruneManyRequest\x1a\x1e.specpipe.v1.PruneManyResponse\x12@\n\x07Release\x12\x17.specpipe.v1.RequestRef\x1a\x1c.specpipe.v1.ReleaseResponse\x12>\n\x05Renew\x12\x19.specpipe.v1.RenewRequest\x1a\x1a.specpipe.v1.RenewResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpipe/v1/stage.proto\x12\x0bspecpipe.v1\x1a\x1bspecpipe/v1/dataplane.proto\"\xc5\x05\n\x10StageDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bweight_hash\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x03\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x14\n\x0cweight_bytes\x18\x0c \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\r \x01(\x04\x12\x18\n\x10\x63\x61\x63he_bytes_used\x18\x0e \x01(\x04\x12\x19\n\x11\x63\x61\x63he_bytes_limit\x18\x0f \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\x10 \x01(\r\x12\x14\n\x0c\x64\x61ta_address\x18\x11 \x01(\t\x12\r\n\x05ready\x18\x12 \x01(\x08\x12\x12\n\nrow_budget\x18\x13 \x01(\r\x12\x15\n\rlease_seconds\x18\x14 \x01(\x01\x12*\n\ncost_curve\x18\x15 \x01(\x0b\x32\x16.specpipe.v1.CostCurve\x12\x15\n\rmax_step_rows\x18\x16 \x01(\r\x12\x19\n\x11\x63\x61\x63he_blocks_used\x18\x17 \x01(\x04\x12\x19\n\x11\x63\x61\x63he_blocks_free\x18\x18 \x01(\x04\x12\x18\n\x10\x63\x61\x63he_block_rows\x18\x19 \x01(\r\x12\x16\n\x0eprefix_caching\x18\x1a \x01(\x08\x12\x1b\n\x13\x63\x61\x63he_blocks_cached\x18\x1b \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x1c \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x1d \x01(\x04\"t\n\x15\x43onfigureStageRequest\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x13\n\x0blayer_start\x18\x02 \x01(\r\x12\x11\n\tlayer_end\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\"\x97\x02\n\x10OpenStageRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x10\n\x08next_hop\x18\x03 \x01(\t\x12\x11\n\treport_to\x18\x04 \x01(\t\x12\x18\n\x10root_logits_only\x18\x05 \x01(\x08\x12\x13\n\x0blease_owner\x18\x06 \x01(\t\x12\x13\n\x0blease_epoch\x18\t \x01(\x04\x12\x13\n\x0blease_token\x18\n \x01(\x0c\x12\x16\n\x0e\x66ills_pipeline\x18\x08 \x01(\x08\x12\x18\n\x10prefix_token_ids\x18\x0b \x03(\x03\x12\'\n\x06verify\x18\x0c \x01(\x0b\x32\x17.specpipe.v1.VerifySpecJ\x04\x08\x07\x10\x08\"*\n\x11OpenStageResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x04\"\x8f\x01\n\x0b\x46\x65\x65\x64Request\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\x12\x16\n\x0everified_at_ns\x18\x06 \x01(\x03\"\x0e\n\x0c\x46\x65\x65\x64Response\":\n\x0f\x46\x65\x65\x64ManyRequest\x12\'\n\x05\x66\x65\x65\x64s\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.FeedRequest\">\n\x10\x46\x65\x65\x64ManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome2\xfb\x04\n\x05Stage\x12G\n\x08\x44\x65scribe\x12\x1c.specpipe.v1.DescribeRequest\x1a\x1d.specpipe.v1.StageDescription\x12N\n\tConfigure\x12\".specpipe.v1.ConfigureStageRequest\x1a\x1d.specpipe.v1.StageDescription\x12\x45\n\x04Open\x12\x1d.specpipe.v1.OpenStageRequest\x1a\x1e.specpipe.v1.OpenStageResponse\x12;\n\x04\x46\x65\x65\x64\x12\x18.specpipe.v1.FeedRequest\x1a\x19.specpipe.v1.FeedResponse\x12G\n\x08\x46\x65\x65\x64Many\x12\x1c.specpipe.v1.FeedManyRequest\x1a\x1d.specpipe.v1.FeedManyResponse\x12>\n\x05Prune\x12\x19.specpipe.v1.PruneRequest\x1a\x1a.specpipe.v1.PruneResponse\x12J\n\tPruneMany\x12\x1d.specpipe.v1.PruneManyRequest\x1a\x1e.specpipe.v1.PruneManyResponse\x12@\n\x07Release\x12\x17.specpipe.v1.RequestRef\x1a\x1c.specpipe.v1.ReleaseResponse\x12>\n\x05Renew\x12\x19.specpipe.v1.RenewRequest\x1a\x1a.specpipe.v1.RenewResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpipe.v1.stage_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STAGEDESCRIPTION']._serialized_start=70
-  _globals['_STAGEDESCRIPTION']._serialized_end=589
-  _globals['_CONFIGURESTAGEREQUEST']._serialized_start=591
-  _globals['_CONFIGURESTAGEREQUEST']._serialized_end=707
-  _globals['_OPENSTAGEREQUEST']._serialized_start=710
-  _globals['_OPENSTAGEREQUEST']._serialized_end=963
-  _globals['_OPENSTAGERESPONSE']._serialized_start=965
-  _globals['_OPENSTAGERESPONSE']._serialized_end=984
-  _globals['_FEEDREQUEST']._serialized_start=987
-  _globals['_FEEDREQUEST']._serialized_end=1130
-  _globals['_FEEDRESPONSE']._serialized_start=1132
-  _globals['_FEEDRESPONSE']._serialized_end=1146
-  _globals['_FEEDMANYREQUEST']._serialized_start=1148
-  _globals['_FEEDMANYREQUEST']._serialized_end=1206
-  _globals['_FEEDMANYRESPONSE']._serialized_start=1208
-  _globals['_FEEDMANYRESPONSE']._serialized_end=1270
-  _globals['_STAGE']._serialized_start=1273
-  _globals['_STAGE']._serialized_end=1908
+  _globals['_STAGEDESCRIPTION']._serialized_end=779
+  _globals['_CONFIGURESTAGEREQUEST']._serialized_start=781
+  _globals['_CONFIGURESTAGEREQUEST']._serialized_end=897
+  _globals['_OPENSTAGEREQUEST']._serialized_start=900
+  _globals['_OPENSTAGEREQUEST']._serialized_end=1179
+  _globals['_OPENSTAGERESPONSE']._serialized_start=1181
+  _globals['_OPENSTAGERESPONSE']._serialized_end=1223
+  _globals['_FEEDREQUEST']._serialized_start=1226
+  _globals['_FEEDREQUEST']._serialized_end=1369
+  _globals['_FEEDRESPONSE']._serialized_start=1371
+  _globals['_FEEDRESPONSE']._serialized_end=1385
+  _globals['_FEEDMANYREQUEST']._serialized_start=1387
+  _globals['_FEEDMANYREQUEST']._serialized_end=1445
+  _globals['_FEEDMANYRESPONSE']._serialized_start=1447
+  _globals['_FEEDMANYRESPONSE']._serialized_end=1509
+  _globals['_STAGE']._serialized_start=1512
+  _globals['_STAGE']._serialized_end=2147
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve", "max_step_rows")
+    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve", "max_step_rows", "cache_blocks_used", "cache_blocks_free", "cache_block_rows", "prefix_caching", "cache_blocks_cached", "prefix_cache_queries", "prefix_cache_hits")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,13 @@ class StageDescription(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COST_CURVE_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     layer_start: int
@@ -53,7 +60,14 @@ class StageDescription(_message.Message):
     lease_seconds: float
     cost_curve: _dataplane_pb2.CostCurve
     max_step_rows: int
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ...) -> None: ...
+    cache_blocks_used: int
+    cache_blocks_free: int
+    cache_block_rows: int
+    prefix_caching: bool
+    cache_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_free: _Optional[int] = ..., cache_block_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class ConfigureStageRequest(_message.Message):
     __slots__ = ("model_path", "layer_start", "layer_end", "dtype", "model_id")
@@ -70,7 +84,7 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "verify")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "prefix_token_ids", "verify")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +94,7 @@ class OpenStageRequest(_message.Message):
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILLS_PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
@@ -90,12 +105,15 @@ class OpenStageRequest(_message.Message):
     lease_epoch: int
     lease_token: bytes
     fills_pipeline: bool
+    prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     verify: _dataplane_pb2.VerifySpec
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FeedRequest(_message.Message):
     __slots__ = ("request_id", "seq", "after_prune", "rows", "token_ids", "verified_at_ns")

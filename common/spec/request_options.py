@@ -1,0 +1,128 @@
+"""Every option of a generation request, declared once: its name, type, bounds, default
+and help, and where each surface carries it (the `GenerateRequest` field, the HTTP API's
+body field, the `specpipe client generate` flag, the SDK keyword, the engine's
+`DecodeOptions` or `SamplingParams` field).
+
+The surfaces are written by hand; tests/unit/test_request_options.py sends each
+option's `example` through every one of them and fails when an option is missing from
+a surface, a surface has an option not declared here, or the engine's bounds differ
+from the declared ones. Adding an option is one entry here, its behaviour, and what
+that test then asks for.
+
+"auto" (the router chooses) travels as 0 for the integer options and as the string
+"auto" for `token_source`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .options import (
+    DEFAULT_LAYERS_PER_STEP,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_SPECINFER_DEPTH,
+    DEFAULT_TOP_K_CHILDREN,
+    DEFAULT_WIDTH,
+    MAX_LAYERS_PER_STEP,
+    MAX_NEW_TOKENS,
+    MAX_PREFILL_CHUNK,
+    MAX_SPECINFER_DEPTH,
+    MAX_TOP_K_CHILDREN,
+    MAX_WIDTH,
+    Growth,
+    Mode,
+    TokenSource,
+)
+from .ranking import Ranking
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RequestOption:
+    name: str  # the wire's name: the field of GenerateRequest (or of its SamplingOptions)
+    kind: type  # int, float, str, bool, or tuple (of token ids)
+    default: object  # what the request gets when it leaves the option unset
+    help: str
+    example: object  # a valid value other than the default (the tests send it through)
+    low: float | None = None  # bounds the engine enforces (inclusive; None: none)
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    auto: bool = False  # "auto" leaves the choice to the router
+    proto: str = ""  # path in GenerateRequest; "" : `name`
+    engine: str | None = None  # DecodeOptions field, or "sampling.<SamplingParams field>"
+    http: str | None = None  # field of the HTTP API's body; None: not a body field
+    cli: str | None = None  # flag of `specpipe client generate`
+    sdk: str = ""  # keyword of `build_request` and `Client.stream`; "": `name`
+
+    @property
+    def wire(self) -> str:
+        return self.proto or self.name
+
+    @property
+    def keyword(self) -> str:
+        return self.sdk or self.name
+
+    @property
+    def dest(self) -> str | None:
+        """The command line's attribute for the flag."""
+        return None if self.cli is None else self.cli.lstrip("-").replace("-", "_")
+
+
+def _tree(name: str, default: int, high: int, example: int, help: str, **kw) -> RequestOption:
+    """A positive tree or chunk size."""
+    return RequestOption(
+        name, int, default, help, example, low=1, high=high, engine=kw.pop("engine", name),
+        http=name, cli=f"--{name.replace('_', '-')}", **kw,
+    )  # fmt: skip
+
+
+REQUEST_OPTIONS: tuple[RequestOption, ...] = (
+    RequestOption("model", str, "", "model id (empty: the deployment's)", "m", http="model",
+                  cli="--model"),
+    RequestOption("chat", bool, False, "apply the model's chat template to the text prompt",
+                  True, cli="--chat"),  # HTTP: the /v1/chat/completions endpoint itself
+    RequestOption("mode", str, Mode.SPECPIPE.value, "how the request decodes", "pp",
+                  choices=tuple(Mode), http="mode", cli="--mode"),
+    RequestOption("max_new_tokens", int, DEFAULT_MAX_NEW_TOKENS, "tokens to generate", 7,
+                  low=1, high=MAX_NEW_TOKENS, engine="max_new_tokens", http="max_tokens",
+                  cli="--max-new-tokens"),
+    RequestOption("temperature", float, 0.0, "0: greedy", 0.5, low=0.0,
+                  proto="sampling.temperature", engine="sampling.temperature",
+                  http="temperature", cli="--temperature"),
+    RequestOption("top_k", int, 0, "keep the k most likely tokens (0: no limit)", 5, low=0,
+                  proto="sampling.top_k", engine="sampling.top_k", http="top_k",
+                  cli="--top-k"),
+    RequestOption("top_p", float, 1.0, "nucleus mass in (0, 1]", 0.5, high=1.0,
+                  proto="sampling.top_p", engine="sampling.top_p", http="top_p",
+                  cli="--top-p"),
+    RequestOption("seed", int, 0, "random draws depend only on (seed, position)", 3, low=0,
+                  proto="sampling.seed", engine="sampling.seed", http="seed", cli="--seed"),
+    _tree("width", DEFAULT_WIDTH, MAX_WIDTH, 4, "tree nodes kept per layer", auto=True),
+    _tree("top_k_children", DEFAULT_TOP_K_CHILDREN, MAX_TOP_K_CHILDREN, 3,
+          "draft candidates per node, capped by the width"),
+    _tree("depth", DEFAULT_SPECINFER_DEPTH, MAX_SPECINFER_DEPTH, 5, "SpecInfer tree depth",
+          engine="specinfer_depth"),
+    _tree("prefill_chunk", DEFAULT_PREFILL_CHUNK, MAX_PREFILL_CHUNK, 16,
+          "prompt rows per prefill forward"),
+    _tree("layers_per_step", DEFAULT_LAYERS_PER_STEP, MAX_LAYERS_PER_STEP, 2,
+          "specpipe tree layers entering stage 1 per step", auto=True),
+    RequestOption("token_source", str, TokenSource.DRAFT.value, "what proposes tree tokens",
+                  TokenSource.NGRAM.value, choices=(*TokenSource, AUTO), auto=True,
+                  engine="token_source", http="token_source", cli="--token-source"),
+    RequestOption("ranking", str, Ranking.TARGET.value, "how tree nodes are ranked for the "
+                  "width", Ranking.BEAM.value, choices=tuple(Ranking), engine="ranking",
+                  http="ranking", cli="--ranking"),
+    RequestOption("growth", str, Growth.VERIFIED.value, "when a tree layer grows",
+                  Growth.EAGER.value, choices=tuple(Growth), engine="growth", http="growth",
+                  cli="--growth"),
+    RequestOption("ignore_eos", bool, False, "do not stop at the end-of-sequence tokens",
+                  True, http="ignore_eos", cli="--ignore-eos"),
+    RequestOption("stop_token_ids", tuple, (), "more tokens that end generation", (5, 9),
+                  engine="stop_token_ids", http="stop_token_ids", cli="--stop-token-ids"),
+    RequestOption("priority", int, 0, "higher runs first when the router is busy", 2,
+                  http="priority", cli="--priority"),
+)  # fmt: skip
+
+BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

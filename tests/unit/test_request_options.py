@@ -1,0 +1,177 @@
+"""Each request option declared once (common/spec/request_options.py) and carried by
+every surface: the `GenerateRequest` proto, the SDK's `build_request`, the HTTP API's
+body (`services/router/openai_compat.py`), `specpipe client generate`'s flags, and the
+engine's `DecodeOptions` / `SamplingParams` with the declared bounds and defaults. Each
+option's example goes through each surface's real mapping and must arrive on the wire;
+a surface with an option the table does not declare fails too."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from specpipe.common.spec.options import DecodeOptions
+from specpipe.common.spec.request_options import AUTO, REQUEST_OPTIONS, RequestOption
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.services.client.common import build_request
+from specpipe.services.router.openai_compat import CompletionRequest
+from specpipe.v1 import generation_pb2 as gen
+
+from specpipe.cli import build_parser
+from specpipe.cli.client import request_kwargs
+
+PROMPT_FIELDS = {"text", "token_ids"}  # the prompt, not an option
+# The HTTP body's fields that are OpenAI's and not request options of their own: another
+# name of max_tokens, stop strings and streaming (the HTTP layer's), one choice only,
+# the response's shape.
+HTTP_ONLY = {"max_completion_tokens", "stop", "stream", "stream_options", "n", "return_token_ids"}
+# `client generate`'s flags that are not request options.
+CLI_ONLY = {"--help", "--router", "--timeout", "--api-key", "--tls-ca", "--tls", "--prompt",
+            "--prompt-ids", "--json"}  # fmt: skip
+OPTIONS = [pytest.param(o, id=o.name) for o in REQUEST_OPTIONS]
+
+
+def _read(message, path: str):
+    for part in path.split("."):
+        message = getattr(message, part)
+    return message
+
+
+def _on_wire(o: RequestOption, value):
+    """What the wire carries for `value`: "auto" as 0 for integers, sequences as lists."""
+    if value == AUTO and o.kind is int:
+        return 0
+    if o.kind is tuple:
+        return list(value)
+    return value
+
+
+def _field(path: str):
+    descriptor = gen.GenerateRequest.DESCRIPTOR
+    *outer, last = path.split(".")
+    for part in outer:
+        descriptor = descriptor.fields_by_name[part].message_type
+    return descriptor.fields_by_name[last]
+
+
+def test_every_field_of_the_request_is_declared_once() -> None:
+    fields = {f.name for f in gen.GenerateRequest.DESCRIPTOR.fields} - PROMPT_FIELDS
+    fields.remove("sampling")
+    fields |= {f"sampling.{f.name}" for f in gen.SamplingOptions.DESCRIPTOR.fields}
+    wires = [o.wire for o in REQUEST_OPTIONS]
+    assert len(wires) == len(set(wires)) and len({o.name for o in REQUEST_OPTIONS}) == len(wires)
+    assert set(wires) == fields
+
+
+@pytest.mark.parametrize("o", OPTIONS)
+def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
+    f = _field(o.wire)
+    cpp = {int: f.CPPTYPE_INT64, float: f.CPPTYPE_DOUBLE, str: f.CPPTYPE_STRING,
+           bool: f.CPPTYPE_BOOL, tuple: f.CPPTYPE_INT64}[o.kind]  # fmt: skip
+    if o.wire == "priority":
+        cpp = f.CPPTYPE_INT32
+    assert f.cpp_type == cpp
+    assert f.is_repeated == (o.kind is tuple)
+
+
+def test_the_sdk_takes_every_option_and_no_other() -> None:
+    params = set(inspect.signature(build_request).parameters) - {"prompt", "prompt_ids"}
+    assert params == {o.keyword for o in REQUEST_OPTIONS}
+
+
+@pytest.mark.parametrize("o", OPTIONS)
+def test_the_sdk_puts_each_option_on_the_wire(o: RequestOption) -> None:
+    req = build_request("x", **{o.keyword: o.example})
+    assert _read(req, o.wire) == _on_wire(o, o.example)
+    if o.auto:
+        req = build_request("x", **{o.keyword: AUTO})
+        assert _read(req, o.wire) == _on_wire(o, AUTO)
+
+
+def test_the_http_body_has_every_option_and_no_other() -> None:
+    own = set(CompletionRequest.model_fields) - HTTP_ONLY - {"prompt"}
+    assert own == {o.http for o in REQUEST_OPTIONS if o.http}
+
+
+@pytest.mark.parametrize("o", [p for p in OPTIONS if p.values[0].http])
+def test_the_http_api_puts_each_option_on_the_wire(o: RequestOption) -> None:
+    body = CompletionRequest(prompt="x", **{o.http: o.example})
+    req = body.to_request("x", 16, "specpipe")
+    assert _read(req, o.wire) == _on_wire(o, o.example)
+
+
+def _client_generate() -> object:
+    parser = build_parser()
+    client = next(
+        a for a in parser._actions if getattr(a, "choices", None) and "client" in a.choices
+    )
+    sub = client.choices["client"]
+    commands = next(a for a in sub._actions if getattr(a, "choices", None))
+    return commands.choices["generate"]
+
+
+def test_client_generate_has_a_flag_for_every_option_and_no_other() -> None:
+    flags = {s for a in _client_generate()._actions for s in a.option_strings if s.startswith("--")}
+    assert flags - CLI_ONLY == {o.cli for o in REQUEST_OPTIONS if o.cli}
+
+
+def _flag_args(o: RequestOption, value) -> list[str]:
+    if o.kind is bool:
+        return [o.cli] if value else []
+    if o.kind is tuple:
+        return [o.cli, ",".join(str(v) for v in value)]
+    return [o.cli, str(value)]
+
+
+@pytest.mark.parametrize("o", [p for p in OPTIONS if p.values[0].cli])
+def test_client_generate_puts_each_option_on_the_wire(o: RequestOption) -> None:
+    parse = build_parser().parse_args
+    args = parse(["client", "generate", "--prompt", "x", *_flag_args(o, o.example)])
+    req = build_request(args.prompt, **request_kwargs(args))
+    assert _read(req, o.wire) == _on_wire(o, o.example)
+    if o.auto:
+        args = parse(["client", "generate", "--prompt", "x", *_flag_args(o, AUTO)])
+        assert _read(build_request("x", **request_kwargs(args)), o.wire) == _on_wire(o, AUTO)
+
+
+def _engine(o: RequestOption, value):
+    """DecodeOptions (with SamplingParams) with the option's engine field at `value`."""
+    if o.engine.startswith("sampling."):
+        return SamplingParams(**{o.engine.split(".", 1)[1]: value})
+    return DecodeOptions(**{"max_new_tokens": 1, o.engine: value})
+
+
+@pytest.mark.parametrize("o", [p for p in OPTIONS if p.values[0].engine])
+def test_the_engine_has_the_declared_default_bounds_and_choices(o: RequestOption) -> None:
+    field = o.engine.split(".")[-1]
+    if o.engine.startswith("sampling."):
+        default = getattr(SamplingParams(), field)
+    elif o.name == "max_new_tokens":
+        default = o.default  # DecodeOptions requires it; the entry points default it
+    else:
+        default = getattr(DecodeOptions(max_new_tokens=1), field)
+    assert default == (tuple(o.default) if o.kind is tuple else o.default)
+    assert getattr(_engine(o, o.example), field) == o.example
+    step = 1 if o.kind is int else 0.1
+    if o.low is not None:
+        _engine(o, o.low)
+        with pytest.raises(ValueError):
+            _engine(o, o.low - step)
+    if o.high is not None:
+        _engine(o, o.high)
+        with pytest.raises(ValueError):
+            _engine(o, o.high + step)
+    for choice in o.choices:
+        if choice != AUTO:
+            _engine(o, choice)
+    if o.choices:
+        with pytest.raises(ValueError):
+            _engine(o, "no-such-choice")
+
+
+def test_every_engine_option_is_declared() -> None:
+    """A new DecodeOptions or SamplingParams field is a request option or says why not."""
+    engine = {f.name for f in dataclasses.fields(DecodeOptions)} - {"sampling"}
+    engine |= {f"sampling.{f.name}" for f in dataclasses.fields(SamplingParams)}
+    assert engine == {o.engine for o in REQUEST_OPTIONS if o.engine}
