@@ -135,8 +135,16 @@ class Controller(ABC):
     @property
     def verify_spec(self) -> VerifySpec:
         """What the last stage needs to draw this request's tokens (`Open`, and again at
-        every replay: the draws depend on (seed, position) only)."""
-        return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs)
+        every replay: the draws depend on (seed, position) only). Prompt logprobs are
+        asked for until a verification has brought them."""
+        return VerifySpec(
+            self.opts.sampling, len(self.prompt), self.opts.logprobs, self._prompt_logprobs_due
+        )
+
+    @property
+    def _prompt_logprobs_due(self) -> int | None:
+        """The top alternatives of the prompt logprobs still to come (None: none due)."""
+        return self.opts.prompt_logprobs if self.out.prompt_logprobs is None else None
 
     @property
     def committed_before_root(self) -> list[int]:
@@ -147,7 +155,10 @@ class Controller(ABC):
 
     def _prefill_start(self, seq: Sequence[int]) -> int:
         """Where the prefill of `seq` starts: after the cached prefix (at most all but
-        the root)."""
+        the root); at 0 while prompt logprobs are due (rows a prefix cache served were
+        never computed: they have no logits to score the prompt with)."""
+        if self._prompt_logprobs_due is not None:
+            return 0
         return max(0, min(int(self.cached_prefix), len(seq) - 1))
 
     @property
@@ -288,7 +299,21 @@ class Controller(ABC):
         )
 
     def _logprobs_of(self, v: Verified, i: int) -> TokenLogprobs | None:
+        """The logprobs of `v`'s i-th token, as the modes accept it (the first token of
+        an accepted verification also takes the prompt logprobs it brings)."""
+        if i == 0:
+            self._take_prompt_logprobs(v)
         return None if v.logprobs is None else v.logprobs[i]
+
+    def _take_prompt_logprobs(self, v: Verified) -> None:
+        """The request's first accepted verification brings its prompt logprobs (when it
+        asked for them): one per prompt token after the first. `_emit` fails a request
+        whose first verification brought none, or the wrong number."""
+        if self._prompt_logprobs_due is None:
+            return
+        found = v.prompt_logprobs or ()
+        if len(found) == len(self.prompt) - 1:
+            self.out.prompt_logprobs = tuple(found)
 
     def on_failure(self, message: str) -> list[Command]:
         """A stage or the draft failed the request."""
@@ -418,6 +443,10 @@ class Controller(ABC):
             lp = [x for x in logprobs if x is not None]
             lp = lp if len(lp) == len(tokens) else None
         cmds: list[Command] = [Emit(tokens, lp)]
+        if self._prompt_logprobs_due is not None:
+            return cmds + self.on_failure(
+                "the last stage did not report the prompt logprobs this request asked for"
+            )
         if done:
             self.done = True
             cmds.append(Finish(self.out.finish_reason))

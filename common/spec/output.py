@@ -16,6 +16,9 @@ class OutputState:
     tokens: list[int] = field(default_factory=list)
     # one per token, for a request that asked for logprobs
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # one per prompt token after the first, for a request that asked for them (None
+    # until the first verification brings them)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
     finish_reason: str = "length"
     hits: int = 0  # emitted tokens that were already in the tree when verified
 
