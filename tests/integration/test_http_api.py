@@ -36,8 +36,9 @@ SPECULATION = {
 
 @pytest.fixture(scope="module")
 def dep(text_model_dir: Path) -> Iterator:
-    """2 stages, the target as its own draft, the HTTP API on, two API keys."""
-    d = start(text_model_dir, "oracle", 2, "tcp", http_port=0, api_keys=[KEY, OTHER_KEY])
+    """2 stages, the target as its own draft, the HTTP API on, two API keys, metrics."""
+    d = start(text_model_dir, "oracle", 2, "tcp", http_port=0, api_keys=[KEY, OTHER_KEY],
+              metrics=True)  # fmt: skip
     try:
         yield d
     finally:
@@ -433,3 +434,51 @@ def test_n_choices_are_the_seeded_requests_and_share_the_prefill(dep, stream) ->
     # Choices 1 and 2 each found the prompt's first block (16 tokens) on every stage.
     assert all(b - a >= 2 * 16 for a, b in zip(before, after, strict=True)), (before, after)
     assert (usage.completion_tokens, usage.prompt_tokens) == (24, len(prompt))
+
+
+def test_the_router_serves_vllms_metric_names_beside_its_own(dep) -> None:
+    """/metrics of the router, parsed by prometheus-client: the series vLLM's dashboards
+    read, under vLLM's names with its `model_name` label, equal to the `specpipe:` ones."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with client(dep) as c:
+        c.completions.create(model="", prompt="count me", max_tokens=5, temperature=0)
+    address = dep.metrics_addresses()["router"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    pairs = {
+        "num_requests_running": "gauge",
+        "num_requests_waiting": "gauge",
+        "time_to_first_token_seconds": "histogram",
+        "time_per_output_token_seconds": "histogram",
+        "inter_token_latency_seconds": "histogram",
+        "e2e_request_latency_seconds": "histogram",
+        "prompt_tokens": "counter",
+        "generation_tokens": "counter",
+        "request_success": "counter",
+    }
+    for name_, kind in pairs.items():
+        family = families[f"vllm:{name_}"]
+        assert family.type == kind, name_
+        assert {s.labels["model_name"] for s in family.samples} == {dep.target.name}
+
+    def value(family: str, sample: str, **labels) -> float:
+        found = [s.value for s in families[family].samples if s.name == sample
+                 and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+        assert len(found) == 1, (family, sample, labels)
+        return found[0]
+
+    for ours, theirs, sample in (
+        ("prompt_tokens", "prompt_tokens", "_total"),
+        ("generation_tokens", "generation_tokens", "_total"),
+        ("time_to_first_token_seconds", "time_to_first_token_seconds", "_count"),
+        ("inter_token_latency_seconds", "time_per_output_token_seconds", "_sum"),
+        ("e2e_request_latency_seconds", "e2e_request_latency_seconds", "_count"),
+    ):
+        mine = value(f"specpipe:{ours}", f"specpipe:{ours}{sample}")
+        assert value(f"vllm:{theirs}", f"vllm:{theirs}{sample}") == mine, theirs
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 5
+    done = value("specpipe:request_success", "specpipe:request_success_total",
+                 finished_reason="length")  # fmt: skip
+    assert value("vllm:request_success", "vllm:request_success_total",
+                 finished_reason="length") == done >= 1  # fmt: skip

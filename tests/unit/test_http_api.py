@@ -580,3 +580,31 @@ def test_n_choices_seeded_and_started_after_the_first_ones_prefill(stream) -> No
         usage = got.usage
     # The prompt once, every choice's tokens.
     assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 6, 9)
+
+
+# -- vLLM's metric names -----------------------------------------------------------------------
+def test_vllms_waiting_requests_count_the_queue_too() -> None:
+    """`vllm:num_requests_waiting` is every request not running yet (vLLM's meaning): the
+    ones queued for a running slot and the ones opening their path; `specpipe:`'s
+    counts the latter only. Both carry the served model's name as vLLM's label."""
+    from types import SimpleNamespace as NS
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from specpipe.services.metrics import RouterMetrics
+
+    router = NS(
+        transport=None,
+        drivers={"a": NS(waiting=True), "b": NS(waiting=False), "c": NS(waiting=False)},
+        backends=NS(by_key={}, versions={}, model=None),
+        model=NS(model_id="tiny"),
+        scheduler=NS(waiting=["q1", "q2"]),
+    )
+    metrics = RouterMetrics()
+    metrics.watch(router)
+    text = generate_latest(metrics.registry).decode()
+    samples = {(s.name, s.labels.get("model_name")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    assert samples[("vllm:num_requests_waiting", "tiny")] == 3
+    assert samples[("vllm:num_requests_running", "tiny")] == 2
+    assert samples[("specpipe:num_requests_waiting", None)] == 1
