@@ -336,6 +336,7 @@ def test_completion_logprobs_with_echo_are_a_plain_forwards(dep) -> None:
         plain = c.completions.create(**kw)
     with Client(dep.router_address, timeout=60, api_key=KEY) as g:
         prompt = g.tokenize(SCORED)
+        grpc_answer = g.generate(SCORED, max_new_tokens=1, prompt_logprobs=3)  # the SDK's
     (choice,) = whole.choices
     out = choice.model_extra["token_ids"]
     assert choice.text == SCORED + plain.choices[0].text and len(out) == 12
@@ -353,6 +354,10 @@ def test_completion_logprobs_with_echo_are_a_plain_forwards(dep) -> None:
             expected.setdefault(name(t), v)
         assert lp.top_logprobs[i] == pytest.approx(expected, abs=FP64)
     assert lp.text_offset == list(range(len(ids)))  # one character per token
+    assert grpc_answer.prompt_token_ids == prompt
+    assert [x for x, _ in grpc_answer.prompt_logprobs] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt)], abs=FP64
+    )
     # Streamed: the same figures, the echo (and the prompt's logprobs) first.
     pieces = [c.choices[0] for c in chunks if c.choices]
     assert pieces[0].text == SCORED and pieces[0].logprobs.tokens == lp.tokens[: len(prompt)]

@@ -608,3 +608,16 @@ def test_vllms_waiting_requests_count_the_queue_too() -> None:
     assert samples[("vllm:num_requests_waiting", "tiny")] == 3
     assert samples[("vllm:num_requests_running", "tiny")] == 2
     assert samples[("specpipe:num_requests_waiting", None)] == 1
+
+
+def test_prompt_logprobs_are_bounded_by_what_one_answer_carries() -> None:
+    """They come back in one data-plane frame header: 2 MiB of them at most, refused
+    before the request starts (16 + 12 bytes per alternative per prompt token)."""
+    from specpipe.services.router.requests import InvalidRequest, check_prompt_logprobs
+
+    check_prompt_logprobs(8192, 20)
+    check_prompt_logprobs(74898, 1)
+    with pytest.raises(InvalidRequest, match="at most 8192 tokens with 20"):
+        check_prompt_logprobs(8193, 20)
+    with pytest.raises(InvalidRequest, match="74898 tokens with 1"):
+        check_prompt_logprobs(74899, 1)
