@@ -12,7 +12,9 @@ One module: the routes, their error mapping and the server that runs them change
 together. Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
 ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health. Errors come in
 OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
-request on every stage and the draft.
+request on every stage and the draft. A request for `n` choices is `n` generations
+(`Choices`): the first alone until its prefill is done, then the others, which find the
+prompt in the prefix cache; streamed, their chunks interleave (docs/api.md).
 
 The port is guarded (http_guard.py, the router's `EdgeLimits`): capped connections, in
 all and per client address; a request's headers within a few seconds, its body within
