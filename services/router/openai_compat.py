@@ -238,9 +238,9 @@ class _Common(BaseModel):
         sampled choices each get a random seed of their own; greedy ones are the same).
         Only the first asks for the prompt's logprobs (the prompt is the same)."""
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        n = getattr(self, name)
-        if n is not None and n <= 0:
-            raise bad_request(f"{name} must be positive, got {n}", name)
+        max_new = getattr(self, name)
+        if max_new is not None and max_new <= 0:
+            raise bad_request(f"{name} must be positive, got {max_new}", name)
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         if self.seed is None:  # OpenAI: without a seed, every sampled request differs
             seeds = [
@@ -255,7 +255,7 @@ class _Common(BaseModel):
         try:
             for i, seed in enumerate(seeds):
                 req = self._build(
-                    prompt, text, n, default_max_tokens, default_mode, temperature, seed
+                    prompt, text, max_new, default_max_tokens, default_mode, temperature, seed
                 )
                 top = self.top_logprobs_wanted()
                 if top is not None:
@@ -268,13 +268,13 @@ class _Common(BaseModel):
             raise bad_request(f"a field is out of range or malformed: {e}") from None
         return reqs
 
-    def _build(self, prompt, text, n, default_max_tokens, default_mode, temperature, seed):
+    def _build(self, prompt, text, max_new, default_max_tokens, default_mode, temperature, seed):
         return build_request(
             prompt if text else None,
             prompt_ids=None if text else prompt,
             model=self.model,
             mode=self.mode or default_mode,
-            max_new_tokens=default_max_tokens if n is None else n,
+            max_new_tokens=default_max_tokens if max_new is None else max_new,
             temperature=temperature,
             top_k=self.top_k or 0,
             top_p=self.top_p,
