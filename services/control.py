@@ -109,6 +109,8 @@ def verify_spec_to_proto(spec: VerifySpec) -> pb.VerifySpec:
     )
     if spec.logprobs is not None:
         msg.logprobs = spec.logprobs
+    if spec.prompt_logprobs is not None:
+        msg.prompt_logprobs = spec.prompt_logprobs
     return msg
 
 
@@ -117,7 +119,8 @@ def verify_spec_from_proto(msg: pb.VerifySpec) -> VerifySpec:
     try:
         sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
         logprobs = msg.logprobs if msg.HasField("logprobs") else None
-        return VerifySpec(sampling, msg.output_start, logprobs)
+        prompt = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
+        return VerifySpec(sampling, msg.output_start, logprobs, prompt)
     except ValueError as e:
         raise InvalidInput(f"bad verification parameters: {e}") from None
 
@@ -132,6 +135,7 @@ def logprobs_to_proto(logprobs) -> list[pb.TokenLogprobs]:
 def verified_to_proto(v: Verified) -> pb.Verification:
     msg = pb.Verification(node_ids=v.node_ids, token_ids=v.tokens, position=v.position)
     msg.logprobs.extend(logprobs_to_proto(v.logprobs or ()))
+    msg.prompt_logprobs.extend(logprobs_to_proto(v.prompt_logprobs or ()))
     return msg
 
 
@@ -153,13 +157,22 @@ def verified_from_proto(
     if logprobs:
         if len(msg.logprobs) != n:
             raise FrameError(f"{len(msg.logprobs)} logprobs for {n} tokens")
-        lps = []
-        for lp in msg.logprobs:
-            if len(lp.top_ids) > MAX_LOGPROBS or len(lp.top_ids) != len(lp.top_logprobs):
-                raise FrameError("malformed top logprobs")
-            lps.append(TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)))
-        lps = tuple(lps)
-    return Verified(request_id, tuple(msg.node_ids), tuple(msg.token_ids), msg.position, lps)
+        lps = _logprobs_from_proto(msg.logprobs)
+    # A request's first verification, when it asked for them (the controller checks
+    # their number against its prompt).
+    prompt = _logprobs_from_proto(msg.prompt_logprobs) if msg.prompt_logprobs else None
+    return Verified(
+        request_id, tuple(msg.node_ids), tuple(msg.token_ids), msg.position, lps, prompt
+    )
+
+
+def _logprobs_from_proto(msgs) -> tuple[TokenLogprobs, ...]:
+    found = []
+    for lp in msgs:
+        if len(lp.top_ids) > MAX_LOGPROBS or len(lp.top_ids) != len(lp.top_logprobs):
+            raise FrameError("malformed top logprobs")
+        found.append(TokenLogprobs(lp.logprob, tuple(lp.top_ids), tuple(lp.top_logprobs)))
+    return tuple(found)
 
 
 def cost_curve_to_proto(curve: CostCurve, context: int = 0) -> pb.CostCurve:

@@ -1,5 +1,7 @@
 """Prometheus metrics of the three services (`--metrics-port`: `/metrics`), named after
-vLLM's with the prefix `specpipe:` (docs/deploy.md, "Metrics and autoscaling").
+vLLM's with the prefix `specpipe:` (docs/deploy.md, "Metrics and autoscaling"). The
+router also serves the series vLLM's dashboards and routers read under vLLM's own names
+(`vllm:...{model_name}`, `VllmNames`), beside its own.
 
 One module for the three services' metrics, since they share their server, their
 naming and most of their families. Each service has its own registry and serves it from
@@ -35,13 +37,14 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .conn_limits import ConnectionCounts
 from .ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 PREFIX = "specpipe:"
+VLLM_PREFIX = "vllm:"  # the router's series under vLLM's names (VllmNames)
 # vLLM's buckets for the request latencies.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -431,6 +434,8 @@ class RouterMetrics(ServiceMetrics):
             OVERHEAD_BUCKETS,
         )
         self.registry.register(_ProcessCpuCollector())
+        self.vllm = VllmNames(self)
+        self.registry.register(self.vllm)
 
     def watch(self, router) -> None:
         """Running/waiting requests and the replicas, read from `router` when scraped."""
@@ -439,10 +444,12 @@ class RouterMetrics(ServiceMetrics):
         self.running.set_function(
             _safe(lambda: sum(1 for d in list(drivers.values()) if not d.waiting))
         )
-        self.waiting.set_function(
-            _safe(lambda: sum(1 for d in list(drivers.values()) if d.waiting))
-        )
+        opening = _safe(lambda: sum(1 for d in list(drivers.values()) if d.waiting))
+        self.waiting.set_function(opening)
         self.registry.register(_BackendCollector(router.backends))
+        self.vllm.model_name = lambda: router.model.model_id if router.model else ""
+        # vLLM's waiting requests: every one not running yet, queued for a slot too.
+        self.vllm.waiting = _safe(lambda: len(router.scheduler.waiting) + opening())
 
     # -- events of one request -------------------------------------------------------------
     def started(self, prompt_tokens: int) -> None:
@@ -480,6 +487,58 @@ class RouterMetrics(ServiceMetrics):
         if st.decode_steps:
             self.tokens_per_step.observe(st.tokens_per_step)
         self.success.labels(driver.finish_reason).inc()
+
+
+class VllmNames:
+    """The router's series under vLLM's names, for dashboards and routers built for vLLM
+    (its Grafana dashboard, the Gateway API inference extension, KServe): the same
+    values as the `specpipe:` ones they are read from when scraped, with vLLM's label
+    `model_name` (the served model's id). `vllm:time_per_output_token_seconds` is vLLM's
+    older name of the time between tokens (per token, as `inter_token_latency_seconds`);
+    `vllm:num_requests_waiting` counts, as vLLM's, every request not running yet: those
+    queued for a running slot (`--max-running`) and those opening their path (the
+    `specpipe:` one counts only the latter)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        m = metrics
+        # (the router's series, its vLLM names)
+        self.sources = [
+            (m.running, ("num_requests_running",)),
+            (m.ttft, ("time_to_first_token_seconds",)),
+            (m.itl, ("inter_token_latency_seconds", "time_per_output_token_seconds")),
+            (m.e2e, ("e2e_request_latency_seconds",)),
+            (m.prompt_tokens, ("prompt_tokens",)),
+            (m.generation_tokens, ("generation_tokens",)),
+            (m.success, ("request_success",)),
+        ]
+        self.model_name: Callable[[], str] = lambda: ""
+        self.waiting: Callable[[], float] = lambda: 0.0
+
+    def describe(self):
+        return []  # nothing to check at registration: the names are not the sources'
+
+    def collect(self):
+        labels = {"model_name": self.model_name()}
+        for source, aliases in self.sources:
+            for family in source.collect():
+                for alias in aliases:
+                    yield _renamed(family, VLLM_PREFIX + alias, labels)
+        waiting = GaugeMetricFamily(
+            VLLM_PREFIX + "num_requests_waiting",
+            "Requests not running yet: queued for a running slot or opening their path",
+            labels=list(labels),
+        )
+        waiting.add_metric(list(labels.values()), self.waiting())
+        yield waiting
+
+
+def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
+    """`family` under another name, its samples with `labels` added."""
+    out = Metric(name, family.documentation, family.type, family.unit)
+    for s in family.samples:
+        suffix = s.name[len(family.name) :]  # _total, _bucket, _sum, _count, _created
+        out.add_sample(name + suffix, {**s.labels, **labels}, s.value, s.timestamp)
+    return out
 
 
 class _DataplaneCollector:

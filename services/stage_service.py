@@ -421,7 +421,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         capacity = int(request.capacity)
         st = _Request(rid, request.next_hop, request.report_to, capacity)
         if verify is not None:
-            st.verifier = RequestVerifier(rid, verify, self.runtime.model.logits)
+            st.verifier = RequestVerifier(
+                rid, verify, self.runtime.model.logits, request.prefix_token_ids
+            )
         # Every prefill chunk may be sent at once (one row each at least), then the layers
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64

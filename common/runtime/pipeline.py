@@ -140,7 +140,9 @@ class LocalPipeline:
         self._in_flight[request_id] = [None] * (len(self.stages) - 1)
         if verify is not None:
             last = self.stages[-1].model
-            self._verifiers[request_id] = RequestVerifier(request_id, verify, last.logits)
+            self._verifiers[request_id] = RequestVerifier(
+                request_id, verify, last.logits, prefix_tokens
+            )
         return min(cached)
 
     def release(self, request_id: str) -> None:

@@ -19,12 +19,16 @@ module no longer needs).
 Rows that are neither roots nor dead (their parent is a tree row not drawn at yet) keep
 their final hidden states here until a walk reaches them or a prune drops them.
 Everything is per request and bounded by the rows the request has in the tree.
+
+Prompt logprobs (`VerifySpec.prompt_logprobs`, for `echo` with `logprobs`): the request's
+prefill rows come out of this stage with their final hidden states too; each is scored
+for the prompt token after it (`PromptLogprobs`), and they leave with the first walk.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +36,12 @@ import torch
 from torch import Tensor
 
 from ..spec.messages import Activation, Prune, TokenLogprobs, Verified
-from ..spec.verify import VerifySpec, draw_at, walk
+from ..spec.verify import VerifySpec, draw_at, rows_logprobs, walk
 
 NONE = np.empty(0, dtype=np.int64)
+# Prompt rows per LM head call for prompt logprobs: bounds the [rows, vocab] logits of a
+# long prefill chunk (Qwen2.5's vocabulary: 38 MiB of fp32 logits, 78 MiB in fp64).
+PROMPT_LOGPROB_ROWS = 64
 log = logging.getLogger(__name__)
 
 
@@ -90,14 +97,74 @@ def row_tokens_of(out: Activation, inp: Activation) -> Tensor | None:
     return src[order[at]]
 
 
+class PromptLogprobs:
+    """A request's prompt logprobs (`VerifySpec.prompt_logprobs`), computed as the final
+    hidden states of its prefill's committed rows come out: the row at position p gives
+    the logprob of prompt token p + 1. Those tokens are the ones the request commits
+    before its first root (`prefix_tokens`, the Open's) and, for the last prefill row,
+    the first root's token: that row's hidden state waits for the first walk. Rows a
+    prefix cache served were never computed here, so such a request's prefill starts at
+    0 (`Controller._prefill_start`); one that did not is refused (ValueError)."""
+
+    def __init__(self, prefix_tokens: Sequence[int], prompt_len: int, top: int) -> None:
+        self.tokens = np.asarray(prefix_tokens, dtype=np.int64).reshape(-1)
+        self.top = top
+        self.found: list[TokenLogprobs | None] = [None] * max(prompt_len - 1, 0)
+        self._last: tuple[int, Tensor] | None = None  # (position, hidden) of the last row
+
+    def on_rows(self, positions: np.ndarray, hidden: Tensor, logits: Callable) -> None:
+        """Committed rows with their final hidden states [rows, hidden]."""
+        scored = positions < len(self.found)  # rows before the prompt's last token
+        known = scored & (positions + 1 < self.tokens.size)
+        rows = np.flatnonzero(known)
+        for at in range(0, rows.size, PROMPT_LOGPROB_ROWS):
+            part = rows[at : at + PROMPT_LOGPROB_ROWS]
+            h = hidden.index_select(0, torch.from_numpy(part).to(hidden.device))
+            self._put(positions[part], logits(h), self.tokens[positions[part] + 1])
+        for i in np.flatnonzero(scored & ~known):
+            if self._last is not None or int(positions[i]) != len(self.found) - 1:
+                raise ValueError(
+                    f"prompt logprobs: the token after position {int(positions[i])} is unknown"
+                )
+            self._last = (int(positions[i]), hidden[int(i) : int(i) + 1])
+
+    def take(self, root_token: int, root_position: int, logits: Callable) -> tuple:
+        """All of them, at the first walk (its root: the first root's token and position)."""
+        if self._last is not None:
+            position, h = self._last
+            if root_position != position + 1:
+                raise ValueError(f"prompt logprobs: a first root at {root_position}")
+            self._put(np.array([position]), logits(h), [root_token])
+            self._last = None
+        missing = [p for p, lp in enumerate(self.found) if lp is None]
+        if missing:
+            raise ValueError(
+                f"prompt logprobs: the prompt's rows at positions {missing[0]}.."
+                f"{missing[-1]} were not computed here (a prefix cache served them?)"
+            )
+        return tuple(self.found)  # type: ignore[arg-type]
+
+    def _put(self, positions: np.ndarray, logits: Tensor, tokens) -> None:
+        for p, lp in zip(positions.tolist(), rows_logprobs(logits, tokens, self.top), strict=True):
+            self.found[p] = lp
+
+
 class RequestVerifier:
     """One request's verification at the last stage. `logits` computes the LM head of
-    final hidden states [rows, hidden] (the stage model's)."""
+    final hidden states [rows, hidden] (the stage model's); `prefix_tokens`: the tokens
+    the request commits before its first root (the Open's), which prompt logprobs score."""
 
     def __init__(
-        self, request_id: str, spec: VerifySpec, logits: Callable[[Tensor], Tensor]
+        self,
+        request_id: str,
+        spec: VerifySpec,
+        logits: Callable[[Tensor], Tensor],
+        prefix_tokens: Sequence[int] = (),
     ) -> None:
         self.request_id, self.spec, self._logits = request_id, spec, logits
+        self._prompt: PromptLogprobs | None = None
+        if spec.prompt_logprobs is not None:
+            self._prompt = PromptLogprobs(prefix_tokens, spec.output_start, spec.prompt_logprobs)
         self._held: _Rows | None = None  # rows whose parent is a tree row not drawn at yet
         self._dead = NONE  # ids of rows a draw ruled out (until a prune's horizon passes them)
         self._drawn = NONE  # ids drawn at before the tip (until the router commits them)
@@ -109,7 +176,10 @@ class RequestVerifier:
 
     def on_output(self, out: Activation) -> list[Verified]:
         """The final hidden states of tree rows this stage just computed: every walk
-        they allow, in order (usually one, or none)."""
+        they allow, in order (usually one, or none). Committed rows (prefill) give none;
+        they are scored for prompt logprobs when the request asked for them."""
+        if out.committed and self._prompt is not None and out.hidden is not None:
+            self._prompt.on_rows(out.positions.numpy(), out.hidden, self._logits)
         if out.committed or len(out) == 0:
             return []
         if out.hidden is None or out.row_tokens is None:
@@ -208,11 +278,18 @@ class RequestVerifier:
             self._drawn = np.union1d(self._drawn, [self._tip[0]])
         self._tip = (int(ids[-1]), tokens[-1])
         found: tuple[TokenLogprobs, ...] | None = None if spec.logprobs is None else tuple(logprobs)
+        prompt = None
+        if self._prompt is not None:  # the first walk brings them
+            prompt = self._prompt.take(
+                int(rows.tokens[root]), int(rows.positions[root]), self._logits
+            )
+            self._prompt = None
         verified = Verified(
             self.request_id,
             tuple(int(i) for i in ids),
             tuple(tokens),
             int(rows.positions[root]),
             found,
+            prompt,
         )
         return path, verified

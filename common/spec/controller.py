@@ -12,7 +12,9 @@ in-process executor runs exactly those steps; the network executor runs asynchro
 and reports the same figures whenever the draft keeps up.
 
 Subclasses: `SpecPipeController` (specpipe, pp, autoregressive) and
-`SpecInferController`; `make_controller` picks one for a mode.
+`SpecInferController`; `make_controller` picks one for a mode. One module: what every
+mode shares (events, faults, token sources, step accounting, emitting), so that the
+modes' own files hold only how each grows and verifies its tree.
 
 Token sources (`DecodeOptions.token_source`): the draft model (a draft service:
 `Propose` commands, answered by `on_candidates`), the n-gram source (`ngram.py`: no
@@ -89,7 +91,9 @@ class Controller(ABC):
         self._local: dict[int, Candidates] = {}  # hybrid: n-gram proposals by ticket
         # specpipe: tree layers entering stage 1 per step
         self.layers_per_step = opts.layers_per_step if mode == Mode.SPECPIPE else 1
-        self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
+        self.out = OutputState(
+            opts.max_new_tokens, opts.sampling, opts.stop_token_ids, prompt_top=opts.prompt_logprobs
+        )
         self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(
             mode=mode.value,
@@ -135,8 +139,9 @@ class Controller(ABC):
     @property
     def verify_spec(self) -> VerifySpec:
         """What the last stage needs to draw this request's tokens (`Open`, and again at
-        every replay: the draws depend on (seed, position) only)."""
-        return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs)
+        every replay: the draws depend on (seed, position) only; prompt logprobs while due)."""
+        opts, due = self.opts, self.out.prompt_logprobs_due
+        return VerifySpec(opts.sampling, len(self.prompt), opts.logprobs, due)
 
     @property
     def committed_before_root(self) -> list[int]:
@@ -147,7 +152,9 @@ class Controller(ABC):
 
     def _prefill_start(self, seq: Sequence[int]) -> int:
         """Where the prefill of `seq` starts: after the cached prefix (at most all but
-        the root)."""
+        the root); at 0 while prompt logprobs are due (cached rows were never computed)."""
+        if self.out.prompt_logprobs_due is not None:
+            return 0
         return max(0, min(int(self.cached_prefix), len(seq) - 1))
 
     @property
@@ -288,6 +295,8 @@ class Controller(ABC):
         )
 
     def _logprobs_of(self, v: Verified, i: int) -> TokenLogprobs | None:
+        if i == 0:  # an accepted verification: the first brings the prompt's (when asked)
+            self.out.take_prompt_logprobs(v.prompt_logprobs, len(self.prompt))
         return None if v.logprobs is None else v.logprobs[i]
 
     def on_failure(self, message: str) -> list[Command]:
@@ -418,6 +427,8 @@ class Controller(ABC):
             lp = [x for x in logprobs if x is not None]
             lp = lp if len(lp) == len(tokens) else None
         cmds: list[Command] = [Emit(tokens, lp)]
+        if self.out.prompt_logprobs_due is not None:  # the first verification brought none
+            return cmds + self.on_failure("the last stage did not report the prompt logprobs")
         if done:
             self.done = True
             cmds.append(Finish(self.out.finish_reason))

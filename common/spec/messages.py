@@ -88,13 +88,15 @@ class Verified:
     the token drawn at each. The last token either is a child whose logits were not
     computed yet (a hit; the next verification starts there) or no child (a miss).
     `position` is the root's position; `logprobs` one per token, for a request that
-    asked for them."""
+    asked for them; `prompt_logprobs` (a request's first verification, when it asked for
+    them) one per prompt token after the first."""
 
     request_id: str
     node_ids: tuple[int, ...]
     tokens: tuple[int, ...]
     position: int
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.node_ids or len(self.node_ids) != len(self.tokens):

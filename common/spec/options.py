@@ -93,6 +93,9 @@ class DecodeOptions:
     # report each token's logprob and this many top alternatives (0-20; None: none):
     # log_softmax of the target's raw logits, as vLLM's default (`verify.token_logprobs`)
     logprobs: int | None = None
+    # the same for the prompt's tokens (each given the ones before it), reported once:
+    # the prefill is then computed whole (cached rows have no logits)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
@@ -115,8 +118,10 @@ class DecodeOptions:
             value = getattr(self, name)
             if not 1 <= value <= high:
                 raise ValueError(f"{name} must be in [1, {high}], got {value}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .messages import TokenLogprobs
@@ -16,6 +17,24 @@ class OutputState:
     tokens: list[int] = field(default_factory=list)
     # one per token, for a request that asked for logprobs
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # prompt logprobs: the top alternatives asked for (None: none), and one per prompt
+    # token after the first once the request's first verification brought them
+    prompt_top: int | None = None
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+
+    @property
+    def prompt_logprobs_due(self) -> int | None:
+        """The top alternatives of prompt logprobs asked for and still to come (while
+        they are, a replay asks again, and no prefill starts after a cached prefix:
+        cached rows have no logits to score the prompt with)."""
+        return self.prompt_top if self.prompt_logprobs is None else None
+
+    def take_prompt_logprobs(self, found: Sequence[TokenLogprobs] | None, prompt_len: int) -> None:
+        """What an accepted verification brought: taken when due and one per prompt
+        token after the first (else they stay due, and the request fails)."""
+        if self.prompt_logprobs_due is not None and len(found or ()) == prompt_len - 1:
+            self.prompt_logprobs = tuple(found or ())
+
     finish_reason: str = "length"
     hits: int = 0  # emitted tokens that were already in the tree when verified
 

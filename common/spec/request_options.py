@@ -25,6 +25,7 @@ from .options import (
     DEFAULT_TOP_K_CHILDREN,
     DEFAULT_WIDTH,
     MAX_LAYERS_PER_STEP,
+    MAX_LOGPROBS,
     MAX_NEW_TOKENS,
     MAX_PREFILL_CHUNK,
     MAX_SPECINFER_DEPTH,
@@ -123,6 +124,14 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
                   engine="stop_token_ids", http="stop_token_ids", cli="--stop-token-ids"),
     RequestOption("priority", int, 0, "higher runs first when the router is busy", 2,
                   http="priority", cli="--priority"),
+    # HTTP: completions' `logprobs`; chat's is `logprobs: true` with `top_logprobs`.
+    RequestOption("logprobs", int, None, "report each token's logprob and this many top "
+                  "alternatives", 3, low=0, high=MAX_LOGPROBS, engine="logprobs",
+                  http="logprobs"),
+    # HTTP: completions' `echo` with `logprobs`.
+    RequestOption("prompt_logprobs", int, None, "the same for every prompt token after the "
+                  "first (the prefill is then computed whole)", 2, low=0, high=MAX_LOGPROBS,
+                  engine="prompt_logprobs"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

@@ -13,7 +13,7 @@ and prunes. The draw at every node depends only on its logits and (seed, positio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,17 +31,21 @@ class VerifySpec:
     where its output starts (the original prompt's length: the token drawn from the
     logits of the row at sequence position p is output token p + 1 - output_start, the
     position its (seed, position) draw uses), and how many top logprobs to report with
-    each token (None: no logprobs)."""
+    each token (None: no logprobs) and with each prompt token after the first
+    (`prompt_logprobs`; None: none)."""
 
     sampling: SamplingParams
     output_start: int
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.output_start < 1:
             raise ValueError(f"output_start must be >= 1, got {self.output_start}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     def draw_position(self, row_position: int) -> int:
         """The output index drawn from the logits of the row at `row_position`."""
@@ -74,13 +78,23 @@ def walk(
 def token_logprobs(logits: Tensor, token: int, top: int) -> TokenLogprobs:
     """`token`'s log-probability under the raw logits [vocab] and the `top` best (vLLM's
     default `raw_logprobs`: before temperature, top-k and top-p)."""
+    (found,) = rows_logprobs(logits[None], [token], top)
+    return found
+
+
+def rows_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
+    """`token_logprobs` of every row of `logits` [rows, vocab] for its token in `tokens`,
+    computed in fp64 (the same figures whatever the logits' dtype and device)."""
     logp = torch.log_softmax(logits.double(), dim=-1)
-    if top:
-        values, ids = torch.topk(logp, min(top, logp.numel()))
-        top_ids, top_lp = tuple(ids.tolist()), tuple(values.tolist())
-    else:
-        top_ids, top_lp = (), ()
-    return TokenLogprobs(float(logp[token]), top_ids, top_lp)
+    at = torch.as_tensor(list(tokens), dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, at[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprobs(c) for c in chosen]
+    values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+    return [
+        TokenLogprobs(c, tuple(i), tuple(v))
+        for c, i, v in zip(chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 def draw_at(

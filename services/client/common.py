@@ -55,6 +55,10 @@ class Completion:
     weight_hash: str = ""  # the model version that served it (content hash of the weights)
     # per token, for a request that asked for logprobs: (logprob, {top id: logprob})
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # for a request that asked for prompt_logprobs: the prompt's token ids, and the same
+    # per prompt token after the first
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
         """The stats keys `specpipe generate --json` prints."""
@@ -90,6 +94,7 @@ def build_request(
     ranking: str = "",
     growth: str = "",
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default."""
@@ -112,6 +117,8 @@ def build_request(
         req.sampling.top_p = top_p
     if logprobs is not None:
         req.logprobs = logprobs
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
     if prompt is not None:
         req.text = prompt
     elif prompt_ids is not None:
@@ -140,6 +147,8 @@ class Collector:
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[float, dict[int, float]]] = []
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[tuple[float, dict[int, float]]] = []
         self.text: list[str] = []
         self.completion: Completion | None = None
 
@@ -153,11 +162,11 @@ class Collector:
             d = resp.delta
             self.token_ids.extend(d.token_ids)
             self.text.append(d.text)
-            lps = [
-                (lp.logprob, dict(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                for lp in d.logprobs
-            ]
+            lps = _logprobs(d.logprobs)
             self.logprobs += lps
+            if d.prompt_token_ids:
+                self.prompt_token_ids = list(d.prompt_token_ids)
+                self.prompt_logprobs = _logprobs(d.prompt_logprobs)
             return Chunk(list(d.token_ids), d.text, d.index, lps)
         elif kind == "finished":
             f = resp.finished
@@ -173,7 +182,13 @@ class Collector:
                 model=self.model,
                 weight_hash=self.weight_hash,
                 logprobs=list(self.logprobs),
+                prompt_token_ids=self.prompt_token_ids,
+                prompt_logprobs=self.prompt_logprobs,
             )
             if f.text:
                 return Chunk([], f.text, len(self.token_ids))
         return None
+
+
+def _logprobs(msgs) -> list[tuple[float, dict[int, float]]]:
+    return [(lp.logprob, dict(zip(lp.top_ids, lp.top_logprobs, strict=True))) for lp in msgs]

@@ -12,7 +12,9 @@ One module: the routes, their error mapping and the server that runs them change
 together. Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
 ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health. Errors come in
 OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
-request on every stage and the draft.
+request on every stage and the draft. A request for `n` choices is `n` generations
+(`Choices`): the first alone until its prefill is done, then the others, which find the
+prompt in the prefix cache; streamed, their chunks interleave (docs/api.md).
 
 The port is guarded (http_guard.py, the router's `EdgeLimits`): capped connections, in
 all and per client address; a request's headers within a few seconds, its body within
@@ -46,10 +48,15 @@ from .openai_compat import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    Entry,
     Generation,
+    Piece,
     ResponseShape,
+    TokenNames,
     bad_request,
     model_card,
+    prompt_entries,
+    usage,
 )
 from .requests import RequestFailed
 from .service import RouterService
@@ -67,6 +74,7 @@ class HttpApi:
     def __init__(self, router: RouterService) -> None:
         self.router = router
         self.created = int(time.time())
+        self._names = TokenNames()
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -141,8 +149,10 @@ class HttpApi:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         body.check()
-        req = body.to_request(body.prompt_value(), DEFAULT_COMPLETION_TOKENS, self._mode())
-        return await self._respond(request, body, req, chat=False)
+        prompt = body.prompt_value()
+        reqs = body.to_requests(prompt, DEFAULT_COMPLETION_TOKENS, self._mode())
+        echo = await self._echo(prompt) if body.echo else None
+        return await self._respond(request, body, reqs, chat=False, echo=echo)
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
@@ -162,10 +172,30 @@ class HttpApi:
         # OpenAI: without max_tokens, a chat completion may fill the context.
         context = self.router.model.max_positions
         default = max(1, context - len(ids))
-        req = body.to_request(ids, default, self._mode())
-        return await self._respond(request, body, req, chat=True)
+        reqs = body.to_requests(ids, default, self._mode())
+        return await self._respond(request, body, reqs, chat=True)
 
     # -- plumbing ------------------------------------------------------------------------
+    async def _echo(self, prompt: str | list[int]) -> str:
+        """The prompt as `echo` gives it back: its text (token ids decoded)."""
+        if isinstance(prompt, str):
+            return prompt
+        codec = self.router.codec
+        if codec is None or not prompt:
+            return ""
+        try:
+            return await self.router.tokenize_off_loop(len(prompt), codec.decode, prompt)
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
+
+    def _token_names(self) -> TokenNames:
+        """Token texts for logprobs, of the tokenizer the router has now."""
+        codec = self.router.codec
+        tokenizer = None if codec is None else codec.tokenizer
+        if self._names.tokenizer is not tokenizer:
+            self._names = TokenNames(tokenizer)
+        return self._names
+
     def _mode(self) -> str:
         """Without `mode`: specpipe, or pp on a deployment without a draft."""
         return "specpipe" if self.router.backends.has_draft else "pp"
@@ -186,54 +216,161 @@ class HttpApi:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def _respond(
-        self, request: Request, body: CompletionRequest | ChatCompletionRequest, req, chat: bool
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        reqs: list[gen.GenerateRequest],
+        chat: bool,
+        echo: str | None = None,
     ) -> Response:
+        """Run the request's choices (one generation each) and answer, streamed or
+        not. The first choice runs alone until its first text, so its prefill is done:
+        the others find the prompt's blocks in every stage's prefix cache."""
         caller = self.router.api_keys.caller(request.headers.get("authorization"))
-        run = Generation(self.router.generate(req, caller=caller), body.stops)
+        runs = [Generation(self.router.generate(reqs[0], caller=caller), body.stops)]
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
-            first = await _unless_disconnected(request, run.next())
-            model = run.model or self.router.model.model_id
-            shape = ResponseShape(chat, run.request_id, model, run.weight_hash)
+            firsts = [await _unless_disconnected(request, runs[0].next())]
+            runs += [Generation(self.router.generate(r, caller=caller), body.stops)
+                     for r in reqs[1:]]  # fmt: skip
+            if len(runs) > 1:
+                firsts += await _unless_disconnected(
+                    request, _together(run.next() for run in runs[1:])
+                )
+            lead = runs[0]
+            model = lead.model or self.router.model.model_id
+            shape = ResponseShape(chat, lead.request_id, model, lead.weight_hash,
+                                  self._token_names(), body.top_logprobs_wanted() is not None)  # fmt: skip
+            choices = Choices(runs, firsts, shape, echo)
             if body.stream:
-                events = _events(run, shape, first, body.include_usage)
+                events = _events(choices, body.include_usage)
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
-            rest = "" if first is None else await _unless_disconnected(request, run.text())
+            await _unless_disconnected(request, _together(run.text() for run in runs))
         except RequestFailed as e:
-            await run.close()
+            await _close(runs)
             raise ApiError.from_status(e.code, e.message) from None
         except BaseException:
-            await run.close()
+            await _close(runs)
             raise
-        ids = list(run.token_ids) if body.return_token_ids else None
-        text = (first or "") + rest
-        return JSONResponse(
-            shape.completion(text, run.finish_reason, run.usage, run.speculation, ids)
-        )
+        answers = [
+            shape.choice(
+                i,
+                (choices.echo or "") + run.output,
+                run.finish_reason,
+                choices.entries(i, run.token_ids, run.logprobs, with_prompt=True),
+                list(run.token_ids) if body.return_token_ids else None,
+            )
+            for i, run in enumerate(runs)
+        ]
+        return JSONResponse(shape.completion(answers, choices.usage, choices.speculation))
 
 
-async def _events(
-    run: Generation, shape: ResponseShape, first: str | None, include_usage: bool
-) -> AsyncIterator[str]:
-    """The server-sent events of a streamed completion. Without include_usage the last
-    chunk (the one with the finish reason) carries usage and speculation stats; with it,
-    they come in OpenAI's extra last chunk without choices instead."""
+class Choices:
+    """The generations of one request's choices and what their answer sums up: usage
+    over every choice, their stats. `echo`: the prompt's text, for a text completion
+    that echoes it (None: none); its tokens' logprobs are the first choice's (the only
+    one that asks for them: the prompt is the same)."""
+
+    def __init__(
+        self,
+        runs: list[Generation],
+        firsts: list[Piece | None],
+        shape: ResponseShape,
+        echo: str | None,
+    ) -> None:
+        self.runs, self.firsts, self.shape, self.echo = runs, firsts, shape, echo
+        self.prompt: list[Entry] = prompt_entries(runs[0]) if echo is not None else []
+
+    def entries(self, index: int, ids, logprobs, with_prompt: bool = False) -> list[Entry]:
+        """The tokens of a choice's logprobs (none without them); `with_prompt`: the
+        echoed prompt's before them."""
+        if not self.shape.logprobs:
+            return []
+        own = list(zip(ids, logprobs, strict=True))
+        return [*self.prompt, *own] if with_prompt else own
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """The prompt once, every choice's completion tokens (OpenAI's usage for n)."""
+        prompt = self.runs[0].prompt_tokens
+        return usage(prompt, sum(run.completion_tokens for run in self.runs))
+
+    @property
+    def speculation(self) -> dict[str, Any] | list | None:
+        """The request's stats; with several choices, one per choice."""
+        if len(self.runs) == 1:
+            return self.runs[0].speculation
+        return [run.speculation for run in self.runs]
+
+
+async def _together(works) -> list:
+    """Await all of `works`; if one fails, the others are cancelled (and awaited)
+    before its error is raised, so their generations can be closed."""
+    tasks = [asyncio.ensure_future(w) for w in works]
     try:
-        if shape.chat:
-            yield _sse(shape.chunk(text="", first=True))
-        piece = first
-        while piece is not None:
-            yield _sse(shape.chunk(text=piece))
-            piece = await run.next()
-        extra = {} if include_usage else {"usage": run.usage, "speculation": run.speculation}
-        yield _sse(shape.chunk(finish_reason=run.finish_reason, **extra))
-        if include_usage:
-            yield _sse(shape.usage_chunk(run.usage, run.speculation))
-    except RequestFailed as e:
-        yield _sse(ApiError.from_status(e.code, e.message).body())
+        return await asyncio.gather(*tasks)
     finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close(runs: list[Generation]) -> None:
+    for run in runs:
         await run.close()
+
+
+async def _events(choices: Choices, include_usage: bool) -> AsyncIterator[str]:
+    """The server-sent events of a streamed completion: each choice's pieces as they
+    come (every chunk holds one choice, `index`), then each one's finishing chunk.
+    Without include_usage the last finishing chunk carries usage (of every choice) and
+    speculation stats; with it, they come in OpenAI's extra last chunk without choices
+    instead."""
+    shape, runs = choices.shape, choices.runs
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
+
+    async def pump(i: int, run: Generation, piece: Piece | None) -> None:
+        try:
+            while piece is not None:
+                await queue.put((i, piece))
+                piece = await run.next()
+            await queue.put((i, None))
+        except RequestFailed as e:
+            await queue.put((i, e))
+
+    tasks: list[asyncio.Task] = []
+    try:
+        for i in range(len(runs)):
+            if shape.chat:
+                yield _sse(shape.chunk(text="", first=True, index=i))
+            elif choices.echo is not None:
+                yield _sse(shape.chunk(text=choices.echo, index=i, entries=choices.prompt))
+        tasks = [asyncio.ensure_future(pump(i, run, first))
+                 for i, (run, first) in enumerate(zip(runs, choices.firsts, strict=True))]  # fmt: skip
+        left = len(runs)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, RequestFailed):
+                yield _sse(ApiError.from_status(item.code, item.message).body())
+                break
+            if item is not None:
+                entries = choices.entries(i, item.token_ids, item.logprobs)
+                yield _sse(shape.chunk(text=item.text, index=i, entries=entries))
+                continue
+            left -= 1
+            extra = {}
+            if not include_usage and not left:
+                extra = {"usage": choices.usage, "speculation": choices.speculation}
+            yield _sse(shape.chunk(finish_reason=runs[i].finish_reason, index=i, **extra))
+        else:
+            if include_usage:
+                yield _sse(shape.usage_chunk(choices.usage, choices.speculation))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close(runs)
     yield "data: [DONE]\n\n"
 
 

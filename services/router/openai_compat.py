@@ -5,9 +5,16 @@ Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP he
 Requests are pydantic models, so a malformed body is refused field by field (400, never
 500): integers must fit the Generation API's fields (int64; `priority` int32) and text
 must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
-OpenAI's API that SpecPipe cannot honour (logprobs, penalties, tools, n > 1, ...) are
+OpenAI's API that SpecPipe cannot honour (penalties, tools, best_of > n, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
-as OpenAI-compatible servers do. SpecPipe's own options are extra body fields (`mode`,
+as OpenAI-compatible servers do.
+
+Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs`, with `echo` the
+prompt's too) are the target's own: log_softmax of its raw logits at each token's
+position, before temperature, top-k and top-p (vLLM's default `raw_logprobs`), computed
+by the last stage where it draws the token. `n` choices are `n` requests, choice i
+seeded seed + i (without a seed, each its own random seed); they are started after the
+first choice's prefill, so that they find its prompt in every stage's prefix cache. SpecPipe's own options are extra body fields (`mode`,
 `width`, `layers_per_step`, `token_source`, `ranking`, `growth`, `top_k_children`,
 `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
 `return_token_ids`;
@@ -23,10 +30,13 @@ import contextlib
 import secrets
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import grpc
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from specpipe.common.spec.options import MAX_LOGPROBS
+from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 
 from ..client.common import build_request
@@ -37,6 +47,11 @@ DEFAULT_COMPLETION_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # per stop string (the stop matcher holds back up to this much text)
+# `n`: choices of one request, each a generation of its own (OpenAI allows 128; each
+# choice takes a running slot and its KV cache).
+MAX_CHOICES = 16
+# What JSON carries for a logprob of -inf (JSON has no infinities), as OpenAI and vLLM.
+MIN_LOGPROB = -9999.0
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -117,11 +132,7 @@ class StreamOptions(BaseModel):
 
 # Fields OpenAI defines that SpecPipe does not implement: refused unless at these values.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
@@ -164,11 +175,28 @@ class _Common(BaseModel):
     return_token_ids: bool = False
     priority: Int32 = 0
 
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def top_logprobs_wanted(self) -> int | None:
+        """Top alternatives to report with each generated token (None: no logprobs)."""
+        return None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top alternatives to report with each prompt token (None: none)."""
+        return None
+
     def check(self) -> None:
         """Refuse what the model validates but SpecPipe cannot do."""
-        if self.n not in (None, 1):
+        if not 1 <= self.choices <= MAX_CHOICES:
+            raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and best_of != self.choices:
             raise bad_request(
-                f"n must be 1 (SpecPipe generates one choice per request), got {self.n}", "n"
+                f"best_of must equal n ({self.choices}) or be left out: SpecPipe returns every "
+                "choice it generates (rank the n choices by their logprobs instead)",
+                "best_of",
             )
         for name, allowed in _UNSUPPORTED_UNLESS.items():
             value = (self.model_extra or {}).get(name)
@@ -201,27 +229,52 @@ class _Common(BaseModel):
     ) -> gen.GenerateRequest:
         """The Generation API's request for this body and prompt (text or token ids).
         Values are passed on as given: the router validates them like a gRPC request's."""
+        return self.to_requests(prompt, default_max_tokens, default_mode)[0]
+
+    def to_requests(
+        self, prompt: str | Sequence[int], default_max_tokens: int, default_mode: str
+    ) -> list[gen.GenerateRequest]:
+        """One request per choice (`n`): choice i draws with seed + i (without a seed,
+        sampled choices each get a random seed of their own; greedy ones are the same).
+        Only the first asks for the prompt's logprobs (the prompt is the same)."""
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        n = getattr(self, name)
-        if n is not None and n <= 0:
-            raise bad_request(f"{name} must be positive, got {n}", name)
+        max_new = getattr(self, name)
+        if max_new is not None and max_new <= 0:
+            raise bad_request(f"{name} must be positive, got {max_new}", name)
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
-        seed = self.seed
-        if seed is None:  # OpenAI: without a seed, every sampled request differs
-            seed = secrets.randbelow(1 << 31) if temperature > 0 else 0
+        if self.seed is None:  # OpenAI: without a seed, every sampled request differs
+            seeds = [
+                secrets.randbelow(1 << 31) if temperature > 0 else 0 for _ in range(self.choices)
+            ]
+        else:
+            seeds = [self.seed + i for i in range(self.choices)]
+            if seeds[-1] > INT64_MAX:
+                raise bad_request(f"seed + n - 1 must be at most {INT64_MAX}", "seed")
         text = isinstance(prompt, str)
+        reqs = []
         try:
-            return self._build(prompt, text, n, default_max_tokens, default_mode, temperature, seed)
+            for i, seed in enumerate(seeds):
+                req = self._build(
+                    prompt, text, max_new, default_max_tokens, default_mode, temperature, seed
+                )
+                top = self.top_logprobs_wanted()
+                if top is not None:
+                    req.logprobs = top
+                prompt_top = self.prompt_logprobs_wanted()
+                if prompt_top is not None and i == 0:
+                    req.prompt_logprobs = prompt_top
+                reqs.append(req)
         except (ValueError, TypeError) as e:  # the schema's bounds should have caught it
             raise bad_request(f"a field is out of range or malformed: {e}") from None
+        return reqs
 
-    def _build(self, prompt, text, n, default_max_tokens, default_mode, temperature, seed):
+    def _build(self, prompt, text, max_new, default_max_tokens, default_mode, temperature, seed):
         return build_request(
             prompt if text else None,
             prompt_ids=None if text else prompt,
             model=self.model,
             mode=self.mode or default_mode,
-            max_new_tokens=default_max_tokens if n is None else n,
+            max_new_tokens=default_max_tokens if max_new is None else max_new,
             temperature=temperature,
             top_k=self.top_k or 0,
             top_p=self.top_p,
@@ -240,9 +293,23 @@ class _Common(BaseModel):
         )
 
 
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
 class CompletionRequest(_Common):
     # A text, or token ids; a list of one of either (OpenAI's batches of one).
     prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
+    # Each token's logprob and this many alternatives (OpenAI: 0-5; vLLM and SpecPipe 20).
+    logprobs: TopLogprobs | None = None
+    # The prompt before the completion (with logprobs: the prompt tokens' too, the first
+    # one's null).
+    echo: bool = False
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
@@ -282,6 +349,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
     def rendered_messages(self) -> list[dict[str, str]]:
         if not self.messages:
@@ -330,6 +407,17 @@ class StopMatcher:
 
 
 # -- one request's events ------------------------------------------------------------------
+@dataclass
+class Piece:
+    """Text left after stop strings, and the tokens generated since the previous piece
+    (with their logprobs, for a request that asked for them): the text of a token may
+    come later than the token (an incomplete character, a possible stop string)."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+
+
 class Generation:
     """The `GenerateResponse` events of one request (from `RouterService.generate`) as
     OpenAI text: `next()` gives the pieces of text left after stop strings; at the end,
@@ -345,26 +433,36 @@ class Generation:
         self.weight_hash = ""
         self.prompt_tokens = 0
         self.token_ids: list[int] = []
+        self.logprobs: list[pb.TokenLogprobs] = []  # one per token, when asked for
+        # The first delta's, when the request asked for prompt logprobs.
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list[pb.TokenLogprobs] = []
+        self.output = ""  # the text given out so far
         self.finished: gen.Finished | None = None
         self.finish_reason = ""
+        self._ids: list[int] = []  # tokens since the last piece
+        self._lps: list[pb.TokenLogprobs] = []
         self._pieces = self._run()
 
-    async def next(self) -> str | None:
-        """The next non-empty piece of text; None once the request has finished."""
-        return await anext(self._pieces, None)
+    async def next(self) -> Piece | None:
+        """The next piece; None once the request has finished."""
+        piece = await anext(self._pieces, None)
+        if piece is not None:
+            self.output += piece.text
+        return piece
 
     async def text(self) -> str:
         """All of the (rest of the) text."""
         parts = []
         while (piece := await self.next()) is not None:
-            parts.append(piece)
+            parts.append(piece.text)
         return "".join(parts)
 
     async def close(self) -> None:
         """Stop early (the client went away): the router releases the request."""
         await self._pieces.aclose()
 
-    async def _run(self) -> AsyncIterator[str]:
+    async def _run(self) -> AsyncIterator[Piece]:
         async with contextlib.aclosing(self._responses) as responses:
             async for resp in responses:
                 kind = resp.WhichOneof("event")
@@ -374,16 +472,25 @@ class Generation:
                     self.prompt_tokens = resp.started.prompt_tokens
                     continue
                 if kind == "delta":
-                    self.token_ids.extend(resp.delta.token_ids)
-                    text = self.matcher.push(resp.delta.text)
+                    d = resp.delta
+                    if d.prompt_token_ids:
+                        self.prompt_token_ids = list(d.prompt_token_ids)
+                        self.prompt_logprobs = list(d.prompt_logprobs)
+                    self.token_ids.extend(d.token_ids)
+                    self.logprobs.extend(d.logprobs)
+                    self._ids.extend(d.token_ids)
+                    self._lps.extend(d.logprobs)
+                    text = self.matcher.push(d.text)
                     if self.matcher.stopped:
                         final = await responses.athrow(StopGeneration())
                         self._finish(final.finished)
                 elif kind == "finished":
                     text = self.matcher.push(resp.finished.text) + self.matcher.flush()
                     self._finish(resp.finished)
-                if text:
-                    yield text
+                # At the end, tokens whose text never came out still bring their logprobs.
+                if text or (self.finished is not None and self._lps):
+                    yield Piece(text, self._ids, self._lps)
+                    self._ids, self._lps = [], []
                 if self.finished is not None:
                     return
 
@@ -392,10 +499,13 @@ class Generation:
         self.finish_reason = "stop" if self.matcher.stopped else finished.finish_reason
 
     @property
-    def usage(self) -> dict[str, int]:
+    def completion_tokens(self) -> int:
         f = self.finished
-        completion = f.usage.completion_tokens if f else len(self.token_ids)
-        return usage(self.prompt_tokens, completion)
+        return f.usage.completion_tokens if f else len(self.token_ids)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
 
     @property
     def speculation(self) -> dict[str, Any] | None:
@@ -417,16 +527,111 @@ def speculation(stats: gen.SpeculationStats) -> dict[str, Any]:
     return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
 
 
-class ResponseShape:
-    """Builds the JSON objects of one chat or text completion (ids, times, model)."""
+class TokenNames:
+    """A token id as logprobs name it: its own text (the tokenizer's string of that one
+    token, as vLLM's `convert_tokens_to_string`: "\\ufffd" for a piece of a character),
+    or "token_id:N" without a tokenizer (vLLM's `return_tokens_as_token_ids`). Kept per
+    id: at most the vocabulary."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, weight_hash: str = "") -> None:
+    def __init__(self, tokenizer=None) -> None:
+        self.tokenizer = tokenizer
+        self._names: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._name(token_id)
+            self._names[token_id] = name
+        return name
+
+    def _name(self, token_id: int) -> str:
+        tok = self.tokenizer
+        if tok is None:
+            return f"token_id:{token_id}"
+        piece = tok.convert_ids_to_tokens(int(token_id))
+        if piece is None:
+            return f"token_id:{token_id}"
+        return tok.convert_tokens_to_string([piece])
+
+
+# One token of a logprobs answer: its id, and its logprobs (None: the prompt's first).
+Entry = tuple[int, pb.TokenLogprobs | None]
+
+
+def _lp(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def chat_logprobs(entries: Sequence[Entry], names: TokenNames) -> dict[str, Any]:
+    """A chat choice's `logprobs`: per token its text, logprob, UTF-8 bytes and the top
+    alternatives (OpenAI's ChatCompletionTokenLogprob)."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        name = names(token_id)
+        return {"token": name, "logprob": _lp(logprob), "bytes": list(name.encode())}
+
+    content = []
+    for token_id, lp in entries:
+        assert lp is not None
+        top = [one(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        content.append({**one(token_id, lp.logprob), "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: Sequence[Entry], names: TokenNames, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """A text completion choice's `logprobs` (OpenAI's legacy shape: tokens, their
+    logprobs, a {token: logprob} of the token and its alternatives each, and where each
+    token's text starts, from `offset`) and the offset after the last token."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token_id, lp in entries:
+        name = names(token_id)
+        tokens.append(name)
+        offsets.append(offset)
+        offset += len(name)
+        if lp is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        logprobs.append(_lp(lp.logprob))
+        top = {name: _lp(lp.logprob)}  # the token first, then its alternatives (vLLM's)
+        for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            top.setdefault(names(i), _lp(v))
+        tops.append(top)
+    answer = {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+              "text_offset": offsets}  # fmt: skip
+    return answer, offset
+
+
+def prompt_entries(run: Generation) -> list[Entry]:
+    """The prompt's tokens with their logprobs (the first has none)."""
+    ids, lps = run.prompt_token_ids, run.prompt_logprobs
+    return [(t, None if i == 0 else lps[i - 1]) for i, t in enumerate(ids)]
+
+
+class ResponseShape:
+    """Builds the JSON objects of one chat or text completion (ids, times, model), and
+    its choices' logprobs (`names`: the tokens' texts) when the request asked for them."""
+
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        weight_hash: str = "",
+        names: TokenNames | None = None,
+        logprobs: bool = False,
+    ) -> None:
         self.chat = chat
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
         self.model = model
         # OpenAI's "backend configuration" fingerprint: the model version (weight hash).
         self.fingerprint = weight_hash
         self.created = int(time.time())
+        self.names = names or TokenNames()
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}  # text completions streamed: text_offset so far
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict[str, Any]:
         envelope = {
@@ -440,33 +645,55 @@ class ResponseShape:
             envelope["system_fingerprint"] = self.fingerprint
         return {**envelope, **extra}
 
-    def completion(
+    def _logprobs(self, index: int, entries: Sequence[Entry]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.names)
+        answer, self._offsets[index] = completion_logprobs(
+            entries, self.names, self._offsets.get(index, 0)
+        )
+        return answer
+
+    def choice(
         self,
+        index: int,
         text: str,
         finish_reason: str,
-        usage: dict[str, int],
-        stats: dict[str, Any],
+        entries: Sequence[Entry] = (),
         token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        """One choice of a whole (not streamed) answer; `entries`: its tokens."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
+                                  "logprobs": self._logprobs(index, entries)}  # fmt: skip
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         if token_ids is not None:
             choice["token_ids"] = token_ids
+        return choice
+
+    def completion(
+        self, choices: list[dict[str, Any]], usage: dict[str, int], stats: Any
+    ) -> dict[str, Any]:
         obj = "chat.completion" if self.chat else "text_completion"
-        return self._envelope(obj, [choice], usage=usage, speculation=stats)
+        return self._envelope(obj, choices, usage=usage, speculation=stats)
 
     def chunk(
         self,
         text: str | None = None,
         finish_reason: str | None = None,
         first: bool = False,
+        index: int = 0,
+        entries: Sequence[Entry] = (),
         **extra,
     ) -> dict[str, Any]:
-        """A streamed piece: `text`, or the last piece of the choice (`finish_reason`)."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        """A streamed piece of choice `index`: `text` (and the logprobs of `entries`,
+        the tokens since the previous piece), or the choice's last piece
+        (`finish_reason`)."""
+        lps = self._logprobs(index, entries) if entries else None
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": lps}
         if self.chat:
             delta: dict[str, str] = {"role": "assistant"} if first else {}
             if text is not None:
@@ -477,7 +704,7 @@ class ResponseShape:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [choice], **extra)
 
-    def usage_chunk(self, usage: dict[str, int], stats: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, int], stats: Any) -> dict[str, Any]:
         """`stream_options.include_usage`: the extra last chunk, with no choices."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [], usage=usage, speculation=stats)

@@ -173,6 +173,25 @@ def prompt_of(r: gen.GenerateRequest, codec) -> list[int]:
     return []
 
 
+# Prompt logprobs travel in the first Verification's header (at most 4 MiB: the data
+# plane's cap); they may take half of it, at this many bytes per prompt token and per
+# top alternative (a protobuf TokenLogprobs: a double, then a varint id and a double each).
+PROMPT_LOGPROBS_BYTES = 2 << 20
+PROMPT_LOGPROB_BYTES = (16, 12)
+
+
+def check_prompt_logprobs(prompt_tokens: int, top: int) -> None:
+    """Refuse prompt logprobs that could not come back in one frame header."""
+    each, per_top = PROMPT_LOGPROB_BYTES
+    if prompt_tokens * (each + per_top * top) > PROMPT_LOGPROBS_BYTES:
+        most = PROMPT_LOGPROBS_BYTES // (each + per_top * top)
+        raise invalid(
+            f"prompt logprobs of {prompt_tokens} prompt tokens with {top} alternatives each "
+            f"are more than one response carries (at most {most} tokens with {top}): "
+            "ask for fewer alternatives or a shorter prompt"
+        )
+
+
 def plan_request(
     r: gen.GenerateRequest,
     model: ModelInfo,
@@ -228,6 +247,8 @@ def plan_request(
         given["growth"] = r.growth
     if r.HasField("logprobs"):
         given["logprobs"] = r.logprobs
+    if r.HasField("prompt_logprobs"):
+        given["prompt_logprobs"] = r.prompt_logprobs
     # Width, layers per step and token source: the request's, else the router's default;
     # 0 or "auto" leaves them to the router's tuning.
     auto = set()
@@ -254,6 +275,8 @@ def plan_request(
         check_context(len(prompt), opts.max_new_tokens, model.max_positions)
     except ValueError as e:
         raise invalid(str(e)) from None
+    if opts.prompt_logprobs is not None:
+        check_prompt_logprobs(len(prompt), opts.prompt_logprobs)
     space = None
     if auto:
         space = TuningSpace(

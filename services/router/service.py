@@ -472,6 +472,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                     text = "".join(stream.push(t) for t in tokens) if stream else ""
                     delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
                     delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
+                    if index == 0 and plan.opts.prompt_logprobs is not None:
+                        prompt_lps = driver.controller.out.prompt_logprobs or ()
+                        delta.prompt_token_ids.extend(plan.prompt)
+                        delta.prompt_logprobs.extend(logprobs_to_proto(prompt_lps))
                     try:
                         yield gen.GenerateResponse(delta=delta)
                     except StopGeneration:

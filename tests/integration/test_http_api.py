@@ -22,7 +22,7 @@ from openai import OpenAI
 
 from specpipe.client import Client, Unauthenticated
 
-from .conftest import start, wait_idle
+from .conftest import service_stub, start, wait_idle
 
 KEY = "sk-specpipe-test"
 OTHER_KEY = "sk-second"
@@ -36,8 +36,9 @@ SPECULATION = {
 
 @pytest.fixture(scope="module")
 def dep(text_model_dir: Path) -> Iterator:
-    """2 stages, the target as its own draft, the HTTP API on, two API keys."""
-    d = start(text_model_dir, "oracle", 2, "tcp", http_port=0, api_keys=[KEY, OTHER_KEY])
+    """2 stages, the target as its own draft, the HTTP API on, two API keys, metrics."""
+    d = start(text_model_dir, "oracle", 2, "tcp", http_port=0, api_keys=[KEY, OTHER_KEY],
+              metrics=True)  # fmt: skip
     try:
         yield d
     finally:
@@ -77,6 +78,7 @@ def test_models_and_health(dep) -> None:
     with client(dep) as c:
         (card,) = c.models.list().data
         assert card.id == dep.target.name and card.owned_by == "specpipe"
+        assert card.model_extra["max_model_len"] == 256  # the model's context (vLLM's field)
         assert c.models.retrieve(card.id).id == card.id
         with pytest.raises(openai.NotFoundError):
             c.models.retrieve("gpt-17")
@@ -170,13 +172,15 @@ def test_stop_strings_cut_the_text_and_end_the_request(dep) -> None:
 
 
 BAD = [
-    (dict(n=2), "n must be 1"),
+    (dict(n=17), "n must be in [1, 16]"),
+    (dict(n=2, extra_body={"best_of": 3}), "best_of must equal n (2)"),
     (dict(temperature=-1), "temperature must be >= 0"),
     (dict(max_tokens=0), "max_tokens must be positive"),
     (dict(max_completion_tokens=10**9), "too large"),
     (dict(top_p=0), "top_p must be in (0, 1]"),
     (dict(seed=-2), "seed"),
-    (dict(logprobs=True), "logprobs is not supported"),
+    (dict(top_logprobs=2), "top_logprobs needs logprobs: true"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty is not supported"),
     (dict(messages=[]), "messages must not be empty"),
     (dict(messages=[{"role": "wizard", "content": "x"}]), "messages"),
@@ -295,3 +299,191 @@ def test_overload_is_429_and_draining_is_503(text_model_dir: Path) -> None:
             assert rest[-1].usage.completion_tokens == 230
     finally:
         dep.stop()
+
+
+# -- logprobs, echo and n ------------------------------------------------------------------
+# Long enough for a whole KV cache block (16 rows) of prompt before its last token.
+SCORED = "def fibonacci(n): return n if n < 2 else fib(n - 1)"
+FP64 = 1e-9  # the deployment and the reference both compute in fp64 (~1e-13 apart)
+
+
+def plain_forward(dep, ids: list[int]):
+    """log_softmax of transformers' own fp64 forward of `ids` (row p scores token p + 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(dep.target, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+
+
+def name(token_id: int) -> str:
+    """The char tokenizer's text of a token (conftest.add_char_tokenizer)."""
+    return {0: "<s>", 96: "</s>"}.get(token_id, chr(token_id + 31))
+
+
+def test_completion_logprobs_with_echo_are_a_plain_forwards(dep) -> None:
+    """echo + logprobs: every prompt token after the first and every generated token get
+    log_softmax of the target's raw logits at its position (not the sampling
+    distribution) and the top 3, streamed and not; the prompt's are right although the
+    prefix cache holds the prompt (such a request computes its prefill whole)."""
+    kw = dict(model="", prompt=SCORED, max_tokens=12, temperature=0.8, seed=3, logprobs=3,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    with client(dep) as c:
+        c.completions.create(**{**kw, "logprobs": None})  # the prompt now in the prefix cache
+        whole = c.completions.create(echo=True, **kw)
+        chunks = list(c.completions.create(echo=True, stream=True, **kw))
+        plain = c.completions.create(**kw)
+    with Client(dep.router_address, timeout=60, api_key=KEY) as g:
+        prompt = g.tokenize(SCORED)
+        grpc_answer = g.generate(SCORED, max_new_tokens=1, prompt_logprobs=3)  # the SDK's
+    (choice,) = whole.choices
+    out = choice.model_extra["token_ids"]
+    assert choice.text == SCORED + plain.choices[0].text and len(out) == 12
+    want = plain_forward(dep, prompt + out)
+    lp = choice.logprobs
+    ids = prompt + out
+    assert lp.tokens == [name(t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        row = want[i - 1]
+        assert lp.token_logprobs[i] == pytest.approx(float(row[ids[i]]), abs=FP64)
+        top = row.topk(3)
+        expected = {name(ids[i]): float(row[ids[i]])}
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            expected.setdefault(name(t), v)
+        assert lp.top_logprobs[i] == pytest.approx(expected, abs=FP64)
+    assert lp.text_offset == list(range(len(ids)))  # one character per token
+    assert grpc_answer.prompt_token_ids == prompt
+    assert [x for x, _ in grpc_answer.prompt_logprobs] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt)], abs=FP64
+    )
+    # Streamed: the same figures, the echo (and the prompt's logprobs) first.
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert pieces[0].text == SCORED and pieces[0].logprobs.tokens == lp.tokens[: len(prompt)]
+    streamed = [x for p in pieces if p.logprobs for x in p.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=FP64)
+    # Without echo, the completion's tokens only, offsets from its own text.
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(
+        lp.token_logprobs[len(prompt) :], abs=FP64
+    )
+    assert plain.choices[0].logprobs.text_offset == list(range(12))
+
+
+def test_chat_logprobs_are_a_plain_forwards(dep) -> None:
+    msg = "Score me"
+    kw = dict(model="", messages=[{"role": "user", "content": msg}], max_tokens=10,
+              temperature=0, logprobs=True, top_logprobs=2,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    with client(dep) as c:
+        whole = c.chat.completions.create(**kw)
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+    with Client(dep.router_address, timeout=60, api_key=KEY) as g:
+        prompt = g.tokenize(msg, chat=True)
+    out = whole.choices[0].model_extra["token_ids"]
+    want = plain_forward(dep, prompt + out)
+    content = whole.choices[0].logprobs.content
+    assert [t.token for t in content] == [name(t) for t in out]
+    for j, (t, token) in enumerate(zip(content, out, strict=True)):
+        row = want[len(prompt) - 1 + j]
+        assert t.logprob == pytest.approx(float(row[token]), abs=FP64)
+        assert t.bytes == list(name(token).encode())
+        top = row.topk(2)
+        assert [x.token for x in t.top_logprobs] == [name(i) for i in top.indices.tolist()]
+        assert [x.logprob for x in t.top_logprobs] == pytest.approx(top.values.tolist(), abs=FP64)
+        assert token == top.indices[0]  # greedy: the most likely token
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in content]
+
+
+def stage_prefix_hits(dep) -> list[int]:
+    """prefix_cache_hits of every stage (prompt tokens Open found cached)."""
+    from specpipe.v1 import dataplane_pb2
+
+    hits = []
+    for child in dep.children.values():
+        if child.kind != "stage":
+            continue
+        ch, stub = service_stub(child.info["grpc"], "stage", dep.security)
+        with ch:
+            hits.append(stub.Describe(dataplane_pb2.DescribeRequest(), timeout=5).prefix_cache_hits)
+    return hits
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_the_seeded_requests_and_share_the_prefill(dep, stream) -> None:
+    """n = 3: choice i is the request with seed + i, streamed or not; the later choices
+    start after the first's prefill and find its prompt in every stage's prefix cache;
+    usage counts the prompt once and every choice's tokens."""
+    prompt = f"{'streamed' if stream else 'whole'} choices share one prompt's prefill"
+    kw = dict(model="", prompt=prompt, max_tokens=8, temperature=0.9,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    with client(dep) as c:
+        before = stage_prefix_hits(dep)
+        if stream:
+            texts = ["", "", ""]
+            chunks = list(c.completions.create(n=3, seed=5, stream=True, **kw))
+            for ch in chunks:
+                for choice in ch.choices:
+                    texts[choice.index] += choice.text
+            usage = [ch.usage for ch in chunks if ch.usage][-1]
+        else:
+            many = c.completions.create(n=3, seed=5, **kw)
+            assert [ch.index for ch in many.choices] == [0, 1, 2]
+            texts = [ch.text for ch in many.choices]
+            usage = many.usage
+        after = stage_prefix_hits(dep)
+        one_by_one = [c.completions.create(seed=5 + i, **kw).choices[0].text for i in range(3)]
+    assert texts == one_by_one and len(set(texts)) > 1  # independent draws
+    # Choices 1 and 2 each found the prompt's first block (16 tokens) on every stage.
+    assert all(b - a >= 2 * 16 for a, b in zip(before, after, strict=True)), (before, after)
+    assert (usage.completion_tokens, usage.prompt_tokens) == (24, len(prompt))
+
+
+def test_the_router_serves_vllms_metric_names_beside_its_own(dep) -> None:
+    """/metrics of the router, parsed by prometheus-client: the series vLLM's dashboards
+    read, under vLLM's names with its `model_name` label, equal to the `specpipe:` ones."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with client(dep) as c:
+        c.completions.create(model="", prompt="count me", max_tokens=5, temperature=0)
+    address = dep.metrics_addresses()["router"]
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    pairs = {
+        "num_requests_running": "gauge",
+        "num_requests_waiting": "gauge",
+        "time_to_first_token_seconds": "histogram",
+        "time_per_output_token_seconds": "histogram",
+        "inter_token_latency_seconds": "histogram",
+        "e2e_request_latency_seconds": "histogram",
+        "prompt_tokens": "counter",
+        "generation_tokens": "counter",
+        "request_success": "counter",
+    }
+    for name_, kind in pairs.items():
+        family = families[f"vllm:{name_}"]
+        assert family.type == kind, name_
+        assert {s.labels["model_name"] for s in family.samples} == {dep.target.name}
+
+    def value(family: str, sample: str, **labels) -> float:
+        found = [s.value for s in families[family].samples if s.name == sample
+                 and all(s.labels.get(k) == v for k, v in labels.items())]  # fmt: skip
+        assert len(found) == 1, (family, sample, labels)
+        return found[0]
+
+    for ours, theirs, sample in (
+        ("prompt_tokens", "prompt_tokens", "_total"),
+        ("generation_tokens", "generation_tokens", "_total"),
+        ("time_to_first_token_seconds", "time_to_first_token_seconds", "_count"),
+        ("inter_token_latency_seconds", "time_per_output_token_seconds", "_sum"),
+        ("e2e_request_latency_seconds", "e2e_request_latency_seconds", "_count"),
+    ):
+        mine = value(f"specpipe:{ours}", f"specpipe:{ours}{sample}")
+        assert value(f"vllm:{theirs}", f"vllm:{theirs}{sample}") == mine, theirs
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 5
+    done = value("specpipe:request_success", "specpipe:request_success_total",
+                 finished_reason="length")  # fmt: skip
+    assert value("vllm:request_success", "vllm:request_success_total",
+                 finished_reason="length") == done >= 1  # fmt: skip

@@ -21,6 +21,7 @@ from specpipe.services.router.openai_compat import (
     StopMatcher,
 )
 from specpipe.services.router.requests import RequestFailed, StopGeneration
+from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 
 
@@ -146,11 +147,11 @@ def test_completion_prompt_shapes(prompt, value) -> None:
 @pytest.mark.parametrize(
     "fields, fragment",
     [
-        ({"n": 3}, "n must be 1"),
-        ({"logprobs": True}, "logprobs is not supported"),
-        ({"logprobs": 2}, "logprobs is not supported"),
-        ({"echo": True}, "echo is not supported"),
-        ({"best_of": 2}, "best_of is not supported"),
+        ({"n": 17}, "n must be in [1, 16]"),
+        ({"n": 0}, "n must be in [1, 16]"),
+        ({"best_of": 2}, "best_of must equal n (1)"),
+        ({"n": 3, "best_of": 4}, "best_of must equal n (3)"),
+        ({"suffix": "}"}, "suffix is not supported"),
         ({"frequency_penalty": 1}, "frequency_penalty is not supported"),
         ({"logit_bias": {"5": 1}}, "logit_bias is not supported"),
         ({"tools": [{"type": "function"}]}, "tools is not supported"),
@@ -172,7 +173,7 @@ def test_what_specpipe_cannot_do_is_refused(fields, fragment) -> None:
 def test_defaults_of_unsupported_fields_pass() -> None:
     fields = {"logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1,
               "logit_bias": {}, "tools": [], "tool_choice": "none", "echo": False,
-              "response_format": {"type": "text"}}  # fmt: skip
+              "response_format": {"type": "text"}, "best_of": 1}  # fmt: skip
     CompletionRequest.model_validate({"prompt": "hi", **fields}).check()
 
 
@@ -376,3 +377,247 @@ def test_health_follows_readiness_and_draining() -> None:
         (503, "unavailable"),
         (503, "draining"),
     ]
+
+
+# -- logprobs, echo and n: bodies to requests -------------------------------------------------
+def test_logprobs_echo_and_n_to_requests() -> None:
+    body = CompletionRequest.model_validate(
+        {"prompt": "hi", "n": 3, "seed": 5, "temperature": 0.7, "logprobs": 2, "echo": True}
+    )
+    body.check()
+    reqs = body.to_requests("hi", 16, "pp")
+    assert [r.sampling.seed for r in reqs] == [5, 6, 7]  # choice i: seed + i
+    assert all(r.logprobs == 2 and r.text == "hi" for r in reqs)
+    # The prompt's logprobs: asked of the first choice only (the prompt is the same).
+    assert [r.HasField("prompt_logprobs") for r in reqs] == [True, False, False]
+    assert reqs[0].prompt_logprobs == 2
+    plain = CompletionRequest.model_validate({"prompt": "hi", "logprobs": 0})
+    (req,) = plain.to_requests("hi", 16, "pp")
+    assert req.logprobs == 0 and not req.HasField("prompt_logprobs")
+    assert (
+        not CompletionRequest.model_validate({"prompt": "hi"})
+        .to_request("hi", 16, "pp")
+        .HasField("logprobs")
+    )
+    # Without a seed, sampled choices draw independently; greedy ones are the same.
+    free = CompletionRequest.model_validate({"prompt": "hi", "n": 4})
+    assert len({r.sampling.seed for r in free.to_requests("hi", 16, "pp")}) > 1
+    greedy = CompletionRequest.model_validate({"prompt": "hi", "n": 4, "temperature": 0})
+    assert {r.sampling.seed for r in greedy.to_requests("hi", 16, "pp")} == {0}
+    big = CompletionRequest.model_validate({"prompt": "hi", "n": 2, "seed": (1 << 63) - 1})
+    with pytest.raises(ApiError, match="seed \\+ n - 1"):
+        big.to_requests("hi", 16, "pp")
+
+
+def test_chat_logprobs_to_requests() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": msgs, "logprobs": True, "top_logprobs": 20}
+    )
+    body.check()
+    req = body.to_request([1, 2], 8, "pp")
+    assert req.logprobs == 20 and not req.HasField("prompt_logprobs")
+    assert (
+        ChatCompletionRequest.model_validate({"messages": msgs, "logprobs": True})
+        .to_request([1], 8, "pp")
+        .logprobs
+        == 0
+    )
+    off = ChatCompletionRequest.model_validate({"messages": msgs, "logprobs": False})
+    assert not off.to_request([1], 8, "pp").HasField("logprobs")
+    with pytest.raises(ApiError, match="top_logprobs needs logprobs"):
+        ChatCompletionRequest.model_validate({"messages": msgs, "top_logprobs": 2}).check()
+    for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": -1, "logprobs": True}):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            ChatCompletionRequest.model_validate({"messages": msgs, **bad})
+    with pytest.raises(ValueError, match="logprobs"):
+        CompletionRequest.model_validate({"prompt": "hi", "logprobs": 21})
+
+
+# -- logprobs, echo and n: responses, in front of a scripted router ---------------------------
+PROMPT_IDS = [7, 8, 9]
+
+
+def logprobs_script(texts: list[str], seen: list):
+    """A scripted generate(): token i + 1 per text, with logprob -(i + 1) / 10 and, as
+    alternatives, ids 50, 51, ... at -1, -2, ... when asked; the prompt's logprobs (-2,
+    -3) in the first delta when asked. `seen` records (seed, event) in order."""
+
+    async def script(req):
+        seed = req.sampling.seed
+        seen.append((seed, "start"))
+        yield gen.GenerateResponse(
+            started=gen.Started(request_id=f"r{seed}", prompt_tokens=len(PROMPT_IDS))
+        )
+        for i, t in enumerate(texts):
+            d = gen.TokenDelta(token_ids=[i + 1], text=t, index=i)
+            if req.HasField("logprobs"):
+                k = req.logprobs
+                d.logprobs.append(pb.TokenLogprobs(logprob=-(i + 1) / 10, top_ids=range(50, 50 + k),
+                                                   top_logprobs=[-j - 1.0 for j in range(k)]))  # fmt: skip
+            if i == 0 and req.HasField("prompt_logprobs"):
+                d.prompt_token_ids.extend(PROMPT_IDS)
+                for lp in (-2.0, -3.0):
+                    d.prompt_logprobs.append(pb.TokenLogprobs(logprob=lp, top_ids=[60],
+                                                              top_logprobs=[-0.5]))  # fmt: skip
+            seen.append((seed, "token"))
+            yield gen.GenerateResponse(delta=d)
+        yield gen.GenerateResponse(
+            finished=gen.Finished(
+                finish_reason="length",
+                usage=gen.Usage(prompt_tokens=len(PROMPT_IDS), completion_tokens=len(texts)),
+                stats=gen.SpeculationStats(mode="pp", new_tokens=len(texts)),
+            )
+        )
+
+    return script
+
+
+def test_completion_logprobs_and_echo_in_openais_shape() -> None:
+    seen: list = []
+
+    async def fn(client, router):
+        kw = dict(model="m", prompt="abc", temperature=0, logprobs=1)
+        whole = await client.completions.create(echo=True, **kw)
+        chunks = [c async for c in await client.completions.create(stream=True, echo=True, **kw)]
+        plain = await client.completions.create(**kw)
+        return whole, chunks, plain
+
+    whole, chunks, plain = with_app(logprobs_script(["x", "", "yz"], seen), fn)
+    (choice,) = whole.choices
+    assert choice.text == "abcxyz"  # the prompt echoed, then the completion
+    lp = choice.logprobs
+    names = [f"token_id:{t}" for t in (*PROMPT_IDS, 1, 2, 3)]  # no tokenizer: ids
+    assert lp.tokens == names
+    assert lp.token_logprobs == [None, -2.0, -3.0, -0.1, -0.2, -0.3]  # the first prompt token: null
+    assert lp.top_logprobs[0] is None
+    assert lp.top_logprobs[1] == {"token_id:8": -2.0, "token_id:60": -0.5}
+    assert lp.top_logprobs[3] == {"token_id:1": -0.1, "token_id:50": -1.0}  # token, then top 1
+    assert lp.text_offset == [sum(len(n) for n in names[:i]) for i in range(len(names))]
+    # Streamed: the echo first (with the prompt's logprobs), then each piece with the
+    # logprobs of the tokens since the previous one (the empty-text token rides along).
+    got = [(c.choices[0].text, c.choices[0].logprobs) for c in chunks if c.choices]
+    assert [t for t, _ in got] == ["abc", "x", "yz", ""]
+    streamed = [x for _, lp in got if lp for x in lp.token_logprobs]
+    assert streamed == lp.token_logprobs
+    offsets = [x for _, lp in got if lp for x in lp.text_offset]
+    assert offsets == lp.text_offset
+    assert plain.choices[0].text == "xyz" and plain.choices[0].logprobs.tokens == names[3:]
+    assert plain.choices[0].logprobs.text_offset[0] == 0
+    assert [s for s, e in seen if e == "start"] == [0, 0, 0]
+
+
+def test_chat_logprobs_in_openais_shape() -> None:
+    async def fn(client, router):
+        kw = dict(model="m", messages=[{"role": "user", "content": "hi"}], temperature=0,
+                  logprobs=True, top_logprobs=2)  # fmt: skip
+        whole = await client.chat.completions.create(**kw)
+        chunks = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+        none = await client.chat.completions.create(
+            **{**kw, "logprobs": False, "top_logprobs": None}
+        )
+        return whole, chunks, none
+
+    async def run(client, router):
+        router.codec = FakeCodec()
+        return await fn(client, router)
+
+    whole, chunks, none = with_app(logprobs_script(["é", "b"], []), run)
+    content = whole.choices[0].logprobs.content
+    assert [c.token for c in content] == ["token_id:1", "token_id:2"]
+    assert content[0].logprob == -0.1 and content[0].bytes == list(b"token_id:1")
+    assert [(t.token, t.logprob) for t in content[1].top_logprobs] == [
+        ("token_id:50", -1.0),
+        ("token_id:51", -2.0),
+    ]
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs
+                for x in c.choices[0].logprobs.content]  # fmt: skip
+    assert streamed == content
+    assert none.choices[0].logprobs is None
+
+
+class FakeCodec:
+    """A router's codec whose tokenizer names no token (`TokenNames` falls back to ids)."""
+
+    class tokenizer:
+        @staticmethod
+        def convert_ids_to_tokens(i):
+            return None
+
+    def encode_chat(self, messages):
+        return list(PROMPT_IDS)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_seeded_and_started_after_the_first_ones_prefill(stream) -> None:
+    seen: list = []
+
+    async def fn(client, router):
+        kw = dict(model="m", prompt="abc", n=3, seed=11, temperature=0.5, logprobs=0)
+        if not stream:
+            return await client.completions.create(**kw)
+        return [c async for c in await client.completions.create(stream=True, **kw)]
+
+    got = with_app(logprobs_script(["x", "y"], seen), fn)
+    # The second and third choice start once the first has its first token (its prefill
+    # done: they find the prompt in the prefix cache); choice i draws with seed + i.
+    assert seen[:2] == [(11, "start"), (11, "token")]
+    assert sorted(s for s, e in seen if e == "start") == [11, 12, 13]
+    if stream:
+        by_index: dict[int, str] = {}
+        for c in got:
+            for ch in c.choices:
+                by_index[ch.index] = by_index.get(ch.index, "") + ch.text
+        assert by_index == {0: "xy", 1: "xy", 2: "xy"}
+        finishing = [c for c in got if c.choices and c.choices[0].finish_reason]
+        assert sorted(c.choices[0].index for c in finishing) == [0, 1, 2]
+        usage = finishing[-1].usage  # the last finishing chunk carries it
+    else:
+        assert [c.index for c in got.choices] == [0, 1, 2]
+        assert all(c.text == "xy" and c.logprobs.token_logprobs == [-0.1, -0.2]
+                   for c in got.choices)  # fmt: skip
+        assert len(got.model_extra["speculation"]) == 3
+        usage = got.usage
+    # The prompt once, every choice's tokens.
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 6, 9)
+
+
+# -- vLLM's metric names -----------------------------------------------------------------------
+def test_vllms_waiting_requests_count_the_queue_too() -> None:
+    """`vllm:num_requests_waiting` is every request not running yet (vLLM's meaning): the
+    ones queued for a running slot and the ones opening their path; `specpipe:`'s
+    counts the latter only. Both carry the served model's name as vLLM's label."""
+    from types import SimpleNamespace as NS
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from specpipe.services.metrics import RouterMetrics
+
+    router = NS(
+        transport=None,
+        drivers={"a": NS(waiting=True), "b": NS(waiting=False), "c": NS(waiting=False)},
+        backends=NS(by_key={}, versions={}, model=None),
+        model=NS(model_id="tiny"),
+        scheduler=NS(waiting=["q1", "q2"]),
+    )
+    metrics = RouterMetrics()
+    metrics.watch(router)
+    text = generate_latest(metrics.registry).decode()
+    samples = {(s.name, s.labels.get("model_name")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+    assert samples[("vllm:num_requests_waiting", "tiny")] == 3
+    assert samples[("vllm:num_requests_running", "tiny")] == 2
+    assert samples[("specpipe:num_requests_waiting", None)] == 1
+
+
+def test_prompt_logprobs_are_bounded_by_what_one_answer_carries() -> None:
+    """They come back in one data-plane frame header: 2 MiB of them at most, refused
+    before the request starts (16 + 12 bytes per alternative per prompt token)."""
+    from specpipe.services.router.requests import InvalidRequest, check_prompt_logprobs
+
+    check_prompt_logprobs(8192, 20)
+    check_prompt_logprobs(74898, 1)
+    with pytest.raises(InvalidRequest, match="at most 8192 tokens with 20"):
+        check_prompt_logprobs(8193, 20)
+    with pytest.raises(InvalidRequest, match="74898 tokens with 1"):
+        check_prompt_logprobs(74899, 1)

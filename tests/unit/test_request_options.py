@@ -23,9 +23,12 @@ from specpipe.cli.client import request_kwargs
 
 PROMPT_FIELDS = {"text", "token_ids"}  # the prompt, not an option
 # The HTTP body's fields that are OpenAI's and not request options of their own: another
-# name of max_tokens, stop strings and streaming (the HTTP layer's), one choice only,
-# the response's shape.
-HTTP_ONLY = {"max_completion_tokens", "stop", "stream", "stream_options", "n", "return_token_ids"}
+# name of max_tokens, stop strings and streaming (the HTTP layer's), choices (n requests),
+# the response's shape (echo: the prompt before the text, with logprobs prompt_logprobs).
+HTTP_ONLY = {"max_completion_tokens", "stop", "stream", "stream_options", "n", "return_token_ids",
+             "echo"}  # fmt: skip
+# The proto's int32 fields (the others are int64).
+INT32_FIELDS = {"priority", "logprobs", "prompt_logprobs"}
 # `client generate`'s flags that are not request options.
 CLI_ONLY = {"--help", "--router", "--timeout", "--api-key", "--tls-ca", "--tls", "--prompt",
             "--prompt-ids", "--json"}  # fmt: skip
@@ -69,7 +72,7 @@ def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
     f = _field(o.wire)
     cpp = {int: f.CPPTYPE_INT64, float: f.CPPTYPE_DOUBLE, str: f.CPPTYPE_STRING,
            bool: f.CPPTYPE_BOOL, tuple: f.CPPTYPE_INT64}[o.kind]  # fmt: skip
-    if o.wire == "priority":
+    if o.wire in INT32_FIELDS:
         cpp = f.CPPTYPE_INT32
     assert f.cpp_type == cpp
     assert f.is_repeated == (o.kind is tuple)

@@ -195,3 +195,63 @@ def test_logprobs_are_the_targets_own(llama_dir, mode, temperature) -> None:
         top = torch.topk(want[i], 5)
         assert list(lp.top_ids) == top.indices.tolist()
         assert list(lp.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-9)
+
+
+# -- prompt logprobs (echo with logprobs) ------------------------------------------------------
+LONG_PROMPT = [(7 * i + 3) % 90 + 1 for i in range(40)]  # two whole cache blocks of 16, and more
+
+
+def hf_logprobs(model_dir, ids: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' own fp64 forward of `ids`: row p scores token p + 1."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)
+
+
+@pytest.mark.parametrize("mode", [Mode.SPECPIPE, Mode.SPECINFER, Mode.PP])
+def test_prompt_logprobs_are_the_targets_own_even_after_a_prefix_cache_hit(llama_dir, mode):
+    """Every prompt token after the first gets log_softmax of the target's raw logits at
+    the position before it, with its top 4: over several prefill chunks (the last chunk's
+    last row waits for the first root's token), and for a request whose prompt the
+    prefix cache holds (its prefill is then computed whole, not served from the cache)."""
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
+    engine = LockstepEngine(dep.pipeline, dep.draft)
+    plain = DecodeOptions(4, width=3, prefill_chunk=7)
+    first = engine.add(LONG_PROMPT, mode, plain)
+    engine.run_all()
+    opts = DecodeOptions(4, width=3, prefill_chunk=7, logprobs=2, prompt_logprobs=4)
+    run = engine.add(LONG_PROMPT, mode, opts)
+    assert run.controller.cached_prefix == 32  # the cache holds two blocks of the prompt
+    engine.run_all()
+    assert run.tokens == first.tokens
+    found = run.controller.out.prompt_logprobs
+    want = hf_logprobs(llama_dir, LONG_PROMPT + run.tokens)
+    assert found is not None and len(found) == len(LONG_PROMPT) - 1
+    for p, lp in enumerate(found):
+        assert lp.logprob == pytest.approx(float(want[p, LONG_PROMPT[p + 1]]), abs=1e-9)
+        top = torch.topk(want[p], 4)
+        assert list(lp.top_ids) == top.indices.tolist()
+        assert list(lp.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-9)
+    # The output's own logprobs go on after the prompt's.
+    for i, lp in enumerate(run.controller.out.logprobs):
+        token = run.tokens[i]
+        assert lp.logprob == pytest.approx(float(want[len(LONG_PROMPT) - 1 + i, token]), abs=1e-9)
+
+
+def test_a_one_token_prompt_has_no_prompt_logprobs(llama_dir) -> None:
+    dep = build_local(llama_dir, 2, None, torch.float64)
+    opts = DecodeOptions(3, prompt_logprobs=0)
+    gen = Generation(dep.pipeline, None, [5], Mode.PP, opts)
+    gen.run()
+    assert gen.controller.out.prompt_logprobs == () and len(gen.output) == 3
+
+
+def test_the_verifier_refuses_prompt_logprobs_of_rows_it_never_computed() -> None:
+    """A prefill that started after a cached prefix left rows with no logits here: a
+    clear error, not logprobs with holes."""
+    spec = VerifySpec(SamplingParams(), output_start=4, prompt_logprobs=1)
+    v = RequestVerifier("r", spec, lambda h: h, prefix_tokens=[1, 2, 3])
+    hidden = torch.zeros(1, VOCAB, dtype=torch.float64)
+    v.on_output(Activation("r", torch.tensor([2]), committed=True, hidden=hidden))  # row 2 only
+    with pytest.raises(ValueError, match=r"positions 0\.\.1 were not computed"):
+        v.on_output(rows([0], [-1], [9], [4], position=3))

@@ -69,20 +69,22 @@ class FrameHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
 
 class VerifySpec(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     output_start: int
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., output_start: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., output_start: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -95,18 +97,20 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Verification(_message.Message):
-    __slots__ = ("node_ids", "token_ids", "position", "logprobs", "sent_at_ns")
+    __slots__ = ("node_ids", "token_ids", "position", "logprobs", "sent_at_ns", "prompt_logprobs")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_NS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     node_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     position: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     sent_at_ns: int
-    def __init__(self, node_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., sent_at_ns: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, node_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., sent_at_ns: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PruneSignal(_message.Message):
     __slots__ = ("seq", "commit_ids", "keep_ids", "horizon")
