@@ -13,6 +13,10 @@ one, logits as before: for specpipe/pp only the root's, possibly once a prune ma
 computed row the root). Requests join and leave between rounds; a request that fails
 fails alone, and its router hears why (`fail`). The lifecycle (server, drain, leases,
 `Renew`) is the `Replica`'s; everything else is the runtime's `StageRuntime`.
+
+One module: the gRPC handlers and the data-plane admission take work into the same
+per-request state (`StageRequest`) under the same checks, and fail a request the same
+way (`fail`); the compute rounds, which only compute and send, are a module of their own.
 """
 
 from __future__ import annotations
