@@ -8,29 +8,28 @@ while a forward runs are answered together by the next batched forward
 next call is due within a few milliseconds waits for them first, a bounded window
 (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`). Without it the calls of
 one pipeline step, which reach the draft spread over the router's handling of the
-step, take two forwards, and the answers of the second come a draft forward late.
+step, take two forwards, and the answers of the second come a draft forward late. The
+lifecycle (server, drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
-from specpipe.common.perf.cost_model import COST_CONTEXT
+from specpipe.common.perf.clock import timed_call
 from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, Overloaded, RequestError
-from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, LeaseTable
+from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
 from specpipe.common.runtime.loader import load_draft, parse_dtype
 from specpipe.common.runtime.validation import (
     Limits,
@@ -39,25 +38,16 @@ from specpipe.common.runtime.validation import (
     check_span,
     check_token_ids,
     check_tokens,
-    step_row_cap,
 )
 from specpipe.common.spec.messages import Candidates, Prune
 from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .control import (
-    FrameError,
-    cost_curve_to_proto,
-    max_control_bytes,
-    prune_from_proto,
-    token_activation,
-)
-from .grpc_util import Server, wait_until_idle
-from .lease import DRAIN_LEASE_SECONDS, lease_claim, reap_expired
+from .control import FrameError, prune_from_proto, token_activation
 from .metrics import DraftMetrics
-from .modelinfo import free_memory_bytes
 from .ratelog import RateLimitedLog
+from .replica import Replica
 from .security import Security
 from .status import status_code
 
@@ -81,7 +71,7 @@ class _Ask:
     )
 
 
-class DraftService(draft_pb2_grpc.DraftServicer):
+class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def __init__(
         self,
         model_dir: str | Path,
@@ -100,31 +90,21 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         Propose calls of the same step, in seconds (None: automatic; 0: never);
         `max_step_rows`: the most rows one call (a prefill chunk, a tree layer) may
         carry (None: from the measured cost curve, `step_row_cap`)."""
+        self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
+        self._model_limits = Limits.of(self.runtime.runtime.model)
+        super().__init__(
+            SERVICE_NAME, "draft", lease_seconds, security, max_step_rows, self._model_limits
+        )
         self.pacer = pacer
-        self.security = security
-        self._max_step_rows = max_step_rows
         self.cost_curve = None  # perf.cost_model.CostCurve, with --measure-costs
         # Every open request asks once per step, at irregular times (answers it grows
         # on at once, or holds until a verification): the requests of the last batch
         # are expected, and a quarter of a forward is the most that waiting may cost.
         self.aligner = StepAligner(batch_wait, fraction=DRAFT_FRACTION, expect_recent=True)
-        self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
-        # Each request's state is a lease its router renews (common/runtime/lease.py).
-        self.leases = LeaseTable(lease_seconds)
-        self._reaper: asyncio.Task | None = None
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
-        self._model_limits = Limits.of(self.runtime.runtime.model)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
         self._asks: list[_Ask] = []  # Propose calls waiting for the next batch
         self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
-        self.draining = False
-        self.server = Server(
-            [SERVICE_NAME],
-            max_receive_bytes=max_control_bytes(self._model_limits),
-            credentials=security.server_credentials() if security else None,
-        )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch_dataplane(None)  # the draft has no data plane: 0 bytes
@@ -135,44 +115,42 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             lambda: stage.info().active_requests,
         )
 
+    # -- what the Replica asks of it -------------------------------------------------------
     @property
-    def max_step_rows(self) -> int:
-        """The most rows one call (a prefill chunk, a tree layer) may carry here."""
-        if self._max_step_rows is not None:
-            return self._max_step_rows
-        return step_row_cap(self.cost_curve)
+    def name(self) -> str:
+        return "draft"
 
     @property
-    def limits(self) -> Limits:
-        """What the draft model accepts (context, vocabulary, rows per call)."""
-        return dataclasses.replace(self._model_limits, max_rows=self.max_step_rows)
+    def model_limits(self) -> Limits:
+        return self._model_limits
 
-    async def start(
-        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
-    ) -> int:
-        self._loop_task = asyncio.create_task(self._propose_loop(), name="draft-propose")
-        self.server.supervise(self._loop_task, self._stopped_computing)
-        port = await self.server.start(host, port, health_port)
-        await self.server.set_serving(True)
-        self._reaper = asyncio.create_task(reap_expired(self.leases, self._expire), name="leases")
-        return port
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.runtime.model.device
 
-    async def drain(self, seconds: float) -> None:
-        """Graceful shutdown, first half: NOT_SERVING, refuse new requests, and keep
-        serving open ones until their router releases them or `seconds` pass."""
-        self.draining = True
-        await self.server.enter_drain()
-        self.leases.shorten(DRAIN_LEASE_SECONDS)  # a crashed router's requests go soon
-        await wait_until_idle(lambda: self.runtime.runtime.info().active_requests, seconds)
+    def _compute_forever(self):
+        return self._propose_loop()
 
-    async def stop(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-        await self.server.stop()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def _open_requests(self) -> int:
+        return self.runtime.runtime.info().active_requests
 
+    async def _release(self, rid: str) -> None:
+        self.aligner.forget(rid)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
+
+    def _fail_held(self) -> None:
+        """The batch loop ended: fail the waiting Propose calls."""
+        asks, self._asks = self._asks, []
+        for ask in asks:
+            if not ask.answer.done():
+                ask.answer.set_exception(RequestError("the draft's batch loop ended"))
+
+    def _describe(self) -> draft_pb2.DraftDescription:
+        desc = draft_pb2.DraftDescription()
+        self._describe_model(desc, self.runtime.runtime.info(), self.model_id, self.weight_hash)
+        return desc
+
+    # -- calls -----------------------------------------------------------------------------
     async def _call(self, context, fn, *args, rows: int = 0):
         """Run an engine call on the compute thread; engine errors become gRPC statuses,
         anything else INTERNAL with one (rate-limited) log line."""
@@ -208,38 +186,11 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         for s in range(0, tokens.numel(), chunk):
             part = tokens[s : s + chunk]
             n = part.numel()
-            prefill = paced_call(self.pacer, self.runtime.prefill, n, start + s + n)
+            prefill = paced_call(self.pacer, self.runtime.prefill, n, start + s + n, self.device)
             await self._call(context, prefill, rid, part, start + s, chunk, rows=n)
 
-    async def Describe(self, request, context) -> draft_pb2.DraftDescription:
-        info = self.runtime.runtime.info()
-        return draft_pb2.DraftDescription(
-            model_id=self.model_id,
-            weight_hash=self.weight_hash,
-            vocab_size=info.vocab_size,
-            num_layers=info.num_layers,
-            dtype=info.dtype,
-            device=info.device,
-            weight_bytes=info.weight_bytes,
-            free_memory_bytes=free_memory_bytes(info.device),
-            active_requests=info.active_requests,
-            lease_seconds=self.leases.seconds,
-            cost_curve=cost_curve_to_proto(self.cost_curve, COST_CONTEXT)
-            if self.cost_curve
-            else None,
-            max_step_rows=self.max_step_rows,
-            prefix_caching=info.prefix_caching,
-            cache_blocks_cached=info.cache_blocks_cached,
-            prefix_cache_queries=info.prefix_cache_queries,
-            prefix_cache_hits=info.prefix_cache_hits,
-        )
-
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
-        if self.draining:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "draft is shutting down (draining): open the request on another replica",
-            )
+        await self._refuse_if_draining(context)
         rid = request.request_id
         if not rid or request.capacity <= 0 or not request.prompt_ids:
             await context.abort(
@@ -263,17 +214,13 @@ class DraftService(draft_pb2_grpc.DraftServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"draft: request {rid!r} is already open"
             )
         try:
-            claim = lease_claim(
-                request.lease_owner,
-                request.lease_epoch,
-                request.lease_token,
-                context,
-                authenticated=self.security is not None,
+            claim = self._claim(
+                request.lease_owner, request.lease_epoch, request.lease_token, context
             )
             stale = self.leases.grant(rid, claim)
         except RequestError as e:
             await context.abort(status_code(e), f"draft: {e}")
-        await self._free(context, stale)
+        await self._free_stale(stale)
         opened = False
         body = prompt[:-1]  # the first root is not prefilled
         try:
@@ -290,36 +237,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
         if body.numel() > cached:
             await self._prefill(context, rid, body[cached:], cached, request.prefill_chunk)
         return draft_pb2.OpenDraftResponse(cached_tokens=cached)
-
-    async def _free(self, context, request_ids: list[str]) -> None:
-        """Requests of a router process that was replaced (it restarted): free them now."""
-        for rid in request_ids:
-            self.leases.end(rid)
-            self.aligner.forget(rid)
-            await self._call(context, self.runtime.release, rid)
-        if request_ids:
-            log.warning("draft: freed %d requests of a router that restarted", len(request_ids))
-
-    async def _expire(self, rid: str) -> None:
-        rlog.warning("lease", "draft: a request expired (no word from its router for %.0f s): freed",
-                     self.leases.seconds)  # fmt: skip
-        log.debug("request %s expired", rid)
-        self.aligner.forget(rid)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
-
-    async def Renew(self, request, context) -> pb.RenewResponse:
-        """A router's keep-alive: only its own requests are renewed (see StageService)."""
-        try:
-            claim = lease_claim(
-                request.owner, request.epoch, request.token, context, self.security is not None
-            )
-            if claim is None:
-                raise InvalidInput("Renew names no lease owner")
-            unknown, stale = self.leases.renew_all(claim, request.request_ids)
-        except RequestError as e:
-            await context.abort(status_code(e), f"draft: {e}")
-        await self._free(context, stale)
-        return pb.RenewResponse(unknown_ids=unknown)
 
     async def Prefill(self, request, context) -> draft_pb2.PrefillDraftResponse:
         self.leases.renew(request.request_id)
@@ -367,14 +284,6 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             probs=cand.probs.tolist(),
         )
 
-    def _stopped_computing(self) -> None:
-        """The batch loop ended (see `Server.supervise`): refuse new requests, fail asks."""
-        self.draining = True
-        asks, self._asks = self._asks, []
-        for ask in asks:
-            if not ask.answer.done():
-                ask.answer.set_exception(RequestError("the draft's batch loop ended"))
-
     async def _propose_loop(self) -> None:
         """Answer every waiting Propose with one batched forward, then the next batch
         (once the aligner lets it start)."""
@@ -396,10 +305,12 @@ class DraftService(draft_pb2_grpc.DraftServicer):
             asks, self._asks = self._asks, []
             try:
                 rows, ctx = batch_shape([a.proposal.layer for a in asks])
-                timed = self.metrics.timed(paced_call(self.pacer, self._propose, rows, ctx), rows)
-                start = time.perf_counter()
-                results = await loop.run_in_executor(self._executor, timed, asks)
-                self.aligner.computed(time.perf_counter() - start)
+                forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
+                timed = self.metrics.timed(
+                    functools.partial(timed_call, self.device, forward), rows
+                )
+                results, seconds = await loop.run_in_executor(self._executor, timed, asks)
+                self.aligner.computed(seconds)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))
                 results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -31,13 +32,27 @@ class Elapsed:
 
 
 @contextlib.contextmanager
-def device_timer(device: torch.device | str) -> Iterator[Elapsed]:
-    """Seconds the block's work took on `device`, set when the block ends."""
+def device_timer(
+    device: torch.device | str, clock: Callable[[], float] = time.perf_counter
+) -> Iterator[Elapsed]:
+    """Seconds the block's work took on `device`, set when the block ends (`clock`: the
+    host clock read at both ends; tests give a fake one)."""
     elapsed = Elapsed()
     synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     try:
         yield elapsed
     finally:
         synchronize(device)
-        elapsed.seconds = time.perf_counter() - start
+        elapsed.seconds = clock() - start
+
+
+T = TypeVar("T")
+
+
+def timed_call(device: torch.device | str, fn: Callable[..., T], *args) -> tuple[T, float]:
+    """`fn(*args)` and the seconds it took on `device` (for work run on another thread
+    whose time its caller needs: a service's compute thread)."""
+    with device_timer(device) as elapsed:
+        result = fn(*args)
+    return result, elapsed.seconds

@@ -38,7 +38,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..spec.messages import Activation
+from .clock import device_timer
 from .cost_model import BUDGET_ROWS, CostCurve, DeploymentCosts
 
 log = logging.getLogger(__name__)
@@ -221,13 +224,18 @@ class Pacer:
     _warned_at: float = field(default=-1e9, repr=False)
 
     @contextlib.contextmanager
-    def forward(self, rows: int, context: int | None = None) -> Iterator[None]:
+    def forward(
+        self, rows: int, context: int | None = None, device: torch.device | str = "cpu"
+    ) -> Iterator[None]:
+        """The real forward runs in the block; its time is `device`'s (the one device
+        timer, `clock.device_timer`: launches are asynchronous on an accelerator)."""
         if rows <= 0:  # nothing computed (a round of prunes only): not a forward
             yield
             return
         start = self.clock()
-        yield
-        real = self.clock() - start
+        with device_timer(device, self.clock) as elapsed:
+            yield
+        real = elapsed.seconds
         modelled = self.cost(rows, context)
         if real < modelled:
             self.sleep(modelled - real)
@@ -256,21 +264,30 @@ class Pacer:
             }
 
 
-def paced(pacer: Pacer | None, acts: Sequence[Activation]) -> contextlib.AbstractContextManager:
-    """Around a batched forward of `acts`: paced with a pacer, as is without one."""
+def paced(
+    pacer: Pacer | None, acts: Sequence[Activation], device: torch.device | str = "cpu"
+) -> contextlib.AbstractContextManager:
+    """Around a batched forward of `acts` on `device`: paced with a pacer, as is without
+    one."""
     if pacer is None:
         return contextlib.nullcontext()
-    return pacer.forward(*batch_shape(acts))
+    return pacer.forward(*batch_shape(acts), device=device)
 
 
-def paced_call(pacer: Pacer | None, fn: Callable, rows: int, context: int) -> Callable:
-    """`fn`, its every call one paced forward of `rows` rows at `context`."""
+def paced_call(
+    pacer: Pacer | None,
+    fn: Callable,
+    rows: int,
+    context: int,
+    device: torch.device | str = "cpu",
+) -> Callable:
+    """`fn`, its every call one paced forward of `rows` rows at `context` on `device`."""
     if pacer is None or rows <= 0:
         return fn
 
     @functools.wraps(fn)
     def run(*args):
-        with pacer.forward(rows, context):
+        with pacer.forward(rows, context, device):
             return fn(*args)
 
     return run

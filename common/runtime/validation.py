@@ -8,7 +8,9 @@ is 2-D, of the stage's own dtype and width, one row per position and finite. Eac
 raises `InvalidInput` (INVALID_ARGUMENT) with a message that names what is wrong; none
 computes or allocates more than the input's own size. Counts are checked first, from
 lengths alone (`check_counts`), so a message claiming a huge number of rows is refused
-before its tensors are built.
+before its tensors are built. Values are read last: a stage checks that the hidden
+states of a round's inputs are finite on its compute thread, all at once (`nonfinite`),
+since reading a device tensor waits for the device, behind whatever forward runs there.
 """
 
 from __future__ import annotations
@@ -164,33 +166,64 @@ def check_tokens(act: Activation, limits: Limits) -> None:
 
 
 def check_payload(
-    x: Tensor, rows: int, width: int, dtypes: tuple[torch.dtype, ...], what: str
+    x: Tensor,
+    rows: int,
+    width: int,
+    dtypes: tuple[torch.dtype, ...],
+    what: str,
+    finite: bool = True,
 ) -> None:
-    """A 2-D [rows, width] tensor of one of `dtypes`, every value finite."""
+    """A 2-D [rows, width] tensor of one of `dtypes`, every value finite (without
+    `finite`, the values are left to `nonfinite` on the compute thread: a stage's
+    event loop must not read a device tensor's values)."""
     if x.dtype not in dtypes:
         names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise InvalidInput(f"{what} must be {names}, got {str(x.dtype).removeprefix('torch.')}")
     if x.ndim != 2 or x.shape[0] != rows or x.shape[1] != width:
         raise InvalidInput(f"{what} must be [{rows}, {width}], got {list(x.shape)}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        raise InvalidInput(f"{what} contain NaN or infinite values")
+    if finite and nonfinite([x])[0]:
+        raise InvalidInput(nonfinite_message(what))
 
 
-def check_hidden(act: Activation, limits: Limits) -> None:
-    """Input of a later stage: hidden states [rows, hidden_size] of the stage's dtype."""
+def nonfinite_message(what: str) -> str:
+    return f"{what} contain NaN or infinite values"
+
+
+def nonfinite(tensors: Sequence[Tensor]) -> list[bool]:
+    """Which of `tensors` hold a NaN or an infinity: one reduction each on its own
+    device and one read per device for all of them, so a stage checks a whole round's
+    inputs with one wait for the device, on its compute thread (on the event loop the
+    read would wait behind the forward running on the device)."""
+    out = [False] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(tensors):
+        if x.numel():
+            by_device.setdefault(x.device, []).append(i)
+    for idx in by_device.values():
+        flags = torch.stack([~torch.isfinite(tensors[i]).all() for i in idx])
+        for i, bad in zip(idx, flags.tolist(), strict=True):  # the one read of the device
+            out[i] = bad
+    return out
+
+
+def check_hidden(act: Activation, limits: Limits, finite: bool = True) -> None:
+    """Input of a later stage: hidden states [rows, hidden_size] of the stage's dtype
+    (finite: see `check_payload`)."""
     if act.hidden is None:
         raise InvalidInput("stages after the first need hidden states")
-    check_payload(act.hidden, len(act), limits.hidden_size, (limits.dtype,), "hidden states")
+    h, width = act.hidden, limits.hidden_size
+    check_payload(h, len(act), width, (limits.dtype,), "hidden states", finite)
 
 
-def check_input(act: Activation, limits: Limits, first: bool) -> None:
+def check_input(act: Activation, limits: Limits, first: bool, finite: bool = True) -> None:
     """Everything about an activation a stage (first: token ids; else hidden states)
-    is about to compute."""
+    is about to compute; without `finite`, all but the values of hidden states, which
+    the stage then checks on its compute thread (`nonfinite`)."""
     check_rows(act, limits)
     if first:
         check_tokens(act, limits)
     else:
-        check_hidden(act, limits)
+        check_hidden(act, limits, finite)
 
 
 def check_capacity(capacity: int, limits: Limits) -> None:

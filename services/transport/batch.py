@@ -9,11 +9,14 @@ The receiver splits a batch back into the frames it carries before its owner see
 them, so owners (stages, the router's inbox) only ever handle per-request frames, and
 `admit` judges every part on its own. A batch is bounded like any frame: at most
 `MAX_PARTS` parts and `MAX_ROWS` rows (no more than one request's largest activation,
-so a receiver's `max_payload_bytes` holds) and `MAX_BATCH_BYTES`.
+so a receiver's `max_payload_bytes` holds) and `MAX_BATCH_BYTES`. A batch of device
+payloads is concatenated on the device and waited for before the transport reads it
+(`settled`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -67,13 +70,42 @@ def pack(parts: list[Part], sender: str = "") -> Part:
     """One batch frame of `parts` (a run from `batches`)."""
     outer = pb.FrameHeader(kind=Kind.PAYLOAD_KIND_BATCH, sender=sender)
     outer.parts.extend(h for h, _ in parts)
-    payloads = [p.detach().contiguous() for _, p in parts if p is not None and p.numel()]
+    payloads = [p.detach() for _, p in parts if p is not None and p.numel()]
     if not payloads:
         return outer, None
-    payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
+    with settled(payloads[0].device):
+        payloads = [p.contiguous() for p in payloads]
+        payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
     outer.dtype = DTYPE_NAMES[payload.dtype]
     outer.shape.extend(payload.shape)
     return outer, payload
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def settled(device: torch.device) -> Iterator[None]:
+    """The device work the block launches has finished when it exits.
+
+    A transport may read a device payload's memory itself: UCX with a CUDA transport
+    copies it on a stream of its own, which waits for none of ours, so a payload that a
+    kernel makes (a batch's concatenation, on the event loop) must be complete before it
+    is handed over. The block's kernels run on a side stream and only they are waited
+    for: the compute stream may already run the next round's forward. Their inputs are
+    complete already (the stage synchronizes its outputs on the compute thread,
+    `compute_round.for_wire`). On the CPU there is nothing to wait for."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield
+    done = torch.cuda.Event()
+    done.record(stream)
+    done.synchronize()
 
 
 def check(header: pb.FrameHeader) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from specpipe.common.perf import clock
 from specpipe.common.perf.clock import device_timer
@@ -47,3 +48,28 @@ def test_stage_cost_measurement_times_the_device(monkeypatch, llama_dir) -> None
     curve = cost_model.measure_runtime(rt, rows=(1, 4), context=8, repeats=1)
     assert devices and all(d.type == "cpu" for d in devices)
     assert len(curve.seconds) == 2
+
+
+def test_timed_call_reads_the_clock_after_the_device_finished(monkeypatch) -> None:
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    result, seconds = clock.timed_call("cuda:0", lambda x: events.append(f"work {x}") or x, 7)
+    assert (result, events) == (7, ["sync", "work 7", "sync"]) and seconds >= 0.0
+
+
+def test_the_pacer_paces_to_device_time_not_launch_time(monkeypatch) -> None:
+    """--emulate-costs: a forward whose kernels are launched in 1 ms and run 4 ms more
+    on the device took 5 ms; the pacer sleeps the rest of its model's 10 ms, not 9."""
+    from specpipe.common.perf.emulate import EmulatedCosts, Pacer, paced
+    from specpipe.common.spec.messages import Activation
+
+    from .test_emulate import FakeClock
+
+    fake = FakeClock()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: fake.advance(0.004))
+    pacer = Pacer(EmulatedCosts.flat(0.010).stage(), clock=fake, sleep=fake.sleep)
+    acts = [Activation("r", torch.arange(8))]
+    with paced(pacer, acts, torch.device("cuda", 0)):
+        fake.advance(0.001)  # the launches
+    assert pacer.real_seconds == pytest.approx(0.005)
+    assert fake.slept == [pytest.approx(0.005)]

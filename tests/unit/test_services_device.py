@@ -114,19 +114,51 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_stage_service_sends_gpu_outputs_from_host_memory_over_tcp(llama_dir) -> None:
+ON_EVERY_DEVICE = pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))],
+)
+
+
+@ON_EVERY_DEVICE
+def test_a_stage_round_sends_outputs_from_host_memory_over_tcp(llama_dir, device) -> None:
+    """The stage's compute round (`ComputeRounds.compute`: a list of work items in, the
+    forward's seconds out) with the model on `device`: over TCP every output it makes
+    ready to send is in host memory (copied on the compute thread, not on the event
+    loop), and the hidden states are the runtime's."""
+    from specpipe.common.model.loading import load_stage
+    from specpipe.common.model.partition import LayerRange
     from specpipe.common.runtime.loader import load_model
+    from specpipe.common.runtime.ordering import Pending
+    from specpipe.common.runtime.stage import StageRuntime
     from specpipe.common.spec.messages import Activation
+    from specpipe.services.compute_round import StageRequest, Work
     from specpipe.services.stage_service import StageService
 
+    t = torch.tensor
+
+    def prompt() -> Activation:
+        return Activation("r", t([0, 1]), committed=True, tokens=t([5, 9]))
+
     async def main() -> None:  # gRPC's asyncio server needs a running loop
-        svc = StageService(load_model(llama_dir, (0, 2), device="cuda"), transport_kind="tcp")
-        assert svc.transport.host_payloads
-        rt = svc.runtime
-        rt.open("r", 8)
-        t = torch.tensor
-        out = svc._compute(Activation("r", t([0, 1]), committed=True, tokens=t([5, 9])))
-        assert out.hidden.device.type == "cpu" and rt.model.device.type == "cuda"
+        svc = StageService(load_model(llama_dir, (0, 2), device=device), transport_kind="tcp")
+        try:
+            assert svc.transport.host_payloads
+            rt = svc.runtime
+            assert rt.model.device.type == device
+            rt.open("r", 8)
+            st = StageRequest("r", next_hop="tcp://127.0.0.1:9", report_to="")
+            work = Work(st, prunes=[], turns=[(0, Pending(prompt(), 0))], root_seq=0)
+            seconds = svc.rounds.compute([work])
+            assert work.error is None and seconds is not None and seconds >= 0.0
+            (out,) = work.outputs
+            assert out.hidden.device.type == "cpu"
+            ref = StageRuntime(load_stage(llama_dir, LayerRange(0, 2, 5), torch.float32, "cpu"))
+            ref.open("r", 8)
+            # fp32 on a GPU reduces in other orders than the CPU (as in the test above)
+            want = ref.forward(prompt()).hidden
+            torch.testing.assert_close(out.hidden, want, rtol=1e-4, atol=1e-4)
+        finally:
+            await svc.stop()
 
     asyncio.run(main())

@@ -140,3 +140,81 @@ def test_a_batch_that_contradicts_itself_closes_the_connection() -> None:
             await rx.close()
 
     asyncio.run(main())
+
+
+class _FakeCuda:
+    """torch.cuda's streams and events as a log of what is asked of them."""
+
+    def __init__(self, monkeypatch) -> None:
+        import contextlib
+
+        self.log: list[str] = []
+        log = self.log
+
+        class Stream:
+            def __init__(self, device) -> None:
+                log.append(f"new stream {device}")
+
+        class Event:
+            def record(self, stream) -> None:
+                log.append(f"record on {type(stream).__name__}")
+
+            def synchronize(self) -> None:
+                log.append("wait for the event")
+
+        @contextlib.contextmanager
+        def stream(s):
+            log.append("enter side stream")
+            yield
+            log.append("leave side stream")
+
+        for name, value in (("Stream", Stream), ("Event", Event), ("stream", stream)):
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("device sync"))
+        monkeypatch.setattr(B, "_side_streams", {})
+
+
+def test_device_work_for_the_transport_is_finished_before_it_is_handed_over(
+    monkeypatch,
+) -> None:
+    """UCX copies a device payload on its own stream: what the event loop launches to
+    make a payload runs on a side stream whose event is waited for before `settled`
+    returns, and only that event (never the whole device, which may be running the
+    next forward). The side stream is made once per device."""
+    cuda = _FakeCuda(monkeypatch)
+    dev = torch.device("cuda", 0)
+    for _ in range(2):
+        with B.settled(dev):
+            cuda.log.append("concatenate")
+    once = ["enter side stream", "concatenate", "leave side stream"]
+    once += ["record on Stream", "wait for the event"]
+    assert cuda.log == [f"new stream {dev}", *once, *once]
+
+
+def test_host_payloads_touch_no_device(monkeypatch) -> None:
+    cuda = _FakeCuda(monkeypatch)
+    with B.settled(torch.device("cpu")):
+        pass
+    B.pack(_parts([("a", 3), ("b", 1)]))
+    assert cuda.log == []
+
+
+def test_a_batch_is_concatenated_inside_settled(monkeypatch) -> None:
+    """`pack` makes its payload (copies and concatenation) inside `settled`, for the
+    payloads' device."""
+    import contextlib
+
+    log: list[str] = []
+    cat = torch.cat
+
+    @contextlib.contextmanager
+    def settled(device):
+        log.append(f"settle {device}")
+        yield
+        log.append("settled")
+
+    monkeypatch.setattr(B, "settled", settled)
+    monkeypatch.setattr(torch, "cat", lambda xs: log.append("cat") or cat(xs))
+    _, payload = B.pack(_parts([("a", 3), ("b", 1)]))
+    assert log == ["settle cpu", "cat", "settled"]
+    assert payload.shape[0] == 4

@@ -16,6 +16,7 @@ from specpipe.common.runtime.validation import (
     check_counts,
     check_input,
     check_span,
+    nonfinite,
 )
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
 from specpipe.services.control import FrameError, token_activation
@@ -70,6 +71,33 @@ def test_positions_outside_the_context_are_refused(pos: int) -> None:
 )
 def test_hidden_states_of_the_wrong_dtype_shape_or_value_are_refused(hidden, why) -> None:
     refused(check_input, tree([3, 4], hidden=hidden), LIMITS, False, match=why)
+
+
+def test_values_of_hidden_states_can_be_left_to_the_compute_thread() -> None:
+    """On arrival a stage checks what metadata tells (dtype, shape, rows) and leaves the
+    values to its compute thread (`nonfinite`): reading a device tensor on the event loop
+    waits for the device, behind the running forward."""
+    nan = tree([3, 4], hidden=torch.full((2, 8), float("nan")))
+    check_input(nan, LIMITS, first=False, finite=False)
+    wrong = tree([3, 4], hidden=torch.full((2, 7), float("nan")))
+    refused(check_input, wrong, LIMITS, False, False, match=r"\[2, 8\]")
+
+
+def test_nonfinite_flags_each_tensor_with_one_read_per_device(monkeypatch) -> None:
+    inf, nan = float("inf"), float("nan")
+    tensors = [
+        torch.zeros(2, 8),
+        torch.tensor([[0.0, nan]]),
+        torch.empty(0, 8),
+        torch.tensor([[-inf, 1.0]], dtype=torch.float64),
+        torch.ones(3, 8, dtype=torch.bfloat16),
+    ]
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda x: reads.append(x.device) or tolist(x))
+    assert nonfinite(tensors) == [False, True, False, True, False]
+    assert reads == [torch.device("cpu")]
+    assert nonfinite([]) == []
 
 
 def test_tokens_and_ids_are_checked() -> None:

@@ -1,0 +1,104 @@
+"""A stage's compute round (services/compute_round.py) in one process, without gRPC
+calls: its forward is timed on the device (the one device timer) and that time is what
+the step aligner learns; arriving hidden states are checked for NaN and infinity on
+the compute thread, failing only the request that sent them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import torch
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import LayerRange
+from specpipe.common.perf.clock import Elapsed
+from specpipe.common.runtime.loader import LoadedModel
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import Activation
+from specpipe.services import compute_round
+from specpipe.services.stage_service import StageService
+from specpipe.services.transport import Frame, encode
+from specpipe.v1 import stage_pb2
+
+DTYPE = torch.float64
+WIDTH = 48  # the tiny llama's hidden size
+
+
+def _last_stage(llama_dir) -> StageService:
+    model = load_stage(llama_dir, LayerRange(2, 5, 5), DTYPE)
+    return StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+
+
+async def _open(svc: StageService, rid: str) -> None:
+    # no lease owner and nothing wrong: Open never touches its context
+    req = stage_pb2.OpenStageRequest(request_id=rid, capacity=64, next_hop="tcp://127.0.0.1:9")
+    await svc.Open(req, None)
+
+
+def _frame(rid: str, hidden: torch.Tensor) -> Frame:
+    """A request's first activation: a one-row tree (its root), whose logits come back."""
+    t = torch.tensor
+    act = Activation(rid, t([0]), node_ids=t([0]), parent_ids=t([-1]), hidden=hidden)
+    return Frame(*encode(act, 0))
+
+
+def test_hidden_states_are_checked_for_nan_on_the_compute_thread(llama_dir) -> None:
+    """A frame of NaN hidden states is queued on arrival (the event loop reads no
+    values); the round that takes it fails that request alone ("a bad frame") and
+    computes the other request of the round."""
+
+    async def main() -> None:
+        svc = _last_stage(llama_dir)
+        try:
+            for rid in ("bad", "good"):
+                await _open(svc, rid)
+            svc._on_frame(_frame("bad", torch.full((1, WIDTH), float("nan"), dtype=DTYPE)))
+            svc._on_frame(_frame("good", torch.zeros(1, WIDTH, dtype=DTYPE)))
+            bad = svc._requests["bad"]
+            assert not bad.closed and len(bad.order.pending) == 1
+            work = svc.rounds._collect()
+            assert [w.st.request_id for w in work] == ["bad", "good"]
+            assert svc.rounds.compute(work) is not None
+            assert "a bad frame: hidden states contain NaN" in str(work[0].error)
+            assert work[0].outputs == [None]
+            assert work[1].error is None
+            (out,) = work[1].outputs
+            assert out.logits.shape[0] == 1 and bool(torch.isfinite(out.logits).all())
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_a_round_is_timed_on_the_device_and_the_aligner_learns_that_time(
+    llama_dir, monkeypatch
+) -> None:
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def timer(device):
+        events.append(f"timer on {torch.device(device)}")
+        elapsed = Elapsed()
+        yield elapsed
+        events.append("timer read")
+        elapsed.seconds = 0.25
+
+    async def main() -> None:
+        svc = _last_stage(llama_dir)
+        try:
+            await _open(svc, "r")
+            forward_many = svc.runtime.forward_many
+            monkeypatch.setattr(
+                svc.runtime,
+                "forward_many",
+                lambda acts: events.append("forward") or forward_many(acts),
+            )
+            monkeypatch.setattr(compute_round, "device_timer", timer)
+            monkeypatch.setattr(svc.aligner, "computed", lambda s: events.append(f"aligner {s}"))
+            svc._on_frame(_frame("r", torch.zeros(1, WIDTH, dtype=DTYPE)))
+            await svc.rounds._round(svc.rounds._collect())
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+    assert events == ["timer on cpu", "forward", "timer read", "aligner 0.25"]
