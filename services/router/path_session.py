@@ -72,7 +72,7 @@ class PathSession:
         self.inbox.route(self.wire_id, post, controller.tree_rows)
         self.executor: CommandExecutor | None = None  # of the current path, once open
         self._claim: Claim | None = None  # the load counted on the current path
-        self.waiting = False  # opening a path (first or replayed), not producing tokens
+        self.waiting = True  # opening a path (first or replayed), not producing tokens
         # The path being opened, and a replica of it that went down meanwhile.
         self._opening_path: RequestPath | None = None
         self._opening: asyncio.Future | None = None
@@ -108,13 +108,15 @@ class PathSession:
         wait_until = time.monotonic() + (0.0 if first else self.replay_timeout)
         if self.deadline.at is not None:
             wait_until = min(wait_until, self.deadline.at)
+        wants_draft = needs_draft(self.controller.mode, self.controller.opts)
         last: DriverError | None = None
         path, self._first = self._first, None
+        if path is not None and not wants_draft:
+            path = RequestPath(path.stages, None)
         while True:
             if path is None:
                 try:
-                    wants = needs_draft(self.controller.mode, self.controller.opts)
-                    path = self.backends.path(self.version, wants, excluded)
+                    path = self.backends.path(self.version, wants_draft, excluded)
                 except NoPath as e:
                     if time.monotonic() < wait_until:
                         await asyncio.sleep(0.1)
