@@ -249,3 +249,38 @@ def test_a_held_verification_goes_on_when_the_wait_is_over() -> None:
     hold.verified(_v(7), now=12.0)
     hold.drop()  # a replay: the old path's verifications are of no use
     assert hold.until is None and hold.settle(now=20.0) == [] and ctrl.verified == [5, 6]
+
+
+def test_a_claim_is_the_one_count_of_a_requests_load() -> None:
+    dep = deployment()
+    path = first_path(dep.backends, Mode.SPECPIPE, options("draft"), PROMPT)
+    claim = dep.backends.acquire(path)
+    claim.count_rows(6)
+    assert [(b.active, b.rows) for b in path.stages] == [(1, 6), (1, 6)]
+    assert (path.draft.active, path.draft.rows) == (1, 0)  # drafts hold no tree rows
+    claim.count_rows(2)
+    claim.leave(path.draft)  # a lost draft
+    claim.leave(path.draft)  # once only
+    assert [(b.active, b.rows) for b in path.stages] == [(1, 2), (1, 2)]
+    assert path.draft.active == 0
+    claim.release()
+    assert all((b.active, b.rows) == (0, 0) for b in path.backends)
+
+
+def test_the_inbox_routes_a_requests_frames_into_its_owners_events() -> None:
+    """Frames reach the driver's own queue beside its other events; a frame of more
+    rows than the request can have becomes an error frame there; a closed id's frames
+    are dropped."""
+    dep = deployment()
+    events: list = []
+    dep.inbox.route("r", events.append, max_rows=2)
+    ok = pb.FrameHeader(request_id="r", kind=Kind.PAYLOAD_KIND_VERIFIED)
+    assert dep.inbox.admit(ok)
+    dep.inbox(Frame(ok))
+    big = pb.FrameHeader(request_id="r", rows=pb.Rows(positions=[1, 2, 3]))
+    assert not dep.inbox.admit(big)
+    assert [e.kind for e in events] == [Kind.PAYLOAD_KIND_VERIFIED, Kind.PAYLOAD_KIND_ERROR]
+    dep.inbox.close("r")
+    assert not dep.inbox.admit(ok)
+    dep.inbox(Frame(ok))
+    assert len(events) == 2 and dep.inbox.dropped == 2
