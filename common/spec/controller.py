@@ -66,6 +66,11 @@ from .tree import Indices, TokenTree
 from .verify import VerifySpec, verify_logits
 
 
+def needs_draft(mode: Mode, opts: DecodeOptions) -> bool:
+    """Whether a request's path holds a draft replica (the one statement of the rule)."""
+    return mode.uses_draft and opts.token_source.uses_model
+
+
 class Controller(ABC):
     """One request's decisions. `num_stages` is the pipeline depth the accounting uses."""
 
@@ -84,8 +89,7 @@ class Controller(ABC):
         self.prompt = [int(t) for t in prompt]
         self.num_stages = num_stages
         source = opts.token_source
-        # the draft model, until it is dropped
-        self._uses_draft = mode.uses_draft and source.uses_model
+        self._uses_draft = needs_draft(mode, opts)  # the draft model, until it is dropped
         # n-gram lookup over prompt + output (costs nothing, is never lost)
         self.ngram = NgramIndex(self.prompt) if mode.uses_draft and source.uses_ngram else None
         self._local: dict[int, Candidates] = {}  # hybrid: n-gram proposals by ticket
@@ -247,7 +251,7 @@ class Controller(ABC):
             return []
         if self._uses_draft and not uses_draft:
             self._lose_draft()  # the old path's work is dropped below: nothing to go on with
-        elif uses_draft and self.mode.uses_draft and self.opts.token_source.uses_model:
+        elif uses_draft and needs_draft(self.mode, self.opts):
             self._uses_draft = True  # a draft again (one dropped before is replaced)
         self.stats.replays += 1
         seq = [*self.prompt, *self.out.tokens]

@@ -1,7 +1,8 @@
 """The router: the client-facing Generation service and the network executor of every
 request's controller."""
 
-from .driver import DriverError, RequestDriver
+from .calls import DriverError
+from .driver import RequestDriver
 from .requests import Plan
 from .service import RouterService
 

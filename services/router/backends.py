@@ -88,8 +88,10 @@ class Backend:
     healthy: bool = False  # described and SERVING
     error: str = "not contacted yet"
     slow_checks: int = 0
-    active: int = 0  # requests of this router with this replica on their path
-    rows: int = 0  # rows in flight of those requests (load for path choice)
+    # Load, written only by `Claim`: requests of this router with this replica on their
+    # path, and their rows in flight here (path choice weighs both)
+    active: int = 0
+    rows: int = 0
     draining: bool = False  # reports NOT_SERVING: takes no new requests, finishes its own
     listed: bool = True  # in the discovery source's current set
     refused: str = ""  # why it may never serve here (incompatible); "" if none
@@ -192,6 +194,41 @@ class RequestPath:
     @property
     def version(self) -> str:
         return self.stages[0].version
+
+
+class Claim:
+    """One request's load on the replicas of its path: it counts on each (`active`)
+    and its rows in flight count on each stage (`rows`) from `Backends.acquire` until
+    `release`; `leave` gives up one replica early (a lost draft). The only writer of
+    `Backend.active` and `Backend.rows`, so a replica's load has one owner."""
+
+    def __init__(self, path: RequestPath) -> None:
+        self._held = path.backends
+        self._stages = list(path.stages)
+        self._rows = 0
+        for b in self._held:
+            b.active += 1
+
+    def count_rows(self, rows: int) -> None:
+        """The request now has `rows` tree rows in flight on its stages."""
+        if rows != self._rows:
+            for b in self._stages:
+                b.rows += rows - self._rows
+            self._rows = rows
+
+    def leave(self, b: Backend) -> None:
+        if b in self._held:
+            self._held.remove(b)
+            b.active -= 1
+            if b in self._stages:
+                self._stages.remove(b)
+                b.rows -= self._rows
+
+    def release(self) -> None:
+        self.count_rows(0)
+        for b in self._held:
+            b.active -= 1
+        self._held, self._stages = [], []
 
 
 @dataclass
@@ -606,18 +643,14 @@ class Backends:
         same = [d for d in drafts if d.endpoint.group in groups] or drafts
         return self.pick(same)
 
-    def acquire(self, path: RequestPath) -> None:
+    def acquire(self, path: RequestPath) -> Claim:
+        """Count a request on the replicas of `path` until its claim is released."""
         now = time.monotonic()
         for b in path.backends:
-            b.active += 1
             b.served += 1
             if b.first_request_at is None:
                 b.first_request_at = now
-
-    def release(self, backends: Iterable[Backend], rows: int = 0) -> None:
-        for b in backends:
-            b.active -= 1
-            b.rows -= rows
+        return Claim(path)
 
     def suspect(self, b: Backend, error: str) -> None:
         """A request could not reach `b`: no new requests until its health says otherwise."""

@@ -43,9 +43,11 @@ from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .bounds import context_of, max_prompt_chars, max_request_bytes
+from .calls import DriverError, LeaseClaim
 from .discovery import Discovery, StaticDiscovery
-from .driver import DriverError, RequestDriver
+from .driver import DriverSettings, RequestDriver
 from .edge import EdgeLimits, InvalidMessages
+from .path_session import first_path
 from .requests import (
     Plan,
     RequestDefaults,
@@ -143,7 +145,6 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.row_budget_spec = row_budget
         self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
         self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
-        self.opening = 0  # requests accepted that wait for their path to open
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         # Leases: this router's stable name (default host:port, set at start), this
@@ -390,94 +391,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         requests through this. Closing the generator early (the client went away)
         releases the request on every stage and the draft; throwing StopGeneration in at
         a delta ends it as finished ("stop") and yields the final message."""
-        if self.draining:
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                "the router is shutting down (draining its open requests): "
-                "send new requests to another replica",
-            )
+        self._refuse_while_draining()
         check_priority(request.priority, caller or self.api_keys.caller(None))
         plan, tuned = self._tune(await self.prepare(request))
-        rid = self._ids.next()
-        try:
-            await self._admit(rid, plan, request.priority, deadline)
-        except BaseException:
-            self.tuning.finish(tuned, None)
-            raise
-        t0 = time.perf_counter()
-        try:
-            path = self.backends.path(
-                need_draft=plan.mode.uses_draft and plan.opts.token_source.uses_model,
-                prompt=plan.prompt,
-            )
-        except NoPath as e:
-            self._leave(rid)
-            self.tuning.finish(tuned, None)
-            log.debug("no path for a request: %s", e)  # names replicas: not for clients
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                "cannot serve requests now: no complete path of healthy replicas",
-            ) from None
-        if self.metrics is not None:
-            self.metrics.path_choice.observe(time.perf_counter() - t0)
-        controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        driver = RequestDriver(
-            controller,
-            self.backends,
-            path,
-            self.transport.address,
-            self.inbox,
-            deadline=deadline,
-            replay_timeout=self.replay_seconds,
-            stall_timeout=self.stall_seconds,
-            max_replays=self.max_replays,
-            on_replay=self.metrics.replayed if self.metrics is not None else None,
-            vocab_size=self.model.vocab_size if self.model else None,
-            lease=(self.name, self.epoch, self.lease_token),
-            late_draft_wait=self.late_draft_wait,
-        )
-        if self.metrics is not None:
-            driver.on_step_cpu = self.metrics.step_cpu.observe
-        self.drivers[rid] = driver
-        self._apply_widths()
-        log.debug(  # request ids are capabilities: never above DEBUG
-            "%s: %s, %d prompt tokens, %d new%s",
-            rid,
-            plan.mode,
-            len(plan.prompt),
-            plan.opts.max_new_tokens,
-            f", auto: {tuned.decision.setting.label()}" if tuned else "",
-        )
+        driver = await self._start(plan, tuned, request.priority, deadline)
         stream = self.codec.stream() if self.codec else None
-        index = 0
-        stopped = False
-        metrics = self.metrics
-        if metrics is not None:
-            metrics.started(len(plan.prompt))
-        failed = True
+        failed, stopped, index = True, False, 0
         try:
-            model_id = self.model_id_override or path.stages[0].desc.model_id
-            yield gen.GenerateResponse(
-                started=gen.Started(
-                    request_id=rid,
-                    model=model_id,
-                    prompt_tokens=len(plan.prompt),
-                    weight_hash=path.version,
-                )
-            )
+            yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:
                 async for tokens in batches:
-                    if metrics is not None:
-                        metrics.tokens(driver, len(tokens))
-                    text = "".join(stream.push(t) for t in tokens) if stream else ""
-                    delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
-                    delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
-                    if index == 0 and plan.opts.prompt_logprobs is not None:
-                        prompt_lps = driver.controller.out.prompt_logprobs or ()
-                        delta.prompt_token_ids.extend(plan.prompt)
-                        delta.prompt_logprobs.extend(logprobs_to_proto(prompt_lps))
+
                     try:
-                        yield gen.GenerateResponse(delta=delta)
+                        yield self._delta(driver, stream, tokens, index, plan)
                     except StopGeneration:
                         stopped = True
                         break
@@ -491,22 +417,121 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self._failures.warning(
                 e.code.name, "a %s request failed: %s %s", plan.mode, e.code.name, e.message
             )
-            log.debug("%s failed", rid)
+            log.debug("%s failed", driver.request_id)
             raise RequestFailed(e.code, e.message) from None
         except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
             log.exception("a %s request failed", plan.mode)
-            log.debug("%s failed", rid)
+            log.debug("%s failed", driver.request_id)
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"the request failed: {e}") from None
-        finally:
-            self.drivers.pop(rid, None)
+        finally:  # also when the client cancelled (this generator is being closed)
+            self._end(driver, tuned, failed)
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                "the router is shutting down (draining its open requests): "
+                "send new requests to another replica",
+            )
+
+    async def _start(
+        self, plan: Plan, tuned: Tuned | None, priority: int, deadline: float | None
+    ) -> RequestDriver:
+        """Admit a planned request (it may wait for a slot), choose its first path and
+        make its controller and driver; the request then counts as running."""
+        rid = self._ids.next()
+        try:
+            await self._admit(rid, plan, priority, deadline)
+        except BaseException:
+            self.tuning.finish(tuned, None)
+            raise
+        t0 = time.perf_counter()
+        try:
+            path = first_path(self.backends, plan.mode, plan.opts, plan.prompt)
+        except NoPath as e:
             self._leave(rid)
-            self.tuning.finish(tuned, None if failed else driver.stats, driver.timing()[1])
-            if metrics is not None:
-                metrics.finished(driver, failed)
-            # Runs even when the client cancelled (this generator is being closed).
-            task = asyncio.ensure_future(driver.release())
-            self._cleanup.add(task)
-            task.add_done_callback(self._cleanup.discard)
+            self.tuning.finish(tuned, None)
+            log.debug("no path for a request: %s", e)  # names replicas: not for clients
+            raise RequestFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                "cannot serve requests now: no complete path of healthy replicas",
+            ) from None
+        metrics = self.metrics
+        if metrics is not None:
+            metrics.path_choice.observe(time.perf_counter() - t0)
+        controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
+        driver = RequestDriver(
+            controller,
+            self.backends,
+            path,
+            self.transport.address,
+            self.inbox,
+            settings=DriverSettings(
+                replay_timeout=self.replay_seconds,
+                stall_timeout=self.stall_seconds,
+                max_replays=self.max_replays,
+                late_draft_wait=self.late_draft_wait,
+            ),
+            deadline=deadline,
+            lease=LeaseClaim(self.name, self.epoch, self.lease_token),
+            vocab_size=self.model.vocab_size if self.model else None,
+            on_replay=metrics.replayed if metrics is not None else None,
+        )
+        if metrics is not None:
+            driver.on_step_cpu = metrics.step_cpu.observe
+            metrics.started(len(plan.prompt))
+        self.drivers[rid] = driver
+        self._apply_widths()
+        log.debug(  # request ids are capabilities: never above DEBUG
+            "%s: %s, %d prompt tokens, %d new%s",
+            rid,
+            plan.mode,
+            len(plan.prompt),
+            plan.opts.max_new_tokens,
+            f", auto: {tuned.decision.setting.label()}" if tuned else "",
+        )
+        return driver
+
+    def _started(self, driver: RequestDriver, prompt_tokens: int) -> gen.GenerateResponse:
+        path = driver.path
+        return gen.GenerateResponse(
+            started=gen.Started(
+                request_id=driver.request_id,
+                model=self.model_id_override or path.stages[0].desc.model_id,
+                prompt_tokens=prompt_tokens,
+                weight_hash=path.version,
+            )
+        )
+
+    def _delta(
+        self, driver: RequestDriver, stream, tokens: list[int], index: int, plan: Plan
+    ) -> gen.GenerateResponse:
+        """Tokens `index`.. of the output, detokenized incrementally, with their logprobs
+        (the first also with the prompt's, when asked for)."""
+        if self.metrics is not None:
+            self.metrics.tokens(driver, len(tokens))
+        text = "".join(stream.push(t) for t in tokens) if stream else ""
+        delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
+        delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
+        if index == 0 and plan.opts.prompt_logprobs is not None:
+            delta.prompt_token_ids.extend(plan.prompt)
+            delta.prompt_logprobs.extend(
+                logprobs_to_proto(driver.controller.out.prompt_logprobs or ())
+            )
+        return gen.GenerateResponse(delta=delta)
+
+    def _end(self, driver: RequestDriver, tuned: Tuned | None, failed: bool) -> None:
+        """The request no longer runs: admit the next, report it, release its path (in
+        the background: the client may have gone already)."""
+        rid = driver.request_id
+        self.drivers.pop(rid, None)
+        self._leave(rid)
+        self.tuning.finish(tuned, None if failed else driver.stats, driver.timing()[1])
+        if self.metrics is not None:
+            self.metrics.finished(driver, failed)
+        task = asyncio.ensure_future(driver.release())
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
     async def _admit(self, rid: str, plan: Plan, priority: int, deadline: float | None) -> None:
         """Run now, or wait in the queue (by priority) until a running request leaves."""

@@ -3,8 +3,8 @@
 A transport listens at one address and sends frames to any address: the next hop of each
 request is named in the request's route
 (docs/architecture.md, "6. Control plane and data plane"), not fixed per process.
-Received frames are handed to a callback in the event loop; `Inbox` turns them into one
-asyncio queue per request.
+Received frames are handed to a callback in the event loop; `Inbox` sorts them by
+request, into a queue or an owner's own sink.
 
 What a receiver reads is bounded before it is allocated (docs/architecture.md,
 "9. Security"): a preamble announcing more than `max_payload_bytes` closes the
@@ -229,28 +229,35 @@ class Transport(ABC):
 
 
 class Inbox:
-    """Received frames sorted into one queue per request (frames of unknown requests
-    are dropped: they belong to requests that were already released). As a transport's
-    `admit`, it takes frames only of open requests, with at most their `max_rows` rows."""
+    """Received frames sorted by request, each request's handed to its owner (frames of
+    unknown requests are dropped: they belong to requests that were already released).
+    An owner either takes a queue of its frames (`open`) or has them delivered to its
+    own sink (`route`: the router's drivers put them beside their other events). As a
+    transport's `admit`, it takes frames only of open requests, with at most their
+    `max_rows` rows."""
 
     def __init__(self) -> None:
-        self._queues: dict[str, asyncio.Queue[Frame]] = {}
+        self._sinks: dict[str, FrameHandler] = {}
         self._max_rows: dict[str, int] = {}
         self.dropped = 0
 
     def open(self, request_id: str, max_rows: int | None = None) -> asyncio.Queue[Frame]:
         q: asyncio.Queue[Frame] = asyncio.Queue()
-        self._queues[request_id] = q
-        if max_rows is not None:
-            self._max_rows[request_id] = max_rows
+        self.route(request_id, q.put_nowait, max_rows)
         return q
 
+    def route(self, request_id: str, deliver: FrameHandler, max_rows: int | None = None) -> None:
+        """Hand `request_id`'s frames to `deliver`, in arrival order."""
+        self._sinks[request_id] = deliver
+        if max_rows is not None:
+            self._max_rows[request_id] = max_rows
+
     def close(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        self._sinks.pop(request_id, None)
         self._max_rows.pop(request_id, None)
 
     def admit(self, header: pb.FrameHeader) -> bool:
-        if header.request_id not in self._queues:
+        if header.request_id not in self._sinks:
             self.dropped += 1
             return False
         limit = self._max_rows.get(header.request_id)
@@ -259,14 +266,12 @@ class Inbox:
             return True
         # A bug upstream, not a frame to wait for: fail the request now.
         why = f"a frame of {rows} rows from {header.sender}; this request has at most {limit}"
-        self._queues[header.request_id].put_nowait(
-            Frame(error_header(header.request_id, why, header.sender))
-        )
+        self._sinks[header.request_id](Frame(error_header(header.request_id, why, header.sender)))
         return False
 
     def __call__(self, frame: Frame) -> None:
-        q = self._queues.get(frame.request_id)
-        if q is None:
+        deliver = self._sinks.get(frame.request_id)
+        if deliver is None:
             self.dropped += 1
         else:
-            q.put_nowait(frame)
+            deliver(frame)

@@ -60,8 +60,7 @@ def test_least_loaded_replica_with_room_round_robin_on_ties() -> None:
     picks = []
     for _ in range(4):
         path = bs.path(need_draft=False)
-        bs.acquire(path)
-        bs.release(path.backends)
+        bs.acquire(path).release()
         picks.append(path.stages[0])
     assert picks == [s0, s1, s0, s1] and full not in picks  # its KV cache is full
     s0.rows = 10
@@ -80,8 +79,7 @@ def test_replicas_with_slightly_different_cache_budgets_share_the_requests() -> 
     picks = []
     for _ in range(4):
         path = bs.path(need_draft=False)
-        bs.acquire(path)
-        bs.release(path.backends)
+        bs.acquire(path).release()
         picks.append(path.stages[0])
     assert picks.count(new) == 2 and picks.count(old) == 2
     old.desc.cache_bytes_used = 500  # half full: the emptier one first
@@ -279,8 +277,7 @@ def test_replicas_of_one_speed_share_by_load_and_without_curves_load_decides() -
     picks = []
     for _ in range(4):
         path = bs.path(need_draft=False)
-        bs.acquire(path)
-        bs.release(path.backends)
+        bs.acquire(path).release()
         picks.append(path.stages[0])
     assert picks.count(a) == 2 and picks.count(b) == 2
     publish(b, curve(fixed=0.05))
@@ -316,15 +313,14 @@ def simulate_stream(bs: Backends, replicas, costs, *, requests=400, gap=0.12, st
         if until_arrival <= until_done:
             arrivals.pop(0)
             path = bs.path(need_draft=False)
-            bs.acquire(path)
+            claim = bs.acquire(path)
+            claim.count_rows(rows)
             (b,) = path.stages
-            b.rows += rows
             served[b] += 1
-            running.append([b, float(steps), now])
+            running.append([b, float(steps), now, claim])
         else:
             running.remove(done)
-            done[0].rows -= rows
-            bs.release([done[0]])
+            done[3].release()
             took.append(now - done[2])
     return [served[b] for b in replicas], sum(took) / len(took)
 

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 from specpipe.services.router.batched import CallBatcher, stage_batchers
-from specpipe.services.router.driver import backend_error
+from specpipe.services.router.calls import backend_error
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2
 

@@ -21,8 +21,7 @@ SYSTEM = list(range(1, 49))  # three blocks of 16 before the user turn
 
 def take(bs, prompt):
     path = bs.path(need_draft=False, prompt=prompt)
-    bs.acquire(path)
-    bs.release(path.backends)  # served += 1: plain round robin would move on
+    bs.acquire(path).release()  # served += 1: plain round robin would move on
     return path.stages
 
 

@@ -107,7 +107,9 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import RequestPath
     from specpipe.services.router.batched import stage_batchers
-    from specpipe.services.router.driver import RequestDriver
+    from specpipe.services.router.calls import NO_LEASE, Deadline
+    from specpipe.services.router.executor import CommandExecutor
+    from specpipe.services.router.path_session import PathSession
     from specpipe.services.transport import Inbox
 
     stub = _RecordingStub()
@@ -120,13 +122,15 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     controller = make_controller(Mode.PP, "r", [1, 2, 3, 4, 5], opts, 2)
 
     async def main() -> None:
-        deadline = None if deadline_in is None else time.monotonic() + deadline_in
-        driver = RequestDriver(controller, None, RequestPath(stages, None), "tcp://r:1", Inbox(),
-                               deadline=deadline)  # fmt: skip
-        await driver._open_stages(driver.path)
+        deadline = Deadline(None if deadline_in is None else time.monotonic() + deadline_in)
+        path, events = RequestPath(stages, None), []
+        session = PathSession(controller, None, path, "tcp://r:1", Inbox(), events.append, deadline)
+        await session._open_stages(path)
+        executor = CommandExecutor(path, "r", 1, events.append, deadline, NO_LEASE)
         for cmd in controller.start():
-            driver._execute(cmd)
-        await asyncio.gather(*driver._tasks)
+            executor.execute(cmd)
+        await asyncio.gather(*executor._tasks)
+        assert events == []  # no call failed
 
     asyncio.run(main())
     assert len(stub.timeouts) == 5  # Open on both stages, two prefill chunks, the root

@@ -172,9 +172,7 @@ def test_rate_limited_log_counts_what_it_leaves_out(caplog) -> None:
 def test_the_router_takes_only_well_formed_logits() -> None:
     """A 3-D or mis-sized logits frame (from a last stage that predates verification)
     fails the request (issue 13: [1, 1, 1000] logits were passed on)."""
-    from types import SimpleNamespace
-
-    from specpipe.services.router.driver import RequestDriver
+    from specpipe.services.router.frames import logits_of
     from specpipe.services.transport.codec import Frame, encode
 
     def frame(logits):
@@ -182,12 +180,11 @@ def test_the_router_takes_only_well_formed_logits() -> None:
         header, payload = encode(act, 0)
         return Frame(header, payload)
 
-    driver = SimpleNamespace(vocab_size=97, controller=SimpleNamespace(verification_of=lambda a: a))
-    ok = RequestDriver._verification(driver, frame(torch.zeros(1, 97)))
+    ok = logits_of(frame(torch.zeros(1, 97)), 97)
     assert ok.logits.shape == (1, 97)
     for bad in (torch.zeros(1, 1, 97), torch.zeros(1, 1000), torch.full((1, 97), float("nan"))):
         with pytest.raises(InvalidInput):
-            RequestDriver._verification(driver, frame(bad))
+            logits_of(frame(bad), 97)
     hidden = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), hidden=torch.zeros(1, 97))
-    with pytest.raises(FrameError, match="takes verifications"):
-        RequestDriver._verification(driver, Frame(*encode(hidden, 0)))
+    with pytest.raises(FrameError, match="takes verifications or logits"):
+        logits_of(Frame(*encode(hidden, 0)), 97)
