@@ -401,7 +401,6 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:
                 async for tokens in batches:
-
                     try:
                         yield self._delta(driver, stream, tokens, index, plan)
                     except StopGeneration:
