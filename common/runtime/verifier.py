@@ -102,6 +102,9 @@ class RequestVerifier:
         self._dead = NONE  # ids of rows a draw ruled out (until a prune's horizon passes them)
         self._drawn = NONE  # ids drawn at before the tip (until the router commits them)
         self._tip: tuple[int, int] | None = None  # (node drawn at last, its token)
+        # structured output: the grammar after every token drawn so far (each draw is
+        # committed, in order: the router accepts what this stage draws)
+        self._grammar = spec.grammar_state()
 
     @property
     def held_rows(self) -> int:
@@ -199,7 +202,7 @@ class RequestVerifier:
 
         def draw(row: int) -> int:
             logits = self._logits(hidden[row : row + 1])[0]
-            return draw_at(logits, spec, int(rows.positions[row]), logprobs)
+            return draw_at(logits, spec, int(rows.positions[row]), logprobs, self._grammar)
 
         path, tokens = walk(root, rows.ids, rows.parents, rows.tokens, draw)
         ids = rows.ids[path]

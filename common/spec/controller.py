@@ -46,7 +46,14 @@ from .commands import (
     Finish,
     Propose,
 )
-from .growth import beside, concat_candidates, extend_frontier, prefill_chunks
+from .grammar import GrammarError
+from .growth import (
+    allowed_by_grammar,
+    beside,
+    concat_candidates,
+    extend_frontier,
+    prefill_chunks,
+)
 from .messages import (
     SOURCE_DRAFT,
     SOURCE_NGRAM,
@@ -90,6 +97,9 @@ class Controller(ABC):
         # specpipe: tree layers entering stage 1 per step
         self.layers_per_step = opts.layers_per_step if mode == Mode.SPECPIPE else 1
         self.out = OutputState(opts.max_new_tokens, opts.sampling, opts.stop_token_ids)
+        # structured output: the grammar after the emitted tokens, which prunes the
+        # tree's growth (the last stage holds its own for the draws)
+        self._grammar = opts.grammar.state() if opts.grammar is not None else None
         self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(
             mode=mode.value,
@@ -135,8 +145,16 @@ class Controller(ABC):
     @property
     def verify_spec(self) -> VerifySpec:
         """What the last stage needs to draw this request's tokens (`Open`, and again at
-        every replay: the draws depend on (seed, position) only)."""
-        return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs)
+        every replay: the draws depend on (seed, position) only, and a grammar's state on
+        the tokens emitted so far)."""
+        grammar = self.opts.grammar
+        return VerifySpec(
+            self.opts.sampling,
+            len(self.prompt),
+            self.opts.logprobs,
+            grammar,
+            tuple(self.out.tokens) if grammar is not None else (),
+        )
 
     @property
     def committed_before_root(self) -> list[int]:
@@ -220,7 +238,11 @@ class Controller(ABC):
         tree = self.tree
         at = np.minimum(np.searchsorted(tree.ids, ids), len(tree) - 1)
         tokens = np.where(tree.ids[at] == ids, tree.tokens[at], -1)
-        return verify_logits(act, int(root[0]), tokens, self.verify_spec, self.root_pos)
+        spec = self.verify_spec
+        grammar = None  # the grammar after the output so far (the draws move a copy)
+        if spec.grammar is not None:
+            grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
+        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the
@@ -332,8 +354,12 @@ class Controller(ABC):
         return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
 
     def _extend(self, cand: Candidates) -> Indices:
-        """Grow the tree's frontier from `cand` under the request's ranking."""
+        """Grow the tree's frontier from `cand` under the request's ranking; with a
+        grammar, only from the candidates it allows after their paths (the one place both
+        executors' growth goes through)."""
         opts = self.opts
+        if self._grammar is not None:
+            cand = allowed_by_grammar(self.tree, cand, self._grammar)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
@@ -409,6 +435,13 @@ class Controller(ABC):
         st = self.stats
         if self.ngram is not None:
             self.ngram.extend(tokens)
+        if self._grammar is not None:
+            try:
+                self._grammar.advance(tokens)
+            except GrammarError:
+                # The last stage drew these under its grammar (which decides the tokens);
+                # ours, from the router's tokenizer, disagrees: stop pruning with it.
+                self._grammar = None
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

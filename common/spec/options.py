@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .grammar import Grammar
 from .ranking import Ranking
 from .sampling import SamplingParams
 
@@ -93,6 +94,10 @@ class DecodeOptions:
     # report each token's logprob and this many top alternatives (0-20; None: none):
     # log_softmax of the target's raw logits, as vLLM's default (`verify.token_logprobs`)
     logprobs: int | None = None
+    # structured output: the grammar every token is drawn under and the tree grows
+    # under (`grammar.py`; compiled from the request's response_format with the
+    # tokenizer); None: unconstrained
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
@@ -117,6 +122,12 @@ class DecodeOptions:
                 raise ValueError(f"{name} must be in [1, {high}], got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.grammar is not None:
+            # A complete output allows only the grammar's end-of-sequence tokens: they end
+            # the request (finish reason "stop").
+            eos = sorted(self.grammar.tokenizer.eos_tokens)
+            stops = tuple(dict.fromkeys([*self.stop_token_ids, *eos]))
+            object.__setattr__(self, "stop_token_ids", stops)
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
