@@ -9,6 +9,7 @@ import torch
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.runtime.errors import InvalidInput
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
+from specpipe.common.spec.grammar import Grammar
 from specpipe.common.spec.messages import Activation, Prune, TokenLogprobs, Verified
 from specpipe.common.spec.options import MAX_LOGPROBS
 from specpipe.common.spec.sampling import SamplingParams
@@ -109,15 +110,28 @@ def verify_spec_to_proto(spec: VerifySpec) -> pb.VerifySpec:
     )
     if spec.logprobs is not None:
         msg.logprobs = spec.logprobs
+    if spec.grammar is not None:
+        msg.grammar = spec.grammar.text
+        msg.grammar_consumed.extend(spec.grammar_consumed)
     return msg
 
 
-def verify_spec_from_proto(msg: pb.VerifySpec) -> VerifySpec:
-    """A request's verification parameters, checked (InvalidInput if out of range)."""
+def verify_spec_from_proto(msg: pb.VerifySpec, grammar_tokenizer=None) -> VerifySpec:
+    """A request's verification parameters, checked (InvalidInput if out of range, or a
+    grammar that cannot be used or refuses its consumed tokens). A grammar is bound to
+    `grammar_tokenizer` (this stage's model's, `grammar.load_grammar_tokenizer`)."""
+    grammar = None
+    if msg.grammar:
+        if grammar_tokenizer is None:
+            raise InvalidInput("structured output needs the model's tokenizer on this stage")
+        grammar = Grammar(msg.grammar, grammar_tokenizer)
     try:
         sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
         logprobs = msg.logprobs if msg.HasField("logprobs") else None
-        return VerifySpec(sampling, msg.output_start, logprobs)
+        consumed = tuple(msg.grammar_consumed)
+        spec = VerifySpec(sampling, msg.output_start, logprobs, grammar, consumed)
+        spec.grammar_state()  # the grammar compiles and takes the output so far
+        return spec
     except ValueError as e:
         raise InvalidInput(f"bad verification parameters: {e}") from None
 

@@ -39,6 +39,7 @@ from specpipe.common.perf.emulate import Pacer, paced
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.errors import (
     AlreadyOpen,
+    BadInput,
     InvalidInput,
     RequestError,
 )
@@ -55,6 +56,7 @@ from specpipe.common.runtime.validation import (
     step_row_cap,
 )
 from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of
+from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
 from specpipe.common.spec.messages import Activation, Prune, Verified
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
@@ -403,7 +405,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             )
             verify = None
             if request.HasField("verify") and self.runtime.is_last:
-                verify = verify_spec_from_proto(request.verify)
+                tokenizer = await self._grammar_tokenizer() if request.verify.grammar else None
+                verify = verify_spec_from_proto(request.verify, tokenizer)
             self._free_stale(self.leases.grant(rid, claim))
             try:
                 cached = self.runtime.open(
@@ -432,6 +435,19 @@ class StageService(stage_pb2_grpc.StageServicer):
         if self.runtime.prefix_caching:
             self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
         return stage_pb2.OpenStageResponse(cached_tokens=cached)
+
+    async def _grammar_tokenizer(self):
+        """The model's tokenizer as the grammar library reads it (structured output; built
+        off the event loop at the first such request, then kept)."""
+        m = self.model
+        assert m is not None
+        vocab = self.runtime.model.cfg.vocab_size
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, load_grammar_tokenizer, m.model_dir, vocab, tuple(m.eos_token_ids)
+            )
+        except GrammarError as e:
+            raise BadInput(str(e)) from None
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
         await self._check_first(context)

@@ -37,9 +37,10 @@ from torch import Tensor
 # response_format types (OpenAI's)
 TEXT, JSON_OBJECT, JSON_SCHEMA = "text", "json_object", "json_schema"
 FORMAT_TYPES = (TEXT, JSON_OBJECT, JSON_SCHEMA)
-# The largest schema accepted (JSON text): far beyond any real schema, and a bound on
-# the grammar the router and the last stage build per request.
-MAX_SCHEMA_CHARS = 1 << 20
+# The largest schema accepted (JSON text): far beyond any real schema, a bound on the
+# grammar the router and the last stage build per request, and within what a stage's
+# Open may carry (`services/control.max_control_bytes`).
+MAX_SCHEMA_CHARS = 1 << 18
 
 
 class GrammarError(ValueError):

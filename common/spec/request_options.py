@@ -42,7 +42,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class RequestOption:
     name: str  # the wire's name: the field of GenerateRequest (or of its SamplingOptions)
-    kind: type  # int, float, str, bool, or tuple (of token ids)
+    kind: type  # int, float, str, bool, tuple (of token ids), or dict (a JSON object)
     default: object  # what the request gets when it leaves the option unset
     help: str
     example: object  # a valid value other than the default (the tests send it through)
@@ -123,6 +123,13 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
                   engine="stop_token_ids", http="stop_token_ids", cli="--stop-token-ids"),
     RequestOption("priority", int, 0, "higher runs first when the router is busy", 2,
                   http="priority", cli="--priority"),
+    # OpenAI's shape; on the wire a `ResponseFormat` message; the engine gets the grammar
+    # compiled from it with the tokenizer (`DecodeOptions.grammar`, common/spec/grammar.py)
+    RequestOption("response_format", dict, None, 'structured output, OpenAI\'s shape: '
+                  '{"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                  '{"schema": {...}}} (JSON text on the command line)',
+                  {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                  http="response_format", cli="--response-format"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, MIN_TOKEN_BYTES
 from specpipe.common.spec.controller import make_controller
+from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
 from specpipe.common.spec.options import Mode, check_step_rows
 from specpipe.common.spec.scheduler import (
     DEFAULT_MAX_RUNNING,
@@ -47,6 +48,7 @@ from .discovery import Discovery, StaticDiscovery
 from .driver import DriverError, RequestDriver
 from .edge import EdgeLimits, InvalidMessages
 from .requests import (
+    InvalidRequest,
     Plan,
     RequestDefaults,
     RequestFailed,
@@ -59,6 +61,7 @@ from .requests import (
     load_codec,
     plan_request,
     prompt_of,
+    response_format_of,
     tokenize,
 )
 from .tokenizing import BUDGET_PROMPTS, TokenizingQueue
@@ -134,6 +137,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = tokenizer_dir
         self.codec = None
+        self.grammar_tokenizer = None  # response_format: loaded at the first such request
         self.model_id_override = model_id
         self.drivers: dict[str, RequestDriver] = {}
         self.defaults = defaults or RequestDefaults()
@@ -337,6 +341,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             self.backends.has_draft,
             self.transport.max_payload_bytes,
             self.defaults,
+            self.grammar_tokenizer,
         )
         # The rows one step may take here: the fewest any stage or the draft takes.
         caps = [b.desc.max_step_rows for b in self.backends.all if b.desc is not None]
@@ -373,9 +378,29 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def prepare(self, r: gen.GenerateRequest) -> Plan:
         """`plan`, with a text prompt tokenized off the event loop."""
         check_size(r, self._check_model(r.model))
+        if response_format_of(r).constrains:
+            await self._load_grammar_tokenizer()
         if r.WhichOneof("prompt") != "text" or not r.text:
             return self.plan(r)
         return self.plan(r, await self.tokenize_off_loop(len(r.text), prompt_of, r, self.codec))
+
+    async def _load_grammar_tokenizer(self) -> None:
+        """The served model's tokenizer as the grammar library reads it, for
+        response_format (built off the event loop once: about a second for a large
+        vocabulary); FAILED_PRECONDITION when there is none."""
+        model = self._check_model("")
+        if self.grammar_tokenizer is not None or self.codec is None or not self.tokenizer_dir:
+            return  # loaded, or no tokenizer: plan_request refuses the request
+        try:
+            self.grammar_tokenizer = await asyncio.get_running_loop().run_in_executor(
+                None,
+                load_grammar_tokenizer,
+                str(self.tokenizer_dir),
+                model.vocab_size,
+                tuple(model.eos_token_ids),
+            )
+        except GrammarError as e:
+            raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
 
     # -- RPCs ------------------------------------------------------------------------------
     async def generate(
