@@ -200,47 +200,76 @@ class GrammarState:
 
 
 # -- tokenizers ------------------------------------------------------------------------
-def grammar_tokenizer(
-    hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int] = ()
+@functools.lru_cache(maxsize=4)
+def load_grammar_tokenizer(
+    tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> llguidance.LLTokenizer:
-    """llguidance's view of a Hugging Face tokenizer, for a model of `vocab_size` logits
-    whose generation ends at `eos_token_ids` (the model's; empty: the tokenizer's): a
-    complete output allows only those. Tokenizers llguidance reads from their JSON (the
-    byte-level BPE and SentencePiece ones of real models) are read so; others (e.g. a
-    word-level vocabulary of whole characters) token by token, from each token's text."""
-    eos = [int(t) for t in eos_token_ids] or [hf_tokenizer.eos_token_id]
-    if eos == [None]:
-        raise GrammarError("the tokenizer has no end-of-sequence token to end structured output")
-    n_vocab = max(vocab_size, len(hf_tokenizer))
-    try:
-        import llguidance.hf
+    """The grammar library's view of the tokenizer in a model directory (its
+    `tokenizer.json`), for a model of `vocab_size` logits whose generation ends at
+    `eos_token_ids` (the model's; empty: the tokenizer's): a complete output allows only
+    those. Built once per process, without transformers (a stage imports only
+    `tokenizers`): tens of milliseconds for a small vocabulary, about a second for a
+    150k-token one. Tokenizers llguidance reads from their JSON (the byte-level BPE and
+    SentencePiece-style ones of real models) are read so; others (e.g. a word-level
+    vocabulary of whole characters) token by token, from each token's text."""
+    from tokenizers import Tokenizer
 
-        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise GrammarError(
+            f"structured output needs the model's tokenizer.json and {path.parent} has none: "
+            "response_format is not available on this deployment"
+        )
+    text = path.read_text(encoding="utf-8")
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise GrammarError(f"{path}: cannot read the tokenizer ({e})") from None
+    eos = [int(t) for t in eos_token_ids] or _eos_of(path.parent, tok)
+    n_vocab = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
+    try:
+        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
     except ValueError:
         pass
-    return llguidance.LLTokenizer(
-        llguidance.TokenizerWrapper(_TokenTexts(hf_tokenizer)), n_vocab=n_vocab, eos_token=eos
-    )
+    wrapper = llguidance.TokenizerWrapper(_TokenTexts(tok, eos[0], n_vocab))
+    return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+
+
+def _eos_of(model_dir: Path, tok) -> list[int]:
+    """The tokenizer's end-of-sequence token (`tokenizer_config.json`'s eos_token)."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = {}
+    name = config.get("eos_token")
+    name = name.get("content") if isinstance(name, dict) else name
+    eos = tok.token_to_id(name) if isinstance(name, str) else None
+    if eos is None:
+        raise GrammarError("the model has no end-of-sequence token to end structured output")
+    return [eos]
 
 
 class _TokenTexts:
     """A tokenizer as llguidance's `TokenizerWrapper` takes it: each token's bytes are its
-    text decoded alone (right where every token is whole characters, refused where one
-    is part of a character), special tokens marked as such."""
+    text decoded alone (right where every token is whole characters; refused where one
+    decodes to part of a character), special tokens marked as such."""
 
-    def __init__(self, hf) -> None:
-        self._hf = hf
-        self.eos_token_id = hf.eos_token_id
-        self.bos_token_id = hf.bos_token_id
-        self.special_token_ids = list(hf.all_special_ids)
-        special = set(self.special_token_ids)
+    def __init__(self, tok, eos: int, n_vocab: int) -> None:
+        self._tok = tok
+        self.eos_token_id, self.bos_token_id = eos, None
+        special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self.special_token_ids = sorted(special)
         tokens = []
-        for i in range(len(hf)):
-            text = hf.convert_ids_to_tokens(i) if i in special else hf.decode([i])
+        for i in range(tok.get_vocab_size(with_added_tokens=True)):
+            name = tok.id_to_token(i)
+            if name is None:  # a gap in the ids
+                tokens.append(b"")
+                continue
+            text = name if i in special else tok.decode([i], skip_special_tokens=False)
             if "\ufffd" in text:
                 raise GrammarError(
                     "the grammar library cannot read this tokenizer (a token is part of a "
-                    "character and its decoder is not one it knows)"
+                    "character and its decoder is not one the library knows)"
                 )
             # llguidance's marker for special tokens: 0xFF, then the name
             tokens.append(b"\xff" + text.encode() if i in special else text.encode())
@@ -249,25 +278,4 @@ class _TokenTexts:
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return list(self._hf.encode(text, add_special_tokens=False))
-
-
-@functools.lru_cache(maxsize=4)
-def load_grammar_tokenizer(
-    tokenizer_dir: str, vocab_size: int, eos_token_ids: tuple[int, ...]
-) -> llguidance.LLTokenizer:
-    """`grammar_tokenizer` of the tokenizer in a model directory, built once per process
-    (about a second for a 150k-token vocabulary)."""
-    from transformers import AutoTokenizer
-
-    d = Path(tokenizer_dir)
-    if not any((d / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise GrammarError(
-            f"structured output needs the model's tokenizer and {d} has none: "
-            "response_format is not available on this deployment"
-        )
-    try:
-        hf = AutoTokenizer.from_pretrained(str(d))
-    except (OSError, ValueError, TypeError) as e:
-        raise GrammarError(f"{d}: cannot load the tokenizer ({e.__class__.__name__})") from None
-    return grammar_tokenizer(hf, vocab_size, eos_token_ids)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
