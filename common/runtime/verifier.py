@@ -19,6 +19,10 @@ module no longer needs).
 Rows that are neither roots nor dead (their parent is a tree row not drawn at yet) keep
 their final hidden states here until a walk reaches them or a prune drops them.
 Everything is per request and bounded by the rows the request has in the tree.
+
+Structured output: a request opened with a grammar draws every token under it (the
+grammar's state after every token drawn so far; docs/architecture.md, "3. The pipeline
+step", "Structured output").
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ model, no draft service; the controller answers its own asks at once, as a draft
 keeps up would be answered in lockstep), or both merged into one layer (hybrid: the
 n-gram proposals for a layer wait beside its `Propose` and join the draft's answer).
 
+Structured output: with a grammar (`DecodeOptions.grammar`), `_extend` grows only the
+children it allows after their paths (the last stage draws under its own copy).
+
+It is one module, the base every mode's controller extends: the step accounting, the
+prefill, prunes, emission and the token sources are one state machine's parts.
+
 Faults (docs/architecture.md, "5. The request controller and its executors"): when a
 replica on the request's path is lost, `replay` re-opens the request on a fresh path
 from the tokens verified so far; when only the draft is lost, `drop_draft` continues
@@ -46,7 +52,6 @@ from .commands import (
     Finish,
     Propose,
 )
-from .grammar import GrammarError
 from .growth import (
     allowed_by_grammar,
     beside,
@@ -147,14 +152,9 @@ class Controller(ABC):
         """What the last stage needs to draw this request's tokens (`Open`, and again at
         every replay: the draws depend on (seed, position) only, and a grammar's state on
         the tokens emitted so far)."""
-        grammar = self.opts.grammar
-        return VerifySpec(
-            self.opts.sampling,
-            len(self.prompt),
-            self.opts.logprobs,
-            grammar,
-            tuple(self.out.tokens) if grammar is not None else (),
-        )
+        g = self.opts.grammar
+        consumed = tuple(self.out.tokens) if g is not None else ()
+        return VerifySpec(self.opts.sampling, len(self.prompt), self.opts.logprobs, g, consumed)
 
     @property
     def committed_before_root(self) -> list[int]:
@@ -435,13 +435,8 @@ class Controller(ABC):
         st = self.stats
         if self.ngram is not None:
             self.ngram.extend(tokens)
-        if self._grammar is not None:
-            try:
-                self._grammar.advance(tokens)
-            except GrammarError:
-                # The last stage drew these under its grammar (which decides the tokens);
-                # ours, from the router's tokenizer, disagrees: stop pruning with it.
-                self._grammar = None
+        if self._grammar is not None and not self._grammar.follows(tokens):
+            self._grammar = None  # the router's tokenizer disagrees: stop pruning with it
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

@@ -172,6 +172,15 @@ class GrammarState:
                     f"{self._m.get_error()}"
                 )
 
+    def follows(self, tokens: Sequence[int]) -> bool:
+        """`advance`, False instead of an error when a token is refused (the router's
+        state, which only prunes: the last stage's draws decide the tokens)."""
+        try:
+            self.advance(tokens)
+        except GrammarError:
+            return False
+        return True
+
     def allowed(self, vocab: int) -> np.ndarray:
         """Which of the first `vocab` token ids may come next (bool [vocab]); ids beyond
         the tokenizer's never."""
