@@ -276,3 +276,27 @@ def test_the_grammar_travels_to_the_last_stage_with_the_output_so_far(tok) -> No
 def test_a_model_directory_without_a_tokenizer_says_so(tmp_path) -> None:
     with pytest.raises(GrammarError, match="has none"):
         load_grammar_tokenizer(str(tmp_path), VOCAB, (EOS,))
+
+
+def test_a_byte_level_bpe_tokenizer_is_read_from_its_json(tmp_path) -> None:
+    """Real models' tokenizers (byte-level BPE: tokens that are parts of characters) are
+    read by the library from tokenizer.json, not token by token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(['{"name": "Ada", "age": 36}', "héllo wörld"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    eos = tok.token_to_id("<eos>")
+    lt = load_grammar_tokenizer(str(tmp_path), 320, (eos,))
+    assert lt.is_canonical and lt.eos_tokens == [eos]
+    state = Grammar(SCHEMA_FORMAT.grammar_text() or "", lt).state()
+    doc = tok.encode('{"name": "Ada", "ok": true, "n": 36}').ids
+    state.advance(doc)
+    assert state.done and np.flatnonzero(state.allowed(320)).tolist() == [eos]
