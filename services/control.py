@@ -120,12 +120,10 @@ def verify_spec_from_proto(msg: pb.VerifySpec, grammar_tokenizer=None) -> Verify
     """A request's verification parameters, checked (InvalidInput if out of range, or a
     grammar that cannot be used or refuses its consumed tokens). A grammar is bound to
     `grammar_tokenizer` (this stage's model's, `grammar.load_grammar_tokenizer`)."""
-    grammar = None
-    if msg.grammar:
-        if grammar_tokenizer is None:
-            raise InvalidInput("structured output needs the model's tokenizer on this stage")
-        grammar = Grammar(msg.grammar, grammar_tokenizer)
+    if msg.grammar and grammar_tokenizer is None:
+        raise InvalidInput("structured output needs the model's tokenizer on this stage")
     try:
+        grammar = Grammar(msg.grammar, grammar_tokenizer) if msg.grammar else None
         sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
         logprobs = msg.logprobs if msg.HasField("logprobs") else None
         consumed = tuple(msg.grammar_consumed)

@@ -405,8 +405,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             )
             verify = None
             if request.HasField("verify") and self.runtime.is_last:
-                tokenizer = await self._grammar_tokenizer() if request.verify.grammar else None
-                verify = verify_spec_from_proto(request.verify, tokenizer)
+                verify = await self._verify_spec(request.verify)
             self._free_stale(self.leases.grant(rid, claim))
             try:
                 cached = self.runtime.open(
@@ -436,18 +435,24 @@ class StageService(stage_pb2_grpc.StageServicer):
             self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
         return stage_pb2.OpenStageResponse(cached_tokens=cached)
 
-    async def _grammar_tokenizer(self):
-        """The model's tokenizer as the grammar library reads it (structured output; built
-        off the event loop at the first such request, then kept)."""
+    async def _verify_spec(self, msg: pb.VerifySpec):
+        """A request's verification parameters; with a grammar (structured output), bound
+        to the model's tokenizer as the grammar library reads it, both built off the event
+        loop (the tokenizer's view once, about a second for a large vocabulary; the
+        grammar per request, milliseconds)."""
+        if not msg.grammar:
+            return verify_spec_from_proto(msg)
         m = self.model
         assert m is not None
         vocab = self.runtime.model.cfg.vocab_size
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(
+            tok = await loop.run_in_executor(
                 None, load_grammar_tokenizer, m.model_dir, vocab, tuple(m.eos_token_ids)
             )
         except GrammarError as e:
             raise BadInput(str(e)) from None
+        return await loop.run_in_executor(None, verify_spec_from_proto, msg, tok)
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
         await self._check_first(context)

@@ -215,12 +215,14 @@ def plan_request(
     max_payload_bytes: int | None = None,
     defaults: RequestDefaults | None = None,
     grammar_tokenizer=None,
+    grammar: Grammar | None = None,
 ) -> Plan:
     """Validate a request (its prompt already as token ids) against the deployment;
     every problem is a clear status. `max_payload_bytes`: the largest data-plane frame
     the router reads; `defaults`: the router's for what the request leaves unset;
     `grammar_tokenizer`: the model's tokenizer as the grammar library reads it (for
-    response_format; `grammar.load_grammar_tokenizer`)."""
+    response_format; `grammar.load_grammar_tokenizer`); `grammar`: the request's already
+    compiled by `grammar_of` (off the event loop), else it is compiled here."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
@@ -265,7 +267,8 @@ def plan_request(
         given["growth"] = r.growth
     if r.HasField("logprobs"):
         given["logprobs"] = r.logprobs
-    grammar = grammar_of(r, grammar_tokenizer)
+    if grammar is None:
+        grammar = grammar_of(r, grammar_tokenizer)
     if grammar is not None:
         given["grammar"] = grammar
     # Width, layers per step and token source: the request's, else the router's default;
