@@ -394,6 +394,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             for hop in (request.next_hop, request.report_to):
                 if hop:
                     self._check_hop(hop)
+            verify = None  # (awaited first: what follows runs without a pause)
+            if request.HasField("verify") and self.runtime.is_last:
+                verify = await self._verify_spec(request.verify)
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
             claim = lease_claim(
@@ -403,9 +406,6 @@ class StageService(stage_pb2_grpc.StageServicer):
                 context,
                 authenticated=self.security is not None,
             )
-            verify = None
-            if request.HasField("verify") and self.runtime.is_last:
-                verify = await self._verify_spec(request.verify)
             self._free_stale(self.leases.grant(rid, claim))
             try:
                 cached = self.runtime.open(
