@@ -9,6 +9,7 @@ import torch
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.runtime.errors import InvalidInput
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
+from specpipe.common.spec.grammar import Grammar
 from specpipe.common.spec.messages import Activation, Prune, TokenLogprobs, Verified
 from specpipe.common.spec.options import MAX_LOGPROBS
 from specpipe.common.spec.sampling import SamplingParams
@@ -111,16 +112,27 @@ def verify_spec_to_proto(spec: VerifySpec) -> pb.VerifySpec:
         msg.logprobs = spec.logprobs
     if spec.prompt_logprobs is not None:
         msg.prompt_logprobs = spec.prompt_logprobs
+    if spec.grammar is not None:
+        msg.grammar = spec.grammar.text
+        msg.grammar_consumed.extend(spec.grammar_consumed)
     return msg
 
 
-def verify_spec_from_proto(msg: pb.VerifySpec) -> VerifySpec:
-    """A request's verification parameters, checked (InvalidInput if out of range)."""
+def verify_spec_from_proto(msg: pb.VerifySpec, grammar_tokenizer=None) -> VerifySpec:
+    """A request's verification parameters, checked (InvalidInput if out of range, or a
+    grammar that cannot be used or refuses its consumed tokens). A grammar is bound to
+    `grammar_tokenizer` (this stage's model's, `grammar.load_grammar_tokenizer`)."""
+    if msg.grammar and grammar_tokenizer is None:
+        raise InvalidInput("structured output needs the model's tokenizer on this stage")
     try:
+        grammar = Grammar(msg.grammar, grammar_tokenizer) if msg.grammar else None
         sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
         logprobs = msg.logprobs if msg.HasField("logprobs") else None
         prompt = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
-        return VerifySpec(sampling, msg.output_start, logprobs, prompt)
+        consumed = tuple(msg.grammar_consumed)
+        spec = VerifySpec(sampling, msg.output_start, logprobs, prompt, grammar, consumed)
+        spec.grammar_state()  # the grammar compiles and takes the output so far
+        return spec
     except ValueError as e:
         raise InvalidInput(f"bad verification parameters: {e}") from None
 

@@ -31,7 +31,7 @@ import torch
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.perf.emulate import Pacer
 from specpipe.common.runtime.alignment import StepAligner
-from specpipe.common.runtime.errors import AlreadyOpen, InvalidInput, RequestError
+from specpipe.common.runtime.errors import AlreadyOpen, BadInput, InvalidInput, RequestError
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
 from specpipe.common.runtime.loader import LoadedModel, load_model
 from specpipe.common.runtime.ordering import Pending
@@ -44,6 +44,7 @@ from specpipe.common.runtime.validation import (
     check_input,
 )
 from specpipe.common.runtime.verifier import RequestVerifier
+from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
@@ -308,14 +309,14 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             for hop in (request.next_hop, request.report_to):
                 if hop:
                     self._check_hop(hop)
+            verify = None  # (awaited first: what follows runs without a pause)
+            if request.HasField("verify") and self.runtime.is_last:
+                verify = await self._verify_spec(request.verify)
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
             claim = self._claim(
                 request.lease_owner, request.lease_epoch, request.lease_token, context
             )
-            verify = None
-            if request.HasField("verify") and self.runtime.is_last:
-                verify = verify_spec_from_proto(request.verify)
             # (never suspends: a stage frees a request at once, so Open stays atomic)
             await self._free_stale(self.leases.grant(rid, claim))
             try:
@@ -347,6 +348,25 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         if self.runtime.prefix_caching:
             self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
         return stage_pb2.OpenStageResponse(cached_tokens=cached)
+
+    async def _verify_spec(self, msg: pb.VerifySpec):
+        """A request's verification parameters; with a grammar (structured output), bound
+        to the model's tokenizer as the grammar library reads it, both built off the event
+        loop (the tokenizer's view once, about a second for a large vocabulary; the
+        grammar per request, milliseconds)."""
+        if not msg.grammar:
+            return verify_spec_from_proto(msg)
+        m = self.model
+        assert m is not None
+        vocab = self.runtime.model.cfg.vocab_size
+        loop = asyncio.get_running_loop()
+        try:
+            tok = await loop.run_in_executor(
+                None, load_grammar_tokenizer, m.model_dir, vocab, tuple(m.eos_token_ids)
+            )
+        except GrammarError as e:
+            raise BadInput(str(e)) from None
+        return await loop.run_in_executor(None, verify_spec_from_proto, msg, tok)
 
     async def Feed(self, request, context) -> stage_pb2.FeedResponse:
         await self._check_first(context)

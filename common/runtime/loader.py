@@ -105,6 +105,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     row_budget: int = 0  # rows a step takes nearly free, once measured (0: not measured)
     cost_curve: object | None = None  # perf.cost_model.CostCurve, once measured
+    model_dir: str = ""  # where it was loaded from (its tokenizer: structured output)
 
 
 def load_model(
@@ -129,4 +130,5 @@ def load_model(
         weight_hash=weight_fingerprint(model_dir),
         max_positions=cfg.max_position_embeddings,
         eos_token_ids=cfg.eos_token_ids,
+        model_dir=str(model_dir),
     )

@@ -23,6 +23,9 @@ Everything is per request and bounded by the rows the request has in the tree.
 Prompt logprobs (`VerifySpec.prompt_logprobs`, for `echo` with `logprobs`): the request's
 prefill rows come out of this stage with their final hidden states too; each is scored
 for the prompt token after it (`PromptLogprobs`), and they leave with the first walk.
+Structured output: a request opened with a grammar draws every token under it (the
+grammar's state after every token drawn so far; docs/architecture.md, "3. The pipeline
+step", "Structured output").
 """
 
 from __future__ import annotations
@@ -169,6 +172,9 @@ class RequestVerifier:
         self._dead = NONE  # ids of rows a draw ruled out (until a prune's horizon passes them)
         self._drawn = NONE  # ids drawn at before the tip (until the router commits them)
         self._tip: tuple[int, int] | None = None  # (node drawn at last, its token)
+        # structured output: the grammar after every token drawn so far (each draw is
+        # committed, in order: the router accepts what this stage draws)
+        self._grammar = spec.grammar_state()
 
     @property
     def held_rows(self) -> int:
@@ -269,7 +275,7 @@ class RequestVerifier:
 
         def draw(row: int) -> int:
             logits = self._logits(hidden[row : row + 1])[0]
-            return draw_at(logits, spec, int(rows.positions[row]), logprobs)
+            return draw_at(logits, spec, int(rows.positions[row]), logprobs, self._grammar)
 
         path, tokens = walk(root, rows.ids, rows.parents, rows.tokens, draw)
         ids = rows.ids[path]

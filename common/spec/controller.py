@@ -22,6 +22,12 @@ model, no draft service; the controller answers its own asks at once, as a draft
 keeps up would be answered in lockstep), or both merged into one layer (hybrid: the
 n-gram proposals for a layer wait beside its `Propose` and join the draft's answer).
 
+Structured output: with a grammar (`DecodeOptions.grammar`), `_extend` grows only the
+children it allows after their paths (the last stage draws under its own copy).
+
+It is one module, the base every mode's controller extends: the step accounting, the
+prefill, prunes, emission and the token sources are one state machine's parts.
+
 Faults (docs/architecture.md, "5. The request controller and its executors"): when a
 replica on the request's path is lost, `replay` re-opens the request on a fresh path
 from the tokens verified so far; when only the draft is lost, `drop_draft` continues
@@ -48,7 +54,13 @@ from .commands import (
     Finish,
     Propose,
 )
-from .growth import beside, concat_candidates, extend_frontier, prefill_chunks
+from .growth import (
+    allowed_by_grammar,
+    beside,
+    concat_candidates,
+    extend_frontier,
+    prefill_chunks,
+)
 from .messages import (
     SOURCE_DRAFT,
     SOURCE_NGRAM,
@@ -98,6 +110,9 @@ class Controller(ABC):
         self.out = OutputState(
             opts.max_new_tokens, opts.sampling, opts.stop_token_ids, prompt_top=opts.prompt_logprobs
         )
+        # structured output: the grammar after the emitted tokens, which prunes the
+        # tree's growth (the last stage holds its own for the draws)
+        self._grammar = opts.grammar.state() if opts.grammar is not None else None
         self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(
             mode=mode.value,
@@ -143,9 +158,19 @@ class Controller(ABC):
     @property
     def verify_spec(self) -> VerifySpec:
         """What the last stage needs to draw this request's tokens (`Open`, and again at
-        every replay: the draws depend on (seed, position) only; prompt logprobs while due)."""
+        every replay: the draws depend on (seed, position) only; prompt logprobs while
+        due; a grammar's state on the tokens emitted so far)."""
         opts, due = self.opts, self.out.prompt_logprobs_due
-        return VerifySpec(opts.sampling, len(self.prompt), opts.logprobs, due)
+        g = opts.grammar
+        consumed = tuple(self.out.tokens) if g is not None else ()
+        return VerifySpec(
+            opts.sampling,
+            len(self.prompt),
+            opts.logprobs,
+            prompt_logprobs=due,
+            grammar=g,
+            grammar_consumed=consumed,
+        )
 
     @property
     def committed_before_root(self) -> list[int]:
@@ -231,7 +256,11 @@ class Controller(ABC):
         tree = self.tree
         at = np.minimum(np.searchsorted(tree.ids, ids), len(tree) - 1)
         tokens = np.where(tree.ids[at] == ids, tree.tokens[at], -1)
-        return verify_logits(act, int(root[0]), tokens, self.verify_spec, self.root_pos)
+        spec = self.verify_spec
+        grammar = None  # the grammar after the output so far (the draws move a copy)
+        if spec.grammar is not None:
+            grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
+        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the
@@ -345,8 +374,12 @@ class Controller(ABC):
         return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
 
     def _extend(self, cand: Candidates) -> Indices:
-        """Grow the tree's frontier from `cand` under the request's ranking."""
+        """Grow the tree's frontier from `cand` under the request's ranking; with a
+        grammar, only from the candidates it allows after their paths (the one place both
+        executors' growth goes through)."""
         opts = self.opts
+        if self._grammar is not None:
+            cand = allowed_by_grammar(self.tree, cand, self._grammar)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
@@ -422,6 +455,8 @@ class Controller(ABC):
         st = self.stats
         if self.ngram is not None:
             self.ngram.extend(tokens)
+        if self._grammar is not None and not self._grammar.follows(tokens):
+            self._grammar = None  # the router's tokenizer disagrees: stop pruning with it
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

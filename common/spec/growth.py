@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike, NDArray
 
+from .grammar import GrammarState
 from .messages import Activation, Candidates
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
@@ -68,6 +69,28 @@ def extend_frontier(
     parents = frontier[(pid[:, None] == frontier_ids[None, :]).argmax(axis=1)]
     logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
     return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
+
+
+def allowed_by_grammar(tree: TokenTree, cand: Candidates, grammar: GrammarState) -> Candidates:
+    """The candidates the request's grammar allows after their paths (`grammar`: its
+    state after the output so far, the root's token included; a parent's path is the
+    tree's tokens below the root down to it). Candidates of parents no longer in the
+    tree go too (no node can grow from them)."""
+    if len(cand) == 0:
+        return cand
+    pid, tokens, probs, sources = pool_of(cand)
+    at = np.searchsorted(tree.ids, pid)  # ids are sorted: nodes are appended in id order
+    present = (at < len(tree)) & (tree.ids[np.minimum(at, len(tree) - 1)] == pid)
+    keep = np.zeros(pid.size, dtype=bool)
+    paths: dict[int, list[int]] = {}
+    for i in np.flatnonzero(present).tolist():
+        node = int(at[i])
+        if node not in paths:
+            paths[node] = tree.tokens[tree.path_to(node)[1:]].tolist()
+        keep[i] = grammar.allows(paths[node], int(tokens[i]))
+    if keep.all():
+        return cand
+    return candidates_of((pid[keep], tokens[keep], probs[keep], sources[keep]))
 
 
 def pool_of(cand: Candidates) -> Pool:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .grammar import Grammar
 from .ranking import Ranking
 from .sampling import SamplingParams
 
@@ -96,6 +97,10 @@ class DecodeOptions:
     # the same for the prompt's tokens (each given the ones before it), reported once:
     # the prefill is then computed whole (cached rows have no logits)
     prompt_logprobs: int | None = None
+    # structured output: the grammar every token is drawn under and the tree grows
+    # under (`grammar.py`; compiled from the request's response_format with the
+    # tokenizer); None: unconstrained
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
@@ -122,6 +127,12 @@ class DecodeOptions:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.grammar is not None:
+            # A complete output allows only the grammar's end-of-sequence tokens: they end
+            # the request (finish reason "stop").
+            eos = sorted(self.grammar.tokenizer.eos_tokens)
+            stops = tuple(dict.fromkeys([*self.stop_token_ids, *eos]))
+            object.__setattr__(self, "stop_token_ids", stops)
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:

@@ -43,7 +43,7 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class RequestOption:
     name: str  # the wire's name: the field of GenerateRequest (or of its SamplingOptions)
-    kind: type  # int, float, str, bool, or tuple (of token ids)
+    kind: type  # int, float, str, bool, tuple (of token ids), or dict (a JSON object)
     default: object  # what the request gets when it leaves the option unset
     help: str
     example: object  # a valid value other than the default (the tests send it through)
@@ -132,6 +132,13 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption("prompt_logprobs", int, None, "the same for every prompt token after the "
                   "first (the prefill is then computed whole)", 2, low=0, high=MAX_LOGPROBS,
                   engine="prompt_logprobs"),
+    # OpenAI's shape; on the wire a `ResponseFormat` message; the engine gets the grammar
+    # compiled from it with the tokenizer (`DecodeOptions.grammar`, common/spec/grammar.py)
+    RequestOption("response_format", dict, None, 'structured output, OpenAI\'s shape: '
+                  '{"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                  '{"schema": {...}}} (JSON text on the command line)',
+                  {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                  http="response_format", cli="--response-format"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

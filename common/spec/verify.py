@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .grammar import Grammar, GrammarState
 from .messages import Activation, TokenLogprobs, Verified
 from .options import MAX_LOGPROBS
 from .sampling import SamplingParams, draw_index
@@ -30,14 +31,18 @@ class VerifySpec:
     """What the last stage needs to draw a request's tokens: its sampling parameters,
     where its output starts (the original prompt's length: the token drawn from the
     logits of the row at sequence position p is output token p + 1 - output_start, the
-    position its (seed, position) draw uses), and how many top logprobs to report with
+    position its (seed, position) draw uses), how many top logprobs to report with
     each token (None: no logprobs) and with each prompt token after the first
-    (`prompt_logprobs`; None: none)."""
+    (`prompt_logprobs`; None: none), and the grammar the output follows (None: none)
+    with the output tokens it has consumed before the first root's draw (the output
+    so far: empty at the start, what was emitted before a replay)."""
 
     sampling: SamplingParams
     output_start: int
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: Grammar | None = None
+    grammar_consumed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.output_start < 1:
@@ -46,6 +51,12 @@ class VerifySpec:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if self.grammar is None and self.grammar_consumed:
+            raise ValueError("grammar_consumed without a grammar")
+
+    def grammar_state(self) -> GrammarState | None:
+        """The grammar after the output so far (None: no grammar)."""
+        return None if self.grammar is None else self.grammar.state(self.grammar_consumed)
 
     def draw_position(self, row_position: int) -> int:
         """The output index drawn from the logits of the row at `row_position`."""
@@ -98,28 +109,43 @@ def rows_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[Token
 
 
 def draw_at(
-    logits: Tensor, spec: VerifySpec, row_position: int, logprobs: list[TokenLogprobs]
+    logits: Tensor,
+    spec: VerifySpec,
+    row_position: int,
+    logprobs: list[TokenLogprobs],
+    grammar: GrammarState | None = None,
 ) -> int:
     """The token drawn from one row's logits [vocab] (on their device), its logprobs
-    appended to `logprobs` when the request asked for them."""
-    token = int(draw_index(logits, spec.sampling, spec.draw_position(row_position)))
+    appended to `logprobs` when the request asked for them. With a `grammar` (its state
+    after the output up to this row), the draw is over the tokens it allows (the others'
+    logits at -inf), and the state then takes the token; logprobs stay the raw logits'."""
+    allowed = logits if grammar is None else grammar.constrain(logits)
+    token = int(draw_index(allowed, spec.sampling, spec.draw_position(row_position)))
+    if grammar is not None:
+        grammar.advance((token,))
     if spec.logprobs is not None:
         logprobs.append(token_logprobs(logits, token, spec.logprobs))
     return token
 
 
 def verify_logits(
-    act: Activation, root_row: int, tokens: np.ndarray, spec: VerifySpec, root_position: int
+    act: Activation,
+    root_row: int,
+    tokens: np.ndarray,
+    spec: VerifySpec,
+    root_position: int,
+    grammar: GrammarState | None = None,
 ) -> Verified:
     """The walk over rows whose logits are all there (`act.logits`; `tokens`: the rows'
     token ids; the root at sequence position `root_position`, each node drawn at one
-    further): what a pipeline that returns logits leaves to the controller."""
+    further): what a pipeline that returns logits leaves to the controller. `grammar`:
+    the request's grammar after the output so far (it takes the drawn tokens)."""
     assert act.logits is not None
     logits, logprobs, depth = act.logits, [], [root_position]
     ids = act.node_ids.numpy()
 
     def draw(row: int) -> int:
-        token = draw_at(logits[row], spec, depth[0], logprobs)
+        token = draw_at(logits[row], spec, depth[0], logprobs, grammar)
         depth[0] += 1
         return token
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from specpipe.common.spec.grammar import ResponseFormat
 from specpipe.common.spec.stats import speculation_of, summary_of
 from specpipe.v1 import generation_pb2 as gen
 
@@ -95,9 +96,12 @@ def build_request(
     growth: str = "",
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    response_format: dict | str | None = None,
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
-    `RouterDescription.tuning`); None or "" to its default."""
+    `RouterDescription.tuning`); None or "" to its default. `response_format`: OpenAI's
+    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}),
+    or the same as JSON text."""
     if prompt is not None and prompt_ids is not None:
         raise ValueError("give either prompt text or prompt_ids, not both")
     req = gen.GenerateRequest(
@@ -119,6 +123,9 @@ def build_request(
         req.logprobs = logprobs
     if prompt_logprobs is not None:
         req.prompt_logprobs = prompt_logprobs
+    fmt = ResponseFormat.from_openai(response_format)  # GrammarError (ValueError): malformed
+    if fmt.constrains:
+        req.response_format.type, req.response_format.schema = fmt.type, fmt.schema
     if prompt is not None:
         req.text = prompt
     elif prompt_ids is not None:

@@ -7,7 +7,9 @@ Requests are pydantic models, so a malformed body is refused field by field (400
 must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
 OpenAI's API that SpecPipe cannot honour (penalties, tools, best_of > n, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
-as OpenAI-compatible servers do.
+as OpenAI-compatible servers do. `response_format` (json_object, json_schema) constrains
+the output with a grammar (common/spec/grammar.py); `tools` (function calling) is
+refused with a pointer to it.
 
 Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs`, with `echo` the
 prompt's too) are the target's own: log_softmax of its raw logits at each token's
@@ -35,6 +37,7 @@ from typing import Annotated, Any, Literal
 
 import grpc
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from specpipe.common.spec.grammar import GrammarError, ResponseFormat
 from specpipe.common.spec.options import MAX_LOGPROBS
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
@@ -144,6 +147,23 @@ _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
 }
 
 
+# What to use instead, where there is something.
+_TOOLS_HINT = (
+    " (no function calling): for output that follows a JSON schema, use response_format "
+    '{"type": "json_schema", "json_schema": {"schema": ...}}'
+)
+_UNSUPPORTED_HINTS = {"tools": _TOOLS_HINT, "functions": _TOOLS_HINT}
+
+
+def check_response_format(value: dict[str, Any] | None) -> None:
+    """OpenAI's response_format shape (400 naming the problem); the router compiles the
+    schema itself and refuses one the grammar library cannot use (400 too)."""
+    try:
+        ResponseFormat.from_openai(value)
+    except GrammarError as e:
+        raise bad_request(str(e), "response_format") from None
+
+
 class _Common(BaseModel):
     """What chat and text completions share (OpenAI's fields, then SpecPipe's)."""
 
@@ -174,6 +194,8 @@ class _Common(BaseModel):
     stop_token_ids: list[Int64] = Field(default_factory=list)
     return_token_ids: bool = False
     priority: Int32 = 0
+    # structured output (OpenAI's shape; `check_response_format`)
+    response_format: dict[str, Any] | None = None
 
     @property
     def choices(self) -> int:
@@ -201,10 +223,9 @@ class _Common(BaseModel):
         for name, allowed in _UNSUPPORTED_UNLESS.items():
             value = (self.model_extra or {}).get(name)
             if value is not None and value not in allowed:
-                raise bad_request(f"{name} is not supported by SpecPipe", name)
-        fmt = (self.model_extra or {}).get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise bad_request("response_format is not supported by SpecPipe", "response_format")
+                hint = _UNSUPPORTED_HINTS.get(name, "")
+                raise bad_request(f"{name} is not supported by SpecPipe{hint}", name)
+        check_response_format(self.response_format)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
         self.stops  # noqa: B018 (validates)
@@ -290,6 +311,7 @@ class _Common(BaseModel):
             token_source=self.token_source,
             ranking=self.ranking,
             growth=self.growth,
+            response_format=self.response_format,
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 from specpipe.common.perf.tuning import AUTO_LAYERS, AUTO_WIDTHS, TuningSpace
+from specpipe.common.spec.grammar import TEXT, Grammar, GrammarError, ResponseFormat
 from specpipe.common.spec.options import (
     MAX_STOP_TOKEN_IDS,
     DecodeOptions,
@@ -192,6 +193,39 @@ def check_prompt_logprobs(prompt_tokens: int, top: int) -> None:
         )
 
 
+def response_format_of(r: gen.GenerateRequest) -> ResponseFormat:
+    """The request's response_format, checked (INVALID_ARGUMENT naming the problem)."""
+    if not r.HasField("response_format"):
+        return ResponseFormat()
+    try:
+        return ResponseFormat(r.response_format.type or TEXT, r.response_format.schema)
+    except GrammarError as e:
+        raise invalid(str(e)) from None
+
+
+def grammar_of(r: gen.GenerateRequest, tokenizer) -> Grammar | None:
+    """The grammar of a request's response_format, compiled and checked (None: text);
+    `tokenizer`: the served model's as the grammar library reads it (None: the router
+    has none)."""
+    fmt = response_format_of(r)
+    if not fmt.constrains:
+        return None
+    if r.ignore_eos:
+        raise invalid(
+            "ignore_eos cannot be combined with response_format: structured output ends "
+            "with an end-of-sequence token once the output is complete"
+        )
+    if tokenizer is None:
+        raise InvalidRequest(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "response_format needs the served model's tokenizer, and this router has none",
+        )
+    try:
+        return Grammar(fmt.grammar_text() or "", tokenizer)
+    except GrammarError as e:
+        raise invalid(f"response_format: {e}") from None
+
+
 def plan_request(
     r: gen.GenerateRequest,
     model: ModelInfo,
@@ -199,10 +233,15 @@ def plan_request(
     has_draft: bool,
     max_payload_bytes: int | None = None,
     defaults: RequestDefaults | None = None,
+    grammar_tokenizer=None,
+    grammar: Grammar | None = None,
 ) -> Plan:
     """Validate a request (its prompt already as token ids) against the deployment;
     every problem is a clear status. `max_payload_bytes`: the largest data-plane frame
-    the router reads; `defaults`: the router's for what the request leaves unset."""
+    the router reads; `defaults`: the router's for what the request leaves unset;
+    `grammar_tokenizer`: the model's tokenizer as the grammar library reads it (for
+    response_format; `grammar.load_grammar_tokenizer`); `grammar`: the request's already
+    compiled by `grammar_of` (off the event loop), else it is compiled here."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
@@ -249,6 +288,10 @@ def plan_request(
         given["logprobs"] = r.logprobs
     if r.HasField("prompt_logprobs"):
         given["prompt_logprobs"] = r.prompt_logprobs
+    if grammar is None:
+        grammar = grammar_of(r, grammar_tokenizer)
+    if grammar is not None:
+        given["grammar"] = grammar
     # Width, layers per step and token source: the request's, else the router's default;
     # 0 or "auto" leaves them to the router's tuning.
     auto = set()

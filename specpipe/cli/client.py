@@ -79,6 +79,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--priority", type=int, default=0, help="higher runs first when the router is busy"
     )
+    g.add_argument(
+        "--response-format",
+        type=_response_format,
+        default=None,
+        metavar="JSON",
+        help='structured output, OpenAI\'s response_format as JSON: \'{"type": "json_object"}\' '
+        'or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")
@@ -101,6 +109,17 @@ def _client_common(p: argparse.ArgumentParser) -> None:
         help="the router serves TLS (--public-tls-cert): trust the CA certificate in FILE",
     )
     p.add_argument("--tls", action="store_true", help="the router serves TLS: trust system roots")
+
+
+def _response_format(text: str) -> str:
+    """A response_format (JSON text), checked for its shape; the router checks the schema."""
+    from specpipe.common.spec.grammar import GrammarError, ResponseFormat
+
+    try:
+        ResponseFormat.from_openai(text)
+    except GrammarError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _token_ids(text: str) -> tuple[int, ...]:

@@ -155,7 +155,7 @@ def test_completion_prompt_shapes(prompt, value) -> None:
         ({"frequency_penalty": 1}, "frequency_penalty is not supported"),
         ({"logit_bias": {"5": 1}}, "logit_bias is not supported"),
         ({"tools": [{"type": "function"}]}, "tools is not supported"),
-        ({"response_format": {"type": "json_object"}}, "response_format is not supported"),
+        ({"response_format": {"type": "xml"}}, "response_format type must be one of"),
         ({"stream_options": {"include_usage": True}}, "stream_options needs stream"),
         ({"stop": ["a", ""]}, "must not be empty"),
         ({"stop": ["x"] * 17}, "at most 16 stop strings"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 
 import pytest
 from specpipe.common.spec.options import DecodeOptions
@@ -42,11 +43,15 @@ def _read(message, path: str):
 
 
 def _on_wire(o: RequestOption, value):
-    """What the wire carries for `value`: "auto" as 0 for integers, sequences as lists."""
+    """What the wire carries for `value`: "auto" as 0 for integers, sequences as lists,
+    a response_format as its message (the schema as JSON text)."""
     if value == AUTO and o.kind is int:
         return 0
     if o.kind is tuple:
         return list(value)
+    if o.kind is dict:
+        schema = value.get("json_schema", {}).get("schema")
+        return gen.ResponseFormat(type=value["type"], schema=json.dumps(schema) if schema else "")
     return value
 
 
@@ -71,7 +76,7 @@ def test_every_field_of_the_request_is_declared_once() -> None:
 def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
     f = _field(o.wire)
     cpp = {int: f.CPPTYPE_INT64, float: f.CPPTYPE_DOUBLE, str: f.CPPTYPE_STRING,
-           bool: f.CPPTYPE_BOOL, tuple: f.CPPTYPE_INT64}[o.kind]  # fmt: skip
+           bool: f.CPPTYPE_BOOL, tuple: f.CPPTYPE_INT64, dict: f.CPPTYPE_MESSAGE}[o.kind]  # fmt: skip
     if o.wire in INT32_FIELDS:
         cpp = f.CPPTYPE_INT32
     assert f.cpp_type == cpp
@@ -124,6 +129,8 @@ def _flag_args(o: RequestOption, value) -> list[str]:
         return [o.cli] if value else []
     if o.kind is tuple:
         return [o.cli, ",".join(str(v) for v in value)]
+    if o.kind is dict:
+        return [o.cli, json.dumps(value)]
     return [o.cli, str(value)]
 
 
@@ -173,8 +180,13 @@ def test_the_engine_has_the_declared_default_bounds_and_choices(o: RequestOption
             _engine(o, "no-such-choice")
 
 
+# DecodeOptions fields that are not request options as such: the grammar is compiled
+# from the response_format option with the served model's tokenizer.
+COMPILED = {"grammar"}
+
+
 def test_every_engine_option_is_declared() -> None:
     """A new DecodeOptions or SamplingParams field is a request option or says why not."""
-    engine = {f.name for f in dataclasses.fields(DecodeOptions)} - {"sampling"}
+    engine = {f.name for f in dataclasses.fields(DecodeOptions)} - {"sampling"} - COMPILED
     engine |= {f"sampling.{f.name}" for f in dataclasses.fields(SamplingParams)}
     assert engine == {o.engine for o in REQUEST_OPTIONS if o.engine}

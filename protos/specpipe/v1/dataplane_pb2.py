@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecpipe/v1/dataplane.proto\x12\x0bspecpipe.v1\"e\n\x04Rows\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x10\n\x08node_ids\x18\x03 \x03(\x03\x12\x12\n\nparent_ids\x18\x04 \x03(\x03\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\"\xb3\x02\n\x0b\x46rameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.specpipe.v1.PayloadKind\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06sender\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\x05\x12\'\n\x05parts\x18\x0b \x03(\x0b\x32\x18.specpipe.v1.FrameHeader\x12+\n\x08verified\x18\x0c \x01(\x0b\x32\x19.specpipe.v1.Verification\"\xb9\x01\n\nVerifySpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0coutput_start\x18\x05 \x01(\x04\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\xbc\x01\n\x0cVerification\x12\x10\n\x08node_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08position\x18\x03 \x01(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\x12\x12\n\nsent_at_ns\x18\x05 \x01(\x03\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\"Q\n\x0bPruneSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ncommit_ids\x18\x02 \x03(\x03\x12\x10\n\x08keep_ids\x18\x03 \x03(\x03\x12\x0f\n\x07horizon\x18\x04 \x01(\x03\"\x11\n\x0f\x44\x65scribeRequest\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"K\n\x0cPruneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05prune\x18\x02 \x01(\x0b\x32\x18.specpipe.v1.PruneSignal\"\x0f\n\rPruneResponse\"=\n\x10PruneManyRequest\x12)\n\x06prunes\x18\x01 \x03(\x0b\x32\x19.specpipe.v1.PruneRequest\"?\n\x11PruneManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome\",\n\x0b\x43\x61llOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x0cRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0brequest_ids\x18\x03 \x03(\tJ\x04\x08\x02\x10\x03\"$\n\rRenewResponse\x12\x13\n\x0bunknown_ids\x18\x01 \x03(\t\";\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\r*\xd9\x01\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_TOKENS\x10\x01\x12\x17\n\x13PAYLOAD_KIND_HIDDEN\x10\x02\x12\x17\n\x13PAYLOAD_KIND_LOGITS\x10\x03\x12\x16\n\x12PAYLOAD_KIND_EMPTY\x10\x04\x12\x16\n\x12PAYLOAD_KIND_ERROR\x10\x05\x12\x16\n\x12PAYLOAD_KIND_BATCH\x10\x06\x12\x19\n\x15PAYLOAD_KIND_VERIFIED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecpipe/v1/dataplane.proto\x12\x0bspecpipe.v1\"e\n\x04Rows\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x10\n\x08node_ids\x18\x03 \x03(\x03\x12\x12\n\nparent_ids\x18\x04 \x03(\x03\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\"\xb3\x02\n\x0b\x46rameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.specpipe.v1.PayloadKind\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06sender\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\x05\x12\'\n\x05parts\x18\x0b \x03(\x0b\x32\x18.specpipe.v1.FrameHeader\x12+\n\x08verified\x18\x0c \x01(\x0b\x32\x19.specpipe.v1.Verification\"\xe4\x01\n\nVerifySpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0coutput_start\x18\x05 \x01(\x04\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x18\n\x10grammar_consumed\x18\x0b \x03(\x03\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\xbc\x01\n\x0cVerification\x12\x10\n\x08node_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08position\x18\x03 \x01(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\x12\x12\n\nsent_at_ns\x18\x05 \x01(\x03\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\"Q\n\x0bPruneSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ncommit_ids\x18\x02 \x03(\x03\x12\x10\n\x08keep_ids\x18\x03 \x03(\x03\x12\x0f\n\x07horizon\x18\x04 \x01(\x03\"\x11\n\x0f\x44\x65scribeRequest\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"K\n\x0cPruneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05prune\x18\x02 \x01(\x0b\x32\x18.specpipe.v1.PruneSignal\"\x0f\n\rPruneResponse\"=\n\x10PruneManyRequest\x12)\n\x06prunes\x18\x01 \x03(\x0b\x32\x19.specpipe.v1.PruneRequest\"?\n\x11PruneManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome\",\n\x0b\x43\x61llOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x0cRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0brequest_ids\x18\x03 \x03(\tJ\x04\x08\x02\x10\x03\"$\n\rRenewResponse\x12\x13\n\x0bunknown_ids\x18\x01 \x03(\t\";\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\r*\xd9\x01\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_TOKENS\x10\x01\x12\x17\n\x13PAYLOAD_KIND_HIDDEN\x10\x02\x12\x17\n\x13PAYLOAD_KIND_LOGITS\x10\x03\x12\x16\n\x12PAYLOAD_KIND_EMPTY\x10\x04\x12\x16\n\x12PAYLOAD_KIND_ERROR\x10\x05\x12\x16\n\x12PAYLOAD_KIND_BATCH\x10\x06\x12\x19\n\x15PAYLOAD_KIND_VERIFIED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpipe.v1.dataplane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAYLOADKIND']._serialized_start=1538
-  _globals['_PAYLOADKIND']._serialized_end=1755
+  _globals['_PAYLOADKIND']._serialized_start=1581
+  _globals['_PAYLOADKIND']._serialized_end=1798
   _globals['_ROWS']._serialized_start=44
   _globals['_ROWS']._serialized_end=145
   _globals['_FRAMEHEADER']._serialized_start=148
   _globals['_FRAMEHEADER']._serialized_end=455
   _globals['_VERIFYSPEC']._serialized_start=458
-  _globals['_VERIFYSPEC']._serialized_end=643
-  _globals['_TOKENLOGPROBS']._serialized_start=645
-  _globals['_TOKENLOGPROBS']._serialized_end=716
-  _globals['_VERIFICATION']._serialized_start=719
-  _globals['_VERIFICATION']._serialized_end=907
-  _globals['_PRUNESIGNAL']._serialized_start=909
-  _globals['_PRUNESIGNAL']._serialized_end=990
-  _globals['_DESCRIBEREQUEST']._serialized_start=992
-  _globals['_DESCRIBEREQUEST']._serialized_end=1009
-  _globals['_REQUESTREF']._serialized_start=1011
-  _globals['_REQUESTREF']._serialized_end=1043
-  _globals['_RELEASERESPONSE']._serialized_start=1045
-  _globals['_RELEASERESPONSE']._serialized_end=1080
-  _globals['_PRUNEREQUEST']._serialized_start=1082
-  _globals['_PRUNEREQUEST']._serialized_end=1157
-  _globals['_PRUNERESPONSE']._serialized_start=1159
-  _globals['_PRUNERESPONSE']._serialized_end=1174
-  _globals['_PRUNEMANYREQUEST']._serialized_start=1176
-  _globals['_PRUNEMANYREQUEST']._serialized_end=1237
-  _globals['_PRUNEMANYRESPONSE']._serialized_start=1239
-  _globals['_PRUNEMANYRESPONSE']._serialized_end=1302
-  _globals['_CALLOUTCOME']._serialized_start=1304
-  _globals['_CALLOUTCOME']._serialized_end=1348
-  _globals['_RENEWREQUEST']._serialized_start=1350
-  _globals['_RENEWREQUEST']._serialized_end=1436
-  _globals['_RENEWRESPONSE']._serialized_start=1438
-  _globals['_RENEWRESPONSE']._serialized_end=1474
-  _globals['_COSTCURVE']._serialized_start=1476
-  _globals['_COSTCURVE']._serialized_end=1535
+  _globals['_VERIFYSPEC']._serialized_end=686
+  _globals['_TOKENLOGPROBS']._serialized_start=688
+  _globals['_TOKENLOGPROBS']._serialized_end=759
+  _globals['_VERIFICATION']._serialized_start=762
+  _globals['_VERIFICATION']._serialized_end=950
+  _globals['_PRUNESIGNAL']._serialized_start=952
+  _globals['_PRUNESIGNAL']._serialized_end=1033
+  _globals['_DESCRIBEREQUEST']._serialized_start=1035
+  _globals['_DESCRIBEREQUEST']._serialized_end=1052
+  _globals['_REQUESTREF']._serialized_start=1054
+  _globals['_REQUESTREF']._serialized_end=1086
+  _globals['_RELEASERESPONSE']._serialized_start=1088
+  _globals['_RELEASERESPONSE']._serialized_end=1123
+  _globals['_PRUNEREQUEST']._serialized_start=1125
+  _globals['_PRUNEREQUEST']._serialized_end=1200
+  _globals['_PRUNERESPONSE']._serialized_start=1202
+  _globals['_PRUNERESPONSE']._serialized_end=1217
+  _globals['_PRUNEMANYREQUEST']._serialized_start=1219
+  _globals['_PRUNEMANYREQUEST']._serialized_end=1280
+  _globals['_PRUNEMANYRESPONSE']._serialized_start=1282
+  _globals['_PRUNEMANYRESPONSE']._serialized_end=1345
+  _globals['_CALLOUTCOME']._serialized_start=1347
+  _globals['_CALLOUTCOME']._serialized_end=1391
+  _globals['_RENEWREQUEST']._serialized_start=1393
+  _globals['_RENEWREQUEST']._serialized_end=1479
+  _globals['_RENEWRESPONSE']._serialized_start=1481
+  _globals['_RENEWRESPONSE']._serialized_end=1517
+  _globals['_COSTCURVE']._serialized_start=1519
+  _globals['_COSTCURVE']._serialized_end=1578
 # @@protoc_insertion_point(module_scope)
