@@ -230,6 +230,21 @@ class ServicesDeployment:
             tls_dir=str(self._tls()) if self.secure else None,
         )
 
+    def data_plane(self) -> str:
+        """How hidden states will cross between the stages' devices: what each stage
+        decides at start (`transport/device_memory.py`) and logs, said here before."""
+        c = self.config
+        device = self.device_of(self.placement.names[0])
+        if device == "cpu":
+            return f"data plane {c.transport}: host memory"
+        from .transport.device_memory import HOST_ONLY, default_tls, ucx_device_memory
+
+        tls = self.env.get("UCX_TLS") or default_tls(device)
+        memory = HOST_ONLY if c.transport != "ucx" else ucx_device_memory(device, self.secure, tls)
+        could = ucx_device_memory(device, False, tls).carried  # with --transport ucx --insecure
+        hint = " (--transport ucx --insecure keeps them on the GPUs)" if could else ""
+        return f"data plane {c.transport}: {memory.why}{'' if memory.carried else hint}"
+
     def device_of(self, name: str) -> str:
         """The device of model service `name`: its place in the plan, or (one added
         later) the next one the placement gives."""

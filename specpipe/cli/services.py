@@ -286,7 +286,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    for line in dep.placement.report():
+    for line in [*dep.placement.report(), dep.data_plane()]:
         print(f"  {line}", file=sys.stderr, flush=True)
     if not config.secure:
         print(f"specpipe up: warning: {INSECURE_WARNING}", file=sys.stderr, flush=True)

@@ -120,7 +120,13 @@ def test_up_takes_a_list_of_devices_and_cpu_as_before(llama_dir: Path, gpus) -> 
 
 
 def test_up_prints_where_each_service_went(llama_dir: Path, gpus, monkeypatch, capsys) -> None:
+    """Each service's device, the GPUs they share, and how hidden states will cross
+    between the GPUs (staged through host memory over TCP, with a hint)."""
     from specpipe.services import launcher
+    from specpipe.services.transport import device_memory
+
+    monkeypatch.setattr(device_memory, "cuda_module_installed", lambda: True)
+    monkeypatch.delenv("UCX_TLS", raising=False)
 
     def start(self) -> str:  # stop before any process starts
         self.stop()
@@ -132,11 +138,19 @@ def test_up_prints_where_each_service_went(llama_dir: Path, gpus, monkeypatch, c
     assert main([*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err
     for line in ("stage0: cuda:0", "stage1: cuda:1", "draft: cuda:0",
-                 "cuda:0 is shared by stage0, draft (2 GPU(s) for 3 services)"):  # fmt: skip
+                 "cuda:0 is shared by stage0, draft (2 GPU(s) for 3 services)",
+                 "data plane tcp: payloads are staged through host memory (--transport ucx "
+                 "--insecure keeps them on the GPUs)"):  # fmt: skip
         assert f"  {line}" in err, err
-    assert main([*argv, "--devices", "cuda:1,cuda:0,cuda:1"]) == 2
+    assert main([*argv, "--devices", "cuda:1,cuda:0,cuda:1", "--transport", "ucx"]) == 2
     err = capsys.readouterr().err
     assert "  stage0: cuda:1\n  stage1: cuda:0\n  draft: cuda:1\n" in err, err
+    assert "  data plane ucx: cuda:1 buffers go as they are (UCX_TLS=tcp,cuda_copy,cuda_ipc)" in err
+    assert main([*argv[:-1], "--device", "cuda", "--transport", "ucx"]) == 2  # secure
+    err = capsys.readouterr().err
+    assert "data plane ucx: payloads are staged through host memory: --secure frames" in err
+    assert main(["up", "--target", str(llama_dir), "--insecure"]) == 2
+    assert "  data plane tcp: host memory\n" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
