@@ -195,10 +195,12 @@ class UcxTransport(Transport):
     async def start(self, port: int = 0) -> str:
         ucxx = _ucxx(self.device)
         memory = self.device_memory
-        if memory.carried:
+        gpu = torch.device(self.device)
+        if memory.carried and gpu.index is not None:
             # UCX's CUDA transports copy in the context current on the thread that
-            # progresses them: this one (the event loop's), on this transport's GPU.
-            torch.cuda.set_device(torch.device(self.device))
+            # progresses them: this one (the event loop's), on this transport's GPU
+            # (plain "cuda" is the current one already).
+            torch.cuda.set_device(gpu)
         log.info("ucx data plane on %s: %s", self.device, memory.why)
 
         async def handler(ep) -> None:

@@ -202,12 +202,17 @@ def test_ucx_takes_its_gpu_as_current_when_it_carries_its_memory(ucx_facts, monk
             return Listener()
 
     monkeypatch.setattr(ucx, "_ucxx", lambda device="cpu": Ucxx)
-    for tls, want in (("tcp,cuda_copy", [torch.device("cuda", 1)]), ("tcp", [])):
+    cases = [
+        ("cuda:1", "tcp,cuda_copy", [torch.device("cuda", 1)]),
+        ("cuda:1", "tcp", []),
+        ("cuda", "tcp,cuda_copy", []),  # no index: the current GPU is the one
+    ]
+    for device, tls, want in cases:
         ucx_facts(tls=tls)
         current.clear()
-        tx = ucx.UcxTransport(lambda f: None, device="cuda:1")
+        tx = ucx.UcxTransport(lambda f: None, device=device)
         assert asyncio.run(tx.start()) == "ucx://127.0.0.1:4242"
-        assert current == want, tls
+        assert current == want, (device, tls)
 
 
 # -- a stage's outputs on their way to the transport --------------------------------------
