@@ -262,7 +262,10 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     dtype: str = "float32"
     threads: int | None = None  # per process; None: the CPUs shared among the children
-    device: str = "cpu"  # every stage and the draft (one device shared on one host)
+    # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
+    # service, round-robin over the visible ones; cpu or cuda:N all on that device.
+    device: str = "cpu"
+    devices: Sequence[str] = ()  # or one per stage process, then the draft's (--devices)
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
     log_dir: str | Path | None = None  # None: a temporary directory, removed at stop
     startup_timeout: float = 180.0

@@ -12,6 +12,10 @@ Secure by default: a throwaway CA and certificate for mutual TLS and authenticat
 frames among the processes, and next hops only to this host's addresses (`--peers`);
 `secure=False` (`specpipe up --insecure`) for plaintext.
 
+Each stage and the draft gets its device from the deployment's placement
+(`placement.py`): with `--device cuda`, one GPU per service, round-robin over the
+visible ones; each one's KV cache budget is its share of its own device's memory.
+
 The router finds the stages and the draft through a discovery file the launcher writes
 (`--discovery file:PATH`, one `stage|draft HOST:PORT [GROUP]` a line), so replicas can
 be added and removed while it serves (`add_stage`, `add_draft`, `unlist`): the same
@@ -49,6 +53,7 @@ from .config import (
     ServiceConfig,
     StageConfig,
 )
+from .placement import Placement, one_per_gpu, plan
 
 
 class LaunchError(RuntimeError):
@@ -67,6 +72,17 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # How long a stopping child may take beyond its drain (closing servers, exiting) before
 # it is killed.
 STOP_SLACK = 5.0
+
+
+def _stage_name(stage: int, replica: int) -> str:
+    return f"stage{stage}" if replica == 0 else f"stage{stage}.{replica}"
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees (torch is imported only when a placement needs it)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -139,6 +155,17 @@ class ServicesDeployment:
         if len(per_stage) != len(self.ranges) or min(per_stage) < 1:
             raise ValueError(f"--stage-replicas must be at least 1, got {c.stage_replicas}")
         self.stage_replicas = per_stage  # replicas of each stage
+        names = [_stage_name(i, j) for i, n in enumerate(per_stage) for j in range(n)]
+        device = c.device
+        if device == "auto":  # the command line resolves it; callers of this class may not
+            from .modelinfo import resolve_device
+
+            device = resolve_device(device)
+        gpus = visible_gpus() if one_per_gpu(device) and not c.devices else 0
+        self.placement: Placement = plan(
+            [*names, *(["draft"] if self.draft else [])], device, c.devices, gpus
+        )
+        self._ordinals = {n: k for k, n in enumerate(self.placement.names)}
         self.group = c.group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
         procs = sum(per_stage) + (1 if self.draft else 0)
@@ -188,6 +215,8 @@ class ServicesDeployment:
         argv = [sys.executable, "-m", "specpipe.cli", kind, *config.argv()]
         child = Child(name, argv, ready, self.log_dir / f"{name}.log", kind=kind, group=group)
         child.info["address"] = f"{self.host}:{config.port}"
+        if isinstance(config, (StageConfig, DraftConfig)):
+            child.info["device"] = config.device
         self.children[name] = child
         return child
 
@@ -201,15 +230,37 @@ class ServicesDeployment:
             tls_dir=str(self._tls()) if self.secure else None,
         )
 
-    def _model_service(self, stage: bool) -> dict[str, object]:
-        """What a stage's and the draft's configurations share."""
+    def data_plane(self) -> str:
+        """How hidden states will cross between the stages' devices: what each stage
+        decides at start (`transport/device_memory.py`) and logs, said here before."""
         c = self.config
+        device = self.device_of(self.placement.names[0])
+        if device == "cpu":
+            return f"data plane {c.transport}: host memory"
+        from .transport.device_memory import HOST_ONLY, default_tls, ucx_device_memory
+
+        tls = self.env.get("UCX_TLS") or default_tls(device)
+        memory = HOST_ONLY if c.transport != "ucx" else ucx_device_memory(device, self.secure, tls)
+        could = ucx_device_memory(device, False, tls).carried  # with --transport ucx --insecure
+        hint = " (--transport ucx --insecure keeps them on the GPUs)" if could else ""
+        return f"data plane {c.transport}: {memory.why}{'' if memory.carried else hint}"
+
+    def device_of(self, name: str) -> str:
+        """The device of model service `name`: its place in the plan, or (one added
+        later) the next one the placement gives."""
+        k = self._ordinals.setdefault(name, len(self._ordinals))
+        return self.placement.device_of(k)
+
+    def _model_service(self, stage: bool, name: str) -> dict[str, object]:
+        """What a stage's and the draft's configurations share; `name`'s device."""
+        c = self.config
+        device = self.device_of(name)
         return dict(
             self._service(),
             dtype=c.dtype,
             threads=self.threads,
-            device=c.device,
-            **self._cache_budget(),
+            device=device,
+            **self._cache_budget(device),
             **({} if c.lease_seconds is None else {"lease_seconds": c.lease_seconds}),
             emulate_costs=str(self.emulate_costs) if self.emulate_costs else None,
             measure_costs=c.scheduling.needs_costs(stage),
@@ -226,7 +277,7 @@ class ServicesDeployment:
     ) -> Child:
         """`index`: the stage's place in the pipeline (its curve of --emulate-costs)."""
         config = StageConfig(
-            **self._model_service(stage=True),
+            **self._model_service(stage=True, name=name),
             model=str(target),
             layers=layers,
             port=self._free_port(),
@@ -239,7 +290,9 @@ class ServicesDeployment:
 
     def _draft_child(self, name: str, model: Path, group: str) -> Child:
         config = DraftConfig(
-            **self._model_service(stage=False), model=str(model), port=self._free_port()
+            **self._model_service(stage=False, name=name),
+            model=str(model),
+            port=self._free_port(),
         )
         return self._child(name, "draft", config, group)
 
@@ -263,13 +316,15 @@ class ServicesDeployment:
         )
         return self._child("router", "router", config)
 
-    def _cache_budget(self) -> dict[str, float]:
-        """A fixed budget, or an equal share of the free memory of the one device every
-        stage and the draft share here; and the prefix cache off if asked."""
+    def _cache_budget(self, device: str | None = None) -> dict[str, float]:
+        """A fixed budget, or an equal share of the free memory of `device` (default:
+        the first service's) among the services placed on it; and the prefix cache off
+        if asked."""
         off = {} if self.config.prefix_cache else {"no_prefix_cache": True}
         if self.config.max_cache_gib is not None:
             return {"max_cache_gib": self.config.max_cache_gib, **off}
-        share = DEFAULT_CACHE_FRACTION / (len(self.ranges) + (1 if self.draft else 0))
+        device = self.placement.device_of(0) if device is None else device
+        share = DEFAULT_CACHE_FRACTION / self.placement.sharing(device)
         return {"cache_fraction": round(share, 4), **off}
 
     def _write_keys(self) -> Path:
@@ -395,10 +450,14 @@ class ServicesDeployment:
             make_pki(self.tls_dir, hosts=[self.host, "127.0.0.1", "localhost"])
         return self.tls_dir
 
-    def _start(self) -> str:
+    def build(self) -> dict[str, Child]:
+        """Every child of the deployment with its command line, none started yet
+        (`start` starts them; a test reads their argv)."""
+        if self.children:
+            return self.children
         for i, r in enumerate(self.ranges):
             for j in range(self.stage_replicas[i]):
-                name = f"stage{i}" if j == 0 else f"stage{i}.{j}"
+                name = _stage_name(i, j)
                 self._stage_child(name, self.target, f"{r.start}:{r.end}", self.group, index=i)
                 self.listed.append(name)
         if self.draft is not None:
@@ -406,6 +465,10 @@ class ServicesDeployment:
             self.listed.append("draft")
         self.write_discovery()
         self._router_child()
+        return self.children
+
+    def _start(self) -> str:
+        self.build()
         # All at once: the router waits for the stages itself.
         for child in self.children.values():
             self._spawn(child)

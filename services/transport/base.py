@@ -36,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from specpipe.common.spec.messages import Activation
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
@@ -44,6 +45,7 @@ from ..ratelog import RateLimitedLog
 from . import batch
 from .auth import FrameAuth
 from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes
+from .device_memory import HOST_ONLY, DeviceMemory
 
 FrameHandler = Callable[[Frame], None]
 FrameAdmit = Callable[[pb.FrameHeader], bool]
@@ -135,10 +137,27 @@ class Transport(ABC):
         self.bytes_sent = self.bytes_received = 0
 
     @property
+    def device_memory(self) -> DeviceMemory:
+        """Whether this transport carries payloads on its `device` as they are
+        (`device_memory.py`: TCP never does; UCX when it can move CUDA memory)."""
+        return HOST_ONLY
+
+    @property
     def host_payloads(self) -> bool:
         """Whether payloads must be in host memory to be sent (senders copy device
         tensors first); received payloads are then in host memory too."""
-        return True
+        return not self.device_memory.carried
+
+    def staged(self, payload: Tensor) -> Tensor:
+        """`payload` where this transport reads it from: as it is when it is in host
+        memory or on a device this transport carries, else a host copy (a stage makes
+        that copy on its compute thread already, `compute_round.for_wire`, so the event
+        loop never waits for the device here; this is for callers that did not)."""
+        if payload.device.type == "cpu":
+            return payload
+        if not self.host_payloads and payload.device.type == torch.device(self.device).type:
+            return payload
+        return payload.cpu()
 
     def _admitted(self, header: pb.FrameHeader) -> Admission:
         """Whether the owner wants this frame (checked before its payload is allocated);

@@ -24,7 +24,7 @@ from specpipe.common.runtime.validation import MAX_ROWS
 from specpipe.v1 import dataplane_pb2 as pb
 from torch import Tensor
 
-from .codec import DTYPE_NAMES, Frame, FrameError, Kind, payload_nbytes
+from .codec import DTYPE_NAMES, Frame, FrameError, Kind, as_sent, payload_nbytes
 
 MAX_PARTS = 64
 MAX_BATCH_BYTES = 64 << 20
@@ -70,11 +70,11 @@ def pack(parts: list[Part], sender: str = "") -> Part:
     """One batch frame of `parts` (a run from `batches`)."""
     outer = pb.FrameHeader(kind=Kind.PAYLOAD_KIND_BATCH, sender=sender)
     outer.parts.extend(h for h, _ in parts)
-    payloads = [p.detach() for _, p in parts if p is not None and p.numel()]
+    payloads = [p for _, p in parts if p is not None and p.numel()]
     if not payloads:
         return outer, None
     with settled(payloads[0].device):
-        payloads = [p.contiguous() for p in payloads]
+        payloads = [as_sent(p) for p in payloads]
         payload = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
     outer.dtype = DTYPE_NAMES[payload.dtype]
     outer.shape.extend(payload.shape)

@@ -77,13 +77,22 @@ def encode(
         sender=sender,
     )
     if payload is not None:
-        payload = payload.detach().contiguous()
+        payload = as_sent(payload)
         try:
             header.dtype = DTYPE_NAMES[payload.dtype]
         except KeyError:
             raise FrameError(f"cannot send tensors of dtype {payload.dtype}") from None
         header.shape.extend(payload.shape)
     return header, payload
+
+
+def as_sent(payload: Tensor) -> Tensor:
+    """A payload as a frame carries it: C-contiguous, out of any autograd graph; the
+    tensor itself where it is both already (no new view, no copy: a transport that
+    carries device memory gets exactly what the stage computed)."""
+    if payload.requires_grad:
+        payload = payload.detach()
+    return payload.contiguous()
 
 
 def empty_header(request_id: str, seq: int, sender: str = "") -> pb.FrameHeader:

@@ -40,7 +40,7 @@ from .auth import (
     FrameAuthError,
     FrameMac,
 )
-from .base import Transport, TransportError, rlog
+from .base import Transport, TransportError, log, rlog
 from .codec import (
     PREAMBLE,
     Frame,
@@ -263,6 +263,8 @@ class TcpTransport(Transport):
 
         self._server = await loop.create_server(factory, self.bind_host, port)
         self.port = self._server.sockets[0].getsockname()[1]
+        if self.device != "cpu":
+            log.info("tcp data plane on %s: %s", self.device, self.device_memory.why)
         return self.address
 
     async def _connection(self, address: str) -> tuple[_Conn, bool]:
@@ -306,9 +308,7 @@ class TcpTransport(Transport):
     async def send_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
     ) -> None:
-        if payload is not None and payload.device.type != "cpu":
-            payload = payload.cpu()
-        data = payload_bytes(payload)
+        data = payload_bytes(None if payload is None else self.staged(payload))
         hb = header.SerializeToString()
         plen = 0 if data is None else data.nbytes
         lock = self._locks.setdefault(address, asyncio.Lock())

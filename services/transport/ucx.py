@@ -3,12 +3,16 @@ and TCP otherwise (docs/architecture.md, "6. Control plane and data plane").
 
 A frame is three tagged messages on one endpoint: a 16-byte preamble (header and
 payload lengths), the protobuf header, then the payload sent straight from the
-tensor's memory (a numpy view on CPU). GPU tensors go as CUDA buffers, and receivers
-on a GPU receive into one, only when `UCX_TLS` names a CUDA transport (`cuda_copy`,
-`cuda_ipc`, or `all`); otherwise (the default, `UCX_TLS=tcp`) UCX would read a device
-pointer as host memory, so payloads are staged through host memory like TCP's.
-Messages of one endpoint are matched in order, so frames to one address arrive in the
-order they were sent.
+tensor's memory (a numpy view on CPU). Messages of one endpoint are matched in order,
+so frames to one address arrive in the order they were sent.
+
+Device memory (docs/architecture.md, "6. Control plane and data plane", "Device memory
+on the data plane"): a transport on a GPU sends its payloads as CUDA buffers, and
+receives into a buffer on its GPU, when UCX can move CUDA memory itself (the one
+decision is `device_memory.py`'s, from the UCX_TLS this process's UCX runs with,
+`current_tls`); otherwise they are staged through host memory, as over TCP. A
+transport on a GPU starts UCX with `UCX_TLS=tcp,cuda_copy,cuda_ipc` unless the
+environment says otherwise (on the CPU: `tcp`); UCX reads it once per process.
 
 Bounds, deadlines and authentication as over TCP (`base.py`, `admission.py`,
 `auth.py`): the listener answers each new endpoint with a 16-byte hello (the challenge
@@ -50,23 +54,23 @@ from .codec import (
     payload_bytes,
     tensor_from_bytes,
 )
+from .device_memory import DeviceMemory, default_tls, ucx_device_memory
 
 log = logging.getLogger(__name__)
 
 # Defaults measured on loopback TCP (docs/architecture.md, "6. Control plane and data
 # plane"); an operator's environment wins.
 UCX_DEFAULTS = {
-    "UCX_TLS": "tcp",
     "UCX_TCP_TX_SEG_SIZE": "1m",
     "UCX_TCP_RX_SEG_SIZE": "1m",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
 }
-
-# UCX reads its environment when ucxx is imported: set the defaults before any import.
+# UCX reads its environment when its context is made (`_ucxx`): set the defaults first.
 for _k, _v in UCX_DEFAULTS.items():
     os.environ.setdefault(_k, _v)
 
 _initialized = False
+_tls: str | None = None  # the UCX_TLS this process's UCX was started with
 _progress: _Progress | None = None
 
 
@@ -119,14 +123,16 @@ def _kick() -> None:
         _progress.kick()
 
 
-def _ucxx():
-    """Import and initialize ucxx once per process; progress it from the running event
-    loop with `_Progress` (installed again for each new loop: tests run several)."""
-    global _initialized, _progress
+def _ucxx(device: str = "cpu"):
+    """Import and initialize ucxx once per process (with the UCX_TLS default of the
+    first transport's `device`); progress it from the running event loop with
+    `_Progress` (installed again for each new loop: tests run several)."""
+    global _initialized, _progress, _tls
     import ucxx
 
     mode = os.environ.get("SPECPIPE_UCX_PROGRESS", "event")
     if not _initialized:
+        _tls = os.environ.setdefault("UCX_TLS", default_tls(device))
         ucxx.init(progress_mode="blocking" if mode == "event" else mode)
         _initialized = True
     loop = asyncio.get_running_loop()
@@ -147,12 +153,12 @@ def _ucxx():
     return ucxx
 
 
-def gpu_direct() -> bool:
-    """Whether UCX is configured to move CUDA memory itself (see the module docstring)."""
-    tls = os.environ.get("UCX_TLS", "")
-    if tls.startswith("^"):
-        return False  # an exclusion list: cannot tell, stage through host memory
-    return any(t.strip() == "all" or t.strip().startswith("cuda") for t in tls.split(","))
+def current_tls(device: str) -> str:
+    """The UCX_TLS this process's UCX runs with, or (not started yet) will start with
+    for a transport on `device`: UCX reads it once per process."""
+    if _initialized and _tls is not None:
+        return _tls
+    return os.environ.get("UCX_TLS") or default_tls(device)
 
 
 def available() -> bool:
@@ -183,11 +189,19 @@ class UcxTransport(Transport):
         return list(self._serving)
 
     @property
-    def host_payloads(self) -> bool:
-        return self.auth is not None or not gpu_direct()
+    def device_memory(self) -> DeviceMemory:
+        return ucx_device_memory(self.device, self.auth is not None, current_tls(self.device))
 
     async def start(self, port: int = 0) -> str:
-        ucxx = _ucxx()
+        ucxx = _ucxx(self.device)
+        memory = self.device_memory
+        gpu = torch.device(self.device)
+        if memory.carried and gpu.index is not None:
+            # UCX's CUDA transports copy in the context current on the thread that
+            # progresses them: this one (the event loop's), on this transport's GPU
+            # (plain "cuda" is the current one already).
+            torch.cuda.set_device(gpu)
+        log.info("ucx data plane on %s: %s", self.device, memory.why)
 
         async def handler(ep) -> None:
             task = asyncio.current_task()
@@ -304,11 +318,7 @@ class UcxTransport(Transport):
         keep = self._admitted(header)
         buf = None
         if plen:  # a UCX message is received whole: dropped frames too (bounded)
-            buf = (
-                np.empty(plen, dtype=np.uint8)
-                if not keep or self.device == "cpu" or self.host_payloads
-                else torch.empty(plen, dtype=torch.uint8, device=self.device)
-            )
+            buf = self._receive_buffer(plen, bool(keep))
             _kick()
             await ep.recv(buf)
         if mac is not None:
@@ -322,6 +332,13 @@ class UcxTransport(Transport):
         payload = tensor_from_bytes(header, buf) if keep else None
         return Frame(header, payload), keep
 
+    def _receive_buffer(self, nbytes: int, keep: bool) -> np.ndarray | Tensor:
+        """Where a payload is received: on this transport's device when it carries
+        device memory (a kept frame), else in host memory."""
+        if keep and not self.host_payloads:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return np.empty(nbytes, dtype=np.uint8)
+
     async def _endpoint(self, address: str):
         """(endpoint, FrameMac or None, fresh) to `address`, reconnecting if the peer
         closed it; the receiver's hello is waited for at most `handshake_seconds`."""
@@ -330,7 +347,7 @@ class UcxTransport(Transport):
             return (*conn, False)
         self._eps.pop(address, None)
         addr = self._check_scheme(address)
-        ucxx = _ucxx()
+        ucxx = _ucxx(self.device)
         try:
             ep = await asyncio.wait_for(
                 ucxx.create_endpoint(addr.host, addr.port), self.handshake_seconds
@@ -357,9 +374,9 @@ class UcxTransport(Transport):
     ) -> None:
         if payload is None or payload.numel() == 0:
             buf = None
-        elif payload.device.type == "cpu" or self.host_payloads:
-            buf = payload_bytes(payload.cpu())  # stages copy device outputs before this
-        else:  # CUDA buffers go as they are (UCX_TLS names a CUDA transport)
+        elif (payload := self.staged(payload)).device.type == "cpu":
+            buf = payload_bytes(payload)
+        else:  # device memory goes as it is: UCX reads it (`device_memory`)
             buf = payload.reshape(-1).view(torch.uint8)
         hbytes = header.SerializeToString()
         lock = self._locks.setdefault(address, asyncio.Lock())

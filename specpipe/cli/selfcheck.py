@@ -4,7 +4,8 @@ fast is a stage step there? Offline once installed; each part says PASS, FAIL or
 Parts: the environment (versions, which attention kernel runs our attention's call),
 the device tests of the suite, in-process generation on the device against the CPU
 (fp64 and fp32 must be exact; bf16 divergence is reported, not hidden), a two-stage
-deployment of separate processes on the device with a client, and stage-step timings at
+deployment of separate processes on the device with a client (`--device cuda`: one GPU
+per stage where there are two, as `specpipe up` places them), and stage-step timings at
 1x1, 1x64, 8x8 and 64x1 requests x rows (host time, device time, kernels per step).
 `--device cpu` runs the same parts on the CPU with small shapes (CI runs it, so the
 check cannot rot); `scripts/gpu_check.sh` is the GPU entry point.
@@ -168,7 +169,7 @@ def attention_kernels(device: str) -> dict[str, bool]:
 
 # -- the suite's device tests ------------------------------------------------------------
 DEVICE_TESTS = ("tests/unit/test_services_device.py", "tests/unit/test_sampling.py",
-                "tests/unit/test_clock.py")  # fmt: skip
+                "tests/unit/test_clock.py", "tests/unit/test_transport_device.py")  # fmt: skip
 
 
 def _tests(part: Part, device: str) -> None:
@@ -247,7 +248,10 @@ def _services(part: Part, device: str) -> None:
                                  log_dir=Path(tmp) / "logs")  # fmt: skip
         try:
             dep.start()
-            part.say(f"router, draft and 2 stages started on {device} (tcp data plane)")
+            part.say("router, draft and 2 stages started, each stage and the draft on:")
+            for line in [*dep.placement.report(), dep.data_plane()]:
+                part.say(f"  {line}")
+            part.data["devices"] = dep.placement.devices
             key = dep.api_keys[0] if dep.api_keys else None
             with Client(dep.router_address, timeout=120, api_key=key) as client:
                 for mode in ("specpipe", "pp"):

@@ -348,7 +348,21 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=defaults.host)
     add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
-    add_device_arg(p)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--device",
+        default=defaults.device,
+        help="where the stages and the draft run: cuda (one GPU per service, round-robin "
+        "over the visible GPUs; with fewer GPUs than services some share one, as printed at "
+        "start), cuda:N (all on GPU N), cpu (default), or auto (cuda if available, else cpu)",
+    )
+    where.add_argument(
+        "--devices",
+        type=_comma_list,
+        default=tuple(defaults.devices),
+        help="every service's device instead: one per stage process (in pipeline order, a "
+        "stage's replicas together), then the draft's, e.g. cuda:0,cuda:1,cuda:1",
+    )
     p.add_argument(
         "--drain-seconds",
         type=float,

@@ -172,6 +172,7 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         dtype=args.dtype,
         threads=args.threads or None,
         device=parse_device(args.device),
+        devices=tuple(parse_device(d) for d in args.devices),
         drain_seconds=args.drain_seconds,
         log_dir=args.log_dir,
         startup_timeout=args.startup_timeout,
@@ -281,10 +282,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     print(
         f"starting {len(dep.ranges)} stages{replicas} "
         f"({', '.join(f'{r.start}:{r.end}' for r in dep.ranges)}), "
-        f"draft={config.draft}, transport={config.transport}, device={config.device} ...",
+        f"draft={config.draft}, transport={config.transport} ...",
         file=sys.stderr,
         flush=True,
     )
+    for line in [*dep.placement.report(), dep.data_plane()]:
+        print(f"  {line}", file=sys.stderr, flush=True)
     if not config.secure:
         print(f"specpipe up: warning: {INSECURE_WARNING}", file=sys.stderr, flush=True)
     with stop_on_signals(dep):  # from here to the end: a second Ctrl-C kills at once

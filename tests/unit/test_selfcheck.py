@@ -25,6 +25,9 @@ def test_selfcheck_on_the_cpu_passes_every_part(tmp_path, capsys) -> None:
     assert set(timings) == {"1x1", "1x64", "8x8", "64x1"}
     assert all(t["device_ms"] > 0 and t["kernels"] > 0 for t in timings.values())
     assert "selfcheck on cpu: PASS" in printed
+    services = next(p for p in report["parts"] if p["name"] == "services")["data"]
+    assert services["devices"] == {"stage0": "cpu", "stage1": "cpu", "draft": "cpu"}
+    assert "  stage1: cpu" in printed and "data plane tcp: host memory" in printed
 
 
 @pytest.mark.parametrize(

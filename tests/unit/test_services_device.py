@@ -1,6 +1,6 @@
-"""`--device` of the stage and draft services: validation (one-line error, exit 2), the
-UCX choice between GPU buffers and host staging, and, where CUDA exists, the engine and
-a stage's outputs on a GPU (skipped on machines without one)."""
+"""`--device` of the stage and draft services: validation (one-line error, exit 2) and,
+where CUDA exists, the engine and a stage's outputs on a GPU (skipped on machines without
+one). Whether the data plane carries GPU memory: tests/unit/test_transport_device.py."""
 
 from __future__ import annotations
 
@@ -62,21 +62,6 @@ def test_bad_device_is_one_line_and_exit_2(argv, llama_dir, capsys) -> None:
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("specpipe: error: --device:") and err.count("\n") == 1, err
-
-
-def test_ucx_moves_gpu_buffers_only_with_a_cuda_transport(monkeypatch) -> None:
-    from specpipe.services.transport.ucx import gpu_direct
-
-    for tls, direct in [
-        ("tcp", False),
-        ("rc,tcp", False),
-        ("tcp,cuda_copy", True),
-        ("rc,cuda_copy,cuda_ipc", True),
-        ("all", True),
-        ("^cuda_ipc", False),
-    ]:
-        monkeypatch.setenv("UCX_TLS", tls)
-        assert gpu_direct() is direct, tls
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
