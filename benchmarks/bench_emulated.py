@@ -181,7 +181,7 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
                 opts = DecodeOptions(
                     max_new_tokens=args.max_new_tokens,
                     width=args.width,
-                    specinfer_depth=args.depth,
+                    depth=args.depth,
                     growth=args.growth,
                 )
             results, tokens, wall = asyncio.run(

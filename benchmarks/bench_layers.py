@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
                 for depth in [int(x) for x in args.depths.split(",")]:
                     for width in [int(x) for x in args.widths.split(",")]:
                         o = DecodeOptions(max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                          width=width, specinfer_depth=depth,
+                                          width=width, depth=depth,
                                           stop_token_ids=setup.stop)  # fmt: skip
                         runs = [
                             run_one(pipe(p), p, Mode.SPECINFER, o, draft) for p in setup.prompts

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                         sampling=sampling,
                         width=args.width,
                         top_k_children=args.top_k_children,
-                        specinfer_depth=args.depth,
+                        depth=args.depth,
                         stop_token_ids=stop,
                     )
                     r = run_one(pipeline, draft if mode != Mode.PP else None, p, mode, opts, costs)

@@ -82,7 +82,7 @@ class DecodeOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     width: int = DEFAULT_WIDTH
     top_k_children: int = DEFAULT_TOP_K_CHILDREN
-    specinfer_depth: int = DEFAULT_SPECINFER_DEPTH
+    depth: int = DEFAULT_SPECINFER_DEPTH  # specinfer: tree layers (one name on every surface)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     stop_token_ids: tuple[int, ...] = ()
     # specpipe: tree layers entering stage 1 per step (K); the last stage verifies down
@@ -116,7 +116,7 @@ class DecodeOptions:
         for name, high in (
             ("width", MAX_WIDTH),
             ("top_k_children", MAX_TOP_K_CHILDREN),
-            ("specinfer_depth", MAX_SPECINFER_DEPTH),
+            ("depth", MAX_SPECINFER_DEPTH),
             ("prefill_chunk", MAX_PREFILL_CHUNK),
             ("layers_per_step", MAX_LAYERS_PER_STEP),
         ):
@@ -141,7 +141,7 @@ def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:
         k = opts.layers_per_step
         return (stages * k + k + 2) * opts.width + 2
     if mode == Mode.SPECINFER:
-        return opts.specinfer_depth * opts.width + 2
+        return opts.depth * opts.width + 2
     return 2
 
 
@@ -151,7 +151,7 @@ def step_rows(mode: Mode, opts: DecodeOptions) -> int:
     if mode == Mode.SPECPIPE:
         return opts.layers_per_step * opts.width + 1
     if mode == Mode.SPECINFER:
-        return opts.specinfer_depth * opts.width + 1
+        return opts.depth * opts.width + 1
     return 1
 
 
@@ -166,7 +166,7 @@ def check_step_rows(mode: Mode, opts: DecodeOptions, max_rows: int) -> None:
     rows = step_rows(mode, opts)
     if rows > max_rows:
         shape = (
-            f"{opts.specinfer_depth} layers of width {opts.width}"
+            f"{opts.depth} layers of width {opts.width}"
             if mode == Mode.SPECINFER
             else f"{opts.layers_per_step} layers per step of width {opts.width}"
         )

@@ -1,5 +1,5 @@
 """SpecInfer's controller, on the same pipeline: per pass the token source grows a whole
-tree (one layer per draft forward, `specinfer_depth` layers), the tree crosses all S
+tree (one layer per draft forward, `depth` layers), the tree crosses all S
 stages in one feed, and the longest verified path plus one token is emitted."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class SpecInferController(Controller):
     def _propose_or_feed(self) -> list[Command]:
         """Ask the draft for the next layer, or feed the tree once it is complete."""
         tree = self.tree
-        if tree.frontier_depth >= self.opts.specinfer_depth:
+        if tree.frontier_depth >= self.opts.depth:
             return self._feed_tree()
         frontier = tree.frontier()
         layer = layer_activation(self.request_id, tree, frontier, self.root_pos)

@@ -272,13 +272,9 @@ def plan_request(
     # fields the request leaves unset take DecodeOptions' defaults.
     s = r.sampling
     given = {
-        name: getattr(r, field)
-        for field, name in (
-            ("top_k_children", "top_k_children"),
-            ("depth", "specinfer_depth"),
-            ("prefill_chunk", "prefill_chunk"),
-        )
-        if r.HasField(field)
+        name: getattr(r, name)
+        for name in ("top_k_children", "depth", "prefill_chunk")
+        if r.HasField(name)
     }
     if r.ranking:
         given["ranking"] = r.ranking
@@ -339,7 +335,7 @@ def plan_request(
     rows = tree_capacity(mode, max(len(model.ranges), 1), widest)
     if max_payload_bytes is not None and rows * model.vocab_size * 8 > max_payload_bytes:
         raise invalid(
-            f"a tree of up to {rows} rows (width {widest.width}, depth {opts.specinfer_depth}) "
+            f"a tree of up to {rows} rows (width {widest.width}, depth {opts.depth}) "
             f"would bring back more logits of this model's {model.vocab_size}-token "
             "vocabulary than one frame may hold: use a smaller width or depth"
         )

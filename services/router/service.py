@@ -565,7 +565,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     async def _admit(self, rid: str, plan: Plan, priority: int, deadline: float | None) -> None:
         """Run now, or wait in the queue (by priority) until a running request leaves."""
-        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.specinfer_depth)
+        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.depth)
         try:
             if self.scheduler.submit(ticket):
                 return

@@ -169,7 +169,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             width=width,
             top_k_children=args.top_k_children,
-            specinfer_depth=args.depth,
+            depth=args.depth,
             prefill_chunk=args.prefill_chunk,
             stop_token_ids=() if args.ignore_eos else cfg.eos_token_ids,
             layers_per_step=layers or 1,

@@ -213,7 +213,7 @@ def test_blind_draft_misses_every_token() -> None:
 
 
 def test_specinfer_accepts_the_whole_depth_plus_one() -> None:
-    gen = run(Mode.SPECINFER, 3, RuleDraft(oracle=True), n=20, width=2, specinfer_depth=4)
+    gen = run(Mode.SPECINFER, 3, RuleDraft(oracle=True), n=20, width=2, depth=4)
     assert gen.stats.accepted_lengths == [5, 5, 5, 5]
     assert gen.stats.decode_steps == 3 * 4
     assert gen.stats.draft_layers == [[1, 2, 2, 2]] * 4  # the root, then `width` nodes a layer
@@ -353,9 +353,7 @@ def test_regrowth_from_kept_proposals_when_the_newest_layer_is_pruned_away() -> 
 
 
 def test_specinfer_controller_script() -> None:
-    c = make_controller(
-        Mode.SPECINFER, "r", [5, 6], DecodeOptions(4, width=2, specinfer_depth=2), 3
-    )
+    c = make_controller(Mode.SPECINFER, "r", [5, 6], DecodeOptions(4, width=2, depth=2), 3)
     p = cmds_of(c.start(), Propose)[0]
     assert p.step is None and p.layer.node_ids.tolist() == [0]
     p = cmds_of(c.on_candidates(p.ticket, cand([(0, 7, 0.9), (0, 8, 0.1)])), Propose)[0]

@@ -105,9 +105,7 @@ def test_tree_regrows_when_the_newest_layer_is_pruned_away(llama_dir, unrelated_
 
 
 def test_specinfer_accepts_long_paths_with_oracle(llama_dir) -> None:
-    gen = generate(
-        llama_dir, Mode.SPECINFER, 3, ORACLE_DRAFT, max_new_tokens=40, width=4, specinfer_depth=6
-    )
+    gen = generate(llama_dir, Mode.SPECINFER, 3, ORACLE_DRAFT, max_new_tokens=40, width=4, depth=6)
     assert max(gen.stats.accepted_lengths) == 7  # whole depth plus the bonus token
     assert gen.stats.decode_steps == 3 * len(gen.stats.accepted_lengths)
 

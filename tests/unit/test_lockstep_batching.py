@@ -21,7 +21,7 @@ JOBS = [  # prompt, mode, sampling
 
 
 def opts(sampling: SamplingParams, n: int) -> DecodeOptions:
-    return DecodeOptions(n, sampling, width=3, specinfer_depth=3, prefill_chunk=3)
+    return DecodeOptions(n, sampling, width=3, depth=3, prefill_chunk=3)
 
 
 def test_concurrent_requests_emit_their_single_request_tokens(llama_dir, unrelated_draft_dir):

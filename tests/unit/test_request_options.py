@@ -190,3 +190,19 @@ def test_every_engine_option_is_declared() -> None:
     engine = {f.name for f in dataclasses.fields(DecodeOptions)} - {"sampling"} - COMPILED
     engine |= {f"sampling.{f.name}" for f in dataclasses.fields(SamplingParams)}
     assert engine == {o.engine for o in REQUEST_OPTIONS if o.engine}
+
+
+# HTTP body fields named by OpenAI's API, not by us
+OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+@pytest.mark.parametrize("o", OPTIONS)
+def test_an_option_has_one_name_on_every_surface(o: RequestOption) -> None:
+    """The proto field, the engine's field, the SDK keyword and the CLI flag carry the
+    option's name (issue 25: proto `depth` was the engine's `specinfer_depth`)."""
+    names = {o.wire.split(".")[-1], (o.engine or o.name).split(".")[-1], o.keyword}
+    if o.cli is not None:
+        names.add(o.dest)
+    assert names == {o.name}
+    if o.http is not None:
+        assert o.http == OPENAI_NAMES.get(o.name, o.name)

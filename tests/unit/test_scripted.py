@@ -20,7 +20,7 @@ PROMPT = [3, 17, 42, 5, 61, 8, 23]
         (Mode.SPECPIPE, {"layers_per_step": 1}),
         (Mode.SPECPIPE, {"layers_per_step": 2}),
         (Mode.SPECPIPE, {"layers_per_step": 3, "growth": "eager"}),
-        (Mode.SPECINFER, {"specinfer_depth": 3}),
+        (Mode.SPECINFER, {"depth": 3}),
         (Mode.PP, {}),
     ],
 )

@@ -46,7 +46,7 @@ def test_router_defaults_are_the_engines() -> None:
     engine = DecodeOptions(max_new_tokens=4)
     assert opts.top_k_children == engine.top_k_children == 64
     assert opts.width == engine.width
-    assert opts.specinfer_depth == engine.specinfer_depth
+    assert opts.depth == engine.depth
     assert opts.prefill_chunk == engine.prefill_chunk
     req = build_request(prompt_ids=[1], max_new_tokens=4, top_k_children=3)
     explicit = _with_router(lambda r: r.plan(req))

@@ -54,7 +54,7 @@ def test_every_default_request_fits_the_smallest_cap() -> None:
 def test_a_request_above_the_cap_is_refused_with_the_limit() -> None:
     with pytest.raises(ValueError, match="prefill_chunk 8192 is above the 1024 rows"):
         check_step_rows(Mode.PP, DecodeOptions(8, prefill_chunk=8192), 1024)
-    wide = DecodeOptions(8, width=64, specinfer_depth=64)
+    wide = DecodeOptions(8, width=64, depth=64)
     assert step_rows(Mode.SPECINFER, wide) == 64 * 64 + 1
     with pytest.raises(ValueError, match=r"tree of 4097 rows .* above the 1024 rows"):
         check_step_rows(Mode.SPECINFER, wide, 1024)

@@ -29,7 +29,7 @@ def dep(llama_dir):
 
 
 def opts(n: int = 8) -> DecodeOptions:
-    return DecodeOptions(max_new_tokens=n, width=4, specinfer_depth=3)
+    return DecodeOptions(max_new_tokens=n, width=4, depth=3)
 
 
 @pytest.mark.parametrize("mode", ["specpipe", "pp", "specinfer"])
