@@ -229,7 +229,8 @@ def test_stages_and_draft_run_on_the_device_they_were_given(tcp_deployment) -> N
     want = torch.device(resolve_device("auto")).type  # the fixture's --device auto
     for name in ("stage0", "stage1", "draft"):
         argv = tcp_deployment.children[name].argv
-        assert argv[argv.index("--device") + 1] == "auto"
+        # `up` resolves "auto" and places each service (one GPU each where there are GPUs)
+        assert torch.device(argv[argv.index("--device") + 1]).type == want
         kind = "draft" if name == "draft" else "stage"
         ch, stub = service_stub(tcp_deployment.children[name].info["grpc"], kind)
         with ch:
