@@ -65,13 +65,13 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float) -> float:
-        """Seconds until /v1/models answers; exits with the log's tail if the process dies."""
+        """Seconds until /health answers 200 (both servers have it); exits with the log's tail if the process dies."""
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2):
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2):
                     return time.monotonic() - t0
             except OSError:
                 time.sleep(2)
