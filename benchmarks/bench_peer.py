@@ -17,10 +17,13 @@ Writes benchmarks/results/peer/<dtype>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -33,6 +36,8 @@ PROMPTS = [
     "What does the `yield` keyword do in Python?",
 ]
 MODEL = "qwen2.5-coder-1.5b-instruct"
+# This interpreter's SpecPipe (a venv's `specpipe` script on PATH may be another checkout's).
+SPECPIPE = [sys.executable, "-m", "specpipe.cli"]
 OUT = Path(__file__).resolve().parent / "results" / "peer"
 
 
@@ -56,8 +61,13 @@ class Server:
     def __init__(self, name: str, cmd: list[str], port: int, env: dict | None = None):
         self.name, self.port = name, port
         self.log = Path(tempfile.mkdtemp(prefix=f"peer-{name}-")) / "server.log"
+        # A session of its own: stop() ends the whole group (vLLM's engine processes too).
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env
+            cmd,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
 
     @property
@@ -78,16 +88,18 @@ class Server:
         raise RuntimeError(f"{self.name} did not serve within {timeout:.0f} s")
 
     def stop(self) -> None:
-        self.proc.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
 
 def start_specpipe(args) -> Server:
-    cmd = ["specpipe", "up", "--target", MODEL, "--draft", "none", "--stages", "1"]
+    cmd = [*SPECPIPE, "up", "--target", MODEL, "--draft", "none", "--stages", "1"]
     cmd += ["--dtype", args.dtype, "--http-port", str(args.port), "--threads", str(args.threads)]
     return Server("specpipe", cmd, args.port)
 
@@ -212,7 +224,7 @@ def autoregressive_ids(args) -> list[list[int]]:
     """The served-dtype reference: SpecPipe's own in-process plain decoding (S = 1)."""
     ids = []
     for p in PROMPTS:
-        cmd = ["specpipe", "generate", "--target", MODEL, "--mode", "autoregressive"]
+        cmd = [*SPECPIPE, "generate", "--target", MODEL, "--mode", "autoregressive"]
         cmd += ["--stages", "1", "--dtype", args.dtype, "--chat", "--prompt", p]
         cmd += ["--max-new-tokens", str(args.max_tokens), "--json"]
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)

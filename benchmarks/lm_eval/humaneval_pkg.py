@@ -23,3 +23,21 @@ def process_results(doc: dict, results: list[str]) -> dict:
     """pass@1 of the one greedy completion: the wheel runs prompt + completion + tests."""
     done = check_correctness(doc, results[0], TIMEOUT_S)
     return {"pass@1": float(done["passed"])}
+
+
+def main() -> None:
+    """pass@1 of {"task_id", "completion"} lines on stdin (run_modes.py's reference)."""
+    import json
+    import sys
+
+    problems = read_problems()
+    lines = [json.loads(line) for line in sys.stdin if line.strip()]
+    passed = [
+        check_correctness(problems[x["task_id"]], x["completion"], TIMEOUT_S)["passed"]
+        for x in lines
+    ]
+    print(sum(passed) / len(passed))
+
+
+if __name__ == "__main__":
+    main()
