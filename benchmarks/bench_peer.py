@@ -160,15 +160,15 @@ def run_aiperf(args, server: Server, clients: int, round_: int) -> dict:
         raise RuntimeError(f"no aiperf export under {art}")
     rec = json.loads(exports[0].read_text())
 
-    def avg(name: str) -> float:
-        return round(float((rec.get(name) or {}).get("avg", "nan")), 1)
+    def avg(name: str, digits: int = 1) -> float:
+        return round(float((rec.get(name) or {}).get("avg", "nan")), digits)
 
     return {
         "clients": clients,
         "requests": int((rec.get("request_count") or {}).get("avg", 0)),
         "ttft_ms": avg("time_to_first_token"),
         "itl_ms": avg("inter_token_latency"),
-        "output_tokens_per_s": avg("output_token_throughput"),
+        "output_tokens_per_s": avg("output_token_throughput", 3),
         "output_tokens": avg("output_sequence_length"),
         "errors": int((rec.get("error_request_count") or {}).get("avg", 0)),
         "load_before": before,
@@ -328,8 +328,9 @@ def main() -> None:
                     s = next(x for x in servers if x.name == who)
                     rec[who] = [run_aiperf(args, s, c, r) for c in clients]
                 print(json.dumps({who: rec[who]}), flush=True)
+                # after every turn: a long run cut short keeps what it measured
+                save({**result, "rounds": [*result["rounds"], rec]}, args.dtype)
             result["rounds"].append(rec)
-            save(result, args.dtype)  # after every round: a long run cut short keeps its rounds
     finally:
         for s in servers:
             s.stop()
