@@ -272,13 +272,18 @@ def main() -> None:
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--no-exactness", action="store_true", help="timings only")
+    ap.add_argument("--out", default="", help="results file name (default: <dtype>.json)")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
+    name = args.out or f"{args.dtype}.json"
     result: dict = {"model": MODEL, "dtype": args.dtype, "max_tokens": args.max_tokens}
     result |= {"prompts": PROMPTS, "clients": clients, "cpus": os.cpu_count(), "rounds": []}
+    result["specpipe_threads"] = args.threads
 
-    print("reference: specpipe generate --mode autoregressive", flush=True)
-    ref = autoregressive_ids(args)
+    if not args.no_exactness:
+        print("reference: specpipe generate --mode autoregressive", flush=True)
+    ref = [] if args.no_exactness else autoregressive_ids(args)
     tok = model = None
     if not args.no_transformers:
         import torch
@@ -306,7 +311,7 @@ def main() -> None:
         exact: dict = {}
         result["exactness"] = exact
         served: dict[str, list] = {}
-        for s in servers:
+        for s in servers if ref else []:
             got = [greedy_ids(s, p, args.max_tokens) for p in PROMPTS]
             served[s.name] = [g["ids"] for g in got]
             exact[s.name] = {"vs_autoregressive": agreement(served[s.name], ref)}
@@ -319,7 +324,7 @@ def main() -> None:
             for who in turn:
                 if who == "transformers":
                     rec["transformers"], ids = transformers_round(args, tok, model, tf_ids is None)
-                    if tf_ids is None:
+                    if tf_ids is None and ref:
                         tf_ids = ids
                         exact["autoregressive_vs_transformers"] = agreement(ref, tf_ids)
                         for x in servers:
@@ -329,18 +334,18 @@ def main() -> None:
                     rec[who] = [run_aiperf(args, s, c, r) for c in clients]
                 print(json.dumps({who: rec[who]}), flush=True)
                 # after every turn: a long run cut short keeps what it measured
-                save({**result, "rounds": [*result["rounds"], rec]}, args.dtype)
+                save({**result, "rounds": [*result["rounds"], rec]}, name)
             result["rounds"].append(rec)
     finally:
         for s in servers:
             s.stop()
     print(json.dumps(result.get("exactness", {}), indent=1))
-    print(f"wrote {save(result, args.dtype)}")
+    print(f"wrote {save(result, args.out or f'{args.dtype}.json')}")
 
 
-def save(result: dict, dtype: str) -> Path:
+def save(result: dict, name: str) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"{dtype}.json"
+    path = OUT / name
     path.write_text(json.dumps(result, indent=1))
     return path
 
