@@ -261,7 +261,7 @@ class DeploymentConfig:
     router_port: int = 0  # 0: a free port
     host: str = "127.0.0.1"
     dtype: str = "float32"
-    threads: int | None = None  # per process; None: the CPUs shared among the children
+    threads: int | None = None  # per process; None: the CPUs but one (the router's), shared
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.
     device: str = "cpu"

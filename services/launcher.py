@@ -169,7 +169,12 @@ class ServicesDeployment:
         self.group = c.group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
         procs = sum(per_stage) + (1 if self.draft else 0)
-        self.threads = c.threads or max(1, cpus // procs)
+        # One core is left to the router (tokenizing, HTTP, the controller): a stage
+        # whose torch threads take every core waits on the router's turn and the router
+        # on it (benchmarks/README.md, "Beside a real peer": on 2 busy cores one torch
+        # thread decoded 1.6-3.3x faster than two, the same tokens; vLLM's CPU build
+        # picks one).
+        self.threads = c.threads or max(1, (cpus - 1) // procs)
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None
