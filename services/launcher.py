@@ -169,12 +169,14 @@ class ServicesDeployment:
         self.group = c.group  # discovery group of the first model version
         cpus = os.cpu_count() or 1
         procs = sum(per_stage) + (1 if self.draft else 0)
-        # One core is left to the router (tokenizing, HTTP, the controller): a stage
-        # whose torch threads take every core waits on the router's turn and the router
-        # on it (benchmarks/README.md, "Beside a real peer": on 2 busy cores one torch
-        # thread decoded 1.6-3.3x faster than two, the same tokens; vLLM's CPU build
-        # picks one).
-        self.threads = c.threads or max(1, (cpus - 1) // procs)
+        # Every core goes to the model processes, shared evenly: decoding is bound by
+        # reading the weights, and each thread brings its core's memory bandwidth, while
+        # the router sleeps between steps (3% of a core at one streamed chat, py-spy).
+        # Measured with aiperf on 2 idle cores (benchmarks/README.md, "Beside a real
+        # peer"): two threads 200 ms per token at one client, 13.6 tokens/s at four; one
+        # thread 301 ms and 8.9. (On cores that other jobs keep busy, one thread did
+        # better; `--threads` says so.)
+        self.threads = c.threads or max(1, cpus // procs)
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None

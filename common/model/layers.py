@@ -212,4 +212,6 @@ class StageModel(nn.Module):
         return logits if logits.dtype == torch.float64 else logits.float()
 
     def num_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Weight bytes, packed ones (`packed_linear`, buffers) included."""
+        tensors = [*self.parameters(), *self.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)

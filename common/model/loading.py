@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .config import ModelConfig, ModelConfigError
 from .layers import StageModel
+from .packed_linear import pack_linears, packing_applies
 from .partition import LayerRange
 
 
@@ -70,8 +71,10 @@ def load_stage(
     layers: LayerRange | None = None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    pack: bool = True,
 ) -> StageModel:
-    """Load only the tensors of one stage from a Hugging Face safetensors directory."""
+    """Load only the tensors of one stage from a Hugging Face safetensors directory; bf16
+    linear weights on a CPU are packed for oneDNN (`packed_linear`; `pack=False`: not)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     layers = layers or LayerRange(0, cfg.num_layers, cfg.num_layers)
@@ -98,7 +101,10 @@ def load_stage(
     with torch.device("meta"):
         model = StageModel(cfg, layers)
     model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if pack and packing_applies(dtype, device):
+        pack_linears(model)
+    return model
 
 
 WEIGHT_HASH_FILE = "specpipe-weight-hash.json"
