@@ -34,7 +34,7 @@ from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.runtime.validation import MAX_ROWS, nonfinite, nonfinite_message
-from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of
+from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of, verify_many
 from specpipe.common.spec.messages import Activation, Prune, Verified
 from specpipe.v1 import dataplane_pb2 as pb
 
@@ -231,7 +231,7 @@ class ComputeRounds:
         ):
             outs = runtime.forward_many(acts)
             # the last stage's verification is part of its step (LM head and draws)
-            results = iter([self._output(w, a, o) for (w, a), o in zip(taken, outs, strict=True)])
+            results = iter(self._outputs(taken, outs))
         if rows:
             stage.metrics.batch_requests.observe(len({a.request_id for a in acts}))
         for w in work:
@@ -262,19 +262,22 @@ class ComputeRounds:
                 w.error = InvalidInput(f"a bad frame: {nonfinite_message('hidden states')}")
                 rlog.warning("bad-frame", "%s: %s", self.stage.name, w.error)
 
-    def _output(self, w: Work, inp: Activation, out):
-        """One request's forward output: its rows' token ids carried on; on the last
-        stage, what its verifier drew (a request that fails here fails alone)."""
-        if out is None or isinstance(out, RequestError):
-            return out
-        out.row_tokens = row_tokens_of(out, inp)
-        verifier = w.st.verifier
-        if verifier is None or not self.stage.runtime.is_last:
-            return out
-        try:
-            return verifier.on_output(out)
-        except ValueError as e:
-            return InvalidInput(str(e))
+    def _outputs(self, taken: list[tuple[Work, Activation]], outs: list) -> list:
+        """The round's forward outputs, each with its rows' token ids carried on; on the
+        last stage, what each request's verifier drew (`verify_many`: one LM head call
+        for the round's roots). A request that fails here fails alone."""
+        done, verifying = [], []
+        runtime = self.stage.runtime
+        for (w, inp), out in zip(taken, outs, strict=True):
+            if out is not None and not isinstance(out, RequestError):
+                out.row_tokens = row_tokens_of(out, inp)
+                if w.st.verifier is not None and runtime.is_last:
+                    verifying.append((len(done), w.st.verifier, out))
+            done.append(out)
+        drawn = verify_many([(v, out) for _, v, out in verifying], runtime.model.logits)
+        for (k, _, _), found in zip(verifying, drawn, strict=True):
+            done[k] = InvalidInput(str(found)) if isinstance(found, ValueError) else found
+        return done
 
     def for_wire(self, out: Activation | None) -> Activation | None:
         """Put device outputs where the transport sends from, still on the compute thread

@@ -23,7 +23,7 @@ from torch import Tensor
 from ..spec.messages import Activation, Candidates, Prune, Verified
 from ..spec.verify import VerifySpec
 from .stage import StageRuntime
-from .verifier import RequestVerifier, row_tokens_of
+from .verifier import RequestVerifier, row_tokens_of, verify_many
 
 
 @dataclass
@@ -187,16 +187,26 @@ class LocalPipeline:
                 if out is not None:
                     out.row_tokens = row_tokens_of(out, flight[rid][k])  # type: ignore[arg-type]
                 outputs[rid].append(out)
+        verifying = [
+            (rid, self._verifiers[rid], outputs[rid][-1])
+            for rid in inputs
+            if rid in self._verifiers and outputs[rid][-1] is not None
+        ]
+        logits = self.stages[-1].model.logits
+        drawn = verify_many([(v, out) for _, v, out in verifying], logits)
+        verified: dict[str, tuple[Verified, ...]] = {}
+        for (rid, _, _), found in zip(verifying, drawn, strict=True):
+            if isinstance(found, ValueError):
+                raise found
+            verified[rid] = tuple(found)
         result = {}
         for rid in inputs:
             self._in_flight[rid] = outputs[rid][:-1]
             rows = [len(a) if a is not None else 0 for a in flight[rid]]
-            last, verified = outputs[rid][-1], ()
-            verifier = self._verifiers.get(rid)
-            if verifier is not None:
-                verified = tuple(verifier.on_output(last)) if last is not None else ()
-                last = None
-            result[rid] = StepResult(last=last, nodes_per_stage=rows, verified=verified)
+            last = None if rid in self._verifiers else outputs[rid][-1]
+            result[rid] = StepResult(
+                last=last, nodes_per_stage=rows, verified=verified.get(rid, ())
+            )
         return result
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
 from specpipe.common.runtime.lockstep import Generation, LockstepEngine
-from specpipe.common.runtime.verifier import RequestVerifier
+from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
@@ -149,6 +149,47 @@ def test_seeded_draws_use_the_output_position() -> None:
     from specpipe.common.spec.sampling import sample_token
 
     assert draws == [sample_token(logits[0], spec.sampling, i) for i in (0, 3, 7)]
+
+
+def test_a_rounds_roots_share_one_head_call_and_walk_as_one_at_a_time() -> None:
+    """verify_many: the logits of every request's first root in one LM head call; every
+    walk equal to that request's own on_output; a bad output fails alone."""
+    calls: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return h
+
+    def round_of(make) -> list:
+        outs = [
+            rows([0], [-1], [9], [4]),
+            rows([0, 1, 2, 3, 4], [-1, 0, 0, 1, 2], [9, 4, 5, 6, 6], [5, 0, 6, 0, 7]),
+            rows([0, 1], [-1, 0], [9, 4], [8, 0]),
+        ]
+        return [(make(), out) for out in outs]
+
+    alone = [walked(v.on_output(out)) for v, out in round_of(verifier)]
+    together = verify_many(round_of(lambda: RequestVerifier("r", GREEDY, head)), head)
+    assert [walked(found) for found in together] == alone
+    # three first roots in one call, then the group's walk goes on below its root (2 rows)
+    assert calls == [3, 1, 1]
+
+    calls.clear()
+    bad = Activation("r", torch.tensor([2]), node_ids=torch.tensor([0]),
+                     parent_ids=torch.tensor([-1]), hidden=None, row_tokens=torch.tensor([9]))  # fmt: skip
+    mixed = [(RequestVerifier("r", GREEDY, head), a) for a in (bad, rows([0], [-1], [9], [4]))]
+    error, found = verify_many(mixed, head)
+    assert isinstance(error, ValueError) and "hidden states" in str(error)
+    assert walked(found) == [((0,), (4,))] and calls == [1]
+
+
+def test_a_request_with_two_outputs_in_a_round_walks_them_in_order() -> None:
+    """The second output's root depends on what the first drew (here node 2, not node 1,
+    which is the first root the verifier would see before the first walk)."""
+    v = verifier()
+    first, second = rows([0], [-1], [9], [5]), rows([1, 2], [0, 0], [4, 5], [7, 3], position=3)
+    found = verify_many([(v, first), (v, second)], lambda h: h)
+    assert [walked(f) for f in found] == [[((0,), (5,))], [((2,), (3,))]]
 
 
 # -- through the in-process pipeline: the last stage verifies ---------------------------------
