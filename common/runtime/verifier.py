@@ -78,7 +78,8 @@ class _Rows:
         )
 
     @staticmethod
-    def cat(a: _Rows | None, b: _Rows) -> _Rows:
+    def cat(a: _Rows | None, b: _Rows, hidden: bool = True) -> _Rows:
+        """`a`'s rows, then `b`'s; `hidden=False`: without hidden states (no copy)."""
         if a is None or len(a) == 0:
             return b
         assert a.hidden is not None and b.hidden is not None
@@ -87,7 +88,7 @@ class _Rows:
             np.concatenate([a.parents, b.parents]),
             np.concatenate([a.tokens, b.tokens]),
             np.concatenate([a.positions, b.positions]),
-            torch.cat([a.hidden, b.hidden.to(a.hidden.device)]),
+            torch.cat([a.hidden, b.hidden.to(a.hidden.device)]) if hidden else None,
         )
 
 
@@ -192,11 +193,13 @@ class RequestVerifier:
         new = self._tree_rows(out)
         if new is None:
             return None
-        rows = _Rows.cat(self._held, new)
-        _, root = self._classify(rows)
-        if root is None or rows.hidden is None:
+        _, root = self._classify(_Rows.cat(self._held, new, hidden=False))
+        if root is None:
             return None
-        return int(rows.ids[root]), rows.hidden[root : root + 1]
+        held = 0 if self._held is None else len(self._held)
+        rows, at = (self._held, root) if root < held else (new, root - held)
+        assert rows is not None and rows.hidden is not None
+        return int(rows.ids[at]), rows.hidden[at : at + 1]
 
     def on_output(self, out: Activation, ahead: tuple[int, Tensor] | None = None) -> list[Verified]:
         """The final hidden states of tree rows this stage just computed: every walk
