@@ -83,7 +83,8 @@ class DraftServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Open(self, request, context):
-        """Start a request: preallocate its cache and prefill the prompt (all but its last token).
+        """Start a request: attach its cached prefix blocks and prefill the rest of the prompt
+        (all but its last token) into its paged cache.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

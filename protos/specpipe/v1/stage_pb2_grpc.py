@@ -100,7 +100,9 @@ class StageServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Open(self, request, context):
-        """Preallocate a request's KV cache and record where its output goes.
+        """Admit a request: its KV cache bound (rows, checked as they arrive; blocks are taken
+        from the stage's pool as rows come, nothing is preallocated), where its output goes,
+        its lease, and the cached blocks of its prefix.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
