@@ -150,6 +150,7 @@ def resolve(
 ) -> dict[str, Path]:
     """Download every requirement the target lacks and theirs, one version of each, and
     the build system's requirements."""
+    folder.mkdir(parents=True, exist_ok=True)
     got: dict[str, Path] = {}
     specs: dict[str, Requirement] = {}
     queue = [(r, {""}, True) for r in build] + [(r, {""}, False) for r in reqs]
@@ -206,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         read_have(args.have),
         {canonicalize_name(n) for n in (*ALWAYS_SKIPPED, *args.skip.split(",")) if n},
     )
-    args.dest.mkdir(parents=True, exist_ok=True)
     extras = [e for e in args.extras.split(",") if e]
     print(f"wheels for Python {target.python_version} on {target.platforms[0]}... into {args.dest}")
     got = resolve(*project_requirements(extras, args.cuda), target, args.dest)

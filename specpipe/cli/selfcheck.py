@@ -280,7 +280,8 @@ def generation_runs(
     from specpipe.common.spec.options import DecodeOptions
     from specpipe.common.spec.sampling import SamplingParams
 
-    dep = build_local(model, 2, model, parse_dtype(dtype), device=device)
+    # a small KV budget: a tiny model, and several deployments in turn on one device
+    dep = build_local(model, 2, model, parse_dtype(dtype), device=device, max_cache_bytes=256 << 20)
     out = {}
     for mode in modes:
         for label, sampling in (("greedy", SamplingParams()),
