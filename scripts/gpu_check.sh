@@ -38,7 +38,9 @@ fi
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=${PYTHON:-python3}; fi
 export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 set +e
-"$PY" -m specpipe.cli selfcheck --device "$DEVICE" --part-timeout 240 --deadline 480 \
+# 8 minutes in all, the setup's time included (a device call may run 10)
+DEADLINE=$((480 - ($(date +%s) - START)))
+"$PY" -m specpipe.cli selfcheck --device "$DEVICE" --part-timeout 240 --deadline "$DEADLINE" \
     --json "$OUT_DIR/gpu_check.json" "${PASS[@]}" 2>> "$LOG" | tee -a "$LOG"
 CODE=${PIPESTATUS[0]}
 set -e

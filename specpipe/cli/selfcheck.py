@@ -74,8 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timing-shape",
         choices=("qwen2.5-1.5b", "tiny"),
         default=None,
-        help="stage timed: half of Qwen2.5-Coder-1.5B (14 layers, random weights; default "
-        "on CUDA) or a tiny model (default on the CPU)",
+        help="models timed: both stages of Qwen2.5-Coder-1.5B and its 0.5B draft (random "
+        "weights made on the device; default on CUDA) or tiny ones (default on the CPU)",
     )
     p.add_argument("--context", type=int, default=None, help="cached tokens per request timed")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results here")
