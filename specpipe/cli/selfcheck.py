@@ -215,6 +215,11 @@ def _environment(part: Part, device: str) -> None:
         ", ".join(f"{k} {'runs' if ok else 'refuses'}" for k, ok in kernels.items())))  # fmt: skip
     if not runs:
         part.fail("no attention kernel runs our attention call")
+    from specpipe.services.transport.device_memory import cuda_module_error
+
+    ucx = cuda_module_error()
+    part.data["ucx_cuda_module"] = ucx or "loads"
+    part.say(f"UCX's CUDA module: {ucx or 'loads'}")
     part.data["packages"] = sorted(
         f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
     )  # what download_wheels.py --have may list for this image
