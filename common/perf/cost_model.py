@@ -20,7 +20,7 @@ import torch
 
 from ..runtime.stage import StageRuntime
 from ..spec.messages import Activation, Prune
-from .clock import device_timer
+from .clock import device_timer, measuring_costs
 
 _MEASURE_ID = "__cost_probe__"
 
@@ -135,7 +135,7 @@ def measure_runtime(
     that many requests (as evenly as they split), each attending to its own `context`
     cached rows, in one `forward_many`."""
     seconds = []
-    with StepProbe(runtime, context, requests, max(rows)) as probe:
+    with measuring_costs(), StepProbe(runtime, context, requests, max(rows)) as probe:
         for n in rows:
             samples = []
             for _ in range(repeats + 1):  # first run warms up

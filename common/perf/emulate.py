@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from ..spec.messages import Activation
-from .clock import device_timer
+from .clock import device_timer, measuring_costs
 from .cost_model import BUDGET_ROWS, CostCurve, DeploymentCosts
 
 log = logging.getLogger(__name__)
@@ -228,12 +228,13 @@ class Pacer:
         self, rows: int, context: int | None = None, device: torch.device | str = "cpu"
     ) -> Iterator[None]:
         """The real forward runs in the block; its time is `device`'s (the one device
-        timer, `clock.device_timer`: launches are asynchronous on an accelerator)."""
+        timer, `clock.device_timer`, synchronized: the pacer measures each forward to
+        sleep the rest of its modelled time)."""
         if rows <= 0:  # nothing computed (a round of prunes only): not a forward
             yield
             return
         start = self.clock()
-        with device_timer(device, self.clock) as elapsed:
+        with measuring_costs(), device_timer(device, self.clock) as elapsed:
             yield
         real = elapsed.seconds
         modelled = self.cost(rows, context)

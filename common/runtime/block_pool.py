@@ -9,9 +9,15 @@ vLLM's paged attention, memory is taken as rows arrive, not reserved for what a 
 might reach, and given back block by block.
 
 Blocks are handed out and taken back on the host (a free list); the device only sees
-slot indices. The storage grows geometrically up to the budget as blocks are first used
-(a CPU stage does not hold a budget of zeros it never touches); a block's id never
-changes, so growing copies the tensor once and leaves every table valid.
+slot indices. The storage is allocated once, for the whole budget, as vLLM does: when
+the budget is given (a service sizes it at start from the device's free memory and
+`--cache-fraction`, or takes `--max-cache-gib`) or, for an in-process runtime left at
+the default, at its first use; it never grows, so no step copies it or takes 1.5x its
+memory, and its tensors keep their addresses (what a captured CUDA graph needs). It is
+zeros (a padded gather reads slots it masks out, and garbage there could be NaN: 0 * NaN
+is NaN after the softmax); on the CPU the zeros are calloc'd, so the pages of a budget
+the stage never touches are never committed (a test's or a CPU stage's default budget
+costs address space, not memory).
 
 *Prefix caching* (vLLM's automatic prefix caching): a full block of committed rows whose
 tokens are known is registered under its key (`prefix_hash.block_keys`: the hash of its
@@ -24,6 +30,7 @@ free block and the storage may not grow. Cached blocks count as free in the budg
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -35,7 +42,6 @@ from torch import Tensor
 from .errors import CacheFull
 
 BLOCK_SIZE = 16  # rows per block (vLLM's default on GPUs)
-_MIN_STORAGE_BLOCKS = 16
 
 
 class BlockPool:
@@ -49,7 +55,9 @@ class BlockPool:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         prefix_caching: bool = True,
+        allocate: bool = True,
     ) -> None:
+        """`allocate`: the storage now (False: at `set_budget` or at the first use)."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -57,7 +65,8 @@ class BlockPool:
         self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
         self.max_blocks = max_bytes // self.block_bytes
-        self._stored = 0  # blocks the storage tensors hold
+        self._storage_blocks = 0  # blocks the storage tensors hold (allocated once)
+        self._stored = 0  # blocks handed out at least once (ids below); the rest untouched
         self._free: list[int] = []  # stored blocks nobody holds and no key names
         self._refs: list[int] = []  # per stored block: the tables that hold it
         # The prefix cache: key -> block and back; blocks nobody holds that keep their key,
@@ -72,17 +81,50 @@ class BlockPool:
         self.k = self._zeros(0)
         self.v = self._zeros(0)
         self._gather = torch.empty(2, 0, *self.row_shape, dtype=dtype, device=self.device)
+        if allocate:
+            self.allocate_storage()
 
     def _zeros(self, blocks: int) -> Tensor:
-        # Zeros, not empty: a padded gather reads slots it masks out, and garbage there
-        # could be NaN (0 * NaN is NaN after the softmax).
         shape = (self.num_layers, blocks * self.block_size, *self.row_shape)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type != "cpu" or not blocks:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # calloc (numpy's zeros): a large block is fresh zero pages, committed when written
+        raw = torch.from_numpy(np.zeros(math.prod(shape) * self.dtype.itemsize, np.uint8))
+        return raw.view(self.dtype).view(shape)
+
+    @property
+    def allocated(self) -> bool:
+        return self._storage_blocks > 0 or self.max_blocks == 0
+
+    def allocate_storage(self) -> None:
+        """Allocate the storage for the whole budget, now (nothing is held: an earlier
+        storage and what the prefix cache kept in it are given back first)."""
+        with self._lock:
+            if self.used_blocks:
+                raise RuntimeError("the KV storage cannot be replaced while blocks are held")
+            self.clear_prefix_cache()
+            self.k = self.v = self._zeros(0)  # the old storage goes before the new comes
+            self.k, self.v = self._zeros(self.max_blocks), self._zeros(self.max_blocks)
+            self._storage_blocks, self._stored, self._free, self._refs = self.max_blocks, 0, [], []
+
+    @property
+    def storage_bytes(self) -> int:
+        return self._storage_blocks * self.block_bytes
 
     # -- accounting --------------------------------------------------------------------
     def set_budget(self, max_bytes: int) -> None:
-        """A new budget; blocks already held stay held (the pool shrinks as they are freed)."""
-        self.max_blocks = max_bytes // self.block_bytes
+        """A new budget. With no block held, the storage is allocated anew for it (a
+        service sizes its pool at start); otherwise blocks already held stay held, and
+        the budget is capped at the storage (the pool shrinks as they are freed, and never
+        grows while in use)."""
+        blocks = max_bytes // self.block_bytes
+        with self._lock:
+            if self.used_blocks:
+                self.max_blocks = min(blocks, self._storage_blocks)
+                return
+            self.max_blocks = blocks
+            if blocks != self._storage_blocks:
+                self.allocate_storage()
 
     @property
     def used_blocks(self) -> int:
@@ -121,9 +163,11 @@ class BlockPool:
                 f"KV cache pool exhausted: {n} more blocks of {self.block_size} rows needed, "
                 f"{self.free_blocks} of {self.max_blocks} free"
             )
+        if not self.allocated:  # an in-process runtime at its default budget: once
+            self.allocate_storage()
         short = n - len(self._free)
-        if short > 0 and self._stored < self.max_blocks:
-            self._grow(self._stored + min(short, self.max_blocks - self._stored))
+        if short > 0 and self._stored < self._storage_blocks:
+            self._issue(min(short, self._storage_blocks - self._stored))
         for _ in range(n - len(self._free)):
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
@@ -196,23 +240,13 @@ class BlockPool:
         """Whether `block` has a prefix key or more than one holder: not to be written."""
         return block in self._key_of or self._refs[block] > 1
 
-    def reserve(self, blocks: int) -> None:
-        """Store room for `blocks` blocks now (at most the budget), so no step has to grow
-        the storage (a device that should hold its whole budget from the start)."""
-        blocks = min(blocks, self.max_blocks)
-        if blocks > self._stored:
-            self._grow(blocks)
-
-    def _grow(self, need: int) -> None:
-        blocks = min(max(need, 2 * self._stored, _MIN_STORAGE_BLOCKS), max(need, self.max_blocks))
-        k, v = self._zeros(blocks), self._zeros(blocks)
-        rows = self._stored * self.block_size
-        k[:, :rows], v[:, :rows] = self.k, self.v
-        self.k, self.v = k, v
+    def _issue(self, blocks: int) -> None:
+        """Hand `blocks` never used blocks to the free list (storage, not memory: no copy)."""
+        end = self._stored + blocks
         # Lowest ids on top of the stack: a request's blocks tend to be adjacent.
-        self._free = list(range(blocks - 1, self._stored - 1, -1)) + self._free
-        self._refs += [0] * (blocks - self._stored)
-        self._stored = blocks
+        self._free = list(range(end - 1, self._stored - 1, -1)) + self._free
+        self._refs += [0] * blocks
+        self._stored = end
 
     def gather_buffers(self, rows: int) -> tuple[Tensor, Tensor]:
         """Room for `rows` gathered K and V rows, kept between steps: a step's attention
@@ -235,10 +269,11 @@ class BlockPool:
         return table[rows // self.block_size] * self.block_size + rows % self.block_size
 
     def copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """K/V of slots `src` into slots `dst`, every layer (a commit moves a few rows)."""
+        """K/V of slots `src` into slots `dst`, every layer (a commit moves a few rows),
+        queued on the device without waiting for it."""
         if src.size == 0:
             return
-        s = torch.from_numpy(src).to(self.device)
-        d = torch.from_numpy(dst).to(self.device)
+        # one host-to-device copy of both index lists; nothing is read back
+        s, d = torch.from_numpy(np.stack([src, dst])).to(self.device, non_blocking=True)
         self.k.index_copy_(1, d, self.k.index_select(1, s))
         self.v.index_copy_(1, d, self.v.index_select(1, s))

@@ -34,16 +34,48 @@ class Proposal:
     temperature: float = 0.0
 
 
-def _top_children(out: Activation, top_k: int, temperature: float) -> Candidates:
-    assert out.logits is not None
-    probs = draft_probs(out.logits, temperature)
-    k = min(top_k, probs.shape[-1])
-    top = torch.topk(probs, k, dim=-1)
-    return Candidates(  # on the CPU, like the router's tree, whatever the model's device
-        parent_ids=out.node_ids.repeat_interleave(k),
-        tokens=top.indices.reshape(-1).cpu(),
-        probs=top.values.reshape(-1).cpu(),
-    )
+def hand_off(packed: Tensor) -> Tensor:
+    """A step's candidates to host memory, for the router's tree (gRPC): the one copy a
+    proposal step makes from its device, and its only read of it."""
+    return packed.cpu()
+
+
+def _top_children_many(asks: Sequence[tuple[Activation, int, float]]) -> list[Candidates]:
+    """The top-k children of every node of a step's proposals, `(output, top_k,
+    temperature)` each: one softmax and one top-k per (top_k, temperature) of the step,
+    and one host copy for all (`hand_off`)."""
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, (_, top_k, temperature) in enumerate(asks):
+        groups.setdefault((top_k, temperature), []).append(i)
+    parts: list[Tensor] = []  # per group: [indices | values] of its rows, as float64
+    layout: list[tuple[list[int], int]] = []  # per group: its asks, and its k
+    for (top_k, temperature), members in groups.items():
+        logits = [asks[i][0].logits for i in members]
+        stacked = logits[0] if len(logits) == 1 else torch.cat(logits)  # type: ignore[arg-type]
+        probs = draft_probs(stacked, temperature)
+        k = min(top_k, probs.shape[-1])
+        top = torch.topk(probs, k, dim=-1)
+        # float64 holds token ids (< 2**53) and float32 probabilities exactly
+        parts += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
+        layout.append((members, k))
+    host = hand_off(torch.cat(parts) if len(parts) > 1 else parts[0])
+    results: list[Candidates | None] = [None] * len(asks)
+    at = 0
+    for members, k in layout:
+        n = sum(len(asks[i][0]) for i in members) * k
+        tokens, probs = host[at : at + n].long(), host[at + n : at + 2 * n].float()
+        at += 2 * n
+        row = 0
+        for i in members:
+            out = asks[i][0]
+            m = len(out) * k
+            results[i] = Candidates(  # on the CPU, like the router's tree
+                parent_ids=out.node_ids.repeat_interleave(k),
+                tokens=tokens[row : row + m],
+                probs=probs[row : row + m],
+            )
+            row += m
+    return results  # type: ignore[return-value]
 
 
 class DraftRuntime:
@@ -90,6 +122,7 @@ class DraftRuntime:
         live = [a for a in asks if len(a.layer) and a.top_k > 0]
         outs = iter(self.runtime.forward_many([a.layer for a in live]))
         results: list[Candidates | RequestError] = []
+        grown: list[tuple[int, tuple[Activation, int, float]]] = []
         for ask in asks:
             out = next(outs) if len(ask.layer) and ask.top_k > 0 else None
             if isinstance(out, RequestError):
@@ -97,7 +130,13 @@ class DraftRuntime:
             elif out is None:  # nothing asked, or every node was pruned before it got here
                 results.append(Candidates.empty())
             else:
-                results.append(_top_children(out, ask.top_k, ask.temperature))
+                grown.append((len(results), (out, ask.top_k, ask.temperature)))
+                results.append(Candidates.empty())
+        if grown:
+            for (i, _), children in zip(
+                grown, _top_children_many([g for _, g in grown]), strict=True
+            ):
+                results[i] = children
         return results
 
     def prune(self, request_id: str, prune: Prune) -> None:

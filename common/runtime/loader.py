@@ -73,15 +73,17 @@ def build_local(
     layer_ranges: list[LayerRange] | None = None,
     split: str = "even",
     device: str | torch.device = "cpu",
+    max_cache_bytes: int | None = None,
 ) -> InProcessDeployment:
     """Load the target split into `num_stages` stages, and the draft (or the oracle draft).
 
     `split`: "even" (same number of layers per stage) or "balanced" (equal estimated cost
     per stage, counting the LM head; see `parameter_layer_costs`). Every stage and the
-    draft on `device` (one process, one device)."""
+    draft on `device` (one process, one device), each with a KV pool of
+    `max_cache_bytes` (None: the default, allocated at first use)."""
     cfg = ModelConfig.from_dir(target_dir)
     ranges = layer_ranges or plan_stages(cfg, num_stages, split)
-    stages = [load_runtime(target_dir, r, dtype, device) for r in ranges]
+    stages = [load_runtime(target_dir, r, dtype, device, max_cache_bytes) for r in ranges]
     draft = None
     if draft_dir is not None:
         draft_path = target_dir if str(draft_dir) == ORACLE_DRAFT else draft_dir
@@ -90,7 +92,7 @@ def build_local(
             raise ValueError(
                 f"draft vocabulary ({draft_cfg.vocab_size}) is larger than the target's ({cfg.vocab_size})"
             )
-        draft = load_draft(draft_path, dtype, device)
+        draft = load_draft(draft_path, dtype, device, max_cache_bytes)
     return InProcessDeployment(LocalPipeline(stages), draft, cfg)
 
 

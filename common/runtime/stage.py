@@ -134,6 +134,9 @@ class StageRuntime:
             model.dtype,
             model.device,
             prefix_caching,
+            # The default budget (in-process use): allocated at first use, unless a
+            # service sets its own first (`max_cache_bytes`, from free memory at start).
+            allocate=max_cache_bytes is not None,
         )
         self._max_cache_bytes = self.pool.max_blocks * self.pool.block_bytes
         self._caches: dict[str, TreeKVCache] = {}

@@ -27,12 +27,14 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    import llguidance
 
 # response_format types (OpenAI's)
 TEXT, JSON_OBJECT, JSON_SCHEMA = "text", "json_object", "json_schema"
@@ -46,6 +48,20 @@ MAX_SCHEMA_CHARS = 1 << 18
 class GrammarError(ValueError):
     """A response_format that cannot constrain decoding (its message names the problem),
     a tokenizer the grammar library cannot read, or output the grammar refuses."""
+
+
+def _llguidance():
+    """The grammar library, imported where a grammar is used, not by every process that
+    imports this module (each stage does, through the verifier): a service without it
+    serves every request that has no response_format, and refuses one that has."""
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError(
+            "structured output (response_format) needs the llguidance package, which is "
+            "not installed here"
+        ) from None
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -113,10 +129,10 @@ class ResponseFormat:
             return None
         schema = self.schema if self.type == JSON_SCHEMA else '{"type": "object"}'
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            text = _llguidance().LLMatcher.grammar_from_json_schema(schema)
         except ValueError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, None)
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(text, None)
         if is_error:
             raise GrammarError(f"the JSON schema cannot be used: {'; '.join(messages)}")
         return text
@@ -136,7 +152,7 @@ class Grammar:
     _initial: Any = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        m = llguidance.LLMatcher(self.tokenizer, self.text, log_level=0)
+        m = _llguidance().LLMatcher(self.tokenizer, self.text, log_level=0)
         if m.is_error():
             raise GrammarError(f"the grammar cannot be used: {m.get_error()}")
         object.__setattr__(self, "_initial", m)
@@ -231,6 +247,7 @@ def load_grammar_tokenizer(
     vocabulary of whole characters) token by token, from each token's text."""
     from tokenizers import Tokenizer
 
+    llg = _llguidance()
     path = Path(tokenizer_dir) / "tokenizer.json"
     if not path.is_file():
         raise GrammarError(
@@ -245,11 +262,11 @@ def load_grammar_tokenizer(
     eos = [int(t) for t in eos_token_ids] or _eos_of(path.parent, tok)
     n_vocab = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
     try:
-        return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+        return llg.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
     except ValueError:
         pass
-    wrapper = llguidance.TokenizerWrapper(_TokenTexts(tok, eos[0], n_vocab))
-    return llguidance.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
+    wrapper = llg.TokenizerWrapper(_TokenTexts(tok, eos[0], n_vocab))
+    return llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=eos)
 
 
 def _eos_of(model_dir: Path, tok) -> list[int]:

@@ -1,21 +1,27 @@
 """`specpipe selfcheck --device D`: does SpecPipe work on this machine's device, and how
-fast is a stage step there? Offline once installed; each part says PASS, FAIL or SKIP.
+fast is a step there? Offline once installed; each part says PASS, FAIL or SKIP.
 
-Parts: the environment (versions, which attention kernel runs our attention's call),
-the device tests of the suite, in-process generation on the device against the CPU
-(fp64 and fp32 must be exact; bf16 divergence is reported, not hidden), a two-stage
-deployment of separate processes on the device with a client (`--device cuda`: one GPU
-per stage where there are two, as `specpipe up` places them), and stage-step timings at
-1x1, 1x64, 8x8 and 64x1 requests x rows (host time, device time, kernels per step).
-`--device cpu` runs the same parts on the CPU with small shapes (CI runs it, so the
-check cannot rot); `scripts/gpu_check.sh` is the GPU entry point.
+Parts: the environment (versions, which attention kernels accept our attention's call,
+the installed packages), the device tests of the suite, in-process generation on the
+device against the CPU (fp64 and fp32 must be exact; bf16 divergence is counted, not
+hidden), step timings of both stages of a Qwen2.5-Coder-1.5B-shaped model and of its
+draft at 1x1, 8x8 and 64x1 requests x rows over 1,000 cached tokens (the device's busy
+time from the profiler against the weight-read floor, kernels per step, the attention
+kernel that ran; `selfcheck_timing.py`), transformers' eager forward on the same shapes
+(the reference), and `specpipe up` with a streamed client (time per token, tokens per
+step; `selfcheck_serving.py`). `--part-timeout` runs each part in a process of its own
+with a time limit (a hung device fails its part, not the check), within `--deadline`.
+`--device cpu` runs the same parts on the CPU with tiny shapes (CI runs it, so the check
+cannot rot); `scripts/gpu_check.sh` is the GPU entry point.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,8 +33,13 @@ from pathlib import Path
 
 from .args import add_device_arg, parse_device
 
-PARTS = ("environment", "tests", "generation", "services", "timings")
-SHAPES = (1, 1), (1, 64), (8, 8), (64, 1)  # requests x rows per request in one step
+# In the order they run: what matters most first, should the time run out.
+PARTS = ("environment", "timings", "reference", "generation", "services", "tests")
+# Seconds each part may take with --part-timeout on a GPU (8 minutes in all, less than
+# their sum: the later parts are skipped if the earlier take their all). On the CPU, a
+# shared machine's, only --part-timeout applies.
+PART_SECONDS = {"environment": 60, "timings": 150, "reference": 90, "generation": 90,
+                "services": 150, "tests": 150}  # fmt: skip
 TINY = dict(layers=4, hidden=48, heads=6, kv_heads=2, vocab=97, init=0.6)
 PROMPT = [1, 5, 9, 14, 3, 27, 8, 60, 2, 11]
 
@@ -63,11 +74,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timing-shape",
         choices=("qwen2.5-1.5b", "tiny"),
         default=None,
-        help="stage timed: half of Qwen2.5-Coder-1.5B (14 layers, random weights; default "
-        "on CUDA) or a tiny model (default on the CPU)",
+        help="models timed: both stages of Qwen2.5-Coder-1.5B and its 0.5B draft (random "
+        "weights made on the device; default on CUDA) or tiny ones (default on the CPU)",
     )
     p.add_argument("--context", type=int, default=None, help="cached tokens per request timed")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results here")
+    p.add_argument(
+        "--part-timeout",
+        type=float,
+        default=None,
+        help="run each part in its own process, stopped after this many seconds or its "
+        "own limit, whichever is less (default: in this process, no limit)",
+    )
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds for the whole check: parts that would start past it are skipped",
+    )
     p.set_defaults(func=_cmd_selfcheck)
 
 
@@ -82,33 +106,37 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     unknown = sorted(set(wanted) - set(PARTS))
     if unknown:
         raise CliError(f"--parts: unknown {', '.join(unknown)} (choose from {', '.join(PARTS)})")
-    on_gpu = device.startswith("cuda")
-    shape = args.timing_shape or ("qwen2.5-1.5b" if on_gpu else "tiny")
-    context = args.context if args.context is not None else (1000 if on_gpu else 64)
+    from . import selfcheck_serving, selfcheck_timing
+
+    shapes = selfcheck_timing.Shapes.for_device(device, args.timing_shape, args.context)
     runners: dict[str, Callable[[Part], None]] = {
         "environment": lambda part: _environment(part, device),
         "tests": lambda part: _tests(part, device),
         "generation": lambda part: _generation(part, device),
-        "services": lambda part: _services(part, device),
-        "timings": lambda part: _timings(part, device, shape, context),
+        "services": lambda part: selfcheck_serving.run_served(part, device, TINY, PROMPT),
+        "timings": lambda part: selfcheck_timing.time_stages(part, device, shapes),
+        "reference": lambda part: selfcheck_timing.time_reference(part, device, shapes),
     }
+    start = time.monotonic()
     results = []
-    for name in wanted:
-        part = Part(name)
-        t0 = time.monotonic()
-        try:
-            runners[name](part)
-        except Exception as e:  # a part that crashes fails; the others still run
-            part.fail(f"crashed: {type(e).__name__}: {e}")
-            part.say(traceback.format_exc(limit=4).rstrip())
-        part.seconds = round(time.monotonic() - t0, 1)
+    for name in [p for p in PARTS if p in wanted]:
+        left = None if args.deadline is None else args.deadline - (time.monotonic() - start)
+        if left is not None and left < 10:
+            part = Part(name, "SKIP", [f"no time left within --deadline {args.deadline:.0f} s"])
+        elif args.part_timeout is None:
+            part = _run_here(name, runners[name])
+        else:
+            own = PART_SECONDS[name] if device.startswith("cuda") else args.part_timeout
+            limit = min(args.part_timeout, own, *(() if left is None else (left,)))
+            part = _run_apart(name, args, limit)
         print(f"[{part.status}] {name} ({part.seconds} s)")
         for line in part.lines:
             print(f"    {line}")
         sys.stdout.flush()
         results.append(part)
     verdict = "FAIL" if any(p.status == "FAIL" for p in results) else "PASS"
-    print(f"selfcheck on {device}: {verdict}")
+    print(f"selfcheck on {device}: {verdict} ({time.monotonic() - start:.0f} s; "
+          + ", ".join(f"{p.name} {p.status}" for p in results) + ")")  # fmt: skip
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps(
@@ -117,6 +145,52 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
             )
         )
     return 0 if verdict == "PASS" else 1
+
+
+def _run_here(name: str, runner: Callable[[Part], None]) -> Part:
+    part = Part(name)
+    t0 = time.monotonic()
+    try:
+        runner(part)
+    except Exception as e:  # a part that crashes fails; the others still run
+        part.fail(f"crashed: {type(e).__name__}: {e}")
+        part.say(traceback.format_exc(limit=4).rstrip())
+    part.seconds = round(time.monotonic() - t0, 1)
+    return part
+
+
+def _run_apart(name: str, args: argparse.Namespace, limit: float) -> Part:
+    """The part in a process of its own, stopped after `limit` seconds (a hung device or
+    a crash of the process fails this part; the others still run)."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "part.json"
+        cmd = [sys.executable, "-m", "specpipe.cli", "selfcheck", "--device", args.device,
+               "--parts", name, "--json", str(out)]  # fmt: skip
+        if args.timing_shape:
+            cmd += ["--timing-shape", args.timing_shape]
+        if args.context is not None:
+            cmd += ["--context", str(args.context)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the part's process and what it started
+            output, _ = proc.communicate()
+            part = Part(name)
+            part.fail(f"ran past its {limit:g} s limit; its last output:")
+            part.lines += [f"  {ln}" for ln in output.splitlines()[-10:]]
+        else:
+            if out.exists():
+                (got,) = json.loads(out.read_text())["parts"]
+                part = Part(**got)
+            else:
+                part = Part(name)
+                part.fail(f"its process exited {proc.returncode} without a result:")
+                part.lines += [f"  {ln}" for ln in output.splitlines()[-10:]]
+    part.seconds = round(time.monotonic() - t0, 1)
+    return part
 
 
 # -- environment -------------------------------------------------------------------------
@@ -141,6 +215,14 @@ def _environment(part: Part, device: str) -> None:
         ", ".join(f"{k} {'runs' if ok else 'refuses'}" for k, ok in kernels.items())))  # fmt: skip
     if not runs:
         part.fail("no attention kernel runs our attention call")
+    from specpipe.services.transport.device_memory import cuda_module_error
+
+    ucx = cuda_module_error()
+    part.data["ucx_cuda_module"] = ucx or "loads"
+    part.say(f"UCX's CUDA module: {ucx or 'loads'}")
+    part.data["packages"] = sorted(
+        f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
+    )  # what download_wheels.py --have may list for this image
 
 
 def attention_kernels(device: str) -> dict[str, bool]:
@@ -169,7 +251,8 @@ def attention_kernels(device: str) -> dict[str, bool]:
 
 # -- the suite's device tests ------------------------------------------------------------
 DEVICE_TESTS = ("tests/unit/test_services_device.py", "tests/unit/test_sampling.py",
-                "tests/unit/test_clock.py", "tests/unit/test_transport_device.py")  # fmt: skip
+                "tests/unit/test_clock.py", "tests/unit/test_transport_device.py",
+                "tests/unit/test_no_host_reads.py", "tests/unit/test_pool_allocation.py")  # fmt: skip
 
 
 def _tests(part: Part, device: str) -> None:
@@ -180,7 +263,7 @@ def _tests(part: Part, device: str) -> None:
         part.say(f"no test files under {root} (an installed package carries no tests)")
         return
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
     tail = [ln for ln in proc.stdout.splitlines() if ln.strip()][-6:]
     for line in tail:
         part.say(line)
@@ -189,19 +272,26 @@ def _tests(part: Part, device: str) -> None:
 
 
 # -- generation on the device against the CPU ----------------------------------------
-def _generation_runs(model: Path, device: str, dtype: str) -> dict[str, list[int]]:
+def generation_runs(
+    model: Path,
+    device: str,
+    dtype: str,
+    modes: tuple[str, ...] = ("specpipe", "pp", "specinfer"),
+    new_tokens: int = 24,
+) -> dict[str, list[int]]:
     """Tokens of every mode, greedy and sampled, in one process on `device`."""
     from specpipe.common.runtime.loader import build_local, parse_dtype
     from specpipe.common.runtime.lockstep import Generation
     from specpipe.common.spec.options import DecodeOptions
     from specpipe.common.spec.sampling import SamplingParams
 
-    dep = build_local(model, 2, model, parse_dtype(dtype), device=device)
+    # a small KV budget: a tiny model, and several deployments in turn on one device
+    dep = build_local(model, 2, model, parse_dtype(dtype), device=device, max_cache_bytes=256 << 20)
     out = {}
-    for mode in ("specpipe", "pp", "specinfer"):
+    for mode in modes:
         for label, sampling in (("greedy", SamplingParams()),
                                 ("sampled", SamplingParams(0.8, 0, 0.95, 7))):  # fmt: skip
-            opts = DecodeOptions(max_new_tokens=24, sampling=sampling, width=4)
+            opts = DecodeOptions(max_new_tokens=new_tokens, sampling=sampling, width=4)
             gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
             out[f"{mode}/{label}"] = gen.run()
     return out
@@ -213,16 +303,16 @@ def _generation(part: Part, device: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = save_random_model(Path(tmp) / "tiny", **TINY)
         for dtype in ("float64", "float32"):
-            ref = _generation_runs(model, "cpu", dtype)
-            got = _generation_runs(model, device, dtype)
+            ref = generation_runs(model, "cpu", dtype)
+            got = generation_runs(model, device, dtype)
             bad = [k for k in ref if ref[k] != got[k]]
             if bad:
                 part.fail(f"{dtype}: {len(bad)} of {len(ref)} runs differ from the CPU: {bad}")
             else:
                 part.say(f"{dtype}: {len(ref)} runs (3 modes, greedy and sampled) equal the CPU's")
         if device.startswith("cuda"):
-            ref = _generation_runs(model, "cpu", "float32")
-            got = _generation_runs(model, device, "bfloat16")
+            ref = generation_runs(model, "cpu", "float32")
+            got = generation_runs(model, device, "bfloat16")
             diverged = {k: _first_difference(ref[k], got[k]) for k in ref if ref[k] != got[k]}
             part.data["bf16_diverged"] = diverged
             part.say(f"bfloat16 on {device} against float32 on the CPU: {len(diverged)} of "
@@ -233,118 +323,3 @@ def _generation(part: Part, device: str) -> None:
 def _first_difference(a: list[int], b: list[int]) -> int:
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
-
-
-# -- a deployment of separate processes on the device ----------------------------------
-def _services(part: Part, device: str) -> None:
-    from specpipe.client import Client
-    from specpipe.common.model.synthetic import save_random_model
-    from specpipe.services.launcher import ServicesDeployment
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = save_random_model(Path(tmp) / "tiny", **TINY)
-        ref = _generation_runs(model, "cpu", "float64")
-        dep = ServicesDeployment(model, "oracle", 2, dtype="float64", device=device, threads=1,
-                                 log_dir=Path(tmp) / "logs")  # fmt: skip
-        try:
-            dep.start()
-            part.say("router, draft and 2 stages started, each stage and the draft on:")
-            for line in [*dep.placement.report(), dep.data_plane()]:
-                part.say(f"  {line}")
-            part.data["devices"] = dep.placement.devices
-            key = dep.api_keys[0] if dep.api_keys else None
-            with Client(dep.router_address, timeout=120, api_key=key) as client:
-                for mode in ("specpipe", "pp"):
-                    result = client.generate(
-                        prompt_ids=PROMPT, mode=mode, max_new_tokens=24, width=4
-                    )
-                    want = ref[f"{mode}/greedy"]
-                    if list(result.token_ids) != want:
-                        part.fail(f"{mode}: the services' tokens differ from in-process: "
-                                  f"{list(result.token_ids)} vs {want}")  # fmt: skip
-                    else:
-                        part.say(f"{mode}: {len(want)} tokens equal the in-process run's")
-        finally:
-            dep.stop()
-
-
-# -- stage-step timings ----------------------------------------------------------------
-def _timings(part: Part, device: str, shape: str, context: int) -> None:
-    import torch
-
-    from specpipe.common.model.partition import LayerRange
-    from specpipe.common.model.synthetic import QWEN25_1_5B, random_stage
-    from specpipe.common.runtime.stage import StageRuntime
-
-    if shape == "qwen2.5-1.5b":
-        raw, layers, dtype = QWEN25_1_5B, LayerRange(0, 14, 28), torch.bfloat16
-    else:
-        raw = {**QWEN25_1_5B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
-               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
-        layers, dtype = LayerRange(0, 2, 4), torch.float32
-    runtime = StageRuntime(random_stage(raw, layers, dtype, device))
-    part.say(f"stage: layers {layers.start}:{layers.end} of a {raw['num_hidden_layers']}-layer "
-             f"model of hidden {raw['hidden_size']} ({shape}), {str(dtype)[6:]}, "
-             f"{context} cached tokens per request")  # fmt: skip
-    part.say(f"{'requests x rows':>16} {'host ms':>9} {'device ms':>10} {'kernels':>8}")
-    for requests, rows in SHAPES:
-        t = time_step(runtime, requests, rows, context)
-        part.data[f"{requests}x{rows}"] = t
-        part.say(f"{f'{requests} x {rows}':>16} {t['host_ms']:>9.2f} {t['device_ms']:>10.2f} "
-                 f"{t['kernels']:>8}")  # fmt: skip
-
-
-def time_step(runtime, requests: int, rows: int, context: int, repeats: int = 5) -> dict:
-    """One stage step of `requests` x `rows` tree rows: the host's time to issue it (the
-    clock read without waiting for the device), the device's time (waiting for it), and
-    the kernels (CUDA) or aten operations (CPU) it runs."""
-    import statistics
-
-    import torch
-
-    from specpipe.common.perf.clock import device_timer, synchronize
-    from specpipe.common.perf.cost_model import StepProbe
-
-    device = runtime.model.device
-    host, dev = [], []
-    with torch.inference_mode(), StepProbe(runtime, context, requests, requests * rows) as probe:
-        for i in range(repeats + 1):  # the first warms up
-            acts = probe.batch(requests * rows)
-            synchronize(device)
-            with device_timer(device) as elapsed:
-                t0 = time.perf_counter()
-                runtime.forward_many(acts)
-                issued = time.perf_counter() - t0
-            if i:
-                host.append(issued)
-                dev.append(elapsed.seconds)
-            probe.drop()
-        kernels = count_kernels(lambda: runtime.forward_many(probe.batch(requests * rows)), device)
-        probe.drop()
-    return {"host_ms": 1e3 * statistics.median(host), "device_ms": 1e3 * statistics.median(dev),
-            "kernels": kernels}  # fmt: skip
-
-
-def count_kernels(fn: Callable[[], object], device) -> int:
-    """Kernels `fn` launches on a CUDA device, or aten operations it runs on the CPU."""
-    import torch
-
-    if torch.device(device).type == "cuda":
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize(device)
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n

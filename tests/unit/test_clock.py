@@ -1,22 +1,65 @@
-"""Timers of device work wait for the device at both ends (common/perf/clock.py)."""
+"""Timers of device work wait for the device at both ends while costs are measured, and
+never while serving (common/perf/clock.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from specpipe.common.perf import clock
-from specpipe.common.perf.clock import device_timer
+from specpipe.common.perf.clock import device_timer, measuring_costs
 
 
-def test_cuda_timer_synchronizes_before_and_after(monkeypatch) -> None:
+def test_cuda_timer_synchronizes_before_and_after_while_measuring_costs(monkeypatch) -> None:
     events: list[str] = []
     monkeypatch.setattr(
         torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}")
     )
-    with device_timer("cuda:1") as elapsed:
+    with measuring_costs(), device_timer("cuda:1") as elapsed:
         events.append("work")
     assert events == ["sync cuda:1", "work", "sync cuda:1"]
     assert elapsed.seconds >= 0.0
+
+
+class FakeEvent:
+    """A CUDA event of a fake device: recorded at a host time, done once `done` says."""
+
+    done = False
+    log: list[str] = []  # noqa: RUF012 (reset per test)
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        self.at = len(FakeEvent.log)
+        FakeEvent.log.append(f"record on {stream}")
+
+    def query(self) -> bool:
+        return FakeEvent.done
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 250.0  # milliseconds
+
+
+def test_serving_timer_never_waits_for_the_device(monkeypatch) -> None:
+    """While serving: two events bracket the block; the host's time until the device
+    has passed the second, then the events' time. Nothing synchronizes."""
+
+    def fail(*args) -> None:
+        raise AssertionError("synchronized the device while serving")
+
+    FakeEvent.done, FakeEvent.log = False, []
+    monkeypatch.setattr(torch.cuda, "synchronize", fail)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    with device_timer("cuda:1", clock=iter([10.0, 10.002]).__next__) as elapsed:
+        FakeEvent.log.append("work")
+    assert FakeEvent.log == ["record on stream of cuda:1", "work", "record on stream of cuda:1"]
+    assert elapsed.seconds == pytest.approx(0.002)  # the device is not there yet
+    FakeEvent.done = True
+    assert elapsed.seconds == pytest.approx(0.25)
+    _, seconds = clock.timed_call("cuda:0", lambda: None)
+    assert seconds == pytest.approx(0.25)
 
 
 def test_cpu_timer_never_touches_cuda(monkeypatch) -> None:
@@ -53,8 +96,10 @@ def test_stage_cost_measurement_times_the_device(monkeypatch, llama_dir) -> None
 def test_timed_call_reads_the_clock_after_the_device_finished(monkeypatch) -> None:
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
-    result, seconds = clock.timed_call("cuda:0", lambda x: events.append(f"work {x}") or x, 7)
+    with measuring_costs():
+        result, seconds = clock.timed_call("cuda:0", lambda x: events.append(f"work {x}") or x, 7)
     assert (result, events) == (7, ["sync", "work 7", "sync"]) and seconds >= 0.0
+    assert not clock.is_measuring_costs()
 
 
 def test_the_pacer_paces_to_device_time_not_launch_time(monkeypatch) -> None:

@@ -171,7 +171,16 @@ def test_paths_the_docs_name_exist(doc: str) -> None:
 
 
 # Flags of other tools the README shows beside specpipe's.
-OTHER_FLAGS = {"--check": "ruff format", "--scripted": "benchmarks/bench_layers.py"}
+OTHER_FLAGS = {
+    "--check": "ruff format",
+    "--scripted": "benchmarks/bench_layers.py",
+    "--wheels": "scripts/setup.sh, scripts/gpu_check.sh",
+    "--have": "scripts/download_wheels.py",
+    "--python-version": "scripts/download_wheels.py",
+    "--cuda": "scripts/download_wheels.py",
+    "--limit-mib": "scripts/download_wheels.py",
+    "--extras": "scripts/setup.sh, scripts/build_image.sh",
+}
 
 
 def _specpipe_flags() -> set[str]:

@@ -125,7 +125,7 @@ def test_up_prints_where_each_service_went(llama_dir: Path, gpus, monkeypatch, c
     from specpipe.services import launcher
     from specpipe.services.transport import device_memory
 
-    monkeypatch.setattr(device_memory, "cuda_module_installed", lambda: True)
+    monkeypatch.setattr(device_memory, "cuda_module_loads", lambda: True)
     monkeypatch.delenv("UCX_TLS", raising=False)
 
     def start(self) -> str:  # stop before any process starts

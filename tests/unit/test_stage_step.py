@@ -69,7 +69,6 @@ def count_step(model_dir, layers: LayerRange, device: str, requests: int, prune_
     """Open `requests` requests (prefill of different lengths, so keys are padded), then
     count one step of tree rows: two rows each (a root and a child)."""
     stage = stage_on(model_dir, layers, device)
-    stage.pool.reserve(64)  # the storage does not grow inside the counted step
     stage.pool.gather_buffers(1024)  # nor the attention's gather buffers
     for i in range(requests):
         stage.open(f"r{i}", 64, root_logits_only=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,7 +101,8 @@ def ucx_facts(monkeypatch):
     not started yet in this process (UCX_TLS from the environment)."""
 
     def facts(module: bool = True, cuda: bool = True, tls: str | None = None) -> None:
-        monkeypatch.setattr(dm, "cuda_module_installed", lambda: module)
+        monkeypatch.setattr(dm, "cuda_module_loads", lambda: module)
+        monkeypatch.setattr(dm, "cuda_module_error", lambda: None if module else "no CUDA module")
         monkeypatch.setattr(dm, "cuda_available", lambda: cuda)
         monkeypatch.setattr(ucx, "_initialized", False)
         if tls is None:
@@ -479,3 +481,39 @@ def test_the_base_transport_stages_by_default() -> None:
     assert dm.HOST_ONLY.carried is False
     assert MemoryTransport(carried=False).host_payloads
     assert not MemoryTransport(carried=True).host_payloads
+
+
+# -- UCX's CUDA module: loaded, not only found ------------------------------------------
+
+
+def test_the_cuda_module_counts_only_if_it_loads(monkeypatch, tmp_path) -> None:
+    """A libuct_cuda that is on disk but does not load (built for another CUDA, or no
+    driver) is reported with the loader's reason; one that loads counts."""
+    import ctypes.util
+    import shutil
+
+    monkeypatch.setitem(sys.modules, "libucx", None)  # only UCX_MODULE_DIR is searched
+    monkeypatch.setenv("UCX_MODULE_DIR", str(tmp_path))
+    dm.cuda_module_error.cache_clear()
+    try:
+        assert dm.cuda_module_error() == "this UCX has no CUDA module (libuct_cuda)"
+        dm.cuda_module_error.cache_clear()
+        (tmp_path / "libuct_cuda.so.0").write_bytes(b"not an ELF file")
+        why = dm.cuda_module_error()
+        assert why is not None and why.startswith("UCX's CUDA module does not load")
+        assert not dm.cuda_module_loads()
+        memory = dm.ucx_device_memory("cuda:0", secure=False, tls=dm.CUDA_TLS)
+        assert not memory.carried and "does not load" in memory.why
+        libm = ctypes.util.find_library("m")
+        real = next(
+            (p for d in ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
+             if libm and os.path.exists(p := os.path.join(d, libm))),
+            None,
+        )  # fmt: skip
+        if real is None:
+            pytest.skip("no libm on disk to stand in for a loadable module")
+        shutil.copy(real, tmp_path / "libuct_cuda.so.0")
+        dm.cuda_module_error.cache_clear()
+        assert dm.cuda_module_error() is None and dm.cuda_module_loads()
+    finally:
+        dm.cuda_module_error.cache_clear()
