@@ -71,6 +71,20 @@ class _Ask:
     )
 
 
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """The context of one call on the control stream: its refusal (`abort`, as a unary
+    handler's) ends the handler with `_Refused`, answered by its call id."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Refused(code, details)
+
+
 class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def __init__(
         self,
@@ -344,6 +358,65 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             context, self.runtime.prune, request.request_id, prune_from_proto(request.prune)
         )
         return pb.PruneResponse()
+
+    async def Control(self, request_iterator, context):
+        """A router's control stream (services/router/control_stream.py): every call runs
+        as its unary handler runs it, and the answers ready in one turn of the event loop
+        leave as one message."""
+        answers: list[draft_pb2.DraftAnswer] = []
+        ready = asyncio.Event()
+        calls: set[asyncio.Task] = set()
+
+        def answered(task: asyncio.Task) -> None:
+            calls.discard(task)
+            if not task.cancelled():
+                answers.append(task.result())
+                ready.set()
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                for call in msg.calls:
+                    task = asyncio.ensure_future(self._control_call(call))
+                    calls.add(task)
+                    task.add_done_callback(answered)
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _: ready.set())
+        try:
+            while not reader.done() or answers:
+                await ready.wait()
+                ready.clear()
+                if answers:
+                    out, answers = draft_pb2.DraftControlReply(answers=answers), []
+                    yield out
+            reader.result()  # a broken stream ends the call with its error
+        finally:
+            reader.cancel()
+            for task in list(calls):
+                task.cancel()
+
+    async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
+        ctx, kind = _CallContext(), call.WhichOneof("call")
+        try:
+            if kind == "propose":
+                proposal = await self.Propose(call.propose, ctx)
+                return draft_pb2.DraftAnswer(call_id=call.call_id, proposal=proposal)
+            if kind == "prefill":
+                await self.Prefill(call.prefill, ctx)
+            elif kind == "prune":
+                await self.Prune(call.prune, ctx)
+            elif kind == "release":
+                await self.Release(call.release, ctx)
+            else:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "draft: a call of no kind")
+        except _Refused as e:
+            code, message = e.code.value[0], e.details
+        except Exception as e:  # answered, as a unary handler's crash would be
+            rlog.error("compute", "draft: a %s call failed: %s: %s", kind, type(e).__name__, e)
+            code, message = grpc.StatusCode.INTERNAL.value[0], f"draft failed: {e!r}"
+        else:
+            return draft_pb2.DraftAnswer(call_id=call.call_id)
+        return draft_pb2.DraftAnswer(call_id=call.call_id, code=code, message=message)
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         self.leases.end(request.request_id)
