@@ -72,6 +72,19 @@ SUBSYSTEMS: list[tuple[str, tuple[str, ...]]] = [
     ("thread hand-offs", ("threading.py", "concurrent/futures", "queue.py")),
 ]  # fmt: skip
 
+# Leaves in a blocking call (native code under them): py-spy, sampling without stopping
+# the process, cannot always tell whether such a thread was waiting or working (epoll
+# with a zero timeout is work; a sleep in the pacer is not), so they are a group of their
+# own, "waits", partly idle.
+WAITS = (
+    "selectors.py:EpollSelector.select",
+    "perf/emulate.py:Pacer.forward",
+    "futures/thread.py:_worker",
+    "threading.py:Thread.run",
+    "threading.py:Condition.wait",
+    "queue.py:Queue.get",
+)
+
 
 def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
@@ -79,13 +92,14 @@ def log(*a) -> None:
 
 # -- profiles ------------------------------------------------------------------------------
 def start_profilers(pids: dict[str, int], work: Path, rate: int, seconds: float) -> dict:
-    """py-spy on every process, sampling on-CPU stacks without stopping it."""
+    """py-spy on every process, sampling on-CPU stacks without stopping it (stopping it
+    per sample, as C frames would need, doubles its CPU time here)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     procs = {}
     for name, pid in pids.items():
         out = work / f"{name}.txt"
         argv = [spy, "record", "--pid", str(pid), "--rate", str(rate), "--format", "raw",
-                "--nonblocking", "--duration", str(int(seconds)), "-o", str(out)]  # fmt: skip
+                "--duration", str(int(seconds)), "-o", str(out), "--nonblocking"]  # fmt: skip
         procs[name] = (
             subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
             out,
@@ -121,6 +135,8 @@ def frames_of(stack: str) -> list[str]:
 
 
 def subsystem(frames: list[str]) -> str:
+    if frames and any(frames[0].endswith(leaf) for leaf in WAITS):
+        return "waits"
     for frame in frames:
         for group, patterns in SUBSYSTEMS:
             if any(p in frame for p in patterns):
@@ -237,7 +253,7 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)

@@ -85,6 +85,28 @@ class _CallContext:
         raise _Refused(code, details)
 
 
+def _proposal(cand: Candidates) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(
+        parent_ids=cand.parent_ids.tolist(),
+        token_ids=cand.tokens.tolist(),
+        probs=cand.probs.tolist(),
+    )
+
+
+def _refused(call_id: int, code: grpc.StatusCode, message: str) -> draft_pb2.DraftAnswer:
+    return draft_pb2.DraftAnswer(call_id=call_id, code=code.value[0], message=message)
+
+
+def _answer_of(call_id: int, answer: asyncio.Future) -> draft_pb2.DraftAnswer:
+    """A proposal's answer on the control stream: the candidates, or its refusal."""
+    e = answer.exception()
+    if e is None:
+        return draft_pb2.DraftAnswer(call_id=call_id, proposal=_proposal(answer.result()))
+    if isinstance(e, (RequestError, ValueError)):
+        return _refused(call_id, status_code(e), f"draft: {e}")
+    return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
+
+
 class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def __init__(
         self,
@@ -266,9 +288,21 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return draft_pb2.PrefillDraftResponse()
 
     async def Propose(self, request, context) -> draft_pb2.ProposeResponse:
+        ask = self._take_propose(request)
+        if not isinstance(ask, _Ask):
+            await context.abort(*ask)
+        try:
+            cand = await ask.answer
+        except (RequestError, ValueError) as e:
+            await context.abort(status_code(e), f"draft: {e}")
+        return _proposal(cand)
+
+    def _take_propose(self, request) -> _Ask | tuple[grpc.StatusCode, str]:
+        """Queue one Propose for the next batched forward; what refuses it (status and
+        message) if not taken."""
         rid = request.request_id
         if not self.leases.renew(rid):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open")
+            return grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open"
         try:
             layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
             check_rows(layer, self.limits)
@@ -280,23 +314,15 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                     f"{MAX_ASKS_PER_REQUEST} may (send each after the last one's answer)"
                 )
         except (FrameError, RequestError) as e:
-            await context.abort(status_code(e), f"draft: {e}")
+            return status_code(e), f"draft: {e}"
         prunes = [prune_from_proto(sig) for sig in request.prunes]
         if self._loop_task is None or self._loop_task.done():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)")
+            return grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)"
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)
         self.aligner.arrived(request.request_id)
         self._wake.set()
-        try:
-            cand = await ask.answer
-        except (RequestError, ValueError) as e:
-            await context.abort(status_code(e), f"draft: {e}")
-        return draft_pb2.ProposeResponse(
-            parent_ids=cand.parent_ids.tolist(),
-            token_ids=cand.tokens.tolist(),
-            probs=cand.probs.tolist(),
-        )
+        return ask
 
     async def _propose_loop(self) -> None:
         """Answer every waiting Propose with one batched forward, then the next batch
@@ -360,12 +386,14 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return pb.PruneResponse()
 
     async def Control(self, request_iterator, context):
-        """A router's control stream (services/router/control_stream.py): every call runs
-        as its unary handler runs it, and the answers ready in one turn of the event loop
-        leave as one message."""
+        """A router's control stream (services/router/control_stream.py): a Propose joins
+        the next batched forward at once and is answered from its result; the other calls
+        run as their unary handlers run them. The answers ready in one turn of the event
+        loop leave as one message."""
         answers: list[draft_pb2.DraftAnswer] = []
         ready = asyncio.Event()
         calls: set[asyncio.Task] = set()
+        asks: set[asyncio.Future] = set()  # proposals not answered (cancelled if it ends)
 
         def answered(task: asyncio.Task) -> None:
             calls.discard(task)
@@ -373,9 +401,25 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 answers.append(task.result())
                 ready.set()
 
+        def proposed(call_id: int, answer: asyncio.Future) -> None:
+            asks.discard(answer)
+            if not answer.cancelled():
+                answers.append(_answer_of(call_id, answer))
+                ready.set()
+
         async def read() -> None:
             async for msg in request_iterator:
                 for call in msg.calls:
+                    if call.WhichOneof("call") == "propose":  # no task: its answer's callback
+                        ask = self._take_propose(call.propose)
+                        if isinstance(ask, _Ask):
+                            ask.answer.add_done_callback(functools.partial(proposed, call.call_id))
+                            asks.add(ask.answer)
+                            continue
+                        code, message = ask
+                        answers.append(_refused(call.call_id, code, message))
+                        ready.set()
+                        continue
                     task = asyncio.ensure_future(self._control_call(call))
                     calls.add(task)
                     task.add_done_callback(answered)
@@ -394,13 +438,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             reader.cancel()
             for task in list(calls):
                 task.cancel()
+            for answer in list(asks):
+                answer.cancel()
 
     async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
         ctx, kind = _CallContext(), call.WhichOneof("call")
         try:
-            if kind == "propose":
-                proposal = await self.Propose(call.propose, ctx)
-                return draft_pb2.DraftAnswer(call_id=call.call_id, proposal=proposal)
             if kind == "prefill":
                 await self.Prefill(call.prefill, ctx)
             elif kind == "prune":
@@ -410,13 +453,11 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             else:
                 raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "draft: a call of no kind")
         except _Refused as e:
-            code, message = e.code.value[0], e.details
+            return _refused(call.call_id, e.code, e.details)
         except Exception as e:  # answered, as a unary handler's crash would be
             rlog.error("compute", "draft: a %s call failed: %s: %s", kind, type(e).__name__, e)
-            code, message = grpc.StatusCode.INTERNAL.value[0], f"draft failed: {e!r}"
-        else:
-            return draft_pb2.DraftAnswer(call_id=call.call_id)
-        return draft_pb2.DraftAnswer(call_id=call.call_id, code=code, message=message)
+            return _refused(call.call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
+        return draft_pb2.DraftAnswer(call_id=call.call_id)
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         self.leases.end(request.request_id)

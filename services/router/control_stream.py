@@ -51,6 +51,7 @@ class _Stream:
         self._reader: asyncio.Task | None = None
         self._flushing = False
         self.opened = 0  # calls opened so far (1 while it never broke)
+        self.messages = 0  # messages sent so far (each one gRPC write)
 
     # -- what subclasses provide -------------------------------------------------------
     def _collect(self) -> object | None:
@@ -82,6 +83,7 @@ class _Stream:
             self._open()
         assert self._queue is not None
         self._queue.put_nowait(msg)
+        self.messages += 1
 
     def _open(self) -> None:
         queue: asyncio.Queue = asyncio.Queue()
@@ -112,6 +114,9 @@ class _Stream:
 
     async def close(self) -> None:
         """End the open call (router shutdown): nothing is failed."""
+        if self.messages:
+            log.info("%s: %d control messages on %d stream(s)", self.label, self.messages,
+                     self.opened)  # fmt: skip
         reader, self._reader = self._reader, None
         if self._queue is not None:
             self._queue.put_nowait(None)
