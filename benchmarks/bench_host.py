@@ -15,6 +15,13 @@ engine's.
 
     python benchmarks/bench_host.py                       # 1 and 8 clients, ~2 minutes
     python benchmarks/bench_host.py --concurrency 1 --no-profile
+    python benchmarks/bench_host.py --wire                # the control message's cost only
+
+`--wire` (how the control plane's transport was chosen, docs/architecture.md, "6. Control
+plane and data plane"): the CPU time of one control message (a feed of 4 rows) sent and
+taken, both ends in this process on loopback, one message per 0.5 ms as a step's would
+come: a unary gRPC call, a message on a bidirectional gRPC stream, and a data-plane TCP
+frame (what riding the data plane would cost).
 
 Writes results/host/results.json and results.md (the tables printed). CPU time, not wall
 clock: a shared 2-core machine measures it fairly.
@@ -161,6 +168,84 @@ def summarize_profile(path: Path, top: int = 8) -> dict:
     return {"samples": total, "subsystems": share(groups), "top_leaves": share(leaves)}
 
 
+# -- the wire: one control message's CPU ------------------------------------------------------
+def _cpu() -> float:
+    return time.process_time()
+
+
+async def _paced(send, n: int, gap: float) -> float:
+    """CPU seconds per message of `send()` awaited n times, one per `gap`, less the pacing
+    loop's own."""
+    c0 = _cpu()
+    for _ in range(n):
+        await send()
+        await asyncio.sleep(gap)
+    c1 = _cpu()
+    for _ in range(n):
+        await asyncio.sleep(gap)
+    return ((c1 - c0) - (_cpu() - c1)) / n
+
+
+async def wire(n: int = 2000, gap: float = 0.0005) -> dict[str, float]:
+    import grpc
+    from specpipe.services.transport import make_transport
+    from specpipe.v1 import dataplane_pb2 as pb
+    from specpipe.v1 import stage_pb2, stage_pb2_grpc
+
+    got = []
+
+    class Stage(stage_pb2_grpc.StageServicer):
+        async def Feed(self, request, context):
+            got.append(request.seq)
+            return stage_pb2.FeedResponse()
+
+        async def Control(self, requests, context):
+            async for msg in requests:
+                got.append(msg.feeds[0].seq)
+            return
+            yield
+
+    server = grpc.aio.server()
+    stage_pb2_grpc.add_StageServicer_to_server(Stage(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = stage_pb2_grpc.StageStub(channel)
+    rows = pb.Rows(positions=[9, 9, 9, 9], node_ids=[5, 6, 7, 8], parent_ids=[1, 1, 1, 1])
+    feed = stage_pb2.FeedRequest(request_id="r" * 22, seq=3, rows=rows, token_ids=[1, 2, 3, 4])
+    out = {}
+    await stub.Feed(feed)
+    out["unary gRPC call"] = await _paced(lambda: stub.Feed(feed), n, gap)
+
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def messages():
+        while (m := await queue.get()) is not None:
+            yield m
+
+    call = stub.Control(messages())
+
+    async def on_stream() -> None:
+        queue.put_nowait(stage_pb2.StageControl(feeds=[feed]))
+
+    out["message on a gRPC stream"] = await _paced(on_stream, n, gap)
+    queue.put_nowait(None)
+    async for _ in call:
+        pass
+    await channel.close()
+    await server.stop(None)
+
+    receiver = make_transport("tcp", lambda frame: got.append(frame.header.seq))
+    sender = make_transport("tcp", lambda frame: None)
+    address = await receiver.start()
+    header = pb.FrameHeader(request_id="r" * 22, seq=3, rows=rows)
+    await sender.send_frame(address, header)
+    out["data-plane TCP frame"] = await _paced(lambda: sender.send_frame(address, header), n, gap)
+    await sender.close()
+    await receiver.close()
+    return {k: round(1e6 * v, 1) for k, v in out.items()}
+
+
 # -- one cell ------------------------------------------------------------------------------
 def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     from specpipe.common.perf.timeline import Ask, closed_loop
@@ -255,10 +340,15 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.wire:
+        costs = asyncio.run(wire())
+        print("CPU per control message, both ends (us):", json.dumps(costs))
+        return
 
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
     from specpipe.services.launcher import ServicesDeployment

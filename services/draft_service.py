@@ -9,7 +9,12 @@ next call is due within a few milliseconds waits for them first, a bounded windo
 (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`). Without it the calls of
 one pipeline step, which reach the draft spread over the router's handling of the
 step, take two forwards, and the answers of the second come a draft forward late. The
-lifecycle (server, drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
+router sends its calls on one control stream (`Control`; services/router/
+control_stream.py), each run as its unary handler runs it. The lifecycle (server, drain,
+leases, `Renew`, most of `Describe`) is the `Replica`'s.
+
+One module: the unary handlers and the control stream take calls into the same state
+(the batch's asks, the leases) under the same checks, and refuse them the same way.
 """
 
 from __future__ import annotations
