@@ -85,6 +85,7 @@ SUBSYSTEMS: list[tuple[str, tuple[str, ...]]] = [
 # own, "waits", partly idle.
 WAITS = (
     "selectors.py:EpollSelector.select",
+    "selectors.py:_PollLikeSelector.select",  # the metrics server
     "perf/emulate.py:Pacer.forward",
     "futures/thread.py:_worker",
     "threading.py:Thread.run",
@@ -152,20 +153,31 @@ def subsystem(frames: list[str]) -> str:
 
 
 def summarize_profile(path: Path, top: int = 8) -> dict:
+    """Shares of the samples that are not waits, by subsystem and by leaf function
+    (`waits`: the share of all samples that were, mostly idle)."""
     groups: Counter = Counter()
     leaves: Counter = Counter()
-    total = 0
+    total = waits = 0
     for line in path.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
         frames, count = frames_of(stack), int(n)
+        group = subsystem(frames)
+        if group == "waits":
+            waits += count
+            continue
         total += count
-        groups[subsystem(frames)] += count
+        groups[group] += count
         leaf = frames[0] if frames else "?"
         leaves["/".join(leaf.split("/")[-2:])] += count
     share = lambda c: {k: round(v / total, 3) for k, v in c.most_common(top)}  # noqa: E731
-    return {"samples": total, "subsystems": share(groups), "top_leaves": share(leaves)}
+    return {
+        "samples": total,
+        "waits": round(waits / max(total + waits, 1), 3),
+        "subsystems": share(groups) if total else {},
+        "top_leaves": share(leaves) if total else {},
+    }
 
 
 # -- the wire: one control message's CPU ------------------------------------------------------
@@ -306,7 +318,7 @@ def fmt_cell(c: dict) -> list[str]:
         f"{c['emitted']} tokens in {c['wall_s']} s, identical {c['identical']}/{c['requests']}, "
         f"load {c['load_average']}",
         "",
-        "| process | CPU ms / step | CPU ms / token | top subsystems (share of on-CPU samples) |",
+        "| process | CPU ms / step | CPU ms / token | top subsystems (share of working samples) |",
         "|---|---|---|---|",
     ]
     for name, p in c["processes"].items():
