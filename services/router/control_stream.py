@@ -29,6 +29,12 @@ from .batched import CallBatcher, refusal, stage_batchers
 
 log = logging.getLogger(__name__)
 
+# The most bytes of items one message carries: every replica reads at least 1 MiB more
+# than its largest single item (services/control.py, `max_control_bytes`), so a turn of
+# many requests' prefill chunks is split, never refused whole (which would break the
+# stream and replay every request on it).
+MESSAGE_BUDGET = 1 << 20
+
 # (status code number, message): a request's item was refused, or its stream broke
 OnFault = Callable[[int, str], None]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
@@ -54,8 +60,8 @@ class _Stream:
         self.messages = 0  # messages sent so far (each one gRPC write)
 
     # -- what subclasses provide -------------------------------------------------------
-    def _collect(self) -> object | None:
-        """The message of this turn's items (None: nothing to send)."""
+    def _collect(self) -> list:
+        """The messages of this turn's items (none: nothing to send)."""
         raise NotImplementedError
 
     def _on_reply(self, reply) -> None:
@@ -76,14 +82,12 @@ class _Stream:
 
     def _flush(self) -> None:
         self._flushing = False
-        msg = self._collect()
-        if msg is None:
-            return
-        if self._queue is None:
-            self._open()
-        assert self._queue is not None
-        self._queue.put_nowait(msg)
-        self.messages += 1
+        for msg in self._collect():
+            if self._queue is None:
+                self._open()
+            assert self._queue is not None
+            self._queue.put_nowait(msg)
+            self.messages += 1
 
     def _open(self) -> None:
         queue: asyncio.Queue = asyncio.Queue()
@@ -183,18 +187,20 @@ class StageStream(_Stream):
 
         asyncio.ensure_future(batcher.call(req, timeout)).add_done_callback(told)
 
-    def _collect(self) -> stage_pb2.StageControl | None:
+    def _collect(self) -> list[stage_pb2.StageControl]:
         if not (self._feeds or self._prunes or self._releases):
-            return None
-        msg = stage_pb2.StageControl(
-            feeds=self._feeds,
-            prunes=self._prunes,
-            releases=[pb.RequestRef(request_id=r) for r in self._releases],
-        )
+            return []
+        msgs = []
+        for part in _packed([*self._feeds, *self._prunes]):
+            msg = stage_pb2.StageControl()
+            for item in part:
+                (msg.feeds if isinstance(item, stage_pb2.FeedRequest) else msg.prunes).append(item)
+            msgs.append(msg)
+        msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
         for rid, waiters in self._releases.items():
             self._released.setdefault(rid, []).extend(waiters)
         self._feeds, self._prunes, self._releases = [], [], {}
-        return msg
+        return msgs
 
     def _on_reply(self, reply: stage_pb2.StageControlReply) -> None:
         for r in reply.refusals:
@@ -238,10 +244,10 @@ class DraftStream(_Stream):
         self._schedule()
         return done
 
-    def _collect(self) -> draft_pb2.DraftControl | None:
+    def _collect(self) -> list[draft_pb2.DraftControl]:
         calls = [c for c in self._calls if c.call_id in self._waiting]  # not given up
         self._calls = []
-        return draft_pb2.DraftControl(calls=calls) if calls else None
+        return [draft_pb2.DraftControl(calls=part) for part in _packed(calls) if part]
 
     def _on_reply(self, reply: draft_pb2.DraftControlReply) -> None:
         for a in reply.answers:
@@ -258,6 +264,21 @@ class DraftStream(_Stream):
         self._calls = []
         for done in waiting.values():
             _settle(done, refusal(code, message))
+
+
+def _packed(items: list) -> list[list]:
+    """`items` in order, in parts of at most MESSAGE_BUDGET bytes (an item larger than
+    that alone); at least one part."""
+    parts: list[list] = [[]]
+    size = 0
+    for item in items:
+        n = item.ByteSize()
+        if parts[-1] and size + n > MESSAGE_BUDGET:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += n
+    return parts
 
 
 def _settle(done: asyncio.Future, error: BaseException | None = None, result=None) -> None:

@@ -178,3 +178,27 @@ def test_draft_calls_are_answered_by_id_and_fail_when_the_stream_breaks() -> Non
         await broken.close()
 
     asyncio.run(main())
+
+
+def test_a_turn_of_many_large_items_is_split_below_the_message_budget() -> None:
+    from specpipe.services.router import control_stream
+
+    async def main() -> None:
+        stage = Stage()
+        stream = StageStream(stage, "stage 1")
+        big = [
+            stage_pb2.FeedRequest(request_id=f"r{i}", seq=1, token_ids=list(range(150_000)))
+            for i in range(6)
+        ]
+        for f in big:
+            stream.feed(f, 1.0)
+        stream.prune(_prune("r0"), 1.0)
+        await asyncio.sleep(0.2)
+        assert len(stage.messages) > 1
+        assert all(m.ByteSize() <= control_stream.MESSAGE_BUDGET for m in stage.messages)
+        feeds = [f.request_id for m in stage.messages for f in m.feeds]
+        assert feeds == [f.request_id for f in big]  # in order, none lost
+        assert [p.request_id for m in stage.messages for p in m.prunes] == ["r0"]
+        await stream.close()
+
+    asyncio.run(main())
