@@ -230,12 +230,19 @@ class DraftStream(_Stream):
 
     def __init__(self, stub, label: str) -> None:
         super().__init__(lambda requests: stub.Control(requests), label)
+        self.stub = stub
         self._ids = itertools.count(1)
         self._calls: list[draft_pb2.DraftCall] = []
         self._waiting: dict[int, asyncio.Future] = {}
+        self.unary = False  # a draft without Control: each call its unary RPC
 
-    def call(self, **item) -> asyncio.Future:
-        """One call: `propose=`, `prefill=`, `prune=` or `release=` its request."""
+    def call(self, timeout: float = 60.0, **item) -> asyncio.Future:
+        """One call: `propose=`, `prefill=`, `prune=` or `release=` its request
+        (`timeout`: a unary call's, to a draft without the stream)."""
+        if self.unary:
+            ((kind, msg),) = item.items()
+            rpc = getattr(self.stub, kind.capitalize())
+            return asyncio.ensure_future(rpc(msg, timeout=timeout))
         done = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
         self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
@@ -264,6 +271,10 @@ class DraftStream(_Stream):
         self._calls = []
         for done in waiting.values():
             _settle(done, refusal(code, message))
+
+    def _unimplemented(self) -> bool:
+        self.unary = True
+        return True
 
 
 def _packed(items: list) -> list[list]:

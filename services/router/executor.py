@@ -181,9 +181,10 @@ class CommandExecutor:
         (a draft that answers nothing is a fault, as a unary call past its deadline)."""
         stream = draft.control
         assert isinstance(stream, DraftStream)
-        answer = stream.call(**call)
+        timeout = self.deadline.timeout()
+        answer = stream.call(timeout, **call)
         try:
-            return await asyncio.wait_for(answer, self.deadline.timeout())
+            return await asyncio.wait_for(answer, timeout)
         except TimeoutError:
             code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             raise refusal(code, f"no answer from {draft.label}") from None
@@ -212,7 +213,7 @@ async def release_on(b: Backend, wire_id: str, timeout: float) -> None:
     if isinstance(b.control, StageStream):
         done = b.control.release(wire_id)
     elif isinstance(b.control, DraftStream):
-        done = b.control.call(release=ref)
+        done = b.control.call(timeout, release=ref)
     else:
         done = b.stub.Release(ref, timeout=timeout)
     await asyncio.wait_for(done, timeout)

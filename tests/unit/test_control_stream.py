@@ -202,3 +202,25 @@ def test_a_turn_of_many_large_items_is_split_below_the_message_budget() -> None:
         await stream.close()
 
     asyncio.run(main())
+
+
+def test_a_draft_without_the_stream_gets_unary_calls() -> None:
+    class OldDraft:
+        def Control(self, requests):
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "no"
+            )
+
+        async def Propose(self, request, timeout: float):
+            return draft_pb2.ProposeResponse(parent_ids=[1], token_ids=[9], probs=[1.0])
+
+    async def main() -> None:
+        stream = DraftStream(OldDraft(), "old draft")
+        first = stream.call(propose=draft_pb2.ProposeRequest(request_id="a"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # lost: the draft is dropped
+            await asyncio.wait_for(first, 5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        then = stream.call(1.0, propose=draft_pb2.ProposeRequest(request_id="a"))
+        assert list((await asyncio.wait_for(then, 5)).token_ids) == [9]
+
+    asyncio.run(main())
