@@ -16,7 +16,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import grpc
-import torch
+import numpy as np
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -30,7 +30,7 @@ from specpipe.common.spec.messages import Candidates
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import prune_to_proto, rows_to_proto
+from ..control import prune_to_proto, rows_to_proto, tensor_of
 from .backends import Backend, RequestPath
 from .batched import refusal
 from .calls import Deadline, LeaseClaim
@@ -142,9 +142,9 @@ class CommandExecutor:
         async def call(draft: Backend) -> None:
             resp = await self._on_stream(draft, propose=req)
             cand = Candidates(
-                torch.tensor(resp.parent_ids, dtype=torch.int64),
-                torch.tensor(resp.token_ids, dtype=torch.int64),
-                torch.tensor(resp.probs, dtype=torch.float32),
+                tensor_of(resp.parent_ids),
+                tensor_of(resp.token_ids),
+                tensor_of(resp.probs, np.float32),
             )
             self.post(Proposal(self.attempt, cmd.ticket, cand))
 
