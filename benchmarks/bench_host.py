@@ -103,6 +103,9 @@ def start_profilers(pids: dict[str, int], work: Path, rate: int, seconds: float)
     """py-spy on every process, sampling on-CPU stacks without stopping it (stopping it
     per sample, as C frames would need, doubles its CPU time here)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).is_file():
+        log("py-spy is not installed (the bench extra, or pip install py-spy): no profiles")
+        return {}
     procs = {}
     for name, pid in pids.items():
         out = work / f"{name}.txt"
