@@ -9,7 +9,12 @@ next call is due within a few milliseconds waits for them first, a bounded windo
 (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`). Without it the calls of
 one pipeline step, which reach the draft spread over the router's handling of the
 step, take two forwards, and the answers of the second come a draft forward late. The
-lifecycle (server, drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
+router sends its calls on one control stream (`Control`; services/router/
+control_stream.py), each run as its unary handler runs it. The lifecycle (server, drain,
+leases, `Renew`, most of `Describe`) is the `Replica`'s.
+
+One module: the unary handlers and the control stream take calls into the same state
+(the batch's asks, the leases) under the same checks, and refuse them the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +74,42 @@ class _Ask:
     answer: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """The context of one call on the control stream: its refusal (`abort`, as a unary
+    handler's) ends the handler with `_Refused`, answered by its call id."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise _Refused(code, details)
+
+
+def _proposal(cand: Candidates) -> draft_pb2.ProposeResponse:
+    return draft_pb2.ProposeResponse(
+        parent_ids=cand.parent_ids.tolist(),
+        token_ids=cand.tokens.tolist(),
+        probs=cand.probs.tolist(),
+    )
+
+
+def _refused(call_id: int, code: grpc.StatusCode, message: str) -> draft_pb2.DraftAnswer:
+    return draft_pb2.DraftAnswer(call_id=call_id, code=code.value[0], message=message)
+
+
+def _answer_of(call_id: int, answer: asyncio.Future) -> draft_pb2.DraftAnswer:
+    """A proposal's answer on the control stream: the candidates, or its refusal."""
+    e = answer.exception()
+    if e is None:
+        return draft_pb2.DraftAnswer(call_id=call_id, proposal=_proposal(answer.result()))
+    if isinstance(e, (RequestError, ValueError)):
+        return _refused(call_id, status_code(e), f"draft: {e}")
+    return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
 
 
 class DraftService(Replica, draft_pb2_grpc.DraftServicer):
@@ -252,9 +293,21 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return draft_pb2.PrefillDraftResponse()
 
     async def Propose(self, request, context) -> draft_pb2.ProposeResponse:
+        ask = self._take_propose(request)
+        if not isinstance(ask, _Ask):
+            await context.abort(*ask)
+        try:
+            cand = await ask.answer
+        except (RequestError, ValueError) as e:
+            await context.abort(status_code(e), f"draft: {e}")
+        return _proposal(cand)
+
+    def _take_propose(self, request) -> _Ask | tuple[grpc.StatusCode, str]:
+        """Queue one Propose for the next batched forward; what refuses it (status and
+        message) if not taken."""
         rid = request.request_id
         if not self.leases.renew(rid):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open")
+            return grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open"
         try:
             layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
             check_rows(layer, self.limits)
@@ -266,23 +319,15 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                     f"{MAX_ASKS_PER_REQUEST} may (send each after the last one's answer)"
                 )
         except (FrameError, RequestError) as e:
-            await context.abort(status_code(e), f"draft: {e}")
+            return status_code(e), f"draft: {e}"
         prunes = [prune_from_proto(sig) for sig in request.prunes]
         if self._loop_task is None or self._loop_task.done():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)")
+            return grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)"
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)
         self.aligner.arrived(request.request_id)
         self._wake.set()
-        try:
-            cand = await ask.answer
-        except (RequestError, ValueError) as e:
-            await context.abort(status_code(e), f"draft: {e}")
-        return draft_pb2.ProposeResponse(
-            parent_ids=cand.parent_ids.tolist(),
-            token_ids=cand.tokens.tolist(),
-            probs=cand.probs.tolist(),
-        )
+        return ask
 
     async def _propose_loop(self) -> None:
         """Answer every waiting Propose with one batched forward, then the next batch
@@ -344,6 +389,80 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             context, self.runtime.prune, request.request_id, prune_from_proto(request.prune)
         )
         return pb.PruneResponse()
+
+    async def Control(self, request_iterator, context):
+        """A router's control stream (services/router/control_stream.py): a Propose joins
+        the next batched forward at once and is answered from its result; the other calls
+        run as their unary handlers run them. The answers ready in one turn of the event
+        loop leave as one message."""
+        answers: list[draft_pb2.DraftAnswer] = []
+        ready = asyncio.Event()
+        calls: set[asyncio.Task] = set()
+        asks: set[asyncio.Future] = set()  # proposals not answered (cancelled if it ends)
+
+        def answered(task: asyncio.Task) -> None:
+            calls.discard(task)
+            if not task.cancelled():
+                answers.append(task.result())
+                ready.set()
+
+        def proposed(call_id: int, answer: asyncio.Future) -> None:
+            asks.discard(answer)
+            if not answer.cancelled():
+                answers.append(_answer_of(call_id, answer))
+                ready.set()
+
+        async def read() -> None:
+            async for msg in request_iterator:
+                for call in msg.calls:
+                    if call.WhichOneof("call") == "propose":  # no task: its answer's callback
+                        ask = self._take_propose(call.propose)
+                        if isinstance(ask, _Ask):
+                            ask.answer.add_done_callback(functools.partial(proposed, call.call_id))
+                            asks.add(ask.answer)
+                            continue
+                        code, message = ask
+                        answers.append(_refused(call.call_id, code, message))
+                        ready.set()
+                        continue
+                    task = asyncio.ensure_future(self._control_call(call))
+                    calls.add(task)
+                    task.add_done_callback(answered)
+
+        reader = asyncio.ensure_future(read())
+        reader.add_done_callback(lambda _: ready.set())
+        try:
+            while not reader.done() or answers:
+                await ready.wait()
+                ready.clear()
+                if answers:
+                    out, answers = draft_pb2.DraftControlReply(answers=answers), []
+                    yield out
+            reader.result()  # a broken stream ends the call with its error
+        finally:
+            reader.cancel()
+            for task in list(calls):
+                task.cancel()
+            for answer in list(asks):
+                answer.cancel()
+
+    async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
+        ctx, kind = _CallContext(), call.WhichOneof("call")
+        try:
+            if kind == "prefill":
+                await self.Prefill(call.prefill, ctx)
+            elif kind == "prune":
+                await self.Prune(call.prune, ctx)
+            elif kind == "release":
+                await self.Release(call.release, ctx)
+            else:
+                raise _Refused(grpc.StatusCode.INVALID_ARGUMENT, "draft: a call of no kind")
+        except _Refused as e:
+            return _refused(call.call_id, e.code, e.details)
+        except Exception as e:  # answered, as a unary handler's crash would be
+            rlog.error("compute", "draft: a %s call failed: %s: %s", kind, type(e).__name__, e)
+            return _refused(call.call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
+        return draft_pb2.DraftAnswer(call_id=call.call_id)
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         self.leases.end(request.request_id)

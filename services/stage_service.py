@@ -92,6 +92,10 @@ def _outcomes(items, take) -> list[pb.CallOutcome]:
     return outcomes
 
 
+def _refusal(rid: str, code: grpc.StatusCode, message: str) -> stage_pb2.ControlRefusal:
+    return stage_pb2.ControlRefusal(request_id=rid, code=code.value[0], message=message)
+
+
 class StageService(Replica, stage_pb2_grpc.StageServicer):
     pacer: Pacer | None = None  # --emulate-costs: every forward paced to a cost model
 
@@ -435,6 +439,44 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._drop(request.request_id))
+
+    async def Control(self, request_iterator, context):
+        """A router's control stream (services/router/control_stream.py): each message's
+        feeds, prunes and releases taken as Feed, Prune and Release take them, and only
+        refusals and releases answered."""
+        async for msg in request_iterator:
+            reply = self._take_control(msg)
+            if reply is not None:
+                yield reply
+
+    def _take_control(self, msg: stage_pb2.StageControl) -> stage_pb2.StageControlReply | None:
+        refusals = []
+        if msg.feeds:
+            self.metrics.feeds_per_call.observe(len(msg.feeds))
+            first = self.model is not None and self.runtime.is_first
+            for feed in msg.feeds:
+                refused = (
+                    self._take_feed(feed)
+                    if first
+                    else (
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{self.name} is not the first stage",
+                    )
+                )
+                if refused is not None:
+                    refusals.append(_refusal(feed.request_id, *refused))
+        if msg.prunes:
+            self.metrics.prunes_per_call.observe(len(msg.prunes))
+            for prune in msg.prunes:
+                refused = self._take_prune(prune)
+                if refused is not None:
+                    refusals.append(_refusal(prune.request_id, *refused))
+        for ref in msg.releases:
+            self._drop(ref.request_id)
+        if not refusals and not msg.releases:
+            return None
+        released = [ref.request_id for ref in msg.releases]
+        return stage_pb2.StageControlReply(refusals=refusals, released=released)
 
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"

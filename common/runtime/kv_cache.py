@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..spec.tree import member
 from .block_pool import BlockPool
 from .errors import BadInput, CacheFull
 from .prefix_hash import block_keys
@@ -244,8 +245,8 @@ class TreeKVCache:
         CacheFull when the committed rows need a block and the pool has none; the dropped
         rows are gone then, the commit not done."""
         commit_rows = self._rows_of(commit_ids)
-        committed = np.isin(self.tree_ids, commit_ids)
-        keep = np.isin(self.tree_ids, keep_ids)
+        committed = member(self.tree_ids, commit_ids)
+        keep = member(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.

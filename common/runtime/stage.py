@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..model.layers import StageModel
 from ..spec.messages import Activation, Prune
+from ..spec.tree import member
 from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
@@ -447,7 +448,7 @@ class StageRuntime:
         keep = None
         last_prune = self._last_prune.get(act.request_id)
         if last_prune is not None and not act.committed:
-            alive = (node_ids > last_prune.horizon) | np.isin(node_ids, host(last_prune.keep_ids))
+            alive = (node_ids > last_prune.horizon) | member(node_ids, host(last_prune.keep_ids))
             if not alive.any():
                 return None
             if not alive.all():
@@ -456,7 +457,7 @@ class StageRuntime:
         is_root = None
         if act.request_id in self._held and not act.committed:
             # Rows whose parent is committed (not a cached or new tree row) are roots.
-            is_root = ~np.isin(parent_ids, np.concatenate([cache.tree_ids, node_ids]))
+            is_root = ~member(parent_ids, np.concatenate([cache.tree_ids, node_ids]))
         if act.committed:
             start = int(positions[0])
             if self.is_first:
@@ -511,8 +512,8 @@ class StageRuntime:
         ids = np.concatenate(held.node_ids)
         parents = np.concatenate(held.parent_ids)
         positions = np.concatenate(held.positions)
-        alive = (ids > prune.horizon) | np.isin(ids, keep_ids)
-        now_root = alive & np.isin(parents, commit_ids)
+        alive = (ids > prune.horizon) | member(ids, keep_ids)
+        now_root = alive & member(parents, commit_ids)
         later = alive & ~now_root
         hidden = torch.cat(held.hidden) if len(held.hidden) > 1 else held.hidden[0]
         self._held[request_id] = _Held.empty()

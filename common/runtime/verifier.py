@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from ..spec.messages import Activation, Prune, TokenLogprobs, Verified
+from ..spec.tree import member
 from ..spec.verify import VerifySpec, draw_at, rows_logprobs, walk
 
 NONE = np.empty(0, dtype=np.int64)
@@ -264,11 +265,11 @@ class RequestVerifier:
                       prune.commit_ids.tolist(), prune.keep_ids.tolist(), h)  # fmt: skip
         if self._held is not None:
             ids = self._held.ids
-            alive = (ids > h) | np.isin(ids, prune.keep_ids.numpy())
+            alive = (ids > h) | member(ids, prune.keep_ids.numpy())
             self._held = self._held.take(alive) if alive.any() else None
         keep = prune.keep_ids.numpy()
-        self._dead = self._dead[(self._dead > h) | np.isin(self._dead, keep)]
-        self._drawn = self._drawn[(self._drawn > h) | np.isin(self._drawn, keep)]
+        self._dead = self._dead[(self._dead > h) | member(self._dead, keep)]
+        self._drawn = self._drawn[(self._drawn > h) | member(self._drawn, keep)]
 
     # -- one walk ----------------------------------------------------------------------
     def _classify(self, rows: _Rows) -> tuple[np.ndarray, int | None]:

@@ -59,7 +59,7 @@ from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
-from .batched import CallBatcher, stage_batchers
+from .control_stream import DraftStream, StageStream, control_stream
 from .discovery import Discovery, Endpoint
 from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
@@ -102,9 +102,8 @@ class Backend:
     answered_at: float | None = None  # the last time it answered a health check
     asked_since: float | None = None  # a check has been waiting for its answer since
     stalled: bool = False  # no answer for the stall limit (see the module docstring)
-    # a stage's Feed (stage 1) and Prune calls, batched per event-loop turn
-    feeds: CallBatcher | None = field(default=None, repr=False)
-    prunes: CallBatcher | None = field(default=None, repr=False)
+    # its control stream: a stage's feeds, prunes and releases, the draft's calls
+    control: StageStream | DraftStream | None = field(default=None, repr=False)
     _curve: tuple[object, CostCurve | None] = field(default=(None, None), repr=False)
     # block keys of the prompts sent to it (prefix-aware routing, prefix_affinity.py)
     prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
@@ -336,8 +335,7 @@ class Backends:
         ch = self._make_channel(b.address)
         stub = (stage_pb2_grpc.StageStub if b.kind == "stage" else draft_pb2_grpc.DraftStub)(ch)
         b.channel, b.stub, b.health = ch, stub, health_pb2_grpc.HealthStub(ch)
-        if b.kind == "stage":
-            b.feeds, b.prunes = stage_batchers(stub, f"stage at {b.address}")
+        b.control = control_stream(b.kind, stub, f"{b.kind} at {b.address}")
 
     def _reconnect(self, b: Backend) -> None:
         """A fresh channel for a replica that failed a check and holds no request of
@@ -788,6 +786,8 @@ class Backends:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for b in self.all:
+            if b.control is not None:
+                await b.control.close()
             await b.channel.close()
         if self._background:
             await asyncio.wait(self._background, timeout=5.0)

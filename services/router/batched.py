@@ -1,4 +1,5 @@
-"""A router's control calls to one stage replica, gathered into batched calls.
+"""A router's unary control calls to one stage replica, gathered into batched calls: what
+the router sends a stage that has no control stream (control_stream.py).
 
 Every request's driver feeds its own tree layers to stage 1 and sends its own prune
 signals to every stage. In one pipeline step the router verifies many requests at once
@@ -31,7 +32,7 @@ Single = Callable[[object, float], Awaitable[object]]  # (item, timeout)
 Many = Callable[[list, float], Awaitable[Sequence[pb.CallOutcome]]]  # (items, timeout)
 
 
-def _refusal(code: int, message: str) -> grpc.aio.AioRpcError:
+def refusal(code: int, message: str) -> grpc.aio.AioRpcError:
     """An item's own refusal, raised as the single call would have raised it."""
     status = code_from_number(code)
     return grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
@@ -92,7 +93,7 @@ class CallBatcher:
             return
         for (_, _, done), outcome in zip(batch, outcomes, strict=True):
             refused = outcome.code != grpc.StatusCode.OK.value[0]
-            _settle(done, _refusal(outcome.code, outcome.message) if refused else None)
+            _settle(done, refusal(outcome.code, outcome.message) if refused else None)
 
     async def _send_one(self, item, timeout: float, done: asyncio.Future) -> None:
         try:

@@ -1,12 +1,13 @@
 """The command executor of one opened path: a controller's commands turned into calls.
 
-`Feed` rows go to stage 1 and `BroadcastPrune`s to every stage over gRPC (gathered with
-other requests' calls into `FeedMany` / `PruneMany`, batched.py); the draft's calls
-(`DraftOpen`, `DraftPrefill`, `Propose`) run in one ordered lane, so the draft sees
-prunes and layers in the order the controller created them, and prunes for the draft
-(`DraftPrune`) ride on the next `Propose`. Each call's failure and each draft answer
-becomes an event (events.py) tagged with the path's attempt: the driver ignores those of
-a path it abandoned. Nothing here decides anything: the commands are the controller's.
+`Feed` rows go to stage 1 and `BroadcastPrune`s to every stage on each stage's control
+stream (control_stream.py: one long-lived gRPC stream per replica, shared with the
+router's other requests); the draft's calls (`DraftOpen` as a unary call, `DraftPrefill`
+and `Propose` on its stream) run in one ordered lane, so the draft sees prunes and layers
+in the order the controller created them, and prunes for the draft (`DraftPrune`) ride
+on the next `Propose`. Each refusal, broken stream and draft answer becomes an event
+(events.py) tagged with the path's attempt: the driver ignores those of a path it
+abandoned. Nothing here decides anything: the commands are the controller's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import torch
+import grpc
+import numpy as np
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -28,12 +30,14 @@ from specpipe.common.spec.messages import Candidates
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import prune_to_proto, rows_to_proto
+from ..control import prune_to_proto, rows_to_proto, tensor_of
 from .backends import Backend, RequestPath
+from .batched import refusal
 from .calls import Deadline, LeaseClaim
+from .control_stream import DraftStream, StageStream
 from .events import Event, Failure, Proposal
 
-DraftCall = Callable[[object], Awaitable]  # (the draft's stub) -> the call
+DraftCall = Callable[[Backend], Awaitable]  # (the draft) -> the call
 
 
 class CommandExecutor:
@@ -51,7 +55,8 @@ class CommandExecutor:
     ) -> None:
         self.path, self.wire_id, self.attempt = path, wire_id, attempt
         self.post, self.deadline, self.lease = post, deadline, lease
-        self._tasks: set[asyncio.Task] = set()
+        for s in path.stages:  # refusals and broken streams of this request
+            self._stream(s).attach(wire_id, self._on_fault(s))
         self._draft_q: asyncio.Queue[tuple[str, DraftCall]] = asyncio.Queue()
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, with the next layer
         self._lane: asyncio.Task | None = None
@@ -75,13 +80,11 @@ class CommandExecutor:
                 token_ids=cmd.act.tokens.tolist(),
                 verified_at_ns=verified_at_ns,
             )
-            assert stage1.feeds is not None
-            self._spawn(stage1, "receiving rows", stage1.feeds.call(req, timeout()))
+            self._stream(stage1).feed(req, timeout())
         elif isinstance(cmd, BroadcastPrune):
             req = pb.PruneRequest(request_id=rid, prune=prune_to_proto(cmd.prune, cmd.seq))
             for s in self.path.stages:
-                assert s.prunes is not None
-                self._spawn(s, "applying a prune", s.prunes.call(req, timeout()))
+                self._stream(s).prune(req, timeout())
         elif isinstance(cmd, DraftPrune):
             self._draft_prunes.append(prune_to_proto(cmd.prune, cmd.seq))
         elif isinstance(cmd, Propose):
@@ -96,7 +99,7 @@ class CommandExecutor:
                 lease_epoch=self.lease.epoch,
                 lease_token=self.lease.token,
             )
-            self._draft_call("opening the request", lambda stub: stub.Open(req, timeout=timeout()))
+            self._draft_call("opening the request", lambda d: d.stub.Open(req, timeout=timeout()))
         elif isinstance(cmd, DraftPrefill):
             req = draft_pb2.PrefillDraftRequest(
                 request_id=rid,
@@ -104,7 +107,7 @@ class CommandExecutor:
                 start_position=cmd.start_position,
                 prefill_chunk=cmd.prefill_chunk,
             )
-            self._draft_call("prefilling", lambda stub: stub.Prefill(req, timeout=timeout()))
+            self._draft_call("prefilling", lambda d: self._on_stream(d, prefill=req))
         else:
             raise TypeError(f"unknown command {cmd!r}")
 
@@ -118,9 +121,10 @@ class CommandExecutor:
 
     def stop(self) -> None:
         """The path is abandoned or released: its calls stop."""
-        for t in [*self._tasks, *([self._lane] if self._lane else [])]:
-            t.cancel()
-        self._tasks.clear()
+        for s in self.path.stages:
+            self._stream(s).detach(self.wire_id)
+        if self._lane is not None:
+            self._lane.cancel()
         self._lane = None
 
     # -- the draft -----------------------------------------------------------------------
@@ -135,12 +139,12 @@ class CommandExecutor:
         )
         self._draft_prunes = []
 
-        async def call(stub) -> None:
-            resp = await stub.Propose(req, timeout=self.deadline.timeout())
+        async def call(draft: Backend) -> None:
+            resp = await self._on_stream(draft, propose=req)
             cand = Candidates(
-                torch.tensor(resp.parent_ids, dtype=torch.int64),
-                torch.tensor(resp.token_ids, dtype=torch.int64),
-                torch.tensor(resp.probs, dtype=torch.float32),
+                tensor_of(resp.parent_ids),
+                tensor_of(resp.token_ids),
+                tensor_of(resp.probs, np.float32),
             )
             self.post(Proposal(self.attempt, cmd.ticket, cand))
 
@@ -154,10 +158,7 @@ class CommandExecutor:
             for sig in self._draft_prunes:
                 req = pb.PruneRequest(request_id=self.wire_id, prune=sig)
                 self._draft_q.put_nowait(
-                    (
-                        "applying a prune",
-                        lambda s, r=req: s.Prune(r, timeout=self.deadline.timeout()),
-                    )
+                    ("applying a prune", lambda d, r=req: self._on_stream(d, prune=r))
                 )
             self._draft_prunes = []
         self._draft_q.put_nowait((what, call))
@@ -167,7 +168,7 @@ class CommandExecutor:
         while True:
             what, call = await self._draft_q.get()
             try:
-                await call(draft.stub)
+                await call(draft)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -175,19 +176,44 @@ class CommandExecutor:
                 self.post(Failure(self.attempt, err.code, err.message, draft))
                 return
 
+    async def _on_stream(self, draft: Backend, **call):
+        """One call on the draft's control stream; its answer within the call's timeout
+        (a draft that answers nothing is a fault, as a unary call past its deadline)."""
+        stream = draft.control
+        assert isinstance(stream, DraftStream)
+        timeout = self.deadline.timeout()
+        answer = stream.call(timeout, **call)
+        try:
+            return await asyncio.wait_for(answer, timeout)
+        except TimeoutError:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            raise refusal(code, f"no answer from {draft.label}") from None
+
     # -- the stages ----------------------------------------------------------------------
-    def _spawn(self, b: Backend, what: str, call: Awaitable) -> None:
-        """Fire a control call; its failure is an event (replayed or fatal)."""
+    @staticmethod
+    def _stream(b: Backend) -> StageStream:
+        assert isinstance(b.control, StageStream)
+        return b.control
 
-        async def run() -> None:
-            try:
-                await call
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                err = self.deadline.error(b, what, e)
-                self.post(Failure(self.attempt, err.code, err.message, b, err.replayable))
+    def _on_fault(self, b: Backend) -> Callable[[int, str], None]:
+        """What a refusal of this request's item on `b`'s stream, or its break, posts:
+        a failure event, as a failed unary call's (replayed or fatal)."""
 
-        task = asyncio.create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        def told(code: int, message: str) -> None:
+            err = self.deadline.error(b, "taking control messages", refusal(code, message))
+            self.post(Failure(self.attempt, err.code, err.message, b, err.replayable))
+
+        return told
+
+
+async def release_on(b: Backend, wire_id: str, timeout: float) -> None:
+    """Free a request on a replica: on its control stream (a unary Release where it has
+    none), within `timeout` seconds."""
+    ref = pb.RequestRef(request_id=wire_id)
+    if isinstance(b.control, StageStream):
+        done = b.control.release(wire_id)
+    elif isinstance(b.control, DraftStream):
+        done = b.control.call(timeout, release=ref)
+    else:
+        done = b.stub.Release(ref, timeout=timeout)
+    await asyncio.wait_for(done, timeout)

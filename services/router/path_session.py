@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from specpipe.common.spec.controller import Controller, needs_draft
 from specpipe.common.spec.options import DecodeOptions, Mode
-from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2
 
 from ..control import verify_spec_to_proto
@@ -28,7 +27,7 @@ from ..transport import Inbox
 from .backends import Backend, Backends, Claim, NoPath, RequestPath
 from .calls import NO_LEASE, Deadline, DriverError, LeaseClaim
 from .events import Event, Failure
-from .executor import CommandExecutor
+from .executor import CommandExecutor, release_on
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT = 5.0  # seconds a Release may take (best effort)
@@ -292,10 +291,7 @@ class PathSession:
             self._claim = None
 
     async def _release(self, replicas: list[Backend], wire_id: str) -> None:
-        calls = [
-            b.stub.Release(pb.RequestRef(request_id=wire_id), timeout=RELEASE_TIMEOUT)
-            for b in replicas
-        ]
+        calls = [release_on(b, wire_id, RELEASE_TIMEOUT) for b in replicas]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):

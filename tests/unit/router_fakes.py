@@ -5,7 +5,8 @@ fed to stage 1 and verifies like the real verifier would for a target whose toke
 every position is `text[position]` (greedy on a known text), sending each `Verification`
 to the router's inbox as a data-plane frame. The draft proposes that same text, so every
 mode's output is `text[len(prompt):]`, whatever the tree, replays and drops did.
-A stub can be made to die (UNAVAILABLE) after a number of calls."""
+A stub can be made to die (UNAVAILABLE) after a number of calls: its control stream
+breaks there. Each item on a control stream counts as a call of its kind."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import grpc
 from specpipe.common.spec.messages import Verified
 from specpipe.services.control import verified_to_proto
 from specpipe.services.router.backends import Backend, Backends
-from specpipe.services.router.batched import stage_batchers
+from specpipe.services.router.control_stream import control_stream
 from specpipe.services.transport import Inbox
 from specpipe.services.transport.codec import Frame, Kind
 from specpipe.v1 import dataplane_pb2 as pb
@@ -66,7 +67,9 @@ class FakePipeline:
             r.nodes[node] = (parent, token, pos)
             if parent == -1 or (r.expect is not None and r.expect == (parent, token)):
                 r.root, r.expect = node, None  # a fresh root, or the hit being waited for
-        asyncio.get_running_loop().call_soon(self._verify, request.request_id)
+        # a pipeline takes a while (a draft answer on its control stream takes a few loop
+        # turns: it comes before the verification, as a draft within its step does)
+        asyncio.get_running_loop().call_later(0.002, self._verify, request.request_id)
 
     def _verify(self, wire_id: str) -> None:
         """Verify from the root while the drawn token is a fed child (as far as the
@@ -98,6 +101,36 @@ class FakePipeline:
             self.inbox(Frame(header))
         if r.root is not None:
             asyncio.get_running_loop().call_soon(self._verify, wire_id)
+
+
+class FakeStreamCall:
+    """A fake replica's side of a control stream: each message handled in order by
+    `handle` (its answer sent, if any); an error it raises breaks the stream."""
+
+    def __init__(self, requests, handle) -> None:
+        self._replies: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run(requests, handle))
+
+    async def _run(self, requests, handle) -> None:
+        try:
+            async for msg in requests:
+                reply = await handle(msg)
+                if reply is not None:
+                    self._replies.put_nowait(reply)
+            self._replies.put_nowait(None)
+        except Exception as e:
+            self._replies.put_nowait(e)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        reply = await self._replies.get()
+        if reply is None:
+            raise StopAsyncIteration
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
 
 
 class _Stub:
@@ -152,6 +185,28 @@ class FakeStage(_Stub):
         self.released.append(request.request_id)
         return pb.ReleaseResponse()
 
+    def Control(self, requests) -> FakeStreamCall:
+        async def handle(msg):
+            refusals = []
+            for item, call in [*((f, self.Feed) for f in msg.feeds),
+                               *((p, self.Prune) for p in msg.prunes)]:  # fmt: skip
+                try:
+                    await call(item, 0)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise  # the stage is gone: its stream breaks
+                    refusals.append(stage_pb2.ControlRefusal(
+                        request_id=item.request_id, code=e.code().value[0], message=e.details()
+                    ))  # fmt: skip
+            for ref in msg.releases:
+                await self.Release(ref, 0)
+            released = [ref.request_id for ref in msg.releases]
+            if refusals or released:
+                return stage_pb2.StageControlReply(refusals=refusals, released=released)
+            return None
+
+        return FakeStreamCall(requests, handle)
+
 
 class FakeDraft(_Stub):
     """A draft replica's stub that proposes the text's next token for every row."""
@@ -186,6 +241,31 @@ class FakeDraft(_Stub):
         self.released.append(request.request_id)
         return pb.ReleaseResponse()
 
+    def Control(self, requests) -> FakeStreamCall:
+        calls = {"propose": self.Propose, "prefill": self.Prefill, "prune": self.Prune,
+                 "release": self.Release}  # fmt: skip
+
+        async def handle(msg):
+            answers = []
+            for c in msg.calls:
+                kind = c.WhichOneof("call")
+                try:
+                    out = await calls[kind](getattr(c, kind), 0)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise  # the draft is gone: its stream breaks
+                    answers.append(draft_pb2.DraftAnswer(
+                        call_id=c.call_id, code=e.code().value[0], message=e.details()
+                    ))  # fmt: skip
+                    continue
+                answer = draft_pb2.DraftAnswer(call_id=c.call_id)
+                if kind == "propose":
+                    answer.proposal.CopyFrom(out)
+                answers.append(answer)
+            return draft_pb2.DraftControlReply(answers=answers)
+
+        return FakeStreamCall(requests, handle)
+
 
 @dataclass
 class Deployment:
@@ -214,11 +294,12 @@ def deployment(
             name = f"s{a}-{b}.{i}"
             s = add(bs, "stage", name, (a, b))
             s.stub = FakeStage(name, pipeline, dies_after.get(name))
-            s.feeds, s.prunes = stage_batchers(s.stub, name)
+            s.control = control_stream("stage", s.stub, name)
             stages.append(s)
     ds = []
     for i in range(drafts):
         d = add(bs, "draft", f"d{i}")
         d.stub = FakeDraft(f"d{i}", dies_after=dies_after.get(f"d{i}"))
+        d.control = control_stream("draft", d.stub, f"d{i}")
         ds.append(d)
     return Deployment(bs, inbox, pipeline, stages, ds)

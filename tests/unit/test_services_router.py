@@ -82,6 +82,7 @@ class _RecordingStub:
 
     def __init__(self) -> None:
         self.timeouts: list[float] = []
+        self.fed = 0
 
     async def Open(self, request, timeout: float) -> None:
         self.timeouts.append(timeout)
@@ -89,12 +90,15 @@ class _RecordingStub:
     async def Feed(self, request, timeout: float) -> None:
         self.timeouts.append(timeout)
 
-    async def FeedMany(self, request, timeout: float):
-        from specpipe.v1 import dataplane_pb2, stage_pb2
+    def Control(self, requests):
+        """The control stream: its feeds are counted (they have no timeout of their own:
+        the stream outlives every request)."""
+        from .router_fakes import FakeStreamCall
 
-        self.timeouts += [timeout] * len(request.feeds)
-        ok = [dataplane_pb2.CallOutcome()] * len(request.feeds)
-        return stage_pb2.FeedManyResponse(outcomes=ok)
+        async def handle(msg) -> None:
+            self.fed += len(msg.feeds)
+
+        return FakeStreamCall(requests, handle)
 
 
 def _open_timeouts(deadline_in: float | None) -> list[float]:
@@ -106,8 +110,8 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     from specpipe.common.spec.controller import make_controller
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.router.backends import RequestPath
-    from specpipe.services.router.batched import stage_batchers
     from specpipe.services.router.calls import NO_LEASE, Deadline
+    from specpipe.services.router.control_stream import control_stream
     from specpipe.services.router.executor import CommandExecutor
     from specpipe.services.router.path_session import PathSession
     from specpipe.services.transport import Inbox
@@ -115,9 +119,9 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
     stub = _RecordingStub()
     stages = []
     for i in range(2):
-        feeds, prunes = stage_batchers(stub, f"stage {i}")
+        control = control_stream("stage", stub, f"stage {i}")
         stages.append(SimpleNamespace(stub=stub, desc=SimpleNamespace(data_address=f"tcp://h:{i}"),
-                                      active=0, version="h", feeds=feeds, prunes=prunes))  # fmt: skip
+                                      active=0, version="h", control=control, label=f"stage {i}"))  # fmt: skip
     opts = DecodeOptions(max_new_tokens=4, prefill_chunk=2)
     controller = make_controller(Mode.PP, "r", [1, 2, 3, 4, 5], opts, 2)
 
@@ -129,11 +133,16 @@ def _open_timeouts(deadline_in: float | None) -> list[float]:
         executor = CommandExecutor(path, "r", 1, events.append, deadline, NO_LEASE)
         for cmd in controller.start():
             executor.execute(cmd)
-        await asyncio.gather(*executor._tasks)
+        for _ in range(20):
+            await asyncio.sleep(0)
         assert events == []  # no call failed
+        executor.stop()
+        for s in stages:
+            await s.control.close()
 
     asyncio.run(main())
-    assert len(stub.timeouts) == 5  # Open on both stages, two prefill chunks, the root
+    assert stub.fed == 3  # two prefill chunks and the root, on stage 1's control stream
+    assert len(stub.timeouts) == 2  # Open on both stages
     return stub.timeouts
 
 
@@ -141,8 +150,8 @@ def test_backend_calls_get_the_rest_of_the_clients_deadline() -> None:
     assert all(0 < t <= 5.0 for t in _open_timeouts(5.0))
     # No client deadline: the cap; Open at most 10 s (a replica that cannot answer that
     # quickly is skipped for another path).
-    assert _open_timeouts(None) == [10.0] * 2 + [60.0] * 3
-    assert _open_timeouts(500.0) == [10.0] * 2 + [60.0] * 3
+    assert _open_timeouts(None) == [10.0] * 2
+    assert _open_timeouts(500.0) == [10.0] * 2
     assert all(t == 0.01 for t in _open_timeouts(-1.0))  # already past: fail fast
 
 

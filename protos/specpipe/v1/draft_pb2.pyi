@@ -108,3 +108,41 @@ class ProposeResponse(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, parent_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftCall(_message.Message):
+    __slots__ = ("call_id", "prefill", "propose", "prune", "release")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    PRUNE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    prefill: PrefillDraftRequest
+    propose: ProposeRequest
+    prune: _dataplane_pb2.PruneRequest
+    release: _dataplane_pb2.RequestRef
+    def __init__(self, call_id: _Optional[int] = ..., prefill: _Optional[_Union[PrefillDraftRequest, _Mapping]] = ..., propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., prune: _Optional[_Union[_dataplane_pb2.PruneRequest, _Mapping]] = ..., release: _Optional[_Union[_dataplane_pb2.RequestRef, _Mapping]] = ...) -> None: ...
+
+class DraftControl(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[DraftCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[DraftCall, _Mapping]]] = ...) -> None: ...
+
+class DraftAnswer(_message.Message):
+    __slots__ = ("call_id", "code", "message", "proposal")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    code: int
+    message: str
+    proposal: ProposeResponse
+    def __init__(self, call_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., proposal: _Optional[_Union[ProposeResponse, _Mapping]] = ...) -> None: ...
+
+class DraftControlReply(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[DraftAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[DraftAnswer, _Mapping]]] = ...) -> None: ...

@@ -70,6 +70,11 @@ class DraftStub:
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
                 response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/specpipe.v1.Draft/Control',
+                request_serializer=specpipe_dot_v1_dot_draft__pb2.DraftControl.SerializeToString,
+                response_deserializer=specpipe_dot_v1_dot_draft__pb2.DraftControlReply.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -125,6 +130,16 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """The router's control stream to the draft, one per router and draft, open for the
+        router's life: Prefill, Propose, Prune and Release calls of all its requests (a
+        message: what the router sent in one turn of its event loop), each answered by its
+        call id. A broken stream fails every call in flight on it. Open stays a unary call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.FromString,
                     response_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=specpipe_dot_v1_dot_draft__pb2.DraftControl.FromString,
+                    response_serializer=specpipe_dot_v1_dot_draft__pb2.DraftControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +373,33 @@ class Draft:
             '/specpipe.v1.Draft/Renew',
             specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
             specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specpipe.v1.Draft/Control',
+            specpipe_dot_v1_dot_draft__pb2.DraftControl.SerializeToString,
+            specpipe_dot_v1_dot_draft__pb2.DraftControlReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -146,3 +146,31 @@ class FeedManyResponse(_message.Message):
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     outcomes: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.CallOutcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[_dataplane_pb2.CallOutcome, _Mapping]]] = ...) -> None: ...
+
+class StageControl(_message.Message):
+    __slots__ = ("feeds", "prunes", "releases")
+    FEEDS_FIELD_NUMBER: _ClassVar[int]
+    PRUNES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    feeds: _containers.RepeatedCompositeFieldContainer[FeedRequest]
+    prunes: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.PruneRequest]
+    releases: _containers.RepeatedCompositeFieldContainer[_dataplane_pb2.RequestRef]
+    def __init__(self, feeds: _Optional[_Iterable[_Union[FeedRequest, _Mapping]]] = ..., prunes: _Optional[_Iterable[_Union[_dataplane_pb2.PruneRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[_dataplane_pb2.RequestRef, _Mapping]]] = ...) -> None: ...
+
+class ControlRefusal(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StageControlReply(_message.Message):
+    __slots__ = ("refusals", "released")
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[ControlRefusal]
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, refusals: _Optional[_Iterable[_Union[ControlRefusal, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...

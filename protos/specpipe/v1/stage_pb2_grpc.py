@@ -80,6 +80,11 @@ class StageStub:
                 request_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
                 response_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/specpipe.v1.Stage/Control',
+                request_serializer=specpipe_dot_v1_dot_stage__pb2.StageControl.SerializeToString,
+                response_deserializer=specpipe_dot_v1_dot_stage__pb2.StageControlReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -151,6 +156,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """The router's control stream to this stage, one per router and stage, open for the
+        router's life: feeds (first stage), prunes and releases of all its requests, each
+        message what the router sent in one turn of its event loop. The stage answers only
+        refusals and releases; a broken stream is a fault of every request on it (the
+        router replays them). Feed, FeedMany, Prune, PruneMany and Release remain for
+        callers without it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +215,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.FromString,
                     response_serializer=specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=specpipe_dot_v1_dot_stage__pb2.StageControl.FromString,
+                    response_serializer=specpipe_dot_v1_dot_stage__pb2.StageControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +465,33 @@ class Stage:
             '/specpipe.v1.Stage/Renew',
             specpipe_dot_v1_dot_dataplane__pb2.RenewRequest.SerializeToString,
             specpipe_dot_v1_dot_dataplane__pb2.RenewResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specpipe.v1.Stage/Control',
+            specpipe_dot_v1_dot_stage__pb2.StageControl.SerializeToString,
+            specpipe_dot_v1_dot_stage__pb2.StageControlReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,306 @@
+"""The router's control streams: one long-lived bidirectional gRPC call per replica
+(`Stage.Control`, `Draft.Control`), instead of a unary call per feed, prune, proposal and
+release (docs/architecture.md, "6. Control plane and data plane", says why).
+
+What the router's request drivers send a replica in one turn of the event loop leaves as
+one message on its stream (the requests whose verifications came in one frame feed and
+prune together), in the order they asked; the stream is opened at the first message and
+again after it broke. A stage answers only refusals (by request id) and releases; the
+draft answers every call by its call id. A stream that breaks (the replica died, the
+connection was reset, the replica ended it) is a fault of every request on it: each
+request attached to a stage's stream, and each draft call in flight, is told
+UNAVAILABLE, which the driver replays (or, for the draft, goes on without it), exactly as
+after a dead replica. A stage that does not know `Control` (an older version during a
+rolling update) gets the batched unary calls instead (batched.py), from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import draft_pb2, stage_pb2
+
+from .batched import CallBatcher, refusal, stage_batchers
+
+log = logging.getLogger(__name__)
+
+# The most bytes of items one message carries: every replica reads at least 1 MiB more
+# than its largest single item (services/control.py, `max_control_bytes`), so a turn of
+# many requests' prefill chunks is split, never refused whole (which would break the
+# stream and replay every request on it).
+MESSAGE_BUDGET = 1 << 20
+
+# (status code number, message): a request's item was refused, or its stream broke
+OnFault = Callable[[int, str], None]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+
+
+async def _messages(queue: asyncio.Queue) -> AsyncIterator:
+    """A stream's outgoing messages, until None."""
+    while (msg := await queue.get()) is not None:
+        yield msg
+
+
+class _Stream:
+    """One replica's control stream: messages gathered per event-loop turn (`_collect`
+    fills the next one), one call open at a time, its replies to `_on_reply`."""
+
+    def __init__(self, open_call: Callable[[AsyncIterator], object], label: str) -> None:
+        self.open_call, self.label = open_call, label
+        self._queue: asyncio.Queue | None = None  # the open call's outgoing messages
+        self._reader: asyncio.Task | None = None
+        self._flushing = False
+        self.opened = 0  # calls opened so far (1 while it never broke)
+        self.messages = 0  # messages sent so far (each one gRPC write)
+
+    # -- what subclasses provide -------------------------------------------------------
+    def _collect(self) -> list:
+        """The messages of this turn's items (none: nothing to send)."""
+        raise NotImplementedError
+
+    def _on_reply(self, reply) -> None:
+        raise NotImplementedError
+
+    def _on_break(self, code: int, message: str) -> None:
+        raise NotImplementedError
+
+    def _unimplemented(self) -> bool:
+        """The replica has no Control: whether the subclass can do without it."""
+        return False
+
+    # -- sending -----------------------------------------------------------------------
+    def _schedule(self) -> None:
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flushing = False
+        for msg in self._collect():
+            if self._queue is None:
+                self._open()
+            assert self._queue is not None
+            self._queue.put_nowait(msg)
+            self.messages += 1
+
+    def _open(self) -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
+        self.opened += 1
+        self._reader = asyncio.ensure_future(self._read(queue))
+
+    async def _read(self, queue: asyncio.Queue) -> None:
+        error, code = "the replica ended it", UNAVAILABLE
+        try:
+            call = self.open_call(_messages(queue))
+            async for reply in call:  # type: ignore[attr-defined]
+                self._on_reply(reply)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() == UNIMPLEMENTED and self._unimplemented():
+                log.info("%s has no control stream: unary calls from now on", self.label)
+            error = f"{e.code().name}: {e.details()}"
+        except Exception as e:  # a broken stream whatever broke it
+            error = repr(e)
+        finally:
+            if self._queue is queue:
+                self._queue = None
+            queue.put_nowait(None)  # the request iterator ends
+        log.warning("%s: control stream broke (%s)", self.label, error)
+        self._on_break(code, f"{self.label}: control stream broke: {error}")
+
+    async def close(self) -> None:
+        """End the open call (router shutdown): nothing is failed."""
+        if self.messages:
+            log.info("%s: %d control messages on %d stream(s)", self.label, self.messages,
+                     self.opened)  # fmt: skip
+        reader, self._reader = self._reader, None
+        if self._queue is not None:
+            self._queue.put_nowait(None)
+            self._queue = None
+        if reader is not None:
+            reader.cancel()
+
+
+class StageStream(_Stream):
+    """A stage's control stream: feeds (stage 1), prunes and releases of every request;
+    `attach` says whom to tell of a refusal or a break."""
+
+    def __init__(self, stub, label: str) -> None:
+        super().__init__(lambda requests: stub.Control(requests), label)
+        self.stub = stub
+        self._users: dict[str, OnFault] = {}  # wire id -> told of its refusal or a break
+        self._feeds: list[stage_pb2.FeedRequest] = []
+        self._prunes: list[pb.PruneRequest] = []
+        self._releases: dict[str, list[asyncio.Future]] = {}  # to send: their waiters
+        self._released: dict[str, list[asyncio.Future]] = {}  # sent: waiting for the answer
+        self.unary: tuple[CallBatcher, CallBatcher] | None = None  # a stage without Control
+
+    def attach(self, wire_id: str, on_fault: OnFault) -> None:
+        self._users[wire_id] = on_fault
+
+    def detach(self, wire_id: str) -> None:
+        self._users.pop(wire_id, None)
+
+    def feed(self, req: stage_pb2.FeedRequest, timeout: float) -> None:
+        if self.unary is not None:
+            self._unary(self.unary[0], req, timeout)
+            return
+        self._feeds.append(req)
+        self._schedule()
+
+    def prune(self, req: pb.PruneRequest, timeout: float) -> None:
+        if self.unary is not None:
+            self._unary(self.unary[1], req, timeout)
+            return
+        self._prunes.append(req)
+        self._schedule()
+
+    def release(self, wire_id: str) -> asyncio.Future:
+        """Free the request on the stage; done when the stage answered (or the stream
+        broke: the stage is gone, or frees it when its lease expires)."""
+        done = asyncio.get_running_loop().create_future()
+        if self.unary is not None:
+            call = self.stub.Release(pb.RequestRef(request_id=wire_id), timeout=5.0)
+            asyncio.ensure_future(call).add_done_callback(lambda _: _settle(done))
+            return done
+        self._releases.setdefault(wire_id, []).append(done)
+        self._schedule()
+        return done
+
+    def _unary(self, batcher: CallBatcher, req, timeout: float) -> None:
+        user = self._users.get(req.request_id)
+
+        def told(f: asyncio.Future) -> None:
+            e = f.exception() if not f.cancelled() else None
+            if isinstance(e, grpc.aio.AioRpcError) and user is not None:
+                user(e.code().value[0], e.details() or "")
+            elif e is not None and user is not None:
+                user(UNAVAILABLE, f"{self.label}: {e!r}")
+
+        asyncio.ensure_future(batcher.call(req, timeout)).add_done_callback(told)
+
+    def _collect(self) -> list[stage_pb2.StageControl]:
+        if not (self._feeds or self._prunes or self._releases):
+            return []
+        msgs = []
+        for part in _packed([*self._feeds, *self._prunes]):
+            msg = stage_pb2.StageControl()
+            for item in part:
+                (msg.feeds if isinstance(item, stage_pb2.FeedRequest) else msg.prunes).append(item)
+            msgs.append(msg)
+        msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
+        for rid, waiters in self._releases.items():
+            self._released.setdefault(rid, []).extend(waiters)
+        self._feeds, self._prunes, self._releases = [], [], {}
+        return msgs
+
+    def _on_reply(self, reply: stage_pb2.StageControlReply) -> None:
+        for r in reply.refusals:
+            user = self._users.get(r.request_id)
+            if user is not None:
+                user(r.code, r.message)
+        for rid in reply.released:
+            for done in self._released.pop(rid, ()):
+                _settle(done)
+
+    def _on_break(self, code: int, message: str) -> None:
+        waiting, self._released = self._released, {}
+        for waiters in waiting.values():
+            for done in waiters:
+                _settle(done)
+        for user in list(self._users.values()):
+            user(code, message)
+
+    def _unimplemented(self) -> bool:
+        self.unary = stage_batchers(self.stub, self.label)
+        return True
+
+
+class DraftStream(_Stream):
+    """The draft's control stream: `call` sends one call and returns what it answers (a
+    `ProposeResponse`, or None), raising its refusal as the unary call would."""
+
+    def __init__(self, stub, label: str) -> None:
+        super().__init__(lambda requests: stub.Control(requests), label)
+        self.stub = stub
+        self._ids = itertools.count(1)
+        self._calls: list[draft_pb2.DraftCall] = []
+        self._waiting: dict[int, asyncio.Future] = {}
+        self.unary = False  # a draft without Control: each call its unary RPC
+
+    def call(self, timeout: float = 60.0, **item) -> asyncio.Future:
+        """One call: `propose=`, `prefill=`, `prune=` or `release=` its request
+        (`timeout`: a unary call's, to a draft without the stream)."""
+        if self.unary:
+            ((kind, msg),) = item.items()
+            rpc = getattr(self.stub, kind.capitalize())
+            return asyncio.ensure_future(rpc(msg, timeout=timeout))
+        done = asyncio.get_running_loop().create_future()
+        call_id = next(self._ids)
+        self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
+        self._waiting[call_id] = done
+        done.add_done_callback(lambda _: self._waiting.pop(call_id, None))
+        self._schedule()
+        return done
+
+    def _collect(self) -> list[draft_pb2.DraftControl]:
+        calls = [c for c in self._calls if c.call_id in self._waiting]  # not given up
+        self._calls = []
+        return [draft_pb2.DraftControl(calls=part) for part in _packed(calls) if part]
+
+    def _on_reply(self, reply: draft_pb2.DraftControlReply) -> None:
+        for a in reply.answers:
+            done = self._waiting.get(a.call_id)
+            if done is None:
+                continue
+            if a.code:
+                _settle(done, refusal(a.code, a.message))
+            else:
+                _settle(done, None, a.proposal if a.HasField("proposal") else None)
+
+    def _on_break(self, code: int, message: str) -> None:
+        waiting, self._waiting = self._waiting, {}
+        self._calls = []
+        for done in waiting.values():
+            _settle(done, refusal(code, message))
+
+    def _unimplemented(self) -> bool:
+        self.unary = True
+        return True
+
+
+def _packed(items: list) -> list[list]:
+    """`items` in order, in parts of at most MESSAGE_BUDGET bytes (an item larger than
+    that alone); at least one part."""
+    parts: list[list] = [[]]
+    size = 0
+    for item in items:
+        n = item.ByteSize()
+        if parts[-1] and size + n > MESSAGE_BUDGET:
+            parts.append([])
+            size = 0
+        parts[-1].append(item)
+        size += n
+    return parts
+
+
+def _settle(done: asyncio.Future, error: BaseException | None = None, result=None) -> None:
+    if done.done():
+        return
+    if error is None:
+        done.set_result(result)
+    else:
+        done.set_exception(error)
+
+
+def control_stream(kind: str, stub, label: str) -> StageStream | DraftStream:
+    """A replica's control stream (opened when first used)."""
+    return StageStream(stub, label) if kind == "stage" else DraftStream(stub, label)
