@@ -170,6 +170,8 @@ class Controller(ABC):
             prompt_logprobs=due,
             grammar=g,
             grammar_consumed=consumed,
+            min_tokens=opts.min_tokens,
+            stop_token_ids=opts.stop_token_ids if opts.min_tokens else (),
         )
 
     @property
@@ -260,7 +262,8 @@ class Controller(ABC):
         grammar = None  # the grammar after the output so far (the draws move a copy)
         if spec.grammar is not None:
             grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
-        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar)
+        rules = spec.rules(self.prompt, self.out.tokens)  # (the draws move their own)
+        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar, rules)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the
