@@ -122,13 +122,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     mode = Mode(args.mode)
     device = parse_device(args.device)
+    rep = args.repetition_penalty
     try:
         sampling = SamplingParams(
             args.temperature,
             args.top_k,
             args.top_p,
             args.seed,
-            repetition_penalty=args.repetition_penalty or 1.0,
+            repetition_penalty=1.0 if rep is None else rep,
             frequency_penalty=args.frequency_penalty,
             presence_penalty=args.presence_penalty,
             logit_bias=args.logit_bias or {},
