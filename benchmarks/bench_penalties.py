@@ -44,7 +44,7 @@ def per_draw(vocab: int, prompt_len: int, params: dict, device: str, min_tokens:
     prompt = rng.permutation(vocab)[:prompt_len].tolist()
     sampling = SamplingParams(**params)
     spec = VerifySpec(sampling, prompt_len, min_tokens=min_tokens, stop_token_ids=(0, 1))
-    rules = spec.rules(prompt, [])
+    rules = spec.rules(prompt)
     rows = torch.randn(DRAWS, vocab, generator=torch.Generator().manual_seed(1)).to(device)
     times = []
     for i in range(DRAWS):

@@ -186,10 +186,8 @@ class RequestVerifier:
         self._grammar = spec.grammar_state()
         # the logits rules after every token so far: the committed prefix now, the first
         # root's token at the first walk (`_first_root`), then each draw
-        prefix = [int(t) for t in prefix_tokens]
-        start = spec.output_start
-        self._rules = spec.rules(prefix[:start], prefix[start:])
-        self._first_root: int | None = len(prefix)  # its position (None once counted)
+        self._rules = spec.rules(prefix_tokens)
+        self._first_root: int | None = len(prefix_tokens)  # its position (None once counted)
 
     @property
     def held_rows(self) -> int:

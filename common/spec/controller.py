@@ -262,7 +262,7 @@ class Controller(ABC):
         grammar = None  # the grammar after the output so far (the draws move a copy)
         if spec.grammar is not None:
             grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
-        rules = spec.rules(self.prompt, self.out.tokens)  # (the draws move their own)
+        rules = spec.rules([*self.prompt, *self.out.tokens])  # (the draws move their own)
         return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar, rules)
 
     def replay(self, uses_draft: bool) -> list[Command]:

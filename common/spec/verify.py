@@ -67,10 +67,13 @@ class VerifySpec:
         """The grammar after the output so far (None: no grammar)."""
         return None if self.grammar is None else self.grammar.state(self.grammar_consumed)
 
-    def rules(self, prompt: Sequence[int], output: Sequence[int]) -> LogitsRules:
-        """The logits rules of this request after `prompt` and the `output` so far (the
-        tokens are counted only when a penalty reads them)."""
-        counts = TokenCounts(prompt, output) if self.sampling.penalizes else None
+    def rules(self, committed: Sequence[int]) -> LogitsRules:
+        """This request's logits rules after the `committed` tokens (the prompt's first
+        `output_start`, then the output's; counted only when a penalty reads them)."""
+        counts = None
+        if self.sampling.penalizes:
+            start = self.output_start
+            counts = TokenCounts(committed[:start], committed[start:])
         return LogitsRules(self.sampling, self.min_tokens, self.stop_token_ids, counts)
 
     def draw_position(self, row_position: int) -> int:

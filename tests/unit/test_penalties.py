@@ -39,7 +39,7 @@ def logits(seed: int, dtype=torch.float64) -> torch.Tensor:
 
 def rules_of(sampling: SamplingParams, prompt, output, min_tokens=0, stops=()) -> LogitsRules:
     spec = VerifySpec(sampling, len(prompt), min_tokens=min_tokens, stop_token_ids=tuple(stops))
-    return spec.rules(prompt, output)
+    return spec.rules([*prompt, *output])
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
