@@ -9,12 +9,14 @@ killed mid-stream is replayed on the other replica and still emits exactly those
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from openai import OpenAI
+from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.sampling import SamplingParams
 
 from specpipe.client import Client
@@ -94,6 +96,36 @@ def test_min_tokens_and_chat_through_the_openai_client(dep) -> None:
     rules = SamplingParams(frequency_penalty=1.5, logit_bias={10: 2.0})
     want = plain_decode(dep.target, prompt, rules, 20, (EOS,))
     assert chat.choices[0].model_extra["token_ids"] == want
+
+
+def test_the_rules_under_a_response_format(dep) -> None:
+    """With a grammar the last stage masks first, then the rules apply to the allowed
+    tokens (a bias on "," fills the array); min_tokens (40) holds the end-of-sequence
+    token back only while the grammar allows another, so the complete array still ends
+    (at 31 tokens). The same tokens as the plain loop under the grammar library's mask."""
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue", "cyan"]},
+              "minItems": 1, "maxItems": 4, "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    fmt = ResponseFormat("json_schema", json.dumps(schema))
+    grammar = Grammar(fmt.grammar_text() or "", load_grammar_tokenizer(str(dep.target), 97, (EOS,)))
+    comma = ord(",") - 31
+    want, without = (
+        plain_decode(dep.target, PROMPT, sampling, 48, (EOS,), 40,
+                     lambda out: grammar.state(out).allowed(97))
+        for sampling in (SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.5,
+                                        logit_bias={comma: 30.0}),
+                         SamplingParams(temperature=0.9, seed=4))
+    )  # fmt: skip
+    assert want != without and want[-1] == EOS and len(want) < 40
+    with openai_client(dep) as c:
+        got = c.completions.create(
+            model="", prompt=PROMPT, max_tokens=48, temperature=0.9, seed=4,
+            logit_bias={str(comma): 30.0},
+            extra_body={"repetition_penalty": 1.5, "min_tokens": 40, "return_token_ids": True,
+                        "response_format": {"type": "json_schema",
+                                            "json_schema": {"name": "x", "schema": schema}}},
+        )  # fmt: skip
+    assert got.choices[0].model_extra["token_ids"] == want
+    assert json.loads(got.choices[0].text) and got.choices[0].finish_reason == "stop"
 
 
 @pytest.mark.parametrize(
