@@ -115,7 +115,10 @@ def test_sparse_rules_along_a_path_equal_the_dense_reference(params, min_tokens)
         token = int(rng.integers(0, VOCAB))  # every token: more than the first 64 slots
         rules.drawn(token)
         output.append(token)
-    assert rules.counts is not None and len(rules.counts) > 64
+    counts = rules.counts
+    assert counts is not None and len(counts) > 64
+    # bounded by the tokens seen (at most the context), never by the vocabulary per node
+    assert len(counts) <= len(set(prompt + output)) and counts._ids.numel() <= 2 * len(counts)
 
 
 def test_low_precision_logits_are_penalized_in_float32() -> None:
