@@ -7,11 +7,16 @@ Medians over 256 draws along a growing output (the least of 3 runs, after a warm
 one torch thread, CPU unless --device.
 
     python benchmarks/bench_penalties.py [--device cuda] [--out results/penalties.json]
+
+With --hits instead: the hit rate and tokens per step of the target as its own draft
+(a random 5-layer model, fp64, greedy and seeded, S = 3, W = 4, K = 1 and 2, 60 tokens)
+under the rules, with the growth ranking by them (`GrowthRules`) and without.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -81,12 +86,63 @@ def dense_per_draw(vocab: int, prompt_len: int, device: str) -> float:
     return statistics.median(times)
 
 
+HIT_CASES = {
+    "none": {},
+    "repetition 1.3": dict(repetition_penalty=1.3),
+    "frequency 1.0": dict(frequency_penalty=1.0),
+    "rep 1.2 + freq 0.5 + pres 0.5": dict(repetition_penalty=1.2, frequency_penalty=0.5,
+                                          presence_penalty=0.5),
+    "T 0.8, the same three": dict(temperature=0.8, seed=3, repetition_penalty=1.2,
+                                  frequency_penalty=0.5, presence_penalty=0.5),
+}  # fmt: skip
+
+
+def hits() -> list[dict]:
+    """Hit rates with and without the growth ranking by the rules."""
+    import tempfile
+    from unittest import mock
+
+    from specpipe.common.model.synthetic import save_random_model
+    from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.spec.options import DecodeOptions, Mode
+    from specpipe.common.spec.penalties import GrowthRules
+
+    target = save_random_model(Path(tempfile.mkdtemp()), "llama", layers=5, seed=0)
+    prompt = [5, 17, 33, 2, 8, 90, 41, 12, 60]
+    rows = []
+    for name, params in HIT_CASES.items():
+        for k in (1, 2):
+            row: dict[str, object] = {"rules": name, "K": k}
+            for ranked in (False, True):
+                dep = build_local(target, 3, ORACLE_DRAFT, torch.float64)
+                opts = DecodeOptions(max_new_tokens=60, sampling=SamplingParams(**params),
+                                     width=4, layers_per_step=k)  # fmt: skip
+                off = mock.patch.object(GrowthRules, "of", return_value=None)
+                with contextlib.nullcontext() if ranked else off:
+                    gen = Generation(dep.pipeline, dep.draft, prompt, Mode.SPECPIPE, opts)
+                    gen.run()
+                tag = "ranked" if ranked else "unranked"
+                row[f"{tag} hit rate"] = round(gen.stats.hit_rate, 3)
+                row[f"{tag} tokens/step"] = round(gen.stats.tokens_per_step, 3)
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--hits", action="store_true", help="hit rates under the rules instead")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.hits:
+        found = hits()
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"hits": found}, indent=1))
+        return
     results = []
     dev = args.device
     for vocab in (49152, 151936):

@@ -73,6 +73,7 @@ from .messages import (
 from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
+from .penalties import GrowthRules
 from .stats import DecodeStats
 from .tree import Indices, TokenTree
 from .verify import VerifySpec, verify_logits
@@ -113,6 +114,10 @@ class Controller(ABC):
         # structured output: the grammar after the emitted tokens, which prunes the
         # tree's growth (the last stage holds its own for the draws)
         self._grammar = opts.grammar.state() if opts.grammar is not None else None
+        # the logits rules as the tree's growth ranks with them (`penalties.py`)
+        self._growth_rules = GrowthRules.of(
+            opts.sampling, self.prompt, opts.min_tokens, opts.stop_token_ids
+        )
         self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(
             mode=mode.value,
@@ -383,6 +388,8 @@ class Controller(ABC):
         opts = self.opts
         if self._grammar is not None:
             cand = allowed_by_grammar(self.tree, cand, self._grammar)
+        if self._growth_rules is not None:
+            cand = self._growth_rules.apply(self.tree, cand)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
@@ -460,6 +467,8 @@ class Controller(ABC):
             self.ngram.extend(tokens)
         if self._grammar is not None and not self._grammar.follows(tokens):
             self._grammar = None  # the router's tokenizer disagrees: stop pruning with it
+        if self._growth_rules is not None:
+            self._growth_rules.emitted(tokens)
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

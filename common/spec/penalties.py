@@ -26,7 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .growth import candidates_of, pool_of
+from .messages import Candidates
 from .sampling import SamplingParams
+from .tree import TokenTree
 
 # Slots a `TokenCounts` starts with beyond its first tokens (it doubles when full).
 _MIN_SLOTS = 64
@@ -160,3 +163,87 @@ class LogitsRules:
         """The token drawn at the next output position (the counts take it)."""
         if self.counts is not None:
             self.counts.add(token)
+
+
+class GrowthRules:
+    """The rules as the tree's growth ranks with them (the router's controller): each
+    proposed child's draft probability reweighted as its token's logit would be at its
+    parent, with the counts of the output and of the path down to the parent (logit
+    bias and frequency and presence penalties exactly, as log-probabilities shift like
+    logits; the repetition penalty on the log-probability, a proxy for the logit; a stop
+    token min_tokens still holds back gets no node). Tokens never depend on it: the
+    draws apply the rules themselves, this only decides which nodes the width keeps (a
+    draft proposes without the rules, so its best child can be one the target's rules
+    turn down). Host-side, bounded by the distinct tokens of prompt and output."""
+
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        prompt: Sequence[int],
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.sampling, self.min_tokens = sampling, min_tokens
+        self._stops = np.unique(np.asarray(stop_token_ids, dtype=np.int64))
+        self._prompt = np.unique(np.asarray(prompt, dtype=np.int64))
+        self._output: dict[int, int] = {}
+        self._out_len = 0
+        bias = sampling.logit_bias
+        self._bias_ids = np.asarray(sorted(bias), dtype=np.int64)
+        self._bias = np.asarray([bias[t] for t in self._bias_ids.tolist()], dtype=np.float64)
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, prompt, min_tokens: int, stops) -> GrowthRules | None:
+        """The request's growth rules (None: no rule changes a logit)."""
+        if not (sampling.penalizes or sampling.logit_bias or min_tokens):
+            return None
+        return cls(sampling, prompt, min_tokens, stops)
+
+    def emitted(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self._output[int(t)] = self._output.get(int(t), 0) + 1
+        self._out_len += len(tokens)
+
+    def apply(self, tree: TokenTree, cand: Candidates) -> Candidates:
+        """`cand` with their probabilities `reweighted` (those of parents no longer in
+        the tree as they are: no node grows from them)."""
+        if len(cand) == 0:
+            return cand
+        pid, tokens, probs, sources = pool_of(cand)
+        at = np.minimum(np.searchsorted(tree.ids, pid), len(tree) - 1)
+        present = tree.ids[at] == pid
+        probs = np.asarray(probs, dtype=np.float64).copy()
+        probs[present] = self.reweighted(tree, at[present], tokens[present], probs[present])
+        return candidates_of((pid, tokens, probs, sources))
+
+    def reweighted(
+        self, tree: TokenTree, parents: np.ndarray, tokens: np.ndarray, probs: np.ndarray
+    ) -> np.ndarray:
+        """The candidates' probabilities (children `tokens` of the tree's nodes `parents`,
+        indices) under the rules, each parent's candidates keeping their mass."""
+        sp = self.sampling
+        with np.errstate(divide="ignore"):
+            logp = np.log(np.asarray(probs, dtype=np.float64))
+        # each candidate's token on the path below the root down to its parent
+        on_path = tree.mask[parents][:, 1:] & (tree.tokens[None, 1:] == tokens[:, None])
+        counts = on_path.sum(axis=1)
+        known = np.fromiter((self._output.get(int(t), 0) for t in tokens), np.int64, tokens.size)
+        counts = counts + known
+        if self._bias_ids.size:
+            at = np.minimum(np.searchsorted(self._bias_ids, tokens), self._bias_ids.size - 1)
+            logp = logp + np.where(self._bias_ids[at] == tokens, self._bias[at], 0.0)
+        if sp.repetition_penalty != 1.0:
+            seen = (counts > 0) | np.isin(tokens, self._prompt)
+            logp = np.where(seen, logp * sp.repetition_penalty, logp)
+        logp = logp - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0)
+        if self.min_tokens and self._stops.size:
+            early = self._out_len + tree.depth[parents] < self.min_tokens
+            logp = np.where(early & np.isin(tokens, self._stops), -np.inf, logp)
+        finite = np.isfinite(logp)
+        weights = np.exp(logp - (logp[finite].max() if finite.any() else 0.0))
+        _, group = np.unique(parents, return_inverse=True)
+        before = np.bincount(group, weights=probs)
+        after = np.bincount(group, weights=weights)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scale = np.where(after > 0, before / after, 0.0)
+        return weights * scale[group]

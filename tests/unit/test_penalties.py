@@ -219,3 +219,27 @@ def test_a_verifier_without_the_committed_tokens_refuses_to_penalize() -> None:
     act.row_tokens = torch.tensor([5])
     with pytest.raises(ValueError, match="prefix_token_ids"):
         verifier.on_output(act)
+
+
+def test_growth_rules_reweight_proposals_along_their_paths() -> None:
+    """The tree: root (last output token 5), child a = 7 below it. Candidates below a:
+    7 (already on the path: frequency), 9 (biased), 96 (a stop token min_tokens holds
+    back at this depth) and 11; below the root: 7 and 11. Each parent's mass is kept."""
+    from specpipe.common.spec.penalties import GrowthRules
+    from specpipe.common.spec.tree import TokenTree
+
+    tree = TokenTree(5)
+    tree.append_layer(np.array([0]), np.array([7]), np.array([0.5]), 4)
+    sampling = SamplingParams(frequency_penalty=1.0, logit_bias={9: 1.0})
+    rules = GrowthRules(sampling, prompt=[1, 2], min_tokens=4, stop_token_ids=(96,))
+    rules.emitted([4, 5])  # two output tokens: the root's draw is output token 2
+    parents = np.array([1, 1, 1, 1, 0, 0])
+    tokens = np.array([7, 9, 96, 11, 7, 11])
+    probs = np.array([0.4, 0.2, 0.2, 0.1, 0.5, 0.3])
+    got = rules.reweighted(tree, parents, tokens, probs)
+    assert got[2] == 0.0  # output token 3 would be the stop token: min_tokens is 4
+    assert np.isclose(got[:4].sum(), 0.9) and np.isclose(got[4:].sum(), 0.8)
+    w = np.array([0.4 * math.exp(-1), 0.2 * math.e, 0.0, 0.1])  # 7 once on the path
+    assert np.allclose(got[:4], w * 0.9 / w.sum())
+    assert np.allclose(got[4:], probs[4:])  # below the root: 7 not counted yet
+    assert GrowthRules.of(SamplingParams(temperature=0.5), [1], 0, (96,)) is None

@@ -201,3 +201,21 @@ def test_the_rules_with_a_grammar_in_every_mode(text_target, sampling, min_token
         gen = Generation(dep.pipeline, dep.draft, GRAMMAR_PROMPT, mode, o)
         assert gen.run() == expect, f"{mode} S={stages} {source} K={k}"
         assert gen.stats.finish_reason == "stop"
+
+
+# -- the tree's growth under the rules -------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 2])
+def test_with_frequency_and_presence_the_target_as_its_own_draft_always_hits(llama_dir, k):
+    """Frequency and presence penalties shift a log-probability as they shift a logit, so
+    the controller's growth, reweighting the draft's proposals by the rules along each
+    path, keeps first the child the target's rules choose: with the target as its own
+    draft every token is a hit (without the reweighting the draft's own best child is
+    kept first, which the target's rules may turn down: a miss at K = 1 here). A token
+    the rules lift from beyond the draft's proposals (its top `width`), e.g. by a large
+    bias, is a miss still. Exact all the same."""
+    params = SamplingParams(frequency_penalty=0.8, presence_penalty=0.6)
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
+    o = DecodeOptions(max_new_tokens=MAX_TOKENS, sampling=params, width=4, layers_per_step=k)
+    gen = Generation(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
+    assert gen.run() == reference(llama_dir, params)
+    assert gen.stats.hits == gen.stats.new_tokens
