@@ -193,13 +193,20 @@ class GrowthRules:
         self._bias = np.asarray([bias[t] for t in self._bias_ids.tolist()], dtype=np.float64)
 
     @classmethod
-    def of(cls, sampling: SamplingParams, prompt, min_tokens: int, stops) -> GrowthRules | None:
+    def of(
+        cls,
+        sampling: SamplingParams,
+        prompt: Sequence[int],
+        min_tokens: int,
+        stops: Sequence[int],
+    ) -> GrowthRules | None:
         """The request's growth rules (None: no rule changes a logit)."""
         if not (sampling.penalizes or sampling.logit_bias or min_tokens):
             return None
         return cls(sampling, prompt, min_tokens, stops)
 
     def emitted(self, tokens: Sequence[int]) -> None:
+        """Tokens were committed to the output."""
         for t in tokens:
             self._output[int(t)] = self._output.get(int(t), 0) + 1
         self._out_len += len(tokens)
