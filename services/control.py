@@ -121,6 +121,12 @@ def verify_spec_to_proto(spec: VerifySpec) -> pb.VerifySpec:
     if spec.grammar is not None:
         msg.grammar = spec.grammar.text
         msg.grammar_consumed.extend(spec.grammar_consumed)
+    if sp.repetition_penalty != 1.0:
+        msg.repetition_penalty = sp.repetition_penalty
+    msg.frequency_penalty, msg.presence_penalty = sp.frequency_penalty, sp.presence_penalty
+    msg.logit_bias.update(sp.logit_bias)
+    msg.min_tokens = spec.min_tokens
+    msg.stop_token_ids.extend(spec.stop_token_ids)
     return msg
 
 
@@ -132,11 +138,29 @@ def verify_spec_from_proto(msg: pb.VerifySpec, grammar_tokenizer=None) -> Verify
         raise InvalidInput("structured output needs the model's tokenizer on this stage")
     try:
         grammar = Grammar(msg.grammar, grammar_tokenizer) if msg.grammar else None
-        sampling = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+        sampling = SamplingParams(
+            msg.temperature,
+            msg.top_k,
+            msg.top_p,
+            msg.seed,
+            repetition_penalty=msg.repetition_penalty or 1.0,
+            frequency_penalty=msg.frequency_penalty,
+            presence_penalty=msg.presence_penalty,
+            logit_bias=dict(msg.logit_bias),
+        )
         logprobs = msg.logprobs if msg.HasField("logprobs") else None
         prompt = msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None
         consumed = tuple(msg.grammar_consumed)
-        spec = VerifySpec(sampling, msg.output_start, logprobs, prompt, grammar, consumed)
+        spec = VerifySpec(
+            sampling,
+            msg.output_start,
+            logprobs,
+            prompt,
+            grammar,
+            consumed,
+            min_tokens=msg.min_tokens,
+            stop_token_ids=tuple(msg.stop_token_ids),
+        )
         spec.grammar_state()  # the grammar compiles and takes the output so far
         return spec
     except ValueError as e:

@@ -32,7 +32,13 @@ from ..spec.commands import (
 )
 from ..spec.controller import Controller, make_controller
 from ..spec.messages import Activation, Prune, after_prunes
-from ..spec.options import DecodeOptions, Mode, check_context, check_prompt_ids
+from ..spec.options import (
+    DecodeOptions,
+    Mode,
+    check_context,
+    check_logit_bias,
+    check_prompt_ids,
+)
 from ..spec.stats import DecodeStats
 from .pipeline import Draft, Pipeline
 
@@ -74,6 +80,7 @@ def new_controller(
 ) -> Controller:
     """The controller of a request on `pipeline`, its prompt checked first."""
     check_prompt_ids(prompt_ids, pipeline.vocab_size)
+    check_logit_bias(opts.sampling, pipeline.vocab_size)
     check_context(len(prompt_ids), opts.max_new_tokens, pipeline.max_context)
     rid = request_id or f"req-{next(_request_counter)}"
     return make_controller(mode, rid, prompt_ids, opts, pipeline.num_stages)

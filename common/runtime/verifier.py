@@ -30,7 +30,10 @@ prefill rows come out of this stage with their final hidden states too; each is 
 for the prompt token after it (`PromptLogprobs`), and they leave with the first walk.
 Structured output: a request opened with a grammar draws every token under it (the
 grammar's state after every token drawn so far; docs/architecture.md, "3. The pipeline
-step", "Structured output").
+step", "Structured output"). The logits rules (logit bias, min_tokens, the penalties:
+`spec/penalties.py`) likewise: one state per request, counting the committed tokens
+(the Open's prefix and the first root's token) and then every token drawn, so each
+node is drawn at with the counts of the output and the path down to it.
 """
 
 from __future__ import annotations
@@ -182,6 +185,10 @@ class RequestVerifier:
         # structured output: the grammar after every token drawn so far (each draw is
         # committed, in order: the router accepts what this stage draws)
         self._grammar = spec.grammar_state()
+        # the logits rules after every token so far: the committed prefix now, the first
+        # root's token at the first walk (`_first_root`), then each draw
+        self._rules = spec.rules(prefix_tokens)
+        self._first_root: int | None = len(prefix_tokens)  # its position (None once counted)
 
     @property
     def held_rows(self) -> int:
@@ -272,6 +279,22 @@ class RequestVerifier:
         self._drawn = self._drawn[(self._drawn > h) | member(self._drawn, keep)]
 
     # -- one walk ----------------------------------------------------------------------
+    def _count_first_root(self, rows: _Rows, root: int) -> None:
+        """The first walk's root is the last committed token (the prompt's last, or the
+        last emitted before a replay): the penalties count it before the first draw."""
+        committed = self._first_root
+        if committed is None:
+            return
+        position, self._first_root = int(rows.positions[root]), None
+        if self._rules.counts is None:
+            return
+        if position != committed:
+            raise ValueError(
+                f"penalties: the first root is at position {position}, but the Open "
+                f"committed {committed} tokens before it (prefix_token_ids)"
+            )
+        self._rules.counts.add(int(rows.tokens[root]), output=position >= self.spec.output_start)
+
     def _classify(self, rows: _Rows) -> tuple[np.ndarray, int | None]:
         """Which rows are dead, and the first root (None: none), by the parent of each
         (rows are in order, so a dead parent comes before its children)."""
@@ -308,12 +331,15 @@ class RequestVerifier:
         hidden = rows.hidden
         assert hidden is not None
 
+        self._count_first_root(rows, root)
+
         def draw(row: int) -> int:
             if row == root and root_logits is not None:
                 logits = root_logits
             else:
                 logits = self._logits(hidden[row : row + 1])[0]
-            return draw_at(logits, spec, int(rows.positions[row]), logprobs, self._grammar)
+            position = int(rows.positions[row])
+            return draw_at(logits, spec, position, logprobs, self._grammar, self._rules)
 
         path, tokens = walk(root, rows.ids, rows.parents, rows.tokens, draw)
         ids = rows.ids[path]

@@ -73,6 +73,7 @@ from .messages import (
 from .ngram import NgramIndex, ngram_candidates
 from .options import DecodeOptions, Mode, tree_capacity
 from .output import OutputState
+from .penalties import GrowthRules
 from .stats import DecodeStats
 from .tree import Indices, TokenTree
 from .verify import VerifySpec, verify_logits
@@ -113,6 +114,10 @@ class Controller(ABC):
         # structured output: the grammar after the emitted tokens, which prunes the
         # tree's growth (the last stage holds its own for the draws)
         self._grammar = opts.grammar.state() if opts.grammar is not None else None
+        # the logits rules as the tree's growth ranks with them (`penalties.py`)
+        self._growth_rules = GrowthRules.of(
+            opts.sampling, self.prompt, opts.min_tokens, opts.stop_token_ids
+        )
         self.width = opts.width if self.grows_tree else 0  # tree nodes per layer, for now
         self.stats = DecodeStats(
             mode=mode.value,
@@ -170,6 +175,8 @@ class Controller(ABC):
             prompt_logprobs=due,
             grammar=g,
             grammar_consumed=consumed,
+            min_tokens=opts.min_tokens,
+            stop_token_ids=opts.stop_token_ids if opts.min_tokens else (),
         )
 
     @property
@@ -260,7 +267,8 @@ class Controller(ABC):
         grammar = None  # the grammar after the output so far (the draws move a copy)
         if spec.grammar is not None:
             grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
-        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar)
+        rules = spec.rules([*self.prompt, *self.out.tokens])  # (the draws move their own)
+        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar, rules)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the
@@ -380,6 +388,8 @@ class Controller(ABC):
         opts = self.opts
         if self._grammar is not None:
             cand = allowed_by_grammar(self.tree, cand, self._grammar)
+        if self._growth_rules is not None:
+            cand = self._growth_rules.apply(self.tree, cand)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
@@ -457,6 +467,8 @@ class Controller(ABC):
             self.ngram.extend(tokens)
         if self._grammar is not None and not self._grammar.follows(tokens):
             self._grammar = None  # the router's tokenizer disagrees: stop pruning with it
+        if self._growth_rules is not None:
+            self._growth_rules.emitted(tokens)
         st.new_tokens += len(tokens)
         st.emit_steps += [st.decode_steps] * len(tokens)
         st.hits = self.out.hits

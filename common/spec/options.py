@@ -101,6 +101,9 @@ class DecodeOptions:
     # under (`grammar.py`; compiled from the request's response_format with the
     # tokenizer); None: unconstrained
     grammar: Grammar | None = None
+    # the stop tokens (`stop_token_ids`: the end-of-sequence tokens and the request's)
+    # cannot be drawn before this many tokens are out (`penalties.py`)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
@@ -127,6 +130,11 @@ class DecodeOptions:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], "
+                f"got {self.min_tokens}"
+            )
         if self.grammar is not None:
             # A complete output allows only the grammar's end-of-sequence tokens: they end
             # the request (finish reason "stop").
@@ -184,6 +192,15 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int) -> None:
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
+    """Reject a logit bias on a token the model does not have (every entry point)."""
+    bad = sorted(t for t in sampling.logit_bias if t >= vocab_size)
+    if bad:
+        raise ValueError(
+            f"logit_bias token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})"
+        )
 
 
 def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:

@@ -36,6 +36,12 @@ from .options import (
     TokenSource,
 )
 from .ranking import Ranking
+from .sampling import (
+    MAX_FREQUENCY_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REPETITION_PENALTY,
+)
 
 AUTO = "auto"
 
@@ -138,6 +144,33 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
                   '{"schema": {...}}} (JSON text on the command line)',
                   {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
                   http="response_format", cli="--response-format"),
+    # The logits rules (common/spec/penalties.py; vLLM's definitions, applied before
+    # temperature, top-k and top-p where each token is drawn).
+    RequestOption("repetition_penalty", float, 1.0, "over the prompt's and the output's "
+                  "tokens: a positive logit divided by it, a negative one multiplied "
+                  "(1: none)", 1.2, high=MAX_REPETITION_PENALTY,
+                  proto="sampling.repetition_penalty", engine="sampling.repetition_penalty",
+                  http="repetition_penalty", cli="--repetition-penalty"),
+    RequestOption("frequency_penalty", float, 0.0, "over the output's tokens: each logit "
+                  "less this times the token's count", 0.5, low=-MAX_FREQUENCY_PENALTY,
+                  high=MAX_FREQUENCY_PENALTY, proto="sampling.frequency_penalty",
+                  engine="sampling.frequency_penalty", http="frequency_penalty",
+                  cli="--frequency-penalty"),
+    RequestOption("presence_penalty", float, 0.0, "over the output's tokens: each logit "
+                  "less this once the token is out", -0.5, low=-MAX_FREQUENCY_PENALTY,
+                  high=MAX_FREQUENCY_PENALTY, proto="sampling.presence_penalty",
+                  engine="sampling.presence_penalty", http="presence_penalty",
+                  cli="--presence-penalty"),
+    # OpenAI's shape: {token id: bias}; JSON text on the command line
+    RequestOption("logit_bias", dict, {}, "token id -> added to its logit (clamped to "
+                  f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; at most "
+                  f"{MAX_LOGIT_BIAS_ENTRIES})", {5: 2.5, 9: -100.0},
+                  proto="sampling.logit_bias", engine="sampling.logit_bias",
+                  http="logit_bias", cli="--logit-bias"),
+    RequestOption("min_tokens", int, 0, "the end-of-sequence and stop tokens cannot come "
+                  "before this many tokens are out (at most max_new_tokens)", 3, low=0,
+                  high=MAX_NEW_TOKENS, engine="min_tokens", http="min_tokens",
+                  cli="--min-tokens"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

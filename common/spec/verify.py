@@ -23,6 +23,7 @@ from torch import Tensor
 from .grammar import Grammar, GrammarState
 from .messages import Activation, TokenLogprobs, Verified
 from .options import MAX_LOGPROBS
+from .penalties import LogitsRules, TokenCounts
 from .sampling import SamplingParams, draw_index
 
 
@@ -35,7 +36,11 @@ class VerifySpec:
     each token (None: no logprobs) and with each prompt token after the first
     (`prompt_logprobs`; None: none), and the grammar the output follows (None: none)
     with the output tokens it has consumed before the first root's draw (the output
-    so far: empty at the start, what was emitted before a replay)."""
+    so far: empty at the start, what was emitted before a replay). The logits rules
+    (`penalties.py`) are the sampling parameters' and `min_tokens`, which masks
+    `stop_token_ids` (the end-of-sequence tokens and the request's) until that many
+    output tokens are out; the penalties read the committed tokens (the stage has them
+    from its Open: `prefix_token_ids`, then the first root's token)."""
 
     sampling: SamplingParams
     output_start: int
@@ -43,10 +48,14 @@ class VerifySpec:
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
     grammar_consumed: tuple[int, ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.output_start < 1:
             raise ValueError(f"output_start must be >= 1, got {self.output_start}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -57,6 +66,15 @@ class VerifySpec:
     def grammar_state(self) -> GrammarState | None:
         """The grammar after the output so far (None: no grammar)."""
         return None if self.grammar is None else self.grammar.state(self.grammar_consumed)
+
+    def rules(self, committed: Sequence[int]) -> LogitsRules:
+        """This request's logits rules after the `committed` tokens (the prompt's first
+        `output_start`, then the output's; counted only when a penalty reads them)."""
+        counts = None
+        if self.sampling.penalizes:
+            start = self.output_start
+            counts = TokenCounts(committed[:start], committed[start:])
+        return LogitsRules(self.sampling, self.min_tokens, self.stop_token_ids, counts)
 
     def draw_position(self, row_position: int) -> int:
         """The output index drawn from the logits of the row at `row_position`."""
@@ -114,15 +132,28 @@ def draw_at(
     row_position: int,
     logprobs: list[TokenLogprobs],
     grammar: GrammarState | None = None,
+    rules: LogitsRules | None = None,
 ) -> int:
     """The token drawn from one row's logits [vocab] (on their device), its logprobs
     appended to `logprobs` when the request asked for them. With a `grammar` (its state
     after the output up to this row), the draw is over the tokens it allows (the others'
-    logits at -inf), and the state then takes the token; logprobs stay the raw logits'."""
-    allowed = logits if grammar is None else grammar.constrain(logits)
-    token = int(draw_index(allowed, spec.sampling, spec.draw_position(row_position)))
+    logits at -inf), and the state then takes the token; `rules` (the request's logit
+    bias, min_tokens and penalties after the output up to this row) then apply, and
+    take the token too. Logprobs stay the raw logits'."""
+    position = spec.draw_position(row_position)
+    drawn = logits
+    if grammar is not None:
+        allowed = grammar.allowed(logits.numel())
+        if rules is not None:
+            allowed = rules.allowed(allowed, position)
+        drawn = logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -torch.inf)
+    if rules is not None:
+        drawn = rules.apply(drawn, position, grammar=grammar is not None)
+    token = int(draw_index(drawn, spec.sampling, position))
     if grammar is not None:
         grammar.advance((token,))
+    if rules is not None:
+        rules.drawn(token)
     if spec.logprobs is not None:
         logprobs.append(token_logprobs(logits, token, spec.logprobs))
     return token
@@ -135,17 +166,19 @@ def verify_logits(
     spec: VerifySpec,
     root_position: int,
     grammar: GrammarState | None = None,
+    rules: LogitsRules | None = None,
 ) -> Verified:
     """The walk over rows whose logits are all there (`act.logits`; `tokens`: the rows'
     token ids; the root at sequence position `root_position`, each node drawn at one
-    further): what a pipeline that returns logits leaves to the controller. `grammar`:
-    the request's grammar after the output so far (it takes the drawn tokens)."""
+    further): what a pipeline that returns logits leaves to the controller. `grammar`
+    and `rules`: the request's grammar and logits rules after the output so far (they
+    take the drawn tokens)."""
     assert act.logits is not None
     logits, logprobs, depth = act.logits, [], [root_position]
     ids = act.node_ids.numpy()
 
     def draw(row: int) -> int:
-        token = draw_at(logits[row], spec, depth[0], logprobs, grammar)
+        token = draw_at(logits[row], spec, depth[0], logprobs, grammar, rules)
         depth[0] += 1
         return token
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,11 +97,17 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     response_format: dict | str | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default. `response_format`: OpenAI's
     ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}),
-    or the same as JSON text."""
+    or the same as JSON text. The penalties, `logit_bias` ({token id: bias}) and
+    `min_tokens` are vLLM's (the router checks them)."""
     if prompt is not None and prompt_ids is not None:
         raise ValueError("give either prompt text or prompt_ids, not both")
     req = gen.GenerateRequest(
@@ -109,16 +115,26 @@ def build_request(
         chat=chat,
         mode=mode,
         max_new_tokens=max_new_tokens,
-        sampling=gen.SamplingOptions(temperature=temperature, top_k=top_k, seed=seed),
+        sampling=gen.SamplingOptions(
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()},
+        ),
         ignore_eos=ignore_eos,
         stop_token_ids=list(stop_token_ids),
         priority=priority,
         token_source=token_source,
         ranking=ranking,
         growth=growth,
+        min_tokens=min_tokens,
     )
     if top_p is not None:
         req.sampling.top_p = top_p
+    if repetition_penalty is not None:
+        req.sampling.repetition_penalty = repetition_penalty
     if logprobs is not None:
         req.logprobs = logprobs
     if prompt_logprobs is not None:

@@ -5,7 +5,7 @@ Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP he
 Requests are pydantic models, so a malformed body is refused field by field (400, never
 500): integers must fit the Generation API's fields (int64; `priority` int32) and text
 must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
-OpenAI's API that SpecPipe cannot honour (penalties, tools, best_of > n, ...) are
+OpenAI's API that SpecPipe cannot honour (tools, best_of > n, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. `response_format` (json_object, json_schema) constrains
 the output with a grammar (common/spec/grammar.py); `tools` (function calling) is
@@ -14,12 +14,14 @@ refused with a pointer to it.
 Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs`, with `echo` the
 prompt's too) are the target's own: log_softmax of its raw logits at each token's
 position, before temperature, top-k and top-p (vLLM's default `raw_logprobs`), computed
-by the last stage where it draws the token. `n` choices are `n` requests, choice i
+by the last stage where it draws the token. The penalties (`frequency_penalty`,
+`presence_penalty`, vLLM's `repetition_penalty`), `logit_bias` and vLLM's `min_tokens`
+apply where each token is drawn (common/spec/penalties.py). `n` choices are `n` requests, choice i
 seeded seed + i (without a seed, each its own random seed); they are started after the
 first choice's prefill, so that they find its prompt in every stage's prefix cache. SpecPipe's own options are extra body fields (`mode`,
 `width`, `layers_per_step`, `token_source`, `ranking`, `growth`, `top_k_children`,
 `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
-`return_token_ids`;
+`return_token_ids`, and vLLM's `repetition_penalty` and `min_tokens`;
 `width`, `layers_per_step` and `token_source` take "auto": the router's choice).
 
 One module: every OpenAI request and response shape and its translation, so that the
@@ -39,6 +41,7 @@ import grpc
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from specpipe.common.spec.grammar import GrammarError, ResponseFormat
 from specpipe.common.spec.options import MAX_LOGPROBS
+from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 
@@ -136,9 +139,6 @@ class StreamOptions(BaseModel):
 # Fields OpenAI defines that SpecPipe does not implement: refused unless at these values.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -196,6 +196,13 @@ class _Common(BaseModel):
     priority: Int32 = 0
     # structured output (OpenAI's shape; `check_response_format`)
     response_format: dict[str, Any] | None = None
+    # the logits rules (OpenAI's penalties and logit_bias, vLLM's repetition_penalty and
+    # min_tokens; common/spec/penalties.py), checked by `check_logits_rules`
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[Int64, float] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: Int64 = 0
 
     @property
     def choices(self) -> int:
@@ -226,9 +233,24 @@ class _Common(BaseModel):
                 hint = _UNSUPPORTED_HINTS.get(name, "")
                 raise bad_request(f"{name} is not supported by SpecPipe{hint}", name)
         check_response_format(self.response_format)
+        self.check_logits_rules()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options needs stream: true", "stream_options")
         self.stops  # noqa: B018 (validates)
+
+    def check_logits_rules(self) -> None:
+        """The penalties and the bias by the engine's own checks (`SamplingParams`), each
+        refused with 400 naming its field; the router checks them again, and the bias'
+        token ids against the vocabulary."""
+        for name in ("frequency_penalty", "presence_penalty", "logit_bias", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    SamplingParams(**{name: value})
+                except ValueError as e:
+                    raise bad_request(str(e), name) from None
+        if self.min_tokens < 0:
+            raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
 
     @property
     def stops(self) -> list[str]:
@@ -262,6 +284,11 @@ class _Common(BaseModel):
         max_new = getattr(self, name)
         if max_new is not None and max_new <= 0:
             raise bad_request(f"{name} must be positive, got {max_new}", name)
+        most = default_max_tokens if max_new is None else max_new
+        if self.min_tokens > most:
+            raise bad_request(
+                f"min_tokens ({self.min_tokens}) must be at most {name} ({most})", "min_tokens"
+            )
         temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         if self.seed is None:  # OpenAI: without a seed, every sampled request differs
             seeds = [
@@ -312,6 +339,11 @@ class _Common(BaseModel):
             ranking=self.ranking,
             growth=self.growth,
             response_format=self.response_format,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
         )
 
 

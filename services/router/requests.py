@@ -17,6 +17,7 @@ from specpipe.common.spec.options import (
     Mode,
     TokenSource,
     check_context,
+    check_logit_bias,
     check_prompt_ids,
     tree_capacity,
 )
@@ -303,12 +304,21 @@ def plan_request(
         given["token_source"] = source
     try:
         sampling = SamplingParams(
-            s.temperature, s.top_k, s.top_p if s.HasField("top_p") else 1.0, s.seed
+            s.temperature,
+            s.top_k,
+            s.top_p if s.HasField("top_p") else 1.0,
+            s.seed,
+            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            logit_bias=dict(s.logit_bias),
         )
+        check_logit_bias(sampling, model.vocab_size)
         opts = DecodeOptions(
             max_new_tokens=r.max_new_tokens,
             sampling=sampling,
             stop_token_ids=tuple(dict.fromkeys(stops)),
+            min_tokens=r.min_tokens,
             **given,
         )
         check_context(len(prompt), opts.max_new_tokens, model.max_positions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import NoReturn
 
 from specpipe.services.config import DEFAULT_ROUTER_PORT as DEFAULT_ROUTER_PORT
@@ -94,3 +95,45 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=default.top_k)
     p.add_argument("--top-p", type=float, default=default.top_p)
     p.add_argument("--seed", type=int, default=default.seed)
+
+
+def add_logits_rules_args(p: argparse.ArgumentParser) -> None:
+    """The logits rules' flags (common/spec/penalties.py), defaulting to none."""
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=None,
+        help="over the prompt's and the output's tokens, in (0, 2] (default 1: none)",
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="over the output's tokens, in [-2, 2]"
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="over the output's tokens, in [-2, 2]"
+    )
+    p.add_argument(
+        "--logit-bias",
+        type=logit_bias,
+        default=None,
+        metavar="JSON",
+        help="token id -> bias added to its logit, as JSON: '{\"50256\": -100}'",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=0,
+        help="the end-of-sequence and stop tokens cannot come before this many tokens",
+    )
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """A logit bias as JSON ({"token id": bias}, OpenAI's shape)."""
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError("not an object")
+        return {int(t): float(b) for t, b in value.items()}
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f'expected a JSON object of token ids and biases, e.g. {{"50256": -100}}: {e}'
+        ) from None

@@ -7,7 +7,13 @@ import json
 import os
 import sys
 
-from .args import DEFAULT_ROUTER_PORT, add_sampling_args, auto_or_positive_int, parse_ids
+from .args import (
+    DEFAULT_ROUTER_PORT,
+    add_logits_rules_args,
+    add_sampling_args,
+    auto_or_positive_int,
+    parse_ids,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -87,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='structured output, OpenAI\'s response_format as JSON: \'{"type": "json_object"}\' '
         'or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
     )
+    add_logits_rules_args(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")

@@ -11,6 +11,7 @@ from .args import (
     CliError,
     add_device_arg,
     add_dtype_arg,
+    add_logits_rules_args,
     add_sampling_args,
     parse_device,
     parse_ids,
@@ -87,6 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--depth", type=positive_int, default=DEFAULT_SPECINFER_DEPTH, help="specinfer tree depth"
     )
     add_sampling_args(p)
+    add_logits_rules_args(p)
     add_dtype_arg(p)
     add_device_arg(p)
     p.add_argument("--prefill-chunk", type=positive_int, default=DEFAULT_PREFILL_CHUNK)
@@ -120,8 +122,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     mode = Mode(args.mode)
     device = parse_device(args.device)
+    rep = args.repetition_penalty
     try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        sampling = SamplingParams(
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.seed,
+            repetition_penalty=1.0 if rep is None else rep,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+            logit_bias=args.logit_bias or {},
+        )
     except ValueError as e:
         raise CliError(str(e)) from None
     target = resolve_model(args.target)
@@ -176,6 +188,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             token_source=source,
             ranking=args.ranking,
             growth=args.growth,
+            min_tokens=args.min_tokens,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from specpipe.services.auth import ApiKeyError, ApiKeys
 from specpipe.services.router.openai_compat import (
+    DEFAULT_COMPLETION_TOKENS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -152,8 +153,6 @@ def test_completion_prompt_shapes(prompt, value) -> None:
         ({"best_of": 2}, "best_of must equal n (1)"),
         ({"n": 3, "best_of": 4}, "best_of must equal n (3)"),
         ({"suffix": "}"}, "suffix is not supported"),
-        ({"frequency_penalty": 1}, "frequency_penalty is not supported"),
-        ({"logit_bias": {"5": 1}}, "logit_bias is not supported"),
         ({"tools": [{"type": "function"}]}, "tools is not supported"),
         ({"response_format": {"type": "xml"}}, "response_format type must be one of"),
         ({"stream_options": {"include_usage": True}}, "stream_options needs stream"),
@@ -168,6 +167,42 @@ def test_what_specpipe_cannot_do_is_refused(fields, fragment) -> None:
         body.check()
         body.prompt_value()
     assert info.value.status == 400 and fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    "fields, param, fragment",
+    [
+        ({"repetition_penalty": 0}, "repetition_penalty", "must be in (0, 2.0]"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty", "must be in (0, 2.0]"),
+        ({"frequency_penalty": 2.1}, "frequency_penalty", "must be in [-2.0, 2.0]"),
+        ({"presence_penalty": -3}, "presence_penalty", "must be in [-2.0, 2.0]"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids (>= 0)"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias", "at most 300"),
+        ({"min_tokens": -1}, "min_tokens", "must be >= 0"),
+        ({"min_tokens": 17}, "min_tokens", "at most max_tokens (16)"),
+        ({"min_tokens": 9, "max_completion_tokens": 8}, "min_tokens", "max_completion_tokens"),
+    ],
+)
+def test_logits_rules_out_of_range_are_refused_naming_the_field(fields, param, fragment) -> None:
+    body = CompletionRequest.model_validate({"prompt": "hi", **fields})
+    with pytest.raises(ApiError) as info:
+        body.check()
+        body.to_request("hi", DEFAULT_COMPLETION_TOKENS, "specpipe")
+    e = info.value
+    assert e.status == 400 and e.param == param and fragment in e.message, e.message
+    assert param in e.message
+
+
+def test_logits_rules_reach_the_request() -> None:
+    body = CompletionRequest.model_validate(
+        {"prompt": "hi", "frequency_penalty": 0.5, "presence_penalty": -0.25,
+         "repetition_penalty": 1.1, "logit_bias": {"7": 150, "9": -2}, "min_tokens": 4}
+    )  # fmt: skip
+    body.check()
+    req = body.to_request("hi", 16, "specpipe")
+    s = req.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.5, -0.25, 1.1)
+    assert dict(s.logit_bias) == {7: 150.0, 9: -2.0} and req.min_tokens == 4
 
 
 def test_defaults_of_unsupported_fields_pass() -> None:

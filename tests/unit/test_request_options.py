@@ -12,7 +12,7 @@ import inspect
 import json
 
 import pytest
-from specpipe.common.spec.options import DecodeOptions
+from specpipe.common.spec.options import MAX_NEW_TOKENS, DecodeOptions
 from specpipe.common.spec.request_options import AUTO, REQUEST_OPTIONS, RequestOption
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.services.client.common import build_request
@@ -49,10 +49,17 @@ def _on_wire(o: RequestOption, value):
         return 0
     if o.kind is tuple:
         return list(value)
+    if o.kind is dict and _is_map(_field(o.wire)):
+        return {int(k): v for k, v in value.items()}
     if o.kind is dict:
         schema = value.get("json_schema", {}).get("schema")
         return gen.ResponseFormat(type=value["type"], schema=json.dumps(schema) if schema else "")
     return value
+
+
+def _is_map(f) -> bool:
+    """A proto map field (logit_bias): a repeated message of map entries."""
+    return f.message_type is not None and f.message_type.GetOptions().map_entry
 
 
 def _field(path: str):
@@ -80,7 +87,7 @@ def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
     if o.wire in INT32_FIELDS:
         cpp = f.CPPTYPE_INT32
     assert f.cpp_type == cpp
-    assert f.is_repeated == (o.kind is tuple)
+    assert f.is_repeated == (o.kind is tuple or _is_map(f))
 
 
 def test_the_sdk_takes_every_option_and_no_other() -> None:
@@ -149,7 +156,8 @@ def _engine(o: RequestOption, value):
     """DecodeOptions (with SamplingParams) with the option's engine field at `value`."""
     if o.engine.startswith("sampling."):
         return SamplingParams(**{o.engine.split(".", 1)[1]: value})
-    return DecodeOptions(**{"max_new_tokens": 1, o.engine: value})
+    # (the most new tokens: min_tokens' bound is max_new_tokens)
+    return DecodeOptions(**{"max_new_tokens": MAX_NEW_TOKENS, o.engine: value})
 
 
 @pytest.mark.parametrize("o", [p for p in OPTIONS if p.values[0].engine])

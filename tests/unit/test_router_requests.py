@@ -78,3 +78,31 @@ def test_the_routers_defaults_fill_what_a_request_leaves_unset() -> None:
 def test_bad_router_defaults_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         RequestDefaults(**bad)
+
+
+def test_the_logits_rules_reach_the_requests_options() -> None:
+    sampling = gen.SamplingOptions(repetition_penalty=1.5, frequency_penalty=-0.5,
+                                   presence_penalty=0.25, logit_bias={7: 200.0, 3: -1.0})  # fmt: skip
+    opts = plan(sampling=sampling, min_tokens=4, stop_token_ids=[9]).opts
+    sp = opts.sampling
+    assert (sp.repetition_penalty, sp.frequency_penalty, sp.presence_penalty) == (1.5, -0.5, 0.25)
+    assert sp.logit_bias == {7: 100.0, 3: -1.0} and opts.min_tokens == 4
+    assert plan().opts.sampling.repetition_penalty == 1.0  # unset: none
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"sampling": gen.SamplingOptions(repetition_penalty=0.0)}, "repetition_penalty"),
+        ({"sampling": gen.SamplingOptions(frequency_penalty=2.5)}, "frequency_penalty"),
+        ({"sampling": gen.SamplingOptions(presence_penalty=-9)}, "presence_penalty"),
+        ({"sampling": gen.SamplingOptions(logit_bias={100: 1.0})}, "logit_bias"),
+        ({"sampling": gen.SamplingOptions(logit_bias={-3: 1.0})}, "logit_bias"),
+        ({"min_tokens": 9}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+    ],
+)
+def test_bad_logits_rules_are_invalid_arguments_naming_the_field(fields, name) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        plan(**fields)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and name in e.value.message

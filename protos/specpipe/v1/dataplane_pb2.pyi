@@ -69,7 +69,14 @@ class FrameHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
 
 class VerifySpec(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs", "prompt_logprobs", "grammar", "grammar_consumed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs", "prompt_logprobs", "grammar", "grammar_consumed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +86,12 @@ class VerifySpec(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -88,7 +101,13 @@ class VerifySpec(_message.Message):
     prompt_logprobs: int
     grammar: str
     grammar_consumed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., output_start: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_consumed: _Optional[_Iterable[int]] = ...) -> None: ...
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., output_start: _Optional[int] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ..., grammar_consumed: _Optional[_Iterable[int]] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
