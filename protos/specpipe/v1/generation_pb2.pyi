@@ -26,7 +26,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -69,7 +70,8 @@ class GenerateRequest(_message.Message):
     logprobs: int
     prompt_logprobs: int
     response_format: ResponseFormat
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "schema")
