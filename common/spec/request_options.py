@@ -138,6 +138,11 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
                   '{"schema": {...}}} (JSON text on the command line)',
                   {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
                   http="response_format", cli="--response-format"),
+    # vLLM's `cache_salt`: the router derives the stages' salt from it, the API key (or
+    # client address) and a deployment secret (services/router/cache_scope.py).
+    RequestOption("cache_salt", str, "", "prefix-cache namespace: requests of your API key "
+                  "with the same salt share cached prompt prefixes (empty: the key's own)",
+                  "team-7", http="cache_salt", cli="--cache-salt"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

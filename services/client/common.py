@@ -97,6 +97,7 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     response_format: dict | str | None = None,
+    cache_salt: str = "",
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default. `response_format`: OpenAI's
@@ -116,6 +117,7 @@ def build_request(
         token_source=token_source,
         ranking=ranking,
         growth=growth,
+        cache_salt=cache_salt,
     )
     if top_p is not None:
         req.sampling.top_p = top_p

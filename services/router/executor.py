@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import torch
+from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -28,7 +29,7 @@ from specpipe.common.spec.messages import Candidates
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import prune_to_proto, rows_to_proto
+from ..control import cache_scope_to_proto, prune_to_proto, rows_to_proto
 from .backends import Backend, RequestPath
 from .calls import Deadline, LeaseClaim
 from .events import Event, Failure, Proposal
@@ -48,9 +49,12 @@ class CommandExecutor:
         post: Callable[[Event], None],
         deadline: Deadline,
         lease: LeaseClaim,
+        cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
+        """`cache_scope`: the request's prefix-cache scope (the draft's Open)."""
         self.path, self.wire_id, self.attempt = path, wire_id, attempt
         self.post, self.deadline, self.lease = post, deadline, lease
+        self.cache_scope = cache_scope
         self._tasks: set[asyncio.Task] = set()
         self._draft_q: asyncio.Queue[tuple[str, DraftCall]] = asyncio.Queue()
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, with the next layer
@@ -95,6 +99,7 @@ class CommandExecutor:
                 lease_owner=self.lease.owner,
                 lease_epoch=self.lease.epoch,
                 lease_token=self.lease.token,
+                cache_scope=cache_scope_to_proto(self.cache_scope),
             )
             self._draft_call("opening the request", lambda stub: stub.Open(req, timeout=timeout()))
         elif isinstance(cmd, DraftPrefill):

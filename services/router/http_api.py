@@ -226,7 +226,12 @@ class HttpApi:
         """Run the request's choices (one generation each) and answer, streamed or
         not. The first choice runs alone until its first text, so its prefill is done:
         the others find the prompt's blocks in every stage's prefix cache."""
-        caller = self.router.api_keys.caller(request.headers.get("authorization"))
+        client = request.client.host if request.client else ""
+        caller = self.router.api_keys.caller(request.headers.get("authorization"), client)
+        try:  # every choice counts against the client's share, all of them up front
+            self.router.check_room(caller, len(reqs))
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
         runs = [Generation(self.router.generate(reqs[0], caller=caller), body.stops)]
         try:
             # Up to the first text (or the end): until then, a failure (bad request,

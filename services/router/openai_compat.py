@@ -196,6 +196,7 @@ class _Common(BaseModel):
     priority: Int32 = 0
     # structured output (OpenAI's shape; `check_response_format`)
     response_format: dict[str, Any] | None = None
+    cache_salt: Text = ""  # vLLM's: the prefix-cache namespace (services/router/cache_scope.py)
 
     @property
     def choices(self) -> int:
@@ -312,6 +313,7 @@ class _Common(BaseModel):
             ranking=self.ranking,
             growth=self.growth,
             response_format=self.response_format,
+            cache_salt=self.cache_salt,
         )
 
 

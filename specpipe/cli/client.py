@@ -87,6 +87,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help='structured output, OpenAI\'s response_format as JSON: \'{"type": "json_object"}\' '
         'or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
     )
+    g.add_argument(
+        "--cache-salt",
+        default="",
+        help="prefix-cache namespace: requests of your API key with the same salt share "
+        "cached prompt prefixes (default: the key's own)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")

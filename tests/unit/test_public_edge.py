@@ -42,9 +42,9 @@ WAIT = 30.0  # generous bound on anything that must happen (a test, not a benchm
 
 # -- a router with its public ports, no stages ------------------------------------------------
 @contextlib.asynccontextmanager
-async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=False):
+async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=False, **kw):
     router = RouterService(
-        ["127.0.0.1:9"], None, api_keys=keys or ApiKeys(), limits=limits or EdgeLimits()
+        ["127.0.0.1:9"], None, api_keys=keys or ApiKeys(), limits=limits or EdgeLimits(), **kw
     )
     router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=max_positions,
                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
@@ -520,15 +520,20 @@ def test_describe_shows_internal_addresses_to_operators_only(tmp_path) -> None:
             health = await request(e.port)
             e.router.backends._ready = False
             down = await request(e.port)
-        async with edge(with_grpc=True) as e:  # no keys: a caller here is the operator
+        async with edge(with_grpc=True) as e:  # no keys: nobody is an operator...
+            anyone = await describe(e)
+        async with edge(with_grpc=True, describe_internals=True) as e:  # ...unless told
             local = await describe(e)
-        return public, ops, local, health, down
+        return public, ops, anyone, local, health, down
 
-    public, ops, local, health, down = asyncio.run(main())
+    public, ops, anyone, local, health, down = asyncio.run(main())
     (b,) = public.backends
     assert b.kind == "stage" and b.address == "" and public.data_address == ""
     assert "127.0.0.1:9" not in str(public) and b.error == "down"
     assert ops.backends[0].address == "127.0.0.1:9" and ops.data_address.startswith("tcp://")
+    # Issue 35: a local caller of a router without keys saw the addresses (behind an
+    # ingress on the same host, everyone is local).
+    assert anyone.backends[0].address == "" and anyone.data_address == ""
     assert local.backends[0].address == "127.0.0.1:9"
     # /health is open to anyone: kinds only.
     assert health[0] == 200
