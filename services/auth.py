@@ -184,10 +184,11 @@ class ApiKeys:
         found = {k.lower(): v for k, v in context.invocation_metadata() or ()}
         return self.caller(found.get("authorization"), peer_host(context.peer() or ""))
 
-    def tenant_of(self, authorization: str | None, client: str) -> str:
-        """`caller(...).tenant`, for a request not checked yet (an invalid key counts as
-        its address)."""
-        return self.caller(authorization, client).tenant
+    def valid_tenant(self, authorization: str | None) -> str | None:
+        """The tenant of a valid key in this `Authorization` value (None: no valid key)."""
+        if self.check(authorization) is not None:
+            return None
+        return self.caller(authorization).tenant or None
 
     def check(self, authorization: str | None) -> str | None:
         """None when the `Authorization` value lets the request through, else why not."""

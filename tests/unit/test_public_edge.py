@@ -224,6 +224,40 @@ def test_connections_per_client_are_capped_and_other_clients_served() -> None:
     assert b"too many connections" in refused[0] and b"Retry-After: 1" in refused[0]
 
 
+def test_with_api_keys_the_connection_cap_is_per_key_not_per_address() -> None:
+    """Issue 35 residue: one client behind a NAT or an ingress used up its address's
+    connections and locked out everyone there. With keys, key a holds its 2 (a third
+    request of a's is refused 503 and closed); key b, from the same address, is served;
+    silent connections from that address are not refused for it."""
+
+    async def kept(port, key):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+                .encode())  # fmt: skip
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
+        return int(head.split(b" ", 2)[1]), (r, w)
+
+    async def main():
+        limits = EdgeLimits(max_connections_per_client=2, header_timeout=5.0)
+        async with edge(limits, keys=ApiKeys(["key-a", "key-b"])) as e:
+            silent_ones = await silent(e.port, 4)  # same address: not refused now
+            a1, c1 = await kept(e.port, "key-a")
+            a2, c2 = await kept(e.port, "key-a")
+            a3, c3 = await kept(e.port, "key-a")
+            b1, c4 = await kept(e.port, "key-b")
+            c1[1].close()
+            await c1[1].wait_closed()
+            await asyncio.sleep(0.2)
+            a4, c5 = await kept(e.port, "key-a")  # a's first connection closed: room again
+            for _, w in (c2, c3, c4, c5):
+                w.close()
+            for _, w in silent_ones:
+                w.close()
+            return [a1, a2, a3, b1, a4]
+
+    assert asyncio.run(main()) == [200, 200, 503, 200, 200]
+
+
 def test_a_full_port_closes_its_oldest_idle_connection_for_a_new_one(caplog) -> None:
     """40 silent connections (as from 40 addresses) on a port that holds 6: at most 6
     are open at any time, each new one closes the oldest idle one, and a client with a
@@ -620,3 +654,20 @@ def test_metrics_server_closes_silent_and_slow_connections(monkeypatch) -> None:
         quiet.close()
         slow.close()
         m.close()
+
+
+def test_a_deeply_nested_body_is_refused_with_a_code() -> None:
+    """Issue 35 residue: a schema nested 20,000 deep failed JSON parsing with a 400 whose
+    code was null."""
+    depth = 20000
+    schema = b'{"a":' * depth + b"1" + b"}" * depth
+    body = (b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
+            b'{"schema": ' + schema + b"}}}")  # fmt: skip
+
+    async def main():
+        async with edge() as e:
+            return await request(e.port, "/v1/completions", body)
+
+    status, answer = asyncio.run(main())
+    assert status == 400 and answer["error"]["code"] == "invalid_request_error"
+    assert "nested" in answer["error"]["message"]
