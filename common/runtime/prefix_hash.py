@@ -9,7 +9,8 @@ the same keys to remember which replica holds what (prefix-aware routing). The h
 BLAKE2b (16 bytes), not Python's `hash`: the same in every process and not steerable to
 a collision by a client choosing its prompt.
 
-A request's `CacheScope` isolates tenants (docs/architecture.md, "Prefix caching"): its
+A request's `CacheScope` isolates tenants (docs/architecture.md, "5. The request
+controller and its executors", prefix caching, isolation between tenants): its
 `salt` starts the chain, so only requests of the same salt find each other's blocks (a
 client cannot confirm another's prompt by timing), and its `owner` says whom the blocks
 count against when the pool evicts. The router derives both from the API key (or client

@@ -1,5 +1,5 @@
-"""Which prefix-cache namespace a request's KV blocks join (docs/architecture.md, "Prefix
-caching"; issue 35, F3: a prompt another client had sent came back 60-100x faster, so
+"""Which prefix-cache namespace a request's KV blocks join (docs/architecture.md, "5. The
+request controller and its executors", prefix caching, isolation between tenants; issue 35, F3: a prompt another client had sent came back 60-100x faster, so
 anyone could confirm a guessed system prompt).
 
 A request's `CacheScope` (common/runtime/prefix_hash.py) has a salt, mixed into every
