@@ -11,8 +11,8 @@ service (sampled every 5 ms) above its resting RSS:
 
 - `fairness` (F2): key a sends 21 streamed completions with n=16 and max_tokens 2000
   at once; then key b sends an 8-token completion, three times (each given up after
-  60 s). With the router's
-  defaults (64 running + 256 waiting) and with 8 + 8. Reported: the attacker's answers
+  60 s). With the router's defaults (64 running + 256 waiting) and with 8 + 8; and with
+  8 + 8 and n=2 (a flood that fits a key's share there). Reported: the attacker's answers
   by status, what the router runs and queues, the neighbour's statuses and seconds.
 - `cache` (F3): key a's request with a 2,000-character prefix, cold and again (first
   token only, max_tokens 1); key b's request with the same prefix (before: a hit,
@@ -105,18 +105,20 @@ def _describe(dep) -> dict:
 # -- F2 ------------------------------------------------------------------------------------------
 def bench_fairness(tmp: Path) -> dict:
     out = {}
-    for label, scheduling in (("defaults_64_256", None), ("small_8_8", {"max_running": 8,
-                                                                       "max_waiting": 8})):  # fmt: skip
+    small = {"max_running": 8, "max_waiting": 8}
+    for label, scheduling, n in (
+        ("defaults_64_256", None, 16), ("small_8_8", small, 16), ("small_8_8_n2", small, 2),
+    ):  # fmt: skip
         kw = {"scheduling": scheduling} if scheduling else {}
         dep = _start(tmp, f"fair-{label}", **kw)
         try:
-            out[label] = _flood(dep)
+            out[label] = _flood(dep, n)
         finally:
             dep.stop()
     return out
 
 
-def _flood(dep) -> dict:
+def _flood(dep, n: int) -> dict:
     address = dep.http_address
     neighbour(address)  # warm
     quiet = [neighbour(address)[1] for _ in range(3)]
@@ -124,7 +126,7 @@ def _flood(dep) -> dict:
     statuses: list = []
 
     def attacker(i: int) -> None:
-        body = {"prompt": f"flood {i} " * 4, "n": 16, "max_tokens": 2000, "stream": True,
+        body = {"prompt": f"flood {i} " * 4, "n": n, "max_tokens": 2000, "stream": True,
                 "ignore_eos": True, "temperature": 0.8, "seed": i, "mode": "pp"}  # fmt: skip
         req = urllib.request.Request(
             f"http://{address}/v1/completions", json.dumps(body).encode(),
@@ -148,8 +150,10 @@ def _flood(dep) -> dict:
         state = _describe(dep)
         during = [neighbour(address, timeout=60) for _ in range(3)]
         stop.set()
-    counts: dict[str, int] = {}
-    for s in statuses:
+    for t in threads:
+        t.join(2.0)
+    counts: dict[str, int] = {"no answer yet (queued)": len(threads) - len(statuses)}
+    for s in list(statuses):
         counts[str(s)] = counts.get(str(s), 0) + 1
     return {
         "quiet_neighbour_s": quiet,
