@@ -640,7 +640,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
 
     def check_room(self, caller: Caller | None, n: int) -> None:
         """RESOURCE_EXHAUSTED unless `caller` may hold `n` more requests now (the `n`
-        choices of one HTTP request: all of them count, up front)."""
+        choices of one HTTP request: all of them count, up front; one is admitted as
+        any request is)."""
+        self._refuse_while_draining()
+        if n <= 1:
+            return
         tenant = (caller or self.api_keys.caller(None)).tenant
         try:
             self.scheduler.check_room(tenant, n)
