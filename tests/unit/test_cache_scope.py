@@ -40,3 +40,17 @@ def test_an_overlong_cache_salt_is_refused() -> None:
     CacheScopes().of("t", "x" * MAX_CACHE_SALT_CHARS)
     with pytest.raises(ValueError, match="cache_salt"):
         CacheScopes().of("t", "x" * (MAX_CACHE_SALT_CHARS + 1))
+
+
+def test_a_replica_refuses_an_oversized_scope() -> None:
+    """What a stage or the draft reads from Open: hashes of at most 64 bytes."""
+    from specpipe.common.runtime.errors import InvalidInput
+    from specpipe.common.runtime.prefix_hash import CacheScope
+    from specpipe.services.control import cache_scope_from_proto, cache_scope_to_proto
+
+    scope = CacheScope(b"s" * 16, b"o" * 16)
+    assert cache_scope_from_proto(cache_scope_to_proto(scope)) == scope
+    big = cache_scope_to_proto(CacheScope(b"s" * 16))
+    big.salt = b"x" * 65
+    with pytest.raises(InvalidInput, match="64 bytes"):
+        cache_scope_from_proto(big)
