@@ -727,6 +727,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         this host); everyone else gets the replicas by kind, layers, version, health
         and load."""
         internal = self._sees_internals(context)
+        tenant = self.api_keys.caller_of_call(context).tenant if context is not None else ""
         backends = []
         for b in self.backends.all:
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
@@ -758,6 +759,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             max_waiting=self.scheduler.max_waiting,
             row_budget=self.scheduler.row_budget or 0,
             tuning=self.tuning.describe(),
+            max_running_per_key=self.scheduler.running_cap,
+            max_waiting_per_key=self.scheduler.waiting_cap,
+            caller_running=self.scheduler.running_of(tenant),
+            caller_waiting=self.scheduler.waiting_of(tenant),
         )
 
     def _sees_internals(self, context) -> bool:

@@ -113,12 +113,16 @@ def test_a_flooding_key_leaves_room_for_another(two_keys_deployment) -> None:
         waiter = threading.Thread(target=wait_in_queue)
         waiter.start()
         _wait_for(a, lambda d: d.waiting_requests == 1)
+        d = a.describe()
+        assert (d.max_running_per_key, d.max_waiting_per_key) == (1, 1)
+        assert (d.caller_running, d.caller_waiting) == (1, 1)
         with pytest.raises(ResourceExhausted, match="this client"):
             a.generate(prompt_ids=[4], max_new_tokens=2)
         status, body = _post(dep.http_address, "key-a",
                              {"prompt": [4], "max_tokens": 2, "n": 3})  # fmt: skip
         assert status == 429 and "3 choices" in body["error"]["message"]
         with Client(dep.router_address, timeout=120, api_key="key-b") as b:
+            assert (b.describe().caller_running, b.describe().caller_waiting) == (0, 0)
             out = b.generate(prompt_ids=[8, 9], max_new_tokens=12, ignore_eos=True)
         hog.cancel()
         waiter.join(120)

@@ -258,7 +258,7 @@ class Backend(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ..., weight_hash: _Optional[str] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
-    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget", "tuning")
+    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget", "tuning", "max_running_per_key", "max_waiting_per_key", "caller_running", "caller_waiting")
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,10 @@ class RouterDescription(_message.Message):
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     ROW_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TUNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    CALLER_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CALLER_WAITING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     active_requests: int
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
@@ -279,7 +283,11 @@ class RouterDescription(_message.Message):
     max_waiting: int
     row_budget: int
     tuning: _containers.RepeatedCompositeFieldContainer[Tuning]
-    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ...) -> None: ...
+    max_running_per_key: int
+    max_waiting_per_key: int
+    caller_running: int
+    caller_waiting: int
+    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ..., max_running_per_key: _Optional[int] = ..., max_waiting_per_key: _Optional[int] = ..., caller_running: _Optional[int] = ..., caller_waiting: _Optional[int] = ...) -> None: ...
 
 class Tuning(_message.Message):
     __slots__ = ("weight_hash", "regime", "chosen", "reason", "arms", "price")
