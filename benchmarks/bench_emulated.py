@@ -289,7 +289,9 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
     vocab = local.pipeline.vocab_size
     dep = ServicesDeployment(
         target, "oracle", stages, threads=1, emulate_costs=cost_file, log_dir=work / "logs",
-        metrics=True, scheduling={"max_running": max(args.concurrency)},
+        metrics=True,
+        scheduling={"max_running": max(args.concurrency),
+                    "max_running_per_key": max(args.concurrency)},  # one client: all slots
     )  # fmt: skip
     dep.start()
     rows = []

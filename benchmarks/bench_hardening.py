@@ -23,9 +23,15 @@ authentication costs per hop.
    fields: descriptors, threads and memory of the router, time to refuse, a neighbour's
    latency.
 
+5. `fairness`, `cache`, `logprobs` (issue 35: F2, F3, F4; benchmarks/bench_fairness.py):
+   one API key floods the queues with n=16 requests, probes and flushes another key's
+   cached prefix, and asks for 5 MB of echoed prompt logprobs; the neighbour's latency
+   and every service's peak memory.
+
 Prints a summary and writes JSON (`--out`). Run from the repository root:
 
-    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge] [--out FILE]
+    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge,fairness,cache,
+        logprobs] [--out FILE]
 """
 
 from __future__ import annotations
@@ -419,6 +425,10 @@ def main() -> int:
                 from bench_edge import bench_edge
 
                 result["edge"] = bench_edge(tmp)
+            elif part in ("fairness", "cache", "logprobs"):
+                import bench_fairness
+
+                result[part] = getattr(bench_fairness, f"bench_{part}")(tmp)
             print(f"{part}: {json.dumps(result.get(part), indent=1)} ({time.monotonic() - t0:.0f} s)",
                   flush=True)  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

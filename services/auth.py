@@ -7,13 +7,16 @@ Keys are compared in constant time.
 
 What a caller may do comes with its key (`Caller`): the highest `priority` its requests
 may ask for, and whether it is an operator (the router's `Describe` then shows internal
-addresses). A key file line is `KEY [max_priority=N] [operator]`; keys without
+addresses), and which tenant it is (`Caller.tenant`: the router's fair shares and
+prefix-cache isolation are per tenant; an id derived from the key, never the key, or
+the client's address on a router without keys). A key file line is `KEY [max_priority=N] [operator]`; keys without
 `max_priority`, keys given on the command line, and every caller of a router without
 keys get the default cap (`--max-priority`, DEFAULT_MAX_PRIORITY).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +48,22 @@ class Caller:
 
     max_priority: int = DEFAULT_MAX_PRIORITY
     operator: bool = False
+    tenant: str = ""  # "key:<hash of the key>", "addr:<client address>", "" (in-process)
+
+
+def key_tenant(key: str) -> str:
+    """A key's tenant id: a hash (it may reach logs and the cache salts' derivation;
+    the key itself never leaves the router's memory)."""
+    return "key:" + hashlib.blake2b(key.encode(), digest_size=12, person=b"sp-tenant").hexdigest()
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer ("ipv4:10.0.0.5:5000" -> "10.0.0.5", "ipv6:[::1]:5" ->
+    "::1"; "unix:..." as it is)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return peer
+    return rest.rsplit(":", 1)[0].strip("[]")
 
 
 @dataclass(frozen=True)
@@ -146,22 +165,30 @@ class ApiKeys:
                 found = i
         return found
 
-    def caller(self, authorization: str | None) -> Caller:
-        """What the client presenting this `Authorization` value may do (call `check`
-        first: an invalid key gets the defaults here)."""
+    def caller(self, authorization: str | None, client: str = "") -> Caller:
+        """What the client presenting this `Authorization` value from address `client`
+        may do (call `check` first: an invalid key gets the defaults here)."""
         _, _, key = (authorization or "").strip().partition(" ")
         i = self._find(key.strip()) if self.enabled else None
         if i is None:
-            return Caller(self.default_max_priority)
+            return Caller(self.default_max_priority, tenant=f"addr:{client}" if client else "")
         p = self._policies[i]
         cap = self.default_max_priority if p.max_priority is None else p.max_priority
-        return Caller(cap, p.operator)
+        return Caller(cap, p.operator, key_tenant(key.strip()))
 
     def caller_of_call(self, context) -> Caller:
-        """`caller` for a gRPC call (its `authorization` metadata); None: no call."""
-        metadata = context.invocation_metadata() if context is not None else None
-        found = {k.lower(): v for k, v in metadata or ()}
-        return self.caller(found.get("authorization"))
+        """`caller` for a gRPC call (its `authorization` metadata and peer); None: no
+        call."""
+        if context is None:
+            return self.caller(None)
+        found = {k.lower(): v for k, v in context.invocation_metadata() or ()}
+        return self.caller(found.get("authorization"), peer_host(context.peer() or ""))
+
+    def valid_tenant(self, authorization: str | None) -> str | None:
+        """The tenant of a valid key in this `Authorization` value (None: no valid key)."""
+        if self.check(authorization) is not None:
+            return None
+        return self.caller(authorization).tenant or None
 
     def check(self, authorization: str | None) -> str | None:
         """None when the `Authorization` value lets the request through, else why not."""

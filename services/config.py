@@ -36,6 +36,7 @@ DEFAULT_SERVER_NAME = "specpipe-internal"
 DEFAULT_LEASE_SECONDS = 60.0
 DEFAULT_MAX_RUNNING = 64
 DEFAULT_MAX_WAITING = 256
+DEFAULT_MAX_WAITING_PER_KEY = 64  # requests one API key (or client address) may queue
 DEFAULT_HTTP_PER_CLIENT = 64  # connections one client address may hold on the HTTP port
 DEFAULT_HTTP_HEADER_TIMEOUT = 5.0
 DEFAULT_MAX_PRIORITY = 10  # a client's highest priority unless its API key says otherwise
@@ -119,6 +120,10 @@ class SchedulingConfig(CommandLine):
 
     max_running: int = flag(DEFAULT_MAX_RUNNING)
     max_waiting: int = flag(DEFAULT_MAX_WAITING)
+    # Fair shares per API key (or client address without keys): running (None: all but
+    # an eighth of max_running, kept for the others) and waiting.
+    max_running_per_key: int | None = flag()
+    max_waiting_per_key: int = flag(DEFAULT_MAX_WAITING_PER_KEY)
     row_budget: int | str | None = flag()  # tree rows per step shared by running requests
     width: int | str | None = flag()
     layers_per_step: int | str | None = flag()
@@ -239,6 +244,10 @@ class RouterConfig(ServiceConfig):
     http_max_connections_per_client: int = flag(DEFAULT_HTTP_PER_CLIENT)
     http_header_timeout: float = flag(DEFAULT_HTTP_HEADER_TIMEOUT)
     max_priority: int = flag(DEFAULT_MAX_PRIORITY)
+    # Cached prompt prefixes shared across API keys (default: per key and cache_salt).
+    share_prefix_cache: bool = flag(False)
+    # Without API keys, callers on this host see replicas' addresses in Describe.
+    describe_internals: bool = flag(False)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
 """How many connections a public listener holds: at most `total`, and at most
-`per_client` from one client address, so that no client (nor all of them together) can
+`per_client` from one client (an address; on the router's HTTP port with API keys, an
+API key: `http_guard.KeyConnections`), so that no client (nor all of them together) can
 use up the process's file descriptors or threads (docs/architecture.md, "9. Security").
 
 `ConnectionCounts` is the bookkeeping only, shared by the router's HTTP port and the
@@ -27,7 +28,7 @@ def default_max_connections(cap: int = MAX_CONNECTIONS) -> int:
 
 
 class ConnectionCounts:
-    """Open connections, in all and by client address (thread-safe)."""
+    """Open connections, in all and by client (an address or a key; thread-safe)."""
 
     def __init__(self, total: int, per_client: int = 0) -> None:
         """`per_client` 0: no cap per address (behind a proxy every client has its

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.common.runtime.errors import InvalidInput
+from specpipe.common.runtime.prefix_hash import CacheScope
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
 from specpipe.common.spec.grammar import Grammar
 from specpipe.common.spec.messages import Activation, Prune, TokenLogprobs, Verified
@@ -230,3 +231,15 @@ def cost_curve_from_proto(msg: pb.CostCurve | None) -> CostCurve | None:
         return CostCurve.from_dict({"rows": list(msg.rows), "seconds": list(msg.seconds)})
     except ValueError:
         return None
+
+
+def cache_scope_to_proto(scope: CacheScope) -> pb.CacheScope:
+    return pb.CacheScope(salt=scope.salt, owner=scope.owner)
+
+
+def cache_scope_from_proto(msg: pb.CacheScope) -> CacheScope:
+    """A request's prefix-cache scope; InvalidInput when it is oversized."""
+    try:
+        return CacheScope(bytes(msg.salt), bytes(msg.owner))
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None

@@ -49,7 +49,7 @@ from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .control import FrameError, prune_from_proto, token_activation
+from .control import FrameError, cache_scope_from_proto, prune_from_proto, token_activation
 from .metrics import DraftMetrics
 from .ratelog import RateLimitedLog
 from .replica import Replica
@@ -250,6 +250,10 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         await self._check(
             context, check_token_ids, prompt, self.runtime.vocab_size, "prompt ids (draft)"
         )
+        try:
+            scope = cache_scope_from_proto(request.cache_scope)
+        except InvalidInput as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"draft: {e}")
         if rid in self.leases:
             await context.abort(
                 grpc.StatusCode.ALREADY_EXISTS, f"draft: request {rid!r} is already open"
@@ -266,7 +270,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         body = prompt[:-1]  # the first root is not prefilled
         try:
             cached = await self._call(
-                context, self.runtime.open, rid, int(request.capacity), body.numpy()
+                context, self.runtime.open, rid, int(request.capacity), body.numpy(), scope
             )
             opened = True
             self.metrics.requests.inc()

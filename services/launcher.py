@@ -319,6 +319,7 @@ class ServicesDeployment:
             public_tls_cert=str(c.public_tls.cert_file) if c.public_tls else None,
             public_tls_key=str(c.public_tls.key_file) if c.public_tls else None,
             api_key_files=(str(self._write_keys()),) if self.api_keys else (),
+            describe_internals=True,  # every service on this host: its operator's
             scheduling=c.scheduling,
         )
         return self._child("router", "router", config)

@@ -49,7 +49,12 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from .compute_round import ComputeRounds, StageRequest
-from .control import prune_from_proto, token_activation, verify_spec_from_proto
+from .control import (
+    cache_scope_from_proto,
+    prune_from_proto,
+    token_activation,
+    verify_spec_from_proto,
+)
 from .metrics import StageMetrics
 from .modelinfo import DEFAULT_CACHE_FRACTION, cache_budget, free_memory_bytes
 from .peers import Peers
@@ -330,6 +335,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                     request.root_logits_only and verify is None,
                     prefix_tokens=request.prefix_token_ids,
                     final_hidden=verify is not None,
+                    cache_scope=cache_scope_from_proto(request.cache_scope),
                 )
             except RequestError:
                 self.leases.end(rid)

@@ -26,6 +26,11 @@ block (`lookup`) instead of computing it again. Blocks carry reference counts; a
 nobody holds any more that has a key stays cached, in least-recently-released order, and
 is evicted (its key forgotten, its rows reused) only when an allocation finds no plain
 free block and the storage may not grow. Cached blocks count as free in the budget.
+
+Eviction is fair between owners (tenants, `prefix_hash.CacheScope.owner`): it takes the
+least recently released block of the owner holding the most cached blocks (the older
+head on a tie), so one tenant's stream of new prefixes evicts its own blocks and cannot
+push another's below an equal share of the cache.
 """
 
 from __future__ import annotations
@@ -74,7 +79,12 @@ class BlockPool:
         self.prefix_caching = prefix_caching
         self._block_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
+        self._owner_of: dict[int, bytes] = {}  # keyed block -> its owner
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # The evictable blocks by owner, each least recently released first, with the
+        # release tick of each (eviction order between owners of equal counts).
+        self._evictable_by_owner: dict[bytes, OrderedDict[int, int]] = {}
+        self._ticks = 0
         self.evictions = 0  # cached blocks reused for other rows
         # Requests open (lookups) while a forward takes and gives back blocks.
         self._lock = threading.RLock()
@@ -169,10 +179,7 @@ class BlockPool:
         if short > 0 and self._stored < self._storage_blocks:
             self._issue(min(short, self._storage_blocks - self._stored))
         for _ in range(n - len(self._free)):
-            block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
-            self._free.append(block)
-            self.evictions += 1
+            self._free.append(self._evict_one())
         taken, self._free = self._free[-n:], self._free[:-n]
         for b in taken:
             self._refs[b] = 1
@@ -194,8 +201,35 @@ class BlockPool:
                 raise AssertionError(f"block {b} released more often than it was taken")
             if b in self._key_of:
                 self._evictable[b] = None
+                owned = self._evictable_by_owner.setdefault(self._owner_of[b], OrderedDict())
+                owned[b] = self._ticks
+                self._ticks += 1
             else:
                 self._free.append(b)
+
+    def _evict_one(self) -> int:
+        """Forget the key of the fairest block to evict (module docstring); its id."""
+        owner = max(
+            self._evictable_by_owner,
+            key=lambda o: (len(self._evictable_by_owner[o]),
+                           -next(iter(self._evictable_by_owner[o].values()))),
+        )  # fmt: skip
+        block, _ = self._evictable_by_owner[owner].popitem(last=False)
+        self._unlist(block)
+        del self._block_of[self._key_of.pop(block)]
+        del self._owner_of[block]
+        self.evictions += 1
+        return block
+
+    def _unlist(self, block: int) -> None:
+        """`block` is no longer evictable (taken again, or evicted)."""
+        self._evictable.pop(block, None)
+        owner = self._owner_of[block]
+        owned = self._evictable_by_owner.get(owner)
+        if owned is not None:
+            owned.pop(block, None)
+            if not owned:
+                del self._evictable_by_owner[owner]
 
     # -- the prefix cache --------------------------------------------------------------
     def lookup(self, keys: Iterable[bytes]) -> list[int]:
@@ -210,28 +244,32 @@ class BlockPool:
                 if b is None:
                     break
                 if self._refs[b] == 0:
-                    del self._evictable[b]
+                    self._unlist(b)
                 self._refs[b] += 1
                 found.append(b)
         return found
 
-    def register(self, block: int, key: bytes) -> None:
-        """`block` (full, held, its rows computed) now holds the rows of `key`. A key
-        already cached keeps its block (another request computed it at the same time);
-        this one then stays private and is freed as usual."""
+    def register(self, block: int, key: bytes, owner: bytes = b"") -> None:
+        """`block` (full, held, its rows computed) now holds the rows of `key`, cached
+        on behalf of `owner`. A key already cached keeps its block (another request
+        computed it at the same time); this one then stays private and is freed as
+        usual."""
         with self._lock:
             if not self.prefix_caching or key in self._block_of or block in self._key_of:
                 return
             self._block_of[key] = block
             self._key_of[block] = key
+            self._owner_of[block] = owner
 
     def clear_prefix_cache(self) -> None:
         """Forget every key (cached blocks nobody holds become plain free blocks)."""
         with self._lock:
             self._free.extend(self._evictable)
             self._evictable.clear()
+            self._evictable_by_owner.clear()
             self._block_of.clear()
             self._key_of.clear()
+            self._owner_of.clear()
 
     def refcount(self, block: int) -> int:
         return self._refs[block]

@@ -22,6 +22,7 @@ from ..model.layers import StageModel
 from ..spec.messages import Activation, Candidates, Prune
 from ..spec.sampling import draft_probs
 from .errors import RequestError
+from .prefix_hash import NO_SCOPE, CacheScope
 from .stage import StageRuntime
 
 
@@ -90,10 +91,19 @@ class DraftRuntime:
     def vocab_size(self) -> int:
         return self.runtime.model.cfg.vocab_size
 
-    def open(self, request_id: str, capacity: int, prompt: Sequence[int] | np.ndarray = ()) -> int:
+    def open(
+        self,
+        request_id: str,
+        capacity: int,
+        prompt: Sequence[int] | np.ndarray = (),
+        cache_scope: CacheScope = NO_SCOPE,
+    ) -> int:
         """Open the request; of `prompt` (its first root not included), how many leading
-        tokens the prefix cache holds (the caller prefills the rest, from there)."""
-        return self.runtime.open(request_id, capacity, prefix_tokens=prompt)
+        tokens the prefix cache holds in `cache_scope` (the caller prefills the rest,
+        from there)."""
+        return self.runtime.open(
+            request_id, capacity, prefix_tokens=prompt, cache_scope=cache_scope
+        )
 
     def release(self, request_id: str) -> bool:
         return self.runtime.release(request_id)

@@ -31,7 +31,7 @@ import numpy as np
 from ..spec.tree import member
 from .block_pool import BlockPool
 from .errors import BadInput, CacheFull
-from .prefix_hash import block_keys
+from .prefix_hash import NO_SCOPE, CacheScope, block_keys
 
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -66,6 +66,7 @@ class TreeKVCache:
         # keys of their full blocks, and how many leading blocks are in the cache.
         self.known_tokens: np.ndarray | None = None
         self._keys: list[bytes] = []
+        self._owner = b""  # whom its cached blocks count against (CacheScope.owner)
         self._registered = 0
 
     @property
@@ -94,11 +95,11 @@ class TreeKVCache:
             raise CacheFull(f"KV cache full: {self.length} + {n} rows > capacity {self.capacity}")
 
     # -- the prefix cache --------------------------------------------------------------
-    def attach_prefix(self, tokens: np.ndarray) -> int:
+    def attach_prefix(self, tokens: np.ndarray, scope: CacheScope = NO_SCOPE) -> int:
         """A fresh request that will commit `tokens` first: take the pool's cached blocks
-        of their longest cached prefix as its first committed rows; the number of rows
-        (tokens) it holds so. Its own full blocks of `tokens` are registered as they are
-        computed (`register_full_blocks`)."""
+        of their longest cached prefix in `scope` as its first committed rows; the
+        number of rows (tokens) it holds so. Its own full blocks of `tokens` are
+        registered in `scope` as they are computed (`register_full_blocks`)."""
         if self.length or self.blocks:
             raise BadInput("a prefix can only be attached to an empty cache")
         if tokens.size > self.capacity:
@@ -106,7 +107,8 @@ class TreeKVCache:
         if not self.pool.prefix_caching:
             return 0
         self.known_tokens = tokens
-        self._keys = block_keys(tokens, self.pool.block_size)
+        self._keys = block_keys(tokens, self.pool.block_size, scope.salt)
+        self._owner = scope.owner
         self.blocks = self.pool.lookup(self._keys)
         self._registered = len(self.blocks)
         self.n_committed = len(self.blocks) * self.pool.block_size
@@ -128,7 +130,7 @@ class TreeKVCache:
         the prefix cache."""
         full = min(self.n_committed // self.pool.block_size, len(self._keys))
         for i in range(self._registered, full):
-            self.pool.register(self.blocks[i], self._keys[i])
+            self.pool.register(self.blocks[i], self._keys[i], self._owner)
         self._registered = max(self._registered, full)
 
     def _truncate_committed(self, n: int) -> None:

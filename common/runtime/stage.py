@@ -23,6 +23,7 @@ from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
 from .paged_batch import pack
+from .prefix_hash import NO_SCOPE, CacheScope
 
 # What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
 StageOutput = Activation | None | RequestError
@@ -226,6 +227,7 @@ class StageRuntime:
         root_logits_only: bool = False,
         prefix_tokens: Sequence[int] | np.ndarray | None = None,
         final_hidden: bool = False,
+        cache_scope: CacheScope = NO_SCOPE,
     ) -> int:
         """Open the request's cache, which may grow to `capacity` rows (prompt + output +
         tree). Nothing is reserved: blocks are taken as rows arrive, and a request is
@@ -238,7 +240,8 @@ class StageRuntime:
         (whole blocks of their longest cached prefix, now the request's first committed
         rows; 0 with prefix caching off): the router starts the request's prefill at the
         least of its path's. Its blocks of these tokens are cached for later requests as
-        they are computed.
+        they are computed. `cache_scope`: the prefix-cache namespace of those blocks
+        (prefix_hash.py: requests of other scopes neither find nor evict them first).
 
         `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
         a time): compute and return logits only for tree rows that are the root, i.e. whose
@@ -260,7 +263,7 @@ class StageRuntime:
             cached = 0
             if prefix_tokens is not None:
                 tokens = np.asarray(prefix_tokens, dtype=np.int64).reshape(-1)
-                cached = cache.attach_prefix(tokens)
+                cached = cache.attach_prefix(tokens, cache_scope)
                 if self.pool.prefix_caching:
                     self.prefix_queries += int(tokens.size)
                     self.prefix_hits += cached

@@ -171,6 +171,11 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
                   "before this many tokens are out (at most max_new_tokens)", 3, low=0,
                   high=MAX_NEW_TOKENS, engine="min_tokens", http="min_tokens",
                   cli="--min-tokens"),
+    # vLLM's `cache_salt`: the router derives the stages' salt from it, the API key (or
+    # client address) and a deployment secret (services/router/cache_scope.py).
+    RequestOption("cache_salt", str, "", "prefix-cache namespace: requests of your API key "
+                  "with the same salt share cached prompt prefixes (empty: the key's own)",
+                  "team-7", http="cache_salt", cli="--cache-salt"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

@@ -102,6 +102,7 @@ def build_request(
     presence_penalty: float = 0.0,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    cache_salt: str = "",
 ) -> gen.GenerateRequest:
     """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
     `RouterDescription.tuning`); None or "" to its default. `response_format`: OpenAI's
@@ -130,6 +131,7 @@ def build_request(
         ranking=ranking,
         growth=growth,
         min_tokens=min_tokens,
+        cache_salt=cache_salt,
     )
     if top_p is not None:
         req.sampling.top_p = top_p

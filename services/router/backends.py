@@ -523,14 +523,16 @@ class Backends:
         need_draft: bool = True,
         exclude: Iterable[Backend] = (),
         prompt: Sequence[int] = (),
+        cache_salt: bytes = b"",
     ) -> RequestPath:
         """An eligible replica of every stage of `version` (None: the newest complete
         version that has room), each the one `pick` chooses, and a draft when `need_draft`
         and one is up (else None: the request goes on without). NoPath says why there is
         none. With `prompt`, a replica that was sent a longer prefix of it is preferred,
-        load permitting (`prefix_affinity.prefer_prefix`), and remembers this one."""
+        load permitting (`prefix_affinity.prefer_prefix`), and remembers this one; `cache_salt`:
+        the prompt's prefix-cache salt (its keys are those the replicas compute)."""
         excluded = set(exclude)
-        keys = PromptKeys(prompt)
+        keys = PromptKeys(prompt, cache_salt)
         if version is not None:
             candidates = [version]
         else:

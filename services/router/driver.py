@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 from specpipe.common.runtime.errors import InvalidInput
+from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.commands import Command, Emit, Finish
 from specpipe.common.spec.controller import Controller
 from specpipe.common.spec.stats import DecodeStats
@@ -78,9 +79,11 @@ class RequestDriver:
         lease: LeaseClaim = NO_LEASE,
         vocab_size: int | None = None,
         on_replay: Callable[[RequestDriver, float], None] | None = None,
+        cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
         """`deadline`: the client's, on time.monotonic() (None: none); `vocab_size`: the
-        width of every logits frame; `on_replay`: told each replay's seconds."""
+        width of every logits frame; `on_replay`: told each replay's seconds;
+        `cache_scope`: the prefix-cache scope of its blocks on every replica."""
         self.controller, self.backends, self.settings = controller, backends, settings
         self.request_id = controller.request_id
         self.deadline = Deadline(deadline, settings.rpc_timeout)
@@ -89,7 +92,7 @@ class RequestDriver:
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.session = PathSession(
             controller, backends, path, router_address, inbox, self.events.put_nowait,
-            self.deadline, lease, settings.open_timeout, settings.replay_timeout,
+            self.deadline, lease, settings.open_timeout, settings.replay_timeout, cache_scope,
         )  # fmt: skip
         self.hold = LateDraftHold(controller, settings.late_draft_wait)
         self.t_start = time.monotonic()

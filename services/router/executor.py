@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import numpy as np
+from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     Command,
@@ -30,7 +31,7 @@ from specpipe.common.spec.messages import Candidates
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import prune_to_proto, rows_to_proto, tensor_of
+from ..control import cache_scope_to_proto, prune_to_proto, rows_to_proto, tensor_of
 from .backends import Backend, RequestPath
 from .batched import refusal
 from .calls import Deadline, LeaseClaim
@@ -52,9 +53,12 @@ class CommandExecutor:
         post: Callable[[Event], None],
         deadline: Deadline,
         lease: LeaseClaim,
+        cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
+        """`cache_scope`: the request's prefix-cache scope (the draft's Open)."""
         self.path, self.wire_id, self.attempt = path, wire_id, attempt
         self.post, self.deadline, self.lease = post, deadline, lease
+        self.cache_scope = cache_scope
         for s in path.stages:  # refusals and broken streams of this request
             self._stream(s).attach(wire_id, self._on_fault(s))
         self._draft_q: asyncio.Queue[tuple[str, DraftCall]] = asyncio.Queue()
@@ -98,6 +102,7 @@ class CommandExecutor:
                 lease_owner=self.lease.owner,
                 lease_epoch=self.lease.epoch,
                 lease_token=self.lease.token,
+                cache_scope=cache_scope_to_proto(self.cache_scope),
             )
             self._draft_call("opening the request", lambda d: d.stub.Open(req, timeout=timeout()))
         elif isinstance(cmd, DraftPrefill):

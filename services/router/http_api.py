@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException
 
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits
-from .http_guard import ConnectionGuard, guarded_protocol, limit_uvicorn_logs
+from .http_guard import ConnectionGuard, KeyConnections, guarded_protocol, limit_uvicorn_logs
 from .openai_compat import (
     DEFAULT_COMPLETION_TOKENS,
     ApiError,
@@ -226,7 +226,12 @@ class HttpApi:
         """Run the request's choices (one generation each) and answer, streamed or
         not. The first choice runs alone until its first text, so its prefill is done:
         the others find the prompt's blocks in every stage's prefix cache."""
-        caller = self.router.api_keys.caller(request.headers.get("authorization"))
+        client = request.client.host if request.client else ""
+        caller = self.router.api_keys.caller(request.headers.get("authorization"), client)
+        try:  # every choice counts against the client's share, all of them up front
+            self.router.check_room(caller, len(reqs))
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
         runs = [Generation(self.router.generate(reqs[0], caller=caller), body.stops)]
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
@@ -535,6 +540,9 @@ _SHAPE_ERRORS = ("_type", "literal_error", "union_tag_invalid")
 
 
 async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+    if e.status_code == 400:  # FastAPI's body parse failure (JSON nested too deeply)
+        return _error_response(bad_request(f"the body could not be parsed: {e.detail} "
+                                           "(JSON nested too deeply?)"))  # fmt: skip
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
     return _error_response(ApiError(e.status_code, str(e.detail), code))
 
@@ -565,11 +573,15 @@ class HttpServer:
         sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.port = sock.getsockname()[1]
         limits: EdgeLimits = self.api.router.limits
-        self.guard = ConnectionGuard(limits, asyncio.get_running_loop())
+        keys = self.api.router.api_keys
+        self.guard = ConnectionGuard(limits, asyncio.get_running_loop(), per_key=keys.enabled)
         listener = self.guard.listen(sock)
         limit_uvicorn_logs()
+        app = self.api.app
+        if keys.enabled:  # the per-client connection cap counts keys
+            app = KeyConnections(app, self.guard, keys.valid_tenant)
         config = uvicorn.Config(
-            self.api.app,
+            app,
             http=guarded_protocol(self.guard),
             timeout_keep_alive=limits.idle_timeout,
             h11_max_incomplete_event_size=limits.max_header_bytes,

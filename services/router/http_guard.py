@@ -6,8 +6,8 @@ connections would stay open until the process runs out of file descriptors, taki
 gRPC port and /health down with it. Here:
 
 - `GuardedListener`, the listening socket handed to uvicorn: its `accept` counts every
-  connection (`ConnectionCounts`: at most `max_connections`, and
-  `max_connections_per_client` from one address). When the port is full, the oldest
+  connection (`ConnectionCounts`: at most `max_connections`, and, on a router without
+  API keys, `max_connections_per_client` from one address). When the port is full, the oldest
   idle connection (no request under way) is closed for the new one; when all are busy,
   or the client holds its share, the new one gets a fixed 503 and is closed at once,
   before asyncio builds a transport or a task for it. A connection is counted until its
@@ -16,6 +16,12 @@ gRPC port and /health down with it. Here:
 - `guarded_protocol`: uvicorn's h11 protocol, plus a timer from the connection's start
   (and from the first byte of every later request) to the end of the request's headers:
   a connection that has not sent them in `header_timeout` seconds is closed.
+- `KeyConnections` (a router with API keys): `max_connections_per_client` is per API
+  key instead, so clients behind one NAT or ingress address do not lock each other out.
+  A connection counts against the key of its first request with a valid key (the key
+  is known only from the headers); a request of a key holding its share gets the same
+  503 and its connection is closed. Connections without a valid key are bounded by the
+  total and, idle, are the first closed for new ones.
 - `RateLimitFilter`: refusals and uvicorn's "Invalid HTTP request" warnings are logged
   at a bounded rate.
 """
@@ -62,10 +68,15 @@ class ConnectionGuard:
     so silent or slow connections from many addresses cannot keep clients with a
     request to send out; only when every connection is busy is a new one refused."""
 
-    def __init__(self, limits: EdgeLimits, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, limits: EdgeLimits, loop: asyncio.AbstractEventLoop, per_key: bool = False
+    ) -> None:
+        """`per_key`: the per-client cap counts API keys (`claim`), not addresses."""
         self.limits = limits
         self.loop = loop
-        self.counts = ConnectionCounts(limits.max_connections, limits.max_connections_per_client)
+        per_client = limits.max_connections_per_client
+        self.counts = ConnectionCounts(limits.max_connections, 0 if per_key else per_client)
+        self.key_counts = ConnectionCounts(limits.max_connections, per_client) if per_key else None
         self.refusals = RateLimitedLog(log)
         self.evicted = 0
         self._closing = 0  # evicted connections not closed yet
@@ -130,6 +141,7 @@ class ConnectionGuard:
             conn.evicted = True  # its place is free now; its descriptor at its close
             self._closing += 1
             self.counts.release(conn.host)
+            self._unclaim(conn)
             self.evicted += 1
             self.refusals.warning(
                 "evicted", "HTTP port full: closed the oldest idle connection for a new one"
@@ -150,6 +162,26 @@ class ConnectionGuard:
             self._closing -= 1
         else:
             self.counts.release(conn.host)
+            self._unclaim(conn)
+
+    def claim(self, peername, tenant: str) -> str | None:
+        """The connection from `peername` carries a request of API key `tenant`: count
+        it against that key (once); None, or why it may not (the key holds its share)."""
+        conn = self._open.get(_peer_key(peername))
+        if self.key_counts is None or conn is None or conn.evicted or conn.tenant == tenant:
+            return None
+        self._unclaim(conn)
+        why = self.key_counts.admit(tenant)
+        if why is None:
+            conn.tenant = tenant
+        else:
+            self.refusals.warning("key", "HTTP port: refused a request (%s)", why)
+        return why
+
+    def _unclaim(self, conn: GuardedConnection) -> None:
+        if conn.tenant and self.key_counts is not None:
+            self.key_counts.release(conn.tenant)
+        conn.tenant = ""
 
     def _expire(self, conn: GuardedConnection) -> None:
         conn.unstarted = None
@@ -177,6 +209,7 @@ class GuardedConnection(socket.socket):
 
     on_close = None
     host, key = "", None
+    tenant = ""  # the API key's tenant id it counts against (KeyConnections)
     unstarted: asyncio.TimerHandle | None = None
     evicted = False
 
@@ -258,6 +291,37 @@ def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
                 self.transport.close()
 
     return GuardedH11Protocol
+
+
+class KeyConnections:
+    """ASGI middleware of a router with API keys: each request's connection counts
+    against its key's share (`ConnectionGuard.claim`); over it, 503 and close."""
+
+    def __init__(self, app, guard: ConnectionGuard, tenant_of) -> None:
+        """`tenant_of(authorization)`: the key's tenant id, None for no valid key."""
+        self.app, self.guard, self.tenant_of = app, guard, tenant_of
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("client"):
+            auth = dict(scope.get("headers") or ()).get(b"authorization")
+            tenant = self.tenant_of(auth.decode("latin-1") if auth else None)
+            why = self.guard.claim(scope["client"], tenant) if tenant else None
+            if why is not None:
+                await _refuse_request(receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _refuse_request(receive, send) -> None:
+    """The fixed 503 (its body read first, briefly: closing over unread bytes resets)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(1.0):
+            while (await receive()).get("more_body"):
+                pass
+    headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+               (b"connection", b"close"), (b"content-length", b"%d" % len(_REFUSAL_BODY))]  # fmt: skip
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": _REFUSAL_BODY})
 
 
 class RateLimitFilter(logging.Filter):

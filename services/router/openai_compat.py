@@ -203,6 +203,7 @@ class _Common(BaseModel):
     logit_bias: dict[Int64, float] | None = None
     repetition_penalty: float | None = None
     min_tokens: Int64 = 0
+    cache_salt: Text = ""  # vLLM's: the prefix-cache namespace (services/router/cache_scope.py)
 
     @property
     def choices(self) -> int:
@@ -344,6 +345,7 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
+            cache_salt=self.cache_salt,
         )
 
 

@@ -18,11 +18,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
+from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.controller import Controller, needs_draft
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.v1 import stage_pb2
 
-from ..control import verify_spec_to_proto
+from ..control import cache_scope_to_proto, verify_spec_to_proto
 from ..transport import Inbox
 from .backends import Backend, Backends, Claim, NoPath, RequestPath
 from .calls import NO_LEASE, Deadline, DriverError, LeaseClaim
@@ -34,12 +35,18 @@ RELEASE_TIMEOUT = 5.0  # seconds a Release may take (best effort)
 
 
 def first_path(
-    backends: Backends, mode: Mode, opts: DecodeOptions, prompt: Sequence[int]
+    backends: Backends,
+    mode: Mode,
+    opts: DecodeOptions,
+    prompt: Sequence[int],
+    cache_scope: CacheScope = NO_SCOPE,
 ) -> RequestPath:
     """The path a new request tries first: the newest complete version, replicas that
-    were sent its prompt's prefix preferred (prefix_affinity.py), a draft when it needs
-    one (`needs_draft`). NoPath when there is none."""
-    return backends.path(need_draft=needs_draft(mode, opts), prompt=prompt)
+    were sent its prompt's prefix in its cache scope preferred (prefix_affinity.py), a
+    draft when it needs one (`needs_draft`). NoPath when there is none."""
+    return backends.path(
+        need_draft=needs_draft(mode, opts), prompt=prompt, cache_salt=cache_scope.salt
+    )
 
 
 class PathSession:
@@ -55,9 +62,12 @@ class PathSession:
         lease: LeaseClaim = NO_LEASE,
         open_timeout: float = 10.0,
         replay_timeout: float = 10.0,
+        cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
         """`controller`: read for what `Open` tells the stages; `post`: where the
-        request's events go (frames of its current wire id, its calls' failures)."""
+        request's events go (frames of its current wire id, its calls' failures);
+        `cache_scope`: the prefix-cache scope of its blocks on every replica."""
+        self.cache_scope = cache_scope
         self.controller, self.backends = controller, backends
         self.request_id = controller.request_id
         self.router_address, self.inbox, self.post = router_address, inbox, post
@@ -132,8 +142,9 @@ class PathSession:
                 self.path = path
                 self._claim = self.backends.acquire(path)
                 self.executor = CommandExecutor(
-                    path, self.wire_id, self.attempt, self.post, self.deadline, self.lease
-                )
+                    path, self.wire_id, self.attempt, self.post, self.deadline, self.lease,
+                    self.cache_scope,
+                )  # fmt: skip
                 return opened
             b, err = opened
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and self.deadline.passed():
@@ -192,6 +203,7 @@ class PathSession:
         timeout = self.deadline.timeout(self.open_timeout)
         verify = verify_spec_to_proto(ctrl.verify_spec)  # the last stage verifies
         prefix = ctrl.committed_before_root  # looked up in each stage's prefix cache
+        scope = cache_scope_to_proto(self.cache_scope)
         calls = [
             s.stub.Open(
                 stage_pb2.OpenStageRequest(
@@ -206,6 +218,7 @@ class PathSession:
                     lease_token=self.lease.token,
                     verify=verify if s is stages[-1] else None,
                     prefix_token_ids=prefix,
+                    cache_scope=scope,
                 ),
                 timeout=timeout,
             )

@@ -53,8 +53,10 @@ class PrefixIndex:
 class PromptKeys:
     """A prompt's block keys for each block size asked (replicas may differ)."""
 
-    def __init__(self, prompt: Sequence[int]) -> None:
+    def __init__(self, prompt: Sequence[int], salt: bytes = b"") -> None:
+        """`salt`: the request's cache scope's (its keys are in that namespace only)."""
         self.tokens = list(prompt)[:-1]  # what is committed before the first root
+        self.salt = salt
         self._by_size: dict[int, list[bytes]] = {}
 
     def __bool__(self) -> bool:
@@ -63,7 +65,7 @@ class PromptKeys:
     def of(self, desc: object) -> list[bytes]:
         size = int(getattr(desc, "cache_block_rows", 0) or BLOCK_SIZE)
         if size not in self._by_size:
-            self._by_size[size] = block_keys(self.tokens, size)
+            self._by_size[size] = block_keys(self.tokens, size, self.salt)
         return self._by_size[size]
 
 

@@ -175,18 +175,23 @@ def prompt_of(r: gen.GenerateRequest, codec) -> list[int]:
     return []
 
 
-# Prompt logprobs travel in the first Verification's header (at most 4 MiB: the data
-# plane's cap); they may take half of it, at this many bytes per prompt token and per
-# top alternative (a protobuf TokenLogprobs: a double, then a varint id and a double each).
-PROMPT_LOGPROBS_BYTES = 2 << 20
-PROMPT_LOGPROB_BYTES = (16, 12)
+# Prompt logprobs are capped, not weighed in admission (issue 35, F4: `echo` with
+# `logprobs: 20` on an 8,000-character prompt made an 8 KB request a 5.16 MB response): a
+# request gets at most this many entries, prompt tokens x (alternatives + 1), about 1 MB
+# of JSON (~31 bytes an entry). The size is known before the request starts, so a cap
+# refuses it with a clear 400 at no cost, bounds every response (and the stages' rows of
+# logits behind it) whatever the load, and leaves the slots to count requests; the fair
+# shares per API key (common/spec/scheduler.py) then bound what one client has in flight.
+# Scoring a prompt (0 or 1 alternatives) still covers 16-32k tokens. The entries also
+# travel in the first Verification's header (at most 4 MiB: the data plane's cap), at
+# 16 + 12 bytes per token and alternative: 2^15 entries take well under half of it.
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 15
 
 
 def check_prompt_logprobs(prompt_tokens: int, top: int) -> None:
-    """Refuse prompt logprobs that could not come back in one frame header."""
-    each, per_top = PROMPT_LOGPROB_BYTES
-    if prompt_tokens * (each + per_top * top) > PROMPT_LOGPROBS_BYTES:
-        most = PROMPT_LOGPROBS_BYTES // (each + per_top * top)
+    """Refuse prompt logprobs over MAX_PROMPT_LOGPROB_ENTRIES."""
+    if prompt_tokens * (top + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        most = MAX_PROMPT_LOGPROB_ENTRIES // (top + 1)
         raise invalid(
             f"prompt logprobs of {prompt_tokens} prompt tokens with {top} alternatives each "
             f"are more than one response carries (at most {most} tokens with {top}): "

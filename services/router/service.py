@@ -20,15 +20,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, MIN_TOKEN_BYTES
+from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
 from specpipe.common.spec.options import Mode, check_step_rows
 from specpipe.common.spec.scheduler import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_MAX_WAITING,
+    DEFAULT_MAX_WAITING_PER_TENANT,
     QueueFull,
     Scheduler,
     Ticket,
+    default_running_per_tenant,
 )
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
@@ -44,6 +47,7 @@ from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .backends import Backend, Backends, ModelInfo, NoPath
 from .bounds import context_of, max_prompt_chars, max_request_bytes
+from .cache_scope import CacheScopes
 from .calls import DriverError, LeaseClaim
 from .discovery import Discovery, StaticDiscovery
 from .driver import DriverSettings, RequestDriver
@@ -101,6 +105,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         tuning: RouterTuning | None = None,
         late_draft_wait: float = 0.0,
         limits: EdgeLimits | None = None,
+        max_running_per_key: int | None = None,
+        max_waiting_per_key: int = DEFAULT_MAX_WAITING_PER_TENANT,
+        share_prefix_cache: bool = False,
+        describe_internals: bool = False,
     ) -> None:
         """`security`: mutual TLS to the stages and the draft and authenticated frames
         (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
@@ -108,7 +116,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         unset (values or "auto"); `tuning`: how `auto` settings are chosen;
         `late_draft_wait`: how long a verification may wait for a late draft answer
         (seconds; 0: never, see driver.py); `limits`: connection caps and timeouts of
-        the public ports (edge.py)."""
+        the public ports (edge.py). Fair admission (common/spec/scheduler.py): an API
+        key (or, without keys, a client address) runs at most `max_running_per_key`
+        requests (None: all but an eighth of `max_running`) and queues at most
+        `max_waiting_per_key`. `share_prefix_cache`: tenants may
+        share cached prefixes (cache_scope.py). `describe_internals`: without API keys,
+        callers on this host see the replicas' addresses in Describe (operators do
+        anyway)."""
         self.security = security
         self.public_tls = public_tls
         self.inbox = Inbox()
@@ -148,7 +162,19 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.late_draft_wait = late_draft_wait
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
-        self.scheduler = Scheduler(max_running, max_waiting, clock=time.monotonic)
+        self.scheduler = Scheduler(
+            max_running,
+            max_waiting,
+            clock=time.monotonic,
+            max_running_per_tenant=max_running_per_key or default_running_per_tenant(max_running),
+            max_waiting_per_tenant=max_waiting_per_key,
+            on_bumped=self._bumped,
+        )
+        # Prefix-cache namespaces: per tenant, keyed with the deployment's secret.
+        self.cache_scopes = CacheScopes(
+            security.data_secret if security else None, share_prefix_cache
+        )
+        self.describe_internals = describe_internals
         self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
@@ -423,9 +449,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         releases the request on every stage and the draft; throwing StopGeneration in at
         a delta ends it as finished ("stop") and yields the final message."""
         self._refuse_while_draining()
-        check_priority(request.priority, caller or self.api_keys.caller(None))
+        caller = caller or self.api_keys.caller(None)
+        check_priority(request.priority, caller)
+        try:
+            scope = self.cache_scopes.of(caller.tenant, request.cache_salt)
+        except ValueError as e:
+            raise invalid(str(e)) from None
         plan, tuned = self._tune(await self.prepare(request))
-        driver = await self._start(plan, tuned, request.priority, deadline)
+        driver = await self._start(plan, tuned, request.priority, deadline, caller.tenant, scope)
         stream = self.codec.stream() if self.codec else None
         failed, stopped, index = True, False, 0
         try:
@@ -465,19 +496,26 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             )
 
     async def _start(
-        self, plan: Plan, tuned: Tuned | None, priority: int, deadline: float | None
+        self,
+        plan: Plan,
+        tuned: Tuned | None,
+        priority: int,
+        deadline: float | None,
+        tenant: str = "",
+        scope: CacheScope = NO_SCOPE,
     ) -> RequestDriver:
-        """Admit a planned request (it may wait for a slot), choose its first path and
-        make its controller and driver; the request then counts as running."""
+        """Admit a planned request of `tenant` (it may wait for a slot), choose its first
+        path and make its controller and driver; the request then counts as running.
+        `scope`: its prefix-cache scope on every replica."""
         rid = self._ids.next()
         try:
-            await self._admit(rid, plan, priority, deadline)
+            await self._admit(rid, plan, priority, deadline, tenant)
         except BaseException:
             self.tuning.finish(tuned, None)
             raise
         t0 = time.perf_counter()
         try:
-            path = first_path(self.backends, plan.mode, plan.opts, plan.prompt)
+            path = first_path(self.backends, plan.mode, plan.opts, plan.prompt, scope)
         except NoPath as e:
             self._leave(rid)
             self.tuning.finish(tuned, None)
@@ -506,6 +544,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             lease=LeaseClaim(self.name, self.epoch, self.lease_token),
             vocab_size=self.model.vocab_size if self.model else None,
             on_replay=metrics.replayed if metrics is not None else None,
+            cache_scope=scope,
         )
         if metrics is not None:
             driver.on_step_cpu = metrics.step_cpu.observe
@@ -563,9 +602,13 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def _admit(self, rid: str, plan: Plan, priority: int, deadline: float | None) -> None:
-        """Run now, or wait in the queue (by priority) until a running request leaves."""
-        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.depth)
+    async def _admit(
+        self, rid: str, plan: Plan, priority: int, deadline: float | None, tenant: str = ""
+    ) -> None:
+        """Run now, or wait in the queue (fair between tenants, then by priority) until
+        a running request leaves; RESOURCE_EXHAUSTED when refused, now or later (a full
+        queue made room for a tenant queueing less)."""
+        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.depth, tenant=tenant)
         try:
             if self.scheduler.submit(ticket):
                 return
@@ -583,6 +626,30 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         finally:
             if not admitted.done():  # gave up waiting (deadline, or the client left)
                 self._leave(rid)
+
+    def _bumped(self, ticket: Ticket) -> None:
+        """A waiting request refused to make room for a tenant queueing less."""
+        fut = self._admissions.pop(ticket.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                RequestFailed(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "the queue is full and this client queues more than others: retry later",
+                )
+            )
+
+    def check_room(self, caller: Caller | None, n: int) -> None:
+        """RESOURCE_EXHAUSTED unless `caller` may hold `n` more requests now (the `n`
+        choices of one HTTP request: all of them count, up front; one is admitted as
+        any request is)."""
+        self._refuse_while_draining()
+        if n <= 1:
+            return
+        tenant = (caller or self.api_keys.caller(None)).tenant
+        try:
+            self.scheduler.check_room(tenant, n)
+        except QueueFull as e:
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
 
     def _leave(self, rid: str) -> None:
         """`rid` no longer runs or waits: admit whom it makes room for, share the width."""
@@ -656,9 +723,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def Describe(self, request, context) -> gen.RouterDescription:
         """The router's state. Replicas' addresses and errors and the router's data
         address are internal: only an operator sees them (a key marked `operator`, or,
-        on a router without API keys, a caller on this host); everyone else gets the
-        replicas by kind, layers, version, health and load."""
+        on a router without API keys started with --describe-internals, a caller on
+        this host); everyone else gets the replicas by kind, layers, version, health
+        and load."""
         internal = self._sees_internals(context)
+        tenant = self.api_keys.caller_of_call(context).tenant if context is not None else ""
         backends = []
         for b in self.backends.all:
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
@@ -690,6 +759,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             max_waiting=self.scheduler.max_waiting,
             row_budget=self.scheduler.row_budget or 0,
             tuning=self.tuning.describe(),
+            max_running_per_key=self.scheduler.running_cap,
+            max_waiting_per_key=self.scheduler.waiting_cap,
+            caller_running=self.scheduler.running_of(tenant),
+            caller_waiting=self.scheduler.waiting_of(tenant),
         )
 
     def _sees_internals(self, context) -> bool:
@@ -698,7 +771,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             return True
         if self.api_keys.caller_of_call(context).operator:
             return True
-        return not self.api_keys.enabled and is_local_peer(context.peer())
+        return (
+            self.describe_internals and not self.api_keys.enabled and is_local_peer(context.peer())
+        )
 
 
 def is_local_peer(peer: str) -> bool:

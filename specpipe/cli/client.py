@@ -94,6 +94,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         'or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
     )
     add_logits_rules_args(g)
+    g.add_argument(
+        "--cache-salt",
+        default="",
+        help="prefix-cache namespace: requests of your API key with the same salt share "
+        "cached prompt prefixes (default: the key's own)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")

@@ -314,6 +314,18 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         help="this router's name on the stages and the draft (default HOST:PORT): a router "
         "restarted under the same name frees its predecessor's requests at once",
     )
+    p.add_argument(
+        "--share-prefix-cache",
+        action="store_true",
+        help="cached prompt prefixes are shared across API keys (requests with the same "
+        "cache_salt, or without one); default: per key (or client address) and cache_salt",
+    )
+    p.add_argument(
+        "--describe-internals",
+        action="store_true",
+        help="without API keys, callers on this host see the replicas' addresses in "
+        "Describe (with keys: those marked operator)",
+    )
     _service_args(p, defaults, data_plane=True)
     _http_args(p)
     _edge_args(p, defaults)
@@ -422,6 +434,21 @@ def _scheduling_args(p: argparse.ArgumentParser, defaults: SchedulingConfig) -> 
         type=int,
         default=defaults.max_waiting,
         help="requests queued beyond --max-running; more are refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--max-running-per-key",
+        type=positive_int,
+        default=defaults.max_running_per_key,
+        help="requests one API key (or client address, without keys) runs at once; a freed "
+        "slot goes to the key running fewest (default: all but an eighth of --max-running, "
+        "kept for the others)",
+    )
+    p.add_argument(
+        "--max-waiting-per-key",
+        type=int,
+        default=defaults.max_waiting_per_key,
+        help="requests one API key (or client address) may queue; more are refused "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--row-budget",

@@ -116,3 +116,39 @@ def test_no_prefix_cache_shares_nothing(llama_dir) -> None:
         assert desc.prefix_cache_hits == 0 and desc.cache_blocks_cached == 0
     finally:
         dep.stop()
+
+
+def _hits(dep: ServicesDeployment) -> dict[str, int]:
+    """prefix_cache_hits of every stage and the draft."""
+    return {name: describe(dep, name).prefix_cache_hits for name in dep.children
+            if name != "router"}  # fmt: skip
+
+
+def test_cached_prefixes_are_per_key_and_cache_salt(llama_dir) -> None:
+    """F3: a prefix another client had sent came back 60-100x faster (anyone could
+    confirm a guessed system prompt). Every stage and the draft key their blocks by a
+    salt the router derives from the API key and the request's cache_salt: key a finds
+    its own prompt again, key b (or a with another cache_salt) finds nothing, and the
+    tokens are the same either way."""
+    dep = start(llama_dir, "oracle", 2, "tcp", api_keys=("key-a", "key-b"))
+    prompt = [*SYSTEM, 7, 8]
+
+    def run(key: str, salt: str = "") -> tuple[list[int], dict[str, int]]:
+        before = _hits(dep)
+        with Client(dep.router_address, timeout=120, api_key=key) as client:
+            out = client.generate(prompt_ids=prompt, max_new_tokens=6, ignore_eos=True,
+                                  prefill_chunk=CHUNK, cache_salt=salt)  # fmt: skip
+        after = _hits(dep)
+        return out.token_ids, {n: after[n] - before[n] for n in after}
+
+    try:
+        cold, first = run("key-a")
+        again, hit = run("key-a")
+        other, miss = run("key-b")
+        salted, salted_miss = run("key-a", "team-7")
+    finally:
+        dep.stop()
+    assert not any(first.values())
+    assert all(h >= 48 for h in hit.values()), hit  # every stage and the draft
+    assert not any(miss.values()) and not any(salted_miss.values()), (miss, salted_miss)
+    assert cold == again == other == salted

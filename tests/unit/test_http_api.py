@@ -646,13 +646,18 @@ def test_vllms_waiting_requests_count_the_queue_too() -> None:
 
 
 def test_prompt_logprobs_are_bounded_by_what_one_answer_carries() -> None:
-    """They come back in one data-plane frame header: 2 MiB of them at most, refused
-    before the request starts (16 + 12 bytes per alternative per prompt token)."""
+    """F4: `echo` with `logprobs: 20` on an 8,000-character prompt turned an 8 KB
+    request into a 5.16 MB response. A request's prompt logprobs are at most 2^15
+    entries (prompt tokens x (alternatives + 1), about 1 MB of JSON), refused before the
+    request starts."""
     from specpipe.services.router.requests import InvalidRequest, check_prompt_logprobs
 
-    check_prompt_logprobs(8192, 20)
-    check_prompt_logprobs(74898, 1)
-    with pytest.raises(InvalidRequest, match="at most 8192 tokens with 20"):
-        check_prompt_logprobs(8193, 20)
-    with pytest.raises(InvalidRequest, match="74898 tokens with 1"):
-        check_prompt_logprobs(74899, 1)
+    check_prompt_logprobs(1560, 20)
+    check_prompt_logprobs(16384, 1)
+    check_prompt_logprobs(32768, 0)
+    with pytest.raises(InvalidRequest, match="at most 1560 tokens with 20"):
+        check_prompt_logprobs(1561, 20)
+    with pytest.raises(InvalidRequest, match="16384 tokens with 1"):
+        check_prompt_logprobs(16385, 1)
+    with pytest.raises(InvalidRequest, match="with 20"):
+        check_prompt_logprobs(8000, 20)  # F4's request

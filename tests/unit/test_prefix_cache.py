@@ -19,7 +19,7 @@ from specpipe.common.runtime.draft import DraftRuntime
 from specpipe.common.runtime.errors import BadInput, CacheFull
 from specpipe.common.runtime.lockstep import Generation
 from specpipe.common.runtime.pipeline import LocalPipeline
-from specpipe.common.runtime.prefix_hash import block_keys
+from specpipe.common.runtime.prefix_hash import CacheScope, block_keys
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation
 from specpipe.common.spec.options import DecodeOptions
@@ -44,12 +44,12 @@ def _pool(blocks: int) -> BlockPool:
     return pool
 
 
-def _cached(pool: BlockPool, tokens: list[int]) -> list[int]:
+def _cached(pool: BlockPool, tokens: list[int], owner: bytes = b"") -> list[int]:
     """Blocks of a request that computed `tokens`, registered, then released."""
     keys = block_keys(tokens, pool.block_size)
     blocks = pool.allocate(len(keys))
     for b, k in zip(blocks, keys, strict=True):
-        pool.register(b, k)
+        pool.register(b, k, owner)
     pool.release(blocks)
     return blocks
 
@@ -254,3 +254,58 @@ def test_no_prefix_cache_turns_it_off(target, llama_dir) -> None:
     info = stage.info()  # only "a", opened while it was on, was looked up
     assert info.prefix_cache_queries == 12 and info.prefix_cache_hits == 0
     assert not info.prefix_caching
+
+
+# -- isolation between tenants (issue 35, F3) ------------------------------------------------
+def test_a_salt_gives_every_block_another_key() -> None:
+    tokens = list(range(12))
+    plain = block_keys(tokens, 4)
+    assert block_keys(tokens, 4, salt=b"") == plain  # unsalted: the keys of before
+    a, b = block_keys(tokens, 4, salt=b"a" * 16), block_keys(tokens, 4, salt=b"b" * 16)
+    assert len(a) == 3 and not set(a) & set(plain) and not set(a) & set(b)
+
+
+def test_a_prefix_another_tenant_cached_is_not_found(target) -> None:
+    """F3: a prefix another client sent came back 60-100x faster, so anyone could
+    confirm a guessed system prompt. Scoped requests find only their own scope's
+    blocks."""
+    stage = StageRuntime(load_stage(target, LayerRange(0, 2, 5), DTYPE), block_size=4)
+    alice, bob = CacheScope(b"a" * 16, b"A"), CacheScope(b"b" * 16, b"B")
+    tokens = list(range(1, 21))
+    assert _prefill(stage, "a1", tokens, alice) == 0
+    stage.release("a1")
+    assert _prefill(stage, "b1", tokens, bob) == 0  # bob cannot see alice's prefix
+    stage.release("b1")
+    assert _prefill(stage, "a2", tokens, alice) == 20  # alice still finds hers
+    assert stage.open("p", 64, prefix_tokens=tokens) == 0  # nor does an unscoped one
+
+
+def test_one_owner_cannot_flush_another_below_its_share() -> None:
+    """F3: 40 distinct prefixes pushed a victim's prefix out of the cache. Eviction
+    takes from the owner holding the most cached blocks."""
+    pool = _pool(8)
+    victim = _cached(pool, list(range(8)), owner=b"victim")  # 2 blocks
+    for i in range(40):  # the attacker's prefixes, 2 blocks each
+        _cached(pool, list(range(1000 + 8 * i, 1008 + 8 * i)), owner=b"attacker")
+    assert pool.lookup(block_keys(list(range(8)), 4)) == victim
+    pool.release(victim)
+    assert pool.cached_blocks == 8
+
+
+def test_eviction_takes_from_the_largest_owner_least_recent_first() -> None:
+    pool = _pool(6)
+    a1 = _cached(pool, list(range(8)), owner=b"a")
+    b1 = _cached(pool, list(range(100, 108)), owner=b"b")
+    a2 = _cached(pool, list(range(200, 208)), owner=b"a")
+    (x,) = pool.allocate(1)  # a holds 4 cached blocks, b 2: a's oldest tail goes
+    assert x == a1[1]
+    y, z = pool.allocate(2)  # a 3, b 2, then a 2, b 2: a's, then (tie) the older
+    assert {y, z} == {a1[0], b1[1]} and a2[0] not in (x, y, z)
+
+
+def _prefill(stage, rid: str, tokens: list[int], scope) -> int:
+    cached = stage.open(rid, 64, prefix_tokens=tokens, cache_scope=scope)
+    pos = torch.arange(cached, len(tokens))
+    if pos.numel():
+        stage.forward(Activation(rid, pos, committed=True, tokens=torch.tensor(tokens[cached:])))
+    return cached

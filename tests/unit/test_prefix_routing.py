@@ -53,3 +53,17 @@ def test_a_replica_remembers_at_most_its_cache_blocks() -> None:
     assert len(index) == 3 and index.held(keys.of(desc)) == 0  # the first keys went first
     index.add(keys.of(desc)[:2], key_limit(desc))
     assert index.held(keys.of(desc)) == 2
+
+
+def test_prompt_keys_are_those_of_the_request_s_cache_scope() -> None:
+    """The router remembers the keys the replicas compute: salted per scope (F3), so a
+    prompt of another tenant is not routed to where only its twin is cached."""
+    from specpipe.common.runtime.prefix_hash import block_keys
+
+    desc = SimpleNamespace(cache_block_rows=4)
+    prompt = list(range(1, 22))
+    plain, salted = PromptKeys(prompt), PromptKeys(prompt, b"s" * 16)
+    assert salted.of(desc) == block_keys(prompt[:-1], 4, b"s" * 16)
+    index = PrefixIndex()
+    index.add(plain.of(desc), 100)
+    assert index.held(plain.of(desc)) == 5 and index.held(salted.of(desc)) == 0

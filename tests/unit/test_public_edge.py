@@ -42,9 +42,9 @@ WAIT = 30.0  # generous bound on anything that must happen (a test, not a benchm
 
 # -- a router with its public ports, no stages ------------------------------------------------
 @contextlib.asynccontextmanager
-async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=False):
+async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=False, **kw):
     router = RouterService(
-        ["127.0.0.1:9"], None, api_keys=keys or ApiKeys(), limits=limits or EdgeLimits()
+        ["127.0.0.1:9"], None, api_keys=keys or ApiKeys(), limits=limits or EdgeLimits(), **kw
     )
     router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=max_positions,
                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
@@ -222,6 +222,40 @@ def test_connections_per_client_are_capped_and_other_clients_served() -> None:
     refused = [g for g in got if g.startswith(b"HTTP/1.1 503")]
     assert len(refused) == 6 and got.count(b"") == 4
     assert b"too many connections" in refused[0] and b"Retry-After: 1" in refused[0]
+
+
+def test_with_api_keys_the_connection_cap_is_per_key_not_per_address() -> None:
+    """Issue 35 residue: one client behind a NAT or an ingress used up its address's
+    connections and locked out everyone there. With keys, key a holds its 2 (a third
+    request of a's is refused 503 and closed); key b, from the same address, is served;
+    silent connections from that address are not refused for it."""
+
+    async def kept(port, key):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n"
+                .encode())  # fmt: skip
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT)
+        return int(head.split(b" ", 2)[1]), (r, w)
+
+    async def main():
+        limits = EdgeLimits(max_connections_per_client=2, header_timeout=5.0)
+        async with edge(limits, keys=ApiKeys(["key-a", "key-b"])) as e:
+            silent_ones = await silent(e.port, 4)  # same address: not refused now
+            a1, c1 = await kept(e.port, "key-a")
+            a2, c2 = await kept(e.port, "key-a")
+            a3, c3 = await kept(e.port, "key-a")
+            b1, c4 = await kept(e.port, "key-b")
+            c1[1].close()
+            await c1[1].wait_closed()
+            await asyncio.sleep(0.2)
+            a4, c5 = await kept(e.port, "key-a")  # a's first connection closed: room again
+            for _, w in (c2, c3, c4, c5):
+                w.close()
+            for _, w in silent_ones:
+                w.close()
+            return [a1, a2, a3, b1, a4]
+
+    assert asyncio.run(main()) == [200, 200, 503, 200, 200]
 
 
 def test_a_full_port_closes_its_oldest_idle_connection_for_a_new_one(caplog) -> None:
@@ -520,15 +554,20 @@ def test_describe_shows_internal_addresses_to_operators_only(tmp_path) -> None:
             health = await request(e.port)
             e.router.backends._ready = False
             down = await request(e.port)
-        async with edge(with_grpc=True) as e:  # no keys: a caller here is the operator
+        async with edge(with_grpc=True) as e:  # no keys: nobody is an operator...
+            anyone = await describe(e)
+        async with edge(with_grpc=True, describe_internals=True) as e:  # ...unless told
             local = await describe(e)
-        return public, ops, local, health, down
+        return public, ops, anyone, local, health, down
 
-    public, ops, local, health, down = asyncio.run(main())
+    public, ops, anyone, local, health, down = asyncio.run(main())
     (b,) = public.backends
     assert b.kind == "stage" and b.address == "" and public.data_address == ""
     assert "127.0.0.1:9" not in str(public) and b.error == "down"
     assert ops.backends[0].address == "127.0.0.1:9" and ops.data_address.startswith("tcp://")
+    # Issue 35: a local caller of a router without keys saw the addresses (behind an
+    # ingress on the same host, everyone is local).
+    assert anyone.backends[0].address == "" and anyone.data_address == ""
     assert local.backends[0].address == "127.0.0.1:9"
     # /health is open to anyone: kinds only.
     assert health[0] == 200
@@ -615,3 +654,20 @@ def test_metrics_server_closes_silent_and_slow_connections(monkeypatch) -> None:
         quiet.close()
         slow.close()
         m.close()
+
+
+def test_a_deeply_nested_body_is_refused_with_a_code() -> None:
+    """Issue 35 residue: a schema nested 20,000 deep failed JSON parsing with a 400 whose
+    code was null."""
+    depth = 20000
+    schema = b'{"a":' * depth + b"1" + b"}" * depth
+    body = (b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": '
+            b'{"schema": ' + schema + b"}}}")  # fmt: skip
+
+    async def main():
+        async with edge() as e:
+            return await request(e.port, "/v1/completions", body)
+
+    status, answer = asyncio.run(main())
+    assert status == 400 and answer["error"]["code"] == "invalid_request_error"
+    assert "nested" in answer["error"]["message"]

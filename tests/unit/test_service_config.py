@@ -47,9 +47,10 @@ ROUTER = RouterConfig(
     model_id="served", startup_timeout=12.0, router_name="r1", http_port=8000,
     api_keys=("k1", "k2"), api_key_files=("/a", "/b"), public_tls_cert="/c.pem",
     public_tls_key="/k.pem", http_max_connections=100, http_max_connections_per_client=3,
-    http_header_timeout=2.5, max_priority=4,
+    http_header_timeout=2.5, max_priority=4, share_prefix_cache=True, describe_internals=True,
     scheduling=SchedulingConfig(
-        max_running=3, max_waiting=4, row_budget="auto", width=8, layers_per_step="auto",
+        max_running=3, max_waiting=4, max_running_per_key=2, max_waiting_per_key=3,
+        row_budget="auto", width=8, layers_per_step="auto",
         token_source="ngram", tune_calibration_tokens=64, tune_price="model",
         late_draft_wait_ms=2.5,
     ),
@@ -119,7 +120,11 @@ def test_scheduling_from_a_mapping_keeps_the_defaults_of_what_is_none() -> None:
 
 def test_repeated_defaults_equal_their_origins() -> None:
     from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
-    from specpipe.common.spec.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
+    from specpipe.common.spec.scheduler import (
+        DEFAULT_MAX_RUNNING,
+        DEFAULT_MAX_WAITING,
+        DEFAULT_MAX_WAITING_PER_TENANT,
+    )
     from specpipe.services import config, modelinfo, security, transport
     from specpipe.services.auth import DEFAULT_MAX_PRIORITY
     from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
@@ -136,6 +141,7 @@ def test_repeated_defaults_equal_their_origins() -> None:
         DEFAULT_MAX_RUNNING,
         DEFAULT_MAX_WAITING,
     )
+    assert config.DEFAULT_MAX_WAITING_PER_KEY == DEFAULT_MAX_WAITING_PER_TENANT
     assert config.TRANSPORTS == transport.TRANSPORTS and config.TCP == transport.TCP
 
 

@@ -167,7 +167,7 @@ def test_modes_without_a_draft_run_while_the_draft_is_down() -> None:
     async def asked(router, mode):  # what the service asks the backends for, per mode
         seen = []
 
-        def path(version=None, need_draft=True, exclude=(), prompt=()):
+        def path(version=None, need_draft=True, exclude=(), prompt=(), cache_salt=b""):
             seen.append(need_draft)
             raise NoPath("none")
 

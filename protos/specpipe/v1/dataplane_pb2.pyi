@@ -222,3 +222,11 @@ class CostCurve(_message.Message):
     seconds: _containers.RepeatedScalarFieldContainer[float]
     context: int
     def __init__(self, rows: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ..., context: _Optional[int] = ...) -> None: ...
+
+class CacheScope(_message.Message):
+    __slots__ = ("salt", "owner")
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    salt: bytes
+    owner: bytes
+    def __init__(self, salt: _Optional[bytes] = ..., owner: _Optional[bytes] = ...) -> None: ...

@@ -44,7 +44,7 @@ class DraftDescription(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch", "lease_token")
+    __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch", "lease_token", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class OpenDraftRequest(_message.Message):
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -59,7 +60,8 @@ class OpenDraftRequest(_message.Message):
     lease_owner: str
     lease_epoch: int
     lease_token: bytes
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ...) -> None: ...
+    cache_scope: _dataplane_pb2.CacheScope
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., cache_scope: _Optional[_Union[_dataplane_pb2.CacheScope, _Mapping]] = ...) -> None: ...
 
 class OpenDraftResponse(_message.Message):
     __slots__ = ("cached_tokens",)

@@ -41,7 +41,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format", "min_tokens")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format", "min_tokens", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerateRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -86,7 +87,8 @@ class GenerateRequest(_message.Message):
     prompt_logprobs: int
     response_format: ResponseFormat
     min_tokens: int
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., min_tokens: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., min_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "schema")
@@ -273,7 +275,7 @@ class Backend(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., layers: _Optional[str] = ..., error: _Optional[str] = ..., weight_hash: _Optional[str] = ..., active_requests: _Optional[int] = ..., draining: _Optional[bool] = ..., refused: _Optional[bool] = ...) -> None: ...
 
 class RouterDescription(_message.Message):
-    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget", "tuning")
+    __slots__ = ("ready", "active_requests", "backends", "transport", "data_address", "waiting_requests", "max_running", "max_waiting", "row_budget", "tuning", "max_running_per_key", "max_waiting_per_key", "caller_running", "caller_waiting")
     READY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +286,10 @@ class RouterDescription(_message.Message):
     MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     ROW_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TUNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_PER_KEY_FIELD_NUMBER: _ClassVar[int]
+    CALLER_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    CALLER_WAITING_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     active_requests: int
     backends: _containers.RepeatedCompositeFieldContainer[Backend]
@@ -294,7 +300,11 @@ class RouterDescription(_message.Message):
     max_waiting: int
     row_budget: int
     tuning: _containers.RepeatedCompositeFieldContainer[Tuning]
-    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ...) -> None: ...
+    max_running_per_key: int
+    max_waiting_per_key: int
+    caller_running: int
+    caller_waiting: int
+    def __init__(self, ready: _Optional[bool] = ..., active_requests: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[Backend, _Mapping]]] = ..., transport: _Optional[str] = ..., data_address: _Optional[str] = ..., waiting_requests: _Optional[int] = ..., max_running: _Optional[int] = ..., max_waiting: _Optional[int] = ..., row_budget: _Optional[int] = ..., tuning: _Optional[_Iterable[_Union[Tuning, _Mapping]]] = ..., max_running_per_key: _Optional[int] = ..., max_waiting_per_key: _Optional[int] = ..., caller_running: _Optional[int] = ..., caller_waiting: _Optional[int] = ...) -> None: ...
 
 class Tuning(_message.Message):
     __slots__ = ("weight_hash", "regime", "chosen", "reason", "arms", "price")

@@ -84,7 +84,7 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "prefix_token_ids", "verify")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "prefix_token_ids", "verify", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class OpenStageRequest(_message.Message):
     FILLS_PIPELINE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     capacity: int
     next_hop: str
@@ -107,7 +108,8 @@ class OpenStageRequest(_message.Message):
     fills_pipeline: bool
     prefix_token_ids: _containers.RepeatedScalarFieldContainer[int]
     verify: _dataplane_pb2.VerifySpec
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ...) -> None: ...
+    cache_scope: _dataplane_pb2.CacheScope
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ..., cache_scope: _Optional[_Union[_dataplane_pb2.CacheScope, _Mapping]] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ("cached_tokens",)
