@@ -427,7 +427,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         plan, tuned = self._tune(await self.prepare(request))
         driver = await self._start(plan, tuned, request.priority, deadline)
         stream = self.codec.stream() if self.codec else None
-        failed, stopped, index = True, False, 0
+        if stream is not None:  # a resume: the client has these tokens' text; continue it
+            for t in plan.resume:
+                stream.push(t)
+        failed, stopped, index = True, False, len(plan.resume)
         try:
             yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:
@@ -490,6 +493,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if metrics is not None:
             metrics.path_choice.observe(time.perf_counter() - t0)
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
+        controller.resume(plan.resume)  # a resume: a replay at the client's tokens
         driver = RequestDriver(
             controller,
             self.backends,
@@ -543,7 +547,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         text = "".join(stream.push(t) for t in tokens) if stream else ""
         delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
         delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
-        if index == 0 and plan.opts.prompt_logprobs is not None:
+        if index == len(plan.resume) and plan.opts.prompt_logprobs is not None:
             delta.prompt_token_ids.extend(plan.prompt)
             delta.prompt_logprobs.extend(
                 logprobs_to_proto(driver.controller.out.prompt_logprobs or ())
@@ -614,9 +618,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         st = driver.stats
         return gen.Finished(
             finish_reason=driver.finish_reason,
-            usage=gen.Usage(prompt_tokens=prompt_tokens, completion_tokens=st.new_tokens),
+            usage=gen.Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=st.resumed_tokens + st.new_tokens
+            ),
             stats=stats_to_proto(st, *driver.timing()),
             text=stream.flush() if stream else "",
+            resumed_tokens=st.resumed_tokens,
         )
 
     async def Tokenize(self, request, context) -> gen.TokenizeResponse:

@@ -77,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated token ids that also end generation",
     )
     g.add_argument(
+        "--resume-token-ids",
+        type=_token_ids,
+        default=(),
+        metavar="IDS",
+        help="comma-separated output token ids already received: continue after them",
+    )
+    g.add_argument(
         "--priority", type=int, default=0, help="higher runs first when the router is busy"
     )
     g.add_argument(
