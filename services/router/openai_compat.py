@@ -563,7 +563,14 @@ class Generation:
 
     @property
     def speculation(self) -> dict[str, Any] | None:
-        return speculation(self.finished.stats) if self.finished else None
+        """The stats, with `resumed_tokens` for a resumed request (`resume_token_ids`)."""
+        f = self.finished
+        if f is None:
+            return None
+        out = speculation(f.stats)
+        if f.resumed_tokens:
+            out["resumed_tokens"] = f.resumed_tokens
+        return out
 
 
 # -- responses -----------------------------------------------------------------------------

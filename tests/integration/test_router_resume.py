@@ -21,7 +21,7 @@ import pytest
 from openai import OpenAI
 from specpipe.common.text import TextCodec
 
-from specpipe.client import AsyncClient, Client, ResumePolicy, Unavailable
+from specpipe.client import AsyncClient, Client, InvalidArgument, ResumePolicy, Unavailable
 
 from .conftest import EOS, reference, start
 
@@ -172,6 +172,7 @@ def test_http_resume_continues_a_completion_exactly(dep, sampling) -> None:
         extra = {"return_token_ids": True, "resume_token_ids": want[:at]}
         rest = c.completions.create(**opts, extra_body=extra)
         assert rest.choices[0].model_extra["token_ids"] == want[at:]
+        assert rest.model_extra["speculation"]["resumed_tokens"] == at
         assert full.choices[0].text == codec.decode(want[:at]) + rest.choices[0].text
         assert rest.usage.completion_tokens == len(want)
         chunks = list(c.completions.create(**opts, stream=True, extra_body=extra))
@@ -195,3 +196,21 @@ def test_http_refuses_resume_tokens_the_request_cannot_have(dep) -> None:
     ]:
         with pytest.raises(openai.BadRequestError, match=match):
             c.completions.create(**opts, extra_body=extra)
+
+
+def test_a_resume_continues_structured_output_and_logprobs(dep) -> None:
+    """With a response_format the grammar consumes the resumed tokens first (the rest is
+    the same schema-valid output); the logprobs are the new tokens' own."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+        "required": ["a", "b"]}}}  # fmt: skip
+    with Client(dep.router_address, timeout=60) as c:
+        kw = dict(prompt_ids=PROMPT, max_new_tokens=48, response_format=fmt, logprobs=2)
+        full = c.generate(**kw)
+        assert full.text.startswith("{")  # the grammar's (a random model rambles on)
+        for at in (1, 6):
+            rest = c.generate(**kw, resume_token_ids=full.token_ids[:at])
+            assert rest.token_ids == full.token_ids[at:]
+            assert rest.logprobs == full.logprobs[at:]
+        with pytest.raises(InvalidArgument, match="do not follow the request's response_format"):
+            c.generate(**kw, resume_token_ids=[full.token_ids[0] + 1])
