@@ -31,12 +31,29 @@ def tls_credentials(tls) -> grpc.ChannelCredentials | None:
     return grpc.ssl_channel_credentials(Path(tls).read_bytes())
 
 
-def open_stub(api, address: str, creds: grpc.ChannelCredentials | None):
+def keepalive_options(seconds: float | None) -> list[tuple[str, int]]:
+    """Channel options that ping the router every `seconds` while a call is open and
+    drop the connection (UNAVAILABLE: the stream is resumed elsewhere) when a ping is not
+    answered within as long: a router whose host went silent (powered off, cut off)
+    sends no reset. None: no pings."""
+    if seconds is None:
+        return []
+    ms = max(int(seconds * 1e3), 1000)  # the router accepts a ping a second at most
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),  # a stream may wait long for a token
+    ]
+
+
+def open_stub(api, address: str, creds: grpc.ChannelCredentials | None, options=()):
     """(channel, Generation stub) to `address`; `api`: `grpc` (blocking) or `grpc.aio`."""
+    opts = [*CHANNEL_OPTIONS, *options]
     ch = (
-        api.insecure_channel(address, options=CHANNEL_OPTIONS)
+        api.insecure_channel(address, options=opts)
         if creds is None
-        else api.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else api.secure_channel(address, creds, options=opts)
     )
     return ch, generation_pb2_grpc.GenerationStub(ch)
 
@@ -284,23 +301,29 @@ class RouterTargets:
         api_key: str | None = None,
         tls: bool | str | Path = False,
         resume: ResumePolicy | None = None,
+        keepalive: float | None = 20.0,
     ) -> None:
         """`address`: the router's "host:port", or several (a list, or separated by
         commas): requests go to the first, and a stream whose router dies is resumed on
         the next (`resume`: how; default `ResumePolicy()`). `tls`: the router serves TLS;
-        True trusts the system's roots, a path names the CA certificate to trust."""
+        True trusts the system's roots, a path names the CA certificate to trust.
+        `keepalive`: seconds between pings of an open call's router, and how long one
+        may go unanswered before the connection counts as lost (a silent router's
+        stream is then resumed; None: no pings, such a stream waits for its deadline)."""
         self.targets = targets_of(address)
         self.address = self.targets[0]
         self.resume = resume or ResumePolicy()
         self._metadata = auth_metadata(api_key)  # for a router started with --api-key
         self.timeout = timeout  # default deadline of every call, seconds
         self._creds = tls_credentials(tls)
+        self._options = keepalive_options(keepalive)
         self._stubs: dict[int, tuple] = {}  # address index -> (channel, stub)
         self._current = 0  # the address new requests go to (the last one resumed on)
 
     def _stub_of(self, target: int) -> generation_pb2_grpc.GenerationStub:
         if target not in self._stubs:
-            self._stubs[target] = open_stub(self.API, self.targets[target], self._creds)
+            address = self.targets[target]
+            self._stubs[target] = open_stub(self.API, address, self._creds, self._options)
         return self._stubs[target][1]
 
     @property

@@ -190,7 +190,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> int:
         await self.transport.start(data_port)
         port = await self.server.start(host, port, health_port)
-        self.name = self.name or f"{socket.gethostname()}:{port}"
+        self.name = self.name or default_router_name(self.transport.advertise_host, port)
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, load_codec, self.tokenizer_dir
@@ -706,6 +706,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if self.api_keys.caller_of_call(context).operator:
             return True
         return not self.api_keys.enabled and is_local_peer(context.peer())
+
+
+def default_router_name(advertised: str, port: int) -> str:
+    """A router's name on the stages when it is given none: HOST:PORT, where HOST is
+    the address it advertises to them, or this machine's hostname when that is loopback
+    or a wildcard. Two routers must never share a name (a router restarted under a name
+    frees its predecessor's requests): hosts that share a hostname (network namespaces,
+    host-network containers) still have their own addresses."""
+    try:
+        ip = ipaddress.ip_address(advertised.strip("[]"))
+        local = ip.is_loopback or ip.is_unspecified
+    except ValueError:
+        local = advertised in ("", "localhost")
+    return f"{socket.gethostname() if local else advertised}:{port}"
 
 
 def is_local_peer(peer: str) -> bool:

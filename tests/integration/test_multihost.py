@@ -5,7 +5,8 @@ addresses, `--peers` the LAN's range for the stages' next hops, the router findi
 replicas through its discovery file. Stage 1 has two replicas on two hosts.
 
 Faults: a host's link taken down mid-request and brought back; a stage host partitioned
-from the router but not from its neighbours. Every request completes exactly as the
+from the router but not from its neighbours; a router's host going silent mid-stream
+(the SDK resumes on the router of another host). Every request completes exactly as the
 in-process reference or fails with a clear error, within its deadline (none hangs).
 Skipped, with the reason, where network namespaces cannot be made."""
 
@@ -32,7 +33,7 @@ PROMPT = [7, 3, 19, 44, 2, 61, 5]
 NEW = 48
 STAGE_SECONDS = 0.02  # every stage forward (paced: the faults land mid-request)
 DEADLINE = 45.0  # the client's: a request that would hang fails at it instead
-HOSTS = ["router", "draft", "s0", "s1a", "s1b"]
+HOSTS = ["router", "router2", "draft", "s0", "s1a", "s1b"]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,10 @@ def lab(llama_dir: Path, tmp_path_factory) -> Iterator[netns_lab.Lab]:
         lab.start("draft", "draft", netns_lab.draft_config(lab, "draft", llama_dir, **model))
         found = work / "backends"
         found.write_text("".join(f"{s.kind} {s.address}\n" for s in lab.services))
-        lab.start("router", "router", netns_lab.router_config(
-            lab, "router", found, target=str(llama_dir), replay_seconds=20.0,
-            startup_timeout=120.0, **common))  # fmt: skip
+        for host in ("router", "router2"):
+            lab.start(host, "router", netns_lab.router_config(
+                lab, host, found, target=str(llama_dir), replay_seconds=20.0,
+                startup_timeout=120.0, **common))  # fmt: skip
         lab.wait_ready()
         lab.security = Security.load(tls)
         yield lab
@@ -73,8 +75,8 @@ def want(llama_dir: Path) -> list[int]:
     return reference(llama_dir, "oracle", 2, PROMPT, "specpipe", NEW)
 
 
-def _router(lab) -> str:
-    return lab.services[-1].address
+def _router(lab, host: str = "router") -> str:
+    return next(s.address for s in lab.services if s.host.name == host)
 
 
 def _stage_holding_requests(lab, hosts) -> str | None:
@@ -89,10 +91,13 @@ def _stage_holding_requests(lab, hosts) -> str | None:
     return None
 
 
-def _generate(lab, when_started=None, **kw):
+def _generate(lab, when_started=None, routers=("router",), resume=0, **kw):
     """Stream one request; `when_started()` is called once 5 tokens came. The client
-    does not resume (the router's own fault handling is under test)."""
-    with Client(_router(lab), timeout=DEADLINE, resume=ResumePolicy(attempts=0)) as c:
+    resumes on another router at most `resume` times (0: the router's own fault
+    handling is under test)."""
+    addresses = [_router(lab, r) for r in routers]
+    policy = ResumePolicy(attempts=resume)
+    with Client(addresses, timeout=DEADLINE, resume=policy, keepalive=1.0) as c:
         stream = c.stream(prompt_ids=PROMPT, max_new_tokens=NEW, ignore_eos=False, **kw)
         called = False
         for chunk in stream:
@@ -156,6 +161,18 @@ def test_a_stage_host_partitioned_from_the_router_only(lab, want) -> None:
             lab.partition(host, "router", on=False)
     assert done.token_ids == want
     assert done.stats["replays"] >= 1
+
+
+def test_a_router_host_lost_mid_stream_resumes_on_another_host(lab, want) -> None:
+    """The router's host goes silent mid-stream (its link down: no reset reaches the
+    client): the SDK's keepalive notices within seconds and resumes the request on the
+    router of another host from the tokens it has; the stream is one exact output."""
+    try:
+        done = _outcome(lambda: _generate(lab, lambda: lab.link("router", False),
+                                          routers=("router", "router2"), resume=2))  # fmt: skip
+    finally:
+        lab.link("router", True)
+    assert done.token_ids == want and done.resumes == 1
 
 
 def _outcome(run):

@@ -71,3 +71,15 @@ def test_a_replay_goes_back_to_the_only_replica_once_it_serves_again() -> None:
     assert out == EXPECTED
     assert stage.stub.opened == ["r", "r~1"] and driver.stats.replays == 1
     assert_released(dep, driver)
+
+
+def test_routers_on_hosts_sharing_a_hostname_get_names_of_their_own() -> None:
+    """A router restarted under a name frees its predecessor's requests: two routers
+    on hosts with one hostname (network namespaces) must not share a name."""
+    from specpipe.services.router.service import default_router_name
+
+    assert default_router_name("10.0.0.2", 50051) != default_router_name("10.0.0.3", 50051)
+    assert default_router_name("10.0.0.2", 50051) == "10.0.0.2:50051"
+    for local in ("127.0.0.1", "0.0.0.0", "::1", "localhost"):
+        assert default_router_name(local, 7).endswith(":7")
+        assert not default_router_name(local, 7).startswith(local)
