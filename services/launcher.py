@@ -572,6 +572,14 @@ class ServicesDeployment:
             child.proc.kill()
             child.proc.wait()
 
+    def restart(self, name: str) -> None:
+        """SIGKILL one child and start it again with the same command line (ports and
+        all: tests of a service restarted at its address); not waited for."""
+        self.kill(name)
+        child = self.children[name]
+        child.ready_file.unlink(missing_ok=True)
+        self._spawn(child)
+
     def terminate(self, name: str, wait: bool = True) -> int | None:
         """SIGTERM one child (it drains); with `wait`, its exit code."""
         child = self.children[name]

@@ -91,8 +91,8 @@ class Completion:
     # per prompt token after the first
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
-    # how often the stream broke (its router died) and was resumed on another router;
-    # `stats` are the last router's (its new_tokens: the tokens it drew)
+    # resume attempts after the stream broke (its router died), the one that went on
+    # included; `stats` are the last router's (its new_tokens: the tokens it drew)
     resumes: int = 0
 
     def summary(self) -> dict[str, object]:
@@ -197,7 +197,7 @@ class ResumePolicy:
     have been restarted): at most `attempts` times per request, waiting `backoff`
     seconds before the first, doubling up to `max_backoff`. attempts=0: never."""
 
-    attempts: int = 4
+    attempts: int = 8  # with the backoff, about 9 s: a restarted router is back by then
     backoff: float = 0.1
     max_backoff: float = 2.0
 

@@ -102,7 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _client_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
+    p.add_argument(
+        "--router",
+        default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
+        help="HOST:PORT, or several separated by commas: a stream whose router dies is "
+        "resumed on the next",
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument(
         "--api-key",

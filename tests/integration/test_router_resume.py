@@ -54,7 +54,7 @@ def _expected(dep, prompt, n=NEW, **sampling) -> list[int]:
                      s["seed"], s["top_p"], stop_token_ids=(EOS,))  # fmt: skip
 
 
-KILLED = 5  # the tests that kill a router, one each
+KILLED = 6  # the tests that kill a router, one each
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,26 @@ def test_text_continues_exactly_after_a_resume(dep, spare) -> None:
         done = stream.result()
     assert done.token_ids == want and done.resumes == 1
     assert "".join(text) == done.text == codec.decode(want)
+
+
+def test_the_sdk_resumes_on_the_same_address_once_its_router_restarted(dep, spare) -> None:
+    """One address: the router there is killed and started again (as a pod's container
+    restarts); the SDK retries with backoff until it answers, and resumes there."""
+    want = _expected(dep, PROMPT)
+    name = spare.pop()
+    policy = ResumePolicy(attempts=60, backoff=0.1, max_backoff=0.5)
+    with Client(dep.children[name].info["grpc"], timeout=90, resume=policy) as c:
+        stream = c.stream(prompt_ids=PROMPT, max_new_tokens=NEW)
+        got: list[int] = []
+        restarted = False
+        for chunk in stream:
+            got += chunk.token_ids
+            if len(got) >= 5 and not restarted:
+                dep.restart(name)
+                restarted = True
+        done = stream.result()
+    assert got == done.token_ids == want and done.resumes >= 1
+    dep.kill(name)
 
 
 def test_a_request_fails_clearly_when_no_router_answers(dep) -> None:
