@@ -52,6 +52,21 @@ def skip_reason() -> str | None:
     return None
 
 
+NS_PREFIX = "specpipe-lab-"  # then the creating process's id: `sweep` finds leftovers
+
+
+def sweep() -> None:
+    """Remove the namespaces of labs whose process is gone (killed before `close`);
+    their veth pairs go with them."""
+    for line in ip("netns", "list").stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if not name.startswith(NS_PREFIX):
+            continue
+        pid = name[len(NS_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            ip("netns", "del", name, check=False)
+
+
 @dataclass
 class Host:
     name: str
@@ -81,14 +96,16 @@ class Lab:
     """Hosts `names` on one private LAN, plus the client (this process, `.client`)."""
 
     def __init__(self, names: list[str], workdir: Path) -> None:
+        sweep()
         self.tag = secrets.token_hex(2)
         self.workdir = workdir
         self.subnet = self._free_subnet()
         addresses = [str(a) for a in self.subnet.hosts()]
-        self.switch = f"sp{self.tag}sw"
+        ns = f"{NS_PREFIX}{os.getpid()}-{self.tag}"
+        self.switch = f"{ns}-switch"
         self.client = Host("client", "", addresses[0], f"p{self.tag}c")
         self.hosts = {
-            n: Host(n, f"sp{self.tag}{i}", addresses[i + 1], f"p{self.tag}{i}")
+            n: Host(n, f"{ns}-{i}", addresses[i + 1], f"p{self.tag}{i}")
             for i, n in enumerate(names)
         }
         self._client_link = f"sp{self.tag}c"
