@@ -261,7 +261,7 @@ class Pod:
             for flag in ("--discovery-selector", "--discovery-namespace"):
                 if flag in a:
                     del a[a.index(flag) : a.index(flag) + 2]
-        return [x.replace("$(POD_IP)", HOST) for x in a]
+        return [x.replace("$(POD_IP)", HOST).replace("$(POD_NAME)", self.pod_name) for x in a]
 
     def mounts(self, container: dict, models: Path, secrets: dict[str, Path]) -> dict[str, Path]:
         """The container's bind mounts, container path -> host path: the model volume and
@@ -326,6 +326,8 @@ class Pod:
                 cmd += ["-e", f"{e['name']}={e['value']}"]
             elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
                 cmd += ["-e", f"{e['name']}={HOST}"]
+            elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name":
+                cmd += ["-e", f"{e['name']}={name}"]
         if "command" in container:  # the chart relies on the image's entrypoint
             raise Failed(f"{self.name}: sets command {container['command']}")
         return cmd

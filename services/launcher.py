@@ -303,26 +303,40 @@ class ServicesDeployment:
         )
         return self._child(name, "draft", config, group)
 
-    def _router_child(self) -> Child:
+    def _router_child(self, name: str = "router") -> Child:
+        """The router (`name` "router"), or another replica of it on free ports."""
         c = self.config
+        first = name == "router"
         config = RouterConfig(
             **self._service(),
             target=str(self.target),
             discovery=f"file:{self.discovery_file}",
-            port=c.router_port or self._free_port(),
+            port=(c.router_port if first else 0) or self._free_port(),
             data_port=self._free_port(),
             transport=c.transport,
             startup_timeout=c.startup_timeout,
             **({"replay_seconds": c.replay_seconds} if c.replay_seconds else {}),
             # 0: a free port picked here, like every other one
-            http_port=None if c.http_port is None else c.http_port or self._free_port(),
+            http_port=None
+            if c.http_port is None
+            else (c.http_port if first else 0) or self._free_port(),
             public_tls_cert=str(c.public_tls.cert_file) if c.public_tls else None,
             public_tls_key=str(c.public_tls.key_file) if c.public_tls else None,
             api_key_files=(str(self._write_keys()),) if self.api_keys else (),
             describe_internals=True,  # every service on this host: its operator's
             scheduling=c.scheduling,
         )
-        return self._child("router", "router", config)
+        return self._child(name, "router", config)
+
+    def add_routers(self, count: int = 1) -> list[Child]:
+        """More router replicas over the same stages and draft (routers share them: each
+        names its requests' leases with its own name and epoch), started together and
+        ready. Their `info` holds their addresses ("grpc", "http")."""
+        children = [self._router_child(self._free_name("router")) for _ in range(count)]
+        for child in children:
+            self._spawn(child)
+        self._wait_ready([c.name for c in children])
+        return children
 
     def _cache_budget(self, device: str | None = None) -> dict[str, float]:
         """A fixed budget, or an equal share of the free memory of `device` (default:
@@ -558,6 +572,14 @@ class ServicesDeployment:
         if child.proc is not None and child.proc.poll() is None:
             child.proc.kill()
             child.proc.wait()
+
+    def restart(self, name: str) -> None:
+        """SIGKILL one child and start it again with the same command line (ports and
+        all: tests of a service restarted at its address); not waited for."""
+        self.kill(name)
+        child = self.children[name]
+        child.ready_file.unlink(missing_ok=True)
+        self._spawn(child)
 
     def terminate(self, name: str, wait: bool = True) -> int | None:
         """SIGTERM one child (it drains); with `wait`, its exit code."""

@@ -234,9 +234,41 @@ class Controller(ABC):
         return False
 
     # -- events ----------------------------------------------------------------------------
-    @abstractmethod
     def start(self) -> list[Command]:
-        """The request's first commands: prefill, the draft's prompt, the first root."""
+        """The request's first commands: prefill, the draft's prompt, the first root; for
+        a resumed request (`resume`), the re-open at its output so far, as a replay's."""
+        if not self.out.tokens:
+            return self._start()
+        if self.out.finished:  # the client had every token but the end of the stream
+            self.done = True
+            self.stats.finish_reason = self.out.finish_reason
+            return [Finish(self.out.finish_reason)]
+        return self._reopen(None)
+
+    @abstractmethod
+    def _start(self) -> list[Command]:
+        """A fresh request's first commands: prefill, the draft's prompt, the first root."""
+
+    def resume(self, tokens: Sequence[int]) -> None:
+        """Before `start`: the client already holds `tokens`, the output's first tokens
+        (from a router that died mid-request). They become the output as if emitted
+        here, and `start` re-opens the request at them as `replay` does after a fault (a
+        resume is a replay whose emitted tokens came from the client): prefill of prompt
+        + tokens, the root at the last one, so the next draw is at output position
+        len(tokens) and, by (seed, position), the one the first router would have made.
+        The n-gram source and the grammar consume them; `stats.resumed_tokens` counts
+        them (`new_tokens` counts those drawn here)."""
+        tokens = [int(t) for t in tokens]
+        if self.out.tokens or self._feeds:
+            raise RuntimeError("resume() must come before start()")
+        if not tokens:
+            return
+        self.out.resume(tokens)
+        if self.ngram is not None:
+            self.ngram.extend(tokens)
+        if self._grammar is not None and not self._grammar.follows(tokens):
+            self._grammar = None  # the router's tokenizer disagrees: stop pruning with it
+        self.stats.resumed_tokens = len(tokens)
 
     @abstractmethod
     def on_verified(self, v: Verified) -> list[Command]:
@@ -291,18 +323,28 @@ class Controller(ABC):
         elif uses_draft and needs_draft(self.mode, self.opts):
             self._uses_draft = True  # a draft again (one dropped before is replaced)
         self.stats.replays += 1
+        return self._reopen(max(self._last_enter, self._last_verify) + 1)
+
+    def _reopen(self, start: int | None) -> list[Command]:
+        """Open the request on a fresh path at its output so far (a replay, a resume):
+        the prefill chunks of prompt + output (all but the root), a `DraftOpen` of the
+        whole sequence when the path has a draft, the root's feed. `start`: the step the
+        first chunk enters (a replay: after the old path's last); None: a resume, whose
+        chunks are the request's prefill (before step 0, as `_prefill`'s)."""
         seq = [*self.prompt, *self.out.tokens]
         self._feeds = self._prunes = 0
         self._node_step = {}
-        start = max(self._last_enter, self._last_verify) + 1
         chunks = prefill_chunks(
             self.request_id, seq, self.opts.prefill_chunk, self._prefill_start(seq)
         )
+        if start is None:
+            start = -len(chunks)
+            self.stats.prefill_steps = len(chunks)
         cmds: list[Command] = []
         if self.uses_draft:
             cmds.append(DraftOpen(seq, self.capacity, self.opts.prefill_chunk))
         cmds += [self._feed(c, start + i) for i, c in enumerate(chunks)]
-        self._last_enter = start + len(chunks) - 1
+        self._last_enter = max(self._last_enter, start + len(chunks) - 1)
         return cmds + self._restart_at(seq)
 
     def drop_draft(self) -> list[Command]:

@@ -203,6 +203,27 @@ def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
         )
 
 
+def check_resume_ids(
+    resume_ids: Sequence[int], vocab_size: int, max_new_tokens: int, stop_token_ids: Sequence[int]
+) -> None:
+    """Reject output tokens a resumed request cannot have been given (`Controller.resume`):
+    ids outside the vocabulary, more than max_new_tokens, a stop token before the last."""
+    bad = [t for t in resume_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"resume token ids {bad[:4]} are outside the vocabulary [0, {vocab_size})")
+    if len(resume_ids) > max_new_tokens:
+        raise ValueError(
+            f"{len(resume_ids)} resume token ids are more than max_new_tokens "
+            f"({max_new_tokens}): resume with the request's own max_new_tokens"
+        )
+    stops = set(stop_token_ids)
+    early = [i for i, t in enumerate(resume_ids[:-1]) if t in stops]
+    if early:
+        raise ValueError(
+            f"resume token {early[0]} is a stop token: the output it resumes ended there"
+        )
+
+
 def check_context(prompt_len: int, max_new_tokens: int, max_context: int) -> None:
     """Reject a request whose prompt plus output cannot fit the model's context."""
     if prompt_len >= max_context:

@@ -37,6 +37,24 @@ class OutputState:
 
     finish_reason: str = "length"
     hits: int = 0  # emitted tokens that were already in the tree when verified
+    # tokens the client already held when the request was resumed (`resume`); they
+    # have no logprobs here (the client has them)
+    resumed: int = 0
+    finished: bool = False  # generation must stop (a stop token, or max_new_tokens)
+
+    def resume(self, tokens: Sequence[int]) -> None:
+        """The output starts with `tokens`, which the client already holds (a resumed
+        request). They follow the stopping rule as emitted ones do; only the last may
+        end generation (the router refuses others: `check_resume`)."""
+        for t in tokens:
+            self.emit(int(t))
+        self.resumed = len(tokens)
+
+    def logprobs_at(self, index: int, count: int) -> list[TokenLogprobs]:
+        """The logprobs of output tokens `index`.. (`count` of them), among those drawn
+        here (a resumed request's first `resumed` have none)."""
+        start = index - self.resumed
+        return self.logprobs[max(start, 0) : max(start + count, 0)]
 
     def emit(self, token: int, logprobs: TokenLogprobs | None = None) -> bool:
         """Record a verified token; True when generation must stop."""
@@ -45,5 +63,7 @@ class OutputState:
             self.logprobs.append(logprobs)
         if token in self.stop_token_ids:
             self.finish_reason = "stop"
-            return True
-        return len(self.tokens) >= self.max_new_tokens
+            self.finished = True
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.finished = True
+        return self.finished

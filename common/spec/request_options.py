@@ -176,6 +176,11 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
     RequestOption("cache_salt", str, "", "prefix-cache namespace: requests of your API key "
                   "with the same salt share cached prompt prefixes (empty: the key's own)",
                   "team-7", http="cache_salt", cli="--cache-salt"),
+    # A resume (Controller.resume): the output tokens the client already holds; the SDK
+    # sends them itself when a router dies mid-stream. HTTP: one list per choice with n.
+    RequestOption("resume_token_ids", tuple, (), "output tokens already received: the "
+                  "router continues the output after them (exactly, as from (seed, position))",
+                  (5, 9), http="resume_token_ids", cli="--resume-token-ids"),
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}

@@ -40,7 +40,7 @@ class SpecInferController(Controller):
         return len(self.tree) if self._fed else 0
 
     # -- events ----------------------------------------------------------------------------
-    def start(self) -> list[Command]:
+    def _start(self) -> list[Command]:
         return [*self._prefill(), *self._next_pass()]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:

@@ -78,7 +78,7 @@ class SpecPipeController(Controller):
         return any(self._answer_first(step, due) for step in self._asked.values())
 
     # -- events ----------------------------------------------------------------------------
-    def start(self) -> list[Command]:
+    def _start(self) -> list[Command]:
         return [*self._prefill(), *self._add_root()]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:

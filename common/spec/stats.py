@@ -70,6 +70,9 @@ class DecodeStats:
     # went on without one (`Controller.drop_draft`)
     replays: int = 0
     draft_drops: int = 0
+    # a resumed request (`Controller.resume`): output tokens the client already held
+    # (from a router that died), re-prefilled rather than drawn here
+    resumed_tokens: int = 0
     # per hit, the depth below the root of its time at which the draft proposed the
     # token (specpipe: layers ahead of the verification; specinfer: place in the path)
     hit_depths: list[int] = field(default_factory=list)

@@ -1,13 +1,16 @@
 """Client SDK of the SpecPipe router (also importable as `specpipe.client`).
 
 from specpipe.client import Client
-with Client("127.0.0.1:50051", timeout=60) as c:
+with Client(["10.0.0.5:50051", "10.0.0.6:50051"], timeout=60) as c:
     for chunk in c.stream("Hello", max_new_tokens=32):
         print(chunk.text, end="", flush=True)
+
+A stream whose router dies is resumed on the next address (or the same one, restarted)
+from the tokens already received: the chunks go on as one exact stream (`ResumePolicy`).
 """
 
 from .aio import AsyncClient, AsyncGenerationStream
-from .common import Chunk, Completion, build_request
+from .common import Chunk, Completion, ResumePolicy, build_request
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -37,6 +40,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "ResourceExhausted",
+    "ResumePolicy",
     "SpecPipeError",
     "Unauthenticated",
     "Unavailable",

@@ -4,53 +4,72 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 from specpipe.v1 import generation_pb2 as gen
-from specpipe.v1 import generation_pb2_grpc
 
 from .common import (
-    CHANNEL_OPTIONS,
     Chunk,
     Collector,
     Completion,
-    auth_metadata,
+    Resumer,
+    RouterTargets,
     build_request,
-    tls_credentials,
 )
 from .errors import InternalError, error_from_rpc
 
 
 class AsyncGenerationStream:
-    def __init__(self, call) -> None:
-        self._call = call
+    """`async for` the chunks as they are verified; `cancel()` stops the request
+    everywhere. A stream whose router dies is resumed on the client's next router
+    address from the tokens received (`ResumePolicy`), as one uninterrupted stream."""
+
+    def __init__(self, client: AsyncClient, request: gen.GenerateRequest, timeout) -> None:
+        self._client = client
+        self._resumer = Resumer(
+            request, len(client.targets), client._current, client.resume, timeout
+        )
         self._collector = Collector()
         self._cancelled = False
+        self._call = client._generate(self._resumer.target, request, self._resumer.timeout())
 
     @property
     def request_id(self) -> str:
         return self._collector.request_id
 
+    @property
+    def resumes(self) -> int:
+        """How often the stream was resumed on another router so far."""
+        return self._collector.resumes
+
     async def __aiter__(self) -> AsyncIterator[Chunk]:
-        try:
-            async for resp in self._call:
-                chunk = self._collector.add(resp)
-                if chunk is not None:
-                    yield chunk
-        except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+        while True:
+            try:
+                async for resp in self._call:
+                    chunk = self._collector.add(resp)
+                    if chunk is not None:
+                        yield chunk
                 return
-            raise error_from_rpc(e) from None
-        except asyncio.CancelledError:
-            if self._cancelled:  # grpc.aio reports our own cancel() this way
-                return
-            self._call.cancel()
-            raise
-        except BaseException:
-            # The consumer went away (task cancelled): cancel the request server-side too.
-            self._call.cancel()
-            raise
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                address = self._client.targets[self._resumer.target]
+                await asyncio.sleep(self._resumer.next(e, self._collector, address))
+                if self._cancelled:
+                    return
+                req = self._resumer.resumed_request(self._collector)
+                self._call = self._client._generate(
+                    self._resumer.target, req, self._resumer.timeout()
+                )
+            except asyncio.CancelledError:
+                if self._cancelled:  # grpc.aio reports our own cancel() this way
+                    return
+                self._call.cancel()
+                raise
+            except BaseException:
+                # The consumer went away (task cancelled): cancel the request server-side.
+                self._call.cancel()
+                raise
 
     def cancel(self) -> None:
         """Stop the request; the router frees its state on every stage and the draft."""
@@ -65,26 +84,11 @@ class AsyncGenerationStream:
         return self._collector.completion
 
 
-class AsyncClient:
-    def __init__(
-        self,
-        address: str,
-        timeout: float | None = None,
-        api_key: str | None = None,
-        tls: bool | str | Path = False,
-    ) -> None:
-        """`tls`: the router serves TLS; True trusts the system's roots, a path names the
-        CA certificate to trust."""
-        self.address = address
-        self._metadata = auth_metadata(api_key)  # for a router started with --api-key
-        self.timeout = timeout
-        creds = tls_credentials(tls)
-        self._channel = (
-            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-            if creds is None
-            else grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-        )
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+class AsyncClient(RouterTargets):
+    """The asyncio client of one router, or of several (`RouterTargets`: a stream whose
+    router dies is resumed on the next)."""
+
+    API = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -93,18 +97,15 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        for ch, _ in self._stubs.values():
+            await ch.close()
 
     def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
     ) -> AsyncGenerationStream:
+        """Start a request (keyword arguments as `build_request`)."""
         req = build_request(prompt, **kwargs)
-        return AsyncGenerationStream(
-            self._stub.Generate(req, timeout=self._deadline(timeout), metadata=self._metadata)
-        )
+        return AsyncGenerationStream(self, req, self._deadline(timeout))
 
     async def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs

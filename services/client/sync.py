@@ -2,47 +2,66 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 from specpipe.v1 import generation_pb2 as gen
-from specpipe.v1 import generation_pb2_grpc
 
 from .common import (
-    CHANNEL_OPTIONS,
     Chunk,
     Collector,
     Completion,
-    auth_metadata,
+    Resumer,
+    RouterTargets,
     build_request,
-    tls_credentials,
 )
 from .errors import InternalError, error_from_rpc
 
 
 class GenerationStream:
-    """Iterate for chunks as they are verified; `cancel()` stops the request everywhere."""
+    """Iterate for chunks as they are verified; `cancel()` stops the request everywhere.
+    When the stream breaks because its router died, the request is resumed on the
+    client's next router address from the tokens received (`ResumePolicy`): the chunks
+    go on as one uninterrupted, exact stream."""
 
-    def __init__(self, call) -> None:
-        self._call = call
+    def __init__(self, client: Client, request: gen.GenerateRequest, timeout) -> None:
+        self._client = client
+        self._resumer = Resumer(
+            request, len(client.targets), client._current, client.resume, timeout
+        )
         self._collector = Collector()
         self._cancelled = False
+        self._call = client._generate(self._resumer.target, request, self._resumer.timeout())
 
     @property
     def request_id(self) -> str:
         return self._collector.request_id
 
+    @property
+    def resumes(self) -> int:
+        """How often the stream was resumed on another router so far."""
+        return self._collector.resumes
+
     def __iter__(self) -> Iterator[Chunk]:
-        try:
-            for resp in self._call:
-                chunk = self._collector.add(resp)
-                if chunk is not None:
-                    yield chunk
-        except grpc.RpcError as e:
-            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+        while True:
+            try:
+                for resp in self._call:
+                    chunk = self._collector.add(resp)
+                    if chunk is not None:
+                        yield chunk
                 return
-            raise error_from_rpc(e) from None
+            except grpc.RpcError as e:
+                if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                    return
+                address = self._client.targets[self._resumer.target]
+                time.sleep(self._resumer.next(e, self._collector, address))
+                if self._cancelled:
+                    return
+                req = self._resumer.resumed_request(self._collector)
+                self._call = self._client._generate(
+                    self._resumer.target, req, self._resumer.timeout()
+                )
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -57,26 +76,11 @@ class GenerationStream:
         return self._collector.completion
 
 
-class Client:
-    def __init__(
-        self,
-        address: str,
-        timeout: float | None = None,
-        api_key: str | None = None,
-        tls: bool | str | Path = False,
-    ) -> None:
-        """`tls`: the router serves TLS; True trusts the system's roots, a path names the
-        CA certificate to trust."""
-        self.address = address
-        self._metadata = auth_metadata(api_key)  # for a router started with --api-key
-        self.timeout = timeout  # default deadline of every call, seconds
-        creds = tls_credentials(tls)
-        self._channel = (
-            grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-            if creds is None
-            else grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-        )
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+class Client(RouterTargets):
+    """The blocking client of one router, or of several (`RouterTargets`: a stream whose
+    router dies is resumed on the next)."""
+
+    API = grpc
 
     def __enter__(self) -> Client:
         return self
@@ -85,19 +89,14 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        self._channel.close()
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+        for ch, _ in self._stubs.values():
+            ch.close()
 
     def stream(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
     ) -> GenerationStream:
         """Start a request (keyword arguments as `build_request`)."""
-        req = build_request(prompt, **kwargs)
-        return GenerationStream(
-            self._stub.Generate(req, timeout=self._deadline(timeout), metadata=self._metadata)
-        )
+        return GenerationStream(self, build_request(prompt, **kwargs), self._deadline(timeout))
 
     def generate(
         self, prompt: str | None = None, *, timeout: float | None = None, **kwargs

@@ -135,7 +135,7 @@ class RequestDriver:
 
     def logprobs_of(self, index: int, tokens: list[int]) -> list:
         """The logprobs of the output's tokens from `index` (none without them)."""
-        return self.controller.out.logprobs[index : index + len(tokens)]
+        return self.controller.out.logprobs_at(index, len(tokens))
 
     def timing(self) -> tuple[float, float]:
         """(time to first token, mean time between tokens), in milliseconds."""

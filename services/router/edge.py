@@ -29,6 +29,9 @@ MAX_HEADER_BYTES = 16 << 10  # request line and headers (h11's incomplete-event 
 GRPC_MAX_STREAMS = 256
 GRPC_HANDSHAKE_SECONDS = 10.0
 GRPC_MAX_IDLE_SECONDS = 300.0
+# The shortest interval between a client's keepalive pings the public gRPC port accepts
+# (gRPC's default, 5 minutes, answers faster pings with GOAWAY "too_many_pings").
+MIN_CLIENT_PING_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,9 @@ class EdgeLimits:
             ("grpc.max_concurrent_streams", self.grpc_max_streams),
             ("grpc.server_handshake_timeout_ms", int(self.grpc_handshake_seconds * 1e3)),
             ("grpc.max_connection_idle_ms", int(self.grpc_max_idle_seconds * 1e3)),
+            # Clients' keepalive pings (the SDK's, to notice a router gone silent and
+            # resume elsewhere) are welcome every second, with data or without.
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_MS),
         ]
 
 

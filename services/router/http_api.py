@@ -249,7 +249,7 @@ class HttpApi:
                                   self._token_names(), body.top_logprobs_wanted() is not None)  # fmt: skip
             choices = Choices(runs, firsts, shape, echo)
             if body.stream:
-                events = _events(choices, body.include_usage)
+                events = _events(choices, body.include_usage, body.return_token_ids)
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
             await _unless_disconnected(request, _together(run.text() for run in runs))
         except RequestFailed as e:
@@ -326,9 +326,12 @@ async def _close(runs: list[Generation]) -> None:
         await run.close()
 
 
-async def _events(choices: Choices, include_usage: bool) -> AsyncIterator[str]:
+async def _events(
+    choices: Choices, include_usage: bool, token_ids: bool = False
+) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion: each choice's pieces as they
-    come (every chunk holds one choice, `index`), then each one's finishing chunk.
+    come (every chunk holds one choice, `index`; with `token_ids`, the piece's token ids:
+    what a resume sends back), then each one's finishing chunk.
     Without include_usage the last finishing chunk carries usage (of every choice) and
     speculation stats; with it, they come in OpenAI's extra last chunk without choices
     instead."""
@@ -361,13 +364,17 @@ async def _events(choices: Choices, include_usage: bool) -> AsyncIterator[str]:
                 break
             if item is not None:
                 entries = choices.entries(i, item.token_ids, item.logprobs)
-                yield _sse(shape.chunk(text=item.text, index=i, entries=entries))
+                ids = list(item.token_ids) if token_ids else None
+                yield _sse(shape.chunk(text=item.text, index=i, entries=entries, token_ids=ids))
                 continue
             left -= 1
             extra = {}
             if not include_usage and not left:
                 extra = {"usage": choices.usage, "speculation": choices.speculation}
-            yield _sse(shape.chunk(finish_reason=runs[i].finish_reason, index=i, **extra))
+            ids = runs[i].unsent_token_ids if token_ids else None
+            yield _sse(
+                shape.chunk(finish_reason=runs[i].finish_reason, index=i, token_ids=ids, **extra)
+            )
         else:
             if include_usage:
                 yield _sse(shape.usage_chunk(choices.usage, choices.speculation))

@@ -21,7 +21,9 @@ seeded seed + i (without a seed, each its own random seed); they are started aft
 first choice's prefill, so that they find its prompt in every stage's prefix cache. SpecPipe's own options are extra body fields (`mode`,
 `width`, `layers_per_step`, `token_source`, `ranking`, `growth`, `top_k_children`,
 `depth`, `prefill_chunk`, `top_k`, `ignore_eos`, `priority`, `stop_token_ids`,
-`return_token_ids`, and vLLM's `repetition_penalty` and `min_tokens`;
+`return_token_ids` (the completion's token ids, also in every streamed chunk),
+`resume_token_ids` (a resume: the token ids already received; docs/api.md);
+vLLM's `repetition_penalty` and `min_tokens`;
 `width`, `layers_per_step` and `token_source` take "auto": the router's choice).
 
 One module: every OpenAI request and response shape and its translation, so that the
@@ -193,6 +195,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Int64] = Field(default_factory=list)
     return_token_ids: bool = False
+    # A resume: the completion's token ids already received (`return_token_ids`), one
+    # list per choice with n > 1; the output continues exactly after them.
+    resume_token_ids: list[Int64] | list[list[Int64]] = Field(default_factory=list)
     priority: Int32 = 0
     # structured output (OpenAI's shape; `check_response_format`)
     response_format: dict[str, Any] | None = None
@@ -300,12 +305,14 @@ class _Common(BaseModel):
             if seeds[-1] > INT64_MAX:
                 raise bad_request(f"seed + n - 1 must be at most {INT64_MAX}", "seed")
         text = isinstance(prompt, str)
+        resumes = self.resumes()
         reqs = []
         try:
             for i, seed in enumerate(seeds):
                 req = self._build(
                     prompt, text, max_new, default_max_tokens, default_mode, temperature, seed
                 )
+                req.resume_token_ids.extend(resumes[i])
                 top = self.top_logprobs_wanted()
                 if top is not None:
                     req.logprobs = top
@@ -316,6 +323,26 @@ class _Common(BaseModel):
         except (ValueError, TypeError) as e:  # the schema's bounds should have caught it
             raise bad_request(f"a field is out of range or malformed: {e}") from None
         return reqs
+
+    def resumes(self) -> list[list[int]]:
+        """Each choice's token ids already received (`resume_token_ids`: one list, or
+        with n > 1 one list per choice)."""
+        ids = self.resume_token_ids
+        if not ids:
+            return [[] for _ in range(self.choices)]
+        if all(isinstance(x, list) for x in ids):
+            if len(ids) != self.choices:
+                raise bad_request(
+                    f"resume_token_ids has {len(ids)} lists for {self.choices} choices (n)",
+                    "resume_token_ids",
+                )
+            return [list(x) for x in ids]
+        if self.choices != 1:
+            raise bad_request(
+                "with n > 1, resume_token_ids is one list of token ids per choice",
+                "resume_token_ids",
+            )
+        return [list(ids)]
 
     def _build(self, prompt, text, max_new, default_max_tokens, default_mode, temperature, seed):
         return build_request(
@@ -550,6 +577,12 @@ class Generation:
                 if self.finished is not None:
                     return
 
+    @property
+    def unsent_token_ids(self) -> list[int]:
+        """Tokens no piece carried (their text never came out: an end-of-sequence
+        token, text a stop string cut); the finishing chunk carries them."""
+        return list(self._ids)
+
     def _finish(self, finished: gen.Finished) -> None:
         self.finished = finished
         self.finish_reason = "stop" if self.matcher.stopped else finished.finish_reason
@@ -565,7 +598,14 @@ class Generation:
 
     @property
     def speculation(self) -> dict[str, Any] | None:
-        return speculation(self.finished.stats) if self.finished else None
+        """The stats, with `resumed_tokens` for a resumed request (`resume_token_ids`)."""
+        f = self.finished
+        if f is None:
+            return None
+        out = speculation(f.stats)
+        if f.resumed_tokens:
+            out["resumed_tokens"] = f.resumed_tokens
+        return out
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -743,11 +783,12 @@ class ResponseShape:
         first: bool = False,
         index: int = 0,
         entries: Sequence[Entry] = (),
+        token_ids: list[int] | None = None,
         **extra,
     ) -> dict[str, Any]:
         """A streamed piece of choice `index`: `text` (and the logprobs of `entries`,
-        the tokens since the previous piece), or the choice's last piece
-        (`finish_reason`)."""
+        the tokens since the previous piece; `token_ids`, those tokens, for a request
+        with `return_token_ids`), or the choice's last piece (`finish_reason`)."""
         lps = self._logprobs(index, entries) if entries else None
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": lps}
         if self.chat:
@@ -757,6 +798,8 @@ class ResponseShape:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return self._envelope(obj, [choice], **extra)
 

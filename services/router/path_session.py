@@ -122,11 +122,19 @@ class PathSession:
         path, self._first = self._first, None
         if path is not None and not wants_draft:
             path = RequestPath(path.stages, None)
+        went_down: set[Backend] = set()  # excluded replicas seen unusable since
         while True:
             if path is None:
                 try:
                     path = self.backends.path(self.version, wants_draft, excluded)
                 except NoPath as e:
+                    # A replica excluded because it went down (a link lost) that serves
+                    # again may take the request back: a fresh open, under a new wire id.
+                    went_down |= {b for b in excluded if not b.eligible}
+                    back = {b for b in went_down & excluded if b.eligible}
+                    if back:
+                        excluded -= back
+                        continue
                     if time.monotonic() < wait_until:
                         await asyncio.sleep(0.1)
                         continue

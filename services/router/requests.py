@@ -19,6 +19,7 @@ from specpipe.common.spec.options import (
     check_context,
     check_logit_bias,
     check_prompt_ids,
+    check_resume_ids,
     tree_capacity,
 )
 from specpipe.common.spec.sampling import SamplingParams
@@ -38,6 +39,8 @@ class Plan:
     # Which of width, layers per step and token source are the router's to choose
     # (`auto`; opts holds the engine's defaults for those until then).
     space: TuningSpace | None = None
+    # a resume: the output tokens the client already holds (Controller.resume)
+    resume: tuple[int, ...] = ()
 
 
 AUTO = "auto"
@@ -331,6 +334,8 @@ def plan_request(
         raise invalid(str(e)) from None
     if opts.prompt_logprobs is not None:
         check_prompt_logprobs(len(prompt), opts.prompt_logprobs)
+    resume = tuple(r.resume_token_ids)
+    check_resume(resume, model, opts)
     space = None
     if auto:
         space = TuningSpace(
@@ -354,4 +359,18 @@ def plan_request(
             f"would bring back more logits of this model's {model.vocab_size}-token "
             "vocabulary than one frame may hold: use a smaller width or depth"
         )
-    return Plan(prompt=prompt, mode=mode, opts=opts, space=space)
+    return Plan(prompt=prompt, mode=mode, opts=opts, space=space, resume=resume)
+
+
+def check_resume(resume: tuple[int, ...], model: ModelInfo, opts: DecodeOptions) -> None:
+    """Refuse resume token ids the request cannot have produced: outside the vocabulary,
+    more than max_new_tokens, a stop token before the last, or (with a response_format)
+    tokens its grammar does not allow."""
+    if not resume:
+        return
+    try:
+        check_resume_ids(resume, model.vocab_size, opts.max_new_tokens, opts.stop_token_ids)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    if opts.grammar is not None and not opts.grammar.state().follows(resume):
+        raise invalid("resume_token_ids do not follow the request's response_format")

@@ -216,7 +216,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     ) -> int:
         await self.transport.start(data_port)
         port = await self.server.start(host, port, health_port)
-        self.name = self.name or f"{socket.gethostname()}:{port}"
+        self.name = self.name or default_router_name(self.transport.advertise_host, port)
         await self.server.set_serving(False)
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, load_codec, self.tokenizer_dir
@@ -458,7 +458,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         plan, tuned = self._tune(await self.prepare(request))
         driver = await self._start(plan, tuned, request.priority, deadline, caller.tenant, scope)
         stream = self.codec.stream() if self.codec else None
-        failed, stopped, index = True, False, 0
+        if stream is not None:  # a resume: the client has these tokens' text; continue it
+            for t in plan.resume:
+                stream.push(t)
+        failed, stopped, index = True, False, len(plan.resume)
         try:
             yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:
@@ -528,6 +531,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         if metrics is not None:
             metrics.path_choice.observe(time.perf_counter() - t0)
         controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
+        controller.resume(plan.resume)  # a resume: a replay at the client's tokens
         driver = RequestDriver(
             controller,
             self.backends,
@@ -582,7 +586,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         text = "".join(stream.push(t) for t in tokens) if stream else ""
         delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
         delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
-        if index == 0 and plan.opts.prompt_logprobs is not None:
+        if index == len(plan.resume) and plan.opts.prompt_logprobs is not None:
             delta.prompt_token_ids.extend(plan.prompt)
             delta.prompt_logprobs.extend(
                 logprobs_to_proto(driver.controller.out.prompt_logprobs or ())
@@ -681,9 +685,12 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         st = driver.stats
         return gen.Finished(
             finish_reason=driver.finish_reason,
-            usage=gen.Usage(prompt_tokens=prompt_tokens, completion_tokens=st.new_tokens),
+            usage=gen.Usage(
+                prompt_tokens=prompt_tokens, completion_tokens=st.resumed_tokens + st.new_tokens
+            ),
             stats=stats_to_proto(st, *driver.timing()),
             text=stream.flush() if stream else "",
+            resumed_tokens=st.resumed_tokens,
         )
 
     async def Tokenize(self, request, context) -> gen.TokenizeResponse:
@@ -774,6 +781,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return (
             self.describe_internals and not self.api_keys.enabled and is_local_peer(context.peer())
         )
+
+
+def default_router_name(advertised: str, port: int) -> str:
+    """A router's name on the stages when it is given none: HOST:PORT, where HOST is
+    the address it advertises to them, or this machine's hostname when that is loopback
+    or a wildcard. Two routers must never share a name (a router restarted under a name
+    frees its predecessor's requests): hosts that share a hostname (network namespaces,
+    host-network containers) still have their own addresses."""
+    try:
+        ip = ipaddress.ip_address(advertised.strip("[]"))
+        local = ip.is_loopback or ip.is_unspecified
+    except ValueError:
+        local = advertised in ("", "localhost")
+    return f"{socket.gethostname() if local else advertised}:{port}"
 
 
 def is_local_peer(peer: str) -> bool:

@@ -83,6 +83,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated token ids that also end generation",
     )
     g.add_argument(
+        "--resume-token-ids",
+        type=_token_ids,
+        default=(),
+        metavar="IDS",
+        help="comma-separated output token ids already received: continue after them",
+    )
+    g.add_argument(
         "--priority", type=int, default=0, help="higher runs first when the router is busy"
     )
     g.add_argument(
@@ -108,7 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _client_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--router", default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}", help="HOST:PORT")
+    p.add_argument(
+        "--router",
+        default=f"127.0.0.1:{DEFAULT_ROUTER_PORT}",
+        help="HOST:PORT, or several separated by commas: a stream whose router dies is "
+        "resumed on the next",
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument(
         "--api-key",

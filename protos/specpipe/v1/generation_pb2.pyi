@@ -41,7 +41,7 @@ class SamplingOptions(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format", "min_tokens", "cache_salt")
+    __slots__ = ("model", "text", "token_ids", "chat", "mode", "max_new_tokens", "sampling", "width", "top_k_children", "depth", "ignore_eos", "stop_token_ids", "prefill_chunk", "priority", "layers_per_step", "token_source", "ranking", "growth", "logprobs", "prompt_logprobs", "response_format", "min_tokens", "cache_salt", "resume_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     token_ids: TokenIds
@@ -88,7 +89,8 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     min_tokens: int
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., min_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., width: _Optional[int] = ..., top_k_children: _Optional[int] = ..., depth: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prefill_chunk: _Optional[int] = ..., priority: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., ranking: _Optional[str] = ..., growth: _Optional[str] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., min_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("type", "schema")
@@ -189,16 +191,18 @@ class SpeculationStats(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., stages: _Optional[int] = ..., width: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., decode_steps: _Optional[int] = ..., new_tokens: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., hit_rate: _Optional[float] = ..., verifications: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., mean_time_between_tokens_ms: _Optional[float] = ..., regrowths: _Optional[int] = ..., steady_tokens_per_step: _Optional[float] = ..., late_draft_answers: _Optional[int] = ..., replays: _Optional[int] = ..., draft_drops: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., draft_hit_rate: _Optional[float] = ..., ngram_hit_rate: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "usage", "stats", "text")
+    __slots__ = ("finish_reason", "usage", "stats", "text", "resumed_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     stats: SpeculationStats
     text: str
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculationStats, _Mapping]] = ..., text: _Optional[str] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("model", "text", "chat")
