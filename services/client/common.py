@@ -16,7 +16,7 @@ from specpipe.v1 import generation_pb2_grpc
 
 from ..grpc_util import MESSAGE_OPTIONS
 from ..stats_wire import stats_from_proto
-from .errors import error_from_rpc
+from .errors import FINAL_METADATA, error_from_rpc
 
 CHANNEL_OPTIONS = MESSAGE_OPTIONS
 
@@ -239,6 +239,9 @@ def broken(e: grpc.RpcError) -> bool:
     """Whether `e` says the stream's router went away (resume elsewhere) rather than
     that the request is wrong or was refused (raise it)."""
     code = e.code() if hasattr(e, "code") else None
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    if any(tuple(m) == FINAL_METADATA for m in trailing or ()):
+        return False  # the router is there and gave up on the request itself
     if code in _BROKEN_CODES:
         return True
     details = (e.details() if hasattr(e, "details") else "") or ""

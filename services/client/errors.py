@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import grpc
 
+# Trailing metadata of an UNAVAILABLE the router answered itself after trying what it
+# could (its replays, its replay time): the router is there and has given up on the
+# request, so the SDK does not resume it (it resumes streams whose router went away).
+FINAL_METADATA = ("specpipe-final", "1")
+
 
 class SpecPipeError(Exception):
     """A failed call; `code` is the gRPC status, `message` the server's explanation."""

@@ -25,6 +25,7 @@ from specpipe.common.spec.options import (
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 
+from ..client.errors import FINAL_METADATA
 from .backends import ModelInfo
 from .bounds import max_prompt_chars
 
@@ -70,9 +71,17 @@ class RequestFailed(Exception):
     `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
     it into an OpenAI-shaped error."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, elsewhere: bool = False) -> None:
+        """`elsewhere`: another router may serve it (this one is draining); otherwise an
+        UNAVAILABLE is this router's last word on the request (no path left, no replay
+        time), which a client should not resume against (`FINAL_METADATA`)."""
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.elsewhere = code, message, elsewhere
+
+    @property
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        final = self.code == grpc.StatusCode.UNAVAILABLE and not self.elsewhere
+        return (FINAL_METADATA,) if final else ()
 
 
 class InvalidRequest(RequestFailed):

@@ -496,6 +496,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
+                elsewhere=True,
             )
 
     async def _start(
@@ -679,7 +680,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     yield response
             except RequestFailed as e:
-                await context.abort(e.code, e.message)
+                await context.abort(e.code, e.message, e.trailing_metadata)
 
     def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
         st = driver.stats
