@@ -187,6 +187,11 @@ class Controller(ABC):
         return max(0, min(int(self.cached_prefix), len(seq) - 1))
 
     @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens this path does not prefill: they are in its prefix cache."""
+        return self._prefill_start(self.prompt)
+
+    @property
     def root_logits_only(self) -> bool:
         """The last stage needs to return logits only for the root (one verification at a
         time); specinfer verifies whole trees, and specpipe with several layers per step

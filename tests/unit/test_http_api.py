@@ -239,7 +239,8 @@ def collect(texts, stops=(), **kw):
 def test_generation_collects_text_usage_and_stats() -> None:
     run, text, log = collect(["a", "", "bc"], tail="!")
     assert text == "abc!" and run.finish_reason == "length" and run.request_id == "r-1"
-    assert run.usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert run.usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                         "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     assert run.speculation["mode"] == "pp" and run.speculation["new_tokens"] == 3
     assert run.token_ids == [0, 1, 2] and log == ["released"]
 
@@ -544,7 +545,7 @@ class FakeCodec:
         def convert_ids_to_tokens(i):
             return None
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True):
         return list(PROMPT_IDS)
 
 

@@ -45,6 +45,7 @@ ROUTER = RouterConfig(
     discovery_namespace="ns", discovery_selector="app=x", replay_seconds=4.0,
     max_replays=2, stall_seconds=30.0, replica_stall_seconds=1.5, target="/models/m",
     model_id="served", startup_timeout=12.0, router_name="r1", http_port=8000,
+    http_metrics="open", tool_call_parser="hermes",
     api_keys=("k1", "k2"), api_key_files=("/a", "/b"), public_tls_cert="/c.pem",
     public_tls_key="/k.pem", http_max_connections=100, http_max_connections_per_client=3,
     http_header_timeout=2.5, max_priority=4,
@@ -120,10 +121,13 @@ def test_scheduling_from_a_mapping_keeps_the_defaults_of_what_is_none() -> None:
 def test_repeated_defaults_equal_their_origins() -> None:
     from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS
     from specpipe.common.spec.scheduler import DEFAULT_MAX_RUNNING, DEFAULT_MAX_WAITING
+    from specpipe.common.spec.tool_parsers import AUTO as AUTO_PARSER
+    from specpipe.common.spec.tool_parsers import PARSER_CHOICES
     from specpipe.services import config, modelinfo, security, transport
     from specpipe.services.auth import DEFAULT_MAX_PRIORITY
     from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
     from specpipe.services.router.edge import DEFAULT_PER_CLIENT, HEADER_TIMEOUT
+    from specpipe.services.router.side_endpoints import METRICS_ACCESS
 
     assert config.DEFAULT_HTTP_PER_CLIENT == DEFAULT_PER_CLIENT
     assert config.DEFAULT_HTTP_HEADER_TIMEOUT == HEADER_TIMEOUT
@@ -137,6 +141,9 @@ def test_repeated_defaults_equal_their_origins() -> None:
         DEFAULT_MAX_WAITING,
     )
     assert config.TRANSPORTS == transport.TRANSPORTS and config.TCP == transport.TCP
+    assert config.HTTP_METRICS_ACCESS == METRICS_ACCESS
+    assert config.TOOL_CALL_PARSERS == PARSER_CHOICES
+    assert config.DEFAULT_TOOL_CALL_PARSER == AUTO_PARSER
 
 
 def test_the_launcher_gives_each_child_a_command_line_that_parses(llama_dir: Path) -> None:

@@ -1,0 +1,165 @@
+"""Tool calls in a model's own output format, for function calling with `tool_choice`
+"auto": the model decides whether to call a tool, and writes the call the way its chat
+template taught it. One parser per format (a model family), chosen from the model's
+chat template (`parser_for_template`) or named by the operator (`--tool-call-parser`).
+
+A format here is a pair of markers around one call's JSON ({"name", "arguments"}):
+Hermes' and Qwen2.5's `<tool_call>{...}</tool_call>` (also Qwen3, Qwen2.5-Coder and
+the Hermes models). Everything outside the markers is the answer's text. The markers
+must survive detokenization: the router decodes without special tokens, and Qwen's
+`<tool_call>` is an ordinary added token, so it does.
+
+Streamed (`ToolCallStream`), text that may be the start of a marker is held back until
+the next piece decides, a call is given out whole once its closing marker arrives (its
+arguments are then known to be JSON), and at the end an unclosed call whose JSON is
+complete is a call (a model may stop right after it), anything else is text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# The most text one call may hold before it is given up as text (a bound on what a
+# stream holds back; a real call is a few hundred characters).
+MAX_CALL_CHARS = 1 << 20
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function's name and its arguments as JSON text (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """Calls written as `open` + {"name": ..., "arguments": {...}} + `close`."""
+
+    name: str
+    open: str
+    close: str
+
+    def call_of(self, body: str) -> ToolCall | None:
+        """The call a marked body holds (None: not one: no JSON object with a string
+        name)."""
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some models write the arguments as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole output: (its text outside the calls, the calls in order)."""
+        stream = ToolCallStream(self)
+        content, calls = stream.push(text)
+        tail, more = stream.flush()
+        return content + tail, calls + more
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+
+HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")
+PARSERS = {HERMES.name: HERMES}
+AUTO = "auto"  # --tool-call-parser: choose from the chat template
+NONE = "none"  # --tool-call-parser: no format (tool_choice "auto" refused)
+PARSER_CHOICES = (AUTO, *PARSERS, NONE)
+
+
+def parser_for_template(template: str | None) -> ToolCallFormat | None:
+    """The format a chat template teaches its model (None: none SpecPipe knows)."""
+    if template and HERMES.open in template:
+        return HERMES
+    return None
+
+
+def choose_parser(flag: str, template: str | None) -> ToolCallFormat | None:
+    """`--tool-call-parser` (`PARSER_CHOICES`) applied to a model's chat template."""
+    if flag == AUTO:
+        return parser_for_template(template)
+    if flag == NONE:
+        return None
+    try:
+        return PARSERS[flag]
+    except KeyError:
+        raise ValueError(
+            f"unknown tool-call parser {flag!r}: one of {', '.join(PARSER_CHOICES)}"
+        ) from None
+
+
+class ToolCallStream:
+    """Splits streamed output into text and calls (see the module's docstring)."""
+
+    def __init__(self, fmt: ToolCallFormat) -> None:
+        self.fmt = fmt
+        self._held = ""  # text that may begin an opening marker
+        self._call: str | None = None  # inside a call: its text since the marker
+        self.calls = 0  # calls given out so far
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(text safe to give out now, calls completed by this piece)."""
+        out: list[str] = []
+        calls: list[ToolCall] = []
+        buf = self._held + text
+        self._held = ""
+        while buf:
+            if self._call is None:
+                at = buf.find(self.fmt.open)
+                if at < 0:
+                    keep = _partial(buf, self.fmt.open)
+                    out.append(buf[: len(buf) - keep])
+                    self._held = buf[len(buf) - keep :]
+                    break
+                out.append(buf[:at])
+                self._call, buf = "", buf[at + len(self.fmt.open) :]
+                continue
+            body = self._call + buf
+            end = body.find(self.fmt.close)
+            if end < 0:
+                if len(body) > MAX_CALL_CHARS:  # not a call: give it out as text
+                    out.append(self.fmt.open + body)
+                    self._call = None
+                else:
+                    self._call = body
+                break
+            call = self.fmt.call_of(body[:end])
+            if call is None:  # marked, but no call: the model's text
+                out.append(self.fmt.open + body[: end + len(self.fmt.close)])
+            else:
+                calls.append(call)
+            self._call, buf = None, body[end + len(self.fmt.close) :]
+        self.calls += len(calls)
+        return self._text("".join(out)), calls
+
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        """At the end of the output: what was held back, as text or a last call."""
+        held, call, self._held, self._call = self._held, self._call, "", None
+        if call is None:
+            return self._text(held), []
+        parsed = self.fmt.call_of(call)
+        if parsed is not None:
+            self.calls += 1
+            return "", [parsed]
+        return self._text(self.fmt.open + call), []
+
+    def _text(self, text: str) -> str:
+        """Text between and after calls is the whitespace that separates them."""
+        return text.strip() and text if self.calls else text
+
+
+def _partial(buf: str, marker: str) -> int:
+    """Length of the longest end of `buf` that begins `marker`."""
+    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if buf.endswith(marker[:k]):
+            return k
+    return 0
