@@ -322,7 +322,7 @@ async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -
         from .router.http_api import HttpServer
 
         http = HttpServer(
-            svc, tool_call_parser=config.tool_call_parser, metrics=config.http_metrics
+            svc, tool_call_parser=config.tool_call_parser, metrics_access=config.http_metrics
         )
         port = await http.start(config.host, config.http_port, inputs.public_tls)
         info["http"] = f"{host}:{port}"

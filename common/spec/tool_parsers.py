@@ -104,7 +104,7 @@ class ToolCallStream:
         self.fmt = fmt
         self._held = ""  # text that may begin an opening marker
         self._call: str | None = None  # inside a call: its text since the marker
-        self.calls = 0  # calls given out so far
+        self._after_call = False  # whitespace after a call separates it: dropped
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         """(text safe to give out now, calls completed by this piece)."""
@@ -117,29 +117,29 @@ class ToolCallStream:
                 at = buf.find(self.fmt.open)
                 if at < 0:
                     keep = _partial(buf, self.fmt.open)
-                    out.append(buf[: len(buf) - keep])
+                    out.append(self._text(buf[: len(buf) - keep]))
                     self._held = buf[len(buf) - keep :]
                     break
-                out.append(buf[:at])
+                out.append(self._text(buf[:at]))
                 self._call, buf = "", buf[at + len(self.fmt.open) :]
                 continue
             body = self._call + buf
             end = body.find(self.fmt.close)
             if end < 0:
                 if len(body) > MAX_CALL_CHARS:  # not a call: give it out as text
-                    out.append(self.fmt.open + body)
+                    out.append(self._text(self.fmt.open + body))
                     self._call = None
                 else:
                     self._call = body
                 break
             call = self.fmt.call_of(body[:end])
             if call is None:  # marked, but no call: the model's text
-                out.append(self.fmt.open + body[: end + len(self.fmt.close)])
+                out.append(self._text(self.fmt.open + body[: end + len(self.fmt.close)]))
             else:
                 calls.append(call)
+                self._after_call = True
             self._call, buf = None, body[end + len(self.fmt.close) :]
-        self.calls += len(calls)
-        return self._text("".join(out)), calls
+        return "".join(out), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """At the end of the output: what was held back, as text or a last call."""
@@ -148,13 +148,15 @@ class ToolCallStream:
             return self._text(held), []
         parsed = self.fmt.call_of(call)
         if parsed is not None:
-            self.calls += 1
             return "", [parsed]
         return self._text(self.fmt.open + call), []
 
     def _text(self, text: str) -> str:
-        """Text between and after calls is the whitespace that separates them."""
-        return text.strip() and text if self.calls else text
+        """Text given out, in order, less the whitespace right after a call."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
 
 
 def _partial(buf: str, marker: str) -> int:

@@ -90,17 +90,20 @@ class ClientGone(Exception):
 
 class HttpApi:
     """`tool_call_parser`: the model's tool-call format for tool_choice "auto"
-    (tool_parsers.PARSER_CHOICES); `metrics`: who may GET /metrics here
+    (tool_parsers.PARSER_CHOICES); `metrics_access`: who may GET /metrics here
     (side_endpoints.METRICS_ACCESS)."""
 
     def __init__(
-        self, router: RouterService, tool_call_parser: str = AUTO_PARSER, metrics: str = METRICS_KEY
+        self,
+        router: RouterService,
+        tool_call_parser: str = AUTO_PARSER,
+        metrics_access: str = METRICS_KEY,
     ) -> None:
         self.router = router
         self.created = int(time.time())
         self._names = TokenNames()
         self.tool_call_parser = tool_call_parser
-        self.metrics_access = metrics
+        self.metrics_access = metrics_access
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -374,6 +377,9 @@ class HttpApi:
         except BaseException:
             await _close(runs)
             raise
+        # With tools, the messages first: they decide the finish reasons.
+        tools = choices.tools
+        messages = [t.message(r.output) for t, r in zip(tools, runs, strict=True)] if tools else []
         answers = [
             shape.choice(
                 i,
@@ -381,7 +387,7 @@ class HttpApi:
                 choices.finish_reason(i),
                 choices.entries(i, run.token_ids, run.logprobs, with_prompt=True),
                 list(run.token_ids) if body.return_token_ids else None,
-                choices.tools[i].message(run.output) if choices.tools else None,
+                messages[i] if messages else None,
             )
             for i, run in enumerate(runs)
         ]
@@ -709,7 +715,7 @@ class HttpServer:
     """uvicorn serving the HTTP API as a task of the running loop."""
 
     def __init__(self, router: RouterService, **options: str) -> None:
-        """`options`: HttpApi's (tool_call_parser, metrics)."""
+        """`options`: HttpApi's (tool_call_parser, metrics_access)."""
         self.api = HttpApi(router, **options)
         self.guard: ConnectionGuard | None = None
         self._server: _Server | None = None

@@ -275,9 +275,10 @@ def test_api_keys(tmp_path) -> None:
 
 
 # -- the app in front of a scripted router ---------------------------------------------------
-def with_app(script, fn, keys=("k",)):
+def with_app(script, fn, keys=("k",), codec=None, metrics=None, **options):
     """fn(client, router) -> result, against the HTTP API of a RouterService whose
-    generate() is `script(request)` (an async generator), served on a free port."""
+    generate() is `script(request)` (an async generator), served on a free port (with
+    `codec` as its tokenizer, `metrics` as its registry, HttpApi's `options`)."""
     from specpipe.services.router.backends import ModelInfo
     from specpipe.services.router.http_api import HttpServer
     from specpipe.services.router.service import RouterService
@@ -288,7 +289,8 @@ def with_app(script, fn, keys=("k",)):
                                  eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         router.backends._ready = True
         router.generate = lambda req, deadline=None, caller=None: script(req)
-        server = HttpServer(router)
+        router.codec, router.metrics = codec, metrics
+        server = HttpServer(router, **options)
         port = await server.start("127.0.0.1", 0)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key=keys[0] if keys else "x",
