@@ -35,10 +35,11 @@ CHAT_TEMPLATE = (
 
 
 # A chat template that teaches Qwen2.5's tool-call format (`<tool_call>{...}</tool_call>`),
-# in the same alphabet: the tools, an assistant's calls and the tools' results rendered.
+# in the same alphabet: the tools (by name: the tiny models' context is short), an
+# assistant's calls and the tools' results rendered.
 TOOL_CHAT_TEMPLATE = (
-    "{% if tools %}[tools]{% for t in tools %}{{ t.function | tojson }}{% endfor %}"
-    '(call: <tool_call>{"name": ..., "arguments": ...}</tool_call>)|{% endif %}'
+    "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "<tool_call>|{% endif %}"
     "{% for m in messages %}[{{ m.role }}]{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}<tool_call>"
     '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}'

@@ -368,4 +368,4 @@ def test_tools_render_through_the_template(tool_codec) -> None:
         [{"role": "user", "content": "hi"}], [WEATHER], add_generation_prompt=True
     )
     text = tool_codec.decode(ids)
-    assert '"name": "get_weather"' in text and text.endswith("[user]hi|[assistant]")
+    assert text == "[tools]get_weather;<tool_call>|[user]hi|[assistant]"
