@@ -60,9 +60,11 @@ from .growth import (
     concat_candidates,
     extend_frontier,
     prefill_chunks,
+    with_forced_tokens,
 )
 from .messages import (
     SOURCE_DRAFT,
+    SOURCE_GRAMMAR,
     SOURCE_NGRAM,
     Activation,
     Candidates,
@@ -381,10 +383,13 @@ class Controller(ABC):
     def _extend(self, cand: Candidates) -> Indices:
         """Grow the tree's frontier from `cand` under the request's ranking; with a
         grammar, only from the candidates it allows after their paths (the one place both
-        executors' growth goes through)."""
+        executors' growth goes through), and where it allows one token only, that token
+        whatever the sources proposed (`opts.forced_tokens`)."""
         opts = self.opts
         if self._grammar is not None:
             cand = allowed_by_grammar(self.tree, cand, self._grammar)
+            if opts.forced_tokens:
+                cand = with_forced_tokens(self.tree, cand, self._grammar)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
@@ -393,6 +398,8 @@ class Controller(ABC):
             self.stats.draft_hits += 1
         if source & SOURCE_NGRAM:
             self.stats.ngram_hits += 1
+        if source & SOURCE_GRAMMAR:
+            self.stats.forced_hits += 1
 
     # -- helpers for the modes -------------------------------------------------------------
     def _prefill(self) -> list[Command]:

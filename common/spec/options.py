@@ -101,6 +101,9 @@ class DecodeOptions:
     # under (`grammar.py`; compiled from the request's response_format with the
     # tokenizer); None: unconstrained
     grammar: Grammar | None = None
+    # with a grammar: where it allows exactly one token, the tree gets that token as a
+    # child without the draft (forced tokens: a sure hit); False only to measure it
+    forced_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.
