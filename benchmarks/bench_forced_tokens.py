@@ -10,7 +10,7 @@ model-free one. Two tokenizers: characters (97 ids: every forced character is on
 forced token) and a byte-level BPE of 512 tokens trained here on JSON text (several
 tokenizations of the same forced text are allowed, so fewer positions are forced).
 
-    .venv/bin/python benchmarks/bench_forced_tokens.py [--out benchmarks/results/forced-tokens.json]
+    .venv/bin/python benchmarks/bench_forced_tokens.py [--tokenizers char,bpe]
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def char_tokenizer(d: Path) -> None:
     add_char_tokenizer(d)
 
 
-def bpe_tokenizer(d: Path, vocab: int) -> None:
-    """A byte-level BPE of `vocab` tokens (the last one </s>) trained on JSON text."""
+def bpe_tokenizer(vocab: int):
+    """A byte-level BPE of at most `vocab` tokens (the last one </s>) trained on JSON
+    text (transformers' tokenizer: save it with the model)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,20 +99,19 @@ def bpe_tokenizer(d: Path, vocab: int) -> None:
     )  # fmt: skip
     tok.train_from_iterator(corpus, trainer)
     tok.add_special_tokens(["</s>"])
-    assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="</s>")
-    fast.save_pretrained(d)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="</s>")
 
 
 def models(root: Path, kind: str) -> tuple[Path, Path, int]:
-    vocab = 97 if kind == "char" else 512
+    bpe = bpe_tokenizer(512) if kind == "bpe" else None
+    vocab = 97 if bpe is None else len(bpe)
     target = save_random_model(root / f"{kind}-target", "llama", layers=4, vocab=vocab, seed=0)
     draft = save_random_model(root / f"{kind}-draft", "llama", layers=2, hidden=32, heads=4,
                               kv_heads=2, vocab=vocab, seed=7)  # fmt: skip
-    if kind == "char":
+    if bpe is None:
         char_tokenizer(target)
     else:
-        bpe_tokenizer(target, vocab)
+        bpe.save_pretrained(target)
     return target, draft, vocab
 
 
@@ -182,17 +182,17 @@ def run(kind: str, root: Path) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="benchmarks/results/forced-tokens.json")
+    p.add_argument("--out", default="benchmarks/results/forced-tokens-{tokenizer}.json")
     p.add_argument("--tokenizers", default="char,bpe")
     args = p.parse_args()
     torch.set_num_threads(1)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.tokenizers.split(","):
-            rows += run(kind, Path(tmp))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"saved {args.out}")
+            rows = run(kind, Path(tmp))
+            out = Path(args.out.format(tokenizer=kind))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rows, indent=1) + "\n")
+            print(f"saved {out}")
 
 
 if __name__ == "__main__":

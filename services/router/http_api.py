@@ -192,7 +192,7 @@ class HttpApi:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         tools = self._tool_choice(body)
-        ids = await self._chat_prompt(rendered_conversation(body.messages), tools)
+        ids = await self._chat_prompt(body.model, rendered_conversation(body.messages), tools)
         # OpenAI: without max_tokens, a chat completion may fill the context.
         context = self.router.model.max_positions
         default = max(1, context - len(ids))
@@ -203,13 +203,15 @@ class HttpApi:
 
     async def _chat_prompt(
         self,
+        model_id: str,
         messages: list[dict[str, Any]],
         tools: ToolChoice | None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """The conversation's tokens through the chat template (with the tools)."""
+        """The conversation's tokens through the chat template (with the tools), for
+        the model `model_id` names ("": the served one)."""
         try:
-            model = self.router._check_model("")
+            model = self.router._check_model(model_id)
             chars = sum(len(json.dumps(m)) for m in messages)
             if tools is not None:
                 chars += len(json.dumps(tools.tools))
@@ -260,7 +262,7 @@ class HttpApi:
         if body.messages is not None:
             tools = ToolChoice.of(body.tools, "none", None, None)
             messages = rendered_conversation(body.messages or [])
-            ids = await self._chat_prompt(messages, tools, body.add_generation_prompt)
+            ids = await self._chat_prompt(body.model, messages, tools, body.add_generation_prompt)
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             if len(body.prompt or "") > max_prompt_chars(model.max_positions):

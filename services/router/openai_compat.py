@@ -5,11 +5,11 @@ Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP he
 Requests are pydantic models, so a malformed body is refused field by field (400, never
 500): integers must fit the Generation API's fields (int64; `priority` int32) and text
 must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
-OpenAI's API that SpecPipe cannot honour (penalties, tools, best_of > n, ...) are
+OpenAI's API that SpecPipe cannot honour (penalties, best_of > n, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. `response_format` (json_object, json_schema) constrains
-the output with a grammar (common/spec/grammar.py); `tools` (function calling) is
-refused with a pointer to it.
+the output with a grammar (common/spec/grammar.py); chat's `tools` (function calling)
+are checked and answered by tool_calls.py (on text completions they are refused).
 
 Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs`, with `echo` the
 prompt's too) are the target's own: log_softmax of its raw logits at each token's
@@ -151,7 +151,11 @@ _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
 
 # What to use instead, where there is something.
 _TOOLS_HINT = " on /v1/completions: function calling is on /v1/chat/completions"
-_UNSUPPORTED_HINTS = {"tools": _TOOLS_HINT, "functions": _TOOLS_HINT}
+_UNSUPPORTED_HINTS = {
+    "tools": _TOOLS_HINT,
+    "tool_choice": _TOOLS_HINT,
+    "functions": " (OpenAI's deprecated field): use tools on /v1/chat/completions",
+}
 
 
 def check_response_format(value: dict[str, Any] | None) -> None:
