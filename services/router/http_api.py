@@ -212,9 +212,9 @@ class HttpApi:
         the model `model_id` names ("": the served one)."""
         try:
             model = self.router._check_model(model_id)
-            chars = sum(len(json.dumps(m)) for m in messages)
+            chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
             if tools is not None:
-                chars += len(json.dumps(tools.tools))
+                chars += len(json.dumps(tools.tools, ensure_ascii=False))
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
                     f"the messages have {chars} characters: more than any prompt that fits "
