@@ -147,8 +147,20 @@ def test_cached_prompt_tokens_in_usage_and_metrics(dep) -> None:
         kw = dict(model=dep.target.name, messages=long, max_tokens=2, temperature=0)
         first = c.chat.completions.create(**kw)
         again = c.chat.completions.create(**kw)
+        chunks = list(
+            c.chat.completions.create(
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+                **kw,
+            )
+        )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
+    # Streamed with continuous_usage_stats: usage on every chunk, the last with the
+    # cached tokens (known when the request ends).
+    assert all(ch.usage is not None for ch in chunks)
+    assert [ch.usage.completion_tokens for ch in chunks][-1] == 2
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     # Whole 16-token blocks of the prompt (the last token is always computed).
     assert cached > 0 and cached % 16 == 0 and cached < again.usage.prompt_tokens
     status, text = get(dep, "/metrics")
