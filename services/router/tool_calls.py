@@ -163,19 +163,14 @@ class ToolAnswer:
 
     def message(self, text: str) -> dict[str, Any]:
         """The whole answer's `message` for its output `text`."""
-        content, deltas = self.push(text)
-        tail, more = self.flush()
-        content += tail
-        deltas += more
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        content = self.push(text)[0] + self.flush()[0]
         if not self.calls:
-            message["content"] = content
-            return message
-        message["tool_calls"] = [
+            return {"role": "assistant", "content": content}
+        calls = [
             {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
             for i, c in self.calls
         ]
-        return message
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
     def finish_reason(self, reason: str) -> str:
         """ "tool_calls" for an answer that ended with its calls (not cut short)."""
