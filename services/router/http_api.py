@@ -212,9 +212,7 @@ class HttpApi:
         the model `model_id` names ("": the served one)."""
         try:
             model = self.router._check_model(model_id)
-            chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in messages)
-            if tools is not None:
-                chars += len(json.dumps(tools.tools, ensure_ascii=False))
+            chars = _conversation_chars(messages, tools.tools if tools else None)
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
                     f"the messages have {chars} characters: more than any prompt that fits "
@@ -453,6 +451,15 @@ class Choices:
         if len(self.runs) == 1:
             return self.runs[0].speculation
         return [run.speculation for run in self.runs]
+
+
+def _conversation_chars(messages: list[dict[str, Any]], tools: list | None) -> int:
+    """The text a conversation gives the chat template, in characters: the messages'
+    content, their tool calls and the tools (as JSON)."""
+    chars = sum(len(m.get("content") or "") for m in messages)
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    extra = [x for x in (calls, tools) if x]
+    return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in extra)
 
 
 async def _together(works) -> list:
