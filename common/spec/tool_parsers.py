@@ -13,6 +13,10 @@ Streamed (`ToolCallStream`), text that may be the start of a marker is held back
 the next piece decides, a call is given out whole once its closing marker arrives (its
 arguments are then known to be JSON), and at the end an unclosed call whose JSON is
 complete is a call (a model may stop right after it), anything else is text.
+
+`JsonArrayCalls` reads the other shape calls come in: the JSON array that
+tool_choice "required" constrains the output to (services/router/tool_calls.py), a
+call given out as its element closes.
 """
 
 from __future__ import annotations
@@ -42,21 +46,8 @@ class ToolCallFormat:
     close: str
 
     def call_of(self, body: str) -> ToolCall | None:
-        """The call a marked body holds (None: not one: no JSON object with a string
-        name)."""
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models write the arguments as JSON text
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return None
-        return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        """The call a marked body holds (`call_of_json`)."""
+        return call_of_json(body)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole output: (its text outside the calls, the calls in order)."""
@@ -67,6 +58,64 @@ class ToolCallFormat:
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
+
+
+def call_of_json(body: str) -> ToolCall | None:
+    """The call a JSON object {"name", "arguments"} (or "parameters") holds (None: not
+    one: no JSON object with a string name)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class JsonArrayCalls:
+    """A JSON array of calls ([{"name", "arguments"}, ...], tool_choice "required"'s
+    output) split into its calls as each element completes: a scan of the JSON's
+    nesting and strings, so each call is given out once its closing brace arrives."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []  # everything pushed
+        self._element: list[str] = []  # the element being read (depth 2 and below)
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def push(self, text: str) -> list[ToolCall]:
+        calls = []
+        self.text.append(text)
+        for ch in text:
+            if self._depth >= 2:
+                self._element.append(ch)
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+                if self._depth == 2:
+                    self._element = [ch]
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 1:
+                    call = call_of_json("".join(self._element))
+                    if call is not None:
+                        calls.append(call)
+                    self._element = []
+        return calls
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")

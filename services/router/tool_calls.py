@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpipe.common.spec.grammar import JSON_SCHEMA, GrammarError, ResponseFormat
-from specpipe.common.spec.tool_parsers import ToolCall, ToolCallFormat, ToolCallStream
+from specpipe.common.spec.tool_parsers import (
+    JsonArrayCalls,
+    ToolCall,
+    ToolCallFormat,
+    ToolCallStream,
+)
 from specpipe.v1 import generation_pb2 as gen
 
 from .openai_compat import ChatMessage, bad_request
@@ -135,15 +140,14 @@ class ToolAnswer:
         self._stream: ToolCallStream | None = None
         if choice.mode == AUTO and choice.parser is not None:
             self._stream = choice.parser.stream()
-        self._text = ""  # REQUIRED: the JSON array, parsed at the end
+        self._array = JsonArrayCalls() if choice.mode == REQUIRED else None
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         mode = self.choice.mode
         if mode == FUNCTION:
             return "", self._arguments(text)
-        if mode == REQUIRED:
-            self._text += text
-            return "", []
+        if self._array is not None:
+            return "", self._given(self._array.push(text))
         if self._stream is None:
             return text, []
         content, calls = self._stream.push(text)
@@ -153,9 +157,8 @@ class ToolAnswer:
         mode = self.choice.mode
         if mode == FUNCTION:
             return "", self._arguments("") if not self.calls else []
-        if mode == REQUIRED:
-            calls = _array_calls(self._text)
-            return ("", self._given(calls)) if calls is not None else (self._text, [])
+        if self._array is not None:  # cut short before a call completed: the text
+            return ("", []) if self.calls else ("".join(self._array.text), [])
         if self._stream is None:
             return "", []
         content, calls = self._stream.flush()
@@ -197,22 +200,6 @@ class ToolAnswer:
                            "function": {"name": call.name, "arguments": call.arguments}})  # fmt: skip
             self.calls.append((call_id, call))
         return deltas
-
-
-def _array_calls(text: str) -> list[ToolCall] | None:
-    """REQUIRED's output: [{"name", "arguments"}, ...] as calls (None: not complete)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not items:
-        return None
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return None
-        calls.append(ToolCall(item["name"], json.dumps(item.get("arguments", {}))))
-    return calls
 
 
 def _laid_out(schema: Any) -> Any:

@@ -217,12 +217,24 @@ def test_named_and_required_answers() -> None:
     assert named.calls[0][1] == ToolCall("get_weather", '{"city": "Rome"}')
     required = choice("required").answer()
     text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "A"}}]'
-    assert required.push(text) == ("", [])  # given out whole at the end
-    _, deltas = required.flush()
-    assert [d["index"] for d in deltas] == [0, 1]
-    assert [d["function"]["name"] for d in deltas] == ["get_time", "get_weather"]
+    # Each call is given out once its element's closing brace arrives.
+    close = text.index("}, {")  # the first element's closing brace
+    assert required.push(text[:close]) == ("", [])
+    _, deltas = required.push(text[close : close + 6])
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "get_time")]
+    _, deltas = required.push(text[close + 6 :])
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(1, "get_weather")]
+    assert json.loads(deltas[0]["function"]["arguments"]) == {"city": "A"}
+    assert required.flush() == ("", [])
     cut = choice("required").answer()  # cut short by max_tokens: the text, no calls
     assert cut.message('[{"name": "get_ti') == {"role": "assistant", "content": '[{"name": "get_ti'}
+    half = choice("required").answer()  # after a whole call: that call
+    message = half.message('[{"name": "get_time", "arguments": {}}, {"name": "get_w')
+    assert message["content"] is None and len(message["tool_calls"]) == 1
+    # Braces and quotes inside strings do not end an element.
+    tricky = '[{"name": "get_weather", "arguments": {"city": "a}\\"]{"}}]'
+    (call,) = choice("required").answer().message(tricky)["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": 'a}"]{'}
 
 
 def test_tool_messages_and_assistant_calls_reach_the_template() -> None:
