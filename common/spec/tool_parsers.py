@@ -5,7 +5,8 @@ chat template (`parser_for_template`) or named by the operator (`--tool-call-par
 
 A format here is a pair of markers around one call's JSON ({"name", "arguments"}):
 Hermes' and Qwen2.5's `<tool_call>{...}</tool_call>` (also Qwen3, Qwen2.5-Coder and
-the Hermes models). Everything outside the markers is the answer's text. The markers
+the Hermes models). Everything outside the markers is the answer's text. Llama 3.x's
+JSON calls (the whole output is the calls) are `LeadingJsonFormat`. The markers
 must survive detokenization: the router decodes without special tokens, and Qwen's
 `<tool_call>` is an ordinary added token, so it does.
 
@@ -118,21 +119,103 @@ class JsonArrayCalls:
         return calls
 
 
+@dataclass(frozen=True)
+class LeadingJsonFormat:
+    """Calls written as the whole output: JSON objects {"name", "parameters"} separated
+    by ";" (Llama 3.1-3.3's JSON tool calling; the `<|python_tag|>` some write before
+    them is a special token, which the router's decoding drops). An output that does
+    not start with "{" is text; one that does is held to the end, then its calls, or
+    text if it is not calls only."""
+
+    name: str
+    # what a chat template that teaches this format says
+    template_marks: tuple[str, ...] = ()
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        stream = self.stream()
+        content, calls = stream.push(text)
+        tail, more = stream.flush()
+        return content + tail, calls + more
+
+    def stream(self) -> LeadingJsonStream:
+        return LeadingJsonStream()
+
+
+class LeadingJsonStream:
+    """`LeadingJsonFormat` streamed: text given out as it comes unless the output
+    starts with "{" (leading whitespace is held until that is known)."""
+
+    def __init__(self) -> None:
+        self._held: list[str] = []
+        self._json: bool | None = None  # None: not known yet
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._json is False:
+            return text, []
+        self._held.append(text)
+        if self._json is None:
+            head = "".join(self._held).lstrip()
+            if not head:
+                return "", []
+            self._json = head.startswith("{")
+            if not self._json:
+                out, self._held = "".join(self._held), []
+                return out, []
+        return "", []
+
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        text, self._held = "".join(self._held), []
+        calls = _json_calls(text) if self._json else None
+        return ("", calls) if calls else (text, [])
+
+
+def _json_calls(text: str) -> list[ToolCall] | None:
+    """The calls of JSON objects separated by whitespace or ";" (None: not calls only)."""
+    decoder, at, calls = json.JSONDecoder(), 0, []
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return calls or None
+        try:
+            _, end = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = call_of_json(text[at:end])
+        if call is None:
+            return None
+        calls.append(call)
+        at = end
+
+
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")
-PARSERS = {HERMES.name: HERMES}
+LLAMA3_JSON = LeadingJsonFormat(
+    "llama3_json", ('"parameters": dictionary of argument name', "<|python_tag|>")
+)
+PARSERS: dict[str, ToolCallFormat | LeadingJsonFormat] = {
+    HERMES.name: HERMES,
+    LLAMA3_JSON.name: LLAMA3_JSON,
+}
 AUTO = "auto"  # --tool-call-parser: choose from the chat template
 NONE = "none"  # --tool-call-parser: no format (tool_choice "auto" refused)
 PARSER_CHOICES = (AUTO, *PARSERS, NONE)
 
 
-def parser_for_template(template: str | None) -> ToolCallFormat | None:
+ToolParser = ToolCallFormat | LeadingJsonFormat
+
+
+def parser_for_template(template: str | None) -> ToolParser | None:
     """The format a chat template teaches its model (None: none SpecPipe knows)."""
-    if template and HERMES.open in template:
+    if not template:
+        return None
+    if HERMES.open in template:
         return HERMES
+    if any(mark in template for mark in LLAMA3_JSON.template_marks):
+        return LLAMA3_JSON
     return None
 
 
-def choose_parser(flag: str, template: str | None) -> ToolCallFormat | None:
+def choose_parser(flag: str, template: str | None) -> ToolParser | None:
     """`--tool-call-parser` (`PARSER_CHOICES`) applied to a model's chat template."""
     if flag == AUTO:
         return parser_for_template(template)

@@ -30,9 +30,10 @@ from typing import Any
 from specpipe.common.spec.grammar import JSON_SCHEMA, GrammarError, ResponseFormat
 from specpipe.common.spec.tool_parsers import (
     JsonArrayCalls,
+    LeadingJsonStream,
     ToolCall,
-    ToolCallFormat,
     ToolCallStream,
+    ToolParser,
 )
 from specpipe.v1 import generation_pb2 as gen
 
@@ -54,7 +55,7 @@ class ToolChoice:
     mode: str = AUTO  # NONE, AUTO, REQUIRED or FUNCTION
     function: str = ""  # FUNCTION: the one to call
     parallel: bool = True  # several calls in one answer
-    parser: ToolCallFormat | None = None  # AUTO: the model's own format
+    parser: ToolParser | None = None  # AUTO: the model's own format
     schemas: dict[str, Any] = field(default_factory=dict)  # name -> parameters
 
     @classmethod
@@ -63,7 +64,7 @@ class ToolChoice:
         tools: Any,
         tool_choice: Any,
         parallel: bool | None,
-        parser: ToolCallFormat | None,
+        parser: ToolParser | None,
     ) -> ToolChoice | None:
         """The request's function calling (None: no tools and no choice that needs
         them), checked: 400 naming the field otherwise."""
@@ -137,7 +138,7 @@ class ToolAnswer:
     def __init__(self, choice: ToolChoice) -> None:
         self.choice = choice
         self.calls: list[tuple[str, ToolCall]] = []  # (id, call) given out so far
-        self._stream: ToolCallStream | None = None
+        self._stream: ToolCallStream | LeadingJsonStream | None = None
         if choice.mode == AUTO and choice.parser is not None:
             self._stream = choice.parser.stream()
         self._array = JsonArrayCalls() if choice.mode == REQUIRED else None

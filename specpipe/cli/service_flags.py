@@ -533,7 +533,8 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default=DEFAULT_TOOL_CALL_PARSER,
         help="the model's tool-call format, parsed from its output for tool_choice 'auto' "
-        "(auto: chosen from the chat template; none: 'auto' refused); default %(default)s",
+        "(auto: chosen from the chat template; hermes: Qwen2.5's and Hermes' <tool_call>; "
+        "llama3_json: Llama 3.x's JSON calls; none: 'auto' refused); default %(default)s",
     )
     p.add_argument(
         "--api-key",

@@ -381,3 +381,31 @@ def test_tools_render_through_the_template(tool_codec) -> None:
     )
     text = tool_codec.decode(ids)
     assert text == "[tools]get_weather;<tool_call>|[user]hi|[assistant]"
+
+
+def test_llama3_json_calls_are_the_whole_output() -> None:
+    from specpipe.common.spec.tool_parsers import LLAMA3_JSON
+
+    two = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    assert LLAMA3_JSON.parse(two) == ("", [PARIS, ToolCall("get_time", "{}")])
+    assert LLAMA3_JSON.parse(" \n" + two)[1] == [PARIS, ToolCall("get_time", "{}")]
+    assert LLAMA3_JSON.parse("Sunny, {no}") == ("Sunny, {no}", [])
+    assert LLAMA3_JSON.parse('{"city": "Paris"}') == ('{"city": "Paris"}', [])  # no name
+    assert LLAMA3_JSON.parse('{"name": "get_ti') == ('{"name": "get_ti', [])  # cut short
+    stream = LLAMA3_JSON.stream()
+    assert stream.push("  ") == ("", []) and stream.push("Hi") == ("  Hi", [])
+    assert stream.push(" there") == (" there", []) and stream.flush() == ("", [])
+    stream = LLAMA3_JSON.stream()
+    assert stream.push('{"name": "get_time",') == ("", [])
+    assert stream.push(' "parameters": {}}') == ("", [])
+    assert stream.flush() == ("", [ToolCall("get_time", "{}")])
+    template = 'Respond as {"name": function name, "parameters": dictionary of argument name and its value}'
+    assert parser_for_template(template) is LLAMA3_JSON
+    assert parser_for_template("{{ '<|python_tag|>' }}") is LLAMA3_JSON
+    assert choose_parser("llama3_json", "") is LLAMA3_JSON
+    answer = choice(parser=LLAMA3_JSON).answer()
+    assert [c["function"]["name"] for c in answer.message(two)["tool_calls"]] == [
+        "get_weather",
+        "get_time",
+    ]
+    assert answer.finish_reason("stop") == "tool_calls"
