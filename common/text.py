@@ -31,9 +31,15 @@ class TextCodec:
             return self.encode_chat([{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation ({role, content} messages) through the model's chat template,
-        ready for the assistant's turn."""
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """A conversation ({role, content} messages; an assistant's tool_calls, a tool
+        result's tool_call_id) through the model's chat template, ready for the
+        assistant's turn (unless not `add_generation_prompt`); `tools` (OpenAI's function tools) as the template shows them."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise TokenizerError(
                 "the model has no chat template: send the prompt as plain text "
@@ -43,13 +49,22 @@ class TextCodec:
 
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+                messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
             )
         except TemplateError as e:  # e.g. the template's own check of role order
             raise TokenizerError(f"the chat template refused these messages: {e}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
+
+    @property
+    def chat_template_text(self) -> str:
+        """The model's chat template(s) as one text ("" without one): what it teaches."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return "\n".join(template.values()) if isinstance(template, dict) else template
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

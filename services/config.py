@@ -40,6 +40,10 @@ DEFAULT_MAX_WAITING_PER_KEY = 64  # requests one API key (or client address) may
 DEFAULT_HTTP_PER_CLIENT = 64  # connections one client address may hold on the HTTP port
 DEFAULT_HTTP_HEADER_TIMEOUT = 5.0
 DEFAULT_MAX_PRIORITY = 10  # a client's highest priority unless its API key says otherwise
+HTTP_METRICS_ACCESS = ("key", "open", "off")  # services/router/side_endpoints.py
+DEFAULT_HTTP_METRICS = HTTP_METRICS_ACCESS[0]
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # common/spec/tool_parsers.py
+DEFAULT_TOOL_CALL_PARSER = TOOL_CALL_PARSERS[0]
 TRANSPORTS = ("ucx", "tcp")  # every data plane
 TCP = TRANSPORTS[1]
 
@@ -235,6 +239,8 @@ class RouterConfig(ServiceConfig):
     startup_timeout: float = flag(180.0)
     router_name: str = flag("")
     http_port: int | None = flag()
+    http_metrics: str = flag(DEFAULT_HTTP_METRICS)  # /metrics on the HTTP port: key|open|off
+    tool_call_parser: str = flag(DEFAULT_TOOL_CALL_PARSER)  # tool_choice "auto"'s format
     api_keys: tuple[str, ...] = flag((), name="--api-key")
     api_key_files: tuple[str, ...] = flag((), name="--api-key-file")
     public_tls_cert: str | None = flag()
@@ -281,6 +287,8 @@ class DeploymentConfig:
     env: Mapping[str, str] | None = None  # added to the children's environment
     max_cache_gib: float | None = None  # per stage and draft; None: a share of free memory
     http_port: int | None = None  # the router's HTTP API; None: off, 0: any free port
+    http_metrics: str = DEFAULT_HTTP_METRICS  # the router's (RouterConfig)
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the router's (RouterConfig)
     api_keys: Sequence[str] = ()
     scheduling: SchedulingConfig | Mapping[str, object] | None = None
     metrics: bool = False  # every process gets a --metrics-port

@@ -320,6 +320,8 @@ class ServicesDeployment:
             http_port=None
             if c.http_port is None
             else (c.http_port if first else 0) or self._free_port(),
+            http_metrics=c.http_metrics,
+            tool_call_parser=c.tool_call_parser,
             public_tls_cert=str(c.public_tls.cert_file) if c.public_tls else None,
             public_tls_key=str(c.public_tls.key_file) if c.public_tls else None,
             api_key_files=(str(self._write_keys()),) if self.api_keys else (),

@@ -395,6 +395,15 @@ class RouterMetrics(ServiceMetrics):
         )
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of requests started")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated")
+        # Prompt tokens of requests opened on their first path, and those of them the
+        # path had in its prefix cache (vLLM's prefix_cache_queries / _hits, in tokens).
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries",
+            "Prompt tokens of requests opened (looked up in the path's cache)",
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens the request's path had in its prefix cache"
+        )
         self.verifications = self._counter(
             "spec_verifications", "Verifications (a root, or a specinfer tree)"
         )
@@ -455,6 +464,11 @@ class RouterMetrics(ServiceMetrics):
     def started(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
+    def opened(self, driver) -> None:
+        """A request's first path is open: its prompt's prefix-cache hits are known."""
+        self.prefix_cache_queries.inc(len(driver.controller.prompt))
+        self.prefix_cache_hits.inc(driver.cached_tokens)
+
     def tokens(self, driver, n: int) -> None:
         """`n` tokens were emitted together (just now)."""
         now = time.monotonic()
@@ -510,6 +524,8 @@ class VllmNames:
             (m.prompt_tokens, ("prompt_tokens",)),
             (m.generation_tokens, ("generation_tokens",)),
             (m.success, ("request_success",)),
+            (m.prefix_cache_queries, ("prefix_cache_queries",)),
+            (m.prefix_cache_hits, ("prefix_cache_hits",)),
         ]
         self.model_name: Callable[[], str] = lambda: ""
         self.waiting: Callable[[], float] = lambda: 0.0

@@ -325,7 +325,9 @@ async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -
     if config.http_port is not None:  # first: /health says "starting" while stages load
         from .router.http_api import HttpServer
 
-        http = HttpServer(svc)
+        http = HttpServer(
+            svc, tool_call_parser=config.tool_call_parser, metrics_access=config.http_metrics
+        )
         port = await http.start(config.host, config.http_port, inputs.public_tls)
         info["http"] = f"{host}:{port}"
         log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])

@@ -60,9 +60,11 @@ from .growth import (
     concat_candidates,
     extend_frontier,
     prefill_chunks,
+    with_forced_tokens,
 )
 from .messages import (
     SOURCE_DRAFT,
+    SOURCE_GRAMMAR,
     SOURCE_NGRAM,
     Activation,
     Candidates,
@@ -192,6 +194,11 @@ class Controller(ABC):
         if self.out.prompt_logprobs_due is not None:
             return 0
         return max(0, min(int(self.cached_prefix), len(seq) - 1))
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens this path does not prefill: they are in its prefix cache."""
+        return self._prefill_start(self.prompt)
 
     @property
     def root_logits_only(self) -> bool:
@@ -426,10 +433,13 @@ class Controller(ABC):
     def _extend(self, cand: Candidates) -> Indices:
         """Grow the tree's frontier from `cand` under the request's ranking; with a
         grammar, only from the candidates it allows after their paths (the one place both
-        executors' growth goes through)."""
+        executors' growth goes through), and where it allows one token only, that token
+        whatever the sources proposed (`opts.forced_tokens`)."""
         opts = self.opts
         if self._grammar is not None:
             cand = allowed_by_grammar(self.tree, cand, self._grammar)
+            if opts.forced_tokens:
+                cand = with_forced_tokens(self.tree, cand, self._grammar)
         if self._growth_rules is not None:
             cand = self._growth_rules.apply(self.tree, cand)
         return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
@@ -440,6 +450,8 @@ class Controller(ABC):
             self.stats.draft_hits += 1
         if source & SOURCE_NGRAM:
             self.stats.ngram_hits += 1
+        if source & SOURCE_GRAMMAR:
+            self.stats.forced_hits += 1
 
     # -- helpers for the modes -------------------------------------------------------------
     def _prefill(self) -> list[Command]:

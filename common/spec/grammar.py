@@ -224,6 +224,30 @@ class GrammarState:
         allowed = torch.from_numpy(self.allowed(logits.numel())).to(logits.device)
         return logits.masked_fill(~allowed, -torch.inf)
 
+    def forced_after(self, path: Sequence[int]) -> int | None:
+        """The one token the grammar allows after the output so far and then `path`
+        (tree tokens below the root), or None where it allows more (or `path` is not
+        allowed); the state is unchanged (the path is consumed, then rolled back)."""
+        path = [int(t) for t in path]
+        if path and (path[-1] in self._eos or self._m.validate_tokens(path) != len(path)):
+            return None  # nothing follows the end (or the path is not allowed)
+        self._m.consume_tokens(path)
+        try:
+            if self._m.is_stopped():
+                eos = self._eos
+                return next(iter(eos)) if len(eos) == 1 else None
+            words = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
+        finally:
+            if path:
+                self._m.rollback(len(path))
+        nonzero = np.flatnonzero(words)
+        if nonzero.size != 1:
+            return None
+        word = int(words[nonzero[0]])
+        if word & (word - 1):  # more than one bit
+            return None
+        return int(nonzero[0]) * 32 + word.bit_length() - 1
+
     def allows(self, path: Sequence[int], token: int) -> bool:
         """Whether `token` may follow the output so far and then `path` (tree tokens
         below the root), without changing the state."""

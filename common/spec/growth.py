@@ -10,7 +10,7 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
-from .messages import Activation, Candidates
+from .messages import SOURCE_GRAMMAR, Activation, Candidates
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import NO_NODES, Indices, TokenTree, member
@@ -91,6 +91,26 @@ def allowed_by_grammar(tree: TokenTree, cand: Candidates, grammar: GrammarState)
     if keep.all():
         return cand
     return candidates_of((pid[keep], tokens[keep], probs[keep], sources[keep]))
+
+
+def with_forced_tokens(tree: TokenTree, cand: Candidates, grammar: GrammarState) -> Candidates:
+    """`cand` and, for every frontier node after whose path the grammar allows exactly
+    one token, that token as a child of probability 1 (`SOURCE_GRAMMAR`): the target
+    can draw nothing else there, so it is a sure hit whatever the draft proposed (a
+    draft proposal of the same token merges with it, `merge_candidates`; others were
+    forbidden already). Costs one grammar mask per frontier node."""
+    frontier = tree.frontier()
+    forced = []
+    for node in frontier.tolist():
+        token = grammar.forced_after(tree.tokens[tree.path_to(node)[1:]].tolist())
+        if token is not None:
+            forced.append((int(tree.ids[node]), token))
+    if not forced:
+        return cand
+    ids, tokens = (np.array(x, dtype=np.int64) for x in zip(*forced, strict=True))
+    extra = (ids, tokens, np.ones(ids.size, dtype=np.float32),
+             np.full(ids.size, SOURCE_GRAMMAR, dtype=np.int8))  # fmt: skip
+    return concat_candidates(cand, candidates_of(extra)) if len(cand) else candidates_of(extra)
 
 
 def pool_of(cand: Candidates) -> Pool:

@@ -23,7 +23,8 @@ _NO_SOURCES = torch.empty(0, dtype=torch.int8)
 # Where a tree node's token came from (bits: a token both sources proposed has both).
 SOURCE_DRAFT = 1  # the draft model
 SOURCE_NGRAM = 2  # n-gram lookup over the verified text (`ngram.py`)
-SOURCE_NAMES = {SOURCE_DRAFT: "draft", SOURCE_NGRAM: "ngram"}
+SOURCE_GRAMMAR = 4  # the one token a grammar allows there (forced: `growth.with_forced_tokens`)
+SOURCE_NAMES = {SOURCE_DRAFT: "draft", SOURCE_NGRAM: "ngram", SOURCE_GRAMMAR: "grammar"}
 
 
 @dataclass

@@ -104,6 +104,9 @@ class DecodeOptions:
     # the stop tokens (`stop_token_ids`: the end-of-sequence tokens and the request's)
     # cannot be drawn before this many tokens are out (`penalties.py`)
     min_tokens: int = 0
+    # with a grammar: where it allows exactly one token, the tree gets that token as a
+    # child without the draft (forced tokens: a sure hit); False only to measure it
+    forced_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Plain strings are accepted (and checked) where the enums are expected.

@@ -84,6 +84,8 @@ class DecodeStats:
     # source (a token both proposed counts for both)
     draft_hits: int = 0
     ngram_hits: int = 0
+    # emitted tokens that were tree nodes the grammar forced (the only token allowed)
+    forced_hits: int = 0
     # per decode step (as `trace`): the rows of each draft forward (specpipe grows
     # `layers_per_step` layers a step, one forward each)
     draft_forwards: list[list[int]] = field(default_factory=list)

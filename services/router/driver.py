@@ -97,6 +97,9 @@ class RequestDriver:
         self.hold = LateDraftHold(controller, settings.late_draft_wait)
         self.t_start = time.monotonic()
         self.token_times: list[float] = []
+        # Prompt tokens the first path had cached (not prefilled again): usage's
+        # cached_tokens, the prefix-cache hits of the router's metrics.
+        self.cached_tokens = 0
         self.replay_seconds: list[float] = []  # time from each fault to the re-opened path
         # The step's service overhead and the router's CPU per step (metrics): when the
         # last stage sent the verification being handled (unix ns; 0: none), which
@@ -104,6 +107,7 @@ class RequestDriver:
         self._verified_at = 0
         self._step_cpu: float | None = None
         self.on_step_cpu: Callable[[float], None] | None = None
+        self.on_opened: Callable[[RequestDriver], None] | None = None  # first path open
 
     # -- what the service reads ----------------------------------------------------------
     @property
@@ -151,6 +155,9 @@ class RequestDriver:
         """Open the request on its path, then yield verified tokens as they come."""
         ctrl = self.controller
         ctrl.cached_prefix = await self.session.open(first=True)
+        self.cached_tokens = ctrl.cached_prompt_tokens
+        if self.on_opened is not None:
+            self.on_opened(self)
         if ctrl.uses_draft and self.session.draft is None:
             ctrl.drop_draft()  # no draft is up: the request runs as pp
         cmds = ctrl.start()

@@ -10,7 +10,9 @@ router's process owns SIGTERM and its drain.
 
 One module: the routes, their error mapping and the server that runs them change
 together. Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
-ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health. Errors come in
+ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health, and vLLM's
+beside them (side_endpoints.py): GET /metrics, GET /version, POST /tokenize, POST
+/detokenize. Function calling (`tools`): tool_calls.py. Errors come in
 OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
 request on every stage and the draft. A request for `n` choices is `n` generations
 (`Choices`): the first alone until its prefill is done, then the others, which find the
@@ -37,8 +39,14 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from specpipe.common.spec.grammar import ResponseFormat
+from specpipe.common.spec.tool_parsers import AUTO as AUTO_PARSER
+from specpipe.common.spec.tool_parsers import choose_parser
 from specpipe.v1 import generation_pb2 as gen
 from starlette.exceptions import HTTPException
+
+from specpipe import __version__
 
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits
@@ -60,6 +68,16 @@ from .openai_compat import (
 )
 from .requests import RequestFailed
 from .service import RouterService
+from .side_endpoints import (
+    METRICS_KEY,
+    METRICS_OFF,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_tokens,
+    encode_prompt,
+    tokenize_answer,
+)
+from .tool_calls import ToolAnswer, ToolChoice, rendered_conversation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,10 +89,21 @@ class ClientGone(Exception):
 
 
 class HttpApi:
-    def __init__(self, router: RouterService) -> None:
+    """`tool_call_parser`: the model's tool-call format for tool_choice "auto"
+    (tool_parsers.PARSER_CHOICES); `metrics_access`: who may GET /metrics here
+    (side_endpoints.METRICS_ACCESS)."""
+
+    def __init__(
+        self,
+        router: RouterService,
+        tool_call_parser: str = AUTO_PARSER,
+        metrics_access: str = METRICS_KEY,
+    ) -> None:
         self.router = router
         self.created = int(time.time())
         self._names = TokenNames()
+        self.tool_call_parser = tool_call_parser
+        self.metrics_access = metrics_access
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -91,6 +120,12 @@ class HttpApi:
         )
         app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=auth)
         app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], dependencies=auth)
+        app.add_api_route("/version", self.version, methods=["GET"], dependencies=auth)
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], dependencies=auth)
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"], dependencies=auth)
+        if self.metrics_access != METRICS_OFF:
+            guard = auth if self.metrics_access == METRICS_KEY else []
+            app.add_api_route("/metrics", self.metrics, methods=["GET"], dependencies=guard)
         app.add_middleware(
             BodyLimit,
             limit=lambda: self.router.max_request_bytes,
@@ -156,24 +191,109 @@ class HttpApi:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
-        messages = body.rendered_messages()
+        tools = self._tool_choice(body)
+        ids = await self._chat_prompt(body.model, rendered_conversation(body.messages), tools)
+        # OpenAI: without max_tokens, a chat completion may fill the context.
+        context = self.router.model.max_positions
+        default = max(1, context - len(ids))
+        reqs = body.to_requests(ids, default, self._mode())
+        if tools is not None and tools.constrains:
+            tools.constrain(reqs)
+        return await self._respond(request, body, reqs, chat=True, tools=tools)
+
+    async def _chat_prompt(
+        self,
+        model_id: str,
+        messages: list[dict[str, Any]],
+        tools: ToolChoice | None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The conversation's tokens through the chat template (with the tools), for
+        the model `model_id` names ("": the served one)."""
         try:
-            model = self.router._check_model(body.model)
-            chars = sum(len(m.get("content") or "") for m in messages)
+            model = self.router._check_model(model_id)
+            chars = _conversation_chars(messages, tools.tools if tools else None)
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
                     f"the messages have {chars} characters: more than any prompt that fits "
                     f"the model's context of {model.max_positions} tokens",
                     "messages",
                 )
-            ids = await self.router.tokenize_off_loop(chars, self._render, messages)
+            return await self.router.tokenize_off_loop(
+                chars, self._render, messages, tools.tools if tools else None,
+                add_generation_prompt,
+            )  # fmt: skip
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
-        # OpenAI: without max_tokens, a chat completion may fill the context.
-        context = self.router.model.max_positions
-        default = max(1, context - len(ids))
-        reqs = body.to_requests(ids, default, self._mode())
-        return await self._respond(request, body, reqs, chat=True)
+
+    def _tool_choice(self, body: ChatCompletionRequest) -> ToolChoice | None:
+        """The request's function calling, checked (None: none)."""
+        if body.tools is None and body.tool_choice is None:
+            return None
+        codec = self.router.codec
+        template = codec.chat_template_text if codec is not None else ""
+        parser = choose_parser(self.tool_call_parser, template)
+        tools = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
+        fmt = ResponseFormat.from_openai(body.response_format)  # checked by body.check()
+        if tools is not None and tools.constrains and fmt.constrains:
+            raise bad_request(
+                f"response_format cannot be combined with tool_choice {tools.mode!r}: the "
+                "output is the tool calls",
+                "response_format",
+            )
+        return tools
+
+    # -- beside the API (vLLM's) ---------------------------------------------------------
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def metrics(self) -> Response:
+        """The router's Prometheus registry (its vllm: series too), text format 0.0.4."""
+        registry = getattr(self.router.metrics, "registry", None)
+        if registry is None:
+            raise ApiError(404, "this router keeps no metrics", "not_found")
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        body.check()
+        model = self._model_with_codec(body.model)
+        if body.messages is not None:
+            tools = ToolChoice.of(body.tools, "none", None, None)
+            messages = rendered_conversation(body.messages or [])
+            ids = await self._chat_prompt(body.model, messages, tools, body.add_generation_prompt)
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            if len(body.prompt or "") > max_prompt_chars(model.max_positions):
+                raise bad_request(f"the prompt has {len(body.prompt or '')} characters: too long",
+                                  "prompt")  # fmt: skip
+            ids = await self._off_loop(
+                len(body.prompt or ""), encode_prompt, self.router.codec, body.prompt, special
+            )
+        names = [self._token_names()(t) for t in ids] if body.return_token_strs else None
+        return tokenize_answer(ids, model.max_positions, names)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        model = self._model_with_codec(body.model)
+        text = await self._off_loop(
+            len(body.tokens), decode_tokens, self.router.codec, body.tokens, model.vocab_size
+        )
+        return {"prompt": text}
+
+    def _model_with_codec(self, model_id: str):
+        """The served model, checked against `model_id`, when the router has its tokenizer."""
+        try:
+            model = self.router._check_model(model_id)
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
+        if self.router.codec is None:
+            raise ApiError(400, "the served model has no tokenizer here", "failed_precondition")
+        return model
+
+    async def _off_loop(self, chars: int, fn, *args):
+        try:
+            return await self.router.tokenize_off_loop(chars, fn, *args)
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
 
     # -- plumbing ------------------------------------------------------------------------
     async def _echo(self, prompt: str | list[int]) -> str:
@@ -200,8 +320,10 @@ class HttpApi:
         """Without `mode`: specpipe, or pp on a deployment without a draft."""
         return "specpipe" if self.router.backends.has_draft else "pp"
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages through the model's chat template, as token ids."""
+    def _render(
+        self, messages: list[dict[str, Any]], tools=None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Chat messages (and tools) through the model's chat template, as token ids."""
         codec = self.router.codec
         if codec is None:
             raise RequestFailed(
@@ -211,7 +333,7 @@ class HttpApi:
         from specpipe.common.text import TokenizerError
 
         try:
-            return codec.encode_chat(messages)
+            return codec.encode_chat(messages, tools, add_generation_prompt)
         except TokenizerError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
@@ -222,10 +344,12 @@ class HttpApi:
         reqs: list[gen.GenerateRequest],
         chat: bool,
         echo: str | None = None,
+        tools: ToolChoice | None = None,
     ) -> Response:
         """Run the request's choices (one generation each) and answer, streamed or
         not. The first choice runs alone until its first text, so its prefill is done:
-        the others find the prompt's blocks in every stage's prefix cache."""
+        the others find the prompt's blocks in every stage's prefix cache. With
+        `tools`, each choice's output becomes its text and tool calls."""
         client = request.client.host if request.client else ""
         caller = self.router.api_keys.caller(request.headers.get("authorization"), client)
         try:  # every choice counts against the client's share, all of them up front
@@ -247,9 +371,11 @@ class HttpApi:
             model = lead.model or self.router.model.model_id
             shape = ResponseShape(chat, lead.request_id, model, lead.weight_hash,
                                   self._token_names(), body.top_logprobs_wanted() is not None)  # fmt: skip
-            choices = Choices(runs, firsts, shape, echo)
+            choices = Choices(runs, firsts, shape, echo, tools)
             if body.stream:
-                events = _events(choices, body.include_usage, body.return_token_ids)
+                events = _events(
+                    choices, body.include_usage, body.return_token_ids, body.continuous_usage
+                )
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
             await _unless_disconnected(request, _together(run.text() for run in runs))
         except RequestFailed as e:
@@ -258,13 +384,17 @@ class HttpApi:
         except BaseException:
             await _close(runs)
             raise
+        # With tools, the messages first: they decide the finish reasons.
+        tools = choices.tools
+        messages = [t.message(r.output) for t, r in zip(tools, runs, strict=True)] if tools else []
         answers = [
             shape.choice(
                 i,
                 (choices.echo or "") + run.output,
-                run.finish_reason,
+                choices.finish_reason(i),
                 choices.entries(i, run.token_ids, run.logprobs, with_prompt=True),
                 list(run.token_ids) if body.return_token_ids else None,
+                messages[i] if messages else None,
             )
             for i, run in enumerate(runs)
         ]
@@ -275,7 +405,8 @@ class Choices:
     """The generations of one request's choices and what their answer sums up: usage
     over every choice, their stats. `echo`: the prompt's text, for a text completion
     that echoes it (None: none); its tokens' logprobs are the first choice's (the only
-    one that asks for them: the prompt is the same)."""
+    one that asks for them: the prompt is the same). `tools`: the request's function
+    calling, which makes each choice's output text and calls (`ToolAnswer`)."""
 
     def __init__(
         self,
@@ -283,9 +414,27 @@ class Choices:
         firsts: list[Piece | None],
         shape: ResponseShape,
         echo: str | None,
+        tools: ToolChoice | None = None,
     ) -> None:
         self.runs, self.firsts, self.shape, self.echo = runs, firsts, shape, echo
         self.prompt: list[Entry] = prompt_entries(runs[0]) if echo is not None else []
+        self.tools: list[ToolAnswer] = [tools.answer() for _ in runs] if tools else []
+
+    def finish_reason(self, index: int) -> str:
+        """A choice's finish reason ("tool_calls" for one that ended with calls)."""
+        reason = self.runs[index].finish_reason
+        return self.tools[index].finish_reason(reason) if self.tools else reason
+
+    def piece(self, index: int, text: str, final: bool = False) -> tuple[str, list]:
+        """A choice's streamed text as (content, delta.tool_calls); `final`: the end."""
+        if not self.tools:
+            return text, []
+        answer = self.tools[index]
+        content, calls = answer.push(text)
+        if final:
+            tail, more = answer.flush()
+            content, calls = content + tail, calls + more
+        return content, calls
 
     def entries(self, index: int, ids, logprobs, with_prompt: bool = False) -> list[Entry]:
         """The tokens of a choice's logprobs (none without them); `with_prompt`: the
@@ -296,10 +445,12 @@ class Choices:
         return [*self.prompt, *own] if with_prompt else own
 
     @property
-    def usage(self) -> dict[str, int]:
-        """The prompt once, every choice's completion tokens (OpenAI's usage for n)."""
-        prompt = self.runs[0].prompt_tokens
-        return usage(prompt, sum(run.completion_tokens for run in self.runs))
+    def usage(self) -> dict[str, Any]:
+        """The prompt once (its cached tokens too), every choice's completion tokens
+        (OpenAI's usage for n); streamed, so far."""
+        lead = self.runs[0]
+        done = sum(run.completion_tokens for run in self.runs)
+        return usage(lead.prompt_tokens, done, lead.cached_tokens)
 
     @property
     def speculation(self) -> dict[str, Any] | list | None:
@@ -307,6 +458,15 @@ class Choices:
         if len(self.runs) == 1:
             return self.runs[0].speculation
         return [run.speculation for run in self.runs]
+
+
+def _conversation_chars(messages: list[dict[str, Any]], tools: list | None) -> int:
+    """The text a conversation gives the chat template, in characters: the messages'
+    content, their tool calls and the tools (as JSON)."""
+    chars = sum(len(m.get("content") or "") for m in messages)
+    calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+    extra = [x for x in (calls, tools) if x]
+    return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in extra)
 
 
 async def _together(works) -> list:
@@ -327,14 +487,18 @@ async def _close(runs: list[Generation]) -> None:
 
 
 async def _events(
-    choices: Choices, include_usage: bool, token_ids: bool = False
+    choices: Choices,
+    include_usage: bool,
+    token_ids: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion: each choice's pieces as they
     come (every chunk holds one choice, `index`; with `token_ids`, the piece's token ids:
     what a resume sends back), then each one's finishing chunk.
     Without include_usage the last finishing chunk carries usage (of every choice) and
     speculation stats; with it, they come in OpenAI's extra last chunk without choices
-    instead."""
+    instead. `continuous_usage`: every chunk carries the usage so far (vLLM's
+    continuous_usage_stats)."""
     shape, runs = choices.shape, choices.runs
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
@@ -347,13 +511,17 @@ async def _events(
         except RequestFailed as e:
             await queue.put((i, e))
 
+    def so_far() -> dict[str, Any]:
+        return {"usage": choices.usage} if continuous_usage else {}
+
     tasks: list[asyncio.Task] = []
     try:
         for i in range(len(runs)):
             if shape.chat:
-                yield _sse(shape.chunk(text="", first=True, index=i))
+                yield _sse(shape.chunk(text="", first=True, index=i, **so_far()))
             elif choices.echo is not None:
-                yield _sse(shape.chunk(text=choices.echo, index=i, entries=choices.prompt))
+                yield _sse(shape.chunk(text=choices.echo, index=i, entries=choices.prompt,
+                                       **so_far()))  # fmt: skip
         tasks = [asyncio.ensure_future(pump(i, run, first))
                  for i, (run, first) in enumerate(zip(runs, choices.firsts, strict=True))]  # fmt: skip
         left = len(runs)
@@ -365,15 +533,21 @@ async def _events(
             if item is not None:
                 entries = choices.entries(i, item.token_ids, item.logprobs)
                 ids = list(item.token_ids) if token_ids else None
-                yield _sse(shape.chunk(text=item.text, index=i, entries=entries, token_ids=ids))
+                text, calls = choices.piece(i, item.text)
+                if text or calls or entries or ids or not choices.tools:
+                    yield _sse(shape.chunk(text=text, index=i, entries=entries, tool_calls=calls,
+                                           token_ids=ids, **so_far()))  # fmt: skip
                 continue
             left -= 1
-            extra = {}
+            text, calls = choices.piece(i, "", final=True) if choices.tools else ("", [])
+            if text or calls:  # what the end decided (a call, or held text)
+                yield _sse(shape.chunk(text=text, index=i, tool_calls=calls, **so_far()))
+            extra = so_far()
             if not include_usage and not left:
                 extra = {"usage": choices.usage, "speculation": choices.speculation}
             ids = runs[i].unsent_token_ids if token_ids else None
             yield _sse(
-                shape.chunk(finish_reason=runs[i].finish_reason, index=i, token_ids=ids, **extra)
+                shape.chunk(finish_reason=choices.finish_reason(i), index=i, token_ids=ids, **extra)
             )
         else:
             if include_usage:
@@ -567,8 +741,9 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the HTTP API as a task of the running loop."""
 
-    def __init__(self, router: RouterService) -> None:
-        self.api = HttpApi(router)
+    def __init__(self, router: RouterService, **options: str) -> None:
+        """`options`: HttpApi's (tool_call_parser, metrics_access)."""
+        self.api = HttpApi(router, **options)
         self.guard: ConnectionGuard | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None

@@ -5,11 +5,11 @@ Generation API (`GenerateRequest` in, `GenerateResponse` events out). No HTTP he
 Requests are pydantic models, so a malformed body is refused field by field (400, never
 500): integers must fit the Generation API's fields (int64; `priority` int32) and text
 must be valid Unicode (JSON's "\ud800" escape is a lone surrogate, which is not). Fields of
-OpenAI's API that SpecPipe cannot honour (tools, best_of > n, ...) are
+OpenAI's API that SpecPipe cannot honour (best_of > n, ...) are
 refused with 400 when set to anything but their default; unknown fields are ignored,
 as OpenAI-compatible servers do. `response_format` (json_object, json_schema) constrains
-the output with a grammar (common/spec/grammar.py); `tools` (function calling) is
-refused with a pointer to it.
+the output with a grammar (common/spec/grammar.py); chat's `tools` (function calling)
+are checked and answered by tool_calls.py (on text completions they are refused).
 
 Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs`, with `echo` the
 prompt's too) are the target's own: log_softmax of its raw logits at each token's
@@ -136,6 +136,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: usage (so far) on every chunk (aiperf's --per-chunk-usage)
+    continuous_usage_stats: bool = False
 
 
 # Fields OpenAI defines that SpecPipe does not implement: refused unless at these values.
@@ -150,11 +152,12 @@ _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
 
 
 # What to use instead, where there is something.
-_TOOLS_HINT = (
-    " (no function calling): for output that follows a JSON schema, use response_format "
-    '{"type": "json_schema", "json_schema": {"schema": ...}}'
-)
-_UNSUPPORTED_HINTS = {"tools": _TOOLS_HINT, "functions": _TOOLS_HINT}
+_TOOLS_HINT = " on /v1/completions: function calling is on /v1/chat/completions"
+_UNSUPPORTED_HINTS = {
+    "tools": _TOOLS_HINT,
+    "tool_choice": _TOOLS_HINT,
+    "functions": " (OpenAI's deprecated field): use tools on /v1/chat/completions",
+}
 
 
 def check_response_format(value: dict[str, Any] | None) -> None:
@@ -272,6 +275,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every streamed chunk (vLLM's continuous_usage_stats)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def to_request(
         self, prompt: str | Sequence[int], default_max_tokens: int, default_mode: str
@@ -434,6 +442,10 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
+    # function calling (checked by tool_calls.ToolChoice)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def top_logprobs_wanted(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -593,8 +605,13 @@ class Generation:
         return f.usage.completion_tokens if f else len(self.token_ids)
 
     @property
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the path had in its prefix cache (None: not finished yet)."""
+        return self.finished.usage.cached_tokens if self.finished else None
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     @property
     def speculation(self) -> dict[str, Any] | None:
@@ -609,12 +626,19 @@ class Generation:
 
 
 # -- responses -----------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens served from the prefix cache
+    (known when the request has finished; None: left out)."""
+    answer: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        answer["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return answer
 
 
 def speculation(stats: gen.SpeculationStats) -> dict[str, Any]:
@@ -758,12 +782,14 @@ class ResponseShape:
         finish_reason: str,
         entries: Sequence[Entry] = (),
         token_ids: list[int] | None = None,
+        message: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One choice of a whole (not streamed) answer; `entries`: its tokens."""
+        """One choice of a whole (not streamed) answer; `entries`: its tokens;
+        `message`: a chat answer's own (function calls), instead of the text's."""
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason,
                                   "logprobs": self._logprobs(index, entries)}  # fmt: skip
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = message or {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         if token_ids is not None:
@@ -784,17 +810,21 @@ class ResponseShape:
         index: int = 0,
         entries: Sequence[Entry] = (),
         token_ids: list[int] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
         **extra,
     ) -> dict[str, Any]:
         """A streamed piece of choice `index`: `text` (and the logprobs of `entries`,
         the tokens since the previous piece; `token_ids`, those tokens, for a request
-        with `return_token_ids`), or the choice's last piece (`finish_reason`)."""
+        with `return_token_ids`; a chat's `delta.tool_calls`), or the choice's last
+        piece (`finish_reason`)."""
         lps = self._logprobs(index, entries) if entries else None
         choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "logprobs": lps}
         if self.chat:
-            delta: dict[str, str] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -553,6 +553,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         )
         if metrics is not None:
             driver.on_step_cpu = metrics.step_cpu.observe
+            driver.on_opened = metrics.opened
             metrics.started(len(plan.prompt))
         self.drivers[rid] = driver
         self._apply_widths()
@@ -687,7 +688,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return gen.Finished(
             finish_reason=driver.finish_reason,
             usage=gen.Usage(
-                prompt_tokens=prompt_tokens, completion_tokens=st.resumed_tokens + st.new_tokens
+                prompt_tokens=prompt_tokens,
+                completion_tokens=st.resumed_tokens + st.new_tokens,
+                cached_tokens=driver.cached_tokens,
             ),
             stats=stats_to_proto(st, *driver.timing()),
             text=stream.flush() if stream else "",

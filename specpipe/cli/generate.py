@@ -101,6 +101,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens"
     )
+    p.add_argument(
+        "--response-format",
+        default=None,
+        metavar="JSON",
+        help='structured output, in OpenAI\'s shape: \'{"type": "json_object"}\' or '
+        '\'{"type": "json_schema", "json_schema": {"schema": {...}}}\' (or @FILE holding it)',
+    )
+    p.add_argument(
+        "--no-forced-tokens",
+        action="store_true",
+        help="with --response-format: do not put the one token the grammar allows in the "
+        "tree without the draft (to measure what forced tokens gain)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_generate)
 
@@ -169,6 +182,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
 
+    grammar = _grammar(args, target, cfg)
     stages = args.stages
     deployment = build_local(
         target, stages, draft, parse_dtype(args.dtype), split=args.split, device=device
@@ -189,6 +203,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             ranking=args.ranking,
             growth=args.growth,
             min_tokens=args.min_tokens,
+            grammar=grammar,
+            forced_tokens=not args.no_forced_tokens,
         )
     except ValueError as e:
         raise CliError(str(e)) from None
@@ -204,6 +220,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         st = gen.stats
         # Beside "stats" (whose keys are a contract), the same extras `client generate` prints.
         out = {"token_ids": tokens, "text": text, "stats": st.summary()}
+        if grammar is not None:  # hits of the tokens the grammar forced
+            out["forced_hits"] = st.forced_hits
         from specpipe.common.model.loading import weight_fingerprint
 
         version = {"model": Path(target).name, "weight_hash": weight_fingerprint(target)}
@@ -218,10 +236,41 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{s['mode']}] S={s['stages']} tokens={s['new_tokens']} steps={s['decode_steps']} "
             f"tokens/step={s['tokens_per_step']:.3f} hit_rate={s['hit_rate']:.3f}"
-            + _per_source(gen.stats),
+            + _per_source(gen.stats)
+            + (f" forced_hits={gen.stats.forced_hits}" if grammar is not None else ""),
             file=sys.stderr,
         )
     return 0
+
+
+def _grammar(args: argparse.Namespace, target, cfg):
+    """`--response-format` compiled for the target's tokenizer (None: none); a format
+    the grammar engine cannot use is an error naming the problem."""
+    from specpipe.common.spec.grammar import (
+        Grammar,
+        GrammarError,
+        ResponseFormat,
+        load_grammar_tokenizer,
+    )
+
+    value = args.response_format
+    if value is None:
+        return None
+    if value.startswith("@"):
+        try:
+            value = Path(value[1:]).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"--response-format {value}: {e.strerror}") from None
+    try:
+        fmt = ResponseFormat.from_openai(value)
+        if not fmt.constrains:
+            return None
+        if args.ignore_eos:
+            raise CliError("--ignore-eos cannot be combined with --response-format")
+        tok = load_grammar_tokenizer(str(target), cfg.vocab_size, tuple(cfg.eos_token_ids))
+        return Grammar(fmt.grammar_text() or "", tok)
+    except GrammarError as e:
+        raise CliError(f"--response-format: {e}") from None
 
 
 def _parse_layers(text: str) -> int | None:

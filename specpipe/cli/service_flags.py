@@ -13,6 +13,10 @@ import os
 
 from specpipe.common.runtime.alignment import AUTO_CAP, MAX_WAIT
 from specpipe.services.config import (
+    DEFAULT_HTTP_METRICS,
+    DEFAULT_TOOL_CALL_PARSER,
+    HTTP_METRICS_ACCESS,
+    TOOL_CALL_PARSERS,
     TRANSPORTS,
     DeploymentConfig,
     DraftConfig,
@@ -541,7 +545,23 @@ def _http_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
-        "/v1/models, /health) on this port (0: any free port; default: no HTTP API)",
+        "/v1/models, /health; vLLM's /metrics, /version, /tokenize, /detokenize) on this "
+        "port (0: any free port; default: no HTTP API)",
+    )
+    p.add_argument(
+        "--http-metrics",
+        choices=HTTP_METRICS_ACCESS,
+        default=DEFAULT_HTTP_METRICS,
+        help="/metrics on the HTTP port: behind the API key like the rest of the port (key), "
+        "open to anyone (open), or not served there (off); default %(default)s",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=DEFAULT_TOOL_CALL_PARSER,
+        help="the model's tool-call format, parsed from its output for tool_choice 'auto' "
+        "(auto: chosen from the chat template; hermes: Qwen2.5's and Hermes' <tool_call>; "
+        "llama3_json: Llama 3.x's JSON calls; none: 'auto' refused); default %(default)s",
     )
     p.add_argument(
         "--api-key",

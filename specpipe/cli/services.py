@@ -178,6 +178,8 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         startup_timeout=args.startup_timeout,
         max_cache_gib=args.max_cache_gib,
         http_port=args.http_port,
+        http_metrics=args.http_metrics,
+        tool_call_parser=args.tool_call_parser,
         api_keys=api_keys.lines,  # with their attributes (max_priority=N, operator)
         scheduling=SchedulingConfig.from_args(args),
         metrics=not args.no_metrics,

@@ -34,7 +34,21 @@ CHAT_TEMPLATE = (
 )
 
 
-def add_char_tokenizer(model_dir: Path) -> Path:
+# A chat template that teaches Qwen2.5's tool-call format (`<tool_call>{...}</tool_call>`),
+# in the same alphabet: the tools (by name: the tiny models' context is short), an
+# assistant's calls and the tools' results rendered.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}[tools]{% for t in tools %}{{ t.function.name }};{% endfor %}"
+    "<tool_call>|{% endif %}"
+    "{% for m in messages %}[{{ m.role }}]{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>"
+    '{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}'
+    "</tool_call>{% endfor %}|{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def add_char_tokenizer(model_dir: Path, chat_template: str = CHAT_TEMPLATE) -> Path:
     """A character-level tokenizer over the tiny models' 97 ids: id 0 <s>, 1..95 the
     printable ASCII characters, 96 </s> (so text prompts and text deltas can be tested),
     with a chat template."""
@@ -46,7 +60,7 @@ def add_char_tokenizer(model_dir: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(model_dir)
     return model_dir
 

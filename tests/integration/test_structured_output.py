@@ -187,11 +187,22 @@ def test_what_cannot_be_constrained_is_a_400_naming_the_problem(dep) -> None:
                 c.chat.completions.create(
                     model=dep.target.name, messages=messages, response_format=fmt, max_tokens=4
                 )
+        # Function calling: "auto" needs a tool-call format the template teaches (this
+        # one has none); a tool schema the grammar engine cannot use is a 400 too.
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        with pytest.raises(openai.BadRequestError, match="use response_format"):
+        with pytest.raises(openai.BadRequestError, match="needs the model's tool-call format"):
             c.chat.completions.create(
                 model=dep.target.name, messages=messages, tools=tools, max_tokens=4
             )
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": 5,
+                                                   "maximum": 2}}, "required": ["n"]}}}]  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match="cannot constrain the output") as e:
+            c.chat.completions.create(
+                model=dep.target.name, messages=messages, tools=bad, tool_choice="required",
+                max_tokens=4,
+            )  # fmt: skip
+        assert e.value.body["param"] == "tools"
     with Client(dep.router_address, timeout=60) as client, pytest.raises(InvalidArgument) as e:
         client.generate(prompt_ids=PROMPT, response_format=json_schema({"$ref": "#/no"}))
     assert "/no" in e.value.message

@@ -238,3 +238,44 @@ def test_up_is_secure_unless_told_otherwise(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         parse(["up", "--target", "t", "--secure", "--insecure"])
     assert e.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_generate_response_format_with_and_without_forced_tokens(
+    capsys, llama_dir, tmp_path
+) -> None:
+    """`--response-format` constrains the output (it parses and validates); forced tokens
+    change no token and are hits (`--no-forced-tokens` to compare); a format the grammar
+    engine cannot use is a one-line error."""
+    import jsonschema
+
+    from tests.integration.conftest import add_char_tokenizer
+
+    target = tmp_path / "m"
+    shutil.copytree(llama_dir, target)
+    add_char_tokenizer(target)
+    schema = {"type": "object", "properties": {"kind": {"const": "point"},
+              "x": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["kind", "x"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    fmt = json.dumps({"type": "json_schema", "json_schema": {"schema": schema}})
+    (tmp_path / "fmt.json").write_text(fmt)
+    base = ["generate", "--target", str(target), "--stages", "2", "--prompt", "JSON: ",
+            "--max-new-tokens", "40", "--json", "--draft", "ngram"]  # fmt: skip
+    results = {}
+    for extra in ([], ["--no-forced-tokens"]):
+        code, out, err = run(
+            capsys, *base, "--response-format", f"@{tmp_path / 'fmt.json'}", *extra
+        )
+        assert code == 0, err
+        results[bool(extra)] = json.loads(out)
+    forced, plain = results[False], results[True]
+    assert forced["token_ids"] == plain["token_ids"]
+    jsonschema.validate(json.loads(forced["text"]), schema)
+    assert forced["forced_hits"] >= len('{"kind":"point","x":') - 1 and plain["forced_hits"] == 0
+    assert forced["stats"]["hit_rate"] > plain["stats"]["hit_rate"]
+    code, _, err = run(capsys, *base, "--response-format", '{"type": "xml"}')
+    assert code == 2 and "--response-format: response_format type must be one of" in err
+    code, _, err = run(
+        capsys, *base, "--response-format", '{"type": "json_object"}', "--ignore-eos"
+    )
+    assert code == 2 and "--ignore-eos cannot be combined" in err

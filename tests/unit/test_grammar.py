@@ -28,7 +28,11 @@ from specpipe.common.spec.tree import TokenTree
 from specpipe.common.spec.verify import VerifySpec
 from specpipe.services.control import verify_spec_from_proto, verify_spec_to_proto
 from specpipe.services.router.backends import ModelInfo
-from specpipe.services.router.openai_compat import ApiError, ChatCompletionRequest
+from specpipe.services.router.openai_compat import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from specpipe.services.router.requests import InvalidRequest, plan_request
 from specpipe.v1 import generation_pb2 as gen
 
@@ -147,6 +151,30 @@ def test_the_paths_it_allows_agree_with_its_masks(tok, fmt) -> None:
                 break
 
 
+@pytest.mark.parametrize(
+    "fmt", [ResponseFormat("json_object"), SCHEMA_FORMAT], ids=["obj", "schema"]
+)
+def test_the_forced_token_is_the_only_one_its_mask_allows(tok, fmt) -> None:
+    """`forced_after(path)` (the controller's forced tokens) is the one token the mask
+    allows after the path, None where it allows more; the state stays as it was."""
+    g = grammar(tok, fmt)
+    rng = random.Random(1)
+    for _ in range(4):
+        state, out = g.state(), []
+        for _ in range(40):
+            for cut in range(max(0, len(out) - 4), len(out) + 1):
+                base = g.state(out[:cut])
+                after = np.flatnonzero(state.allowed(VOCAB)).tolist()
+                forced = base.forced_after(out[cut:])
+                assert forced == (after[0] if len(after) == 1 else None)
+                assert base.allowed(VOCAB).tolist() == g.state(out[:cut]).allowed(VOCAB).tolist()
+            token = rng.choice(np.flatnonzero(state.allowed(VOCAB)).tolist())
+            state.advance([token])
+            out.append(token)
+            if token == EOS:
+                break
+
+
 def test_a_complete_output_allows_only_eos(tok) -> None:
     state = grammar(tok, SCHEMA_FORMAT).state(ids('{"name": "ab", "ok": true, "n": 7}'))
     assert state.done and np.flatnonzero(state.allowed(VOCAB)).tolist() == [EOS]
@@ -241,7 +269,7 @@ def test_a_router_without_a_tokenizer_refuses_response_format() -> None:
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_the_http_body_takes_openais_response_format_and_refuses_tools() -> None:
+def test_the_http_body_takes_openais_response_format() -> None:
     body = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=body)
     chat.check()
@@ -253,8 +281,9 @@ def test_the_http_body_takes_openais_response_format_and_refuses_tools() -> None
         bad.check()
     assert e.value.status == 400 and e.value.param == "response_format"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    with pytest.raises(ApiError, match="use response_format") as e:
-        ChatCompletionRequest(messages=[], tools=tools).check()
+    ChatCompletionRequest(messages=[], tools=tools).check()  # tool_calls.py checks them
+    with pytest.raises(ApiError, match="function calling is on /v1/chat") as e:
+        CompletionRequest(prompt="x", tools=tools).check()
     assert e.value.status == 400 and e.value.param == "tools"
 
 

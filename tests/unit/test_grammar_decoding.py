@@ -7,6 +7,7 @@ validates against its schema; and no tree node the grammar forbids is ever grown
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -203,9 +204,52 @@ def test_no_tree_node_the_grammar_forbids_is_ever_grown(
     grown = 0
     while engine.runs:
         engine.step()
+        if ctrl.done:  # the last tree stays as it was: nothing grows after the end
+            break
         tree, state = ctrl.tree, g.state(ctrl.tokens)
         for node in range(1, len(tree)):
             path = tree.tokens[tree.path_to(node)[1:]].tolist()
             assert state.allows(path[:-1], path[-1]), f"node {path} after {ctrl.tokens}"
         grown = max(grown, len(tree) - 1)
     assert grown > 0 and ctrl.tokens == plain_constrained(target, "object", SamplingParams())
+
+
+TAGGED = {
+    "type": "object",
+    "properties": {"kind": {"const": "point"}, "label": {"enum": ["north", "south"]},
+                   "x": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["kind", "label", "x"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "T0.9"])
+def test_forced_tokens_are_lossless_and_sure_hits(target, sampling, request) -> None:
+    """Where the grammar allows one token only, the controller puts it in the tree
+    without the draft: every mode emits the same tokens with and without it (plain
+    constrained decoding), and with it those tokens are hits whatever the draft
+    proposed (an unrelated draft, the n-gram source)."""
+    FORMATS["tagged"] = ResponseFormat("json_schema", json.dumps(TAGGED))
+    try:
+        expect = plain_constrained(target, "tagged", SAMPLING[sampling])
+        for mode, stages, source, k in RUNS:
+            got = {}
+            for forced in (True, False):
+                dep = build_local(target, stages, draft_of(source, request), torch.float64)
+                opts = options(target, "tagged", SAMPLING[sampling], source, k)
+                opts = dataclasses.replace(opts, forced_tokens=forced)
+                gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+                assert gen.run() == expect, f"{mode} S={stages} {source} K={k} forced={forced}"
+                got[forced] = gen.stats
+            assert got[False].forced_hits == 0
+            if mode in (Mode.SPECPIPE, Mode.SPECINFER):
+                # '{"kind":"point","label":"' and more: many tokens are forced.
+                assert got[True].forced_hits >= 10, (mode, source, k)
+                assert got[True].hits >= got[True].forced_hits
+                if source == "unrelated":
+                    assert got[True].hits > got[False].hits
+            else:  # no tree to put them in
+                assert got[True].forced_hits == 0
+    finally:
+        del FORMATS["tagged"]

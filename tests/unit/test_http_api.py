@@ -274,7 +274,8 @@ def collect(texts, stops=(), **kw):
 def test_generation_collects_text_usage_and_stats() -> None:
     run, text, log = collect(["a", "", "bc"], tail="!")
     assert text == "abc!" and run.finish_reason == "length" and run.request_id == "r-1"
-    assert run.usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert run.usage == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                         "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
     assert run.speculation["mode"] == "pp" and run.speculation["new_tokens"] == 3
     assert run.token_ids == [0, 1, 2] and log == ["released"]
 
@@ -309,9 +310,10 @@ def test_api_keys(tmp_path) -> None:
 
 
 # -- the app in front of a scripted router ---------------------------------------------------
-def with_app(script, fn, keys=("k",)):
+def with_app(script, fn, keys=("k",), codec=None, metrics=None, **options):
     """fn(client, router) -> result, against the HTTP API of a RouterService whose
-    generate() is `script(request)` (an async generator), served on a free port."""
+    generate() is `script(request)` (an async generator), served on a free port (with
+    `codec` as its tokenizer, `metrics` as its registry, HttpApi's `options`)."""
     from specpipe.services.router.backends import ModelInfo
     from specpipe.services.router.http_api import HttpServer
     from specpipe.services.router.service import RouterService
@@ -322,7 +324,8 @@ def with_app(script, fn, keys=("k",)):
                                  eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         router.backends._ready = True
         router.generate = lambda req, deadline=None, caller=None: script(req)
-        server = HttpServer(router)
+        router.codec, router.metrics = codec, metrics
+        server = HttpServer(router, **options)
         port = await server.start("127.0.0.1", 0)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key=keys[0] if keys else "x",
@@ -579,7 +582,7 @@ class FakeCodec:
         def convert_ids_to_tokens(i):
             return None
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True):
         return list(PROMPT_IDS)
 
 

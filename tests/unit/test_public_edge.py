@@ -337,7 +337,7 @@ class SlowCodec:
         self.release = threading.Event()
         self.long_started = 0
 
-    def encode_chat(self, messages):
+    def encode_chat(self, messages, tools=None, add_generation_prompt=True):
         text = "".join(m["content"] for m in messages)
         if len(text) > SHORT_CHARS:
             self.long_started += 1

@@ -45,6 +45,7 @@ ROUTER = RouterConfig(
     discovery_namespace="ns", discovery_selector="app=x", replay_seconds=4.0,
     max_replays=2, stall_seconds=30.0, replica_stall_seconds=1.5, target="/models/m",
     model_id="served", startup_timeout=12.0, router_name="r1", http_port=8000,
+    http_metrics="open", tool_call_parser="hermes",
     api_keys=("k1", "k2"), api_key_files=("/a", "/b"), public_tls_cert="/c.pem",
     public_tls_key="/k.pem", http_max_connections=100, http_max_connections_per_client=3,
     http_header_timeout=2.5, max_priority=4, share_prefix_cache=True, describe_internals=True,
@@ -125,10 +126,13 @@ def test_repeated_defaults_equal_their_origins() -> None:
         DEFAULT_MAX_WAITING,
         DEFAULT_MAX_WAITING_PER_TENANT,
     )
+    from specpipe.common.spec.tool_parsers import AUTO as AUTO_PARSER
+    from specpipe.common.spec.tool_parsers import PARSER_CHOICES
     from specpipe.services import config, modelinfo, security, transport
     from specpipe.services.auth import DEFAULT_MAX_PRIORITY
     from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
     from specpipe.services.router.edge import DEFAULT_PER_CLIENT, HEADER_TIMEOUT
+    from specpipe.services.router.side_endpoints import METRICS_ACCESS
 
     assert config.DEFAULT_HTTP_PER_CLIENT == DEFAULT_PER_CLIENT
     assert config.DEFAULT_HTTP_HEADER_TIMEOUT == HEADER_TIMEOUT
@@ -143,6 +147,9 @@ def test_repeated_defaults_equal_their_origins() -> None:
     )
     assert config.DEFAULT_MAX_WAITING_PER_KEY == DEFAULT_MAX_WAITING_PER_TENANT
     assert config.TRANSPORTS == transport.TRANSPORTS and config.TCP == transport.TCP
+    assert config.HTTP_METRICS_ACCESS == METRICS_ACCESS
+    assert config.TOOL_CALL_PARSERS == PARSER_CHOICES
+    assert config.DEFAULT_TOOL_CALL_PARSER == AUTO_PARSER
 
 
 def test_the_launcher_gives_each_child_a_command_line_that_parses(llama_dir: Path) -> None:

@@ -62,9 +62,11 @@ def test_final_message_carries_regrowths_and_steady_rate_to_the_client() -> None
 
     st = DecodeStats(mode="specpipe", stages=4, width=8, decode_steps=12, new_tokens=7)
     st.regrowths, st.emit_steps = 3, [4, 5, 6, 8, 9, 10, 12]  # 6 tokens in 8 steps
-    driver = SimpleNamespace(stats=st, finish_reason="length", timing=lambda: (1.0, 2.0))
+    driver = SimpleNamespace(stats=st, finish_reason="length", timing=lambda: (1.0, 2.0),
+                             cached_tokens=16)  # fmt: skip
     finished = _with_router(lambda r: r._finished(driver, None, 5))
     assert finished.stats.regrowths == 3 and finished.stats.steady_tokens_per_step == 0.75
+    assert finished.usage.cached_tokens == 16  # the prompt tokens the path had cached
     collector = Collector()
     collector.add(gen.GenerateResponse(finished=finished))
     done = collector.completion
