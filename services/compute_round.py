@@ -92,6 +92,17 @@ class Stage(Protocol):
         """`st` takes no more work; its router hears why."""
 
 
+def _next_is_prefill(order: RequestOrder) -> bool:
+    """Whether the activation whose turn is next (arrived or not) is a prefill chunk."""
+    item = order.pending.get(order.next_seq)
+    return item is not None and item.act.committed and not item.empty
+
+
+def prefill_cells(act: Activation) -> int:
+    """A prefill chunk's rows x keys (its last row sees every key up to its position)."""
+    return len(act) * (int(act.positions[-1]) + 1) if len(act) else 0
+
+
 class ComputeRounds:
     """The loop of a stage's rounds over its open requests (`requests`, the stage's own
     dict), computing on `executor`, its one compute thread."""
@@ -101,6 +112,7 @@ class ComputeRounds:
         self.requests = requests
         self.executor = executor
         self._wake = asyncio.Event()  # new work for the loop
+        self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
         """New work arrived (an activation or a prune)."""
@@ -157,21 +169,47 @@ class ComputeRounds:
 
     def _collect(self, turns: bool = True) -> list[Work]:
         """Every request's prunes that can be applied and (with `turns`) activations whose
-        turn it is."""
-        work = []
-        for st in self.requests.values():
-            if st.closed:
-                continue
+        turn it is: every tree feed, and prefill chunks up to the step's prefill budget
+        (`StepBudget.prefill_cells`, rows x keys; the first chunk always), taken from
+        the requests in turn, so a long prompt's chunks interleave with the others'
+        decodes instead of filling a round (docs/architecture.md, "The stage engine")."""
+        work: dict[str, Work] = {}
+        live = [st for st in self.requests.values() if not st.closed]
+        for st in live:
             order, prunes, taken = st.order, [], []
             root_seq = order.next_seq
             while (ready := order.next_prune()) is not None:
                 prunes.append(ready)
                 order.prune_applied(ready[0])
-            while turns and (turn := order.next_activation()) is not None:
+            while turns and not _next_is_prefill(order) and (turn := order.next_activation()):
                 taken.append(turn)
             if prunes or taken:
-                work.append(Work(st, prunes, taken, root_seq))
-        return work
+                work[st.request_id] = Work(st, prunes, taken, root_seq)
+        if turns and live:
+            self._take_prefill(live, work)
+        return list(work.values())
+
+    def _take_prefill(self, live: list[StageRequest], work: dict[str, Work]) -> None:
+        """Prefill chunks into the round within its budget, starting one request further
+        each round (several long prompts share the budget in turn)."""
+        budget = self.stage.runtime.step_budget.prefill_cells
+        spent = 0
+        self._prefill_turn += 1
+        start = self._prefill_turn % len(live)
+        for st in live[start:] + live[:start]:
+            order = st.order
+            while _next_is_prefill(order):
+                cells = prefill_cells(order.pending[order.next_seq].act)
+                if spent and spent + cells > budget:
+                    return
+                turn = order.next_activation()
+                if turn is None:
+                    break
+                spent += cells
+                w = work.get(st.request_id)
+                if w is None:
+                    w = work[st.request_id] = Work(st, [], [], order.next_seq - 1)
+                w.turns.append(turn)
 
     async def _run(self, work: list[Work]) -> None:
         """One round; a round that fails other than in its forward (a bug) fails its own

@@ -176,6 +176,7 @@ class ModelServiceConfig(ServiceConfig):
     device: str = flag("cpu")
     max_cache_gib: float | None = flag()  # None: cache_fraction of the free memory
     cache_fraction: float = flag(DEFAULT_CACHE_FRACTION)
+    step_memory_mib: float | None = flag()  # None: a share of the free memory
     lease_seconds: float = flag(DEFAULT_LEASE_SECONDS)
     emulate_costs: str | None = flag()  # a cost model file: an emulated device
     measure_costs: bool = flag(False)

@@ -39,6 +39,7 @@ from specpipe.common.runtime.validation import (
     check_token_ids,
     check_tokens,
 )
+from specpipe.common.spec.growth import chunk_spans
 from specpipe.common.spec.messages import Candidates, Prune
 from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
@@ -183,11 +184,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         """Cache verified tokens one chunk per compute call: other requests' calls run in
         between, so one long prefill never stalls every draft user."""
         chunk = min(chunk or DEFAULT_PREFILL_CHUNK, self.max_step_rows)
-        for s in range(0, tokens.numel(), chunk):
-            part = tokens[s : s + chunk]
+        cells = self.runtime.runtime.step_budget.prefill_cells  # rows x keys, as a stage's
+        for s, e in chunk_spans(start, start + tokens.numel(), chunk, cells):
+            part = tokens[s - start : e - start]
             n = part.numel()
-            prefill = paced_call(self.pacer, self.runtime.prefill, n, start + s + n, self.device)
-            await self._call(context, prefill, rid, part, start + s, chunk, rows=n)
+            prefill = paced_call(self.pacer, self.runtime.prefill, n, e, self.device)
+            await self._call(context, prefill, rid, part, s, chunk, rows=n)
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
         await self._refuse_if_draining(context)

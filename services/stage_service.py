@@ -256,6 +256,8 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             info.cache_blocks_free,
         )
         desc.cache_block_rows = info.cache_block_rows
+        budget = self.runtime.step_budget
+        desc.step_memory_bytes, desc.prefill_cells = budget.bytes, budget.prefill_cells
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:

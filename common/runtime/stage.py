@@ -176,6 +176,16 @@ class StageRuntime:
             self._max_cache_bytes = value
 
     @property
+    def step_bytes(self) -> int:
+        """The working memory one step may take (`step_budget.py`)."""
+        return self.step_budget.bytes
+
+    @step_bytes.setter
+    def step_bytes(self, value: int) -> None:
+        with self._compute_lock:
+            self.step_budget = StepBudget(value, self.step_budget.costs)
+
+    @property
     def prefix_caching(self) -> bool:
         return self.pool.prefix_caching
 

@@ -39,6 +39,11 @@ ATTENTION_SHARE = 0.5
 MIN_QUERY_BLOCK = 16
 # Keys of one key block, at least (a KV block's rows: 16).
 MIN_KEY_BLOCK = 16
+# Rows x keys of one prefill chunk, at most (a chunk of 128 rows at 8k tokens of
+# context): a round takes the decodes ready and prefill chunks up to this much, so a
+# long prompt's chunks interleave with the other requests' steps (and each chunk's
+# attention is one call where the memory budget allows it).
+DEFAULT_PREFILL_CELLS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,12 @@ class StepBudget:
     def attention_bytes(self) -> int:
         """What one attention call (one part, one key block) may take."""
         return int(self.bytes * ATTENTION_SHARE)
+
+    @property
+    def prefill_cells(self) -> int:
+        """Rows x keys of prefill one round takes (the first chunk always): at most
+        `DEFAULT_PREFILL_CELLS`, and what one attention call may hold."""
+        return max(1, min(DEFAULT_PREFILL_CELLS, self.attention_bytes // self.costs.cell_bytes))
 
     @property
     def max_rows(self) -> int:

@@ -124,6 +124,14 @@ def _model_args(p: argparse.ArgumentParser, defaults: ModelServiceConfig, requir
         help="KV cache budget (default: --cache-fraction of the device's free memory)",
     )
     p.add_argument(
+        "--step-memory-mib",
+        type=float,
+        default=None,
+        help="working memory one step may take beside weights and KV cache: attention, "
+        "activations (default: a share of the device's free memory once the weights are "
+        "loaded); a long prompt's step is split until it fits",
+    )
+    p.add_argument(
         "--cache-fraction",
         type=float,
         default=defaults.cache_fraction,
