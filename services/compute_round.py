@@ -46,6 +46,7 @@ from .transport.codec import Kind, empty_header
 
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
+PROGRESS_SECONDS = 1.0  # a request's progress reports, at most one per this long
 
 
 @dataclass
@@ -59,6 +60,10 @@ class StageRequest:
     order: RequestOrder = field(default_factory=RequestOrder)
     closed: bool = False  # released, or failed here: takes no more work
     verifier: RequestVerifier | None = None  # last stage: verifies the request here
+    # Tell `report_to` that its rows were computed here (at most every PROGRESS_SECONDS):
+    # the router's stall check follows progress, which a long prefill shows no other way.
+    report_progress: bool = False
+    progress_at: float = 0.0  # when it was last told (time.monotonic)
 
 
 @dataclass
@@ -374,7 +379,25 @@ class ComputeRounds:
             log.debug("request %s failed", st.request_id, exc_info=True)
             self.stage.fail(st, f"{name} failed: {type(e).__name__}: {e}")
             return []
-        return [(st.next_hop, f) for f in frames if f is not None]
+        sent = [(st.next_hop, f) for f in frames if f is not None]
+        return sent + self._progress(st, w, reported=any(h == st.report_to for h, _ in sent))
+
+    def _progress(self, st: StageRequest, w: Work, reported: bool) -> list[tuple[str, tuple]]:
+        """An empty frame to the request's router saying this stage computed its rows,
+        where it asked for one, its last is PROGRESS_SECONDS old and no other frame of
+        this round goes there."""
+        if not st.report_progress or not w.turns:
+            return []
+        now = time.monotonic()
+        if reported:
+            st.progress_at = now
+            return []
+        if now - st.progress_at < PROGRESS_SECONDS:
+            return []
+        st.progress_at = now
+        return [
+            (st.report_to, (empty_header(st.request_id, w.turns[-1][0], self.stage.name), None))
+        ]
 
     def _frame(
         self, st: StageRequest, seq: int, after_prune: int, out: Activation | Verified | None

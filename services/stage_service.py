@@ -336,6 +336,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             await context.abort(status_code(e), f"{self.name}: {e}")
         capacity = int(request.capacity)
         st = StageRequest(rid, request.next_hop, request.report_to, capacity)
+        st.report_progress = request.report_progress and bool(request.report_to)
         if verify is not None:
             st.verifier = RequestVerifier(
                 rid, verify, self.runtime.model.logits, request.prefix_token_ids
