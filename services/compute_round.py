@@ -177,7 +177,8 @@ class ComputeRounds:
         turn it is: every tree feed, and prefill chunks up to the step's prefill budget
         (`StepBudget.prefill_cells`, rows x keys; the first chunk always), taken from
         the requests in turn, so a long prompt's chunks interleave with the others'
-        decodes instead of filling a round (docs/architecture.md, "The stage engine")."""
+        decodes instead of filling a round (docs/architecture.md, "5. The request
+        controller and its executors", "Bounded memory per step")."""
         work: dict[str, Work] = {}
         live = [st for st in self.requests.values() if not st.closed]
         for st in live:

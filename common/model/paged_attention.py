@@ -1,5 +1,6 @@
 """Attention of one step's rows of every request over their paged keys, in parts that
-each fit the step's memory budget (docs/architecture.md, "The stage engine").
+each fit the step's memory budget (docs/architecture.md, "5. The request controller and
+its executors", "Bounded memory per step").
 
 A step's query rows are laid out as padded parts (`AttentionPart`): B query groups x Q
 rows over L keys each (a query group: a request's new rows, or a block of them where

@@ -1,6 +1,6 @@
 """How much working memory one step of a stage (or the draft) may take, and what a step
-costs in it: the one place both are decided (docs/architecture.md, "The stage engine",
-"Bounded memory per step").
+costs in it: the one place both are decided (docs/architecture.md, "5. The request
+controller and its executors", "Bounded memory per step").
 
 A step's working memory is what it allocates beside the weights and the KV cache: per
 row, its projections, MLP and residual (and on the last stage its logits); per padded

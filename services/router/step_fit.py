@@ -1,9 +1,9 @@
 """What the router checks of a request against its stages' budgets before it opens it
-(docs/architecture.md, "The stage engine", "Bounded memory per step"): a prompt whose KV
-blocks no replica of some layer range can ever hold is refused up front (it would
-otherwise fail mid-prefill, after its chunks took every stage's time), and prefill
-chunks are sized to the stages' prefill budget (rows x keys), the least any stage
-published.
+(docs/architecture.md, "5. The request controller and its executors", "Bounded memory
+per step"): a prompt whose KV blocks no replica of some layer range can ever hold is
+refused up front (it would otherwise fail mid-prefill, after its chunks took every
+stage's time), and prefill chunks are sized to the stages' prefill budget (rows x keys),
+the least any stage published.
 """
 
 from __future__ import annotations

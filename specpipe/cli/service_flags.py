@@ -301,9 +301,10 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "--stall-seconds",
         type=float,
         default=defaults.stall_seconds,
-        help="the watchdog: a path that sends nothing for this long counts as lost (the "
-        "request is replayed on another, and fails UNAVAILABLE after --replay-seconds "
-        "without one)",
+        help="the watchdog: a path that makes no progress for this long (no frame: no "
+        "verification, no stage's report that it computed the request) counts as lost (the "
+        "request is released there, replayed on another, and fails UNAVAILABLE after "
+        "--replay-seconds without one)",
     )
     p.add_argument(
         "--replica-stall-seconds",
