@@ -22,10 +22,18 @@ authentication costs per hop.
    port, 4 MB chat bodies at once, idle connections to its metrics port, malformed
    fields: descriptors, threads and memory of the router, time to refuse, a neighbour's
    latency.
+5. `f1` (issue 35, F1: one long prompt within the context): a deployment as in 1 with a
+   context of 32,768 tokens; a neighbour's 8-token requests alone (quiet), then while
+   one prompt of each length in `--f1-lengths` (2 new tokens) is prefilled, back to
+   back: the long request's status and seconds, the neighbour's time between tokens and
+   whole-request latency (median and worst, against quiet), and the peak RSS above
+   resting of every service (router, stages, draft) and whether each is still alive.
+   The goal: every service alive, the neighbour's time between tokens within 2x quiet.
+   `BENCH_REPO=<checkout>` runs it against another checkout's code (the "before").
 
 Prints a summary and writes JSON (`--out`). Run from the repository root:
 
-    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge] [--out FILE]
+    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge,f1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -46,7 +55,8 @@ from pathlib import Path
 
 import grpc
 
-REPO = Path(__file__).resolve().parent.parent
+# The checkout whose tests/ make the models (BENCH_REPO: another one, for a "before").
+REPO = Path(os.environ.get("BENCH_REPO") or Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(REPO))  # tests/ for the tiny models
 
 MB = 1 << 20
@@ -156,6 +166,77 @@ def deployment(model: Path, log_dir: Path, **extra):
         return ServicesDeployment(model, "oracle", 2, **kw)
     except TypeError as e:  # an option this version does not have
         raise SystemExit(f"this version has no {e}") from None
+
+
+# -- 5. one long prompt (issue 35, F1) ---------------------------------------------------------
+def _neighbour(client, prompt: list[int]) -> tuple[float, float]:
+    """One 8-token request streamed: (seconds in all, median seconds between tokens)."""
+    t0 = time.monotonic()
+    stream = client.stream(prompt_ids=prompt, max_new_tokens=8)
+    times = [time.monotonic() for chunk in stream for _ in chunk.token_ids]
+    gaps = sorted(b - a for a, b in itertools.pairwise(times))
+    return time.monotonic() - t0, gaps[len(gaps) // 2] if gaps else 0.0
+
+
+def bench_f1(tmp: Path, lengths: list[int], quiet_runs: int = 6) -> dict:
+    from specpipe.client import Client
+
+    model = make_model(tmp, max_positions=32768)
+    dep = deployment(model, tmp / "logs-f1")
+    dep.start()
+    out: dict = {"lengths": {}}
+    try:
+        procs = {name: child.proc for name, child in dep.children.items()}
+        neighbour = [(11 * i + 5) % 90 + 1 for i in range(8)]
+        with Client(dep.router_address, timeout=900) as c:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)  # warm
+            quiet = [_neighbour(c, neighbour) for _ in range(quiet_runs)]
+            q_total = sorted(t for t, _ in quiet)[len(quiet) // 2]
+            q_gap = sorted(g for _, g in quiet)[len(quiet) // 2]
+            out["quiet"] = {"request_s": round(q_total, 3), "between_tokens_s": round(q_gap, 4)}
+            for n in lengths:
+                prompt = [(7 * i + 3) % 90 + 1 for i in range(n)]
+                mems = {k: PeakRss(p.pid, every=0.02) for k, p in procs.items() if p.poll() is None}
+                for m in mems.values():
+                    m.__enter__()
+                done: list = []
+
+                def long_request(p=prompt, done=done) -> None:
+                    done.append(timed_call(lambda: c.generate(prompt_ids=p, max_new_tokens=2)))
+
+                t = threading.Thread(target=long_request)
+                t.start()
+                runs: list[tuple[float, float]] = []
+                while t.is_alive():
+                    try:
+                        runs.append(_neighbour(c, neighbour))
+                    except Exception:  # its status: counted as failed
+                        runs.append((0.0, float("nan")))
+                        time.sleep(0.5)
+                t.join()
+                for m in mems.values():
+                    m.__exit__()
+                code, secs, why = done[0]
+                totals = sorted(r[0] for r in runs) or [0.0]
+                gaps = sorted(r[1] for r in runs if r[1] == r[1]) or [0.0]
+                out["lengths"][n] = {
+                    "status": code, "seconds": round(secs, 2), "details": why[:120],
+                    "neighbour_requests": len(runs),
+                    "neighbour_failed": sum(1 for r in runs if r[1] != r[1]),
+                    "neighbour_request_s_median": round(totals[len(totals) // 2], 3),
+                    "neighbour_request_s_max": round(totals[-1], 3),
+                    "neighbour_between_tokens_s_median": round(gaps[len(gaps) // 2], 4),
+                    "neighbour_between_tokens_s_max": round(gaps[-1], 4),
+                    "between_tokens_vs_quiet": round(gaps[len(gaps) // 2] / max(q_gap, 1e-9), 2),
+                    "peak_rss_increase_mb": {k: round(m.increase_mb, 1) for k, m in mems.items()},
+                    "alive": {k: p.poll() is None for k, p in procs.items()},
+                }  # fmt: skip
+                print(f"f1 {n}: {json.dumps(out['lengths'][n])}", flush=True)
+                if not all(p.poll() is None for p in procs.values()):
+                    break
+    finally:
+        dep.stop()
+    return out
 
 
 # -- 1. oversized inputs ---------------------------------------------------------------------
@@ -397,6 +478,8 @@ def main() -> int:
                    help="--lease-seconds of the services (0: do not pass it)")  # fmt: skip
     p.add_argument("--lease-limit", type=float, default=30.0, help="stop waiting after this")
     p.add_argument("--frames", type=int, default=400)
+    p.add_argument("--f1-lengths", default="4096,8192,16384,32000",
+                   help="f1: the long prompts' lengths in tokens")  # fmt: skip
     p.add_argument("--out", default=str(REPO / "benchmarks/results/hardening.json"))
     args = p.parse_args()
     import torch
@@ -415,6 +498,9 @@ def main() -> int:
                 result["lease"] = bench_lease(tmp, args.lease_seconds, args.lease_limit)
             elif part == "frame":
                 result["frame"] = bench_frame(args.frames)
+            elif part == "f1":
+                lengths = [int(x) for x in args.f1_lengths.split(",")]
+                result["f1"] = bench_f1(tmp, lengths)
             elif part == "edge":
                 from bench_edge import bench_edge
 
