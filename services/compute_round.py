@@ -13,7 +13,9 @@ for them first, a bounded window (`StepAligner`, common/runtime/alignment.py;
 A request that fails fails alone.
 
 The stage service (`stage_service.py`) owns the requests, takes their work in (RPCs and
-frames) and fails them; this module only computes and sends.
+frames) and fails them; this module only computes and sends. It is one module because a
+round's collection, its computation and its delivery share the round's `Work` (which
+turns it took, sliced prefill included, and what each gave).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from specpipe.v1 import dataplane_pb2 as pb
 
 from .control import verified_to_proto
 from .metrics import StageMetrics
+from .prefill_slices import Slice, joined, next_is_prefill, prefill_cells, rows_within, split_chunk
 from .ratelog import RateLimitedLog
 from .transport import Transport, TransportError, encode
 from .transport.codec import Kind, empty_header
@@ -64,6 +67,7 @@ class StageRequest:
     # the router's stall check follows progress, which a long prefill shows no other way.
     report_progress: bool = False
     progress_at: float = 0.0  # when it was last told (time.monotonic)
+    sliced: list[Activation] = field(default_factory=list)  # a chunk's slices' outputs
 
 
 @dataclass
@@ -95,17 +99,6 @@ class Stage(Protocol):
 
     def fail(self, st: StageRequest, message: str, unavailable: bool = False) -> None:
         """`st` takes no more work; its router hears why."""
-
-
-def _next_is_prefill(order: RequestOrder) -> bool:
-    """Whether the activation whose turn is next (arrived or not) is a prefill chunk."""
-    item = order.pending.get(order.next_seq)
-    return item is not None and item.act.committed and not item.empty
-
-
-def prefill_cells(act: Activation) -> int:
-    """A prefill chunk's rows x keys (its last row sees every key up to its position)."""
-    return len(act) * (int(act.positions[-1]) + 1) if len(act) else 0
 
 
 class ComputeRounds:
@@ -187,7 +180,7 @@ class ComputeRounds:
             while (ready := order.next_prune()) is not None:
                 prunes.append(ready)
                 order.prune_applied(ready[0])
-            while turns and not _next_is_prefill(order) and (turn := order.next_activation()):
+            while turns and not next_is_prefill(order) and (turn := order.next_activation()):
                 taken.append(turn)
             if prunes or taken:
                 work[st.request_id] = Work(st, prunes, taken, root_seq)
@@ -196,26 +189,46 @@ class ComputeRounds:
         return list(work.values())
 
     def _take_prefill(self, live: list[StageRequest], work: dict[str, Work]) -> None:
-        """Prefill chunks into the round within its budget, starting one request further
-        each round (several long prompts share the budget in turn)."""
-        budget = self.stage.runtime.step_budget.prefill_cells
+        """Prefill chunks into the round within its budget (beside requests that decode,
+        about what their step costs: `PrefillPace`), starting one request further each
+        round (several long prompts share the budget in turn)."""
+        runtime = self.stage.runtime
+        # Beside requests that decode (ready now or due: a decode that arrives during a
+        # long round waits for all of it), what costs about as much as their step; with
+        # every request prefilling, the memory bound.
+        decodes = any(not next_is_prefill(st.order) for st in live)
+        budget = runtime.prefill_pace.cells if decodes else runtime.step_budget.prefill_cells
         spent = 0
         self._prefill_turn += 1
         start = self._prefill_turn % len(live)
         for st in live[start:] + live[:start]:
             order = st.order
-            while _next_is_prefill(order):
-                cells = prefill_cells(order.pending[order.next_seq].act)
+            while next_is_prefill(order):
+                seq, item = order.next_seq, order.pending[order.next_seq]
+                cells = prefill_cells(item.act)
                 if spent and spent + cells > budget:
                     return
+                ready = item.after_prune <= order.applied and order.next_prune() is None
+                if cells > budget and decodes and ready and len(item.act) > 1:
+                    # the chunk's first rows alone: the rest waits for the next rounds
+                    rows = rows_within(item.act, budget)
+                    if rows < len(item.act):
+                        head, rest = split_chunk(item.act, rows)
+                        order.pending[seq] = Pending(rest, item.after_prune)
+                        self._take(work, st, (seq, Slice(head, item.after_prune)))
+                        return
                 turn = order.next_activation()
                 if turn is None:
                     break
                 spent += cells
-                w = work.get(st.request_id)
-                if w is None:
-                    w = work[st.request_id] = Work(st, [], [], order.next_seq - 1)
-                w.turns.append(turn)
+                self._take(work, st, turn)
+
+    @staticmethod
+    def _take(work: dict[str, Work], st: StageRequest, turn: tuple[int, Pending]) -> None:
+        w = work.get(st.request_id)
+        if w is None:
+            w = work[st.request_id] = Work(st, [], [], st.order.next_seq)
+        w.turns.append(turn)
 
     async def _run(self, work: list[Work]) -> None:
         """One round; a round that fails other than in its forward (a bug) fails its own
@@ -278,6 +291,9 @@ class ComputeRounds:
             results = iter(self._outputs(taken, outs))
         if rows:
             stage.metrics.batch_requests.observe(len({a.request_id for a in acts}))
+            cells = sum(prefill_cells(a) for a in acts if a.committed)
+            decode_rows = sum(len(a) for a in acts if not a.committed)
+            runtime.prefill_pace.observe(decode_rows, cells, elapsed.seconds)
         for w in work:
             w.outputs = [None] * len(w.turns)
         for w, i in batch:
@@ -286,8 +302,15 @@ class ComputeRounds:
             out = next(results)
             if isinstance(out, RequestError):
                 w.error = w.error or out
+            elif isinstance(w.turns[i][1], Slice):  # held until the chunk's rest is done
+                if isinstance(out, Activation) and out.hidden is not None:
+                    w.st.sliced.append(out)
+            elif isinstance(out, list):
+                w.outputs[i] = out
             else:
-                w.outputs[i] = out if isinstance(out, list) else self.for_wire(out)
+                if w.st.sliced and out is not None and out.committed:
+                    out, w.st.sliced = joined([*w.st.sliced, out]), []
+                w.outputs[i] = self.for_wire(out)
         return elapsed.seconds if rows else None
 
     def _check_finite(self, work: list[Work]) -> None:
@@ -365,6 +388,8 @@ class ComputeRounds:
             return []
         outs = [(w.root_seq, st.order.applied, root) for root in w.released]
         for (seq, item), out in zip(w.turns, w.outputs, strict=True):
+            if isinstance(item, Slice):
+                continue  # its output goes with the chunk's rest
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "%s seq %d after prune %d: nodes %s",

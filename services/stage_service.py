@@ -257,7 +257,8 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         )
         desc.cache_block_rows = info.cache_block_rows
         budget = self.runtime.step_budget
-        desc.step_memory_bytes, desc.prefill_cells = budget.bytes, budget.prefill_cells
+        desc.step_memory_bytes = budget.bytes
+        desc.prefill_cells = self.runtime.prefill_pace.cells
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:

@@ -22,6 +22,7 @@ from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
 from .paged_batch import pack
+from .prefill_pace import PrefillPace
 from .step_budget import DEFAULT_STEP_BYTES, StepBudget, StepCosts
 
 # What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
@@ -133,6 +134,8 @@ class StageRuntime:
             step_bytes if step_bytes is not None else DEFAULT_STEP_BYTES,
             StepCosts.of(cfg, model.dtype, logits=model.layer_range.is_last),
         )
+        # prefill beside decodes, learned from the steps (its callers observe them)
+        self.prefill_pace = PrefillPace(self.step_budget.prefill_cells)
         self.pool = BlockPool(
             model.layer_range.size,
             cfg.num_kv_heads,
@@ -184,6 +187,7 @@ class StageRuntime:
     def step_bytes(self, value: int) -> None:
         with self._compute_lock:
             self.step_budget = StepBudget(value, self.step_budget.costs)
+            self.prefill_pace.ceiling = self.step_budget.prefill_cells
 
     @property
     def prefix_caching(self) -> bool:

@@ -12,6 +12,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
 from .messages import Activation, Candidates
+from .options import MAX_PREFILL_CHUNKS
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import NO_NODES, Indices, TokenTree, member
@@ -41,12 +42,14 @@ def chunk_spans(
     with `cells`, at most `cells` rows x keys (a chunk's rows each see the keys up to
     their own position, the last all e of them), so a chunk deep in a long prompt is no
     costlier for the step it shares with other requests' decodes than one at its start
-    (docs/architecture.md, "3. The pipeline step"). Every chunk has a row at least."""
+    (docs/architecture.md, "3. The pipeline step"). Every chunk has at least a row, and
+    so many that there are at most `MAX_PREFILL_CHUNKS` (a stage holds no more waiting)."""
     spans, s = [], start
+    least = max(1, -(-(stop - start) // MAX_PREFILL_CHUNKS))
     while s < stop:
         rows = chunk
         if cells is not None:  # the largest r with r * (s + r) <= cells
-            rows = min(rows, max(1, int((math.isqrt(s * s + 4 * cells) - s) // 2)))
+            rows = min(rows, max(least, int((math.isqrt(s * s + 4 * cells) - s) // 2)))
         e = min(stop, s + rows)
         spans.append((s, e))
         s = e

@@ -25,6 +25,10 @@ MAX_WIDTH = 256
 MAX_TOP_K_CHILDREN = 1024
 MAX_SPECINFER_DEPTH = 64
 MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
+# Prefill chunks of one prompt, at most: the router sends them at once, and a stage holds
+# at most `ordering.MAX_PENDING` (4096) waiting activations of one request, so chunks
+# priced by rows x keys (`growth.chunk_spans`) never get smaller than prompt / this.
+MAX_PREFILL_CHUNKS = 2048
 MAX_NEW_TOKENS = 1 << 20
 MAX_LAYERS_PER_STEP = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
