@@ -193,10 +193,12 @@ class ComputeRounds:
         about what their step costs: `PrefillPace`), starting one request further each
         round (several long prompts share the budget in turn)."""
         runtime = self.stage.runtime
-        # Beside requests that decode (ready now or due: a decode that arrives during a
-        # long round waits for all of it), what costs about as much as their step; with
-        # every request prefilling, the memory bound.
-        decodes = any(not next_is_prefill(st.order) for st in live)
+        # Beside requests that decode (ready now, due, or lately: a decode that arrives
+        # during a long round waits for all of it), what costs about as much as their
+        # step; with every request prefilling for a while, the memory bound.
+        decodes = runtime.prefill_pace.decoding() or any(
+            not next_is_prefill(st.order) for st in live
+        )
         budget = runtime.prefill_pace.cells if decodes else runtime.step_budget.prefill_cells
         spent = 0
         self._prefill_turn += 1

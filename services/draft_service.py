@@ -191,7 +191,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             # rows x keys per chunk, as a stage's, decided chunk by chunk: beside other
             # requests, about what a batch of their proposals costs (`PrefillPace`);
             # alone, the memory bound
-            alone = len(self.leases) <= 1
+            alone = len(self.leases) <= 1 and not engine.prefill_pace.decoding()
             cells = engine.step_budget.prefill_cells if alone else engine.prefill_pace.cells
             _, e = chunk_spans(s, stop, chunk, cells)[0]
             part = tokens[s - start : e - start]

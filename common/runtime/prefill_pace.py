@@ -15,6 +15,7 @@ and where no decode waits, the memory budget's bound (`StepBudget.prefill_cells`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 # Weight of the newest step in the running means.
@@ -24,6 +25,9 @@ MIN_PREFILL_CELLS = 1 << 14
 # Steps with fewer rows x keys of prefill say little about its cost per cell (their
 # fixed cost dominates): not measured.
 MIN_MEASURED_CELLS = 1 << 16
+# Decodes this recent count as going on: a client's next request (or a request between
+# two steps) is not kept waiting behind a step of prefill sized for no one beside it.
+RECENT_SECONDS = 2.0
 
 
 @dataclass
@@ -34,9 +38,12 @@ class PrefillPace:
     ceiling: int
     decode_seconds: float | None = None  # a step of decodes alone
     cell_seconds: float | None = None  # per rows x keys of prefill
+    decoded_at: float = float("-inf")  # the last step with decodes (time.monotonic)
 
     def observe(self, decode_rows: int, cells: int, seconds: float) -> None:
         """One step: its decode rows, its prefill's rows x keys, its seconds."""
+        if decode_rows:
+            self.decoded_at = time.monotonic()
         if decode_rows and not cells:
             self.decode_seconds = _mean(self.decode_seconds, seconds)
             return
@@ -47,6 +54,10 @@ class PrefillPace:
                 return
             seconds -= self.decode_seconds
         self.cell_seconds = _mean(self.cell_seconds, max(seconds, 0.0) / cells)
+
+    def decoding(self) -> bool:
+        """Whether requests decoded here within `RECENT_SECONDS`."""
+        return time.monotonic() - self.decoded_at < RECENT_SECONDS
 
     @property
     def cells(self) -> int:
