@@ -401,8 +401,9 @@ def _set_cache_budget(runtime, config: ModelServiceConfig) -> None:
     from .modelinfo import cache_budget, free_memory_bytes
 
     runtime.prefix_caching = not config.no_prefix_cache
-    if config.step_memory_mib is not None:
-        runtime.step_bytes = int(config.step_memory_mib * (1 << 20))
+    step_mib = getattr(config, "step_memory_mib", None)
+    if step_mib is not None:
+        runtime.step_bytes = int(step_mib * (1 << 20))
     else:  # measured before the cache takes its share
         runtime.step_bytes = step_bytes_for(free_memory_bytes(runtime.model.device))
     if config.max_cache_gib is None:
