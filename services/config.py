@@ -272,6 +272,7 @@ class DeploymentConfig:
     startup_timeout: float = 180.0
     env: Mapping[str, str] | None = None  # added to the children's environment
     max_cache_gib: float | None = None  # per stage and draft; None: a share of free memory
+    step_memory_mib: float | None = None  # per stage and draft; None: a share of free memory
     http_port: int | None = None  # the router's HTTP API; None: off, 0: any free port
     api_keys: Sequence[str] = ()
     scheduling: SchedulingConfig | Mapping[str, object] | None = None
