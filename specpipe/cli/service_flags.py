@@ -382,6 +382,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
     p.add_argument(
+        "--step-memory-mib",
+        type=float,
+        default=None,
+        help="working memory one step may take per stage and draft (default: a share of "
+        "the device's free memory)",
+    )
+    p.add_argument(
         "--no-metrics",
         action="store_true",
         help="do not give every process a Prometheus metrics port",
