@@ -205,7 +205,12 @@ class ComputeRounds:
         start = self._prefill_turn % len(live)
         for st in live[start:] + live[:start]:
             order = st.order
-            while next_is_prefill(order):
+            while order.pending.get(order.next_seq) is not None:
+                if not next_is_prefill(order):  # a feed after its prompt: in the same round
+                    if (turn := order.next_activation()) is None:
+                        break
+                    self._take(work, st, turn)
+                    continue
                 seq, item = order.next_seq, order.pending[order.next_seq]
                 cells = prefill_cells(item.act)
                 if spent and spent + cells > budget:
