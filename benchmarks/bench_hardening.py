@@ -22,16 +22,29 @@ authentication costs per hop.
    port, 4 MB chat bodies at once, idle connections to its metrics port, malformed
    fields: descriptors, threads and memory of the router, time to refuse, a neighbour's
    latency.
+5. `f1` (issue 35, F1: one long prompt within the context): a deployment as in 1 with a
+   context of 32,768 tokens; one 2,048-token prompt (the stages learn what prefill costs
+   them); a neighbour decoding all along (200-token requests, one after another): its
+   time per token alone (quiet), then while one prompt of each length in `--f1-lengths`
+   (2 new tokens) is prefilled, one after another: the long request's status and
+   seconds; the neighbour's time per token (the window over its tokens in it), longest
+   wait for a delta and first-token time of its requests started then; the peak RSS
+   above resting of every service (router, stages, draft) and whether each is alive;
+   then the prompts of `--f1-alone` with no neighbour (32,000 tokens: the one that took
+   a stage down), for memory and liveness.
+   The goal: every service alive, the neighbour's time between tokens within 2x quiet.
+   `BENCH_REPO=<checkout>` runs it against another checkout's code (the "before").
 
-5. `fairness`, `cache`, `logprobs` (issue 35: F2, F3, F4; benchmarks/bench_fairness.py):
+6. `fairness`, `cache`, `logprobs` (issue 35: F2, F3, F4; benchmarks/bench_fairness.py):
    one API key floods the queues with n=16 requests, probes and flushes another key's
    cached prefix, and asks for 5 MB of echoed prompt logprobs; the neighbour's latency
    and every service's peak memory.
 
+One module: the parts share its deployment, probes (peak RSS, health) and output.
 Prints a summary and writes JSON (`--out`). Run from the repository root:
 
-    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge,fairness,cache,
-        logprobs] [--out FILE]
+    python benchmarks/bench_hardening.py [--only oversize,lease,frame,edge,f1,fairness,
+        cache,logprobs] [--out FILE]
 """
 
 from __future__ import annotations
@@ -52,7 +65,8 @@ from pathlib import Path
 
 import grpc
 
-REPO = Path(__file__).resolve().parent.parent
+# The checkout whose tests/ make the models (BENCH_REPO: another one, for a "before").
+REPO = Path(os.environ.get("BENCH_REPO") or Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(REPO))  # tests/ for the tiny models
 
 MB = 1 << 20
@@ -162,6 +176,120 @@ def deployment(model: Path, log_dir: Path, **extra):
         return ServicesDeployment(model, "oracle", 2, **kw)
     except TypeError as e:  # an option this version does not have
         raise SystemExit(f"this version has no {e}") from None
+
+
+# -- 5. one long prompt (issue 35, F1) ---------------------------------------------------------
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2] if xs else 0.0
+
+
+def _long_prompt(n: int) -> list[int]:
+    """n token ids; prompts of other lengths share no prefix (no prefix cache hit)."""
+    return [(7 * i + n) % 90 + 1 for i in range(n)]
+
+
+class _Neighbour(threading.Thread):
+    """A client decoding all along: 200-token requests one after another, each delta's
+    arrival time and token count recorded (by request)."""
+
+    def __init__(self, client, prompt: list[int]) -> None:
+        super().__init__(daemon=True)
+        self.client, self.prompt = client, prompt
+        self.stop = threading.Event()
+        self.requests: list[tuple[float, list[tuple[float, int]]]] = []  # (start, deltas)
+        self.failed = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            deltas: list[tuple[float, int]] = []
+            self.requests.append((time.monotonic(), deltas))
+            try:
+                for chunk in self.client.stream(prompt_ids=self.prompt, max_new_tokens=200):
+                    deltas.append((time.monotonic(), len(chunk.token_ids)))
+            except Exception:  # its status: counted as failed
+                self.failed += 1
+                time.sleep(0.5)
+
+    def window(self, a: float, b: float) -> dict:
+        """Its decoding between a and b: mean seconds per token (the window over the
+        tokens that came in it), the longest wait for a delta within a request, the
+        first-token times of the requests it started in the window."""
+        tokens, gaps, firsts = 0, [0.0], []
+        for start, deltas in list(self.requests):
+            if a <= start <= b and deltas:
+                firsts.append(deltas[0][0] - start)
+            prev = max(start, a)
+            for t, n in list(deltas):
+                if a <= t <= b:
+                    tokens += n
+                    gaps.append(t - prev)
+                prev = t
+        return {
+            "between_tokens_s": round((b - a) / max(tokens, 1), 4),
+            "tokens": tokens,
+            "longest_wait_s": round(max(gaps), 3),
+            "first_token_s_median": round(_median(firsts), 3) if firsts else None,
+        }
+
+
+def _long_request(client, procs: dict, n: int) -> dict:
+    """One prompt of n tokens (2 new): status, seconds, every service's peak RSS above
+    resting and whether it is alive after."""
+    mems = {k: PeakRss(p.pid, every=0.02) for k, p in procs.items() if p.poll() is None}
+    for m in mems.values():
+        m.__enter__()
+    code, secs, why = timed_call(
+        lambda: client.generate(prompt_ids=_long_prompt(n), max_new_tokens=2)
+    )
+    for m in mems.values():
+        m.__exit__()
+    return {
+        "status": code, "seconds": round(secs, 2), "details": why[:120],
+        "peak_rss_increase_mb": {k: round(m.increase_mb, 1) for k, m in mems.items()},
+        "alive": {k: p.poll() is None for k, p in procs.items()},
+        "load_average": round(os.getloadavg()[0], 1),
+    }  # fmt: skip
+
+
+def bench_f1(tmp: Path, lengths: list[int], alone: list[int], quiet_seconds: float = 4.0) -> dict:
+    from specpipe.client import Client
+
+    model = make_model(tmp, max_positions=32768)
+    dep = deployment(model, tmp / "logs-f1")
+    dep.start()
+    out: dict = {"lengths": {}}
+    try:
+        procs = {name: child.proc for name, child in dep.children.items()}
+        with Client(dep.router_address, timeout=900) as c:
+            c.generate(prompt_ids=[1, 2, 3], max_new_tokens=2)  # warm
+            # one prompt of 2,048 tokens first: the stages learn what prefill costs them
+            c.generate(prompt_ids=_long_prompt(2048), max_new_tokens=2)
+            neighbour = _Neighbour(c, [(11 * i + 5) % 90 + 1 for i in range(8)])
+            neighbour.start()
+            time.sleep(1.0)
+            t0 = time.monotonic()
+            time.sleep(quiet_seconds)
+            out["quiet"] = quiet = neighbour.window(t0, time.monotonic())
+            for n in lengths:
+                a = time.monotonic()
+                r = out["lengths"][n] = _long_request(c, procs, n)
+                r["neighbour"] = seen = neighbour.window(a, time.monotonic())
+                r["between_tokens_vs_quiet"] = round(
+                    seen["between_tokens_s"] / max(quiet["between_tokens_s"], 1e-9), 2
+                )
+                print(f"f1 {n}: {json.dumps(r)}", flush=True)
+                if not all(p.poll() is None for p in procs.values()):
+                    break
+            neighbour.stop.set()
+            neighbour.join(timeout=120)
+            out["neighbour_failed"] = neighbour.failed
+            out["alone"] = {}
+            for n in alone:  # memory and liveness, no neighbour
+                r = out["alone"][n] = _long_request(c, procs, n)
+                print(f"f1 alone {n}: {json.dumps(r)}", flush=True)
+    finally:
+        dep.stop()
+    return out
 
 
 # -- 1. oversized inputs ---------------------------------------------------------------------
@@ -403,6 +531,13 @@ def main() -> int:
                    help="--lease-seconds of the services (0: do not pass it)")  # fmt: skip
     p.add_argument("--lease-limit", type=float, default=30.0, help="stop waiting after this")
     p.add_argument("--frames", type=int, default=400)
+    p.add_argument(
+        "--f1-lengths",
+        default="4096,8192",
+        help="f1: the long prompts' lengths in tokens, beside a neighbour",
+    )
+    p.add_argument("--f1-alone", default="32000",
+                   help="f1: then these, with no neighbour (memory and liveness)")  # fmt: skip
     p.add_argument("--out", default=str(REPO / "benchmarks/results/hardening.json"))
     args = p.parse_args()
     import torch
@@ -421,6 +556,10 @@ def main() -> int:
                 result["lease"] = bench_lease(tmp, args.lease_seconds, args.lease_limit)
             elif part == "frame":
                 result["frame"] = bench_frame(args.frames)
+            elif part == "f1":
+                lengths = [int(x) for x in args.f1_lengths.split(",") if x]
+                alone = [int(x) for x in args.f1_alone.split(",") if x]
+                result["f1"] = bench_f1(tmp, lengths, alone)
             elif part == "edge":
                 from bench_edge import bench_edge
 

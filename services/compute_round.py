@@ -13,7 +13,9 @@ for them first, a bounded window (`StepAligner`, common/runtime/alignment.py;
 A request that fails fails alone.
 
 The stage service (`stage_service.py`) owns the requests, takes their work in (RPCs and
-frames) and fails them; this module only computes and sends.
+frames) and fails them; this module only computes and sends. It is one module because a
+round's collection, its computation and its delivery share the round's `Work` (which
+turns it took, sliced prefill included, and what each gave).
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from specpipe.v1 import dataplane_pb2 as pb
 
 from .control import verified_to_proto
 from .metrics import StageMetrics
+from .prefill_slices import Slice, joined, next_is_prefill, prefill_cells, rows_within, split_chunk
 from .ratelog import RateLimitedLog
 from .transport import Transport, TransportError, encode
 from .transport.codec import Kind, empty_header
 
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
+PROGRESS_SECONDS = 1.0  # a request's progress reports, at most one per this long
 
 
 @dataclass
@@ -59,6 +63,11 @@ class StageRequest:
     order: RequestOrder = field(default_factory=RequestOrder)
     closed: bool = False  # released, or failed here: takes no more work
     verifier: RequestVerifier | None = None  # last stage: verifies the request here
+    # Tell `report_to` that its rows were computed here (at most every PROGRESS_SECONDS):
+    # the router's stall check follows progress, which a long prefill shows no other way.
+    report_progress: bool = False
+    progress_at: float = 0.0  # when it was last told (time.monotonic)
+    sliced: list[Activation] = field(default_factory=list)  # a chunk's slices' outputs
 
 
 @dataclass
@@ -101,6 +110,7 @@ class ComputeRounds:
         self.requests = requests
         self.executor = executor
         self._wake = asyncio.Event()  # new work for the loop
+        self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
         """New work arrived (an activation or a prune)."""
@@ -157,21 +167,75 @@ class ComputeRounds:
 
     def _collect(self, turns: bool = True) -> list[Work]:
         """Every request's prunes that can be applied and (with `turns`) activations whose
-        turn it is."""
-        work = []
-        for st in self.requests.values():
-            if st.closed:
-                continue
+        turn it is: every tree feed, and prefill chunks up to the step's prefill budget
+        (`StepBudget.prefill_cells`, rows x keys; the first chunk always), taken from
+        the requests in turn, so a long prompt's chunks interleave with the others'
+        decodes instead of filling a round (docs/architecture.md, "5. The request
+        controller and its executors", "Bounded memory per step")."""
+        work: dict[str, Work] = {}
+        live = [st for st in self.requests.values() if not st.closed]
+        for st in live:
             order, prunes, taken = st.order, [], []
             root_seq = order.next_seq
             while (ready := order.next_prune()) is not None:
                 prunes.append(ready)
                 order.prune_applied(ready[0])
-            while turns and (turn := order.next_activation()) is not None:
+            while turns and not next_is_prefill(order) and (turn := order.next_activation()):
                 taken.append(turn)
             if prunes or taken:
-                work.append(Work(st, prunes, taken, root_seq))
-        return work
+                work[st.request_id] = Work(st, prunes, taken, root_seq)
+        if turns and live:
+            self._take_prefill(live, work)
+        return list(work.values())
+
+    def _take_prefill(self, live: list[StageRequest], work: dict[str, Work]) -> None:
+        """Prefill chunks into the round within its budget (beside requests that decode,
+        about what their step costs: `PrefillPace`), starting one request further each
+        round (several long prompts share the budget in turn)."""
+        runtime = self.stage.runtime
+        # Beside requests that decode (ready now, due, or lately: a decode that arrives
+        # during a long round waits for all of it), what costs about as much as their
+        # step; with every request prefilling for a while, the memory bound.
+        decodes = runtime.prefill_pace.decoding() or any(
+            not next_is_prefill(st.order) for st in live
+        )
+        budget = runtime.prefill_pace.cells if decodes else runtime.step_budget.prefill_cells
+        spent = 0
+        self._prefill_turn += 1
+        start = self._prefill_turn % len(live)
+        for st in live[start:] + live[:start]:
+            order = st.order
+            while order.pending.get(order.next_seq) is not None:
+                if not next_is_prefill(order):  # a feed after its prompt: in the same round
+                    if (turn := order.next_activation()) is None:
+                        break
+                    self._take(work, st, turn)
+                    continue
+                seq, item = order.next_seq, order.pending[order.next_seq]
+                cells = prefill_cells(item.act)
+                if spent and spent + cells > budget:
+                    return
+                ready = item.after_prune <= order.applied and order.next_prune() is None
+                if cells > budget and decodes and ready and len(item.act) > 1:
+                    # the chunk's first rows alone: the rest waits for the next rounds
+                    rows = rows_within(item.act, budget)
+                    if rows < len(item.act):
+                        head, rest = split_chunk(item.act, rows)
+                        order.pending[seq] = Pending(rest, item.after_prune)
+                        self._take(work, st, (seq, Slice(head, item.after_prune)))
+                        return
+                turn = order.next_activation()
+                if turn is None:
+                    break
+                spent += cells
+                self._take(work, st, turn)
+
+    @staticmethod
+    def _take(work: dict[str, Work], st: StageRequest, turn: tuple[int, Pending]) -> None:
+        w = work.get(st.request_id)
+        if w is None:
+            w = work[st.request_id] = Work(st, [], [], st.order.next_seq)
+        w.turns.append(turn)
 
     async def _run(self, work: list[Work]) -> None:
         """One round; a round that fails other than in its forward (a bug) fails its own
@@ -234,6 +298,9 @@ class ComputeRounds:
             results = iter(self._outputs(taken, outs))
         if rows:
             stage.metrics.batch_requests.observe(len({a.request_id for a in acts}))
+            cells = sum(prefill_cells(a) for a in acts if a.committed)
+            decode_rows = sum(len(a) for a in acts if not a.committed)
+            runtime.prefill_pace.observe(decode_rows, cells, elapsed.seconds)
         for w in work:
             w.outputs = [None] * len(w.turns)
         for w, i in batch:
@@ -242,8 +309,15 @@ class ComputeRounds:
             out = next(results)
             if isinstance(out, RequestError):
                 w.error = w.error or out
+            elif isinstance(w.turns[i][1], Slice):  # held until the chunk's rest is done
+                if isinstance(out, Activation) and out.hidden is not None:
+                    w.st.sliced.append(out)
+            elif isinstance(out, list):
+                w.outputs[i] = out
             else:
-                w.outputs[i] = out if isinstance(out, list) else self.for_wire(out)
+                if w.st.sliced and out is not None and out.committed:
+                    out, w.st.sliced = joined([*w.st.sliced, out]), []
+                w.outputs[i] = self.for_wire(out)
         return elapsed.seconds if rows else None
 
     def _check_finite(self, work: list[Work]) -> None:
@@ -321,6 +395,8 @@ class ComputeRounds:
             return []
         outs = [(w.root_seq, st.order.applied, root) for root in w.released]
         for (seq, item), out in zip(w.turns, w.outputs, strict=True):
+            if isinstance(item, Slice):
+                continue  # its output goes with the chunk's rest
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "%s seq %d after prune %d: nodes %s",
@@ -336,7 +412,25 @@ class ComputeRounds:
             log.debug("request %s failed", st.request_id, exc_info=True)
             self.stage.fail(st, f"{name} failed: {type(e).__name__}: {e}")
             return []
-        return [(st.next_hop, f) for f in frames if f is not None]
+        sent = [(st.next_hop, f) for f in frames if f is not None]
+        return sent + self._progress(st, w, reported=any(h == st.report_to for h, _ in sent))
+
+    def _progress(self, st: StageRequest, w: Work, reported: bool) -> list[tuple[str, tuple]]:
+        """An empty frame to the request's router saying this stage computed its rows,
+        where it asked for one, its last is PROGRESS_SECONDS old and no other frame of
+        this round goes there."""
+        if not st.report_progress or not w.turns:
+            return []
+        now = time.monotonic()
+        if reported:
+            st.progress_at = now
+            return []
+        if now - st.progress_at < PROGRESS_SECONDS:
+            return []
+        st.progress_at = now
+        return [
+            (st.report_to, (empty_header(st.request_id, w.turns[-1][0], self.stage.name), None))
+        ]
 
     def _frame(
         self, st: StageRequest, seq: int, after_prune: int, out: Activation | Verified | None

@@ -185,6 +185,7 @@ class ModelServiceConfig(ServiceConfig):
     device: str = flag("cpu")
     max_cache_gib: float | None = flag()  # None: cache_fraction of the free memory
     cache_fraction: float = flag(DEFAULT_CACHE_FRACTION)
+    step_memory_mib: float | None = flag()  # None: a share of the free memory
     lease_seconds: float = flag(DEFAULT_LEASE_SECONDS)
     emulate_costs: str | None = flag()  # a cost model file: an emulated device
     measure_costs: bool = flag(False)
@@ -286,6 +287,7 @@ class DeploymentConfig:
     startup_timeout: float = 180.0
     env: Mapping[str, str] | None = None  # added to the children's environment
     max_cache_gib: float | None = None  # per stage and draft; None: a share of free memory
+    step_memory_mib: float | None = None  # per stage and draft; None: a share of free memory
     http_port: int | None = None  # the router's HTTP API; None: off, 0: any free port
     http_metrics: str = DEFAULT_HTTP_METRICS  # the router's (RouterConfig)
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the router's (RouterConfig)

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from specpipe.common.runtime.validation import (
     check_token_ids,
     check_tokens,
 )
+from specpipe.common.spec.growth import chunk_spans
 from specpipe.common.spec.messages import Candidates, Prune
 from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
@@ -224,11 +226,22 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         """Cache verified tokens one chunk per compute call: other requests' calls run in
         between, so one long prefill never stalls every draft user."""
         chunk = min(chunk or DEFAULT_PREFILL_CHUNK, self.max_step_rows)
-        for s in range(0, tokens.numel(), chunk):
-            part = tokens[s : s + chunk]
+        engine = self.runtime.runtime
+        s, stop = start, start + tokens.numel()
+        while s < stop:
+            # rows x keys per chunk, as a stage's, decided chunk by chunk: beside other
+            # requests, about what a batch of their proposals costs (`PrefillPace`);
+            # alone, the memory bound
+            alone = len(self.leases) <= 1 and not engine.prefill_pace.decoding()
+            cells = engine.step_budget.prefill_cells if alone else engine.prefill_pace.cells
+            _, e = chunk_spans(s, stop, chunk, cells)[0]
+            part = tokens[s - start : e - start]
             n = part.numel()
-            prefill = paced_call(self.pacer, self.runtime.prefill, n, start + s + n, self.device)
-            await self._call(context, prefill, rid, part, start + s, chunk, rows=n)
+            prefill = paced_call(self.pacer, self.runtime.prefill, n, e, self.device)
+            await self._call(
+                context, _observed(prefill, engine, n * e), rid, part, s, chunk, rows=n
+            )
+            s = e
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
         await self._refuse_if_draining(context)
@@ -360,6 +373,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 )
                 results, seconds = await loop.run_in_executor(self._executor, timed, asks)
                 self.aligner.computed(seconds)
+                self.runtime.runtime.prefill_pace.observe(rows, 0, seconds)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))
                 results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)
@@ -475,3 +489,17 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             self._executor, self.runtime.release, request.request_id
         )
         return pb.ReleaseResponse(released=released)
+
+
+def _observed(prefill, engine, cells: int):
+    """`prefill`, its seconds told to the engine's `PrefillPace`."""
+
+    @functools.wraps(prefill)
+    def run(*args):
+        t0 = time.perf_counter()
+        try:
+            return prefill(*args)
+        finally:
+            engine.prefill_pace.observe(0, cells, time.perf_counter() - t0)
+
+    return run

@@ -343,8 +343,10 @@ class ServicesDeployment:
     def _cache_budget(self, device: str | None = None) -> dict[str, float]:
         """A fixed budget, or an equal share of the free memory of `device` (default:
         the first service's) among the services placed on it; and the prefix cache off
-        if asked."""
-        off = {} if self.config.prefix_cache else {"no_prefix_cache": True}
+        and a step's memory budget, if asked."""
+        off: dict = {} if self.config.prefix_cache else {"no_prefix_cache": True}
+        if self.config.step_memory_mib is not None:
+            off["step_memory_mib"] = self.config.step_memory_mib
         if self.config.max_cache_gib is not None:
             return {"max_cache_gib": self.config.max_cache_gib, **off}
         device = self.placement.device_of(0) if device is None else device

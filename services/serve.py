@@ -399,14 +399,23 @@ def _closer(metrics):
 
 def _set_cache_budget(runtime, config: ModelServiceConfig) -> None:
     """Without --max-cache-gib: a share of the device's free memory once the weights are
-    loaded (--cache-fraction), not a fixed size whatever the machine. The prefix cache is
-    on unless --no-prefix-cache."""
-    from .modelinfo import cache_budget
+    loaded (--cache-fraction), not a fixed size whatever the machine; the same for a
+    step's working memory without --step-memory-mib. The prefix cache is on unless
+    --no-prefix-cache."""
+    from specpipe.common.runtime.step_budget import step_bytes_for
+
+    from .modelinfo import cache_budget, free_memory_bytes
 
     runtime.prefix_caching = not config.no_prefix_cache
+    step_mib = getattr(config, "step_memory_mib", None)
+    if step_mib is not None:
+        runtime.step_bytes = int(step_mib * (1 << 20))
+    else:  # measured before the cache takes its share
+        runtime.step_bytes = step_bytes_for(free_memory_bytes(runtime.model.device))
     if config.max_cache_gib is None:
         runtime.max_cache_bytes = cache_budget(runtime.model.device, config.cache_fraction)
-    log.info("KV cache budget %.2f GiB", runtime.max_cache_bytes / (1 << 30))
+    log.info("KV cache budget %.2f GiB, step memory %.0f MiB",
+             runtime.max_cache_bytes / (1 << 30), runtime.step_bytes / (1 << 20))  # fmt: skip
 
 
 def _local(host: str) -> str:

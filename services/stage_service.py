@@ -265,6 +265,9 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             info.cache_blocks_free,
         )
         desc.cache_block_rows = info.cache_block_rows
+        budget = self.runtime.step_budget
+        desc.step_memory_bytes = budget.bytes
+        desc.prefill_cells = self.runtime.prefill_pace.cells
         return desc
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
@@ -344,6 +347,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             await context.abort(status_code(e), f"{self.name}: {e}")
         capacity = int(request.capacity)
         st = StageRequest(rid, request.next_hop, request.report_to, capacity)
+        st.report_progress = request.report_progress and bool(request.report_to)
         if verify is not None:
             st.verifier = RequestVerifier(
                 rid, verify, self.runtime.model.logits, request.prefix_token_ids

@@ -5,50 +5,24 @@ embedding, the last also the final norm and LM head.
 
 Several requests run in one forward (SpecPipe-DB): their rows are concatenated, so the
 projections and the MLP are one GEMM over all rows, and attention is one call per layer
-for all of them (`PagedBatch`): each request's keys are gathered from the stage's paged
-KV cache into a padded batch, and a boolean mask built on the device says which keys each
-row sees (its committed prefix, causal for a prefill chunk; its tree ancestors and
-itself for tree rows). Why padded SDPA rather than FlexAttention or a loop over requests:
+for all of them (`PagedBatch`, `paged_attention.py`): each request's keys are gathered
+from the stage's paged KV cache into a padded batch, and a mask built on the device says
+which keys each row sees (its committed prefix, causal for a prefill chunk; its tree
+ancestors and itself for tree rows); a step too large for its memory budget runs in
+parts, query blocks and key blocks. Why padded SDPA rather than FlexAttention or a loop over requests:
 docs/architecture.md, "5. The request controller and its executors",
 "The stage engine".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .paged_attention import PagedBatch, attend
 from .partition import LayerRange
-
-
-@dataclass(frozen=True)
-class PagedBatch:
-    """One step's rows of every request, for attention in one call per layer.
-
-    K/V live in `k`, `v` [layers, slots, kv_heads, head_dim] (a stage's block pool). The
-    N new rows write their K/V to `write_slots` [N]. Attention runs as a padded batch of
-    B requests x Q query rows x L keys: query position p of the batch holds new row
-    `query_rows[p]`, request b's keys are the slots `key_slots[b*L:(b+1)*L]`, gathered
-    into `key_buffer`, `value_buffer` [B*L, kv_heads, head_dim] (reused by every layer),
-    `mask` [B, 1, Q, L] is added to the scores (0 where a query row sees a key: its
-    request's committed prefix, its tree ancestors and itself; -inf elsewhere), and new
-    row i's output is at `out_rows[i]`. `runtime.paged_batch.pack` builds one from the
-    requests' block tables."""
-
-    k: Tensor
-    v: Tensor
-    key_buffer: Tensor
-    value_buffer: Tensor
-    write_slots: Tensor
-    key_slots: Tensor
-    query_rows: Tensor
-    out_rows: Tensor
-    mask: Tensor
-    shape: tuple[int, int, int]  # B, Q, L
 
 
 class RMSNorm(nn.Module):
@@ -116,20 +90,7 @@ class Attention(nn.Module):
         k_cache, v_cache = batch.k[layer], batch.v[layer]
         k_cache.index_copy_(0, batch.write_slots, k)
         v_cache.index_copy_(0, batch.write_slots, v)
-        b, nq, length = batch.shape
-        keys = torch.index_select(k_cache, 0, batch.key_slots, out=batch.key_buffer)
-        values = torch.index_select(v_cache, 0, batch.key_slots, out=batch.value_buffer)
-        keys, values = keys.view(b, length, kv_heads, d), values.view(b, length, kv_heads, d)
-        queries = q.index_select(0, batch.query_rows).view(b, nq, heads, d)
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=batch.mask,
-            enable_gqa=True,
-        )  # [B, heads, Q, d]
-        out = out.transpose(1, 2).reshape(b * nq, heads * d).index_select(0, batch.out_rows)
-        return self.o_proj(out)
+        return self.o_proj(attend(q, k_cache, v_cache, batch, heads))
 
 
 class MLP(nn.Module):

@@ -1,97 +1,203 @@
-"""What one step's attention needs for every request at once, packed on the host and
-sent to the device in one copy.
+"""What one step's attention needs for every request at once, planned on the host under
+the step's memory budget and sent to the device in one copy.
 
 Each request of a step brings new rows (`kv_cache.NewRows`: their slots, how much of the
 request's keys each sees as a prefix, and which tree rows are its ancestors) and the
-slots of all its keys. The attention runs as one padded batch of B requests x Q query
-rows x L keys (`model.layers.PagedBatch`); this module lays the requests out in it:
+slots of all its keys. The attention runs as padded parts of B query groups x Q query
+rows x L keys (`model.paged_attention`); this module lays the requests out in them:
 
-- `write_slots` [N]: where each new row's K/V go;
-- `key_slots` [B*L]: the slots of request b's keys at b*L.. (padding: slot 0, masked);
+- a request's rows are one query group, unless one call over its rows x keys would pass
+  the budget: then they are split into query blocks of as many rows as fit (each seeing
+  only the keys its rows need: a prefill chunk's first rows see fewer), and where even
+  `MIN_QUERY_BLOCK` rows do not fit, its keys are taken in key blocks too;
+- query groups are packed into parts, the longest first, while a part's padded call
+  fits the budget: a step that fits at once is one part, in the requests' order, which
+  is what almost every step is.
+
+Per part, all int64 in one buffer with the step's `write_slots` [N] and `out_rows` [N]
+(the padded position of each new row in the parts' concatenated outputs):
+- `key_slots` [B*L]: group b's keys at b*L.. (padding: slot 0, masked);
 - `query_rows` [B*Q]: the new row at each padded query position (padding: row 0);
-- `out_rows` [N]: the padded position of each new row;
 - `prefix` [B*Q] and `ancestors` [B*Q, D]: the mask, which the device expands to
   [B, 1, Q, L] (key j visible iff j < prefix or j is an ancestor; padded query rows
   see key 0, so no softmax row is empty, and padded keys read slot 0 of the pool,
   which holds finite values: the pool starts as zeros).
 
-All are int64 in one buffer, so a step costs one host-to-device copy and the device
-builds the mask with a fixed number of operations, whatever the number of requests.
+A step costs one host-to-device copy and the device builds each mask with a fixed number
+of operations, whatever the number of requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
 
-from ..model.layers import PagedBatch
+from ..model.paged_attention import AttentionPart, PagedBatch, tree_mask
 from .block_pool import BlockPool
 from .kv_cache import NewRows
+from .step_budget import MIN_KEY_BLOCK, MIN_QUERY_BLOCK, StepCosts
 
 
-def tree_mask(
-    prefix: Tensor, ancestors: Tensor, shape: tuple[int, int, int], dtype: torch.dtype
-) -> Tensor:
-    """The additive attention mask [B, 1, Q, L] (0: visible, -inf: not) from a prefix
-    length per query row and its ancestor columns (padding: column L, dropped).
+@dataclass(frozen=True)
+class QueryGroup:
+    """Rows [start, stop) of request `request`'s new rows, over its first `keys` keys,
+    taken `key_block` keys at a time."""
 
-    Additive in the model's dtype rather than boolean: SDPA turns a boolean mask into this
-    at every call, i.e. at every layer (measured: benchmarks/README.md, "The stage engine")."""
-    batch, queries, keys = shape
-    cols = torch.arange(keys + 1, device=prefix.device)
-    visible = cols[None, :] < prefix[:, None]
-    visible.scatter_(1, ancestors, True)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=prefix.device)
-    mask.masked_fill_(~visible, float("-inf"))
-    return mask[:, :keys].reshape(batch, 1, queries, keys)
+    request: int
+    start: int
+    stop: int
+    keys: int
+    key_block: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    """The query groups of one padded attention call and its shape (B, Q, L)."""
+
+    groups: tuple[QueryGroup, ...]
+    shape: tuple[int, int, int]
+    key_block: int
+
+    def bytes(self, costs: StepCosts) -> int:
+        """Its working memory at once: one key block's."""
+        b, q, _ = self.shape
+        return costs.attention_bytes(b, q, self.key_block)
+
+
+def keys_needed(rows: NewRows) -> np.ndarray:
+    """How many of its request's keys each new row sees (its last visible key + 1)."""
+    need = rows.prefix.astype(np.int64)
+    if rows.ancestors.size:
+        need = np.maximum(need, rows.ancestors.max(axis=1) + 1)
+    return need
+
+
+def query_groups(index: int, rows: NewRows, costs: StepCosts, budget: int) -> list[QueryGroup]:
+    """Request `index`'s new rows as query groups that each fit `budget` bytes."""
+    need = keys_needed(rows)
+    m, length = int(need.size), int(need.max())
+    if costs.attention_bytes(1, m, length) <= budget:
+        return [QueryGroup(index, 0, m, length, length)]
+    fixed = length * costs.key_bytes
+    per_row = length * costs.cell_bytes + costs.query_bytes
+    q = (budget - fixed) // per_row
+    # query blocks over all their keys, or of MIN_QUERY_BLOCK rows over key blocks
+    block = int(q) if q >= min(m, MIN_QUERY_BLOCK) else min(m, MIN_QUERY_BLOCK)
+    groups = []
+    for s in range(0, m, block):
+        e = min(m, s + block)
+        keys = int(need[s:e].max())
+        if costs.attention_bytes(1, e - s, keys) <= budget:
+            kb = keys
+        else:
+            per_key = (e - s) * costs.cell_bytes + costs.key_bytes
+            kb = (budget - (e - s) * costs.query_bytes) // per_key
+            kb = max(MIN_KEY_BLOCK, kb // MIN_KEY_BLOCK * MIN_KEY_BLOCK)
+        groups.append(QueryGroup(index, s, e, keys, min(kb, keys)))
+    return groups
+
+
+def plan(
+    rows: Sequence[NewRows], costs: StepCosts | None, budget: int | None = None
+) -> list[PartPlan]:
+    """The step's attention parts: each padded call within `budget` bytes (None: one
+    part of all); every request's rows in one part, in order, when that fits."""
+    if costs is None or budget is None:
+        return [_part([QueryGroup(i, 0, r.slots.size, *[int(keys_needed(r).max())] * 2)
+                       for i, r in enumerate(rows)])]  # fmt: skip
+    groups = [g for i, r in enumerate(rows) for g in query_groups(i, r, costs, budget)]
+    whole = _part(groups)
+    if whole.key_block == whole.shape[2] and whole.bytes(costs) <= budget:
+        return [whole]
+    parts: list[PartPlan] = []
+    current: list[QueryGroup] = []
+    for g in sorted(groups, key=lambda g: -g.keys):
+        if g.key_block < g.keys:  # in key blocks: a part of its own
+            parts.append(_part([g]))
+            continue
+        if current and _part([*current, g]).bytes(costs) > budget:
+            parts.append(_part(current))
+            current = []
+        current.append(g)
+    if current:
+        parts.append(_part(current))
+    return parts
+
+
+def _part(groups: Sequence[QueryGroup]) -> PartPlan:
+    q = max(g.rows for g in groups)
+    length = max(g.keys for g in groups)
+    block = min(g.key_block for g in groups) if len(groups) == 1 else length
+    return PartPlan(tuple(groups), (len(groups), q, length), block)
 
 
 def pack(
     rows: Sequence[NewRows],
     key_slots: Sequence[np.ndarray],
     pool: BlockPool,
+    costs: StepCosts | None = None,
+    budget: int | None = None,
 ) -> PagedBatch:
     """The batch of `rows[b]` (request b's new rows) over keys `key_slots[b]`, against
-    the K/V storage of `pool`."""
+    the K/V storage of `pool`, in attention parts of at most `budget` bytes each by
+    `costs` (None: one part)."""
     device = pool.device
     counts = np.array([r.slots.size for r in rows])
-    lengths = np.array([s.size for s in key_slots])
-    b, n = len(rows), int(counts.sum())
-    q, length = int(counts.max()), int(lengths.max())
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each request's first row
+    plans = plan(rows, costs, budget if costs is not None else None)
     depth = max(1, max(r.ancestors.shape[1] for r in rows))
-    starts = np.arange(b) * q  # padded position of each request's first row
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])  # its first row among the N
 
-    keys = np.zeros((b, length), dtype=np.int64)
-    query_rows = np.zeros(b * q, dtype=np.int64)
-    prefix = np.ones(b * q, dtype=np.int64)
-    ancestors = np.full((b * q, depth), length, dtype=np.int64)
-    for i, r in enumerate(rows):
-        m, s = counts[i], starts[i]
-        keys[i, : lengths[i]] = key_slots[i]
-        query_rows[s : s + m] = offsets[i] + np.arange(m)
-        prefix[s : s + m] = r.prefix
-        a = r.ancestors
-        ancestors[s : s + m, : a.shape[1]] = np.where(a >= 0, a, length)
-    out_rows = np.repeat(starts, counts) + np.arange(n) - np.repeat(offsets, counts)
+    n = int(counts.sum())
+    out_rows = np.zeros(n, dtype=np.int64)
+    arrays: list[np.ndarray] = []
+    padded = 0  # padded query positions of the parts before
+    for p in plans:
+        b, q, length = p.shape
+        keys = np.zeros((b, length), dtype=np.int64)
+        query_rows = np.zeros(b * q, dtype=np.int64)
+        prefix = np.ones(b * q, dtype=np.int64)
+        ancestors = np.full((b * q, depth), length, dtype=np.int64)
+        for i, g in enumerate(p.groups):
+            r, at = rows[g.request], i * q
+            m = g.rows
+            keys[i, : g.keys] = key_slots[g.request][: g.keys]
+            first = offsets[g.request] + g.start
+            query_rows[at : at + m] = first + np.arange(m)
+            out_rows[first : first + m] = padded + at + np.arange(m)
+            prefix[at : at + m] = r.prefix[g.start : g.stop]
+            a = r.ancestors[g.start : g.stop]
+            ancestors[at : at + m, : a.shape[1]] = np.where(a >= 0, a, length)
+        arrays += [keys.ravel(), query_rows, prefix, ancestors.ravel()]
+        padded += b * q
     write = np.concatenate([r.slots for r in rows])
 
-    parts = [write, keys.ravel(), query_rows, out_rows, prefix, ancestors.ravel()]
+    parts = [write, out_rows, *arrays]
     flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
-    write_t, keys_t, query_t, out_t, prefix_t, anc_t = flat.split([p.size for p in parts])
-    key_buffer, value_buffer = pool.gather_buffers(b * length)
+    write_t, out_t, *tensors = flat.split([p.size for p in parts])
+    built = []
+    for i, p in enumerate(plans):
+        b, q, length = p.shape
+        keys_t, query_t, prefix_t, anc_t = tensors[4 * i : 4 * i + 4]
+        anc_t = anc_t.view(b * q, depth)
+        one = len(plans) == 1 and p.key_block == length
+        mask = tree_mask(prefix_t, anc_t, p.shape, pool.dtype) if one else None
+        built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, p.shape, p.key_block, mask))
+    gathered = max((p.shape[0] * p.shape[2] for p in plans if p.key_block == p.shape[2]),
+                   default=0)  # fmt: skip
+    key_buffer, value_buffer = pool.gather_buffers(gathered)
     return PagedBatch(
         k=pool.k,
         v=pool.v,
         key_buffer=key_buffer,
         value_buffer=value_buffer,
         write_slots=write_t,
-        key_slots=keys_t,
-        query_rows=query_t,
+        parts=tuple(built),
         out_rows=out_t,
-        mask=tree_mask(prefix_t, anc_t.view(b * q, depth), (b, q, length), pool.dtype),
-        shape=(b, q, length),
     )

@@ -23,7 +23,9 @@ from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
 from .paged_batch import pack
+from .prefill_pace import PrefillPace
 from .prefix_hash import NO_SCOPE, CacheScope
+from .step_budget import DEFAULT_STEP_BYTES, StepBudget, StepCosts
 
 # What a stage computed for one request of a batch (see `StageRuntime.forward_many`).
 StageOutput = Activation | None | RequestError
@@ -124,9 +126,18 @@ class StageRuntime:
         max_cache_bytes: int | None = None,
         block_size: int = BLOCK_SIZE,
         prefix_caching: bool = True,
+        step_bytes: int | None = None,
     ) -> None:
+        """`step_bytes`: the working memory one step may take (`step_budget.py`; None:
+        `DEFAULT_STEP_BYTES`)."""
         self.model = model
         cfg = model.cfg
+        self.step_budget = StepBudget(
+            step_bytes if step_bytes is not None else DEFAULT_STEP_BYTES,
+            StepCosts.of(cfg, model.dtype, logits=model.layer_range.is_last),
+        )
+        # prefill beside decodes, learned from the steps (its callers observe them)
+        self.prefill_pace = PrefillPace(self.step_budget.prefill_cells)
         self.pool = BlockPool(
             model.layer_range.size,
             cfg.num_kv_heads,
@@ -171,6 +182,17 @@ class StageRuntime:
         with self._lock:
             self.pool.set_budget(value)
             self._max_cache_bytes = value
+
+    @property
+    def step_bytes(self) -> int:
+        """The working memory one step may take (`step_budget.py`)."""
+        return self.step_budget.bytes
+
+    @step_bytes.setter
+    def step_bytes(self, value: int) -> None:
+        with self._compute_lock:
+            self.step_budget = StepBudget(value, self.step_budget.costs)
+            self.prefill_pace.ceiling = self.step_budget.prefill_cells
 
     @property
     def prefix_caching(self) -> bool:
@@ -344,7 +366,7 @@ class StageRuntime:
             if not batch:
                 return results
             try:
-                hidden = self._run(batch)
+                hidden = self._run_bounded(batch)
             except Exception:
                 for b in batch:
                     b.cache.undo_append(len(b), b.act.committed)
@@ -470,8 +492,26 @@ class StageRuntime:
             rows = cache.append_nodes(node_ids, parent_ids)
         return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids, is_root)
 
+    def _run_bounded(self, batch: Sequence[_Prepared]) -> Tensor:
+        """The forward of `batch` in consecutive runs of at most the budget's rows each (a
+        request's later rows may attend to its earlier ones: runs go in order, and each
+        writes its K/V before the next reads them); their hidden states concatenated."""
+        limit = self.step_budget.max_rows
+        runs: list[list[_Prepared]] = [[]]
+        rows = 0
+        for b in batch:
+            if runs[-1] and rows + len(b) > limit:
+                runs.append([])
+                rows = 0
+            runs[-1].append(b)
+            rows += len(b)
+        if len(runs) == 1:
+            return self._run(batch)
+        return torch.cat([self._run(run) for run in runs])
+
     def _run(self, batch: Sequence[_Prepared]) -> Tensor:
-        """One forward over the concatenated rows of `batch`."""
+        """One forward over the concatenated rows of `batch`, its attention in parts of
+        at most the step budget's (`paged_batch.plan`)."""
         device = self.model.device
         keep = _input_rows(batch)
         if self.is_first:
@@ -486,7 +526,14 @@ class StageRuntime:
                 hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
             hidden = hidden.to(device=device, dtype=self.model.dtype)
         positions = torch.from_numpy(np.concatenate([b.positions for b in batch])).to(device)
-        attention = pack([b.rows for b in batch], [b.cache.key_slots() for b in batch], self.pool)
+        budget = self.step_budget
+        attention = pack(
+            [b.rows for b in batch],
+            [b.cache.key_slots() for b in batch],
+            self.pool,
+            budget.costs,
+            budget.attention_bytes,
+        )
         return self.model.forward_batch(hidden, positions, attention)
 
     @torch.inference_mode()

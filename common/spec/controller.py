@@ -342,7 +342,11 @@ class Controller(ABC):
         self._feeds = self._prunes = 0
         self._node_step = {}
         chunks = prefill_chunks(
-            self.request_id, seq, self.opts.prefill_chunk, self._prefill_start(seq)
+            self.request_id,
+            seq,
+            self.opts.prefill_chunk,
+            self._prefill_start(seq),
+            self.opts.prefill_cells,
         )
         if start is None:
             start = -len(chunks)
@@ -458,7 +462,11 @@ class Controller(ABC):
         """Verified prompt tokens (all but the last, the first root) into stage 1, one chunk
         per step before step 0; the draft caches the prompt at the same time."""
         chunks = prefill_chunks(
-            self.request_id, self.prompt, self.opts.prefill_chunk, self._prefill_start(self.prompt)
+            self.request_id,
+            self.prompt,
+            self.opts.prefill_chunk,
+            self._prefill_start(self.prompt),
+            self.opts.prefill_cells,
         )
         self.stats.prefill_steps = len(chunks)
         cmds: list[Command] = []

@@ -3,6 +3,7 @@ prefill chunks, and growing the tree's frontier from the draft's candidates."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -11,6 +12,7 @@ from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
 from .messages import SOURCE_GRAMMAR, Activation, Candidates
+from .options import MAX_PREFILL_CHUNKS
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import NO_NODES, Indices, TokenTree, member
@@ -33,20 +35,42 @@ def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos:
     )
 
 
+def chunk_spans(
+    start: int, stop: int, chunk: int, cells: int | None = None
+) -> list[tuple[int, int]]:
+    """Positions [start, stop) as prefill chunks [s, e): at most `chunk` rows each and,
+    with `cells`, at most `cells` rows x keys (a chunk's rows each see the keys up to
+    their own position, the last all e of them), so a chunk deep in a long prompt is no
+    costlier for the step it shares with other requests' decodes than one at its start
+    (docs/architecture.md, "3. The pipeline step"). Every chunk has at least a row, and
+    so many that there are at most `MAX_PREFILL_CHUNKS` (a stage holds no more waiting)."""
+    spans, s = [], start
+    least = max(1, -(-(stop - start) // MAX_PREFILL_CHUNKS))
+    while s < stop:
+        rows = chunk
+        if cells is not None:  # the largest r with r * (s + r) <= cells
+            rows = min(rows, max(least, int((math.isqrt(s * s + 4 * cells) - s) // 2)))
+        e = min(stop, s + rows)
+        spans.append((s, e))
+        s = e
+    return spans
+
+
 def prefill_chunks(
-    request_id: str, prompt: Sequence[int], chunk: int, start: int = 0
+    request_id: str, prompt: Sequence[int], chunk: int, start: int = 0, cells: int | None = None
 ) -> list[Activation]:
     """The verified prompt tokens except the last (the first root) as committed chunks,
-    from position `start` (the tokens before it are cached on the path already)."""
+    from position `start` (the tokens before it are cached on the path already), sized
+    by `chunk_spans`."""
     body = torch.tensor(list(prompt[:-1]), dtype=torch.int64)
     return [
         Activation(
             request_id=request_id,
-            positions=torch.arange(s, s + body[s : s + chunk].numel()),
+            positions=torch.arange(s, e),
             committed=True,
-            tokens=body[s : s + chunk],
+            tokens=body[s:e],
         )
-        for s in range(start, body.numel(), chunk)
+        for s, e in chunk_spans(start, body.numel(), chunk, cells)
     ]
 
 

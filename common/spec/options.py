@@ -25,6 +25,10 @@ MAX_WIDTH = 256
 MAX_TOP_K_CHILDREN = 1024
 MAX_SPECINFER_DEPTH = 64
 MAX_PREFILL_CHUNK = 1 << 14  # rows per forward; a stage takes no more in one activation
+# Prefill chunks of one prompt, at most: the router sends them at once, and a stage holds
+# at most `ordering.MAX_PENDING` (4096) waiting activations of one request, so chunks
+# priced by rows x keys (`growth.chunk_spans`) never get smaller than prompt / this.
+MAX_PREFILL_CHUNKS = 2048
 MAX_NEW_TOKENS = 1 << 20
 MAX_LAYERS_PER_STEP = 16
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's bound)
@@ -84,6 +88,10 @@ class DecodeOptions:
     top_k_children: int = DEFAULT_TOP_K_CHILDREN
     depth: int = DEFAULT_SPECINFER_DEPTH  # specinfer: tree layers (one name on every surface)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    # at most this many rows x keys per prefill chunk (`growth.chunk_spans`; None: rows
+    # only): the router sets its stages' bound, so a chunk deep in a long prompt costs a
+    # step no more than one near its start and decodes beside it keep their pace
+    prefill_cells: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     # specpipe: tree layers entering stage 1 per step (K); the last stage verifies down
     # the tree as far as logits are there, so a step may emit up to K tokens
@@ -129,6 +137,8 @@ class DecodeOptions:
             value = getattr(self, name)
             if not 1 <= value <= high:
                 raise ValueError(f"{name} must be in [1, {high}], got {value}")
+        if self.prefill_cells is not None and self.prefill_cells < 1:
+            raise ValueError(f"prefill_cells must be positive, got {self.prefill_cells}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -164,12 +164,15 @@ class StageStream(_Stream):
         self._schedule()
 
     def release(self, wire_id: str) -> asyncio.Future:
-        """Free the request on the stage; done when the stage answered (or the stream
-        broke: the stage is gone, or frees it when its lease expires)."""
+        """Free the request on the stage; done when the stage answered (True: it holds no
+        copy now) or the stream broke (False: the stage is gone, or frees the request
+        when its lease expires; nobody confirmed it)."""
         done = asyncio.get_running_loop().create_future()
         if self.unary is not None:
             call = self.stub.Release(pb.RequestRef(request_id=wire_id), timeout=5.0)
-            asyncio.ensure_future(call).add_done_callback(lambda _: _settle(done))
+            asyncio.ensure_future(call).add_done_callback(
+                lambda f: _settle(done, result=release_confirmed(f))
+            )
             return done
         self._releases.setdefault(wire_id, []).append(done)
         self._schedule()
@@ -209,13 +212,13 @@ class StageStream(_Stream):
                 user(r.code, r.message)
         for rid in reply.released:
             for done in self._released.pop(rid, ()):
-                _settle(done)
+                _settle(done, result=True)
 
     def _on_break(self, code: int, message: str) -> None:
         waiting, self._released = self._released, {}
         for waiters in waiting.values():
             for done in waiters:
-                _settle(done)
+                _settle(done, result=False)
         for user in list(self._users.values()):
             user(code, message)
 
@@ -290,6 +293,17 @@ def _packed(items: list) -> list[list]:
         parts[-1].append(item)
         size += n
     return parts
+
+
+def release_confirmed(call: asyncio.Future) -> bool:
+    """A finished Release call says the replica holds no copy of the request: it released
+    one, or had none (NOT_FOUND)."""
+    if call.cancelled():
+        return False
+    e = call.exception()
+    return e is None or (
+        isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.NOT_FOUND
+    )
 
 
 def _settle(done: asyncio.Future, error: BaseException | None = None, result=None) -> None:

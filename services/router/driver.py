@@ -21,8 +21,12 @@ the request's path dies or stops answering (a call fails UNAVAILABLE / NOT_FOUND
 its timeout, a stage reports its next hop unreachable, the health monitor reports it
 down, the request has waited `Backends.stall_seconds` for its path while a replica of it
 answers no health check (stalled: SIGSTOP, a frozen host), or the path goes silent for
-`stall_timeout` however healthy it looks), the session opens the request on another path
-of the same model version and the controller replays it (`Controller.replay`). A draft
+`stall_timeout` however healthy it looks), the session releases it on the path and,
+once the replicas confirmed (those that do not are left out), opens it on another path
+of the same model version and the controller replays it (`Controller.replay`). Silence
+is the absence of progress, not of tokens: each stage reports that it computed the
+request at most once a second (an empty frame, `report_progress`), so a slow prefill of
+a long prompt is not taken for a stall and replayed beside itself (issue 35, F1). A draft
 that fails only makes the controller go on without it (`Controller.drop_draft`). With no
 path left after `replay_timeout`, the request fails UNAVAILABLE.
 """
@@ -62,7 +66,9 @@ class DriverSettings:
     open_timeout: float = 10.0  # the longest an Open may take (then another path)
     replay_timeout: float = 10.0  # how long a replay waits for a path
     max_replays: int = 8  # replays of one request before it fails
-    stall_timeout: float = 60.0  # how long a silent path is trusted
+    # how long a path may make no progress (no frame: no verification, no stage's report
+    # that it computed the request) before the request is replayed
+    stall_timeout: float = 60.0
     late_draft_wait: float = 0.0  # late_draft.py (0: never hold)
 
 
@@ -232,8 +238,8 @@ class RequestDriver:
                 return Failure(
                     self.session.attempt,
                     grpc.StatusCode.UNAVAILABLE,
-                    f"the path ({', '.join(b.label for b in self.path.stages)}) did not "
-                    f"answer for {stall_timeout:.0f} s",
+                    f"the path ({', '.join(b.label for b in self.path.stages)}) made no "
+                    f"progress for {stall_timeout:.0f} s",
                     replayable=True,
                 )
 
@@ -259,6 +265,8 @@ class RequestDriver:
                 return await self._replay(None, message)  # a next hop is unreachable
             self.controller.on_failure(message)
             raise DriverError(code, message)
+        if frame.kind == Kind.PAYLOAD_KIND_EMPTY:
+            return []  # a stage computing the request (report_progress): not stalled
         if frame.kind == Kind.PAYLOAD_KIND_VERIFIED:
             self._verified_at = frame.header.verified.sent_at_ns or 0
         try:
@@ -296,9 +304,9 @@ class RequestDriver:
             )
         log.warning("%s: %s; replaying on another path", self.request_id, message)
         self.hold.drop()  # held verifications are the old path's
-        self.session.abandon(failed, message)
+        # Only where the first copy is released (or its replica gone): never beside it.
+        excluded = await self.session.leave_for_replay(failed, message)
         try:
-            excluded = {failed} if failed is not None else set()
             ctrl.cached_prefix = await self.session.open(excluded)
         except DriverError as e:
             ctrl.on_failure(e.message)

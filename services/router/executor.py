@@ -35,7 +35,7 @@ from ..control import cache_scope_to_proto, prune_to_proto, rows_to_proto, tenso
 from .backends import Backend, RequestPath
 from .batched import refusal
 from .calls import Deadline, LeaseClaim
-from .control_stream import DraftStream, StageStream
+from .control_stream import DraftStream, StageStream, release_confirmed
 from .events import Event, Failure, Proposal
 
 DraftCall = Callable[[Backend], Awaitable]  # (the draft) -> the call
@@ -211,14 +211,21 @@ class CommandExecutor:
         return told
 
 
-async def release_on(b: Backend, wire_id: str, timeout: float) -> None:
+async def release_on(b: Backend, wire_id: str, timeout: float) -> bool:
     """Free a request on a replica: on its control stream (a unary Release where it has
-    none), within `timeout` seconds."""
+    none), within `timeout` seconds. Whether the replica confirmed it holds no copy (a
+    replay leaves out those that did not: path_session.leave_for_replay)."""
     ref = pb.RequestRef(request_id=wire_id)
     if isinstance(b.control, StageStream):
-        done = b.control.release(wire_id)
-    elif isinstance(b.control, DraftStream):
-        done = b.control.call(timeout, release=ref)
+        try:
+            return await asyncio.wait_for(b.control.release(wire_id), timeout)
+        except TimeoutError:
+            return False
+    if isinstance(b.control, DraftStream):
+        call = asyncio.ensure_future(b.control.call(timeout, release=ref))
     else:
-        done = b.stub.Release(ref, timeout=timeout)
-    await asyncio.wait_for(done, timeout)
+        call = asyncio.ensure_future(b.stub.Release(ref, timeout=timeout))
+    await asyncio.wait([call], timeout=timeout)
+    if not call.done():
+        call.cancel()
+    return release_confirmed(call)

@@ -227,6 +227,7 @@ class PathSession:
                     verify=verify if s is stages[-1] else None,
                     prefix_token_ids=prefix,
                     cache_scope=scope,
+                    report_progress=True,  # the stall check follows progress (driver.py)
                 ),
                 timeout=timeout,
             )
@@ -288,12 +289,37 @@ class PathSession:
             self._claim.leave(draft)
         self.path = RequestPath(self.path.stages, None)
 
-    def abandon(self, failed: Backend | None, message: str) -> None:
-        """Leave the current path after a fault (`failed`: the replica at fault, when
-        known, suspected): its calls stop and it is released in the background."""
+    async def leave_for_replay(self, failed: Backend | None, message: str) -> set[Backend]:
+        """Leave the current path after a fault, its copy released before the request
+        opens anywhere again: every replica of the path but `failed` and stalled ones is
+        asked to release it, and the call waits for their answers. A replica that is only
+        slow is not dead: a copy left running there beside its replay computed the same
+        prefill twice and doubled that stage's memory (issue 35, F1). Returns the
+        replicas that did not confirm (failed, stalled, unreachable, too slow to
+        answer): the replay's path leaves them out. `failed` (suspected) and stalled ones
+        are released in the background."""
         if failed is not None:
             self.backends.suspect(failed, message)
-        self._let_go()
+        if self.executor is not None:
+            self.executor.stop()
+            self.executor = None
+        claim, self._claim = self._claim, None
+        if claim is None:
+            return set()
+        replicas = self.path.backends
+        asked = [b for b in replicas if b is not failed and not b.stalled]
+        gone = [b for b in replicas if b not in asked]
+        if gone:
+            self._in_background(self._release(gone, self.wire_id))
+        try:
+            answers = await self._release(asked, self.wire_id)
+        finally:
+            claim.release()
+        kept = {b for b, ok in zip(asked, answers, strict=True) if not ok}
+        for b in kept:
+            log.warning("%s: %s did not confirm the release of %s: the replay leaves it out",
+                        self.request_id, b.label, self.wire_id)  # fmt: skip
+        return set(gone) | kept
 
     async def release(self) -> None:
         """Free the request's state on every replica of its path (best effort)."""
@@ -311,12 +337,15 @@ class PathSession:
             self._claim.release()
             self._claim = None
 
-    async def _release(self, replicas: list[Backend], wire_id: str) -> None:
+    async def _release(self, replicas: list[Backend], wire_id: str) -> list[bool]:
+        """Release `wire_id` on `replicas`; whether each confirmed it holds no copy (it
+        released one, or had none)."""
         calls = [release_on(b, wire_id, RELEASE_TIMEOUT) for b in replicas]
         results = await asyncio.gather(*calls, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 log.debug("release of %s failed: %s", wire_id, r)
+        return [r is True for r in results]
 
     def _in_background(self, call: Awaitable) -> None:
         task = asyncio.ensure_future(call)

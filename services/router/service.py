@@ -71,6 +71,7 @@ from .requests import (
     response_format_of,
     tokenize,
 )
+from .step_fit import check_cache_fits, prefill_cells_of
 from .tokenizing import BUDGET_PROMPTS, TokenizingQueue
 from .tuning import RouterTuning, Tuned
 
@@ -381,7 +382,20 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 check_step_rows(plan.mode, plan.opts, min(caps))
             except ValueError as e:
                 raise invalid(str(e)) from None
-        return plan
+        return self._fit_stages(plan)
+
+    def _fit_stages(self, plan: Plan) -> Plan:
+        """Refuse a prompt no path can hold; size its prefill chunks to the stages'
+        prefill budget (step_fit.py)."""
+        descs = [b.desc for b in self.backends.stages if b.desc is not None]
+        try:
+            check_cache_fits(len(plan.prompt), descs)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        cells = prefill_cells_of(descs)
+        if cells is None or plan.opts.prefill_cells is not None:
+            return plan
+        return dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, prefill_cells=cells))
 
     def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
         """Fill in the settings a request leaves to the router (`auto`)."""

@@ -128,6 +128,14 @@ def _model_args(p: argparse.ArgumentParser, defaults: ModelServiceConfig, requir
         help="KV cache budget (default: --cache-fraction of the device's free memory)",
     )
     p.add_argument(
+        "--step-memory-mib",
+        type=float,
+        default=None,
+        help="working memory one step may take beside weights and KV cache: attention, "
+        "activations (default: a share of the device's free memory once the weights are "
+        "loaded); a long prompt's step is split until it fits",
+    )
+    p.add_argument(
         "--cache-fraction",
         type=float,
         default=defaults.cache_fraction,
@@ -297,9 +305,10 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
         "--stall-seconds",
         type=float,
         default=defaults.stall_seconds,
-        help="the watchdog: a path that sends nothing for this long counts as lost (the "
-        "request is replayed on another, and fails UNAVAILABLE after --replay-seconds "
-        "without one)",
+        help="the watchdog: a path that makes no progress for this long (no frame: no "
+        "verification, no stage's report that it computed the request) counts as lost (the "
+        "request is released there, replayed on another, and fails UNAVAILABLE after "
+        "--replay-seconds without one)",
     )
     p.add_argument(
         "--replica-stall-seconds",
@@ -388,6 +397,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="keep child logs here")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--max-cache-gib", type=float, default=None, help="KV cache budget per stage")
+    p.add_argument(
+        "--step-memory-mib",
+        type=float,
+        default=None,
+        help="working memory one step may take per stage and draft (default: a share of "
+        "the device's free memory)",
+    )
     p.add_argument(
         "--no-metrics",
         action="store_true",

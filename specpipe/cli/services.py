@@ -177,6 +177,7 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         log_dir=args.log_dir,
         startup_timeout=args.startup_timeout,
         max_cache_gib=args.max_cache_gib,
+        step_memory_mib=args.step_memory_mib,
         http_port=args.http_port,
         http_metrics=args.http_metrics,
         tool_call_parser=args.tool_call_parser,

@@ -189,8 +189,9 @@ def test_the_engine_has_the_declared_default_bounds_and_choices(o: RequestOption
 
 
 # DecodeOptions fields that are not request options as such: the grammar is compiled
-# from the response_format option with the served model's tokenizer.
-COMPILED = {"grammar"}
+# from the response_format option with the served model's tokenizer; the prefill budget
+# (rows x keys per chunk) is the stages', which the router sets (services/router/step_fit.py).
+COMPILED = {"grammar", "prefill_cells"}
 # Switches to measure a mechanism, not request options: on for every request.
 MEASURING = {"forced_tokens"}
 

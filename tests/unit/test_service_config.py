@@ -26,7 +26,7 @@ STAGE = StageConfig(
     metrics_port=7002, ready_file="/tmp/r.json", log_level="DEBUG", secure=True,
     tls_dir="/etc/tls", data_key_file="/etc/tls/k", tls_server_name="x-internal",
     health_port=7003, model="/models/m", model_id="m1", dtype="float64", threads=3,
-    device="cuda:1", max_cache_gib=1.5, cache_fraction=0.25, lease_seconds=9.0,
+    device="cuda:1", max_cache_gib=1.5, cache_fraction=0.25, step_memory_mib=96.0, lease_seconds=9.0,
     emulate_costs="/tmp/c.json", measure_costs=True, batch_wait=0.005, data_port=7004,
     transport="tcp", layers="3:7", emulate_stage=1, allow_configure=True, no_prefix_cache=True,
     peers=("10.0.0.0/8", "127.0.0.1"),
@@ -34,7 +34,7 @@ STAGE = StageConfig(
 DRAFT = DraftConfig(
     host="::", port=7005, drain_seconds=1.0, secure=False, model="/models/d",
     model_id="d", dtype="bfloat16", threads=2, device="cuda", max_cache_gib=0.5,
-    cache_fraction=0.5, lease_seconds=3.0, emulate_costs="/tmp/c.json", measure_costs=True,
+    cache_fraction=0.5, step_memory_mib=48.0, lease_seconds=3.0, emulate_costs="/tmp/c.json", measure_costs=True,
     batch_wait=0.0, metrics_port=0, health_port=9,
 )  # fmt: skip
 ROUTER = RouterConfig(

@@ -1,0 +1,184 @@
+"""Attention of one step's rows of every request over their paged keys, in parts that
+each fit the step's memory budget (docs/architecture.md, "5. The request controller and
+its executors", "Bounded memory per step").
+
+A step's query rows are laid out as padded parts (`AttentionPart`): B query groups x Q
+rows over L keys each (a query group: a request's new rows, or a block of them where
+its rows x context is too large for one call). A part runs as one SDPA call with an
+additive mask, as a whole step did before; a part whose keys alone are too many for the
+budget runs in key blocks, each block's softmax merged into the others' by its
+log-sum-exp (the online softmax of FlashAttention), so no call holds more than a block
+of scores. The planner (`runtime.paged_batch.pack`) decides the parts; this module only
+computes them. A step of one part prebuilds its mask once for every layer (what most
+steps are); several parts build theirs per layer, so only one is alive at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionPart:
+    """B query groups x Q query rows over L keys, in key blocks of `key_block` keys.
+
+    Query position p holds new row `query_rows[p]`; group b's keys are the slots
+    `key_slots[b*L:(b+1)*L]` (padding: slot 0, masked); each query row sees key j iff
+    j < `prefix[p]` or j is one of `ancestors[p]` (padding: L). `mask`: the additive
+    mask [B, 1, Q, L], prebuilt (a step of one part in one block) or None (built per
+    layer and block)."""
+
+    key_slots: Tensor
+    query_rows: Tensor
+    prefix: Tensor
+    ancestors: Tensor
+    shape: tuple[int, int, int]  # B, Q, L
+    key_block: int
+    mask: Tensor | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.key_block < self.shape[2]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's rows of every request, for attention over the paged KV cache.
+
+    K/V live in `k`, `v` [layers, slots, kv_heads, head_dim] (a stage's block pool). The
+    N new rows write their K/V to `write_slots` [N]. Attention runs as `parts`, whose
+    padded outputs are concatenated in order; new row i's output is at `out_rows[i]`.
+    `key_buffer`, `value_buffer`: room for the largest part's gathered keys (reused by
+    every layer). `runtime.paged_batch.pack` builds one from the requests' block tables."""
+
+    k: Tensor
+    v: Tensor
+    key_buffer: Tensor
+    value_buffer: Tensor
+    write_slots: Tensor
+    parts: tuple[AttentionPart, ...]
+    out_rows: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The first part's (B, Q, L): the whole step's when it is one part."""
+        return self.parts[0].shape
+
+
+def tree_mask(
+    prefix: Tensor,
+    ancestors: Tensor,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype,
+    start: int | None = None,
+) -> Tensor:
+    """The additive attention mask [B, 1, Q, n] (0: visible, -inf: not) of keys
+    [start, start + n) (n = shape's L; `start` None: 0, and the ancestors padded with n),
+    from a prefix length per query row and its ancestor columns (those outside the keys
+    are dropped).
+
+    Additive in the model's dtype rather than boolean: SDPA turns a boolean mask into this
+    at every call, i.e. at every layer (measured: benchmarks/README.md, "The stage engine")."""
+    batch, queries, keys = shape
+    first = start or 0
+    cols = torch.arange(first, first + keys + 1, device=prefix.device)
+    visible = cols[None, :] < prefix[:, None]
+    if start is not None:  # a key block: ancestors outside it go to the dropped column
+        at = ancestors - start
+        ancestors = torch.where((at >= 0) & (at < keys), at, keys)
+    visible.scatter_(1, ancestors, True)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=prefix.device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask[:, :keys].reshape(batch, 1, queries, keys)
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PagedBatch, heads: int) -> Tensor:
+    """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] over the
+    layer's K/V `k_cache`, `v_cache` [slots, kv_heads, d] (the new rows' written)."""
+    d = q.shape[-1]
+    if len(batch.parts) == 1 and not batch.parts[0].blocked:
+        part = batch.parts[0]
+        out = _part(q, k_cache, v_cache, part, heads, batch.key_buffer, batch.value_buffer)
+    else:
+        outs = []
+        for part in batch.parts:
+            if part.blocked:
+                outs.append(_blocked_part(q, k_cache, v_cache, part, heads))
+            else:
+                b, _, length = part.shape
+                kb, vb = batch.key_buffer[: b * length], batch.value_buffer[: b * length]
+                outs.append(_part(q, k_cache, v_cache, part, heads, kb, vb))
+        out = torch.cat(outs)
+    return out.reshape(-1, heads * d).index_select(0, batch.out_rows)
+
+
+def _part(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    part: AttentionPart,
+    heads: int,
+    key_buffer: Tensor,
+    value_buffer: Tensor,
+) -> Tensor:
+    """One padded SDPA call over the part's whole keys: [B*Q, heads, d]."""
+    b, nq, length = part.shape
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    keys = torch.index_select(k_cache, 0, part.key_slots, out=key_buffer)
+    values = torch.index_select(v_cache, 0, part.key_slots, out=value_buffer)
+    keys, values = keys.view(b, length, kv_heads, d), values.view(b, length, kv_heads, d)
+    queries = q.index_select(0, part.query_rows).view(b, nq, heads, d)
+    mask = part.mask
+    if mask is None:
+        mask = tree_mask(part.prefix, part.ancestors, part.shape, q.dtype)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )  # [B, heads, Q, d]
+    return out.transpose(1, 2).reshape(b * nq, heads, d)
+
+
+def _blocked_part(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, part: AttentionPart, heads: int
+) -> Tensor:
+    """The part's attention in key blocks, merged by log-sum-exp: [B*Q, heads, d].
+
+    Per block: scores of every query row against the block's keys, their maximum and
+    exponentials; the running output and sum are rescaled to the new maximum. Equal to
+    one softmax over all keys (exactly so in exact arithmetic; to rounding in floats)."""
+    b, nq, length = part.shape
+    kv_heads, d = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    # [B, kv_heads, group * Q, d]: the query heads that share a K/V head, side by side
+    queries = q.index_select(0, part.query_rows).view(b, nq, kv_heads, group, d)
+    queries = queries.permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * nq, d)
+    queries = queries * (1.0 / d**0.5)
+    slots = part.key_slots.view(b, length)
+    top = torch.full((b, kv_heads, group * nq, 1), float("-inf"), dtype=q.dtype, device=q.device)
+    total = torch.zeros_like(top)
+    acc = torch.zeros((b, kv_heads, group * nq, d), dtype=q.dtype, device=q.device)
+    for start in range(0, length, part.key_block):
+        n = min(part.key_block, length - start)
+        block = slots[:, start : start + n].reshape(-1)
+        keys = k_cache.index_select(0, block).view(b, n, kv_heads, d).permute(0, 2, 3, 1)
+        values = v_cache.index_select(0, block).view(b, n, kv_heads, d).transpose(1, 2)
+        mask = tree_mask(part.prefix, part.ancestors, (b, nq, n), q.dtype, start)
+        scores = torch.matmul(queries, keys).view(b, kv_heads, group, nq, n)
+        scores = (scores + mask.view(b, 1, 1, nq, n)).view(b, kv_heads, group * nq, n)
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        # rows that have seen no key yet keep 0 (not -inf - -inf)
+        shift = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
+        weights = torch.exp(scores - shift)
+        rescale = torch.exp(top - shift)
+        total = total * rescale + weights.sum(dim=-1, keepdim=True)
+        acc = acc * rescale + torch.matmul(weights, values)
+        top = new_top
+    out = (acc / total).view(b, kv_heads, group, nq, d)
+    return out.permute(0, 3, 1, 2, 4).reshape(b * nq, heads, d)
