@@ -68,7 +68,7 @@ class PeakBytes(TorchDispatchMode):
 
 def stage_of(model_dir, step_bytes: int | None) -> StageRuntime:
     s = StageRuntime(load_stage(model_dir, dtype=torch.float64), step_bytes=step_bytes)
-    s.pool.reserve(s.pool.max_blocks if s.pool.max_blocks < 4096 else 1024)
+    s.pool.allocate_storage()  # before measuring: the pool is allocated once, at start
     return s
 
 
