@@ -187,9 +187,7 @@ def read_tokens(tokens: Tensor) -> list[int]:
     return tokens.tolist()
 
 
-def took(
-    token: int, grammar: GrammarState | None = None, rules: LogitsRules | None = None
-) -> None:
+def took(token: int, grammar: GrammarState | None = None, rules: LogitsRules | None = None) -> None:
     """The request's grammar and rules take a drawn token (every draw is committed)."""
     if grammar is not None:
         grammar.advance((token,))

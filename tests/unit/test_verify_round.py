@@ -1,0 +1,137 @@
+"""A verification round (`verify_many`) of several requests whose walks go K = 2-3 levels
+down makes one LM head call for all of them (the head's matmuls counted with a
+TorchDispatchMode) and reads the drawn tokens back once per level, not per request or
+per draw; on the meta device (no values) nothing else is read back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import LayerRange
+from specpipe.common.runtime import verifier as verifier_module
+from specpipe.common.runtime.verifier import RequestVerifier, verify_many
+from specpipe.common.spec.messages import Activation
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.verify import VerifySpec, draw_at
+
+from .test_stage_step import DeviceOps
+
+PROMPT = 6
+PREFIX = list(range(1, PROMPT))  # committed before the first root (the Open's)
+WIDTH = 3
+MATMULS = {"mm", "addmm", "bmm", "matmul"}
+
+
+class HeadCalls(DeviceOps):
+    """DeviceOps, and the matmuls with the head's weight ([vocab, hidden]) in them."""
+
+    def __init__(self, device: str, vocab: int) -> None:
+        super().__init__(device)
+        self.vocab, self.head_matmuls = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in MATMULS and any(
+            isinstance(a, torch.Tensor) and self.vocab in a.shape for a in args
+        ):
+            self.head_matmuls += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[int]]:
+    """One request's rows: a root, then per level WIDTH children of the node the walk
+    reaches, one with the token drawn there (so the walk goes k levels down); and the
+    tokens the walk draws, drawn one at a time on the host (`draw_at`, the rules after
+    the prefix, the root's token and each draw)."""
+    g = torch.Generator().manual_seed(seed)
+    dim = model.cfg.hidden_size
+    ids, parents, tokens, positions, drawn = [], [], [], [], []
+    hidden = torch.randn(1 + WIDTH * (k - 1), dim, generator=g)
+    parent, token = -1, 5
+    rules = spec.rules(PREFIX)
+    if rules.counts is not None:
+        rules.counts.add(token, output=False)  # the first root's token
+    for level in range(k):
+        first = len(ids)
+        for j in range(1 if level == 0 else WIDTH):
+            ids.append(len(ids))
+            parents.append(parent)
+            tokens.append((token + j) % model.cfg.vocab_size)
+            positions.append(PROMPT - 1 + level)
+        with torch.no_grad():
+            logits = model.logits(hidden[first : first + 1])[0]
+        token = draw_at(logits, spec, positions[first], [], None, rules)
+        drawn.append(token)
+        parent = first
+    act = Activation(
+        f"r{seed}",
+        torch.tensor(positions),
+        node_ids=torch.tensor(ids),
+        parent_ids=torch.tensor(parents),
+        hidden=hidden,
+        row_tokens=torch.tensor(tokens),
+    )
+    return act, drawn
+
+
+SPECS = [
+    VerifySpec(SamplingParams(), output_start=PROMPT),
+    VerifySpec(SamplingParams(temperature=0.8, seed=3), output_start=PROMPT),
+    VerifySpec(SamplingParams(frequency_penalty=0.5, logit_bias={3: 2.0}), output_start=PROMPT),
+]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_round_makes_one_head_call_and_one_read_per_level(llama_dir, k, monkeypatch) -> None:
+    model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float32)
+    specs = SPECS * 2  # six requests: greedy, seeded, with penalties and a bias
+    trees = [tree(model, spec, k, seed) for seed, spec in enumerate(specs)]
+    reads: list[int] = []
+    real_read = verifier_module.read_tokens
+
+    def counting_read(tokens: torch.Tensor) -> list[int]:
+        reads.append(tokens.numel())
+        return real_read(tokens)
+
+    monkeypatch.setattr(verifier_module, "read_tokens", counting_read)
+    verifiers = [
+        RequestVerifier(a.request_id, s, model.logits, PREFIX)
+        for (a, _), s in zip(trees, specs, strict=True)
+    ]
+    with torch.no_grad(), HeadCalls("cpu", model.cfg.vocab_size) as counter:
+        found = verify_many(list(zip(verifiers, [a for a, _ in trees], strict=True)), model.logits)
+    assert counter.head_matmuls == 1
+    assert not counter.syncing, counter.syncing
+    assert reads == [len(specs)] * k  # one read per level, every request in it
+    # the walks drew what each request's draws give, all k levels down
+    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn in trees]
+    # and what each request verified alone gives
+    for (act, drawn), spec in zip(trees, specs, strict=True):
+        (alone,) = RequestVerifier(act.request_id, spec, model.logits, PREFIX).on_output(act)
+        assert alone.tokens == tuple(drawn)
+
+
+def test_a_round_on_the_meta_device_reads_only_the_drawn_tokens(llama_dir, monkeypatch) -> None:
+    """On the meta device tensors have no values: any read back but the drawn tokens'
+    (answered here with the tokens the tree holds) would fail."""
+    k, requests = 3, 4
+    model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float32)
+    spec = SPECS[0]
+    trees = [tree(model, spec, k, seed) for seed in range(requests)]
+    model = model.to("meta")
+    levels = iter(range(k))
+
+    def on_the_tree(tokens: torch.Tensor) -> list[int]:
+        assert tokens.device.type == "meta"
+        level = next(levels)
+        return [drawn[level] for _, drawn in trees]
+
+    monkeypatch.setattr(verifier_module, "read_tokens", on_the_tree)
+    for act, _ in trees:
+        act.hidden = act.hidden.to("meta")
+    verifiers = [RequestVerifier(a.request_id, spec, model.logits, PREFIX) for a, _ in trees]
+    with torch.no_grad(), HeadCalls("meta", model.cfg.vocab_size) as counter:
+        found = verify_many(list(zip(verifiers, [a for a, _ in trees], strict=True)), model.logits)
+    assert counter.head_matmuls == 1 and not counter.syncing
+    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn in trees]
