@@ -66,10 +66,13 @@ from ..spec.verify import (
 )
 
 NONE = np.empty(0, dtype=np.int64)
-# Rows per LM head call (prompt logprobs; a round's roots and the rows below them): bounds
-# the [rows, vocab] logits (Qwen2.5's vocabulary, 256 rows: 148 MiB in fp32, a third of
-# the head's weight in bf16, which a second call would read again).
+# Rows per LM head call of a round (its roots and the rows below them): bounds the
+# [rows, vocab] logits (Qwen2.5's vocabulary, 256 rows: 148 MiB in fp32, a third of the
+# head's weight in bf16, which a second call would read again).
 HEAD_ROWS = 256
+# Rows per logprobs pass (prompt logprobs' head calls, a round's logprobs): they are
+# computed in fp64 (64 rows of Qwen2.5's vocabulary: 78 MiB).
+LOGPROB_ROWS = 64
 log = logging.getLogger(__name__)
 
 
@@ -146,8 +149,8 @@ class PromptLogprobs:
         scored = positions < len(self.found)  # rows before the prompt's last token
         known = scored & (positions + 1 < self.tokens.size)
         rows = np.flatnonzero(known)
-        for at in range(0, rows.size, HEAD_ROWS):
-            part = rows[at : at + HEAD_ROWS]
+        for at in range(0, rows.size, LOGPROB_ROWS):
+            part = rows[at : at + LOGPROB_ROWS]
             h = hidden.index_select(0, torch.from_numpy(part).to(hidden.device))
             self._put(positions[part], logits(h), self.tokens[positions[part] + 1])
         for i in np.flatnonzero(scored & ~known):
@@ -441,17 +444,23 @@ def _compute_ahead(walks: Sequence[_Walk], logits: Callable[[Tensor], Tensor]) -
 
 def _add_logprobs(walks: Sequence[_Walk]) -> None:
     """Each walk's logprobs (the raw logits of its draws), for all walks that ask the
-    same number of top logprobs in one computation (and one read back)."""
+    same number of top logprobs in one computation (and one read back) per
+    `LOGPROB_ROWS` draws."""
     by_top: dict[int, list[_Walk]] = {}
     for w in walks:
         top = w.verifier.spec.logprobs
         if top is not None and w.drawn_from:
             by_top.setdefault(top, []).append(w)
     for top, group in by_top.items():
-        rows = torch.stack([x for w in group for x in w.drawn_from])
-        found = iter(rows_logprobs(rows, [t for w in group for t in w.tokens], top))
+        rows = [x for w in group for x in w.drawn_from]
+        tokens = [t for w in group for t in w.tokens]
+        found: list[TokenLogprobs] = []
+        for at in range(0, len(rows), LOGPROB_ROWS):
+            part = torch.stack(rows[at : at + LOGPROB_ROWS])
+            found += rows_logprobs(part, tokens[at : at + LOGPROB_ROWS], top)
+        it = iter(found)
         for w in group:
-            w.logprobs = [next(found) for _ in w.tokens]
+            w.logprobs = [next(it) for _ in w.tokens]
 
 
 def drive(walks: Sequence[_Walk], logits: Callable[[Tensor], Tensor]) -> None:

@@ -39,15 +39,15 @@ class HeadCalls(DeviceOps):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
-def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[int]]:
+def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[int], list]:
     """One request's rows: a root, then per level WIDTH children of the node the walk
     reaches, one with the token drawn there (so the walk goes k levels down); and the
     tokens the walk draws, drawn one at a time on the host (`draw_at`, the rules after
-    the prefix, the root's token and each draw)."""
+    the prefix, the root's token and each draw), with their logprobs if asked for."""
     g = torch.Generator().manual_seed(seed)
     dim = model.cfg.hidden_size
-    ids, parents, tokens, positions, drawn = [], [], [], [], []
-    hidden = torch.randn(1 + WIDTH * (k - 1), dim, generator=g)
+    ids, parents, tokens, positions, drawn, logprobs = [], [], [], [], [], []
+    hidden = torch.randn(1 + WIDTH * (k - 1), dim, generator=g, dtype=model.norm.weight.dtype)
     parent, token = -1, 5
     rules = spec.rules(PREFIX)
     if rules.counts is not None:
@@ -61,7 +61,7 @@ def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[i
             positions.append(PROMPT - 1 + level)
         with torch.no_grad():
             logits = model.logits(hidden[first : first + 1])[0]
-        token = draw_at(logits, spec, positions[first], [], None, rules)
+        token = draw_at(logits, spec, positions[first], logprobs, None, rules)
         drawn.append(token)
         parent = first
     act = Activation(
@@ -72,19 +72,22 @@ def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[i
         hidden=hidden,
         row_tokens=torch.tensor(tokens),
     )
-    return act, drawn
+    return act, drawn, logprobs
 
 
 SPECS = [
     VerifySpec(SamplingParams(), output_start=PROMPT),
-    VerifySpec(SamplingParams(temperature=0.8, seed=3), output_start=PROMPT),
-    VerifySpec(SamplingParams(frequency_penalty=0.5, logit_bias={3: 2.0}), output_start=PROMPT),
+    VerifySpec(SamplingParams(temperature=0.8, seed=3), output_start=PROMPT, logprobs=2),
+    VerifySpec(
+        SamplingParams(frequency_penalty=0.5, logit_bias={3: 2.0}), output_start=PROMPT, logprobs=0
+    ),
 ]
 
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_a_round_makes_one_head_call_and_one_read_per_level(llama_dir, k, monkeypatch) -> None:
-    model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float32)
+    # fp64: the reference computes each row's logits alone, the round all in one matmul
+    model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float64)
     specs = SPECS * 2  # six requests: greedy, seeded, with penalties and a bias
     trees = [tree(model, spec, k, seed) for seed, spec in enumerate(specs)]
     reads: list[int] = []
@@ -97,17 +100,29 @@ def test_a_round_makes_one_head_call_and_one_read_per_level(llama_dir, k, monkey
     monkeypatch.setattr(verifier_module, "read_tokens", counting_read)
     verifiers = [
         RequestVerifier(a.request_id, s, model.logits, PREFIX)
-        for (a, _), s in zip(trees, specs, strict=True)
+        for (a, _, _), s in zip(trees, specs, strict=True)
     ]
     with torch.no_grad(), HeadCalls("cpu", model.cfg.vocab_size) as counter:
-        found = verify_many(list(zip(verifiers, [a for a, _ in trees], strict=True)), model.logits)
+        found = verify_many(
+            list(zip(verifiers, [a for a, _, _ in trees], strict=True)), model.logits
+        )
     assert counter.head_matmuls == 1
     assert not counter.syncing, counter.syncing
     assert reads == [len(specs)] * k  # one read per level, every request in it
     # the walks drew what each request's draws give, all k levels down
-    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn in trees]
+    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn, _ in trees]
+    # with the logprobs of the raw logits, all draws' in one pass per top
+    for f, (_, _, logprobs), spec in zip(found, trees, specs, strict=True):
+        if spec.logprobs is None:
+            assert f[0].logprobs is None
+            continue
+        assert len(f[0].logprobs) == len(logprobs) == k
+        for got, want in zip(f[0].logprobs, logprobs, strict=True):
+            assert got.logprob == pytest.approx(want.logprob, abs=1e-9)
+            assert got.top_ids == want.top_ids
+            assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-9)
     # and what each request verified alone gives
-    for (act, drawn), spec in zip(trees, specs, strict=True):
+    for (act, drawn, _), spec in zip(trees, specs, strict=True):
         (alone,) = RequestVerifier(act.request_id, spec, model.logits, PREFIX).on_output(act)
         assert alone.tokens == tuple(drawn)
 
@@ -125,13 +140,15 @@ def test_a_round_on_the_meta_device_reads_only_the_drawn_tokens(llama_dir, monke
     def on_the_tree(tokens: torch.Tensor) -> list[int]:
         assert tokens.device.type == "meta"
         level = next(levels)
-        return [drawn[level] for _, drawn in trees]
+        return [drawn[level] for _, drawn, _ in trees]
 
     monkeypatch.setattr(verifier_module, "read_tokens", on_the_tree)
-    for act, _ in trees:
+    for act, _, _ in trees:
         act.hidden = act.hidden.to("meta")
-    verifiers = [RequestVerifier(a.request_id, spec, model.logits, PREFIX) for a, _ in trees]
+    verifiers = [RequestVerifier(a.request_id, spec, model.logits, PREFIX) for a, _, _ in trees]
     with torch.no_grad(), HeadCalls("meta", model.cfg.vocab_size) as counter:
-        found = verify_many(list(zip(verifiers, [a for a, _ in trees], strict=True)), model.logits)
+        found = verify_many(
+            list(zip(verifiers, [a for a, _, _ in trees], strict=True)), model.logits
+        )
     assert counter.head_matmuls == 1 and not counter.syncing
-    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn in trees]
+    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn, _ in trees]
