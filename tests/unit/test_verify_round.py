@@ -10,8 +10,11 @@ import torch
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime import verifier as verifier_module
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.lockstep import Generation, LockstepEngine
 from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation
+from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.verify import VerifySpec, draw_at
 
@@ -152,3 +155,51 @@ def test_a_round_on_the_meta_device_reads_only_the_drawn_tokens(llama_dir, monke
         )
     assert counter.head_matmuls == 1 and not counter.syncing
     assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn, _ in trees]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_every_step_of_a_served_batch_calls_the_head_once(llama_dir, k) -> None:
+    """Three requests decoded together through the in-process pipeline at K levels per
+    step (greedy, seeded, penalties): at most one LM head call per step, and the
+    tokens are plain decoding's."""
+    dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
+    engine = LockstepEngine(dep.pipeline, dep.draft)
+    head = dep.pipeline.stages[-1].model
+    real_logits = head.logits
+    calls: list[int] = []
+    per_step: list[int] = []
+    depths: list[int] = []
+
+    def counting(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return real_logits(h)
+
+    head.logits = counting
+    step_many = dep.pipeline.step_many
+
+    def step(inputs):
+        calls.clear()
+        results = step_many(inputs)
+        per_step.append(len(calls))
+        depths.extend(len(v.tokens) for r in results.values() for v in r.verified)
+        return results
+
+    dep.pipeline.step_many = step  # type: ignore[method-assign]
+    samplings = [
+        SamplingParams(),
+        SamplingParams(temperature=0.8, seed=5),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.3),
+    ]
+    prompts = [[5, 17, 33, 2, 8], [9, 41, 12, 60, 3, 7], [70, 1, 2, 3]]
+    runs = [
+        engine.add(p, Mode.SPECPIPE, DecodeOptions(16, sampling=s, width=3, layers_per_step=k))
+        for p, s in zip(prompts, samplings, strict=True)
+    ]
+    engine.run_all()
+    assert per_step and max(per_step) == 1
+    assert max(depths) >= 2  # walks below their roots, drawn from the one call
+    head.logits = real_logits
+    dep.pipeline.step_many = step_many  # type: ignore[method-assign]
+    for run, p, s in zip(runs, prompts, samplings, strict=True):
+        ref = Generation(dep.pipeline, None, p, Mode.AUTOREGRESSIVE, DecodeOptions(16, sampling=s))
+        assert run.tokens == ref.run()
