@@ -203,3 +203,24 @@ def test_every_step_of_a_served_batch_calls_the_head_once(llama_dir, k) -> None:
     for run, p, s in zip(runs, prompts, samplings, strict=True):
         ref = Generation(dep.pipeline, None, p, Mode.AUTOREGRESSIVE, DecodeOptions(16, sampling=s))
         assert run.tokens == ref.run()
+
+
+def test_a_round_with_more_rows_than_a_head_call_takes_splits_them(llama_dir, monkeypatch) -> None:
+    """`HEAD_ROWS` bounds the logits of one call: a round with more rows makes more
+    calls (of at most that many rows) and draws the same."""
+    model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float64)
+    trees = [tree(model, spec, 3, seed) for seed, spec in enumerate(SPECS)]
+    monkeypatch.setattr(verifier_module, "HEAD_ROWS", 4)
+    calls: list[int] = []
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        calls.append(h.shape[0])
+        return model.logits(h)
+
+    verifiers = [
+        RequestVerifier(a.request_id, s, head, PREFIX)
+        for (a, _, _), s in zip(trees, SPECS, strict=True)
+    ]
+    found = verify_many(list(zip(verifiers, [a for a, _, _ in trees], strict=True)), head)
+    assert calls == [4, 4, 4, 4, 4, 1]  # 3 requests x 7 rows
+    assert [f[0].tokens for f in found] == [tuple(drawn) for _, drawn, _ in trees]
