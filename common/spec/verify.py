@@ -8,7 +8,10 @@ row is present (its logits can be computed in the same step), draw at that child
 comes out is the path of nodes drawn at and the token drawn at each; the router's
 controller accepts it (the last token is a hit on a child not computed yet, or a miss)
 and prunes. The draw at every node depends only on its logits and (seed, position)
-(`sampling.py`), so where the walk runs does not change a token.
+(`sampling.py`), so where the walk runs does not change a token, nor how many draws are
+made together: the last stage walks all requests of a round level by level
+(`common/runtime/verifier.py`, `drive`), with `draw_logits` per draw, `draw_tokens` for
+all of a level's draws and one `read_tokens` of them.
 """
 
 from __future__ import annotations
