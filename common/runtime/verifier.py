@@ -21,9 +21,15 @@ their final hidden states here until a walk reaches them or a prune drops them.
 Everything is per request and bounded by the rows the request has in the tree.
 
 The LM head reads its whole weight for every call (Qwen2.5's: 467 MB in bf16, a sixth of
-the model): `verify_many` computes the logits of the first root of every request of a
-round in one call, so a round of many requests reads it once, as the layers before it
-do (measured on the CPU with 4 requests: 36% of the round in per-request head calls).
+the model): `verify_many` computes, in one call, the logits of every row the round's
+walks can reach (each request's first root and the rows below it that are present: at
+most the request's rows of the round, the K levels that came together), so a round
+reads it once, as the layers before it do, however deep its walks go. Computing a row
+no walk reaches costs its share of the matmul, a fraction of a second weight read on a
+device that streams weights (on a CPU in fp32 it is not: benchmarks/README.md, "One LM
+head call and one read per level"). The walks then go level by level for all requests
+at once (`drive`): one draw op for the greedy ones, one read of the drawn tokens back
+to the host per level (the walk branches on them), none per request.
 
 Prompt logprobs (`VerifySpec.prompt_logprobs`, for `echo` with `logprobs`): the request's
 prefill rows come out of this stage with their final hidden states too; each is scored
@@ -47,13 +53,26 @@ import torch
 from torch import Tensor
 
 from ..spec.messages import Activation, Prune, TokenLogprobs, Verified
+from ..spec.sampling import SamplingParams
 from ..spec.tree import member
-from ..spec.verify import VerifySpec, draw_at, rows_logprobs, walk
+from ..spec.verify import (
+    VerifySpec,
+    child_row,
+    draw_logits,
+    draw_tokens,
+    read_tokens,
+    rows_logprobs,
+    took,
+)
 
 NONE = np.empty(0, dtype=np.int64)
-# Rows per LM head call (prompt logprobs, a round's roots): bounds the [rows, vocab]
-# logits (Qwen2.5's vocabulary, 64 rows: 38 MiB of fp32 logits, 78 MiB in fp64).
-HEAD_ROWS = 64
+# Rows per LM head call of a round (its roots and the rows below them): bounds the
+# [rows, vocab] logits (Qwen2.5's vocabulary, 256 rows: 148 MiB in fp32, a third of the
+# head's weight in bf16, which a second call would read again).
+HEAD_ROWS = 256
+# Rows per logprobs pass (prompt logprobs' head calls, a round's logprobs): they are
+# computed in fp64 (64 rows of Qwen2.5's vocabulary: 78 MiB).
+LOGPROB_ROWS = 64
 log = logging.getLogger(__name__)
 
 
@@ -130,8 +149,8 @@ class PromptLogprobs:
         scored = positions < len(self.found)  # rows before the prompt's last token
         known = scored & (positions + 1 < self.tokens.size)
         rows = np.flatnonzero(known)
-        for at in range(0, rows.size, HEAD_ROWS):
-            part = rows[at : at + HEAD_ROWS]
+        for at in range(0, rows.size, LOGPROB_ROWS):
+            part = rows[at : at + LOGPROB_ROWS]
             h = hidden.index_select(0, torch.from_numpy(part).to(hidden.device))
             self._put(positions[part], logits(h), self.tokens[positions[part] + 1])
         for i in np.flatnonzero(scored & ~known):
@@ -194,55 +213,54 @@ class RequestVerifier:
     def held_rows(self) -> int:
         return 0 if self._held is None else len(self._held)
 
-    def first_root(self, out: Activation) -> tuple[int, Tensor] | None:
-        """The node id and final hidden state [1, hidden] of the row the first walk of
-        `out` would start at now (None: no walk), for `verify_many` to batch; changes
-        nothing."""
-        new = self._tree_rows(out)
-        if new is None:
-            return None
-        _, root = self._classify(_Rows.cat(self._held, new, hidden=False))
-        if root is None:
-            return None
-        held = 0 if self._held is None else len(self._held)
-        rows, at = (self._held, root) if root < held else (new, root - held)
-        assert rows is not None and rows.hidden is not None
-        return int(rows.ids[at]), rows.hidden[at : at + 1]
-
-    def on_output(self, out: Activation, ahead: tuple[int, Tensor] | None = None) -> list[Verified]:
+    def on_output(self, out: Activation) -> list[Verified]:
         """The final hidden states of tree rows this stage just computed: every walk
         they allow, in order (usually one, or none). Committed rows (prefill) give none;
-        they are scored for prompt logprobs when the request asked for them.
-        `ahead`: (node id, logits [vocab]) computed already, used if the first walk's
-        root is that node."""
+        they are scored for prompt logprobs when the request asked for them."""
+        rows = self._arrived(out)
+        if rows is None:
+            return []
+        walk = self._next_walk(rows)
+        if walk is not None:
+            drive([walk], self._logits)
+        return self._walks_from(walk)
+
+    def _arrived(self, out: Activation) -> _Rows | None:
+        """The rows a walk may use now: those held, then `out`'s tree rows (None: it
+        has none). Its committed rows are scored for prompt logprobs if asked for."""
         if out.committed and self._prompt is not None and out.hidden is not None:
             self._prompt.on_rows(out.positions.numpy(), out.hidden, self._logits)
         new = self._tree_rows(out)
         if new is None:
-            return []
-        rows = _Rows.cat(self._held, new)
-        found: list[Verified] = []
-        while True:
-            dead, root = self._classify(rows)
-            self._dead = np.union1d(self._dead, rows.ids[dead])
-            if root is None:
-                rows = rows.take(~dead)
-                break
-            first = ahead[1] if ahead is not None and ahead[0] == int(rows.ids[root]) else None
-            path, verified = self._walk(rows, root, first)
-            ahead = None  # only the first walk's root was computed ahead
-            found.append(verified)
-            gone = dead.copy()
-            gone[path] = True
-            rows = rows.take(~gone)
-        self._held = rows if len(rows) else None
+            return None
         if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "verify %s: rows %s parents %s tokens %s -> %s; tip %s dead %s drawn %s held %d",
-                self.request_id, new.ids.tolist(), new.parents.tolist(), new.tokens.tolist(),
-                [(v.node_ids, v.tokens) for v in found], self._tip, self._dead.tolist(),
-                self._drawn.tolist(), self.held_rows,
-            )  # fmt: skip
+            log.debug("verify %s: rows %s parents %s tokens %s; tip %s dead %s drawn %s",
+                      self.request_id, new.ids.tolist(), new.parents.tolist(),
+                      new.tokens.tolist(), self._tip, self._dead.tolist(),
+                      self._drawn.tolist())  # fmt: skip
+        return _Rows.cat(self._held, new)
+
+    def _next_walk(self, rows: _Rows) -> _Walk | None:
+        """The walk `rows` allow now (None: none; the rows not dead are then held)."""
+        dead, root = self._classify(rows)
+        self._dead = np.union1d(self._dead, rows.ids[dead])
+        if root is None:
+            rows = rows.take(~dead)
+            self._held = rows if len(rows) else None
+            return None
+        self._count_first_root(rows, root)
+        return _Walk(self, rows, dead, root)
+
+    def _walks_from(self, walk: _Walk | None) -> list[Verified]:
+        """`walk` (drawn to its end) ended, then every further walk its rows allow, each
+        driven alone (a second root in one output is rare: a miss's new root)."""
+        found: list[Verified] = []
+        while walk is not None:
+            verified, rows = self._end(walk)
+            found.append(verified)
+            walk = self._next_walk(rows)
+            if walk is not None:
+                drive([walk], self._logits)
         return found
 
     @staticmethod
@@ -324,32 +342,19 @@ class RequestVerifier:
                 dead_ids.add(node)
         return dead, root
 
-    def _walk(
-        self, rows: _Rows, root: int, root_logits: Tensor | None = None
-    ) -> tuple[list[int], Verified]:
-        spec, logprobs = self.spec, []
-        hidden = rows.hidden
-        assert hidden is not None
-
-        self._count_first_root(rows, root)
-
-        def draw(row: int) -> int:
-            if row == root and root_logits is not None:
-                logits = root_logits
-            else:
-                logits = self._logits(hidden[row : row + 1])[0]
-            position = int(rows.positions[row])
-            return draw_at(logits, spec, position, logprobs, self._grammar, self._rules)
-
-        path, tokens = walk(root, rows.ids, rows.parents, rows.tokens, draw)
+    def _end(self, walk: _Walk) -> tuple[Verified, _Rows]:
+        """What `walk` drew, as a `Verified`, and the rows left after it (its path and
+        the dead rows gone)."""
+        rows, path, tokens = walk.rows, walk.path, walk.tokens
         ids = rows.ids[path]
         self._drawn = np.union1d(self._drawn, ids[:-1])
         if self._tip is not None:
             self._drawn = np.union1d(self._drawn, [self._tip[0]])
         self._tip = (int(ids[-1]), tokens[-1])
-        found: tuple[TokenLogprobs, ...] | None = None if spec.logprobs is None else tuple(logprobs)
+        found = None if self.spec.logprobs is None else tuple(walk.logprobs)
         prompt = None
         if self._prompt is not None:  # the first walk brings them
+            root = walk.root
             prompt = self._prompt.take(
                 int(rows.tokens[root]), int(rows.positions[root]), self._logits
             )
@@ -358,44 +363,144 @@ class RequestVerifier:
             self.request_id,
             tuple(int(i) for i in ids),
             tuple(tokens),
-            int(rows.positions[root]),
+            int(rows.positions[walk.root]),
             found,
             prompt,
         )
-        return path, verified
+        gone = walk.dead.copy()
+        gone[path] = True
+        return verified, rows.take(~gone)
+
+
+class _Walk:
+    """One walk in progress: its rows, the row it draws at next, what it drew so far,
+    and the raw logits of the rows it may reach (computed ahead: `below_root`)."""
+
+    def __init__(self, verifier: RequestVerifier, rows: _Rows, dead: np.ndarray, root: int):
+        self.verifier, self.rows, self.dead, self.root = verifier, rows, dead, root
+        self.row: int = root
+        self.path: list[int] = []
+        self.tokens: list[int] = []
+        self.logits: dict[int, Tensor] = {}  # row -> its raw logits [vocab]
+        self.drawn_from: list[Tensor] = []  # the raw logits of each draw (for logprobs)
+        self.logprobs: list[TokenLogprobs] = []
+
+    def below_root(self) -> np.ndarray:
+        """The rows this walk can reach: its root and every row below it present now
+        (the rows are in arrival order, parents first). Bounded by the request's rows
+        in the round: the tree's levels that arrived together, K of them."""
+        ids, parents = self.rows.ids, self.rows.parents
+        under = {int(ids[self.root])}
+        reach = [self.root]
+        for i in range(self.root + 1, len(ids)):
+            if int(parents[i]) in under:
+                under.add(int(ids[i]))
+                reach.append(i)
+        return np.asarray(reach, dtype=np.int64)
+
+    def draw(self) -> tuple[Tensor, SamplingParams, int]:
+        """What the next draw is (for `draw_tokens`): the logits to draw from, after the
+        grammar and the rules, the sampling parameters and the output position."""
+        v = self.verifier
+        position = v.spec.draw_position(int(self.rows.positions[self.row]))
+        drawn = draw_logits(self.logits[self.row], v.spec, position, v._grammar, v._rules)
+        return drawn, v.spec.sampling, position
+
+    def took(self, token: int) -> bool:
+        """The token drawn at the row: taken by the grammar and the rules; whether the
+        walk goes on (at the child with that token, if present)."""
+        v = self.verifier
+        took(token, v._grammar, v._rules)
+        self.path.append(self.row)
+        self.tokens.append(token)
+        if v.spec.logprobs is not None:
+            self.drawn_from.append(self.logits[self.row])
+        rows = self.rows
+        child = child_row(self.row, token, rows.ids, rows.parents, rows.tokens)
+        if child is None:
+            return False
+        self.row = child
+        return True
+
+
+def _compute_ahead(walks: Sequence[_Walk], logits: Callable[[Tensor], Tensor]) -> None:
+    """The raw logits of every row the walks can reach, in one LM head call per
+    `HEAD_ROWS` rows (one per round unless the round holds more)."""
+    parts, owners = [], []
+    for w in walks:
+        reach = w.below_root()
+        hidden = w.rows.hidden
+        assert hidden is not None
+        parts.append(hidden.index_select(0, torch.from_numpy(reach).to(hidden.device)))
+        owners += [(w, int(r)) for r in reach]
+    if not parts:
+        return
+    hidden = torch.cat(parts) if len(parts) > 1 else parts[0]
+    for at in range(0, hidden.shape[0], HEAD_ROWS):
+        computed = logits(hidden[at : at + HEAD_ROWS])
+        for (w, row), x in zip(owners[at : at + HEAD_ROWS], computed, strict=True):
+            w.logits[row] = x
+
+
+def _add_logprobs(walks: Sequence[_Walk]) -> None:
+    """Each walk's logprobs (the raw logits of its draws), for all walks that ask the
+    same number of top logprobs in one computation (and one read back) per
+    `LOGPROB_ROWS` draws."""
+    by_top: dict[int, list[_Walk]] = {}
+    for w in walks:
+        top = w.verifier.spec.logprobs
+        if top is not None and w.drawn_from:
+            by_top.setdefault(top, []).append(w)
+    for top, group in by_top.items():
+        rows = [x for w in group for x in w.drawn_from]
+        tokens = [t for w in group for t in w.tokens]
+        found: list[TokenLogprobs] = []
+        for at in range(0, len(rows), LOGPROB_ROWS):
+            part = torch.stack(rows[at : at + LOGPROB_ROWS])
+            found += rows_logprobs(part, tokens[at : at + LOGPROB_ROWS], top)
+        it = iter(found)
+        for w in group:
+            w.logprobs = [next(it) for _ in w.tokens]
+
+
+def drive(walks: Sequence[_Walk], logits: Callable[[Tensor], Tensor]) -> None:
+    """Every walk drawn to its end, all of them level by level: the logits of every row
+    they can reach in one LM head call (`_compute_ahead`), then per level one draw of
+    every walk still going (`draw_tokens`: one op for the greedy ones) and one read of
+    the drawn tokens back to the host, which the walks branch on."""
+    _compute_ahead(walks, logits)
+    going = list(walks)
+    while going:
+        tokens = read_tokens(draw_tokens([w.draw() for w in going]))
+        going = [w for w, token in zip(going, tokens, strict=True) if w.took(token)]
+    _add_logprobs(walks)
 
 
 def verify_many(
     outputs: Sequence[tuple[RequestVerifier, Activation]], logits: Callable[[Tensor], Tensor]
 ) -> list[list[Verified] | ValueError]:
-    """Every request's walks of one round (`RequestVerifier.on_output`), the logits of
-    their first roots computed by `logits` (the stage model's LM head) in one call per
-    `HEAD_ROWS` roots. A request whose output is bad gets its ValueError in its place;
-    the others are verified."""
+    """Every request's walks of one round (`RequestVerifier.on_output`), the first walk
+    of every request driven together (`drive`: one LM head call for the rows they can
+    reach, one read back per level). A request whose output is bad gets its ValueError
+    in its place; the others are verified."""
     found: list[list[Verified] | ValueError | None] = [None] * len(outputs)
-    roots: list[tuple[int, int, Tensor]] = []  # (output, node id, hidden)
+    firsts: dict[int, _Walk | None] = {}  # output -> its request's first walk
     seen: set[int] = set()
     for i, (verifier, out) in enumerate(outputs):
         if id(verifier) in seen:
             continue  # a later output of a request: its walk depends on the earlier's
         seen.add(id(verifier))
         try:
-            root = verifier.first_root(out)
+            rows = verifier._arrived(out)
+            firsts[i] = None if rows is None else verifier._next_walk(rows)
         except ValueError as e:
             found[i] = e
-            continue
-        if root is not None:
-            roots.append((i, *root))
-    ahead: dict[int, tuple[int, Tensor]] = {}
-    for at in range(0, len(roots), HEAD_ROWS):
-        part = roots[at : at + HEAD_ROWS]
-        rows = logits(torch.cat([h for _, _, h in part]))
-        ahead.update((i, (node, row)) for (i, node, _), row in zip(part, rows, strict=True))
+    drive([w for w in firsts.values() if w is not None], logits)
     for i, (verifier, out) in enumerate(outputs):
         if found[i] is not None:
             continue
         try:
-            found[i] = verifier.on_output(out, ahead.get(i))
+            found[i] = verifier._walks_from(firsts[i]) if i in firsts else verifier.on_output(out)
         except ValueError as e:
             found[i] = e
     return found  # type: ignore[return-value]

@@ -3,7 +3,7 @@ a request's `response_format` compiled into a grammar, and the grammar's state a
 the request's output, with llguidance.
 
 The grammar constrains the target's draw wherever it is drawn (the last stage's
-verifier, `verify.draw_at`): the tokens the grammar forbids after the output so far are
+verifier, `verify.draw_logits`): the tokens the grammar forbids after the output so far are
 masked out of the logits before the draw, so greedy takes the argmax of the allowed
 tokens and sampling draws from the distribution renormalized over them (temperature,
 top-k and top-p then apply to the allowed tokens, as vLLM does). It also prunes the

@@ -12,7 +12,7 @@ min_tokens"):
 
 Temperature, top-k and top-p come after (`sampling.draw_index`); logprobs stay the raw
 logits'. The rules depend on the tokens before the one drawn, so they are applied where
-every token is drawn (the last stage's verifier, `verify.draw_at`), with the request's
+every token is drawn (the last stage's verifier, `verify.draw_logits`), with the request's
 `TokenCounts`: the committed tokens plus, walking down the tree, the tokens drawn on
 the way to the node (each draw is committed, in order, so one state advanced by every
 draw is always the one of the node drawn at next).

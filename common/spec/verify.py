@@ -8,11 +8,15 @@ row is present (its logits can be computed in the same step), draw at that child
 comes out is the path of nodes drawn at and the token drawn at each; the router's
 controller accepts it (the last token is a hit on a child not computed yet, or a miss)
 and prunes. The draw at every node depends only on its logits and (seed, position)
-(`sampling.py`), so where the walk runs does not change a token.
+(`sampling.py`), so where the walk runs does not change a token, nor how many draws are
+made together: the last stage walks all requests of a round level by level
+(`common/runtime/verifier.py`, `drive`), with `draw_logits` per draw, `draw_tokens` for
+all of a level's draws and one `read_tokens` of them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -93,15 +97,21 @@ def walk(
     the row's node and whose token was drawn, while there is one (rows: `node_ids`,
     `parent_ids`, `tokens`)."""
     rows, drawn = [], []
-    row = root_row
-    while True:
+    row: int | None = root_row
+    while row is not None:
         token = int(draw(row))
         rows.append(row)
         drawn.append(token)
-        child = np.flatnonzero((parent_ids == node_ids[row]) & (tokens == token))
-        if child.size == 0:
-            return rows, drawn
-        row = int(child[0])
+        row = child_row(row, token, node_ids, parent_ids, tokens)
+    return rows, drawn
+
+
+def child_row(
+    row: int, token: int, node_ids: np.ndarray, parent_ids: np.ndarray, tokens: np.ndarray
+) -> int | None:
+    """The row the walk goes on at after drawing `token` at `row` (None: the walk ends)."""
+    child = np.flatnonzero((parent_ids == node_ids[row]) & (tokens == token))
+    return int(child[0]) if child.size else None
 
 
 def token_logprobs(logits: Tensor, token: int, top: int) -> TokenLogprobs:
@@ -126,21 +136,17 @@ def rows_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[Token
     ]
 
 
-def draw_at(
+def draw_logits(
     logits: Tensor,
     spec: VerifySpec,
-    row_position: int,
-    logprobs: list[TokenLogprobs],
+    position: int,
     grammar: GrammarState | None = None,
     rules: LogitsRules | None = None,
-) -> int:
-    """The token drawn from one row's logits [vocab] (on their device), its logprobs
-    appended to `logprobs` when the request asked for them. With a `grammar` (its state
-    after the output up to this row), the draw is over the tokens it allows (the others'
-    logits at -inf), and the state then takes the token; `rules` (the request's logit
-    bias, min_tokens and penalties after the output up to this row) then apply, and
-    take the token too. Logprobs stay the raw logits'."""
-    position = spec.draw_position(row_position)
+) -> Tensor:
+    """The logits [vocab] the token at output `position` is drawn from: with a
+    `grammar` (its state after the output up to this row) the tokens it forbids at
+    -inf, then the `rules` (logit bias, min_tokens, penalties). `logits` itself (raw:
+    logprobs read them) is left as it is."""
     drawn = logits
     if grammar is not None:
         allowed = grammar.allowed(logits.numel())
@@ -149,11 +155,65 @@ def draw_at(
         drawn = logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), -torch.inf)
     if rules is not None:
         drawn = rules.apply(drawn, position, grammar=grammar is not None)
-    token = int(draw_index(drawn, spec.sampling, position))
+    return drawn
+
+
+def draw_tokens(draws: Sequence[tuple[Tensor, SamplingParams, int]]) -> Tensor:
+    """The tokens of several draws (each: the logits to draw from [vocab], the
+    sampling parameters, the output position) as one int64 tensor [draws] on the
+    logits' device, nothing read back: the greedy ones in one argmax over their rows
+    stacked, the sampled ones each by `draw_index` (their parameters differ)."""
+    if not draws:
+        return torch.empty(0, dtype=torch.int64)
+    greedy = [i for i, (_, params, _) in enumerate(draws) if params.greedy]
+    parts: list[Tensor] = []
+    order = list(greedy)
+    if greedy:
+        rows = [draws[i][0] for i in greedy]
+        dtype = functools.reduce(torch.promote_types, (r.dtype for r in rows))
+        parts.append(torch.stack([r.to(dtype) for r in rows]).argmax(-1))
+    sampled = [i for i in range(len(draws)) if not draws[i][1].greedy]
+    if sampled:
+        parts.append(torch.stack([draw_index(*draws[i]) for i in sampled]))
+        order += sampled
+    tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if order == sorted(order):
+        return tokens
+    at = torch.empty(len(order), dtype=torch.int64)
+    at[torch.tensor(order)] = torch.arange(len(order))
+    return tokens.index_select(0, at.to(tokens.device))
+
+
+def read_tokens(tokens: Tensor) -> list[int]:
+    """The drawn tokens on the host: the verification's one read back from the device
+    per level of its walks (for every request at once)."""
+    return tokens.tolist()
+
+
+def took(token: int, grammar: GrammarState | None = None, rules: LogitsRules | None = None) -> None:
+    """The request's grammar and rules take a drawn token (every draw is committed)."""
     if grammar is not None:
         grammar.advance((token,))
     if rules is not None:
         rules.drawn(token)
+
+
+def draw_at(
+    logits: Tensor,
+    spec: VerifySpec,
+    row_position: int,
+    logprobs: list[TokenLogprobs],
+    grammar: GrammarState | None = None,
+    rules: LogitsRules | None = None,
+) -> int:
+    """The token drawn from one row's logits [vocab] (`draw_logits`, read back at once:
+    the walk over a pipeline's logits on the host), its logprobs appended to
+    `logprobs` when the request asked for them; the grammar and rules take it.
+    Logprobs stay the raw logits'."""
+    position = spec.draw_position(row_position)
+    drawn = draw_logits(logits, spec, position, grammar, rules)
+    token = int(draw_index(drawn, spec.sampling, position))
+    took(token, grammar, rules)
     if spec.logprobs is not None:
         logprobs.append(token_logprobs(logits, token, spec.logprobs))
     return token

@@ -151,9 +151,10 @@ def test_seeded_draws_use_the_output_position() -> None:
     assert draws == [sample_token(logits[0], spec.sampling, i) for i in (0, 3, 7)]
 
 
-def test_a_rounds_roots_share_one_head_call_and_walk_as_one_at_a_time() -> None:
-    """verify_many: the logits of every request's first root in one LM head call; every
-    walk equal to that request's own on_output; a bad output fails alone."""
+def test_a_rounds_walks_share_one_head_call_and_walk_as_one_at_a_time() -> None:
+    """verify_many: the logits of every row the requests' first walks can reach in one
+    LM head call; every walk equal to that request's own on_output; a bad output fails
+    alone."""
     calls: list[int] = []
 
     def head(h: torch.Tensor) -> torch.Tensor:
@@ -171,8 +172,8 @@ def test_a_rounds_roots_share_one_head_call_and_walk_as_one_at_a_time() -> None:
     alone = [walked(v.on_output(out)) for v, out in round_of(verifier)]
     together = verify_many(round_of(lambda: RequestVerifier("r", GREEDY, head)), head)
     assert [walked(found) for found in together] == alone
-    # three first roots in one call, then the group's walk goes on below its root (2 rows)
-    assert calls == [3, 1, 1]
+    # one call: the three roots and the 4 + 1 rows below them, walked 3 levels deep
+    assert calls == [8]
 
     calls.clear()
     bad = Activation("r", torch.tensor([2]), node_ids=torch.tensor([0]),
