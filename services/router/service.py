@@ -362,10 +362,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         model = self.model
         if plan.space is None or model is None:
             return plan, None
-        opts, tuned = self.tuning.resolve(
+        mode, opts, tuned = self.tuning.resolve(
             plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
         )
-        return dataclasses.replace(plan, opts=opts), tuned
+        return dataclasses.replace(plan, mode=mode, opts=opts), tuned
 
     def _tokenize_budget(self) -> int:
         return BUDGET_PROMPTS * max_prompt_chars(self._check_model("").max_positions)

@@ -79,12 +79,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 LOG_TAIL_LINES = 40
 
 
+PINNED_TREE = {"width": 8, "layers_per_step": 1, "token_source": "draft"}
+
+
 def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
     """A deployment, plaintext unless `secure=True` is given: these tests call stages and
     the draft themselves. The launcher's default (secure) is what `specpipe up` runs;
     tests/integration/test_launcher.py and the --secure tests cover it."""
     kw.setdefault("dtype", DTYPE)
     kw.setdefault("secure", False)
+    # The tree of requests that set none is pinned (the router would tune it): these
+    # tests check one setting's mechanics; a None given keeps the router's tuning.
+    kw["scheduling"] = {**PINNED_TREE, **(kw.get("scheduling") or {})}
     dep = ServicesDeployment(target, draft, stages, transport=transport, threads=1, **kw)
     dep.start()
     return dep
