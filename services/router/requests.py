@@ -12,6 +12,8 @@ import grpc
 from specpipe.common.perf.tuning import AUTO_WIDTHS, TuningSpace, auto_layers
 from specpipe.common.spec.grammar import TEXT, Grammar, GrammarError, ResponseFormat
 from specpipe.common.spec.options import (
+    DEFAULT_LAYERS_PER_STEP,
+    DEFAULT_WIDTH,
     MAX_STOP_TOKEN_IDS,
     DecodeOptions,
     Mode,
@@ -53,6 +55,11 @@ class RequestDefaults:
     width: int | str | None = None
     layers_per_step: int | str | None = None
     token_source: str | None = None
+
+    @classmethod
+    def fixed(cls) -> RequestDefaults:
+        """The engine's defaults, nothing tuned (the old default of every deployment)."""
+        return cls(DEFAULT_WIDTH, DEFAULT_LAYERS_PER_STEP, TokenSource.DRAFT)
 
     def __post_init__(self) -> None:
         for name in ("width", "layers_per_step"):

@@ -105,7 +105,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         """`security`: mutual TLS to the stages and the draft and authenticated frames
         (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
         `defaults`: width, layers per step and token source of requests that leave them
-        unset (values or "auto"); `tuning`: how `auto` settings are chosen;
+        unset (values or "auto"; None: the engine's fixed defaults, as embedders and
+        tests want; `specpipe up` and `specpipe router` pass the flags', which tune);
+        `tuning`: how `auto` settings are chosen;
         `late_draft_wait`: how long a verification may wait for a late draft answer
         (seconds; 0: never, see driver.py); `limits`: connection caps and timeouts of
         the public ports (edge.py)."""
@@ -143,7 +145,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.grammar_tokenizer = None  # response_format: loaded at the first such request
         self.model_id_override = model_id
         self.drivers: dict[str, RequestDriver] = {}
-        self.defaults = defaults or RequestDefaults()
+        self.defaults = defaults or RequestDefaults.fixed()
         self.tuning = tuning or RouterTuning()
         self.late_draft_wait = late_draft_wait
         # Admission and elastic width; the row budget may come from the stages ("auto").
