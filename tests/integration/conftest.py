@@ -4,6 +4,7 @@ the in-process engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.stats import DecodeStats
 from specpipe.services.launcher import ServicesDeployment
+from specpipe.services.router.requests import RequestDefaults
 
 EOS = 96  # the conftest models' eos_token_id (vocab - 1)
 
@@ -79,7 +81,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 LOG_TAIL_LINES = 40
 
 
-PINNED_TREE = {"width": 8, "layers_per_step": 1, "token_source": "draft"}
+PINNED_TREE = dataclasses.asdict(RequestDefaults.fixed())
 
 
 def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
