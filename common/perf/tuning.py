@@ -26,7 +26,8 @@ plain decoding at S = 1), so with the wall price a draft that does not pay loses
 draft, and layers per step fit the pipeline (`auto_layers`: at S = 1 one layer per step
 verifies one token a step, as plain decoding does, so the candidates start at 2).
 A candidate whose first measurements cost more than `ELIMINATE_RATIO` times the best's
-is not calibrated further (the re-measures still visit it): exploring costs less.
+is not calibrated further and only every `FAR_REFRESH`-th re-measure visits it:
+exploring costs less.
 
 Measurements fade (halved once a setting has `window_tokens`), and every
 `explore_every`-th decision re-measures the setting seen least recently, so the choice
@@ -51,6 +52,7 @@ AUTO_LAYERS = (1, 2, 3)
 AUTO_LAYERS_ONE_STAGE = (2, 3, 4)
 NO_DRAFT = "none"  # the candidate without a tree: the request runs as pp
 ELIMINATE_RATIO = 1.5
+FAR_REFRESH = 4  # every 4th re-measure may visit a candidate far behind the best
 DEFAULT_CALIBRATION_TOKENS = 256
 DEFAULT_EXPLORE_EVERY = 20
 DEFAULT_WINDOW_TOKENS = 8192
@@ -224,22 +226,24 @@ class Tuner:
         candidates = self.space.settings()
         return self._calibrate(candidates) or self._best(candidates)
 
+    def _contenders(self, candidates: list[Setting]) -> list[Setting]:
+        """The candidates not yet measured or measured within `ELIMINATE_RATIO` of the
+        best's cost."""
+        costs = {s: c for s in candidates if (c := self.cost_per_token(s)) is not None}
+        if not costs:
+            return candidates
+        bar = ELIMINATE_RATIO * min(costs.values())
+        return [s for s in candidates if costs.get(s, 0.0) <= bar]
+
     def _calibrate(self, candidates: list[Setting]) -> Decision | None:
-        """The least measured candidate, while any is short of calibration tokens (those
-        in flight count: concurrent requests measure different settings); one already
-        measured at over `ELIMINATE_RATIO` times the best's cost is not."""
+        """The least measured contender, while any is short of calibration tokens (those
+        in flight count: concurrent requests measure different settings)."""
 
         def seen(s: Setting) -> float:
             m = self.measured.get(s)
             return (m.tokens if m else 0.0) + self.pending.get(s, 0)
 
-        costs = {s: c for s in candidates if (c := self.cost_per_token(s)) is not None}
-        bar = ELIMINATE_RATIO * min(costs.values()) if costs else None
-        short = [
-            s
-            for s in candidates
-            if seen(s) < self.calibration_tokens and (bar is None or costs.get(s, 0.0) <= bar)
-        ]
+        short = [s for s in self._contenders(candidates) if seen(s) < self.calibration_tokens]
         if not short:
             return None
         s = min(short, key=seen)
@@ -252,9 +256,13 @@ class Tuner:
         )
 
     def _refresh(self, candidates: list[Setting]) -> Decision | None:
-        """Every `explore_every`-th decision: the candidate seen least recently."""
+        """Every `explore_every`-th decision: the contender seen least recently; every
+        `FAR_REFRESH`-th of those, the candidate seen least recently (one far behind may
+        have caught up since)."""
         if len(candidates) < 2 or self.decisions % self.explore_every:
             return None
+        if (self.decisions // self.explore_every) % FAR_REFRESH:
+            candidates = self._contenders(candidates)
 
         def last_seen(s: Setting) -> int:
             m = self.measured.get(s)

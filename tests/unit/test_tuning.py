@@ -214,3 +214,18 @@ def test_candidates_far_behind_the_best_are_not_calibrated_further() -> None:
         seen[k] = seen.get(k, 0) + 1
         tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[k])
     assert seen[2] == 1 and seen[1] == 2 and seen[3] >= 2
+
+
+def test_re_measures_visit_a_candidate_far_behind_only_now_and_then() -> None:
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    tuner = Tuner(None, calibration_tokens=64, explore_every=2)
+    wall = {1: 0.1, 2: 0.3, 3: 0.09}
+    refreshes = []
+    for _ in range(64):
+        d = tuner.decide(space, 64)
+        k = d.setting.layers_per_step
+        if "re-measuring" in d.reason:
+            refreshes.append(k)
+        tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[k])
+    far = refreshes.count(2)
+    assert len(refreshes) >= 28 and 1 <= far <= len(refreshes) // 4 + 1
