@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -66,10 +67,14 @@ from specpipe.common.perf.emulate import EmulatedCosts, costs_from_results  # no
 from specpipe.common.perf.timeline import Ask, closed_loop, project, schedule  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Growth  # noqa: E402
 from specpipe.common.spec.stats import DecodeStats  # noqa: E402
+from specpipe.services.router.requests import RequestDefaults  # noqa: E402
 
 QWEN = HERE / "results" / "qwen-coder" / "results.json"
 OUT = HERE / "results" / "emulated"
 BATCHED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# What requests leave unset is fixed (K = 1, the draft), as the lockstep projection has
+# it; the router would tune it (bench_defaults.py measures that)
+FIXED_TREE = dataclasses.asdict(RequestDefaults.fixed())
 
 
 def log(*a) -> None:
@@ -162,7 +167,7 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
         threads=1,
         emulate_costs=cost_file,
         log_dir=work / "logs",
-        scheduling=policy,
+        scheduling={**FIXED_TREE, **policy},
         metrics=True,
         batch_wait=None if args.batch_wait_ms is None else args.batch_wait_ms / 1e3,
     )
@@ -290,7 +295,7 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
     dep = ServicesDeployment(
         target, "oracle", stages, threads=1, emulate_costs=cost_file, log_dir=work / "logs",
         metrics=True,
-        scheduling={"max_running": max(args.concurrency),
+        scheduling={**FIXED_TREE, "max_running": max(args.concurrency),
                     "max_running_per_key": max(args.concurrency)},  # one client: all slots
     )  # fmt: skip
     dep.start()

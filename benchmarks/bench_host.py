@@ -47,7 +47,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_emulated import cpu_seconds, stream_all, synthetic_flat  # noqa: E402
+from bench_emulated import FIXED_TREE, cpu_seconds, stream_all, synthetic_flat  # noqa: E402
 from bench_serve import make_model, scrape  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions  # noqa: E402
 
@@ -376,7 +376,7 @@ def main() -> None:
     dep = ServicesDeployment(
         target, "oracle", args.stages, threads=1, emulate_costs=cost_file,
         log_dir=work / "logs", metrics=True,
-        scheduling={"max_running": max(args.concurrency)},
+        scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
     )  # fmt: skip
     dep.start()
     cells = []

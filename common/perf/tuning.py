@@ -21,6 +21,14 @@ Two prices (`price`):
   draft is slow: the services overlap the draft's K forwards with the step, lockstep
   does not.
 
+The candidates include not using the draft at all (`NO_DRAFT`: the request runs as `pp`,
+plain decoding at S = 1), so with the wall price a draft that does not pay loses to no
+draft, and layers per step fit the pipeline (`auto_layers`: at S = 1 one layer per step
+verifies one token a step, as plain decoding does, so the candidates start at 2).
+A candidate whose first measurements cost more than `ELIMINATE_RATIO` times the best's
+is not calibrated further and only every `FAR_REFRESH`-th re-measure visits it:
+exploring costs less.
+
 Measurements fade (halved once a setting has `window_tokens`), and every
 `explore_every`-th decision re-measures the setting seen least recently, so the choice
 follows the traffic. Pure state: the router feeds it decisions and finished requests.
@@ -32,12 +40,19 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..spec.options import TokenSource
+from ..spec.options import Growth, TokenSource
 from .cost_model import DeploymentCosts
 from .layers import step_seconds
 
 AUTO_WIDTHS = (2, 4, 8, 16)
 AUTO_LAYERS = (1, 2, 3)
+# At S = 1 a step with one layer verifies one token, as plain decoding (the no-draft
+# candidate) does without the draft's cost: several layers per step (classic
+# speculative decoding, up to K tokens a step) or none.
+AUTO_LAYERS_ONE_STAGE = (2, 3, 4)
+NO_DRAFT = "none"  # the candidate without a tree: the request runs as pp
+ELIMINATE_RATIO = 1.5
+FAR_REFRESH = 4  # every 4th re-measure may visit a candidate far behind the best
 DEFAULT_CALIBRATION_TOKENS = 256
 DEFAULT_EXPLORE_EVERY = 20
 DEFAULT_WINDOW_TOKENS = 8192
@@ -50,10 +65,31 @@ class Setting:
 
     width: int
     layers_per_step: int
-    token_source: TokenSource
+    token_source: TokenSource | str  # a TokenSource, or NO_DRAFT
+
+    @classmethod
+    def no_draft(cls) -> Setting:
+        """No tree and no draft: plain pipeline parallelism (`pp`). Its width is 0, as
+        a pp request's stats report it."""
+        return cls(0, 1, NO_DRAFT)
+
+    @property
+    def uses_tree(self) -> bool:
+        return self.token_source != NO_DRAFT
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.uses_tree and TokenSource(self.token_source).uses_model
 
     def label(self) -> str:
+        if not self.uses_tree:
+            return "no draft (pp)"
         return f"W={self.width} K={self.layers_per_step} {self.token_source}"
+
+
+def auto_layers(stages: int) -> tuple[int, ...]:
+    """Layers per step worth trying with `stages` stages (0: not known)."""
+    return AUTO_LAYERS_ONE_STAGE if stages == 1 else AUTO_LAYERS
 
 
 @dataclass
@@ -91,22 +127,32 @@ class TuningSpace:
     token_source: TokenSource | None
     has_draft: bool
     widths: Sequence[int] = AUTO_WIDTHS
-    layers: Sequence[int] = AUTO_LAYERS
+    layers: Sequence[int] | None = None  # None: `auto_layers(stages)`
+    stages: int = 0  # the pipeline's (0: not known)
+    # When a layer grows (None: the router's rule, `common/perf/growth_choice.py`)
+    growth: Growth | None = Growth.VERIFIED
 
     @property
     def is_auto(self) -> bool:
         return None in (self.width, self.layers_per_step, self.token_source)
 
     def settings(self) -> list[Setting]:
-        """The candidates, smallest first (ties go to the cheaper setting)."""
+        """The candidates, smallest first (ties go to the cheaper setting; no draft, the
+        cheapest, first). Without a fixed source, not using the draft is one."""
         sources = (
             [self.token_source]
             if self.token_source is not None
             else [s for s in TokenSource if self.has_draft or not s.uses_model]
         )
         widths = [self.width] if self.width is not None else list(self.widths)
-        layers = [self.layers_per_step] if self.layers_per_step is not None else list(self.layers)
-        return sorted(Setting(w, k, s) for w, k, s in itertools.product(widths, layers, sources))
+        layers = (
+            [self.layers_per_step]
+            if self.layers_per_step is not None
+            else list(self.layers if self.layers is not None else auto_layers(self.stages))
+        )
+        trees = (Setting(w, k, s) for w, k, s in itertools.product(widths, layers, sources))
+        fixed = [Setting.no_draft()] if self.token_source is None else []
+        return fixed + sorted(trees)
 
 
 @dataclass(frozen=True)
@@ -142,7 +188,7 @@ class Tuner:
         """A steady step's cost from the cost curves (None without them)."""
         if self.costs is None:
             return None
-        return step_seconds(self.costs, s.layers_per_step, s.width, s.token_source.uses_model)
+        return step_seconds(self.costs, s.layers_per_step, max(s.width, 1), s.uses_draft_model)
 
     def modelled_per_token(self, s: Setting) -> float | None:
         """Step cost over tokens per step (steps per token without cost curves); None
@@ -180,15 +226,24 @@ class Tuner:
         candidates = self.space.settings()
         return self._calibrate(candidates) or self._best(candidates)
 
+    def _contenders(self, candidates: list[Setting]) -> list[Setting]:
+        """The candidates not yet measured or measured within `ELIMINATE_RATIO` of the
+        best's cost."""
+        costs = {s: c for s in candidates if (c := self.cost_per_token(s)) is not None}
+        if not costs:
+            return candidates
+        bar = ELIMINATE_RATIO * min(costs.values())
+        return [s for s in candidates if costs.get(s, 0.0) <= bar]
+
     def _calibrate(self, candidates: list[Setting]) -> Decision | None:
-        """The least measured candidate, while any is short of calibration tokens (those
+        """The least measured contender, while any is short of calibration tokens (those
         in flight count: concurrent requests measure different settings)."""
 
         def seen(s: Setting) -> float:
             m = self.measured.get(s)
             return (m.tokens if m else 0.0) + self.pending.get(s, 0)
 
-        short = [s for s in candidates if seen(s) < self.calibration_tokens]
+        short = [s for s in self._contenders(candidates) if seen(s) < self.calibration_tokens]
         if not short:
             return None
         s = min(short, key=seen)
@@ -201,9 +256,13 @@ class Tuner:
         )
 
     def _refresh(self, candidates: list[Setting]) -> Decision | None:
-        """Every `explore_every`-th decision: the candidate seen least recently."""
+        """Every `explore_every`-th decision: the contender seen least recently; every
+        `FAR_REFRESH`-th of those, the candidate seen least recently (one far behind may
+        have caught up since)."""
         if len(candidates) < 2 or self.decisions % self.explore_every:
             return None
+        if (self.decisions // self.explore_every) % FAR_REFRESH:
+            candidates = self._contenders(candidates)
 
         def last_seen(s: Setting) -> int:
             m = self.measured.get(s)

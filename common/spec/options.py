@@ -19,6 +19,9 @@ DEFAULT_TOP_K_CHILDREN = 64
 DEFAULT_SPECINFER_DEPTH = 8  # layers of a SpecInfer tree
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_LAYERS_PER_STEP = 1  # tree layers entering stage 1 per step (1: the paper's SpecPipe)
+# At S = 1 a step of one layer verifies one token, as plain decoding does without the
+# draft's cost: there the default is classic speculative decoding, several levels a step.
+DEFAULT_LAYERS_PER_STEP_ONE_STAGE = 3
 
 # Sanity bounds, checked by `DecodeOptions` for every entry point.
 MAX_WIDTH = 256
@@ -154,6 +157,11 @@ class DecodeOptions:
             eos = sorted(self.grammar.tokenizer.eos_tokens)
             stops = tuple(dict.fromkeys([*self.stop_token_ids, *eos]))
             object.__setattr__(self, "stop_token_ids", stops)
+
+
+def default_layers_per_step(stages: int) -> int:
+    """Tree layers per step where nothing sets them, with `stages` pipeline stages."""
+    return DEFAULT_LAYERS_PER_STEP_ONE_STAGE if stages == 1 else DEFAULT_LAYERS_PER_STEP
 
 
 def tree_capacity(mode: Mode, stages: int, opts: DecodeOptions) -> int:

@@ -9,9 +9,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
-from specpipe.common.perf.tuning import AUTO_LAYERS, AUTO_WIDTHS, TuningSpace
+from specpipe.common.perf.tuning import AUTO_WIDTHS, TuningSpace, auto_layers
 from specpipe.common.spec.grammar import TEXT, Grammar, GrammarError, ResponseFormat
 from specpipe.common.spec.options import (
+    DEFAULT_LAYERS_PER_STEP,
+    DEFAULT_WIDTH,
     MAX_STOP_TOKEN_IDS,
     DecodeOptions,
     Mode,
@@ -37,8 +39,8 @@ class Plan:
     prompt: list[int]
     mode: Mode
     opts: DecodeOptions
-    # Which of width, layers per step and token source are the router's to choose
-    # (`auto`; opts holds the engine's defaults for those until then).
+    # Which of width, layers per step, token source and growth are the router's to
+    # choose (opts holds the engine's defaults for those until then).
     space: TuningSpace | None = None
     # a resume: the output tokens the client already holds (Controller.resume)
     resume: tuple[int, ...] = ()
@@ -50,11 +52,18 @@ AUTO = "auto"
 @dataclass(frozen=True)
 class RequestDefaults:
     """The router's defaults (`--width`, `--layers-per-step`, `--token-source`) for what
-    a request leaves unset: a value, "auto", or None (the engine's default)."""
+    a request leaves unset: a value, "auto", or None: "auto" for a specpipe request on a
+    deployment with a draft (so that the draft is used only where it pays, "Defaults
+    that never lose"), else the engine's default."""
 
     width: int | str | None = None
     layers_per_step: int | str | None = None
     token_source: str | None = None
+
+    @classmethod
+    def fixed(cls) -> RequestDefaults:
+        """The engine's defaults, nothing tuned (the old default of every deployment)."""
+        return cls(DEFAULT_WIDTH, DEFAULT_LAYERS_PER_STEP, TokenSource.DRAFT)
 
     def __post_init__(self) -> None:
         for name in ("width", "layers_per_step"):
@@ -270,7 +279,9 @@ def plan_request(
         modes = ", ".join(m.value for m in Mode)
         raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
     defaults = defaults or RequestDefaults()
-    source = r.token_source or defaults.token_source or ""
+    # With a draft the router tunes what neither the request nor its flags set.
+    tuned_by_default = mode == Mode.SPECPIPE and has_draft
+    source = r.token_source or defaults.token_source or (AUTO if tuned_by_default else "")
     # "auto" may choose the n-gram source only where the router tunes (specpipe).
     model_free = source == "ngram" or (source == AUTO and mode == Mode.SPECPIPE)
     if mode.uses_draft and not model_free and not has_draft:
@@ -289,6 +300,7 @@ def plan_request(
     # The same checks as every other entry point (DecodeOptions, SamplingParams);
     # fields the request leaves unset take DecodeOptions' defaults.
     s = r.sampling
+    auto: set[str] = set()  # what the router chooses
     given = {
         name: getattr(r, name)
         for name in ("top_k_children", "depth", "prefill_chunk")
@@ -298,6 +310,8 @@ def plan_request(
         given["ranking"] = r.ranking
     if r.growth:
         given["growth"] = r.growth
+    elif mode == Mode.SPECPIPE:
+        auto.add("growth")  # chosen from the published costs (`growth_choice.py`)
     if r.HasField("logprobs"):
         given["logprobs"] = r.logprobs
     if r.HasField("prompt_logprobs"):
@@ -308,10 +322,9 @@ def plan_request(
         given["grammar"] = grammar
     # Width, layers per step and token source: the request's, else the router's default;
     # 0 or "auto" leaves them to the router's tuning.
-    auto = set()
     for name in ("width", "layers_per_step"):
         value = getattr(r, name) if r.HasField(name) else getattr(defaults, name)
-        if value in (0, AUTO):
+        if value in (0, AUTO) or (value is None and tuned_by_default):
             auto.add(name)
         elif value is not None:
             given[name] = int(value)
@@ -346,12 +359,15 @@ def plan_request(
     resume = tuple(r.resume_token_ids)
     check_resume(resume, model, opts)
     space = None
+    stages = len(model.ranges)  # 0: not known yet
     if auto:
         space = TuningSpace(
             width=None if "width" in auto else opts.width,
             layers_per_step=None if "layers_per_step" in auto else opts.layers_per_step,
             token_source=None if "token_source" in auto else opts.token_source,
             has_draft=has_draft,
+            stages=stages,
+            growth=None if "growth" in auto else opts.growth,
         )
     # The largest logits frame such a request can bring back must be one the router
     # reads (float64 logits, the widest dtype, of every tree row; the widest tree the
@@ -359,9 +375,11 @@ def plan_request(
     widest = replace(
         opts,
         width=max(AUTO_WIDTHS) if "width" in auto else opts.width,
-        layers_per_step=max(AUTO_LAYERS) if "layers_per_step" in auto else opts.layers_per_step,
+        layers_per_step=(
+            max(auto_layers(stages)) if "layers_per_step" in auto else opts.layers_per_step
+        ),
     )
-    rows = tree_capacity(mode, max(len(model.ranges), 1), widest)
+    rows = tree_capacity(mode, max(stages, 1), widest)
     if max_payload_bytes is not None and rows * model.vocab_size * 8 > max_payload_bytes:
         raise invalid(
             f"a tree of up to {rows} rows (width {widest.width}, depth {opts.depth}) "

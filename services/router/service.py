@@ -114,7 +114,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         """`security`: mutual TLS to the stages and the draft and authenticated frames
         (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
         `defaults`: width, layers per step and token source of requests that leave them
-        unset (values or "auto"); `tuning`: how `auto` settings are chosen;
+        unset (values or "auto"; None: the engine's fixed defaults, as embedders and
+        tests want; `specpipe up` and `specpipe router` pass the flags', which tune);
+        `tuning`: how `auto` settings are chosen;
         `late_draft_wait`: how long a verification may wait for a late draft answer
         (seconds; 0: never, see driver.py); `limits`: connection caps and timeouts of
         the public ports (edge.py). Fair admission (common/spec/scheduler.py): an API
@@ -158,7 +160,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         self.grammar_tokenizer = None  # response_format: loaded at the first such request
         self.model_id_override = model_id
         self.drivers: dict[str, RequestDriver] = {}
-        self.defaults = defaults or RequestDefaults()
+        self.defaults = defaults or RequestDefaults.fixed()
         self.tuning = tuning or RouterTuning()
         self.late_draft_wait = late_draft_wait
         # Admission and elastic width; the row budget may come from the stages ("auto").
@@ -402,10 +404,10 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         model = self.model
         if plan.space is None or model is None:
             return plan, None
-        opts, tuned = self.tuning.resolve(
+        mode, opts, tuned = self.tuning.resolve(
             plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
         )
-        return dataclasses.replace(plan, opts=opts), tuned
+        return dataclasses.replace(plan, mode=mode, opts=opts), tuned
 
     def _tokenize_budget(self) -> int:
         return BUDGET_PROMPTS * max_prompt_chars(self._check_model("").max_positions)

@@ -1,5 +1,6 @@
 """The router's `auto` settings: width, layers per step and token source of specpipe
-requests that leave them to the router (`common/perf/tuning.py` decides). One tuner per
+requests that leave them to the router (`common/perf/tuning.py` decides; not using the
+draft, a `pp` request, is a candidate), and their growth (`common/perf/growth_choice.py`). One tuner per
 model version and decoding regime; it goes by the time between tokens this router
 measured per setting, or (`price="model"`) by the cost curves the stages and the draft
 publish in Describe (`--measure-costs`). The choice and its reason are logged when they
@@ -11,6 +12,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
+from specpipe.common.perf.growth_choice import growth_for
 from specpipe.common.perf.tuning import (
     DEFAULT_CALIBRATION_TOKENS,
     DEFAULT_EXPLORE_EVERY,
@@ -91,16 +93,21 @@ class RouterTuning:
         space: TuningSpace,
         backends: Backends,
         version: str,
-    ) -> tuple[DecodeOptions, Tuned | None]:
-        """The request's options with its `auto` settings filled in (the defaults in
-        modes without a specpipe tree), and the decision to report at its end."""
-        if not space.is_auto or mode != Mode.SPECPIPE:
-            return opts, None
+    ) -> tuple[Mode, DecodeOptions, Tuned | None]:
+        """The request's mode and options with what it leaves to the router filled in:
+        its growth from the published costs (`growth_choice.py`), its `auto` settings
+        from the tuner (the no-draft candidate makes it a `pp` request); modes without
+        a specpipe tree keep the defaults. Also the decision to report at its end."""
+        if mode != Mode.SPECPIPE:
+            return mode, opts, None
+        costs = costs_of(backends, version) if space.growth is None or space.is_auto else None
+        if not space.is_auto:
+            return mode, self._grown(opts, space, costs), None
         key = (version, regime_of(opts))
         tuner = self.tuners.get(key)
         if tuner is None:
             tuner = self.tuners[key] = self._tuner()
-        tuner.costs = costs_of(backends, version)  # replicas come and go
+        tuner.costs = costs  # replicas come and go
         d = tuner.decide(space, opts.max_new_tokens)
         s = d.setting
         if not d.exploring and self._told.get(key) != s:
@@ -108,10 +115,20 @@ class RouterTuning:
             log.info("auto settings for %s (%s): %s", version[:12], key[1], d.reason)
         elif d.exploring:
             log.debug("auto settings for %s (%s): %s", version[:12], key[1], d.reason)
+        if not s.uses_tree:
+            return Mode.PP, opts, Tuned(key, d, opts.max_new_tokens)
         tuned = replace(
             opts, width=s.width, layers_per_step=s.layers_per_step, token_source=s.token_source
         )
-        return tuned, Tuned(key, d, opts.max_new_tokens)
+        return mode, self._grown(tuned, space, costs), Tuned(key, d, opts.max_new_tokens)
+
+    @staticmethod
+    def _grown(opts: DecodeOptions, space: TuningSpace, costs: DeploymentCosts | None):
+        """`opts` with the growth the request asked for, else the deployment's."""
+        if space.growth is not None:
+            return opts
+        growth = growth_for(costs, opts.layers_per_step, opts.width, opts.token_source.uses_model)
+        return replace(opts, growth=growth)
 
     def _tuner(self) -> Tuner:
         return Tuner(

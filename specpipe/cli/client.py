@@ -21,7 +21,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     from specpipe.common.spec.options import (
         DEFAULT_MAX_NEW_TOKENS,
         DEFAULT_TOP_K_CHILDREN,
-        DEFAULT_WIDTH,
         Mode,
     )
 
@@ -42,19 +41,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--width",
         type=auto_or_positive_int,
         default=None,
-        help=f"tree width per layer, or 'auto' (the router's choice; default {DEFAULT_WIDTH})",
+        help="tree width per layer, or 'auto' (default: the router's; with a draft it tunes)",
     )
     g.add_argument(
         "--layers-per-step",
         type=auto_or_positive_int,
         default=None,
-        help="specpipe tree layers per step, or 'auto' (default: the router's, 1)",
+        help="specpipe tree layers per step, or 'auto' (default: the router's; with a draft "
+        "it tunes)",
     )
     g.add_argument(
         "--token-source",
         default="",
         choices=["draft", "ngram", "hybrid", "auto"],
-        help="what proposes tree tokens (default: the router's, the draft)",
+        help="what proposes tree tokens (default: the router's; with a draft it tunes, not "
+        "using the draft among the choices)",
     )
     g.add_argument("--ranking", default="", choices=["target", "beam"], help="tree ranking")
     g.add_argument(

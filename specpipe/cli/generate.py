@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the `generate` command to the top-level subparsers."""
     from specpipe.common.spec.options import (
         DEFAULT_LAYERS_PER_STEP,
+        DEFAULT_LAYERS_PER_STEP_ONE_STAGE,
         DEFAULT_MAX_NEW_TOKENS,
         DEFAULT_PREFILL_CHUNK,
         DEFAULT_SPECINFER_DEPTH,
@@ -50,9 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--layers-per-step",
-        default=str(DEFAULT_LAYERS_PER_STEP),
+        default=None,
         help="specpipe: tree layers entering stage 1 per step (a step emits up to that many "
-        "tokens), or 'auto' (chosen from measured stage costs and hit rates)",
+        "tokens), or 'auto' (chosen from measured stage costs and hit rates); default "
+        f"{DEFAULT_LAYERS_PER_STEP}, at --stages 1 {DEFAULT_LAYERS_PER_STEP_ONE_STAGE} (one "
+        "layer a step would verify one token a step, as plain decoding does)",
     )
     p.add_argument(
         "--ranking",
@@ -128,6 +131,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         TokenSource,
         check_context,
         check_prompt_ids,
+        default_layers_per_step,
     )
     from specpipe.common.spec.sampling import SamplingParams
     from specpipe.common.store.resolver import resolve_model
@@ -187,7 +191,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     deployment = build_local(
         target, stages, draft, parse_dtype(args.dtype), split=args.split, device=device
     )
-    layers = _parse_layers(args.layers_per_step)
+    given = args.layers_per_step
+    layers = _parse_layers(given if given is not None else str(default_layers_per_step(stages)))
     width = _choose_width(args, deployment, mode, prompt_ids, sampling)
     try:
         opts = DecodeOptions(

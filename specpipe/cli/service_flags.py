@@ -478,25 +478,28 @@ def _scheduling_args(p: argparse.ArgumentParser, defaults: SchedulingConfig) -> 
         "best-effort requests shrink first); N, or 'auto' from the stages' measured costs "
         "(default: every request keeps its width)",
     )
-    # Defaults for requests that leave these unset; "auto": the router tunes them.
+    # Defaults for requests that leave these unset; "auto" (and, with a draft, unset):
+    # the router tunes them.
     p.add_argument(
         "--width",
         default=None,
         type=auto_or_positive_int,
         help="tree width of requests that set none: N or 'auto' (chosen from the measured "
-        "costs and tokens per step; default: the engine's)",
+        "costs and tokens per step; default: auto with a draft, else the engine's)",
     )
     p.add_argument(
         "--layers-per-step",
         default=None,
         type=auto_or_positive_int,
-        help="specpipe tree layers per step of requests that set none: K or 'auto'",
+        help="specpipe tree layers per step of requests that set none: K or 'auto' "
+        "(default: auto with a draft)",
     )
     p.add_argument(
         "--token-source",
         default=None,
         choices=["draft", "ngram", "hybrid", "auto"],
-        help="what proposes tree tokens for requests that set none (default: draft)",
+        help="what proposes tree tokens for requests that set none (default: auto with a "
+        "draft, no draft among the choices)",
     )
     p.add_argument(
         "--tune-calibration-tokens",

@@ -4,6 +4,7 @@ the in-process engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.stats import DecodeStats
 from specpipe.services.launcher import ServicesDeployment
+from specpipe.services.router.requests import RequestDefaults
 
 EOS = 96  # the conftest models' eos_token_id (vocab - 1)
 
@@ -93,12 +95,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 LOG_TAIL_LINES = 40
 
 
+PINNED_TREE = dataclasses.asdict(RequestDefaults.fixed())
+
+
 def start(target: Path, draft, stages: int, transport: str, **kw) -> ServicesDeployment:
     """A deployment, plaintext unless `secure=True` is given: these tests call stages and
     the draft themselves. The launcher's default (secure) is what `specpipe up` runs;
     tests/integration/test_launcher.py and the --secure tests cover it."""
     kw.setdefault("dtype", DTYPE)
     kw.setdefault("secure", False)
+    # The tree of requests that set none is pinned (the router would tune it): these
+    # tests check one setting's mechanics; a None given keeps the router's tuning.
+    kw["scheduling"] = {**PINNED_TREE, **(kw.get("scheduling") or {})}
     dep = ServicesDeployment(target, draft, stages, transport=transport, threads=1, **kw)
     dep.start()
     return dep

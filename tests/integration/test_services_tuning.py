@@ -20,7 +20,7 @@ from .conftest import reference, service_stub, start
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 N = 16
 CALIBRATION = 16  # tokens per candidate: one request each
-CANDIDATES = 9  # K in 1..3 x draft, ngram, hybrid
+CANDIDATES = 10  # K in 1..3 x draft, ngram, hybrid; no draft (pp)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
         for _ in range(CANDIDATES + 2):  # calibrate every candidate, then the choice
             got = client.generate(prompt_ids=PROMPT, max_new_tokens=N, ignore_eos=True)
             assert got.token_ids == ref
-            seen.add((got.stats["layers_per_step"], got.stats["token_source"]))
+            seen.add((got.stats["mode"], got.stats["layers_per_step"], got.stats["token_source"]))
         # a request that fixes its settings is not tuned
         fixed = client.generate(
             prompt_ids=PROMPT, max_new_tokens=N, ignore_eos=True, layers_per_step=2,
@@ -64,7 +64,10 @@ def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
     assert len(t.arms) == CANDIDATES and all(a.tokens >= N and a.steps for a in t.arms)
     assert sum(a.tokens for a in t.arms) == (CANDIDATES + 2) * N
     assert all(a.step_ms > 0 and a.ms_per_token > 0 for a in t.arms)  # priced by measured costs
+    assert any(a.token_source == "none" and a.width == 0 for a in t.arms)
     label = f"W={t.chosen.width} K={t.chosen.layers_per_step} {t.chosen.token_source}"
+    if t.chosen.token_source == "none":
+        label = "no draft (pp)"
     assert t.price == "wall" and all(a.wall_ms_per_token > 0 for a in t.arms)
     assert t.reason.startswith(label) and "ms/token measured" in t.reason
     assert "next best" in t.reason
@@ -85,3 +88,36 @@ def test_the_stages_and_the_draft_publish_their_cost_curves(tuned) -> None:
         c = desc.cost_curve
         assert list(c.rows)[:3] == [1, 2, 4] and len(c.seconds) == len(c.rows), name
         assert c.context == 128 and min(c.seconds) > 0, name
+
+
+@pytest.fixture(scope="module")
+def one_stage(llama_dir: Path) -> Iterator[ServicesDeployment]:
+    """One stage with a draft and the router's own defaults (nothing pinned)."""
+    unset = {"width": None, "layers_per_step": None, "token_source": None}
+    dep = start(llama_dir, "oracle", 1, "tcp", scheduling={**unset, "tune_calibration_tokens": N})
+    try:
+        yield dep
+    finally:
+        dep.stop()
+
+
+def test_a_default_request_with_a_draft_at_one_stage_is_tuned_and_exact(one_stage) -> None:
+    """Defaults that never lose: requests that set no tree get the router's candidates,
+    plain decoding (no draft) and trees of K >= 2 layers per step among them, and every
+    one emits plain decoding's tokens, greedy and with seeded sampling."""
+    dep = one_stage
+    greedy = reference(dep.target, dep.draft, 1, PROMPT, "autoregressive", N)
+    sampled = reference(dep.target, dep.draft, 1, PROMPT, "autoregressive", N, 0.8, 7)
+    seen = set()
+    with Client(dep.router_address, timeout=90) as client:
+        for i in range(6):
+            temperature, seed, ref = (0.8, 7, sampled) if i % 2 else (0.0, 0, greedy)
+            got = client.generate(prompt_ids=PROMPT, max_new_tokens=N, ignore_eos=True,
+                                  temperature=temperature, seed=seed)  # fmt: skip
+            assert got.token_ids == ref, (i, got.stats)
+            seen.add((got.stats["mode"], got.stats["layers_per_step"]))
+        desc = client.describe()
+    assert ("pp", 1) in seen  # the no-draft candidate, measured first
+    assert any(mode == "specpipe" and k >= 2 for mode, k in seen)
+    assert not any(mode == "specpipe" and k == 1 for mode, k in seen)  # S = 1: K >= 2
+    assert {t.regime for t in desc.tuning} == {"greedy", "sampling"}

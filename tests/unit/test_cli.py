@@ -101,6 +101,20 @@ def test_layers_per_step_and_token_sources_through_cli(capsys, llama_dir) -> Non
     assert code == 2 and out == "" and "--ngram adds" in err
 
 
+def test_one_stage_with_a_draft_defaults_to_several_layers_per_step(capsys, llama_dir) -> None:
+    """At S = 1 one layer a step verifies one token a step (as plain decoding does): the
+    default is classic speculative decoding, with plain decoding's tokens."""
+    base = ["generate", "--target", str(llama_dir), "--stages", "1", "--prompt-ids",
+            "5,17,33,2,5,17,33", "--max-new-tokens", "12", "--json", "--ignore-eos"]  # fmt: skip
+    _, out, _ = run(capsys, *base, "--mode", "autoregressive")
+    expect = json.loads(out)["token_ids"]
+    code, out, err = run(capsys, *base, "--draft", "oracle")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["token_ids"] == expect and result["speculation"]["layers_per_step"] == 3
+    assert result["stats"]["tokens_per_step"] > 1.5  # the oracle: up to 3 a step
+
+
 def test_every_mode_same_tokens_through_cli(capsys, llama_dir, unrelated_draft_dir) -> None:
     outs = {}
     for mode in ("specpipe", "pp", "specinfer", "autoregressive"):

@@ -52,13 +52,14 @@ def test_bad_tree_options_are_invalid_arguments(fields) -> None:
 
 
 def test_zero_or_auto_leaves_a_setting_to_the_router() -> None:
-    assert plan().space is None  # nothing to tune
-    space = plan(width=0, layers_per_step=2).space
+    fixed = plan(width=8, layers_per_step=1, token_source="draft", growth="verified")
+    assert fixed.space is None and plan(mode="pp").space is None  # nothing to choose
+    space = plan(width=0, layers_per_step=2, token_source="draft").space
     assert (space.width, space.layers_per_step, space.token_source) == (None, 2, "draft")
     space = plan(False, token_source="auto", layers_per_step=0).space
     assert (space.layers_per_step, space.token_source, space.has_draft) == (None, None, False)
-    # without a draft the only source the tuning may pick is the n-gram one
-    assert {s.token_source for s in space.settings()} == {"ngram"}
+    # without a draft the only sources the tuning may pick are the n-grams and none
+    assert {s.token_source for s in space.settings()} == {"ngram", "none"}
     assert {s.layers_per_step for s in space.settings()} == {1, 2, 3}
 
 
@@ -69,7 +70,25 @@ def test_the_routers_defaults_fill_what_a_request_leaves_unset() -> None:
     assert p.space is not None and p.space.layers_per_step is None
     p = plan(defaults=d, width=2, layers_per_step=3, token_source="draft")  # the request's win
     assert (p.opts.width, p.opts.layers_per_step, p.opts.token_source) == (2, 3, "draft")
-    assert p.space is None
+    assert not p.space.is_auto and p.space.growth is None  # growth: the deployment's
+
+
+def test_with_a_draft_the_router_tunes_what_nothing_sets() -> None:
+    """Defaults that never lose: a request that sets no tree on a deployment with a draft
+    is the tuner's, no draft among the candidates; without a draft it stays as it was."""
+    one = ModelInfo("m", "h", 4, 100, 256, (), ranges=[(0, 4)])
+    p = plan_request(gen.GenerateRequest(max_new_tokens=8), one, [1, 2, 3], True)
+    space = p.space
+    assert (space.width, space.layers_per_step, space.token_source, space.growth) == ((None,) * 4)
+    settings = space.settings()
+    assert settings[0].label() == "no draft (pp)" and settings[0].width == 0
+    assert {s.layers_per_step for s in settings[1:]} == {2, 3, 4}  # S = 1: K >= 2
+    with pytest.raises(InvalidRequest):  # no draft: specpipe needs one, as before
+        plan(False)
+    given = plan(token_source="draft").space
+    assert given.token_source == "draft" and "none" not in {
+        s.token_source for s in given.settings()
+    }
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
-from specpipe.common.perf.tuning import Setting, Tuner, TuningSpace
+from specpipe.common.perf.tuning import NO_DRAFT, Setting, Tuner, TuningSpace
 from specpipe.common.spec.options import TokenSource
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -72,10 +72,11 @@ def test_without_cost_curves_the_most_tokens_per_step_wins_and_says_so() -> None
 
 def test_the_ngram_source_costs_no_draft_forward() -> None:
     space = TuningSpace(width=4, layers_per_step=1, token_source=None, has_draft=True)
-    assert {s.token_source for s in space.settings()} == set(TokenSource)
+    assert {s.token_source for s in space.settings()} == {*TokenSource, NO_DRAFT}
     expensive_draft = CostCurve(ROWS, [0.2] * len(ROWS))
     tuner = Tuner(costs(0.0, expensive_draft), calibration_tokens=64, price="model")
     rates = {TokenSource.DRAFT: 0.9, TokenSource.HYBRID: 0.95, TokenSource.NGRAM: 0.5}
+    rates[NO_DRAFT] = 1 / 3  # pp at S = 3
     for _ in range(20):
         d = tuner.decide(space, 64)
         if not d.exploring:
@@ -141,3 +142,90 @@ def test_the_wall_price_goes_by_the_measured_time_between_tokens() -> None:
     # a K x 60 ms step, which more tokens per step do not pay for
     model = {k: tuner.modelled_per_token(Setting(4, k, DRAFT)) for k in (1, 2, 3)}
     assert min(model, key=model.get) == 1
+
+
+ONE_STAGE = TuningSpace(None, None, None, has_draft=True, widths=(4,), stages=1)
+
+
+def serve_wall(tuner: Tuner, space: TuningSpace, wall_per_token, requests: int = 60):
+    """Serve `requests` requests of 64 tokens, each measuring `wall_per_token(setting)`
+    seconds between tokens; the settings the last 10 got."""
+    got = []
+    for _ in range(requests):
+        d = tuner.decide(space, 64)
+        s = d.setting
+        tokens_per_step = s.layers_per_step * 0.6 if s.uses_tree else 1.0
+        steps = round(64 / tokens_per_step)
+        tuner.finish(s, 64, 64, steps, 32, 63 * wall_per_token(s))
+        got.append(d)
+    return got[-10:]
+
+
+def test_at_one_stage_the_candidates_are_no_draft_and_several_layers_per_step() -> None:
+    settings = ONE_STAGE.settings()
+    assert settings[0] == Setting.no_draft() and not settings[0].uses_tree
+    assert {s.layers_per_step for s in settings[1:]} == {2, 3, 4}
+    assert {s.token_source for s in settings[1:]} == set(TokenSource)
+    assert {s.layers_per_step for s in TuningSpace(4, None, DRAFT, True, stages=3).settings()} == {
+        1,
+        2,
+        3,
+    }
+
+
+def test_a_draft_that_never_pays_loses_to_no_draft() -> None:
+    """The draft's forwards make every step slower than the tokens they add: plain
+    decoding (no draft) has the least measured time per token."""
+
+    def wall(s: Setting) -> float:
+        if not s.uses_tree:
+            return 0.100
+        draft = 0.08 * s.layers_per_step if s.uses_draft_model else 0.0
+        return (0.1 + draft) / (0.6 * s.layers_per_step) + (0.3 if not s.uses_draft_model else 0)
+
+    last = serve_wall(Tuner(None, calibration_tokens=64), ONE_STAGE, wall)
+    chosen = [d.setting for d in last if not d.exploring]
+    assert chosen and all(s == Setting.no_draft() for s in chosen)
+    assert last[-1].reason.startswith("no draft (pp)") or last[-1].exploring
+
+
+def test_a_draft_that_pays_wins_over_no_draft() -> None:
+    def wall(s: Setting) -> float:
+        if not s.uses_tree:
+            return 0.100
+        draft = 0.01 * s.layers_per_step if s.uses_draft_model else 0.5
+        return (0.1 + draft) / (0.6 * s.layers_per_step)
+
+    last = serve_wall(Tuner(None, calibration_tokens=64), ONE_STAGE, wall)
+    chosen = [d.setting for d in last if not d.exploring]
+    assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
+
+
+def test_candidates_far_behind_the_best_are_not_calibrated_further() -> None:
+    """One request measures a candidate; one at over 1.5x the best's cost is not given a
+    second calibration request (exploring costs less)."""
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    tuner = Tuner(None, calibration_tokens=128, explore_every=1000)
+    wall = {1: 0.1, 2: 0.3, 3: 0.09}
+    seen: dict[int, int] = {}
+    for _ in range(8):
+        d = tuner.decide(space, 64)
+        k = d.setting.layers_per_step
+        seen[k] = seen.get(k, 0) + 1
+        tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[k])
+    assert seen[2] == 1 and seen[1] == 2 and seen[3] >= 2
+
+
+def test_re_measures_visit_a_candidate_far_behind_only_now_and_then() -> None:
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    tuner = Tuner(None, calibration_tokens=64, explore_every=2)
+    wall = {1: 0.1, 2: 0.3, 3: 0.09}
+    refreshes = []
+    for _ in range(64):
+        d = tuner.decide(space, 64)
+        k = d.setting.layers_per_step
+        if "re-measuring" in d.reason:
+            refreshes.append(k)
+        tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[k])
+    far = refreshes.count(2)
+    assert len(refreshes) >= 28 and 1 <= far <= len(refreshes) // 4 + 1

@@ -1,0 +1,68 @@
+"""The router's side of the tuning (services/router/tuning.py): the no-draft candidate
+becomes a `pp` request, the others a specpipe tree, and a request that leaves its growth
+unset gets the deployment's (eager where the published draft cost fits the step)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from specpipe.common.perf.tuning import Setting, TuningSpace
+from specpipe.common.spec.options import DecodeOptions, Growth, Mode
+from specpipe.services.router.backends import ModelInfo
+from specpipe.services.router.tuning import RouterTuning
+from specpipe.v1 import dataplane_pb2
+
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
+MODEL = ModelInfo("m", "v1", 4, 100, 256, (), ranges=[(0, 4)])
+
+
+def replica(seconds: float, layers=(0, 4)) -> SimpleNamespace:
+    """A described, healthy replica publishing a flat cost curve."""
+    curve = dataplane_pb2.CostCurve(rows=ROWS, seconds=[seconds] * len(ROWS), context=128)
+    desc = SimpleNamespace(cost_curve=curve)
+    return SimpleNamespace(desc=desc, version="v1", healthy=True, layers=layers)
+
+
+def backends(stage_s: float, draft_s: float | None) -> SimpleNamespace:
+    drafts = [replica(draft_s)] if draft_s is not None else []
+    return SimpleNamespace(versions={"v1": MODEL}, stages=[replica(stage_s)], drafts=drafts)
+
+
+def space(**kw) -> TuningSpace:
+    fields = dict(width=None, layers_per_step=None, token_source=None, growth=None)
+    return TuningSpace(**{**fields, **kw}, has_draft=True, widths=(4,), stages=1)
+
+
+OPTS = DecodeOptions(max_new_tokens=16)
+
+
+def test_the_no_draft_candidate_runs_as_pp_and_the_others_as_trees() -> None:
+    tuning = RouterTuning(calibration_tokens=16)
+    mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
+    assert tuned.decision.setting == Setting.no_draft() and mode == Mode.PP
+    mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
+    s = tuned.decision.setting
+    assert mode == Mode.SPECPIPE and s.uses_tree and s.layers_per_step >= 2
+    assert (opts.width, opts.layers_per_step, opts.token_source) == (
+        s.width,
+        s.layers_per_step,
+        s.token_source,
+    )
+
+
+def test_unset_growth_follows_the_published_costs() -> None:
+    tuning = RouterTuning()
+    fixed = dict(width=4, layers_per_step=2, token_source="draft")
+    for stage_s, draft_s, want in (
+        (0.100, 0.020, Growth.EAGER),  # 2 x 20 + 10 ms fit in 75 ms
+        (0.020, 0.010, Growth.VERIFIED),  # 2 x 10 + 10 ms do not fit in 15 ms
+        (0.100, None, Growth.VERIFIED),  # no draft curve: unknown
+    ):
+        mode, opts, tuned = tuning.resolve(
+            Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
+        )
+        assert tuned is None and mode == Mode.SPECPIPE and opts.growth == want
+    # a request's growth wins
+    asked = space(**fixed, growth=Growth.VERIFIED)
+    _, opts, _ = tuning.resolve(Mode.SPECPIPE, OPTS, asked, backends(0.1, 0.02), "v1")
+    assert opts.growth == Growth.VERIFIED
