@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-# Trailing metadata of an UNAVAILABLE the router answered itself after trying what it
-# could (its replays, its replay time): the router is there and has given up on the
-# request, so the SDK does not resume it (it resumes streams whose router went away).
+# Trailing metadata of an UNAVAILABLE the router answered itself after running the
+# request and trying what it could (its replays, within its replay time): the router is
+# there and has given up on the request, so the SDK does not resume it (it resumes
+# streams whose router went away, and refusals of a router still starting or draining).
 FINAL_METADATA = ("specpipe-final", "1")
 
 

@@ -80,16 +80,17 @@ class RequestFailed(Exception):
     `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
     it into an OpenAI-shaped error."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, elsewhere: bool = False) -> None:
-        """`elsewhere`: another router may serve it (this one is draining); otherwise an
-        UNAVAILABLE is this router's last word on the request (no path left, no replay
-        time), which a client should not resume against (`FINAL_METADATA`)."""
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False) -> None:
+        """`final`: the request ran and the router gave up on it after its own replays
+        (no path left within the replay time): an UNAVAILABLE a client should not resume
+        against (`FINAL_METADATA`). Not final: refused before it ran (the router still
+        starting, draining, no complete path yet), where another try may be served."""
         super().__init__(message)
-        self.code, self.message, self.elsewhere = code, message, elsewhere
+        self.code, self.message, self.final = code, message, final
 
     @property
     def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        final = self.code == grpc.StatusCode.UNAVAILABLE and not self.elsewhere
+        final = self.final and self.code == grpc.StatusCode.UNAVAILABLE
         return (FINAL_METADATA,) if final else ()
 
 

@@ -498,7 +498,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 e.code.name, "a %s request failed: %s %s", plan.mode, e.code.name, e.message
             )
             log.debug("%s failed", driver.request_id)
-            raise RequestFailed(e.code, e.message) from None
+            raise RequestFailed(e.code, e.message, final=True) from None
         except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
             log.exception("a %s request failed", plan.mode)
             log.debug("%s failed", driver.request_id)
@@ -512,7 +512,6 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "the router is shutting down (draining its open requests): "
                 "send new requests to another replica",
-                elsewhere=True,
             )
 
     async def _start(
