@@ -40,6 +40,10 @@ step", "Structured output"). The logits rules (logit bias, min_tokens, the penal
 `spec/penalties.py`) likewise: one state per request, counting the committed tokens
 (the Open's prefix and the first root's token) and then every token drawn, so each
 node is drawn at with the counts of the output and the path down to it.
+
+One module: a round's head call, its level-by-level walks and the per-request state they
+advance (the root bookkeeping, the grammar and the logits rules) are one protocol, each
+step reading what the previous left; split, each half would have to know the other's.
 """
 
 from __future__ import annotations
