@@ -13,8 +13,14 @@ import json
 
 import pytest
 from specpipe.common.spec.options import MAX_NEW_TOKENS, DecodeOptions
-from specpipe.common.spec.request_options import AUTO, REQUEST_OPTIONS, RequestOption
+from specpipe.common.spec.request_options import (
+    AUTO,
+    REQUEST_OPTIONS,
+    RequestOption,
+    RequestOptions,
+)
 from specpipe.common.spec.sampling import SamplingParams
+from specpipe.services.client import AsyncClient, Client
 from specpipe.services.client.common import build_request
 from specpipe.services.router.openai_compat import CompletionRequest
 from specpipe.v1 import generation_pb2 as gen
@@ -91,8 +97,18 @@ def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
 
 
 def test_the_sdk_takes_every_option_and_no_other() -> None:
-    params = set(inspect.signature(build_request).parameters) - {"prompt", "prompt_ids"}
-    assert params == {o.keyword for o in REQUEST_OPTIONS}
+    """The keywords are the table's (typed by `RequestOptions`), not parameters of their
+    own: a parameter named after an option is the SDK written by hand again."""
+    keywords = {o.keyword for o in REQUEST_OPTIONS}
+    assert set(RequestOptions.__annotations__) == keywords
+    for func in (build_request, Client.stream, Client.generate, AsyncClient.stream):
+        params = inspect.signature(func).parameters
+        assert not keywords & set(params), func
+        assert any(p.kind is p.VAR_KEYWORD for p in params.values()), func
+    with pytest.raises(TypeError, match="no_such_option"):
+        build_request("x", no_such_option=1)
+    for o in REQUEST_OPTIONS:
+        assert f"{o.keyword}: {o.help}" in build_request.__doc__
 
 
 @pytest.mark.parametrize("o", OPTIONS)
