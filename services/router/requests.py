@@ -328,7 +328,7 @@ def plan_request(
     # the request sets of the table's engine fields; the rest takes their defaults.
     auto: set[str] = set()  # what the router chooses
     given, sampled = engine_options(r)
-    if not r.growth and mode == Mode.SPECPIPE:
+    if "growth" not in given and mode == Mode.SPECPIPE:
         auto.add("growth")  # chosen from the published costs (`growth_choice.py`)
     if grammar is None:
         grammar = grammar_of(r, grammar_tokenizer)
