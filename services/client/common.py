@@ -113,8 +113,8 @@ class Completion:
         return speculation_of(self.stats)
 
 
-# What the SDK fills in when the caller leaves it out: the proto's empty value would
-# not mean the table's default here (0 new tokens; the mode is sent as chosen).
+# What the SDK sends when the caller leaves it out: the proto's empty value is no
+# request here (0 new tokens), and the mode goes on the wire as the one chosen.
 _SDK_DEFAULTS = {"mode": Mode.SPECPIPE.value, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
 
 

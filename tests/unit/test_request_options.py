@@ -107,6 +107,11 @@ def test_the_sdk_takes_every_option_and_no_other() -> None:
     own: a parameter named after an option is the SDK written by hand again."""
     keywords = {o.keyword for o in REQUEST_OPTIONS}
     assert set(RequestOptions.__annotations__) == keywords
+    typed = {int: ("int",), float: ("float",), str: ("str",), bool: ("bool",),
+             tuple: ("Sequence[int]",), dict: ("dict[", "Mapping[")}  # fmt: skip
+    for o in REQUEST_OPTIONS:  # the hint names the option's kind
+        hint = str(RequestOptions.__annotations__[o.keyword])
+        assert any(t in hint for t in typed[o.kind]), o.name
     for func in (build_request, Client.stream, Client.generate, AsyncClient.stream):
         params = inspect.signature(func).parameters
         assert not keywords & set(params), func
