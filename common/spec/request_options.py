@@ -3,11 +3,16 @@ and help, and where each surface carries it (the `GenerateRequest` field, the HT
 body field, the `specpipe client generate` flag, the SDK keyword, the engine's
 `DecodeOptions` or `SamplingParams` field).
 
-The surfaces are written by hand; tests/unit/test_request_options.py sends each
-option's `example` through every one of them and fails when an option is missing from
-a surface, a surface has an option not declared here, or the engine's bounds differ
-from the declared ones. Adding an option is one entry here, its behaviour, and what
-that test then asks for.
+The surfaces are derived from this table: the SDK's `build_request` sets each option's
+proto field with `set_on_wire`, the router's `plan_request` reads the engine's fields
+with `read_wire`, `specpipe client generate` adds a flag per `cli` entry, and the HTTP
+body maps its plain fields by `http`. What a surface still names by hand is its special
+cases, each listed where it is handled. tests/unit/test_request_options.py sends each
+option's `example` through every surface and fails when an option is missing from a
+surface, a surface has an option not declared here or names one by hand outside its
+special cases, or the engine's bounds differ from the declared ones. Adding an option is
+one entry here (and its key in `RequestOptions`), its behaviour, and what that test then
+asks for.
 
 "auto" (the router chooses) travels as 0 for the integer options and as the string
 "auto" for `token_source`.
@@ -15,7 +20,9 @@ that test then asks for.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypedDict
 
 from .options import (
     DEFAULT_LAYERS_PER_STEP,
@@ -184,3 +191,96 @@ REQUEST_OPTIONS: tuple[RequestOption, ...] = (
 )  # fmt: skip
 
 BY_NAME = {o.name: o for o in REQUEST_OPTIONS}
+
+
+class RequestOptions(TypedDict, total=False):
+    """The SDK's keywords (`build_request`, `Client.stream`), typed for IDEs and type
+    checkers (`**options: Unpack[RequestOptions]`); the test checks its keys are the
+    table's. None (or leaving one out) leaves the option to the router."""
+
+    model: str
+    chat: bool
+    mode: str
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float | None
+    seed: int
+    width: int | str | None
+    top_k_children: int | None
+    depth: int | None
+    prefill_chunk: int | None
+    layers_per_step: int | str | None
+    token_source: str
+    ranking: str
+    growth: str
+    ignore_eos: bool
+    stop_token_ids: Sequence[int]
+    priority: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    response_format: dict[str, Any] | str | None
+    repetition_penalty: float | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    logit_bias: Mapping[int, float] | None
+    min_tokens: int
+    cache_salt: str
+    resume_token_ids: Sequence[int]
+
+
+def options_doc() -> str:
+    """Each option's keyword and help, for the SDK's docstrings."""
+    lines = []
+    for o in REQUEST_OPTIONS:
+        auto = ", or 'auto': the router's choice" if o.auto else ""
+        choices = f" ({', '.join(c for c in o.choices if c != AUTO)})" if o.choices else ""
+        lines.append(f"    {o.keyword}: {o.help}{choices}{auto}")
+    return "\n".join(lines)
+
+
+def _parent_and_field(message, o: RequestOption):
+    """The message holding the option's proto field, and the field's descriptor."""
+    *outer, last = o.wire.split(".")
+    for part in outer:
+        message = getattr(message, part)
+    return message, message.DESCRIPTOR.fields_by_name[last]
+
+
+def _is_map(f) -> bool:
+    return f.message_type is not None and f.message_type.GetOptions().map_entry
+
+
+def set_on_wire(message, o: RequestOption, value: object) -> None:
+    """Put `value` in the option's field of a `GenerateRequest`: "auto" as 0 for the
+    integers, a sequence's items, a map's entries; None leaves the field unset."""
+    if value is None:
+        return
+    parent, f = _parent_and_field(message, o)
+    if value == AUTO and o.auto and o.kind is int:
+        value = 0
+    if _is_map(f):
+        getattr(parent, f.name).update(value)
+    elif f.is_repeated:
+        getattr(parent, f.name).extend(value)
+    elif f.message_type is not None:
+        getattr(parent, f.name).CopyFrom(value)
+    else:
+        setattr(parent, f.name, value)
+
+
+def read_wire(message, o: RequestOption) -> object:
+    """The option's value in a `GenerateRequest`, or None where the request leaves it
+    unset (a field with presence not set, an empty string or list): the engine's
+    default then applies."""
+    parent, f = _parent_and_field(message, o)
+    if f.has_presence and not parent.HasField(f.name):
+        return None
+    value = getattr(parent, f.name)
+    if _is_map(f):
+        return dict(value)
+    if f.is_repeated:
+        return tuple(value) or None
+    if value == "":
+        return None
+    return value

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Unpack
 
 import grpc
+from specpipe.common.spec.request_options import RequestOptions
 from specpipe.v1 import generation_pb2 as gen
 
 from .common import (
@@ -101,16 +103,26 @@ class AsyncClient(RouterTargets):
             await ch.close()
 
     def stream(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> AsyncGenerationStream:
-        """Start a request (keyword arguments as `build_request`)."""
-        req = build_request(prompt, **kwargs)
+        """Start a request (the prompt and options as `build_request`'s)."""
+        req = build_request(prompt, prompt_ids=prompt_ids, **options)
         return AsyncGenerationStream(self, req, self._deadline(timeout))
 
     async def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Completion:
-        return await self.stream(prompt, timeout=timeout, **kwargs).result()
+        return await self.stream(prompt, prompt_ids=prompt_ids, timeout=timeout, **options).result()
 
     async def tokenize(
         self, text: str, chat: bool = False, model: str = "", timeout: float | None = None

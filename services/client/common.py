@@ -4,12 +4,20 @@ resuming a stream that broke (`Resumer`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Unpack
 
 import grpc
 from specpipe.common.spec.grammar import ResponseFormat
+from specpipe.common.spec.options import DEFAULT_MAX_NEW_TOKENS, Mode
+from specpipe.common.spec.request_options import (
+    REQUEST_OPTIONS,
+    RequestOptions,
+    options_doc,
+    set_on_wire,
+)
 from specpipe.common.spec.stats import speculation_of, summary_of
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
@@ -105,99 +113,58 @@ class Completion:
         return speculation_of(self.stats)
 
 
+# What the SDK sends when the caller leaves it out: the proto's empty value is no
+# request here (0 new tokens), and the mode goes on the wire as the one chosen.
+_SDK_DEFAULTS = {"mode": Mode.SPECPIPE.value, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS}
+
+
+def _response_format_message(value) -> gen.ResponseFormat | None:
+    """OpenAI's response_format (a dict or JSON text) as the wire's message (None: text)."""
+    fmt = ResponseFormat.from_openai(value)  # GrammarError (ValueError): malformed
+    return gen.ResponseFormat(type=fmt.type, schema=fmt.schema) if fmt.constrains else None
+
+
+# The options whose SDK form is not the wire's (the only ones named here).
+_TO_WIRE = {
+    "response_format": _response_format_message,
+    "logit_bias": lambda bias: {int(t): float(b) for t, b in bias.items()},
+}
+_BY_KEYWORD = {o.keyword: o for o in REQUEST_OPTIONS}
+
+
 def build_request(
     prompt: str | None = None,
     *,
     prompt_ids: Sequence[int] | None = None,
-    chat: bool = False,
-    model: str = "",
-    mode: str = "specpipe",
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float | None = None,
-    seed: int = 0,
-    width: int | str | None = None,
-    top_k_children: int | None = None,
-    depth: int | None = None,
-    ignore_eos: bool = False,
-    stop_token_ids: Sequence[int] = (),
-    prefill_chunk: int | None = None,
-    priority: int = 0,
-    layers_per_step: int | str | None = None,
-    token_source: str = "",
-    ranking: str = "",
-    growth: str = "",
-    logprobs: int | None = None,
-    prompt_logprobs: int | None = None,
-    response_format: dict | str | None = None,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float = 0.0,
-    presence_penalty: float = 0.0,
-    logit_bias: Mapping[int, float] | None = None,
-    min_tokens: int = 0,
-    cache_salt: str = "",
-    resume_token_ids: Sequence[int] = (),
+    **options: Unpack[RequestOptions],
 ) -> gen.GenerateRequest:
-    """`width`, `layers_per_step`, `token_source`: "auto" leaves them to the router (see
-    `RouterDescription.tuning`); None or "" to its default. `response_format`: OpenAI's
-    ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"schema": ...}}),
-    or the same as JSON text. The penalties, `logit_bias` ({token id: bias}) and
-    `min_tokens` are vLLM's (the router checks them). `resume_token_ids`: the output
-    already received (a resume; the clients send it themselves when a router dies
-    mid-stream)."""
+    """A `GenerateRequest` for a text prompt or token ids, with the request options
+    (common/spec/request_options.py) given as keywords; an option left out or None is
+    the router's to choose or default. `response_format` is OpenAI's dict or the same
+    as JSON text; `resume_token_ids` the output already received (the clients send it
+    themselves when a router dies mid-stream). The options:
+    """
     if prompt is not None and prompt_ids is not None:
         raise ValueError("give either prompt text or prompt_ids, not both")
-    req = gen.GenerateRequest(
-        model=model,
-        chat=chat,
-        mode=mode,
-        max_new_tokens=max_new_tokens,
-        sampling=gen.SamplingOptions(
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()},
-        ),
-        ignore_eos=ignore_eos,
-        stop_token_ids=list(stop_token_ids),
-        priority=priority,
-        token_source=token_source,
-        ranking=ranking,
-        growth=growth,
-        min_tokens=min_tokens,
-        cache_salt=cache_salt,
-        resume_token_ids=list(resume_token_ids),
-    )
-    if top_p is not None:
-        req.sampling.top_p = top_p
-    if repetition_penalty is not None:
-        req.sampling.repetition_penalty = repetition_penalty
-    if logprobs is not None:
-        req.logprobs = logprobs
-    if prompt_logprobs is not None:
-        req.prompt_logprobs = prompt_logprobs
-    fmt = ResponseFormat.from_openai(response_format)  # GrammarError (ValueError): malformed
-    if fmt.constrains:
-        req.response_format.type, req.response_format.schema = fmt.type, fmt.schema
+    unknown = set(options) - set(_BY_KEYWORD)
+    if unknown:
+        raise TypeError(f"build_request() got unexpected keyword arguments {sorted(unknown)}")
+    req = gen.GenerateRequest()
+    for keyword, o in _BY_KEYWORD.items():
+        value = options.get(keyword)
+        if value is None:
+            value = _SDK_DEFAULTS.get(keyword)
+        elif keyword in _TO_WIRE:
+            value = _TO_WIRE[keyword](value)
+        set_on_wire(req, o, value)
     if prompt is not None:
         req.text = prompt
     elif prompt_ids is not None:
         req.token_ids.ids.extend(prompt_ids)
-    for name, value in (
-        ("width", width),
-        ("top_k_children", top_k_children),
-        ("depth", depth),
-        ("prefill_chunk", prefill_chunk),
-        ("layers_per_step", layers_per_step),
-    ):
-        if value == "auto":
-            value = 0  # the wire's "auto"
-        if value is not None:
-            setattr(req, name, value)
     return req
+
+
+build_request.__doc__ += options_doc()
 
 
 def targets_of(address: str | Sequence[str]) -> list[str]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Unpack
 
 import grpc
+from specpipe.common.spec.request_options import RequestOptions
 from specpipe.v1 import generation_pb2 as gen
 
 from .common import (
@@ -93,15 +95,27 @@ class Client(RouterTargets):
             ch.close()
 
     def stream(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> GenerationStream:
-        """Start a request (keyword arguments as `build_request`)."""
-        return GenerationStream(self, build_request(prompt, **kwargs), self._deadline(timeout))
+        """Start a request (the prompt and options as `build_request`'s)."""
+        return GenerationStream(
+            self, build_request(prompt, prompt_ids=prompt_ids, **options), self._deadline(timeout)
+        )
 
     def generate(
-        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        **options: Unpack[RequestOptions],
     ) -> Completion:
-        return self.stream(prompt, timeout=timeout, **kwargs).result()
+        return self.stream(prompt, prompt_ids=prompt_ids, timeout=timeout, **options).result()
 
     def tokenize(
         self, text: str, chat: bool = False, model: str = "", timeout: float | None = None

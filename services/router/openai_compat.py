@@ -43,6 +43,7 @@ import grpc
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from specpipe.common.spec.grammar import GrammarError, ResponseFormat
 from specpipe.common.spec.options import MAX_LOGPROBS
+from specpipe.common.spec.request_options import REQUEST_OPTIONS
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
@@ -353,35 +354,27 @@ class _Common(BaseModel):
         return [list(ids)]
 
     def _build(self, prompt, text, max_new, default_max_tokens, default_mode, temperature, seed):
+        """The request of one choice: the plain body fields as given (`_PLAIN_FIELDS`),
+        and the ones OpenAI's defaults or the choice decide."""
         return build_request(
             prompt if text else None,
             prompt_ids=None if text else prompt,
-            model=self.model,
             mode=self.mode or default_mode,
             max_new_tokens=default_max_tokens if max_new is None else max_new,
             temperature=temperature,
-            top_k=self.top_k or 0,
-            top_p=self.top_p,
             seed=seed,
-            width=self.width,
-            top_k_children=self.top_k_children,
-            depth=self.depth,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids,
-            prefill_chunk=self.prefill_chunk,
-            priority=self.priority,
-            layers_per_step=self.layers_per_step,
-            token_source=self.token_source,
-            ranking=self.ranking,
-            growth=self.growth,
-            response_format=self.response_format,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            logit_bias=self.logit_bias,
-            min_tokens=self.min_tokens,
-            cache_salt=self.cache_salt,
+            **{o.keyword: getattr(self, o.http) for o in _PLAIN_FIELDS},
         )
+
+
+# The option table's body fields (`http`) that are not passed on as given: OpenAI's
+# max_tokens (or max_completion_tokens) and its temperature default, the seed per
+# choice, the deployment's default mode, the logprobs (chat's and completions' differ)
+# and each choice's resume_token_ids. Every other body option is plain.
+NOT_PLAIN = frozenset(
+    {"max_new_tokens", "temperature", "seed", "mode", "logprobs", "resume_token_ids"}
+)
+_PLAIN_FIELDS = tuple(o for o in REQUEST_OPTIONS if o.http and o.name not in NOT_PLAIN)
 
 
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]

@@ -24,6 +24,7 @@ from specpipe.common.spec.options import (
     check_resume_ids,
     tree_capacity,
 )
+from specpipe.common.spec.request_options import REQUEST_OPTIONS, read_wire
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.v1 import generation_pb2 as gen
 
@@ -254,6 +255,32 @@ def grammar_of(r: gen.GenerateRequest, tokenizer) -> Grammar | None:
         raise invalid(f"response_format: {e}") from None
 
 
+# The engine options `plan_request` sets itself rather than as the request gives them:
+# the router's defaults and tuning ("auto"), and the stop tokens with the model's
+# end-of-sequence ones. (Growth is read from the table; only its "auto" is the router's.)
+ROUTER_SET = frozenset({"width", "layers_per_step", "token_source", "stop_token_ids"})
+_SAMPLING = "sampling."
+
+
+def engine_options(r: gen.GenerateRequest) -> tuple[dict[str, object], dict[str, object]]:
+    """The `DecodeOptions` and the `SamplingParams` fields a request sets, by the option
+    table's engine paths (those in ROUTER_SET apart): unset ones take the engine's
+    defaults."""
+    decode: dict[str, object] = {}
+    sampling: dict[str, object] = {}
+    for o in REQUEST_OPTIONS:
+        if o.engine is None or o.name in ROUTER_SET:
+            continue
+        value = read_wire(r, o)
+        if value is None:
+            continue
+        if o.engine.startswith(_SAMPLING):
+            sampling[o.engine.removeprefix(_SAMPLING)] = value
+        else:
+            decode[o.engine] = value
+    return decode, sampling
+
+
 def plan_request(
     r: gen.GenerateRequest,
     model: ModelInfo,
@@ -298,25 +325,12 @@ def plan_request(
         raise invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
     if not r.ignore_eos:
         stops = [*model.eos_token_ids, *stops]
-    # The same checks as every other entry point (DecodeOptions, SamplingParams);
-    # fields the request leaves unset take DecodeOptions' defaults.
-    s = r.sampling
+    # The same checks as every other entry point (DecodeOptions, SamplingParams): what
+    # the request sets of the table's engine fields; the rest takes their defaults.
     auto: set[str] = set()  # what the router chooses
-    given = {
-        name: getattr(r, name)
-        for name in ("top_k_children", "depth", "prefill_chunk")
-        if r.HasField(name)
-    }
-    if r.ranking:
-        given["ranking"] = r.ranking
-    if r.growth:
-        given["growth"] = r.growth
-    elif mode == Mode.SPECPIPE:
+    given, sampled = engine_options(r)
+    if "growth" not in given and mode == Mode.SPECPIPE:
         auto.add("growth")  # chosen from the published costs (`growth_choice.py`)
-    if r.HasField("logprobs"):
-        given["logprobs"] = r.logprobs
-    if r.HasField("prompt_logprobs"):
-        given["prompt_logprobs"] = r.prompt_logprobs
     if grammar is None:
         grammar = grammar_of(r, grammar_tokenizer)
     if grammar is not None:
@@ -334,22 +348,11 @@ def plan_request(
     elif source:
         given["token_source"] = source
     try:
-        sampling = SamplingParams(
-            s.temperature,
-            s.top_k,
-            s.top_p if s.HasField("top_p") else 1.0,
-            s.seed,
-            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
-            frequency_penalty=s.frequency_penalty,
-            presence_penalty=s.presence_penalty,
-            logit_bias=dict(s.logit_bias),
-        )
+        sampling = SamplingParams(**sampled)
         check_logit_bias(sampling, model.vocab_size)
         opts = DecodeOptions(
-            max_new_tokens=r.max_new_tokens,
             sampling=sampling,
             stop_token_ids=tuple(dict.fromkeys(stops)),
-            min_tokens=r.min_tokens,
             **given,
         )
         check_context(len(prompt), opts.max_new_tokens, model.max_positions)

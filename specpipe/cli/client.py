@@ -7,23 +7,11 @@ import json
 import os
 import sys
 
-from .args import (
-    DEFAULT_ROUTER_PORT,
-    add_logits_rules_args,
-    add_sampling_args,
-    auto_or_positive_int,
-    parse_ids,
-)
+from .args import DEFAULT_ROUTER_PORT, logit_bias, parse_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `client` command group."""
-    from specpipe.common.spec.options import (
-        DEFAULT_MAX_NEW_TOKENS,
-        DEFAULT_TOP_K_CHILDREN,
-        Mode,
-    )
-
     client = sub.add_parser("client", help="talk to a running router")
     csub = client.add_subparsers(dest="client_command", required=True, parser_class=type(client))
     g = csub.add_parser("generate", help="stream a completion")
@@ -31,88 +19,64 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized by the router)")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
-    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--model", default="", help="model id (default: the deployment's)")
-    g.add_argument(
-        "--mode", default=Mode.SPECPIPE.value, help="specpipe, pp, specinfer or autoregressive"
-    )
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    g.add_argument(
-        "--width",
-        type=auto_or_positive_int,
-        default=None,
-        help="tree width per layer, or 'auto' (default: the router's; with a draft it tunes)",
-    )
-    g.add_argument(
-        "--layers-per-step",
-        type=auto_or_positive_int,
-        default=None,
-        help="specpipe tree layers per step, or 'auto' (default: the router's; with a draft "
-        "it tunes)",
-    )
-    g.add_argument(
-        "--token-source",
-        default="",
-        choices=["draft", "ngram", "hybrid", "auto"],
-        help="what proposes tree tokens (default: the router's; with a draft it tunes, not "
-        "using the draft among the choices)",
-    )
-    g.add_argument("--ranking", default="", choices=["target", "beam"], help="tree ranking")
-    g.add_argument(
-        "--growth",
-        default="",
-        choices=["verified", "eager"],
-        help="a tree layer grows after the step's verification (verified, default) or as "
-        "soon as the draft answers (eager)",
-    )
-    g.add_argument(
-        "--top-k-children",
-        type=int,
-        default=None,
-        help="draft candidates per node, capped by the width "
-        f"(default {DEFAULT_TOP_K_CHILDREN}, the engine's)",
-    )
-    g.add_argument("--depth", type=int, default=None, help="specinfer tree depth")
-    add_sampling_args(g)
-    g.add_argument("--prefill-chunk", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument(
-        "--stop-token-ids",
-        type=_token_ids,
-        default=(),
-        metavar="IDS",
-        help="comma-separated token ids that also end generation",
-    )
-    g.add_argument(
-        "--resume-token-ids",
-        type=_token_ids,
-        default=(),
-        metavar="IDS",
-        help="comma-separated output token ids already received: continue after them",
-    )
-    g.add_argument(
-        "--priority", type=int, default=0, help="higher runs first when the router is busy"
-    )
-    g.add_argument(
-        "--response-format",
-        type=_response_format,
-        default=None,
-        metavar="JSON",
-        help='structured output, OpenAI\'s response_format as JSON: \'{"type": "json_object"}\' '
-        'or \'{"type": "json_schema", "json_schema": {"schema": {...}}}\'',
-    )
-    add_logits_rules_args(g)
-    g.add_argument(
-        "--cache-salt",
-        default="",
-        help="prefix-cache namespace: requests of your API key with the same salt share "
-        "cached prompt prefixes (default: the key's own)",
-    )
+    add_request_option_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_cmd_client_generate)
     m = csub.add_parser("models", help="list the served models")
     _client_common(m)
     m.set_defaults(func=_cmd_client_models)
+
+
+def add_request_option_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per request option with a `cli` entry in common/spec/request_options.py,
+    with its help, type, bounds and choices; a flag left out leaves the option to the
+    SDK and the router (None)."""
+    from specpipe.common.spec.request_options import REQUEST_OPTIONS
+
+    for o in REQUEST_OPTIONS:
+        if o.cli is None:
+            continue
+        if o.kind is bool:
+            p.add_argument(o.cli, action="store_true", help=o.help)
+            continue
+        kw: dict[str, object] = {"default": None, "help": o.help + _default_of(o)}
+        if o.choices:
+            kw["choices"] = [str(c) for c in o.choices]
+        if o.kind is tuple:
+            kw.update(type=_token_ids, metavar="IDS")
+            kw["help"] += " (comma-separated)"
+        elif o.kind is dict:
+            kw.update(type=_JSON_PARSERS[o.name], metavar="JSON")
+        elif o.kind in (int, float):
+            kw["type"] = _number_of(o)
+        p.add_argument(o.cli, **kw)
+
+
+def _default_of(o) -> str:
+    if o.auto:
+        return "; or 'auto' (default: the router's; with a draft it tunes)"
+    return f" (default: {o.default})" if o.default not in ("", None, {}, ()) else ""
+
+
+def _number_of(o):
+    """The flag's type: a number of the option's kind within its declared bounds (and
+    'auto' where the router may choose)."""
+
+    def parse(text: str) -> int | float | str:
+        if o.auto and text == "auto":
+            return text
+        try:
+            value = o.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {o.kind.__name__}, got {text!r}") from None
+        if (o.low is not None and value < o.low) or (o.high is not None and value > o.high):
+            low = "-inf" if o.low is None else f"{o.low:g}"
+            high = "inf" if o.high is None else f"{o.high:g}"
+            raise argparse.ArgumentTypeError(f"{o.name} must be in [{low}, {high}], got {value}")
+        return value
+
+    parse.__name__ = o.kind.__name__  # argparse names the type in its errors
+    return parse
 
 
 def _client_common(p: argparse.ArgumentParser) -> None:
@@ -146,6 +110,10 @@ def _response_format(text: str) -> str:
     except GrammarError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+# The options given as JSON on the command line, each parsed into the SDK's form.
+_JSON_PARSERS = {"response_format": _response_format, "logit_bias": logit_bias}
 
 
 def _token_ids(text: str) -> tuple[int, ...]:

@@ -7,19 +7,31 @@ a surface with an option the table does not declare fails too."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import json
+import textwrap
 
 import pytest
 from specpipe.common.spec.options import MAX_NEW_TOKENS, DecodeOptions
-from specpipe.common.spec.request_options import AUTO, REQUEST_OPTIONS, RequestOption
+from specpipe.common.spec.request_options import (
+    AUTO,
+    REQUEST_OPTIONS,
+    RequestOption,
+    RequestOptions,
+)
 from specpipe.common.spec.sampling import SamplingParams
+from specpipe.services.client import AsyncClient, Client
+from specpipe.services.client import common as client_common
 from specpipe.services.client.common import build_request
-from specpipe.services.router.openai_compat import CompletionRequest
+from specpipe.services.router.backends import ModelInfo
+from specpipe.services.router.openai_compat import NOT_PLAIN, CompletionRequest
+from specpipe.services.router.requests import ROUTER_SET, engine_options, plan_request
 from specpipe.v1 import generation_pb2 as gen
 
 from specpipe.cli import build_parser
+from specpipe.cli import client as cli_client
 from specpipe.cli.client import request_kwargs
 
 PROMPT_FIELDS = {"text", "token_ids"}  # the prompt, not an option
@@ -91,8 +103,23 @@ def test_the_proto_field_has_the_declared_type(o: RequestOption) -> None:
 
 
 def test_the_sdk_takes_every_option_and_no_other() -> None:
-    params = set(inspect.signature(build_request).parameters) - {"prompt", "prompt_ids"}
-    assert params == {o.keyword for o in REQUEST_OPTIONS}
+    """The keywords are the table's (typed by `RequestOptions`), not parameters of their
+    own: a parameter named after an option is the SDK written by hand again."""
+    keywords = {o.keyword for o in REQUEST_OPTIONS}
+    assert set(RequestOptions.__annotations__) == keywords
+    typed = {int: ("int",), float: ("float",), str: ("str",), bool: ("bool",),
+             tuple: ("Sequence[int]",), dict: ("dict[", "Mapping[")}  # fmt: skip
+    for o in REQUEST_OPTIONS:  # the hint names the option's kind
+        hint = str(RequestOptions.__annotations__[o.keyword])
+        assert any(t in hint for t in typed[o.kind]), o.name
+    for func in (build_request, Client.stream, Client.generate, AsyncClient.stream):
+        params = inspect.signature(func).parameters
+        assert not keywords & set(params), func
+        assert any(p.kind is p.VAR_KEYWORD for p in params.values()), func
+    with pytest.raises(TypeError, match="no_such_option"):
+        build_request("x", no_such_option=1)
+    for o in REQUEST_OPTIONS:
+        assert f"{o.keyword}: {o.help}" in build_request.__doc__
 
 
 @pytest.mark.parametrize("o", OPTIONS)
@@ -218,3 +245,85 @@ def test_an_option_has_one_name_on_every_surface(o: RequestOption) -> None:
     assert names == {o.name}
     if o.http is not None:
         assert o.http == OPENAI_NAMES.get(o.name, o.name)
+
+
+ENGINE_OPTIONS = [p for p in OPTIONS if p.values[0].engine]
+ROUTER_MODEL = ModelInfo("m", "h", num_layers=4, vocab_size=100, max_positions=256,
+                         eos_token_ids=(), ranges=[(0, 2), (2, 4)])  # fmt: skip
+
+
+@pytest.mark.parametrize("o", ENGINE_OPTIONS)
+def test_the_router_puts_each_option_in_the_engines_options(o: RequestOption) -> None:
+    """The SDK's request, planned by the router: the option's example reaches the
+    engine's field (the table's read or the router's own special case)."""
+    plan = plan_request(build_request("x", **{o.keyword: o.example}), ROUTER_MODEL,
+                        [1, 2, 3], has_draft=True)  # fmt: skip
+    *outer, field = o.engine.split(".")
+    engine = plan.opts.sampling if outer else plan.opts
+    expected = tuple(o.example) if o.kind is tuple else o.example
+    assert getattr(engine, field) == expected
+
+
+# What a surface may still name by hand: the options the code handles as special cases.
+
+
+def _names_in(func) -> set[str]:
+    """Every name a function's code uses: attributes, keywords, parameters, strings."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(func)))):
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif (isinstance(node, ast.keyword) and node.arg) or isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return names
+
+
+def _request_reads(func) -> set[str]:
+    """The fields a function reads off the request `r` by name (r.x, r.sampling.x,
+    r.HasField("x"))."""
+    names = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(func)))):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Attribute) and base.attr == "sampling":
+                base = base.value
+            if isinstance(base, ast.Name) and base.id == "r":
+                names.add(node.attr)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "HasField":
+            names |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+    return names
+
+
+NAMES = {o.name for o in REQUEST_OPTIONS}
+
+
+def test_the_sdk_names_no_option_by_hand() -> None:
+    """build_request sets the options from the table: its own code names none, and its
+    special cases are declared options."""
+    assert not _names_in(build_request) & NAMES
+    assert set(client_common._SDK_DEFAULTS) | set(client_common._TO_WIRE) <= NAMES
+
+
+def test_the_router_reads_the_engines_options_through_the_table() -> None:
+    """plan_request reads an engine option off the request by hand only where the router
+    sets it itself (ROUTER_SET); the others come from `engine_options`."""
+    engine = {o.name for o in REQUEST_OPTIONS if o.engine}
+    assert engine >= ROUTER_SET
+    for func in (plan_request, engine_options):
+        assert _request_reads(func) & engine <= ROUTER_SET, func.__name__
+
+
+def test_client_generate_writes_no_option_flag_by_hand() -> None:
+    """The option flags come from the table: client.py's code names none of them."""
+    tree = ast.parse(inspect.getsource(cli_client))
+    strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+    assert not strings & {o.cli for o in REQUEST_OPTIONS if o.cli}
+
+
+def test_the_http_body_maps_only_openais_own_fields_by_hand() -> None:
+    """The body's plain options go to the SDK through the table; `_build` names only
+    those OpenAI's defaults or the choice decide (NOT_PLAIN)."""
+    assert {o.name for o in REQUEST_OPTIONS if o.http} >= NOT_PLAIN
+    assert _names_in(CompletionRequest._build) & NAMES <= NOT_PLAIN
