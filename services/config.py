@@ -497,37 +497,76 @@ class RouterConfig(ServiceConfig):
 class DeploymentConfig:
     """`specpipe up`: router, draft and stages as local processes (`ServicesDeployment`).
     Values the children share are given once here; the launcher turns them into each
-    child's `StageConfig`, `DraftConfig` and `RouterConfig`."""
+    child's `StageConfig`, `DraftConfig` and `RouterConfig`. The fields that are a flag of
+    `specpipe up` as they are say so (`flag`); the others are set from its flags by
+    specpipe/cli/services.py (models resolved, keys loaded, `--no-...` inverted)."""
 
     target: str | Path
     draft: str | Path | None = None  # a model, "oracle" (the target) or None / "none"
-    stages: int = 2
-    stage_replicas: int | Sequence[int] = 1  # of every stage, or per stage
-    layers: str | None = None  # per-stage ranges 0:7,7:14,...; None: an even split
-    transport: str = TCP
-    router_port: int = 0  # 0: a free port
-    host: str = "127.0.0.1"
+    stages: int = flag(2, parse=positive_int, help="pipeline stages")
+    stage_replicas: int | Sequence[int] = flag(  # of every stage, or per stage
+        1,
+        parse=positive_int,
+        help="replicas of every stage (the router picks one of each per request)",
+    )
+    layers: str | None = flag(help="per-stage layer ranges: 0:7,7:14,... (default: an even split)")
+    transport: str = flag(
+        TCP,
+        choices=TRANSPORTS,
+        help="data plane between the local processes (default tcp: on one host UCX has no "
+        "RDMA/NVLink to use, and its polling progress was measured slower on small CPU nodes)",
+    )
+    router_port: int = flag(  # 0: a free port; the command line's default is the usual one
+        0, command_default=DEFAULT_ROUTER_PORT, help="the router's gRPC port (0: any free port)"
+    )
+    host: str = flag("127.0.0.1", help="address every process listens on")
     dtype: str = "float32"
     threads: int | None = None  # per process; None: the CPUs but one (the router's), shared
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.
-    device: str = "cpu"
-    devices: Sequence[str] = ()  # or one per stage process, then the draft's (--devices)
-    drain_seconds: float = DEFAULT_DRAIN_SECONDS
-    log_dir: str | Path | None = None  # None: a temporary directory, removed at stop
-    startup_timeout: float = 180.0
+    device: str = flag(
+        "cpu",
+        exclusive="where",
+        help="where the stages and the draft run: cuda (one GPU per service, round-robin "
+        "over the visible GPUs; with fewer GPUs than services some share one, as printed at "
+        "start), cuda:N (all on GPU N), cpu (default), or auto (cuda if available, else cpu)",
+    )
+    devices: Sequence[str] = flag(
+        (),
+        parse=comma_list,
+        exclusive="where",
+        help="every service's device instead: one per stage process (in pipeline order, a "
+        "stage's replicas together), then the draft's, e.g. cuda:0,cuda:1,cuda:1",
+    )
+    drain_seconds: float = flag(
+        DEFAULT_DRAIN_SECONDS,
+        help="on Ctrl-C/SIGTERM: how long open requests may finish before the processes stop",
+    )
+    # None: a temporary directory, removed at stop (flag: a field, not a shared default)
+    log_dir: str | Path | None = flag(  # noqa: RUF009
+        parse=str, help="keep child logs here (default: a temporary directory)"
+    )
+    startup_timeout: float = flag(
+        180.0, command_default=300.0, help="seconds to wait for every process to serve"
+    )
     env: Mapping[str, str] | None = None  # added to the children's environment
-    max_cache_gib: float | None = None  # per stage and draft; None: a share of free memory
-    step_memory_mib: float | None = None  # per stage and draft; None: a share of free memory
+    max_cache_gib: float | None = flag(help="KV cache budget per stage and draft")
+    step_memory_mib: float | None = flag(
+        help="working memory one step may take per stage and draft (default: a share of "
+        "the device's free memory)"
+    )
     http_port: int | None = None  # the router's HTTP API; None: off, 0: any free port
     http_metrics: str = DEFAULT_HTTP_METRICS  # the router's (RouterConfig)
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the router's (RouterConfig)
     api_keys: Sequence[str] = ()
     scheduling: SchedulingConfig | Mapping[str, object] | None = None
     metrics: bool = False  # every process gets a --metrics-port
-    replay_seconds: float | None = None  # the router's; None: DEFAULT_REPLAY_SECONDS
+    replay_seconds: float = DEFAULT_REPLAY_SECONDS  # the router's
     group: str = ""  # discovery group (model version) of the first children
-    lease_seconds: float | None = None  # of the stages and the draft; None: theirs
+    lease_seconds: float | None = flag(  # None: theirs
+        help="free a request's state on the stages and the draft when its router has not "
+        "renewed it for this long (default: theirs)"
+    )
     secure: bool = True  # a throwaway CA and certificate; False: --insecure
     public_tls: Any = None  # a security.PublicTls for the router's public ports
     emulate_costs: str | Path | None = None  # every stage (its own curve) and the draft

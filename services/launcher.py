@@ -315,7 +315,7 @@ class ServicesDeployment:
             data_port=self._free_port(),
             transport=c.transport,
             startup_timeout=c.startup_timeout,
-            **({"replay_seconds": c.replay_seconds} if c.replay_seconds else {}),
+            replay_seconds=c.replay_seconds,
             # 0: a free port picked here, like every other one
             http_port=None
             if c.http_port is None

@@ -41,6 +41,8 @@ def flag(
     group: str | None = None,
     repeat: bool = False,
     add: Adder | None = None,
+    exclusive: str | None = None,
+    command_default: Any = MISSING,
 ) -> Any:
     """A field that is one command-line flag: `--<field-name>` unless `name` says
     otherwise (`aliases`: older names it still answers to). `parse` turns its text into
@@ -49,7 +51,9 @@ def flag(
     when true, tuples as a repeated flag, None as nothing, anything else as `str`).
     `env`: the environment variable that overrides the default on the command line;
     `group`: the title of its help section; `repeat`: given once per value;
-    `add`: adds the flag itself (what a plain `add_argument` cannot say)."""
+    `add`: adds the flag itself (what a plain `add_argument` cannot say); `exclusive`:
+    a name shared by flags of which one at most may be given; `command_default`: the
+    command line's default where it differs from the field's (a library caller's)."""
     meta = {
         "flag": name,
         "help": help,
@@ -62,6 +66,8 @@ def flag(
         "group": group,
         "repeat": repeat,
         "add": add,
+        "exclusive": exclusive,
+        "command_default": command_default,
     }
     return field(default=default, metadata=meta)
 
@@ -209,7 +215,7 @@ def _plain_type(cls: type, name: str) -> Any:
 
 def add_flags(
     parser: argparse.ArgumentParser,
-    cls: type[CommandLine],
+    cls: type,
     *,
     only: Collection[str] | None = None,
     skip: Collection[str] = (),
@@ -218,6 +224,7 @@ def add_flags(
     """Add the flags of `cls`'s fields (`only` these, or all but `skip`; `required`:
     these must be given) to `parser`, in field order."""
     groups: dict[str, Any] = {}
+    exclusive: dict[str, Any] = {}
     for f, owner in setting_fields(cls):
         if (only is not None and f.name not in only) or f.name in skip:
             continue
@@ -229,7 +236,14 @@ def add_flags(
             )
         else:
             container = parser
+        if meta.get("exclusive"):
+            key = meta["exclusive"]
+            container = exclusive.get(key) or exclusive.setdefault(
+                key, container.add_mutually_exclusive_group()
+            )
         default = f.default if f.default is not MISSING else f.default_factory()
+        if meta.get("command_default", MISSING) is not MISSING:
+            default = meta["command_default"]
         if meta.get("env"):
             default = os.environ.get(meta["env"]) or default
         if meta.get("add"):
@@ -252,11 +266,14 @@ def add_flags(
         container.add_argument(flag_name(f), *meta.get("aliases", ()), **kwargs)
 
 
-def setting_fields(cls: type[CommandLine]) -> list[tuple[Field, type[CommandLine]]]:
-    """Every flag-carrying field of `cls` with the class whose hints type it, nested
-    configurations' included."""
-    out: list[tuple[Field, type[CommandLine]]] = []
+def setting_fields(cls: type) -> list[tuple[Field, type]]:
+    """Every flag-carrying field of dataclass `cls` with the class whose hints type it,
+    nested configurations' included."""
+    out: list[tuple[Field, type]] = []
     for f in fields(cls):
         nested = _nested(f)
-        out += setting_fields(nested) if nested is not None else [(f, cls)]
+        if nested is not None:
+            out += setting_fields(nested)
+        elif "flag" in f.metadata:
+            out.append((f, cls))
     return out

@@ -111,3 +111,58 @@ def test_a_bad_value_is_one_line_and_exit_2(capsys, argv, flag) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and flag in err, err
+
+
+# `specpipe up`'s flags that are no DeploymentConfig field as they are: turned into one
+# by `deployment_config` (resolved, inverted, loaded), or --secure's other half.
+UP_BY_HAND = {"target", "draft", "threads", "no_prefix_cache", "no_metrics", "secure", "insecure"}
+
+
+def test_up_flags_are_deployment_fields_or_few_by_hand() -> None:
+    from specpipe.cli.service_flags import UP_FIELDS, UP_ROUTER_FILES
+
+    dests = [a.dest for a in _actions("up")]
+    assert len(dests) == len(set(dests))
+    scheduling = {f.name for f, _ in setting_fields(SchedulingConfig)}
+    declared = set(UP_FIELDS) | set(UP_ROUTER_FILES) | scheduling | {"dtype"}
+    assert set(dests) == declared | UP_BY_HAND
+    assert not declared & UP_BY_HAND
+
+
+def test_up_builds_its_deployment_from_the_flags(monkeypatch) -> None:
+    """Each field `up` sets from its flag of the same name arrives; the command line's
+    own defaults (--router-port, --startup-timeout) differ from a library caller's."""
+    from specpipe.services.config import DEFAULT_ROUTER_PORT, DeploymentConfig
+
+    from specpipe.cli import services
+
+    monkeypatch.setattr(services, "_resolve", lambda spec: spec)
+    parse = build_parser().parse_args
+    default = services.deployment_config(parse(["up", "--target", "t"]))
+    assert default.router_port == DEFAULT_ROUTER_PORT != DeploymentConfig(target="t").router_port
+    assert default.startup_timeout == 300.0 and default.secure and default.metrics
+    argv = ["up", "--target", "t", "--stages", "3", "--stage-replicas", "2", "--layers", "0:1,1:2,2:3",
+            "--transport", "ucx", "--router-port", "0", "--host", "0.0.0.0", "--devices", "cpu,cpu",
+            "--drain-seconds", "4", "--log-dir", "/tmp/logs", "--startup-timeout", "9",
+            "--max-cache-gib", "0.5", "--step-memory-mib", "32", "--lease-seconds", "7",
+            "--batch-wait-ms", "3", "--emulate-costs", "c.json", "--http-port", "0",
+            "--http-metrics", "open", "--tool-call-parser", "hermes", "--max-running", "5",
+            "--threads", "2", "--no-metrics", "--insecure", "--no-prefix-cache"]  # fmt: skip
+    c = services.deployment_config(parse(argv))
+    assert (c.stages, c.stage_replicas, c.layers, c.transport) == (3, 2, "0:1,1:2,2:3", "ucx")
+    assert (c.router_port, c.host, tuple(c.devices), c.drain_seconds) == (
+        0,
+        "0.0.0.0",
+        ("cpu", "cpu"),
+        4.0,
+    )
+    assert (c.log_dir, c.startup_timeout, c.max_cache_gib, c.step_memory_mib) == (
+        "/tmp/logs",
+        9.0,
+        0.5,
+        32.0,
+    )
+    assert (c.lease_seconds, c.batch_wait, c.emulate_costs) == (7.0, 0.003, "c.json")
+    assert (c.http_port, c.http_metrics, c.tool_call_parser) == (0, "open", "hermes")
+    assert c.scheduling.max_running == 5 and c.threads == 2
+    assert not (c.metrics or c.secure or c.prefix_cache)
