@@ -12,6 +12,9 @@ tests/unit/test_service_flags.py checks every flag is a field's). `services/serv
 a config onto its service's constructor. `DeploymentConfig` is what `specpipe up`
 starts (`services/launcher.py`).
 
+One module, though long: it is every service setting with its flag's help, looked up by
+name in one file (these were written twice before, here and in the parser).
+
 No I/O here: files a config names (TLS, API keys, cost models) are read by the process
 that runs it.
 """
