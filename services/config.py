@@ -566,9 +566,10 @@ class DeploymentConfig:
     metrics: bool = False  # every process gets a --metrics-port
     replay_seconds: float = DEFAULT_REPLAY_SECONDS  # the router's
     group: str = ""  # discovery group (model version) of the first children
-    lease_seconds: float | None = flag(  # None: theirs
+    lease_seconds: float = flag(
+        DEFAULT_LEASE_SECONDS,
         help="free a request's state on the stages and the draft when its router has not "
-        "renewed it for this long (default: theirs)"
+        "renewed it for this long (default %(default)s)",
     )
     secure: bool = True  # a throwaway CA and certificate; False: --insecure
     public_tls: Any = None  # a security.PublicTls for the router's public ports

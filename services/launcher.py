@@ -268,7 +268,7 @@ class ServicesDeployment:
             threads=self.threads,
             device=device,
             **self._cache_budget(device),
-            **({} if c.lease_seconds is None else {"lease_seconds": c.lease_seconds}),
+            lease_seconds=c.lease_seconds,
             emulate_costs=str(self.emulate_costs) if self.emulate_costs else None,
             measure_costs=c.scheduling.needs_costs(stage),
             batch_wait=c.batch_wait,
