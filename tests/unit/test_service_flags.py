@@ -166,3 +166,9 @@ def test_up_builds_its_deployment_from_the_flags(monkeypatch) -> None:
     assert (c.http_port, c.http_metrics, c.tool_call_parser) == (0, "open", "hermes")
     assert c.scheduling.max_running == 5 and c.threads == 2
     assert not (c.metrics or c.secure or c.prefix_cache)
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "up", "certs"])
+def test_help_renders(command) -> None:
+    """Every declared help text formats (a stray `%` or `%(name)s` fails here)."""
+    assert "--" in _subparser(command).format_help()
