@@ -4,10 +4,16 @@ A `StageConfig`, `DraftConfig` or `RouterConfig` is everything one `specpipe
 stage|draft|router` process runs with. It is built once from that process's command
 line (`from_args`) or, for a child of `specpipe up`, by the launcher, which turns it
 into the child's command line (`argv`): one field per flag, named as the flag is
-(`--cache-fraction` is `cache_fraction`), so the two directions cannot drift apart
-(tests/unit/test_service_config.py parses every `argv()` back). `services/serve.py` maps
+(`--cache-fraction` is `cache_fraction`), and each field declares its flag's help,
+parsing and choices (`settings.flag`), from which `specpipe/cli/service_flags.py`
+builds the parsers; so a setting is written once and the directions cannot drift apart
+(tests/unit/test_service_config.py parses every `argv()` back,
+tests/unit/test_service_flags.py checks every flag is a field's). `services/serve.py` maps
 a config onto its service's constructor. `DeploymentConfig` is what `specpipe up`
 starts (`services/launcher.py`).
+
+One module, though long: it is every service setting with its flag's help, looked up by
+name in one file (these were written twice before, here and in the parser).
 
 No I/O here: files a config names (TLS, API keys, cost models) are read by the process
 that runs it.
@@ -15,16 +21,37 @@ that runs it.
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
+
+from specpipe.common.runtime.alignment import AUTO_CAP, MAX_WAIT
+
+from .settings import (
+    CommandLine,
+    auto_or_positive_int,
+    comma_list,
+    flag,
+    ms_or_auto,
+    non_negative_float,
+    positive_int,
+    positive_seconds,
+    render_comma,
+    render_ms,
+)
+
+__all__ = ["CommandLine", "flag"]  # re-exported: tests and the launcher import them here
 
 DEFAULT_ROUTER_PORT = 50051  # the router's gRPC port unless told otherwise
 DEFAULT_STAGE_PORT = 50052
 DEFAULT_DRAFT_PORT = 50060
 DEFAULT_DRAIN_SECONDS = 25.0
+# The router's defaults, named once: services/router/driver.py and path_session.py use
+# them too (services/router/service.py and serve.py should: a note for their rewrite).
+DEFAULT_REPLAY_SECONDS = 10.0  # how long a request waits for another path when one is lost
+DEFAULT_PATH_STALL_SECONDS = 60.0  # a path silent this long counts as lost
+DEFAULT_LATE_DRAFT_WAIT_MS = 0.0  # a verification never waits for a late draft answer
 # The defaults of the modules that use them, repeated because those modules import torch
 # or grpc, which a command line's parser should not wait for (a test checks each equals
 # its origin): services/modelinfo.py, services/router/backends.py DEFAULT_STALL_SECONDS,
@@ -46,75 +73,46 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # common/spec/too
 DEFAULT_TOOL_CALL_PARSER = TOOL_CALL_PARSERS[0]
 TRANSPORTS = ("ucx", "tcp")  # every data plane
 TCP = TRANSPORTS[1]
-
-Render = Callable[[str, Any], list[str]]
-
-
-def flag(default: Any = None, *, name: str | None = None, render: Render | None = None) -> Any:
-    """A field that is one command-line flag: `--<field-name>` unless `name` says
-    otherwise; `render` writes its value as arguments (default: booleans as a bare flag
-    when true, tuples as a repeated flag, None as nothing, anything else as `str`)."""
-    return field(default=default, metadata={"flag": name, "render": render})
-
-
-def _comma(name: str, values: Sequence[str]) -> list[str]:
-    return [name, ",".join(values)] if values else []
-
-
-def _ms(name: str, seconds: float | None) -> list[str]:
-    if seconds is None:
-        return []
-    ms = seconds * 1e3
-    return [name, str(int(ms)) if ms == int(ms) else repr(ms)]
+DTYPE_CHOICES = ("float32", "bfloat16", "float64")
+SECURITY = (
+    'security (docs/architecture.md, "9. Security"); one of --secure and --insecure is required'
+)
+EDGE = "public ports' limits"
 
 
 def _security_mode(_: str, secure: bool) -> list[str]:
     return ["--secure"] if secure else ["--insecure"]
 
 
-def _render(name: str, value: Any) -> list[str]:
-    if value is None or value is False:
-        return []
-    if value is True:
-        return [name]
-    if isinstance(value, tuple):
-        return [a for v in value for a in (name, str(v))]
-    return [name, str(value)]
+def _add_security_mode(container: Any, dest: str, default: bool) -> None:
+    """--secure or --insecure, one of them: a service started by hand says how it talks
+    to the others (specpipe/cli/services.py checks that one is given)."""
+    mode = container.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--secure",
+        dest=dest,
+        action="store_true",
+        help="mutual TLS on gRPC among router, stages and draft, and authenticated "
+        "data-plane frames (needs --tls-dir)",
+    )
+    mode.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext, unauthenticated gRPC and data plane among the services (anyone "
+        "who reaches their ports can call them): only on a network you trust completely",
+    )
 
 
-C = TypeVar("C", bound="CommandLine")
+def _port(default: int) -> Any:
+    return flag(default, help="gRPC port (0: any free port)")
 
 
-@dataclass(frozen=True, kw_only=True)
-class CommandLine:
-    """A configuration whose fields are flags (see `flag`); a field holding another
-    `CommandLine` contributes that one's flags."""
+def _data_port() -> Any:
+    return flag(0, help="hidden-state port (0: any)")
 
-    def argv(self) -> list[str]:
-        """The command-line arguments that parse back into this configuration."""
-        out: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, CommandLine):
-                out += value.argv()
-                continue
-            name = f.metadata.get("flag") or f"--{f.name.replace('_', '-')}"
-            out += (f.metadata.get("render") or _render)(name, value)
-        return out
 
-    @classmethod
-    def from_args(cls: type[C], args: argparse.Namespace) -> C:
-        """From parsed arguments whose names are this configuration's fields (lists, as
-        argparse's repeated flags give them, become tuples)."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            factory = f.default_factory
-            if isinstance(factory, type) and issubclass(factory, CommandLine):
-                values[f.name] = factory.from_args(args)
-                continue
-            value = getattr(args, f.name)
-            values[f.name] = tuple(value) if isinstance(value, list) else value
-        return cls(**values)
+def _transport() -> Any:
+    return flag(choices=TRANSPORTS, help="data plane (default: ucx if installed)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,19 +120,66 @@ class SchedulingConfig(CommandLine):
     """The router's admission, elastic width and the defaults of what requests leave
     unset (None: the router's or the engine's default; "auto": the router tunes it)."""
 
-    max_running: int = flag(DEFAULT_MAX_RUNNING)
-    max_waiting: int = flag(DEFAULT_MAX_WAITING)
-    # Fair shares per API key (or client address without keys): running (None: all but
-    # an eighth of max_running, kept for the others) and waiting.
-    max_running_per_key: int | None = flag()
-    max_waiting_per_key: int = flag(DEFAULT_MAX_WAITING_PER_KEY)
-    row_budget: int | str | None = flag()  # tree rows per step shared by running requests
-    width: int | str | None = flag()
-    layers_per_step: int | str | None = flag()
-    token_source: str | None = flag()
-    tune_calibration_tokens: int | None = flag()
-    tune_price: str | None = flag()  # "wall" or "model"
-    late_draft_wait_ms: float | None = flag()
+    max_running: int = flag(
+        DEFAULT_MAX_RUNNING,
+        parse=positive_int,
+        help="requests decoding at once; more wait, by priority",
+    )
+    max_waiting: int = flag(
+        DEFAULT_MAX_WAITING,
+        help="requests queued beyond --max-running; more are refused (RESOURCE_EXHAUSTED)",
+    )
+    max_running_per_key: int | None = flag(
+        parse=positive_int,
+        help="requests one API key (or client address, without keys) runs at once; a freed "
+        "slot goes to the key running fewest (default: all but an eighth of --max-running, "
+        "kept for the others)",
+    )
+    max_waiting_per_key: int = flag(
+        DEFAULT_MAX_WAITING_PER_KEY,
+        help="requests one API key (or client address) may queue; more are refused "
+        "(default %(default)s)",
+    )
+    row_budget: int | str | None = flag(
+        parse=auto_or_positive_int,
+        help="tree rows per pipeline step shared by the running requests (elastic width: "
+        "best-effort requests shrink first); N, or 'auto' from the stages' measured costs "
+        "(default: every request keeps its width)",
+    )
+    # Defaults for requests that leave these unset; "auto" (and, with a draft, unset):
+    # the router tunes them.
+    width: int | str | None = flag(
+        parse=auto_or_positive_int,
+        help="tree width of requests that set none: N or 'auto' (chosen from the measured "
+        "costs and tokens per step; default: auto with a draft, else the engine's)",
+    )
+    layers_per_step: int | str | None = flag(
+        parse=auto_or_positive_int,
+        help="specpipe tree layers per step of requests that set none: K or 'auto' "
+        "(default: auto with a draft)",
+    )
+    token_source: str | None = flag(
+        choices=("draft", "ngram", "hybrid", "auto"),
+        help="what proposes tree tokens for requests that set none (default: auto with a "
+        "draft, no draft among the choices)",
+    )
+    tune_calibration_tokens: int | None = flag(
+        parse=positive_int,
+        help="auto settings: tokens measured with each candidate before the best is chosen "
+        "(default 256)",
+    )
+    tune_price: str | None = flag(
+        choices=("wall", "model"),
+        help="auto settings go by the time between tokens measured (wall, default) or by "
+        "the cost curves over tokens per step (model)",
+    )
+    late_draft_wait_ms: float = flag(
+        DEFAULT_LATE_DRAFT_WAIT_MS,
+        parse=non_negative_float,
+        help="how long a verification may wait for a draft answer that is late (lockstep "
+        "would have it): the tree keeps its layer instead of missing it (default "
+        "%(default)s: never wait)",
+    )
 
     @classmethod
     def of(cls, values: SchedulingConfig | Mapping[str, object] | None) -> SchedulingConfig:
@@ -160,38 +205,108 @@ class ServiceConfig(CommandLine):
     """What every service has: where it listens, how it drains, logs and reports
     readiness, and how it talks to the others (docs/architecture.md, "9. Security")."""
 
-    host: str = flag("127.0.0.1")
-    advertise_host: str | None = flag()
-    port: int = flag(0)
-    drain_seconds: float = flag(DEFAULT_DRAIN_SECONDS)
-    metrics_port: int | None = flag()
-    ready_file: str | None = flag()
-    log_level: str = flag("INFO")
-    secure: bool = flag(True, render=_security_mode)  # False: --insecure
-    tls_dir: str | None = flag()
-    data_key_file: str | None = flag()
-    tls_server_name: str = flag(DEFAULT_SERVER_NAME)
-    health_port: int | None = flag()
+    host: str = flag("127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    advertise_host: str | None = flag(help="address others reach this one at")
+    port: int = _port(0)
+    drain_seconds: float = flag(
+        DEFAULT_DRAIN_SECONDS,
+        help="on SIGTERM: NOT_SERVING, refuse new requests, let open ones finish this long "
+        "(keep it below the pod's terminationGracePeriodSeconds)",
+    )
+    metrics_port: int | None = flag(
+        help="serve Prometheus metrics at /metrics on this port (0: any free port; default: none)"
+    )
+    ready_file: str | None = flag(help="write addresses here (JSON) once serving")
+    log_level: str = flag(
+        "INFO", env="SPECPIPE_LOG_LEVEL", help="(default: $SPECPIPE_LOG_LEVEL or INFO)"
+    )
+    secure: bool = flag(True, render=_security_mode, add=_add_security_mode, group=SECURITY)
+    tls_dir: str | None = flag(
+        env="SPECPIPE_TLS_DIR",
+        group=SECURITY,
+        help="ca.crt, tls.crt, tls.key (a Kubernetes TLS Secret's layout) and optionally "
+        "data.key (default: $SPECPIPE_TLS_DIR)",
+    )
+    data_key_file: str | None = flag(
+        group=SECURITY,
+        help="the data plane's shared secret (default: TLS_DIR/data.key, else derived "
+        "from tls.key, which every service then must share)",
+    )
+    tls_server_name: str = flag(
+        DEFAULT_SERVER_NAME,
+        group=SECURITY,
+        help="the name the deployment's certificates carry (checked instead of hosts)",
+    )
+    health_port: int | None = flag(
+        group=SECURITY,
+        help="also serve plaintext gRPC health alone on this port (Kubernetes' gRPC probes "
+        "speak no TLS)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelServiceConfig(ServiceConfig):
     """A service that holds a model and KV caches: a stage or the draft."""
 
-    model: str | None = flag()
-    model_id: str = flag("")
-    dtype: str = flag("float32")
-    threads: int = flag(0)  # torch CPU threads; 0: torch's default
-    device: str = flag("cpu")
-    max_cache_gib: float | None = flag()  # None: cache_fraction of the free memory
-    cache_fraction: float = flag(DEFAULT_CACHE_FRACTION)
-    step_memory_mib: float | None = flag()  # None: a share of the free memory
-    lease_seconds: float = flag(DEFAULT_LEASE_SECONDS)
-    emulate_costs: str | None = flag()  # a cost model file: an emulated device
-    measure_costs: bool = flag(False)
+    model: str | None = flag(help="model: name, HF directory or GGUF file")
+    model_id: str = flag("", help="name reported to clients (default: directory name)")
+    dtype: str = flag(
+        "float32",
+        choices=DTYPE_CHOICES,
+        help="float64: exactness checks (no rounding noise between cache shapes)",
+    )
+    threads: int = flag(0, help="torch CPU threads (0: torch default)")
+    device: str = flag(
+        "cpu",
+        help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
+        "(cuda if available, else cpu)",
+    )
+    max_cache_gib: float | None = flag(
+        help="KV cache budget (default: --cache-fraction of the device's free memory)"
+    )
+    cache_fraction: float = flag(
+        DEFAULT_CACHE_FRACTION,
+        help="without --max-cache-gib: this share of the device's free memory once the "
+        "weights are loaded",
+    )
+    step_memory_mib: float | None = flag(
+        help="working memory one step may take beside weights and KV cache: attention, "
+        "activations (default: a share of the device's free memory once the weights are "
+        "loaded); a long prompt's step is split until it fits"
+    )
+    lease_seconds: float = flag(
+        DEFAULT_LEASE_SECONDS,
+        help="free a request's state when its router has not renewed it for this long",
+    )
+    emulate_costs: str | None = flag(
+        metavar="FILE",
+        help="emulated device: pace every forward to the cost model in FILE (JSON: a "
+        "measured curve of seconds per row count, or flat), sleeping the rest of its "
+        "modelled time "
+        '(docs/architecture.md, "5. The request controller and its executors", '
+        '"Emulated devices")',
+    )
+    measure_costs: bool = flag(
+        False,
+        help="measure this service's cost per row count at start (for the router's auto "
+        "settings); a stage also reports the rows a step can take nearly free (for the "
+        "router's --row-budget auto)",
+    )
     # How long a round may wait for requests of the same step, in seconds (None: auto).
-    batch_wait: float | None = flag(name="--batch-wait-ms", render=_ms)
-    no_prefix_cache: bool = flag(False)  # no KV blocks shared by requests' common prefixes
+    batch_wait: float | None = flag(
+        name="--batch-wait-ms",
+        parse=ms_or_auto(MAX_WAIT * 1e3),
+        render=render_ms,
+        metavar="MS|auto",
+        help="how long a stage's (or the draft's) round may wait for requests of the same "
+        "pipeline step, so that they share one forward (default auto: half the stage's "
+        f"recent forward time, at most {AUTO_CAP * 1e3:.0f} ms; 0: never wait)",
+    )
+    no_prefix_cache: bool = flag(
+        False,
+        help="turn the prefix cache off: no KV cache blocks shared between requests with a "
+        "common prompt prefix, every prompt prefilled whole",
+    )
 
     @property
     def max_cache_bytes(self) -> int | None:
@@ -202,20 +317,32 @@ class ModelServiceConfig(ServiceConfig):
 class StageConfig(ModelServiceConfig):
     """`specpipe stage`: layers of the target model."""
 
-    port: int = flag(DEFAULT_STAGE_PORT)
-    data_port: int = flag(0)
-    transport: str | None = flag()  # None: UCX where it imports, else TCP
-    layers: str | None = flag()  # START:END; None: every layer
-    emulate_stage: int | None = flag()  # which stage curve of emulate_costs
-    allow_configure: bool = flag(False)
-    peers: tuple[str, ...] = flag((), render=_comma)
+    port: int = _port(DEFAULT_STAGE_PORT)
+    data_port: int = _data_port()
+    transport: str | None = _transport()  # None: UCX where it imports, else TCP
+    layers: str | None = flag(help="START:END decoder layers (default: all)")
+    emulate_stage: int | None = flag(
+        metavar="K",
+        help="with --emulate-costs: which of FILE's stage curves this stage paces to "
+        "(0-based; default: FILE's only one)",
+    )
+    allow_configure: bool = flag(
+        False, help="accept Configure calls (loading other weights over gRPC; off by default)"
+    )
+    peers: tuple[str, ...] = flag(
+        (),
+        parse=comma_list,
+        render=render_comma,
+        help="comma-separated hosts, addresses and CIDR networks a request's next hop and "
+        "report address may name, in every mode (default: loopback only)",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig(ModelServiceConfig):
-    """`specpipe draft`: the draft model."""
+    """`specpipe draft`: the draft model (its --model is required)."""
 
-    port: int = flag(DEFAULT_DRAFT_PORT)
+    port: int = _port(DEFAULT_DRAFT_PORT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,38 +350,145 @@ class RouterConfig(ServiceConfig):
     """`specpipe router`: where the replicas are, how lost ones are replaced, the public
     APIs and the scheduling."""
 
-    port: int = flag(DEFAULT_ROUTER_PORT)
-    data_port: int = flag(0)
-    transport: str | None = flag()
-    stages: tuple[str, ...] = flag((), render=_comma)  # a static list of HOST:PORT
-    drafts: tuple[str, ...] = flag((), name="--draft", render=_comma)
-    discovery: str | None = flag()  # file:PATH or kubernetes, instead of the lists
-    discovery_namespace: str | None = flag()
-    discovery_selector: str | None = flag()
-    replay_seconds: float = flag(10.0)
-    max_replays: int = flag(8)
-    stall_seconds: float = flag(60.0)
-    replica_stall_seconds: float = flag(DEFAULT_REPLICA_STALL_SECONDS)
-    target: str | None = flag()  # the target's directory, for its tokenizer
-    model_id: str = flag("")
-    startup_timeout: float = flag(180.0)
-    router_name: str = flag("")
-    http_port: int | None = flag()
-    http_metrics: str = flag(DEFAULT_HTTP_METRICS)  # /metrics on the HTTP port: key|open|off
-    tool_call_parser: str = flag(DEFAULT_TOOL_CALL_PARSER)  # tool_choice "auto"'s format
-    api_keys: tuple[str, ...] = flag((), name="--api-key")
-    api_key_files: tuple[str, ...] = flag((), name="--api-key-file")
-    public_tls_cert: str | None = flag()
-    public_tls_key: str | None = flag()
+    port: int = _port(DEFAULT_ROUTER_PORT)
+    data_port: int = _data_port()
+    transport: str | None = _transport()
+    stages: tuple[str, ...] = flag(
+        (),
+        parse=comma_list,
+        render=render_comma,
+        help="comma-separated stage gRPC addresses HOST:PORT (a static list)",
+    )
+    drafts: tuple[str, ...] = flag(
+        (),
+        name="--draft",
+        parse=comma_list,
+        render=render_comma,
+        help="draft gRPC address(es) HOST:PORT, comma-separated",
+    )
+    discovery: str | None = flag(
+        metavar="SOURCE",
+        help="where the stage and draft replicas are, followed while serving instead of "
+        "--stages/--draft: file:PATH (one 'stage|draft HOST:PORT [GROUP]' a line, re-read "
+        "when it changes) or kubernetes (the EndpointSlices of the release's stage and "
+        "draft Services, watched through the API server)",
+    )
+    discovery_namespace: str | None = flag(
+        help="kubernetes: the namespace to watch (default: the pod's own)"
+    )
+    discovery_selector: str | None = flag(
+        help="kubernetes: label selector of the EndpointSlices (default: "
+        "'app.kubernetes.io/component in (stage,draft)')"
+    )
+    replay_seconds: float = flag(
+        DEFAULT_REPLAY_SECONDS,
+        help="when a replica on a request's path is lost: how long to wait for another "
+        "path before the request fails UNAVAILABLE",
+    )
+    max_replays: int = flag(
+        8,
+        parse=positive_int,
+        help="how many times one request may be replayed on another path before it fails "
+        "UNAVAILABLE (each replica lost on its path costs one)",
+    )
+    # Path silence: a request's path, not a replica (replica_stall_seconds is that).
+    path_stall_seconds: float = flag(
+        DEFAULT_PATH_STALL_SECONDS,
+        aliases=("--stall-seconds",),
+        help="the watchdog: a path that makes no progress for this long (no frame: no "
+        "verification, no stage's report that it computed the request) counts as lost (the "
+        "request is released there, replayed on another, and fails UNAVAILABLE after "
+        "--replay-seconds without one); --stall-seconds is its deprecated name",
+    )
+    replica_stall_seconds: float = flag(
+        DEFAULT_REPLICA_STALL_SECONDS,
+        parse=positive_seconds,
+        help="a replica that answers no health check for this long is stalled: it takes "
+        "no new requests, and a request waiting on it is replayed on another path as if "
+        "it had died (default %(default)s)",
+    )
+    target: str | None = flag(help="target model directory (for its tokenizer)")
+    model_id: str = flag("", help="name clients use (default: the stages')")
+    startup_timeout: float = flag(
+        180.0, help="seconds to wait for the stages and the draft at start"
+    )
+    router_name: str = flag(
+        "",
+        help="this router's name on the stages and the draft (default HOST:PORT): a router "
+        "restarted under the same name frees its predecessor's requests at once",
+    )
+    http_port: int | None = flag(
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health; vLLM's /metrics, /version, /tokenize, /detokenize) on this "
+        "port (0: any free port; default: no HTTP API)"
+    )
+    http_metrics: str = flag(
+        DEFAULT_HTTP_METRICS,
+        choices=HTTP_METRICS_ACCESS,
+        help="/metrics on the HTTP port: behind the API key like the rest of the port (key), "
+        "open to anyone (open), or not served there (off); default %(default)s",
+    )
+    tool_call_parser: str = flag(
+        DEFAULT_TOOL_CALL_PARSER,
+        choices=TOOL_CALL_PARSERS,
+        help="the model's tool-call format, parsed from its output for tool_choice 'auto' "
+        "(auto: chosen from the chat template; hermes: Qwen2.5's and Hermes' <tool_call>; "
+        "llama3_json: Llama 3.x's JSON calls; none: 'auto' refused); default %(default)s",
+    )
+    api_keys: tuple[str, ...] = flag(
+        (),
+        name="--api-key",
+        repeat=True,
+        metavar="KEY",
+        help="require this key (Authorization: Bearer KEY) on the HTTP API and the gRPC "
+        "Generation API; repeatable",
+    )
+    api_key_files: tuple[str, ...] = flag(
+        (),
+        name="--api-key-file",
+        repeat=True,
+        metavar="FILE",
+        help="require one of the keys in FILE (one a line, '#' comments); repeatable",
+    )
+    public_tls_cert: str | None = flag(
+        help="serve the public gRPC and HTTP ports over TLS with this certificate (PEM)"
+    )
+    public_tls_key: str | None = flag(help="the key of --public-tls-cert (PEM)")
     # The public ports' limits (services/router/edge.py, EdgeLimits; None: its default).
-    http_max_connections: int | None = flag()
-    http_max_connections_per_client: int = flag(DEFAULT_HTTP_PER_CLIENT)
-    http_header_timeout: float = flag(DEFAULT_HTTP_HEADER_TIMEOUT)
-    max_priority: int = flag(DEFAULT_MAX_PRIORITY)
-    # Cached prompt prefixes shared across API keys (default: per key and cache_salt).
-    share_prefix_cache: bool = flag(False)
-    # Without API keys, callers on this host see replicas' addresses in Describe.
-    describe_internals: bool = flag(False)
+    http_max_connections: int | None = flag(
+        parse=positive_int,
+        group=EDGE,
+        help="connections the HTTP port holds at once (and the gRPC port, each); more are "
+        "refused 503 (default: 1024, or a quarter of the file-descriptor limit)",
+    )
+    http_max_connections_per_client: int = flag(
+        DEFAULT_HTTP_PER_CLIENT,
+        group=EDGE,
+        help="connections one client address may hold on the HTTP port (0: no cap; behind "
+        "a proxy every client has the proxy's address; default %(default)s)",
+    )
+    http_header_timeout: float = flag(
+        DEFAULT_HTTP_HEADER_TIMEOUT,
+        group=EDGE,
+        help="seconds a connection has to send a request's headers (from its start, or "
+        "from the first byte of a later request) before it is closed (default %(default)s)",
+    )
+    max_priority: int = flag(
+        DEFAULT_MAX_PRIORITY,
+        group=EDGE,
+        help="the highest request priority a client may ask for unless its API key's line "
+        "says max_priority=N (default %(default)s; higher is refused)",
+    )
+    share_prefix_cache: bool = flag(
+        False,
+        help="cached prompt prefixes are shared across API keys (requests with the same "
+        "cache_salt, or without one); default: per key (or client address) and cache_salt",
+    )
+    describe_internals: bool = flag(
+        False,
+        help="without API keys, callers on this host see the replicas' addresses in "
+        "Describe (with keys: those marked operator)",
+    )
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
 
     def __post_init__(self) -> None:
@@ -266,37 +500,77 @@ class RouterConfig(ServiceConfig):
 class DeploymentConfig:
     """`specpipe up`: router, draft and stages as local processes (`ServicesDeployment`).
     Values the children share are given once here; the launcher turns them into each
-    child's `StageConfig`, `DraftConfig` and `RouterConfig`."""
+    child's `StageConfig`, `DraftConfig` and `RouterConfig`. The fields that are a flag of
+    `specpipe up` as they are say so (`flag`); the others are set from its flags by
+    specpipe/cli/services.py (models resolved, keys loaded, `--no-...` inverted)."""
 
     target: str | Path
     draft: str | Path | None = None  # a model, "oracle" (the target) or None / "none"
-    stages: int = 2
-    stage_replicas: int | Sequence[int] = 1  # of every stage, or per stage
-    layers: str | None = None  # per-stage ranges 0:7,7:14,...; None: an even split
-    transport: str = TCP
-    router_port: int = 0  # 0: a free port
-    host: str = "127.0.0.1"
+    stages: int = flag(2, parse=positive_int, help="pipeline stages")
+    stage_replicas: int | Sequence[int] = flag(  # of every stage, or per stage
+        1,
+        parse=positive_int,
+        help="replicas of every stage (the router picks one of each per request)",
+    )
+    layers: str | None = flag(help="per-stage layer ranges: 0:7,7:14,... (default: an even split)")
+    transport: str = flag(
+        TCP,
+        choices=TRANSPORTS,
+        help="data plane between the local processes (default tcp: on one host UCX has no "
+        "RDMA/NVLink to use, and its polling progress was measured slower on small CPU nodes)",
+    )
+    router_port: int = flag(  # 0: a free port; the command line's default is the usual one
+        0, command_default=DEFAULT_ROUTER_PORT, help="the router's gRPC port (0: any free port)"
+    )
+    host: str = flag("127.0.0.1", help="address every process listens on")
     dtype: str = "float32"
     threads: int | None = None  # per process; None: the CPUs but one (the router's), shared
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.
-    device: str = "cpu"
-    devices: Sequence[str] = ()  # or one per stage process, then the draft's (--devices)
-    drain_seconds: float = DEFAULT_DRAIN_SECONDS
-    log_dir: str | Path | None = None  # None: a temporary directory, removed at stop
-    startup_timeout: float = 180.0
+    device: str = flag(
+        "cpu",
+        exclusive="where",
+        help="where the stages and the draft run: cuda (one GPU per service, round-robin "
+        "over the visible GPUs; with fewer GPUs than services some share one, as printed at "
+        "start), cuda:N (all on GPU N), cpu (default), or auto (cuda if available, else cpu)",
+    )
+    devices: Sequence[str] = flag(
+        (),
+        parse=comma_list,
+        exclusive="where",
+        help="every service's device instead: one per stage process (in pipeline order, a "
+        "stage's replicas together), then the draft's, e.g. cuda:0,cuda:1,cuda:1",
+    )
+    drain_seconds: float = flag(
+        DEFAULT_DRAIN_SECONDS,
+        help="on Ctrl-C/SIGTERM: how long open requests may finish before the processes stop",
+    )
+    # None: a temporary directory, removed at stop (flag: a field, not a shared default)
+    log_dir: str | Path | None = flag(  # noqa: RUF009
+        parse=str, help="keep child logs here (default: a temporary directory)"
+    )
+    startup_timeout: float = flag(
+        180.0, command_default=300.0, help="seconds to wait for every process to serve"
+    )
     env: Mapping[str, str] | None = None  # added to the children's environment
-    max_cache_gib: float | None = None  # per stage and draft; None: a share of free memory
-    step_memory_mib: float | None = None  # per stage and draft; None: a share of free memory
+    max_cache_gib: float | None = flag(help="KV cache budget per stage and draft")
+    step_memory_mib: float | None = flag(
+        help="working memory one step may take per stage and draft (default: a share of "
+        "the device's free memory)"
+    )
     http_port: int | None = None  # the router's HTTP API; None: off, 0: any free port
     http_metrics: str = DEFAULT_HTTP_METRICS  # the router's (RouterConfig)
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # the router's (RouterConfig)
     api_keys: Sequence[str] = ()
     scheduling: SchedulingConfig | Mapping[str, object] | None = None
     metrics: bool = False  # every process gets a --metrics-port
-    replay_seconds: float | None = None  # the router's; None: its default
+    replay_seconds: float = DEFAULT_REPLAY_SECONDS  # the router's
     group: str = ""  # discovery group (model version) of the first children
-    lease_seconds: float | None = None  # of the stages and the draft; None: theirs
+    lease_seconds: float = flag(
+        DEFAULT_LEASE_SECONDS,
+        help="free a request's state on the stages and the draft when its router has not "
+        "renewed it for this long (default %(default)s)",
+    )
     secure: bool = True  # a throwaway CA and certificate; False: --insecure
     public_tls: Any = None  # a security.PublicTls for the router's public ports
     emulate_costs: str | Path | None = None  # every stage (its own curve) and the draft

@@ -268,7 +268,7 @@ class ServicesDeployment:
             threads=self.threads,
             device=device,
             **self._cache_budget(device),
-            **({} if c.lease_seconds is None else {"lease_seconds": c.lease_seconds}),
+            lease_seconds=c.lease_seconds,
             emulate_costs=str(self.emulate_costs) if self.emulate_costs else None,
             measure_costs=c.scheduling.needs_costs(stage),
             batch_wait=c.batch_wait,
@@ -315,7 +315,7 @@ class ServicesDeployment:
             data_port=self._free_port(),
             transport=c.transport,
             startup_timeout=c.startup_timeout,
-            **({"replay_seconds": c.replay_seconds} if c.replay_seconds else {}),
+            replay_seconds=c.replay_seconds,
             # 0: a free port picked here, like every other one
             http_port=None
             if c.http_port is None

@@ -289,7 +289,7 @@ def router_arguments(config: RouterConfig, inputs: RouterInputs) -> dict[str, ob
         discovery=inputs.discovery,
         replay_seconds=config.replay_seconds,
         max_replays=config.max_replays,
-        stall_seconds=config.stall_seconds,
+        stall_seconds=config.path_stall_seconds,
         name=config.router_name,
         security=security_of(config),
         public_tls=inputs.public_tls,

@@ -46,6 +46,7 @@ from specpipe.common.spec.commands import Command, Emit, Finish
 from specpipe.common.spec.controller import Controller
 from specpipe.common.spec.stats import DecodeStats
 
+from ..config import DEFAULT_LATE_DRAFT_WAIT_MS, DEFAULT_PATH_STALL_SECONDS, DEFAULT_REPLAY_SECONDS
 from ..transport import FrameError, Inbox
 from ..transport.codec import Frame, Kind
 from .backends import Backend, Backends, RequestPath
@@ -64,12 +65,12 @@ class DriverSettings:
 
     rpc_timeout: float = 60.0  # the longest one backend call may take
     open_timeout: float = 10.0  # the longest an Open may take (then another path)
-    replay_timeout: float = 10.0  # how long a replay waits for a path
+    replay_timeout: float = DEFAULT_REPLAY_SECONDS  # how long a replay waits for a path
     max_replays: int = 8  # replays of one request before it fails
     # how long a path may make no progress (no frame: no verification, no stage's report
     # that it computed the request) before the request is replayed
-    stall_timeout: float = 60.0
-    late_draft_wait: float = 0.0  # late_draft.py (0: never hold)
+    stall_timeout: float = DEFAULT_PATH_STALL_SECONDS
+    late_draft_wait: float = DEFAULT_LATE_DRAFT_WAIT_MS / 1e3  # late_draft.py (0: never hold)
 
 
 class RequestDriver:

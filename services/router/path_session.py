@@ -23,6 +23,7 @@ from specpipe.common.spec.controller import Controller, needs_draft
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.v1 import stage_pb2
 
+from ..config import DEFAULT_REPLAY_SECONDS
 from ..control import cache_scope_to_proto, verify_spec_to_proto
 from ..transport import Inbox
 from .backends import Backend, Backends, Claim, NoPath, RequestPath
@@ -61,7 +62,7 @@ class PathSession:
         deadline: Deadline,
         lease: LeaseClaim = NO_LEASE,
         open_timeout: float = 10.0,
-        replay_timeout: float = 10.0,
+        replay_timeout: float = DEFAULT_REPLAY_SECONDS,
         cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
         """`controller`: read for what `Open` tells the stages; `post`: where the

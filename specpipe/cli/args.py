@@ -7,8 +7,12 @@ import json
 from typing import NoReturn
 
 from specpipe.services.config import DEFAULT_ROUTER_PORT as DEFAULT_ROUTER_PORT
-
-DTYPE_CHOICES = ("float32", "bfloat16", "float64")
+from specpipe.services.config import DTYPE_CHOICES as DTYPE_CHOICES
+from specpipe.services.config import ModelServiceConfig
+from specpipe.services.settings import add_flags
+from specpipe.services.settings import auto_or_positive_int as auto_or_positive_int
+from specpipe.services.settings import non_negative_float as non_negative_float
+from specpipe.services.settings import positive_int as positive_int
 
 
 class CliError(Exception):
@@ -20,31 +24,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def auto_or_positive_int(text: str) -> int | str:
-    """A positive integer, or 'auto' (the router's or the engine's choice)."""
-    return text if text == "auto" else positive_int(text)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -59,21 +38,13 @@ def parse_ids(text: str) -> list[int]:
 
 
 def add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=list(DTYPE_CHOICES),
-        help="float64: exactness checks (no rounding noise between cache shapes)",
-    )
+    """--dtype as the model services declare it."""
+    add_flags(p, ModelServiceConfig, only=("dtype",))
 
 
 def add_device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
-        "(cuda if available, else cpu)",
-    )
+    """--device as the model services declare it."""
+    add_flags(p, ModelServiceConfig, only=("device",))
 
 
 def parse_device(spec: str) -> str:

@@ -160,35 +160,19 @@ def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
         api_keys, public_tls = load_api_keys(router), load_public_tls(router)
     except ValueError as e:
         raise CliError(str(e)) from None
+    given = {name: getattr(args, name) for name in flags.UP_FIELDS}
+    given.update(device=parse_device(args.device), devices=tuple(map(parse_device, args.devices)))
     return DeploymentConfig(
+        **given,
         target=_resolve(args.target),
         draft=args.draft if args.draft in ("oracle", "none") else _resolve(args.draft),
-        stages=args.stages,
-        stage_replicas=args.stage_replicas,
-        layers=args.layers,
-        transport=args.transport,
-        router_port=args.router_port,
-        host=args.host,
         dtype=args.dtype,
         threads=args.threads or None,
-        device=parse_device(args.device),
-        devices=tuple(parse_device(d) for d in args.devices),
-        drain_seconds=args.drain_seconds,
-        log_dir=args.log_dir,
-        startup_timeout=args.startup_timeout,
-        max_cache_gib=args.max_cache_gib,
-        step_memory_mib=args.step_memory_mib,
-        http_port=args.http_port,
-        http_metrics=args.http_metrics,
-        tool_call_parser=args.tool_call_parser,
         api_keys=api_keys.lines,  # with their attributes (max_priority=N, operator)
         scheduling=SchedulingConfig.from_args(args),
         metrics=not args.no_metrics,
         secure=not args.insecure,
-        lease_seconds=args.lease_seconds,
         public_tls=public_tls,
-        emulate_costs=args.emulate_costs,
-        batch_wait=args.batch_wait,
         prefix_cache=not args.no_prefix_cache,
     )
 
