@@ -61,13 +61,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """Self-attention with one fused q/k/v projection (the checkpoint's three matrices
+    stacked, `loading.fuse_checkpoint`): one GEMM and one RoPE over the query and key
+    heads together, since each operation is a launch on an accelerator and dispatch
+    time on a CPU."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
@@ -75,9 +79,9 @@ class Attention(nn.Module):
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
-        q = apply_rope(self.q_proj(x).view(n, heads, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(n, kv_heads, d)
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, d)
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         if batch is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
@@ -94,14 +98,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU with one fused gate/up projection (gate rows first, then up)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
