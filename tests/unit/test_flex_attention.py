@@ -15,6 +15,8 @@ from specpipe.common.runtime.paged_batch import flex_metadata
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation
 
+from .test_step_memory import stage_inputs
+
 t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
 HIDDEN = 32
 
@@ -55,15 +57,7 @@ def run_script(model_dir, layers: LayerRange) -> tuple[StageRuntime, list[list[t
         stage.open(rid, 256)
     outs = []
     for step in script():
-        acts = []
-        for a in step:
-            if not layers.is_first:
-                torch.manual_seed(len(a) + int(a.positions[0]))
-                hidden = torch.randn(len(a), HIDDEN, dtype=torch.float64)
-                a = Activation(a.request_id, a.positions, a.committed, a.node_ids,
-                               a.parent_ids, hidden=hidden)  # fmt: skip
-            acts.append(a)
-        done = stage.forward_many(acts)
+        done = stage.forward_many(stage_inputs(step, layers, HIDDEN))
         assert all(isinstance(o, Activation) for o in done), done
         outs.append([o.logits if o.logits is not None else o.hidden for o in done])
     return stage, outs
