@@ -9,9 +9,10 @@ for all of them (`PagedBatch`, `paged_attention.py`): each request's keys are ga
 from the stage's paged KV cache into a padded batch, and a mask built on the device says
 which keys each row sees (its committed prefix, causal for a prefill chunk; its tree
 ancestors and itself for tree rows); a step too large for its memory budget runs in
-parts, query blocks and key blocks. Why padded SDPA rather than FlexAttention or a loop over requests:
-docs/architecture.md, "5. The request controller and its executors",
-"The stage engine".
+parts, query blocks and key blocks. On CUDA a step of one part attends through
+FlexAttention over the keys unpadded instead (`flex_attention.py`). Why padded SDPA on a
+CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5. The
+request controller and its executors", "The stage engine".
 """
 
 from __future__ import annotations
