@@ -9,9 +9,10 @@ for all of them (`PagedBatch`, `paged_attention.py`): each request's keys are ga
 from the stage's paged KV cache into a padded batch, and a mask built on the device says
 which keys each row sees (its committed prefix, causal for a prefill chunk; its tree
 ancestors and itself for tree rows); a step too large for its memory budget runs in
-parts, query blocks and key blocks. Why padded SDPA rather than FlexAttention or a loop over requests:
-docs/architecture.md, "5. The request controller and its executors",
-"The stage engine".
+parts, query blocks and key blocks. On CUDA a step of one part attends through
+FlexAttention over the keys unpadded instead (`flex_attention.py`). Why padded SDPA on a
+CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5. The
+request controller and its executors", "The stage engine".
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalize in fp32 like the reference implementation, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalize in fp32 like the reference implementation, then cast back; through
+        # `F.rms_norm`, which is one fused kernel where the device has one (CUDA) and the
+        # reference's operations, to the bit, on a CPU.
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_cos_sin(
@@ -61,13 +63,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """Self-attention with one fused q/k/v projection (the checkpoint's three matrices
+    stacked, `loading.fuse_checkpoint`): one GEMM and one RoPE over the query and key
+    heads together, since each operation is a launch on an accelerator and dispatch
+    time on a CPU."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         d = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
@@ -75,9 +81,9 @@ class Attention(nn.Module):
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
-        q = apply_rope(self.q_proj(x).view(n, heads, d), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, kv_heads, d), cos, sin)
-        v = self.v_proj(x).view(n, kv_heads, d)
+        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, d)
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         if batch is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
@@ -94,14 +100,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU with one fused gate/up projection (gate rows first, then up)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

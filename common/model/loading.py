@@ -38,32 +38,42 @@ def _safetensors_files(model_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def _checkpoint_names(cfg: ModelConfig, layers: LayerRange) -> dict[str, str]:
-    """Our parameter name -> checkpoint tensor name, for just this stage's tensors."""
-    names: dict[str, str] = {}
+# Our fused projections -> the checkpoint's matrices they stack, in order (dim 0).
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def _checkpoint_names(cfg: ModelConfig, layers: LayerRange) -> dict[str, tuple[str, ...]]:
+    """Our parameter name -> the checkpoint tensor names it is made of (several: stacked
+    along the first dimension), for just this stage's tensors."""
+    names: dict[str, tuple[str, ...]] = {}
     if layers.is_first:
-        names["embed_tokens.weight"] = "model.embed_tokens.weight"
+        names["embed_tokens.weight"] = ("model.embed_tokens.weight",)
     for local, global_idx in enumerate(range(layers.start, layers.end)):
-        for suffix in _layer_param_suffixes(cfg):
-            names[f"layers.{local}.{suffix}"] = f"model.layers.{global_idx}.{suffix}"
+        for ours, parts in _layer_params(cfg).items():
+            src = tuple(f"model.layers.{global_idx}.{p}" for p in parts)
+            names[f"layers.{local}.{ours}"] = src
     if layers.is_last:
-        names["norm.weight"] = "model.norm.weight"
-        names["lm_head.weight"] = "lm_head.weight"
+        names["norm.weight"] = ("model.norm.weight",)
+        names["lm_head.weight"] = ("lm_head.weight",)
     return names
 
 
-def _layer_param_suffixes(cfg: ModelConfig) -> list[str]:
-    suffixes = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        suffixes.append(f"self_attn.{proj}.weight")
-        has_bias = cfg.o_bias if proj == "o_proj" else cfg.qkv_bias
-        if has_bias:
-            suffixes.append(f"self_attn.{proj}.bias")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        suffixes.append(f"mlp.{proj}.weight")
-        if cfg.mlp_bias:
-            suffixes.append(f"mlp.{proj}.bias")
-    return suffixes
+def _layer_params(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """A layer's parameters (suffixes) -> the checkpoint suffixes each stacks."""
+    plain = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj"]
+    params = {f"{m}.weight": (f"{m}.weight",) for m in plain}
+    if cfg.o_bias:
+        params["self_attn.o_proj.bias"] = ("self_attn.o_proj.bias",)
+    if cfg.mlp_bias:
+        params["mlp.down_proj.bias"] = ("mlp.down_proj.bias",)
+    for fused, parts in FUSED.items():
+        params[f"{fused}.weight"] = tuple(f"{p}.weight" for p in parts)
+        if cfg.mlp_bias if fused.startswith("mlp.") else cfg.qkv_bias:
+            params[f"{fused}.bias"] = tuple(f"{p}.bias" for p in parts)
+    return params
 
 
 def load_stage(
@@ -86,18 +96,22 @@ def load_stage(
     wanted = _checkpoint_names(cfg, layers)
     if layers.is_last and "lm_head.weight" not in files:
         # Tied embeddings: the head shares the embedding matrix.
-        wanted["lm_head.weight"] = "model.embed_tokens.weight"
-    missing = [src for src in wanted.values() if src not in files]
+        wanted["lm_head.weight"] = ("model.embed_tokens.weight",)
+    missing = [src for srcs in wanted.values() for src in srcs if src not in files]
     if missing:
         raise ModelConfigError(f"{model_dir}: checkpoint lacks {missing[:3]}")
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for ours, src in wanted.items():
-        by_file.setdefault(files[src], []).append((ours, src))
-    state: dict[str, Tensor] = {}
-    for f, pairs in by_file.items():
+    by_file: dict[Path, list[str]] = {}
+    for src in {src for srcs in wanted.values() for src in srcs}:
+        by_file.setdefault(files[src], []).append(src)
+    read: dict[str, Tensor] = {}
+    for f, srcs in by_file.items():
         with safe_open(str(f), framework="pt", device=str(device)) as fh:
-            for ours, src in pairs:
-                state[ours] = fh.get_tensor(src).to(dtype)
+            for src in srcs:
+                read[src] = fh.get_tensor(src).to(dtype)
+    state = {
+        ours: read[srcs[0]] if len(srcs) == 1 else torch.cat([read.pop(s) for s in srcs])
+        for ours, srcs in wanted.items()
+    }
     with torch.device("meta"):
         model = StageModel(cfg, layers)
     model.load_state_dict(state, strict=True, assign=True)

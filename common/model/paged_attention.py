@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .flex_attention import FlexStep, flex_attend
+
 
 @dataclass(frozen=True)
 class AttentionPart:
@@ -53,7 +55,9 @@ class PagedBatch:
     N new rows write their K/V to `write_slots` [N]. Attention runs as `parts`, whose
     padded outputs are concatenated in order; new row i's output is at `out_rows[i]`.
     `key_buffer`, `value_buffer`: room for the largest part's gathered keys (reused by
-    every layer). `runtime.paged_batch.pack` builds one from the requests' block tables."""
+    every layer). `flex`: where set (`flex_attention`: an accelerator's step of one part),
+    attention runs through it instead of `parts`, and new row i's output is row i.
+    `runtime.paged_batch.pack` builds one from the requests' block tables."""
 
     k: Tensor
     v: Tensor
@@ -62,6 +66,7 @@ class PagedBatch:
     write_slots: Tensor
     parts: tuple[AttentionPart, ...]
     out_rows: Tensor
+    flex: FlexStep | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -100,6 +105,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PagedBatch, heads
     """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] over the
     layer's K/V `k_cache`, `v_cache` [slots, kv_heads, d] (the new rows' written)."""
     d = q.shape[-1]
+    if batch.flex is not None:
+        return flex_attend(q, k_cache, v_cache, batch.flex, heads).reshape(-1, heads * d)
     if len(batch.parts) == 1 and not batch.parts[0].blocked:
         part = batch.parts[0]
         out = _part(q, k_cache, v_cache, part, heads, batch.key_buffer, batch.value_buffer)

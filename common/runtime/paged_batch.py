@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.flex_attention import FlexStep, build_flex_step, flex_applies
 from ..model.paged_attention import AttentionPart, PagedBatch, tree_mask
 from .block_pool import BlockPool
 from .kv_cache import NewRows
@@ -177,20 +178,24 @@ def pack(
         arrays += [keys.ravel(), query_rows, prefix, ancestors.ravel()]
         padded += b * q
     write = np.concatenate([r.slots for r in rows])
+    # an accelerator's step of one part: FlexAttention over the keys unpadded
+    flex = flex_applies(device) and len(plans) == 1 and plans[0].key_block == plans[0].shape[2]
+    flex_arrays = flex_metadata(rows, key_slots) if flex else []
 
-    parts = [write, out_rows, *arrays]
+    parts = [write, out_rows, *arrays, *flex_arrays]
     flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
     write_t, out_t, *tensors = flat.split([p.size for p in parts])
+    flex_step = _flex_step(tensors[len(arrays) :], n, depth) if flex else None
     built = []
     for i, p in enumerate(plans):
         b, q, length = p.shape
         keys_t, query_t, prefix_t, anc_t = tensors[4 * i : 4 * i + 4]
         anc_t = anc_t.view(b * q, depth)
-        one = len(plans) == 1 and p.key_block == length
+        one = len(plans) == 1 and p.key_block == length and not flex
         mask = tree_mask(prefix_t, anc_t, p.shape, pool.dtype) if one else None
         built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, p.shape, p.key_block, mask))
     gathered = max((p.shape[0] * p.shape[2] for p in plans if p.key_block == p.shape[2]),
-                   default=0)  # fmt: skip
+                   default=0) if not flex else 0  # fmt: skip
     key_buffer, value_buffer = pool.gather_buffers(gathered)
     return PagedBatch(
         k=pool.k,
@@ -200,4 +205,34 @@ def pack(
         write_slots=write_t,
         parts=tuple(built),
         out_rows=out_t,
+        flex=flex_step,
+    )
+
+
+def flex_metadata(rows: Sequence[NewRows], key_slots: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """FlexAttention's step metadata, int64: every request's needed keys concatenated
+    (their slots, request, position), and per new row its request, prefix and ancestors
+    as columns of the concatenated keys (padding: -1), [N, depth] flattened."""
+    keys = [int(keys_needed(r).max()) for r in rows]
+    first_key = np.concatenate([[0], np.cumsum(keys)[:-1]])
+    depth = max(1, max(r.ancestors.shape[1] for r in rows))
+    ancestors = []
+    for r, first in zip(rows, first_key, strict=True):
+        a = np.full((r.slots.size, depth), -1, dtype=np.int64)
+        a[:, : r.ancestors.shape[1]] = np.where(r.ancestors >= 0, r.ancestors + first, -1)
+        ancestors.append(a.ravel())
+    return [
+        np.concatenate([s[:k] for s, k in zip(key_slots, keys, strict=True)]).astype(np.int64),
+        np.repeat(np.arange(len(rows)), keys),
+        np.concatenate([np.arange(k) for k in keys]),
+        np.repeat(np.arange(len(rows)), [r.slots.size for r in rows]),
+        np.concatenate([r.prefix for r in rows]).astype(np.int64),
+        np.concatenate(ancestors),
+    ]
+
+
+def _flex_step(tensors: Sequence[torch.Tensor], n: int, depth: int) -> FlexStep:
+    slots, key_request, key_position, row_request, prefix, ancestors = tensors
+    return build_flex_step(
+        slots, key_request, key_position, row_request, prefix, ancestors.view(n, depth)
     )

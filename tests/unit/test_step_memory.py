@@ -127,17 +127,20 @@ def run_script(model_dir, step_bytes: int | None, layers: LayerRange):
     stage = StageRuntime(load_stage(model_dir, layers, torch.float64), step_bytes=step_bytes)
     for rid in "abc":
         stage.open(rid, 2048)
-    outs = []
-    for step in script():
-        acts = []
-        for a in step:
-            if not layers.is_first:
-                torch.manual_seed(len(a) + int(a.positions[0]))
-                a = Activation(a.request_id, a.positions, a.committed, a.node_ids,
-                               a.parent_ids, hidden=torch.randn(len(a), 32, dtype=torch.float64))  # fmt: skip
-            acts.append(a)
-        outs.append(stage.forward_many(acts))
-    return stage, outs
+    return stage, [stage.forward_many(stage_inputs(step, layers)) for step in script()]
+
+
+def stage_inputs(step: list[Activation], layers: LayerRange, hidden: int = 32) -> list[Activation]:
+    """A step's activations as `layers` takes them: tokens on the first stage, else
+    seeded random fp64 hidden states of width `hidden`."""
+    if layers.is_first:
+        return step
+    acts = []
+    for a in step:
+        torch.manual_seed(len(a) + int(a.positions[0]))
+        acts.append(Activation(a.request_id, a.positions, a.committed, a.node_ids,
+                               a.parent_ids, hidden=torch.randn(len(a), hidden, dtype=torch.float64)))  # fmt: skip
+    return acts
 
 
 @pytest.mark.parametrize("layers", [LayerRange(0, 1, 2), LayerRange(1, 2, 2)])
