@@ -28,10 +28,6 @@ from specpipe.common.spec.scheduler import (
     DEFAULT_MAX_RUNNING,
     DEFAULT_MAX_WAITING,
     DEFAULT_MAX_WAITING_PER_TENANT,
-    QueueFull,
-    Scheduler,
-    Ticket,
-    default_running_per_tenant,
 )
 from specpipe.v1 import generation_pb2 as gen
 
@@ -42,6 +38,7 @@ from ..ratelog import RateLimitedLog
 from ..security import Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
+from .admission import Admission
 from .backends import DEFAULT_STALL_SECONDS, Backend, Backends, ModelInfo, NoPath
 from .bounds import max_prompt_chars
 from .cache_scope import CacheScopes
@@ -158,19 +155,14 @@ class RouterEngine:
         self.late_draft_wait = late_draft_wait
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
-        self.scheduler = Scheduler(
-            max_running,
-            max_waiting,
-            clock=time.monotonic,
-            max_running_per_tenant=max_running_per_key or default_running_per_tenant(max_running),
-            max_waiting_per_tenant=max_waiting_per_key,
-            on_bumped=self._bumped,
+        self.admission = Admission(
+            self.drivers, max_running, max_waiting, max_running_per_key, max_waiting_per_key
         )
+        self.scheduler = self.admission.scheduler
         # Prefix-cache namespaces: per tenant, keyed with the deployment's secret.
         self.cache_scopes = CacheScopes(
             security.data_secret if security else None, share_prefix_cache
         )
-        self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         # Leases: this router's stable name (default host:port, set at start), this
@@ -466,7 +458,7 @@ class RouterEngine:
         `scope`: its prefix-cache scope on every replica."""
         rid = self._ids.next()
         try:
-            await self._admit(rid, plan, priority, deadline, tenant)
+            await self.admission.admit(rid, plan, priority, deadline, tenant)
         except BaseException:
             self.tuning.finish(tuned, None)
             raise
@@ -474,7 +466,7 @@ class RouterEngine:
         try:
             path = first_path(self.backends, plan.mode, plan.opts, plan.prompt, scope)
         except NoPath as e:
-            self._leave(rid)
+            self.admission.leave(rid)
             self.tuning.finish(tuned, None)
             log.debug("no path for a request: %s", e)  # names replicas: not for clients
             raise RequestFailed(
@@ -509,7 +501,7 @@ class RouterEngine:
             driver.on_opened = metrics.opened
             metrics.started(len(plan.prompt))
         self.drivers[rid] = driver
-        self._apply_widths()
+        self.admission.apply_widths()
         log.debug(  # request ids are capabilities: never above DEBUG
             "%s: %s, %d prompt tokens, %d new%s",
             rid,
@@ -553,7 +545,7 @@ class RouterEngine:
         the background: the client may have gone already)."""
         rid = driver.request_id
         self.drivers.pop(rid, None)
-        self._leave(rid)
+        self.admission.leave(rid)
         self.tuning.finish(tuned, None if failed else driver.stats, driver.timing()[1])
         if self.metrics is not None:
             self.metrics.finished(driver, failed)
@@ -561,69 +553,13 @@ class RouterEngine:
         self._cleanup.add(task)
         task.add_done_callback(self._cleanup.discard)
 
-    async def _admit(
-        self, rid: str, plan: Plan, priority: int, deadline: float | None, tenant: str = ""
-    ) -> None:
-        """Run now, or wait in the queue (fair between tenants, then by priority) until
-        a running request leaves; RESOURCE_EXHAUSTED when refused, now or later (a full
-        queue made room for a tenant queueing less)."""
-        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.depth, tenant=tenant)
-        try:
-            if self.scheduler.submit(ticket):
-                return
-        except QueueFull as e:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        admitted = self._admissions[rid] = asyncio.get_running_loop().create_future()
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(asyncio.shield(admitted), timeout)
-        except TimeoutError:
-            raise RequestFailed(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the deadline passed while the request waited for a slot (the router is busy)",
-            ) from None
-        finally:
-            if not admitted.done():  # gave up waiting (deadline, or the client left)
-                self._leave(rid)
-
-    def _bumped(self, ticket: Ticket) -> None:
-        """A waiting request refused to make room for a tenant queueing less."""
-        fut = self._admissions.pop(ticket.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(
-                RequestFailed(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "the queue is full and this client queues more than others: retry later",
-                )
-            )
-
     def check_room(self, caller: Caller | None, n: int) -> None:
         """RESOURCE_EXHAUSTED unless `caller` may hold `n` more requests now (the `n`
         choices of one HTTP request: all of them count, up front; one is admitted as
         any request is)."""
         self._refuse_while_draining()
-        if n <= 1:
-            return
-        tenant = (caller or self.api_keys.caller(None)).tenant
-        try:
-            self.scheduler.check_room(tenant, n)
-        except QueueFull as e:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-
-    def _leave(self, rid: str) -> None:
-        """`rid` no longer runs or waits: admit whom it makes room for, share the width."""
-        self._admissions.pop(rid, None)
-        for t in self.scheduler.finish(rid):
-            fut = self._admissions.pop(t.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        self._apply_widths()
-
-    def _apply_widths(self) -> None:
-        for rid, ticket in self.scheduler.running.items():
-            driver = self.drivers.get(rid)
-            if driver is not None:
-                driver.controller.set_width(ticket.granted)
+        if n > 1:
+            self.admission.check_room((caller or self.api_keys.caller(None)).tenant, n)
 
     def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
         st = driver.stats
