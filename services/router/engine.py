@@ -5,7 +5,10 @@ API) and yields its `started`, `delta`s and `finished`; the request's model and 
 are checked once, here (`generate` -> `prepare` -> `plan`).
 
 The front ends (service.py, http_api.py) translate to and from it and call only its
-public methods; the lease keep-alive is keepalive.py.
+public methods; waiting for a running slot is admission.py, the lease keep-alive
+keepalive.py. One module of about 550 lines: a request's walk (check, plan, admit,
+open, stream, end) reads top to bottom here, over the state it shares with the other
+requests (drivers, scheduler, codec).
 """
 
 from __future__ import annotations
@@ -337,7 +340,8 @@ class RouterEngine:
         return dataclasses.replace(plan, mode=mode, opts=opts), tuned
 
     def _tokenize_budget(self) -> int:
-        return BUDGET_PROMPTS * max_prompt_chars(self.check_model("").max_positions)
+        model = self.model or self.check_model("")  # none yet: the router is starting
+        return BUDGET_PROMPTS * max_prompt_chars(model.max_positions)
 
     async def tokenize_off_loop(self, chars: int, fn, *args):
         """`fn(*args)` (tokenizing, a chat template) for a text of `chars` characters, on
