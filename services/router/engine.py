@@ -20,6 +20,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Self
 
 import grpc
 from specpipe.common.runtime.lease import MIN_TOKEN_BYTES
@@ -70,6 +71,9 @@ from .requests import (
 from .step_fit import check_cache_fits, prefill_cells_of
 from .tokenizing import BUDGET_PROMPTS, TokenizingQueue
 from .tuning import RouterTuning, Tuned
+
+if TYPE_CHECKING:
+    from ..config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +185,49 @@ class RouterEngine:
         # delays other requests' tokens or the health checks (tokenizing.py).
         self._tokenizing = TokenizingQueue()
         self._failures = RateLimitedLog(log)  # a failing replica fails many requests
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        discovery: Discovery,
+        api_keys: ApiKeys,
+        security: Security | None = None,
+        metrics=None,
+        **front,
+    ) -> Self:
+        """The engine `config` (`specpipe router`) describes, over the live objects made
+        from it (its replicas' source, API keys, the internal planes' credentials): the
+        one place its settings meet the engine. `front`: a front end's own options."""
+        s = config.scheduling
+        tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
+        return cls(
+            tokenizer_dir=config.target,
+            transport_kind=config.transport or TCP,
+            bind_host=config.host,
+            advertise_host=config.advertise_host,
+            model_id=config.model_id,
+            api_keys=api_keys,
+            max_running=s.max_running,
+            max_waiting=s.max_waiting,
+            max_running_per_key=s.max_running_per_key,
+            max_waiting_per_key=s.max_waiting_per_key,
+            share_prefix_cache=config.share_prefix_cache,
+            row_budget=s.row_budget,
+            defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
+            tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
+            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
+            discovery=discovery,
+            replay_seconds=config.replay_seconds,
+            max_replays=config.max_replays,
+            stall_seconds=config.stall_seconds,
+            replica_stall_seconds=config.replica_stall_seconds,
+            name=config.router_name,
+            security=security,
+            metrics=metrics,
+            **front,
+        )
 
     @property
     def lease(self) -> LeaseClaim:

@@ -17,18 +17,13 @@ from specpipe.v1 import generation_pb2_grpc
 
 from ..grpc_util import Server, wait_until_idle
 from ..security import PublicTls
-from ..transport import TCP
 from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .edge import EdgeLimits, InvalidMessages
 from .engine import RouterEngine
-from .requests import RequestDefaults, RequestFailed, invalid, tokenize
-from .tuning import RouterTuning
+from .requests import RequestFailed, invalid, tokenize
 
 if TYPE_CHECKING:
-    from ..auth import ApiKeys
     from ..config import RouterConfig
-    from ..security import Security
-    from .discovery import Discovery
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
@@ -72,45 +67,18 @@ class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
         cls,
         config: RouterConfig,
         *,
-        discovery: Discovery,
-        api_keys: ApiKeys,
         public_tls: PublicTls | None = None,
-        security: Security | None = None,
         limits: EdgeLimits | None = None,
-        metrics=None,
+        **live,
     ) -> RouterService:
-        """The router `config` (`specpipe router`) describes, over the live objects made
-        from it (its replicas' source, API keys, TLS, the public ports' limits): the one
-        place its settings meet the engine."""
-        s = config.scheduling
-        tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
-        return cls(
-            tokenizer_dir=config.target,
-            transport_kind=config.transport or TCP,
-            bind_host=config.host,
-            advertise_host=config.advertise_host,
-            model_id=config.model_id,
-            api_keys=api_keys,
-            max_running=s.max_running,
-            max_waiting=s.max_waiting,
-            max_running_per_key=s.max_running_per_key,
-            max_waiting_per_key=s.max_waiting_per_key,
-            share_prefix_cache=config.share_prefix_cache,
-            describe_internals=config.describe_internals,
-            row_budget=s.row_budget,
-            defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
-            tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
-            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
-            discovery=discovery,
-            replay_seconds=config.replay_seconds,
-            max_replays=config.max_replays,
-            stall_seconds=config.stall_seconds,
-            replica_stall_seconds=config.replica_stall_seconds,
-            name=config.router_name,
-            security=security,
+        """The engine of `config` (RouterEngine.from_config, over the `live` objects)
+        behind this front end, with the public port's TLS and limits made from it."""
+        return super().from_config(
+            config,
             public_tls=public_tls,
             limits=limits,
-            metrics=metrics,
+            describe_internals=config.describe_internals,
+            **live,
         )
 
     # -- lifecycle -----------------------------------------------------------------------
