@@ -132,7 +132,10 @@ def load_codec(model_dir: str | None):
 def check_model(model: ModelInfo | None, name: str) -> ModelInfo:
     """The served model, if `name` (empty: any) names it."""
     if model is None:
-        raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the router is still starting")
+        # Not this router's last word: a client retries (or resumes) once it serves.
+        raise InvalidRequest(
+            grpc.StatusCode.UNAVAILABLE, "the router is still starting", elsewhere=True
+        )
     if name and name != model.model_id:
         raise InvalidRequest(
             grpc.StatusCode.NOT_FOUND,
