@@ -77,7 +77,7 @@ class RequestDefaults:
 
 class RequestFailed(Exception):
     """A request refused or failed: the gRPC status a client receives and why. What
-    `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
+    `RouterEngine.generate` raises; the gRPC handler aborts with it, the HTTP API turns
     it into an OpenAI-shaped error."""
 
     def __init__(self, code: grpc.StatusCode, message: str, elsewhere: bool = False) -> None:
@@ -98,7 +98,7 @@ class InvalidRequest(RequestFailed):
 
 
 class StopGeneration(Exception):
-    """Thrown into `RouterService.generate` at a delta (`athrow`): end the request now,
+    """Thrown into `RouterEngine.generate` at a delta (`athrow`): end the request now,
     as finished with reason "stop" (the HTTP API's stop strings)."""
 
 
