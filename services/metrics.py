@@ -382,7 +382,9 @@ class RouterMetrics(ServiceMetrics):
         super().__init__()
         self.running = self._gauge("num_requests_running", "Requests producing tokens")
         self.waiting = self._gauge(
-            "num_requests_waiting", "Requests waiting for their path to open (new or replayed)"
+            "num_requests_waiting",
+            "Requests not producing tokens yet: queued for a running slot or opening their "
+            "path (new or replayed)",
         )
         self.ttft = self._histogram(
             "time_to_first_token_seconds", "Time to the first token", TTFT_BUCKETS
@@ -453,12 +455,17 @@ class RouterMetrics(ServiceMetrics):
         self.running.set_function(
             _safe(lambda: sum(1 for d in list(drivers.values()) if not d.waiting))
         )
-        opening = _safe(lambda: sum(1 for d in list(drivers.values()) if d.waiting))
-        self.waiting.set_function(opening)
+        # Every request that waits (the chart autoscales on it): queued for a running
+        # slot, or admitted and opening its path (new or replayed).
+        waiting = _safe(
+            lambda: (
+                len(router.scheduler.waiting) + sum(1 for d in list(drivers.values()) if d.waiting)
+            )
+        )
+        self.waiting.set_function(waiting)
         self.registry.register(_BackendCollector(router.backends))
         self.vllm.model_name = lambda: router.model.model_id if router.model else ""
-        # vLLM's waiting requests: every one not running yet, queued for a slot too.
-        self.vllm.waiting = _safe(lambda: len(router.scheduler.waiting) + opening())
+        self.vllm.waiting = waiting
 
     # -- events of one request -------------------------------------------------------------
     def started(self, prompt_tokens: int) -> None:
@@ -509,9 +516,9 @@ class VllmNames:
     values as the `specpipe:` ones they are read from when scraped, with vLLM's label
     `model_name` (the served model's id). `vllm:time_per_output_token_seconds` is vLLM's
     older name of the time between tokens (per token, as `inter_token_latency_seconds`);
-    `vllm:num_requests_waiting` counts, as vLLM's, every request not running yet: those
-    queued for a running slot (`--max-running`) and those opening their path (the
-    `specpipe:` one counts only the latter)."""
+    `vllm:num_requests_waiting` counts, as vLLM's and the `specpipe:` one, every request
+    not running yet: those queued for a running slot (`--max-running`) and those opening
+    their path."""
 
     def __init__(self, metrics: RouterMetrics) -> None:
         m = metrics

@@ -261,42 +261,6 @@ class RouterInputs:
         return cls(discovery, load_api_keys(config), load_public_tls(config))
 
 
-def router_arguments(config: RouterConfig, inputs: RouterInputs) -> dict[str, object]:
-    """A router configuration as keyword arguments of RouterService: the one place the
-    flags meet the constructor."""
-    from .router.requests import RequestDefaults
-    from .router.tuning import RouterTuning
-
-    s = config.scheduling
-    tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
-    return dict(
-        tokenizer_dir=config.target,
-        transport_kind=config.transport or TCP,
-        bind_host=config.host,
-        advertise_host=config.advertise_host,
-        model_id=config.model_id,
-        api_keys=inputs.api_keys,
-        max_running=s.max_running,
-        max_waiting=s.max_waiting,
-        max_running_per_key=s.max_running_per_key,
-        max_waiting_per_key=s.max_waiting_per_key,
-        share_prefix_cache=config.share_prefix_cache,
-        describe_internals=config.describe_internals,
-        row_budget=s.row_budget,
-        defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
-        tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
-        late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
-        discovery=inputs.discovery,
-        replay_seconds=config.replay_seconds,
-        max_replays=config.max_replays,
-        stall_seconds=config.path_stall_seconds,
-        name=config.router_name,
-        security=security_of(config),
-        public_tls=inputs.public_tls,
-        limits=edge_limits(config),
-    )
-
-
 def edge_limits(config: RouterConfig):
     """The public ports' limits of a router configuration (ValueError for bad ones)."""
     from .router.edge import EdgeLimits
@@ -316,9 +280,16 @@ async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -
 
     inputs = inputs or RouterInputs.load(config)
     router_metrics = RouterMetrics()
-    svc = RouterService(**router_arguments(config, inputs), metrics=router_metrics)
+    svc = RouterService.from_config(
+        config,
+        discovery=inputs.discovery,
+        api_keys=inputs.api_keys,
+        public_tls=inputs.public_tls,
+        security=security_of(config),
+        limits=edge_limits(config),
+        metrics=router_metrics,
+    )
     router_metrics.watch(svc)
-    svc.backends.stall_seconds = config.replica_stall_seconds
     host = config.advertise_host or _local(config.host)
     log.info("replicas from %s", inputs.discovery.describe())
     http, info = None, _serve_metrics(router_metrics, config, host)

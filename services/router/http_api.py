@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP API: FastAPI served by uvicorn inside the
 router's own asyncio loop.
 
-Same loop, no hop: a request here calls `RouterService.generate` directly, exactly as
+Same loop, no hop: a request here calls the engine's `generate` (engine.py) directly, exactly as
 the gRPC handler does, so both APIs give the same tokens for the same request and share
 validation, draining and cancellation. (A separate process or thread would need a
 gRPC hop or cross-loop plumbing for every token, for nothing: the router's work per
@@ -159,7 +159,6 @@ class HttpApi:
 
     async def _cards(self) -> list[dict[str, Any]]:
         """The gRPC API's model cards, in OpenAI's shape."""
-        listed = await self.router.ListModels(gen.ListModelsRequest(), None)
         return [
             model_card(
                 c.id,
@@ -170,7 +169,7 @@ class HttpApi:
                 weight_hash=c.weight_hash,
                 modes=list(c.modes),
             )
-            for c in listed.models
+            for c in self.router.model_cards()
         ]
 
     async def models(self) -> dict[str, Any]:
@@ -211,7 +210,7 @@ class HttpApi:
         """The conversation's tokens through the chat template (with the tools), for
         the model `model_id` names ("": the served one)."""
         try:
-            model = self.router._check_model(model_id)
+            model = self.router.check_model(model_id)
             chars = _conversation_chars(messages, tools.tools if tools else None)
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
@@ -282,7 +281,7 @@ class HttpApi:
     def _model_with_codec(self, model_id: str):
         """The served model, checked against `model_id`, when the router has its tokenizer."""
         try:
-            model = self.router._check_model(model_id)
+            model = self.router.check_model(model_id)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
         if self.router.codec is None:

@@ -78,7 +78,7 @@ class RequestDefaults:
 
 class RequestFailed(Exception):
     """A request refused or failed: the gRPC status a client receives and why. What
-    `RouterService.generate` raises; the gRPC handler aborts with it, the HTTP API turns
+    `RouterEngine.generate` raises; the gRPC handler aborts with it, the HTTP API turns
     it into an OpenAI-shaped error."""
 
     def __init__(self, code: grpc.StatusCode, message: str, final: bool = False) -> None:
@@ -100,7 +100,7 @@ class InvalidRequest(RequestFailed):
 
 
 class StopGeneration(Exception):
-    """Thrown into `RouterService.generate` at a delta (`athrow`): end the request now,
+    """Thrown into `RouterEngine.generate` at a delta (`athrow`): end the request now,
     as finished with reason "stop" (the HTTP API's stop strings)."""
 
 
@@ -134,6 +134,7 @@ def load_codec(model_dir: str | None):
 def check_model(model: ModelInfo | None, name: str) -> ModelInfo:
     """The served model, if `name` (empty: any) names it."""
     if model is None:
+        # Not this router's last word: a client retries (or resumes) once it serves.
         raise InvalidRequest(grpc.StatusCode.UNAVAILABLE, "the router is still starting")
     if name and name != model.model_id:
         raise InvalidRequest(

@@ -1,200 +1,58 @@
-"""The router: the client-facing Generation service, request validation, and one
-`RequestDriver` per request over a path of healthy stage and draft replicas, found
-through a discovery source (backends.py, discovery.py).
-
-One module: the Generation RPCs, admission and each request's lifecycle share the
-router's state (scheduler, backends, drivers, leases).
+"""The router's gRPC front end: the client-facing Generation service over the request
+engine (engine.py), which it translates requests to and events from; the public port's
+limits, TLS and API keys; the process's lifecycle (start, drain, stop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import logging
-import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-import grpc
-from specpipe.common.runtime.lease import DEFAULT_LEASE_SECONDS, MIN_TOKEN_BYTES
-from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
-from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
-from specpipe.common.spec.options import Mode, check_step_rows
-from specpipe.common.spec.scheduler import (
-    DEFAULT_MAX_RUNNING,
-    DEFAULT_MAX_WAITING,
-    DEFAULT_MAX_WAITING_PER_TENANT,
-    QueueFull,
-    Scheduler,
-    Ticket,
-    default_running_per_tenant,
-)
-from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from ..auth import ApiKeys, Caller
-from ..control import logprobs_to_proto
-from ..grpc_util import Server, channel, wait_until_idle
-from ..lease import DRAIN_RENEW_SECONDS
-from ..ratelog import RateLimitedLog
-from ..security import PublicTls, Security
-from ..stats_wire import stats_to_proto
-from ..transport import TCP, Inbox, Transport, make_transport
-from .backends import Backend, Backends, ModelInfo, NoPath
+from ..grpc_util import Server, wait_until_idle
+from ..security import PublicTls
 from .bounds import context_of, max_prompt_chars, max_request_bytes
-from .cache_scope import CacheScopes
-from .calls import DriverError, LeaseClaim
-from .discovery import Discovery, StaticDiscovery
-from .driver import DriverSettings, RequestDriver
 from .edge import EdgeLimits, InvalidMessages
-from .path_session import first_path
-from .requests import (
-    InvalidRequest,
-    Plan,
-    RequestDefaults,
-    RequestFailed,
-    RequestIds,
-    StopGeneration,
-    check_model,
-    check_priority,
-    check_size,
-    grammar_of,
-    invalid,
-    load_codec,
-    plan_request,
-    prompt_of,
-    response_format_of,
-    tokenize,
-)
-from .step_fit import check_cache_fits, prefill_cells_of
-from .tokenizing import BUDGET_PROMPTS, TokenizingQueue
-from .tuning import RouterTuning, Tuned
+from .engine import RouterEngine
+from .requests import RequestFailed, invalid, tokenize
+
+if TYPE_CHECKING:
+    from ..config import RouterConfig
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
 
 
-class RouterService(generation_pb2_grpc.GenerationServicer):
+class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
+    """The engine (its constructor's arguments are the engine's, see engine.py) served
+    over gRPC."""
+
     def __init__(
         self,
-        stage_addresses: list[str] | None = None,
-        draft_address: str | None = None,
-        tokenizer_dir: str | None = None,
-        transport_kind: str = TCP,
-        bind_host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        model_id: str = "",
-        check_interval: float = 0.5,
-        api_keys: ApiKeys | None = None,
-        max_running: int = DEFAULT_MAX_RUNNING,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        row_budget: int | str | None = None,
-        discovery: Discovery | None = None,
-        replay_seconds: float = 10.0,
-        stall_seconds: float = 60.0,
-        max_replays: int = 8,
-        metrics=None,
-        name: str = "",
-        security: Security | None = None,
+        *args,
         public_tls: PublicTls | None = None,
-        defaults: RequestDefaults | None = None,
-        tuning: RouterTuning | None = None,
-        late_draft_wait: float = 0.0,
         limits: EdgeLimits | None = None,
-        max_running_per_key: int | None = None,
-        max_waiting_per_key: int = DEFAULT_MAX_WAITING_PER_TENANT,
-        share_prefix_cache: bool = False,
         describe_internals: bool = False,
+        **engine_options,
     ) -> None:
-        """`security`: mutual TLS to the stages and the draft and authenticated frames
-        (--secure); `public_tls`: TLS on the public gRPC port (clients use API keys);
-        `defaults`: width, layers per step and token source of requests that leave them
-        unset (values or "auto"; None: the engine's fixed defaults, as embedders and
-        tests want; `specpipe up` and `specpipe router` pass the flags', which tune);
-        `tuning`: how `auto` settings are chosen;
-        `late_draft_wait`: how long a verification may wait for a late draft answer
-        (seconds; 0: never, see driver.py); `limits`: connection caps and timeouts of
-        the public ports (edge.py). Fair admission (common/spec/scheduler.py): an API
-        key (or, without keys, a client address) runs at most `max_running_per_key`
-        requests (None: all but an eighth of `max_running`) and queues at most
-        `max_waiting_per_key`. `share_prefix_cache`: tenants may
-        share cached prefixes (cache_scope.py). `describe_internals`: without API keys,
-        callers on this host see the replicas' addresses in Describe (operators do
-        anyway)."""
-        self.security = security
+        """`public_tls`: TLS on the public gRPC port (clients use API keys); `limits`:
+        connection caps and timeouts of the public ports (edge.py);
+        `describe_internals`: without API keys, callers on this host see the replicas'
+        addresses in Describe (operators do anyway)."""
+        super().__init__(*args, **engine_options)
         self.public_tls = public_tls
-        self.inbox = Inbox()
-        self.transport: Transport = make_transport(
-            transport_kind,
-            self.inbox,
-            bind_host=bind_host,
-            advertise_host=advertise_host,
-            admit=self.inbox.admit,
-            auth=security.frame_auth() if security else None,
-        )
-        self.transport_kind = transport_kind
-        if discovery is None:
-            if not stage_addresses:
-                raise ValueError("a router needs at least one stage (or a discovery source)")
-            discovery = StaticDiscovery(stage_addresses, [draft_address] if draft_address else [])
-        self.backends = Backends(
-            discovery,
-            on_down=self._backend_down,
-            on_readiness=self._readiness,
-            check_interval=check_interval,
-            transport_kind=transport_kind,
-            make_channel=lambda address: channel(address, security),
-        )
-        # Faults: how long a replay waits for a path, how long a silent path is trusted
-        # (the watchdog), and how often one request is replayed before it fails.
-        self.replay_seconds, self.stall_seconds = replay_seconds, stall_seconds
-        self.max_replays = max_replays
-        self.metrics = metrics  # services/metrics.RouterMetrics, or None
-        self.tokenizer_dir = tokenizer_dir
-        self.codec = None
-        self.grammar_tokenizer = None  # response_format: loaded at the first such request
-        self.model_id_override = model_id
-        self.drivers: dict[str, RequestDriver] = {}
-        self.defaults = defaults or RequestDefaults.fixed()
-        self.tuning = tuning or RouterTuning()
-        self.late_draft_wait = late_draft_wait
-        # Admission and elastic width; the row budget may come from the stages ("auto").
-        self.row_budget_spec = row_budget
-        self.scheduler = Scheduler(
-            max_running,
-            max_waiting,
-            clock=time.monotonic,
-            max_running_per_tenant=max_running_per_key or default_running_per_tenant(max_running),
-            max_waiting_per_tenant=max_waiting_per_key,
-            on_bumped=self._bumped,
-        )
-        # Prefix-cache namespaces: per tenant, keyed with the deployment's secret.
-        self.cache_scopes = CacheScopes(
-            security.data_secret if security else None, share_prefix_cache
-        )
         self.describe_internals = describe_internals
-        self._admissions: dict[str, asyncio.Future] = {}  # waiting requests
-        self._cleanup: set[asyncio.Task] = set()
-        self._ids = RequestIds()
-        # Leases: this router's stable name (default host:port, set at start), this
-        # process's epoch (its start time in ns: a restarted router's is larger) and its
-        # lease token (random: only this process renews its requests).
-        self.name = name
-        self.epoch = time.time_ns()
-        self.lease_token = secrets.token_bytes(MIN_TOKEN_BYTES)
-        self._renewer: asyncio.Task | None = None
-        self.draining = False
-        self.api_keys = api_keys or ApiKeys()
         self.limits = limits or EdgeLimits()
         auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
         # Requests larger than any prompt that fits the context are refused by gRPC
         # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
-        self.max_request_bytes = max_request_bytes(context_of(tokenizer_dir))
+        self.max_request_bytes = max_request_bytes(context_of(self.tokenizer_dir))
         self.server = Server(
             [SERVICE_NAME],
             interceptors=[*auth, InvalidMessages(SERVICE_NAME)],
@@ -202,11 +60,26 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             credentials=public_tls.server_credentials() if public_tls else None,
             options=self.limits.grpc_options(),
         )
-        # Tokenizing (and chat templates) off the event loop, bounded: a long prompt never
-        # delays other requests' tokens or the health checks (tokenizing.py).
-        self._tokenizing = TokenizingQueue()
-        self._failures = RateLimitedLog(log)  # a failing replica fails many requests
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: RouterConfig,
+        *,
+        public_tls: PublicTls | None = None,
+        limits: EdgeLimits | None = None,
+        **live,
+    ) -> RouterService:
+        """The engine of `config` (RouterEngine.from_config, over the `live` objects)
+        behind this front end, with the public port's TLS and limits made from it."""
+        return super().from_config(
+            config,
+            public_tls=public_tls,
+            limits=limits,
+            describe_internals=config.describe_internals,
+            **live,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(
@@ -221,49 +94,9 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         port = await self.server.start(host, port, health_port)
         self.name = self.name or default_router_name(self.transport.advertise_host, port)
         await self.server.set_serving(False)
-        self.codec = await asyncio.get_running_loop().run_in_executor(
-            None, load_codec, self.tokenizer_dir
-        )
-        try:
-            await self.backends.connect(startup_timeout)
-        except NoPath as e:
-            raise RuntimeError(f"the router cannot start: {e}") from None
-        self.scheduler.num_stages = len(self.backends.model.ranges) if self.backends.model else 1
-        self.scheduler.row_budget = self._row_budget()
-        await self.renew()  # a restarted router's predecessor's requests are freed now
-        self._renewer = asyncio.create_task(self._renew_forever(), name="lease-renewal")
+        await self.start_engine(startup_timeout)
         await self._readiness(self.backends.ready)
         return port
-
-    def _row_budget(self) -> int | None:
-        """--row-budget: a number, "auto" (the smallest a stage measured), or None."""
-        spec = self.row_budget_spec
-        if spec in (None, "", "none"):
-            return None
-        if spec != "auto":
-            return int(spec)
-        stages = [b for b in self.backends.stages if b.desc is not None]
-        measured = [b.desc.row_budget for b in stages if b.desc.row_budget]
-        if not stages or len(measured) < len(stages):
-            raise RuntimeError(
-                "--row-budget auto needs every stage's measured cost curve: "
-                "start the stages with --measure-costs"
-            )
-        budget = min(measured)
-        log.info("row budget %d rows per step (the smallest of %s)", budget, measured)
-        return budget
-
-    @property
-    def model(self) -> ModelInfo | None:
-        """The model version new requests go to (the newest complete one)."""
-        m = self.backends.model
-        if m is not None and self.model_id_override:
-            return dataclasses.replace(m, model_id=self.model_id_override)
-        return m
-
-    @model.setter
-    def model(self, value: ModelInfo | None) -> None:
-        self.backends.model = value
 
     async def drain(self, seconds: float) -> None:
         """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
@@ -276,417 +109,14 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             log.warning("drain deadline passed with %d requests open", left)
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-        for d in list(self.drivers.values()):
-            d.fail(
-                grpc.StatusCode.UNAVAILABLE,
-                "the router shut down before this request finished (retry it)",
-            )
+        await self.stop_engine()
         await self.server.stop()
-        if self._cleanup:
-            await asyncio.wait(self._cleanup, timeout=5.0)
-        await self.backends.close()
-        await self.transport.close()
-        self._tokenizing.shutdown()
+        await self.close_engine()
 
     async def _readiness(self, ready: bool) -> None:
         await self.server.set_serving(ready)
 
-    # -- leases --------------------------------------------------------------------------
-    def renew_interval(self) -> float:
-        """A third of the shortest lease any backend grants (they say in Describe)."""
-        leases = [b.desc.lease_seconds for b in self.backends.all if b.desc is not None]
-        leases = [t for t in leases if t > 0] or [DEFAULT_LEASE_SECONDS]
-        return min(leases) / 3
-
-    async def renew(self, draining_only: bool = False) -> None:
-        """One keep-alive round: every backend (or, `draining_only`, every draining one)
-        renews the leases of this router's requests on it (by their ids on their current
-        paths); a request a backend no longer holds (its lease expired, or the backend
-        restarted) is replayed elsewhere."""
-        held: dict[Backend, dict[str, RequestDriver]] = {}
-        for d in self.drivers.values():
-            if d.holding:
-                for b in d.path.backends:
-                    held.setdefault(b, {})[d.wire_id] = d
-        backends = [
-            b for b in self.backends.all if b.stub is not None and (b.draining or not draining_only)
-        ]
-        calls = [
-            b.stub.Renew(
-                pb.RenewRequest(
-                    owner=self.name,
-                    epoch=self.epoch,
-                    token=self.lease_token,
-                    request_ids=list(held.get(b, {})),
-                ),
-                timeout=5.0,
-            )
-            for b in backends
-        ]
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for b, r in zip(backends, results, strict=True):
-            if isinstance(r, BaseException):
-                log.debug("renewing leases on %s failed: %s", b.label, r)
-                continue
-            for wire_id in r.unknown_ids:
-                d = held.get(b, {}).get(wire_id)
-                if d is not None and d.wire_id == wire_id:
-                    d.backend_down(
-                        b, "it no longer holds this request (its lease expired or it restarted)"
-                    )
-
-    async def _renew_forever(self) -> None:
-        """Every `renew_interval`; and a draining replica's leases every
-        DRAIN_RENEW_SECONDS, since it frees what no router renews within its short drain
-        lease (services/lease.py)."""
-        due = time.monotonic() + self.renew_interval()
-        while True:
-            await asyncio.sleep(max(0.0, min(DRAIN_RENEW_SECONDS, due - time.monotonic())))
-            if time.monotonic() >= due:
-                await self.renew()
-                due = time.monotonic() + self.renew_interval()
-            elif any(b.draining for b in self.backends.all):
-                await self.renew(draining_only=True)
-
-    def _backend_down(self, b: Backend, error: str) -> None:
-        for d in list(self.drivers.values()):
-            d.backend_down(b, error)
-
-    # -- validation ----------------------------------------------------------------------
-    def _check_model(self, name: str) -> ModelInfo:
-        return check_model(self.model, name)
-
-    def plan(self, r: gen.GenerateRequest, prompt: list[int] | None = None, grammar=None) -> Plan:
-        """Validate a request against the deployment; every problem is a clear status.
-        `prompt`, `grammar`: the request's prompt already tokenized and its
-        response_format compiled (see `prepare`)."""
-        model = self._check_model(r.model)
-        if prompt is None:
-            check_size(r, model)
-            prompt = prompt_of(r, self.codec)
-        plan = plan_request(
-            r,
-            model,
-            prompt,
-            self.backends.has_draft,
-            self.transport.max_payload_bytes,
-            self.defaults,
-            self.grammar_tokenizer,
-            grammar,
-        )
-        # The rows one step may take here: the fewest any stage or the draft takes.
-        caps = [b.desc.max_step_rows for b in self.backends.all if b.desc is not None]
-        caps = [c for c in caps if c > 0]
-        if caps:
-            try:
-                check_step_rows(plan.mode, plan.opts, min(caps))
-            except ValueError as e:
-                raise invalid(str(e)) from None
-        return self._fit_stages(plan)
-
-    def _fit_stages(self, plan: Plan) -> Plan:
-        """Refuse a prompt no path can hold; size its prefill chunks to the stages'
-        prefill budget (step_fit.py)."""
-        descs = [b.desc for b in self.backends.stages if b.desc is not None]
-        try:
-            check_cache_fits(len(plan.prompt), descs)
-        except ValueError as e:
-            raise invalid(str(e)) from None
-        cells = prefill_cells_of(descs)
-        if cells is None or plan.opts.prefill_cells is not None:
-            return plan
-        return dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, prefill_cells=cells))
-
-    def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
-        """Fill in the settings a request leaves to the router (`auto`)."""
-        model = self.model
-        if plan.space is None or model is None:
-            return plan, None
-        mode, opts, tuned = self.tuning.resolve(
-            plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
-        )
-        return dataclasses.replace(plan, mode=mode, opts=opts), tuned
-
-    def _tokenize_budget(self) -> int:
-        return BUDGET_PROMPTS * max_prompt_chars(self._check_model("").max_positions)
-
-    async def tokenize_off_loop(self, chars: int, fn, *args):
-        """`fn(*args)` (tokenizing, a chat template) for a text of `chars` characters, on
-        the tokenizer threads; RESOURCE_EXHAUSTED when they have too much to do."""
-        return await self._tokenizing.run(chars, self._tokenize_budget(), fn, *args)
-
-    def tokenizer_full(self, chars: int) -> bool:
-        """Whether a text of at least `chars` characters would be refused now."""
-        return self.model is not None and self._tokenizing.full(chars, self._tokenize_budget())
-
-    async def prepare(self, r: gen.GenerateRequest) -> Plan:
-        """`plan`, with a text prompt tokenized off the event loop."""
-        check_size(r, self._check_model(r.model))
-        grammar = await self._grammar_of(r)
-        if r.WhichOneof("prompt") != "text" or not r.text:
-            return self.plan(r, grammar=grammar)
-        prompt = await self.tokenize_off_loop(len(r.text), prompt_of, r, self.codec)
-        return self.plan(r, prompt, grammar)
-
-    async def _grammar_of(self, r: gen.GenerateRequest):
-        """The request's response_format compiled (None: text), off the event loop: the
-        tokenizer's view once (about a second for a large vocabulary), then the grammar
-        (milliseconds, about 0.1 s for a schema of 100 kB)."""
-        if not response_format_of(r).constrains:
-            return None
-        model = self._check_model("")
-        loop = asyncio.get_running_loop()
-        if self.grammar_tokenizer is None and self.codec is not None and self.tokenizer_dir:
-            try:
-                self.grammar_tokenizer = await loop.run_in_executor(
-                    None,
-                    load_grammar_tokenizer,
-                    str(self.tokenizer_dir),
-                    model.vocab_size,
-                    tuple(model.eos_token_ids),
-                )
-            except GrammarError as e:
-                raise InvalidRequest(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        return await loop.run_in_executor(None, grammar_of, r, self.grammar_tokenizer)
-
     # -- RPCs ------------------------------------------------------------------------------
-    async def generate(
-        self,
-        request: gen.GenerateRequest,
-        deadline: float | None = None,
-        caller: Caller | None = None,
-    ) -> AsyncIterator[gen.GenerateResponse]:
-        """One request: `started`, then `delta`s, then `finished`; raises RequestFailed.
-        `deadline` is on time.monotonic() (None: none); `caller`: what the client may do
-        (its API key's; None: the defaults). The gRPC and HTTP APIs both serve
-        requests through this. Closing the generator early (the client went away)
-        releases the request on every stage and the draft; throwing StopGeneration in at
-        a delta ends it as finished ("stop") and yields the final message."""
-        self._refuse_while_draining()
-        caller = caller or self.api_keys.caller(None)
-        check_priority(request.priority, caller)
-        try:
-            scope = self.cache_scopes.of(caller.tenant, request.cache_salt)
-        except ValueError as e:
-            raise invalid(str(e)) from None
-        plan, tuned = self._tune(await self.prepare(request))
-        driver = await self._start(plan, tuned, request.priority, deadline, caller.tenant, scope)
-        stream = self.codec.stream() if self.codec else None
-        if stream is not None:  # a resume: the client has these tokens' text; continue it
-            for t in plan.resume:
-                stream.push(t)
-        failed, stopped, index = True, False, len(plan.resume)
-        try:
-            yield self._started(driver, len(plan.prompt))
-            async with contextlib.aclosing(driver.run()) as batches:
-                async for tokens in batches:
-                    try:
-                        yield self._delta(driver, stream, tokens, index, plan)
-                    except StopGeneration:
-                        stopped = True
-                        break
-                    index += len(tokens)
-            finished = self._finished(driver, stream, len(plan.prompt))
-            if stopped:
-                finished.finish_reason = "stop"
-            failed = False
-            yield gen.GenerateResponse(finished=finished)
-        except DriverError as e:
-            self._failures.warning(
-                e.code.name, "a %s request failed: %s %s", plan.mode, e.code.name, e.message
-            )
-            log.debug("%s failed", driver.request_id)
-            raise RequestFailed(e.code, e.message, final=True) from None
-        except (RuntimeError, ValueError) as e:  # a bug or a desynchronized pipeline
-            log.exception("a %s request failed", plan.mode)
-            log.debug("%s failed", driver.request_id)
-            raise RequestFailed(grpc.StatusCode.INTERNAL, f"the request failed: {e}") from None
-        finally:  # also when the client cancelled (this generator is being closed)
-            self._end(driver, tuned, failed)
-
-    def _refuse_while_draining(self) -> None:
-        if self.draining:
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                "the router is shutting down (draining its open requests): "
-                "send new requests to another replica",
-            )
-
-    async def _start(
-        self,
-        plan: Plan,
-        tuned: Tuned | None,
-        priority: int,
-        deadline: float | None,
-        tenant: str = "",
-        scope: CacheScope = NO_SCOPE,
-    ) -> RequestDriver:
-        """Admit a planned request of `tenant` (it may wait for a slot), choose its first
-        path and make its controller and driver; the request then counts as running.
-        `scope`: its prefix-cache scope on every replica."""
-        rid = self._ids.next()
-        try:
-            await self._admit(rid, plan, priority, deadline, tenant)
-        except BaseException:
-            self.tuning.finish(tuned, None)
-            raise
-        t0 = time.perf_counter()
-        try:
-            path = first_path(self.backends, plan.mode, plan.opts, plan.prompt, scope)
-        except NoPath as e:
-            self._leave(rid)
-            self.tuning.finish(tuned, None)
-            log.debug("no path for a request: %s", e)  # names replicas: not for clients
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                "cannot serve requests now: no complete path of healthy replicas",
-            ) from None
-        metrics = self.metrics
-        if metrics is not None:
-            metrics.path_choice.observe(time.perf_counter() - t0)
-        controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        controller.resume(plan.resume)  # a resume: a replay at the client's tokens
-        driver = RequestDriver(
-            controller,
-            self.backends,
-            path,
-            self.transport.address,
-            self.inbox,
-            settings=DriverSettings(
-                replay_timeout=self.replay_seconds,
-                stall_timeout=self.stall_seconds,
-                max_replays=self.max_replays,
-                late_draft_wait=self.late_draft_wait,
-            ),
-            deadline=deadline,
-            lease=LeaseClaim(self.name, self.epoch, self.lease_token),
-            vocab_size=self.model.vocab_size if self.model else None,
-            on_replay=metrics.replayed if metrics is not None else None,
-            cache_scope=scope,
-        )
-        if metrics is not None:
-            driver.on_step_cpu = metrics.step_cpu.observe
-            driver.on_opened = metrics.opened
-            metrics.started(len(plan.prompt))
-        self.drivers[rid] = driver
-        self._apply_widths()
-        log.debug(  # request ids are capabilities: never above DEBUG
-            "%s: %s, %d prompt tokens, %d new%s",
-            rid,
-            plan.mode,
-            len(plan.prompt),
-            plan.opts.max_new_tokens,
-            f", auto: {tuned.decision.setting.label()}" if tuned else "",
-        )
-        return driver
-
-    def _started(self, driver: RequestDriver, prompt_tokens: int) -> gen.GenerateResponse:
-        path = driver.path
-        return gen.GenerateResponse(
-            started=gen.Started(
-                request_id=driver.request_id,
-                model=self.model_id_override or path.stages[0].desc.model_id,
-                prompt_tokens=prompt_tokens,
-                weight_hash=path.version,
-            )
-        )
-
-    def _delta(
-        self, driver: RequestDriver, stream, tokens: list[int], index: int, plan: Plan
-    ) -> gen.GenerateResponse:
-        """Tokens `index`.. of the output, detokenized incrementally, with their logprobs
-        (the first also with the prompt's, when asked for)."""
-        if self.metrics is not None:
-            self.metrics.tokens(driver, len(tokens))
-        text = "".join(stream.push(t) for t in tokens) if stream else ""
-        delta = gen.TokenDelta(token_ids=tokens, text=text, index=index)
-        delta.logprobs.extend(logprobs_to_proto(driver.logprobs_of(index, tokens)))
-        if index == len(plan.resume) and plan.opts.prompt_logprobs is not None:
-            delta.prompt_token_ids.extend(plan.prompt)
-            delta.prompt_logprobs.extend(
-                logprobs_to_proto(driver.controller.out.prompt_logprobs or ())
-            )
-        return gen.GenerateResponse(delta=delta)
-
-    def _end(self, driver: RequestDriver, tuned: Tuned | None, failed: bool) -> None:
-        """The request no longer runs: admit the next, report it, release its path (in
-        the background: the client may have gone already)."""
-        rid = driver.request_id
-        self.drivers.pop(rid, None)
-        self._leave(rid)
-        self.tuning.finish(tuned, None if failed else driver.stats, driver.timing()[1])
-        if self.metrics is not None:
-            self.metrics.finished(driver, failed)
-        task = asyncio.ensure_future(driver.release())
-        self._cleanup.add(task)
-        task.add_done_callback(self._cleanup.discard)
-
-    async def _admit(
-        self, rid: str, plan: Plan, priority: int, deadline: float | None, tenant: str = ""
-    ) -> None:
-        """Run now, or wait in the queue (fair between tenants, then by priority) until
-        a running request leaves; RESOURCE_EXHAUSTED when refused, now or later (a full
-        queue made room for a tenant queueing less)."""
-        ticket = Ticket(rid, priority, plan.mode, plan.opts.width, plan.opts.depth, tenant=tenant)
-        try:
-            if self.scheduler.submit(ticket):
-                return
-        except QueueFull as e:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        admitted = self._admissions[rid] = asyncio.get_running_loop().create_future()
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(asyncio.shield(admitted), timeout)
-        except TimeoutError:
-            raise RequestFailed(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the deadline passed while the request waited for a slot (the router is busy)",
-            ) from None
-        finally:
-            if not admitted.done():  # gave up waiting (deadline, or the client left)
-                self._leave(rid)
-
-    def _bumped(self, ticket: Ticket) -> None:
-        """A waiting request refused to make room for a tenant queueing less."""
-        fut = self._admissions.pop(ticket.request_id, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(
-                RequestFailed(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    "the queue is full and this client queues more than others: retry later",
-                )
-            )
-
-    def check_room(self, caller: Caller | None, n: int) -> None:
-        """RESOURCE_EXHAUSTED unless `caller` may hold `n` more requests now (the `n`
-        choices of one HTTP request: all of them count, up front; one is admitted as
-        any request is)."""
-        self._refuse_while_draining()
-        if n <= 1:
-            return
-        tenant = (caller or self.api_keys.caller(None)).tenant
-        try:
-            self.scheduler.check_room(tenant, n)
-        except QueueFull as e:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-
-    def _leave(self, rid: str) -> None:
-        """`rid` no longer runs or waits: admit whom it makes room for, share the width."""
-        self._admissions.pop(rid, None)
-        for t in self.scheduler.finish(rid):
-            fut = self._admissions.pop(t.request_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
-        self._apply_widths()
-
-    def _apply_widths(self) -> None:
-        for rid, ticket in self.scheduler.running.items():
-            driver = self.drivers.get(rid)
-            if driver is not None:
-                driver.controller.set_width(ticket.granted)
-
     async def Generate(self, request, context):
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -698,26 +128,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
             except RequestFailed as e:
                 await context.abort(e.code, e.message, e.trailing_metadata)
 
-    def _finished(self, driver: RequestDriver, stream, prompt_tokens: int) -> gen.Finished:
-        st = driver.stats
-        return gen.Finished(
-            finish_reason=driver.finish_reason,
-            usage=gen.Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=st.resumed_tokens + st.new_tokens,
-                cached_tokens=driver.cached_tokens,
-            ),
-            stats=stats_to_proto(st, *driver.timing()),
-            text=stream.flush() if stream else "",
-            resumed_tokens=st.resumed_tokens,
-        )
-
     async def Tokenize(self, request, context) -> gen.TokenizeResponse:
         try:
-            self._check_model(request.model)
+            model = self.check_model(request.model)
             if not request.text:
                 raise invalid("the text is empty")
-            model = self._check_model(request.model)
             if len(request.text) > max_prompt_chars(model.max_positions):
                 raise invalid(f"the text has {len(request.text)} characters: too long")
             ids = await self.tokenize_off_loop(
@@ -728,23 +143,7 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         return gen.TokenizeResponse(token_ids=ids)
 
     async def ListModels(self, request, context) -> gen.ListModelsResponse:
-        m = self.model
-        if m is None:
-            return gen.ListModelsResponse()
-        has_draft = self.backends.has_draft
-        modes = [m.value for m in Mode if has_draft or not m.uses_draft]
-        card = gen.ModelCard(
-            id=m.model_id,
-            vocab_size=m.vocab_size,
-            max_context=m.max_positions,
-            num_layers=m.num_layers,
-            stages=len(m.ranges),
-            draft_model=m.draft_model,
-            weight_hash=m.weight_hash,
-            modes=modes,
-            has_tokenizer=self.codec is not None,
-        )
-        return gen.ListModelsResponse(models=[card])
+        return gen.ListModelsResponse(models=self.model_cards())
 
     async def Describe(self, request, context) -> gen.RouterDescription:
         """The router's state. Replicas' addresses and errors and the router's data

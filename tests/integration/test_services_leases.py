@@ -77,7 +77,7 @@ async def _until(pred, seconds: float) -> float:
 
 async def _abandon(router: RouterService) -> None:
     """What kill -9 does to a router, as its peers see it: no Release, no renewal."""
-    router._renewer.cancel()
+    router.keepalive.stop()
     for task in router.backends._tasks:  # the health monitor and discovery
         task.cancel()
     await router.transport.close()
@@ -127,7 +127,7 @@ def test_the_keep_alive_holds_an_idle_request(llama_dir) -> None:
         async with _services(llama_dir, lease=0.6) as (stages, draft, addrs, daddr):
             router = await _router(addrs, daddr)
             try:
-                assert router.renew_interval() == pytest.approx(0.2)
+                assert router.keepalive.interval() == pytest.approx(0.2)
                 run = router.generate(_request("specpipe", 12))
                 got = [await run.__anext__(), await run.__anext__()]
                 await asyncio.sleep(2.0)  # three leases without reading

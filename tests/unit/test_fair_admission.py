@@ -26,18 +26,18 @@ def test_a_bumped_waiting_request_fails_resource_exhausted() -> None:
     async def main():
         router = _router(max_running=1, max_waiting=2, max_waiting_per_key=2)
         try:
-            await router._admit("a0", PLAN, 0, None, "key:a")
-            a1 = asyncio.ensure_future(router._admit("a1", PLAN, 0, None, "key:a"))
-            a2 = asyncio.ensure_future(router._admit("a2", PLAN, 0, None, "key:a"))
+            await router.admission.admit("a0", PLAN, 0, None, "key:a")
+            a1 = asyncio.ensure_future(router.admission.admit("a1", PLAN, 0, None, "key:a"))
+            a2 = asyncio.ensure_future(router.admission.admit("a2", PLAN, 0, None, "key:a"))
             await asyncio.sleep(0)
-            b1 = asyncio.ensure_future(router._admit("b1", PLAN, 0, None, "key:b"))
+            b1 = asyncio.ensure_future(router.admission.admit("b1", PLAN, 0, None, "key:b"))
             await asyncio.sleep(0)
             with pytest.raises(RequestFailed) as info:
                 await a2  # the newest of the key queueing most
-            router._leave("a0")
+            router.admission.leave("a0")
             await asyncio.sleep(0.05)
             ran = [t.done() for t in (a1, b1)]
-            router._leave("a1" if a1.done() else "b1")
+            router.admission.leave("a1" if a1.done() else "b1")
             await asyncio.wait_for(asyncio.gather(a1, b1), 5)
             return info.value.code, ran
         finally:

@@ -623,8 +623,8 @@ def test_n_choices_seeded_and_started_after_the_first_ones_prefill(stream) -> No
 # -- vLLM's metric names -----------------------------------------------------------------------
 def test_vllms_waiting_requests_count_the_queue_too() -> None:
     """`vllm:num_requests_waiting` is every request not running yet (vLLM's meaning): the
-    ones queued for a running slot and the ones opening their path; `specpipe:`'s
-    counts the latter only. Both carry the served model's name as vLLM's label."""
+    ones queued for a running slot and the ones opening their path; `specpipe:`'s too
+    (the chart autoscales on it). vLLM's carries the served model's name as its label."""
     from types import SimpleNamespace as NS
 
     from prometheus_client import generate_latest
@@ -645,7 +645,8 @@ def test_vllms_waiting_requests_count_the_queue_too() -> None:
                for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
     assert samples[("vllm:num_requests_waiting", "tiny")] == 3
     assert samples[("vllm:num_requests_running", "tiny")] == 2
-    assert samples[("specpipe:num_requests_waiting", None)] == 1
+    assert samples[("specpipe:num_requests_waiting", None)] == 3
+    assert samples[("specpipe:num_requests_running", None)] == 2
 
 
 def test_prompt_logprobs_are_bounded_by_what_one_answer_carries() -> None:

@@ -143,7 +143,7 @@ def test_a_replayed_ngram_request_takes_no_draft() -> None:
         drafts_held.append((driver.path.draft, draft.active))
         if driver.wire_id != "r" and not replayed:
             replayed.append(driver.wire_id)
-            # What `RouterService.renew` does for a replica that does not know a wire id
+            # What the lease keep-alive (keepalive.py) does for a replica that does not know a wire id
             # the driver says is on it: the draft never opened this request.
             if draft in driver.path.backends:
                 driver.backend_down(draft, "it no longer holds this request")

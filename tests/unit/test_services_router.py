@@ -201,3 +201,35 @@ def _with_router_async(fn):
             await svc.backends.close()
 
     return asyncio.run(main())
+
+
+def test_a_router_is_built_from_its_configuration_alone() -> None:
+    """`specpipe router` builds the service from its RouterConfig (and the live objects
+    made from it): every setting lands where it acts, none is patched in afterwards."""
+    import asyncio
+
+    from specpipe.services.auth import ApiKeys
+    from specpipe.services.config import RouterConfig, SchedulingConfig
+    from specpipe.services.router.discovery import StaticDiscovery
+    from specpipe.services.router.service import RouterService
+
+    config = RouterConfig(
+        stages=("127.0.0.1:9",), stall_seconds=30.0, replica_stall_seconds=1.5,
+        replay_seconds=4.0, max_replays=2, model_id="served", router_name="r1",
+        scheduling=SchedulingConfig(max_running=3, max_waiting=4, late_draft_wait_ms=2.5),
+    )  # fmt: skip
+
+    async def main():
+        svc = RouterService.from_config(
+            config, discovery=StaticDiscovery(list(config.stages), []), api_keys=ApiKeys()
+        )
+        try:
+            return (
+                svc.backends.stall_seconds, svc.stall_seconds, svc.replay_seconds,
+                svc.max_replays, svc.model_id_override, svc.name, svc.late_draft_wait,
+                svc.scheduler.max_running, svc.scheduler.max_waiting,
+            )  # fmt: skip
+        finally:
+            await svc.backends.close()
+
+    assert asyncio.run(main()) == (1.5, 30.0, 4.0, 2, "served", "r1", 0.0025, 3, 4)
