@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import (
     SamplingParams,
@@ -121,7 +121,7 @@ def test_specpipe_samples_from_the_target_distribution(tmp_path) -> None:
         opts = DecodeOptions(
             max_new_tokens=2, sampling=SamplingParams(seed=seed, **params), width=3
         )
-        a, b = Generation(dep.pipeline, dep.draft, prompt, Mode.SPECPIPE, opts).run()
+        a, b = LockstepGeneration(dep.pipeline, dep.draft, prompt, Mode.SPECPIPE, opts).run()
         counts[a * vocab + b] += 1
     expected = joint * runs
     keep = expected >= 5  # chi-square needs populated cells; pool the rest
