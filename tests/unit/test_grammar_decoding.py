@@ -24,7 +24,7 @@ from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
 from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration, Run, new_controller
 from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.options import DecodeOptions, Mode
-from specpipe.common.spec.sampling import SamplingParams, sample_token
+from specpipe.common.spec.sampling import SamplingParams, draw_index
 from transformers import AutoModelForCausalLM
 
 from tests.integration.conftest import add_char_tokenizer
@@ -102,9 +102,8 @@ def plain_constrained(target: Path, name: str, sampling: SamplingParams) -> list
             logits = hf(torch.tensor([seq])).logits[0, -1]
             bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.unpackbits(bits, bitorder="little")[:VOCAB].astype(bool)
-            token = sample_token(
-                logits.masked_fill(~torch.from_numpy(allowed), -math.inf), sampling, len(out)
-            )
+            allowed_logits = logits.masked_fill(~torch.from_numpy(allowed), -math.inf)
+            token = int(draw_index(allowed_logits, sampling, len(out)))
             assert matcher.consume_token(token)
             out.append(token)
             seq.append(token)
