@@ -67,7 +67,7 @@ def measure(address: str, prompts, kwargs: dict) -> dict:
 
 def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.services.client.loadgen import load_dataset
     from specpipe.services.client.sync import Client
@@ -81,7 +81,7 @@ def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
     opts = DecodeOptions(max_new_tokens=args.max_new_tokens, stop_token_ids=())
     plain = []
     for p in prompts:
-        g = Generation(local.pipeline, None, p, Mode.AUTOREGRESSIVE, opts)
+        g = LockstepGeneration(local.pipeline, None, p, Mode.AUTOREGRESSIVE, opts)
         plain.append(g.run())
     dep = ServicesDeployment(
         target, "oracle", 1, threads=1, emulate_costs=cost_file, log_dir=work / "logs",

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from specpipe.common.model.synthetic import save_random_model
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
@@ -148,7 +148,9 @@ def run(kind: str, root: Path) -> list[dict]:
                             )  # fmt: skip
                             opts = replace(opts, forced_tokens=forced)
                             t0 = time.process_time()
-                            gen = Generation(dep.pipeline, dep.draft, ids, Mode.SPECPIPE, opts)
+                            gen = LockstepGeneration(
+                                dep.pipeline, dep.draft, ids, Mode.SPECPIPE, opts
+                            )
                             out[forced] = gen.run()
                             st = gen.stats
                             t = totals[forced]

@@ -10,7 +10,7 @@ performance is stated"), under the cost views of `bench_specpipe.py`: *measured*
 layers a step, one forward each: a specpipe step costs max(slowest stage, the sum of the
 step's draft forwards).
 
-`auto` is what `--layers-per-step auto` would pick (`common/perf/layers.py`): from the
+`auto` is what `--layers-per-step auto` would pick (`common/perf/layers_per_step.py`): from the
 hit rates measured here at K = 1, 2, 3 and the cost curves, the K with the least
 expected time per token; it is chosen per cost view, and its row reports that K's runs.
 
@@ -70,10 +70,10 @@ from specpipe.common.perf.cost_model import (  # noqa: E402
     projected_tbt,
     specinfer_draft_seconds,
 )
-from specpipe.common.perf.layers import evaluate_layers, ideal_decode_steps  # noqa: E402
+from specpipe.common.perf.layers_per_step import evaluate_layers, ideal_decode_steps  # noqa: E402
 from specpipe.common.runtime.draft import DraftRuntime  # noqa: E402
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
-from specpipe.common.runtime.lockstep import Generation  # noqa: E402
+from specpipe.common.runtime.lockstep import LockstepGeneration  # noqa: E402
 from specpipe.common.runtime.scripted import ScriptedPipeline  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions, Growth, Mode  # noqa: E402
 from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
@@ -156,7 +156,7 @@ def specinfer_on(run: dict, stages: int) -> dict:
 
 
 def run_one(pipeline, prompt: Prompt, mode: Mode, opts: DecodeOptions, draft) -> dict:
-    gen = Generation(pipeline, draft, prompt.ids, mode, opts)
+    gen = LockstepGeneration(pipeline, draft, prompt.ids, mode, opts)
     t0 = time.perf_counter()
     tokens = gen.run()
     s = gen.stats
@@ -212,7 +212,7 @@ def greedy_continuations(setup: Setup, max_new: int, log) -> dict[str, list[int]
     for p in setup.prompts:
         t0 = time.perf_counter()
         opts = DecodeOptions(max_new_tokens=max_new, stop_token_ids=setup.stop)
-        tokens = Generation(dep.pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
+        tokens = LockstepGeneration(dep.pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
         out[p.name] = [*p.ids, *tokens]
         log(f"  {p.name}: the target's greedy continuation, {len(tokens)} tokens "
             f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip

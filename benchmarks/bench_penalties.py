@@ -104,7 +104,7 @@ def hits() -> list[dict]:
 
     from specpipe.common.model.synthetic import save_random_model
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions, Mode
     from specpipe.common.spec.penalties import GrowthRules
 
@@ -120,7 +120,7 @@ def hits() -> list[dict]:
                                      width=4, layers_per_step=k)  # fmt: skip
                 off = mock.patch.object(GrowthRules, "of", return_value=None)
                 with contextlib.nullcontext() if ranked else off:
-                    gen = Generation(dep.pipeline, dep.draft, prompt, Mode.SPECPIPE, opts)
+                    gen = LockstepGeneration(dep.pipeline, dep.draft, prompt, Mode.SPECPIPE, opts)
                     gen.run()
                 tag = "ranked" if ranked else "unranked"
                 row[f"{tag} hit rate"] = round(gen.stats.hit_rate, 3)

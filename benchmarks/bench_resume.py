@@ -37,7 +37,7 @@ def main() -> None:
 
     from specpipe.common.model.synthetic import save_random_model
     from specpipe.common.runtime.loader import build_local, parse_dtype
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions
     from specpipe.services.launcher import ServicesDeployment
 
@@ -50,7 +50,7 @@ def main() -> None:
     prompt = [5, 17, 33, 8, 21, 40, 2, 11]
     local = build_local(model, 2, model, parse_dtype("float64"))
     opts = DecodeOptions(max_new_tokens=args.new_tokens, stop_token_ids=())
-    want = Generation(local.pipeline, local.draft, prompt, "specpipe", opts).run()
+    want = LockstepGeneration(local.pipeline, local.draft, prompt, "specpipe", opts).run()
 
     dep = ServicesDeployment(model, "oracle", 2, transport="tcp", threads=1, dtype="float64",
                              secure=False, emulate_costs=costs)  # fmt: skip

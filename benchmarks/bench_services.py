@@ -119,19 +119,19 @@ def run_service_mode(address: str, mode: str, prompt_set, max_new: int, width: i
 
 def run_autoregressive(target: Path, prompt_set, max_new: int, threads: int) -> dict:
     from specpipe.common.runtime.loader import build_local
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions
 
     torch.set_num_threads(threads)
     dep = build_local(target, 1)
     opts = DecodeOptions(max_new_tokens=max_new)
-    Generation(
+    LockstepGeneration(
         dep.pipeline, None, prompt_set[0][:4], "autoregressive", DecodeOptions(max_new_tokens=4)
     ).run()
     tbts, outputs = [], []
     for p in prompt_set:
         times = []
-        gen = Generation(dep.pipeline, None, p, "autoregressive", opts)
+        gen = LockstepGeneration(dep.pipeline, None, p, "autoregressive", opts)
         for _ in gen:
             times.append(time.perf_counter())
         tbts.append(tbt_of(times))

@@ -36,7 +36,7 @@ from specpipe.common.perf.cost_model import DeploymentCosts, projected_tbt, spec
 from specpipe.common.perf.width import evaluate_widths
 from specpipe.common.runtime.draft import DraftRuntime
 from specpipe.common.runtime.loader import build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.pipeline import LocalPipeline
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
@@ -104,7 +104,7 @@ def project_run(run: dict, costs: DeploymentCosts) -> dict[str, float | None]:
 
 
 def run_one(pipeline, draft, prompt: Prompt, mode: Mode, opts: DecodeOptions, costs) -> dict:
-    gen = Generation(pipeline, draft, prompt.ids, mode, opts)
+    gen = LockstepGeneration(pipeline, draft, prompt.ids, mode, opts)
     t0 = time.perf_counter()
     tokens = gen.run()
     wall = time.perf_counter() - t0
@@ -168,7 +168,7 @@ def autoregressive_reference(
     out = {}
     for p in prompts:
         opts = DecodeOptions(max_new_tokens=n, stop_token_ids=stop)
-        out[p.name] = Generation(pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
+        out[p.name] = LockstepGeneration(pipeline, None, p.ids, Mode.AUTOREGRESSIVE, opts).run()
     return out
 
 

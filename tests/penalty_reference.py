@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from specpipe.common.spec.sampling import SamplingParams, sample_token
+from specpipe.common.spec.sampling import SamplingParams, draw_index
 from transformers import AutoModelForCausalLM
 
 
@@ -69,7 +69,7 @@ def plain_decode(
             logits = hf(torch.tensor([seq])).logits[0, -1]
             allowed = None if grammar_allowed is None else grammar_allowed(out)
             x = rules_applied(logits, sampling, prompt, out, min_tokens, stops, allowed)
-            token = sample_token(x, sampling, len(out))
+            token = int(draw_index(x, sampling, len(out)))
             out.append(token)
             seq.append(token)
             if token in stops:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..spec.options import Growth
 from .cost_model import DeploymentCosts
-from .layers import step_seconds
+from .layers_per_step import step_seconds
 
 # The draft's round trip beyond its forwards: the router's work and two hops (router to
 # draft and back); 10-20 ms step overhead at one client on this shared 2-core machine.

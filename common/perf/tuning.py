@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ..spec.options import Growth, TokenSource
 from .cost_model import DeploymentCosts
-from .layers import step_seconds
+from .layers_per_step import step_seconds
 
 AUTO_WIDTHS = (2, 4, 8, 16)
 AUTO_LAYERS = (1, 2, 3)

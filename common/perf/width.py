@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..runtime.loader import InProcessDeployment
-from ..runtime.lockstep import Generation
+from ..runtime.lockstep import LockstepGeneration
 from ..spec.options import DEFAULT_TOP_K_CHILDREN, DecodeOptions, Mode
 from ..spec.sampling import SamplingParams
 from .cost_model import DeploymentCosts
@@ -82,7 +82,9 @@ def measure_hit_rates(
             opts = DecodeOptions(
                 max_new_tokens=tokens, sampling=sampling, width=w, top_k_children=top_k_children
             )
-            gen = Generation(deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, opts)
+            gen = LockstepGeneration(
+                deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, opts
+            )
             gen.run()
             hits += gen.stats.hits
             emitted += gen.stats.new_tokens

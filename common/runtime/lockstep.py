@@ -7,7 +7,7 @@ request together (SpecPipe-DB: each stage runs all requests' rows in one batched
 forward). Requests join and leave at step boundaries. Step counts are real, and it
 records which rows every stage computed at every step, per request and in total, and
 the rows of each draft forward (the traces that cost projections and benchmarks use). Tests use it as the reference the
-services must match; `Generation` is one request on an engine of its own.
+services must match; `LockstepGeneration` is one request on an engine of its own.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ class LockstepEngine:
             raise TypeError(f"unknown command {cmd!r}")
 
 
-class Generation:
+class LockstepGeneration:
     """One request's decoding; iterate to receive verified token ids as they are emitted."""
 
     def __init__(

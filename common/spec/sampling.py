@@ -132,11 +132,6 @@ def draw_index(logits: Tensor, params: SamplingParams, position: int) -> Tensor:
     return torch.minimum(idx, torch.where(probs > 0, ids, 0).max())
 
 
-def sample_token(logits: Tensor, params: SamplingParams, position: int) -> int:
-    """Draw the token at output `position` from `logits` [vocab]."""
-    return int(draw_index(logits, params, position))
-
-
 def draft_probs(logits: Tensor, temperature: float) -> Tensor:
     """Draft ranking distribution [n, vocab]: mirrors the target's temperature when sampling."""
     temp = temperature if temperature > 0 else 1.0

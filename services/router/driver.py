@@ -268,15 +268,14 @@ class RequestDriver:
             raise DriverError(code, message)
         if frame.kind == Kind.PAYLOAD_KIND_EMPTY:
             return []  # a stage computing the request (report_progress): not stalled
-        if frame.kind == Kind.PAYLOAD_KIND_VERIFIED:
-            self._verified_at = frame.header.verified.sent_at_ns or 0
         try:
             v = verification_of(frame, self.controller, self.vocab_size)
         except (FrameError, InvalidInput, ValueError) as e:
             raise DriverError(
                 grpc.StatusCode.INTERNAL, f"bad frame from {frame.header.sender}: {e}"
             ) from None
-        return [] if v is None else self.hold.verified(v, time.monotonic())
+        self._verified_at = frame.header.verified.sent_at_ns or 0
+        return self.hold.verified(v, time.monotonic())
 
     async def _on_failure(self, ev: Failure) -> list[Command]:
         if ev.attempt != self.session.attempt:

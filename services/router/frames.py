@@ -1,21 +1,17 @@
 """What a last stage's data-plane frame says about a request, checked before anything
-of it reaches the controller: a verification, logits (a last stage that predates
-verification), or the stage's report that it failed the request."""
+of it reaches the controller: a verification, or the stage's report that it failed the
+request."""
 
 from __future__ import annotations
 
 import grpc
-import torch
-from specpipe.common.runtime.validation import check_payload
 from specpipe.common.spec.controller import Controller
-from specpipe.common.spec.messages import Activation, Verified
+from specpipe.common.spec.messages import Verified
 
 from ..control import verified_from_proto
 from ..grpc_util import code_from_number
-from ..transport import FrameError, decode
+from ..transport import FrameError
 from ..transport.codec import Frame, Kind
-
-LOGIT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def failure_of(frame: Frame) -> tuple[grpc.StatusCode, str] | None:
@@ -28,32 +24,16 @@ def failure_of(frame: Frame) -> tuple[grpc.StatusCode, str] | None:
     return code, h.error or f"{h.sender} failed"
 
 
-def logits_of(frame: Frame, vocab_size: int | None) -> Activation:
-    """The rows of a logits frame, checked: [rows, vocab] floats, all finite
-    (InvalidInput otherwise; FrameError for a frame of another kind)."""
-    act = decode(frame) if frame.kind == Kind.PAYLOAD_KIND_LOGITS else None
-    if act is None or act.logits is None:
-        raise FrameError(
-            f"the router takes verifications or logits, not frames of kind {frame.kind}"
-        )
-    x = act.logits
-    vocab = vocab_size or (x.shape[-1] if x.ndim else 0)
-    check_payload(x, len(act), vocab, LOGIT_DTYPES, "logits")
-    return act
-
-
-def verification_of(
-    frame: Frame, controller: Controller, vocab_size: int | None
-) -> Verified | None:
-    """What a last stage's frame verified, checked against the request: a
-    `Verification`, or logits walked by the controller. None: logits of no current root
-    (stale). Raises FrameError / InvalidInput / ValueError for a malformed frame."""
-    if frame.kind == Kind.PAYLOAD_KIND_VERIFIED:
-        return verified_from_proto(
-            frame.request_id,
-            frame.header.verified,
-            controller.tree_rows,
-            vocab_size,
-            controller.opts.logprobs is not None,
-        )
-    return controller.verification_of(logits_of(frame, vocab_size))
+def verification_of(frame: Frame, controller: Controller, vocab_size: int | None) -> Verified:
+    """What a last stage's frame verified, checked against the request. Raises
+    FrameError for a frame of another kind, InvalidInput / ValueError for a malformed
+    `Verification`."""
+    if frame.kind != Kind.PAYLOAD_KIND_VERIFIED:
+        raise FrameError(f"the router takes verifications, not frames of kind {frame.kind}")
+    return verified_from_proto(
+        frame.request_id,
+        frame.header.verified,
+        controller.tree_rows,
+        vocab_size,
+        controller.opts.logprobs is not None,
+    )

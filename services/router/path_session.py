@@ -220,7 +220,6 @@ class PathSession:
                     capacity=ctrl.capacity,
                     next_hop=hop,
                     report_to=self.router_address,
-                    root_logits_only=ctrl.root_logits_only,
                     fills_pipeline=ctrl.fills_pipeline,
                     lease_owner=self.lease.owner,
                     lease_epoch=self.lease.epoch,

@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specpipe.common.model.config import ModelConfig, ModelConfigError
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, parse_dtype
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import (
         DecodeOptions,
         Mode,
@@ -216,7 +216,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if layers is None:
         opts = _choose_layers(deployment, mode, prompt_ids, opts)
     try:
-        gen = Generation(deployment.pipeline, deployment.draft, prompt_ids, mode, opts)
+        gen = LockstepGeneration(deployment.pipeline, deployment.draft, prompt_ids, mode, opts)
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.json:
@@ -295,10 +295,10 @@ def _parse_layers(text: str) -> int | None:
 
 def _choose_layers(deployment, mode, prompt_ids: list[int], opts):
     """`--layers-per-step auto`: the K with the least expected time per token from this
-    machine's stage costs and calibration runs (`common/perf/layers.py`)."""
+    machine's stage costs and calibration runs (`common/perf/layers_per_step.py`)."""
     from dataclasses import replace
 
-    from specpipe.common.perf.layers import choose_layers
+    from specpipe.common.perf.layers_per_step import choose_layers
     from specpipe.common.spec.options import Mode
 
     if mode != Mode.SPECPIPE:

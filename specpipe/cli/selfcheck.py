@@ -281,7 +281,7 @@ def generation_runs(
 ) -> dict[str, list[int]]:
     """Tokens of every mode, greedy and sampled, in one process on `device`."""
     from specpipe.common.runtime.loader import build_local, parse_dtype
-    from specpipe.common.runtime.lockstep import Generation
+    from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions
     from specpipe.common.spec.sampling import SamplingParams
 
@@ -292,7 +292,7 @@ def generation_runs(
         for label, sampling in (("greedy", SamplingParams()),
                                 ("sampled", SamplingParams(0.8, 0, 0.95, 7))):  # fmt: skip
             opts = DecodeOptions(max_new_tokens=new_tokens, sampling=sampling, width=4)
-            gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+            gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, opts)
             out[f"{mode}/{label}"] = gen.run()
     return out
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 from specpipe.common.runtime.loader import build_local, parse_dtype
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.stats import DecodeStats
@@ -165,7 +165,7 @@ def reference_run(
     width: int = 8,
     stop_token_ids: tuple[int, ...] = (),
     prefill_chunk: int = 128,
-) -> Generation:
+) -> LockstepGeneration:
     """The same request through the in-process lockstep engine (tokens and stats)."""
     draft_dir = target if draft == "oracle" else draft
     dep = build_local(target, stages, draft_dir, parse_dtype(DTYPE))
@@ -176,7 +176,7 @@ def reference_run(
         stop_token_ids=stop_token_ids,
         prefill_chunk=prefill_chunk,
     )
-    gen = Generation(dep.pipeline, dep.draft, prompt, mode, opts)
+    gen = LockstepGeneration(dep.pipeline, dep.draft, prompt, mode, opts)
     gen.run()
     return gen
 

@@ -18,7 +18,7 @@ from specpipe.common.model.config import ModelConfig
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import split_layers
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.store.registry import MODELS
 from specpipe.common.store.resolver import resolve_model
@@ -116,7 +116,7 @@ def test_greedy_specpipe_equals_transformers_generate(
     for prompt in PROMPTS:
         ids = codec.encode(prompt, chat=True)
         opts = DecodeOptions(max_new_tokens=16, width=4, stop_token_ids=cfg.eos_token_ids)
-        gen = Generation(deployment.pipeline, deployment.draft, ids, Mode.SPECPIPE, opts)
+        gen = LockstepGeneration(deployment.pipeline, deployment.draft, ids, Mode.SPECPIPE, opts)
         ours = gen.run()
         with torch.no_grad():
             out = hf_model.generate(

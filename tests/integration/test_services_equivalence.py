@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from specpipe.common.runtime.loader import build_local, parse_dtype
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
 
@@ -141,7 +141,7 @@ def test_logprobs_and_verification_at_the_last_stage(tcp_deployment) -> None:
             )
             sampling = SamplingParams(temperature=temperature, seed=5)
             opts = DecodeOptions(12, sampling=sampling, layers_per_step=k, logprobs=3)
-            ref = Generation(local.pipeline, local.draft, PROMPT, mode, opts)
+            ref = LockstepGeneration(local.pipeline, local.draft, PROMPT, mode, opts)
             assert got.token_ids == ref.run(), (mode, k, temperature)
             want = ref.controller.out.logprobs
             assert len(got.logprobs) == len(want) == 12

@@ -1,6 +1,6 @@
 """The --secure planes with every service in one process (issue 13, "What was found"):
 unauthenticated calls to stages and the draft are refused, Configure is off unless
-allowed, forged LOGITS and ERROR frames for a victim's request id (learnt from its
+allowed, forged VERIFIED and ERROR frames for a victim's request id (learnt from its
 `Started`) change nothing, next hops are checked, and generation through mutual TLS and
 authenticated frames gives the engine's tokens."""
 
@@ -11,17 +11,17 @@ import contextlib
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specpipe.common.spec.messages import Activation
+from specpipe.common.spec.messages import Verified
 from specpipe.services.client import build_request
+from specpipe.services.control import verified_to_proto
 from specpipe.services.draft_service import DraftService
 from specpipe.services.router.service import RouterService
 from specpipe.services.security import Security, make_pki
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import make_transport
 from specpipe.services.transport.auth import FrameAuth
-from specpipe.services.transport.codec import error_header
+from specpipe.services.transport.codec import Kind, error_header
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
@@ -89,17 +89,17 @@ def test_secure_generation_and_forged_frames(llama_dir, security) -> None:
 
 async def _forge(address: str, rid: str) -> None:
     """What an attacker on the network sends the router for a request id it learnt: a
-    LOGITS frame making token 7 certain, and an ERROR frame, without the deployment's
-    secret (none, and a wrong one)."""
-    logits = torch.full((1, 97), -1e9, dtype=torch.float64)
-    logits[0, 7] = 1e9
-    act = Activation(rid, torch.tensor([3]), node_ids=torch.tensor([0]),
-                     parent_ids=torch.tensor([-1]), logits=logits)  # fmt: skip
+    VERIFIED frame drawing token 7 at the root, and an ERROR frame, without the
+    deployment's secret (none, and a wrong one)."""
+    forged = pb.FrameHeader(
+        request_id=rid, kind=Kind.PAYLOAD_KIND_VERIFIED, sender="evil",
+        verified=verified_to_proto(Verified(rid, (0,), (7,), 3)),
+    )  # fmt: skip
     for auth in (None, FrameAuth(b"guess" * 8)):
         tx = make_transport("tcp", lambda f: None, auth=auth)
         try:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(tx.send(address, act, 0), 5)
+                await asyncio.wait_for(tx.send_frame(address, forged), 5)
                 await asyncio.wait_for(
                     tx.send_frame(address, error_header(rid, "attacker's message", "evil")), 5
                 )

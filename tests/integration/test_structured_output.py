@@ -17,7 +17,7 @@ import pytest
 import torch
 from openai import OpenAI
 from specpipe.common.runtime.loader import build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.options import DecodeOptions
 from specpipe.common.spec.sampling import SamplingParams
@@ -87,7 +87,7 @@ def engine_tokens(dep, schema: dict, mode: str, sampling: SamplingParams, n: int
         max_new_tokens=n, sampling=sampling, stop_token_ids=(EOS,),
         grammar=Grammar(fmt.grammar_text() or "", tok),
     )  # fmt: skip
-    gen = Generation(local.pipeline, local.draft, PROMPT, mode, opts)
+    gen = LockstepGeneration(local.pipeline, local.draft, PROMPT, mode, opts)
     return gen.run()
 
 

@@ -39,7 +39,6 @@ def unavailable(what: str) -> grpc.aio.AioRpcError:
 class _Request:
     """The fake last stage's view of one request (one wire id)."""
 
-    verify_whole_tree: bool
     nodes: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # id: parent, token, pos
     root: int | None = None
     expect: tuple[int, int] | None = None  # the next root: the child of (node, token)
@@ -54,7 +53,7 @@ class FakePipeline:
         self.verifications = 0
 
     def open(self, request: stage_pb2.OpenStageRequest) -> None:
-        self.requests[request.request_id] = _Request(not request.root_logits_only)
+        self.requests[request.request_id] = _Request()
 
     def feed(self, request: stage_pb2.FeedRequest) -> None:
         r = self.requests.get(request.request_id)
@@ -72,8 +71,8 @@ class FakePipeline:
         asyncio.get_running_loop().call_later(0.002, self._verify, request.request_id)
 
     def _verify(self, wire_id: str) -> None:
-        """Verify from the root while the drawn token is a fed child (as far as the
-        request's verifications go: the root only, or down the whole tree)."""
+        """Verify from the root while the drawn token is a fed child (as a real last
+        stage walks down the tree as far as its rows are present)."""
         r = self.requests.get(wire_id)
         if r is None or r.root is None:
             return
@@ -85,7 +84,7 @@ class FakePipeline:
             ids.append(node)
             tokens.append(drawn)
             child = next((n for n, (p, t, _) in r.nodes.items() if p == node and t == drawn), None)
-            if child is None or not r.verify_whole_tree:
+            if child is None:
                 break
             node = child
         r.root, r.expect = None, (ids[-1], tokens[-1])

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.pipeline import StepResult
 from specpipe.common.spec.commands import (
     BroadcastPrune,
@@ -173,8 +173,8 @@ class SoftRulePipeline(RulePipeline):
         return result
 
 
-def run(mode, stages, draft=None, n=24, prompt=PROMPT, **opts) -> Generation:
-    gen = Generation(RulePipeline(stages), draft, prompt, mode, DecodeOptions(n, **opts))
+def run(mode, stages, draft=None, n=24, prompt=PROMPT, **opts) -> LockstepGeneration:
+    gen = LockstepGeneration(RulePipeline(stages), draft, prompt, mode, DecodeOptions(n, **opts))
     gen.run()
     return gen
 
@@ -234,7 +234,7 @@ def test_seeded_sampling_is_the_same_in_every_mode() -> None:
     for mode in Mode:
         for stages in (1, 3):
             opts = DecodeOptions(20, SamplingParams(temperature=1.0, seed=5), width=3)
-            gen = Generation(SoftRulePipeline(stages), RuleDraft(), PROMPT, mode, opts)
+            gen = LockstepGeneration(SoftRulePipeline(stages), RuleDraft(), PROMPT, mode, opts)
             outs.add(tuple(gen.run()))
     assert len(outs) == 1
 
@@ -385,7 +385,7 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k
     layers per step, an answer asks again within the same step)."""
     rng = random.Random(seed)
     opts = DecodeOptions(30, width=2, layers_per_step=k)
-    ref = Generation(RulePipeline(3), RuleDraft(), PROMPT, Mode.SPECPIPE, opts)
+    ref = LockstepGeneration(RulePipeline(3), RuleDraft(), PROMPT, Mode.SPECPIPE, opts)
     ref.run()
     c = make_controller(Mode.SPECPIPE, "r", PROMPT, opts, 3)
     pipe, draft = RulePipeline(3), RuleDraft()

@@ -13,7 +13,7 @@ from specpipe.common.perf.cost_model import (
 )
 from specpipe.common.perf.width import choose_width
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 
@@ -37,7 +37,7 @@ def test_pp_projection_is_the_sum_of_stage_costs_per_token(llama_dir) -> None:
         context=16, stages=[curve(lambda n, k=k: (k + 1) * n) for k in range(stages)]
     )
     dep = build_local(llama_dir, stages)
-    gen = Generation(dep.pipeline, None, [7], Mode.PP, DecodeOptions(max_new_tokens=6))
+    gen = LockstepGeneration(dep.pipeline, None, [7], Mode.PP, DecodeOptions(max_new_tokens=6))
     gen.run()
     total = sum(step_seconds_of_trace(gen.stats.trace[gen.stats.prefill_steps :], costs, "pp"))
     assert total / 6 == pytest.approx(1 + 2 + 3 + 4)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from specpipe.common.model.config import ModelConfig
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 from transformers import AutoModelForCausalLM
@@ -38,7 +38,7 @@ def hf_greedy(model_dir: Path, prompt: tuple[int, ...], n: int) -> list[int]:
 
 def generate(target, mode, stages, draft=None, prompt=PROMPT, dtype=torch.float32, **opts):
     dep = build_local(target, stages, draft, dtype)
-    gen = Generation(dep.pipeline, dep.draft, prompt, mode, DecodeOptions(**opts))
+    gen = LockstepGeneration(dep.pipeline, dep.draft, prompt, mode, DecodeOptions(**opts))
     gen.run()
     return gen
 
@@ -170,7 +170,7 @@ def test_prompt_of_one_token(llama_dir) -> None:
 
 def test_every_request_releases_its_caches(llama_dir) -> None:
     dep = build_local(llama_dir, 3, ORACLE_DRAFT)
-    gen = Generation(
+    gen = LockstepGeneration(
         dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, DecodeOptions(max_new_tokens=5)
     )
     gen.run()
@@ -184,13 +184,15 @@ def test_every_request_releases_its_caches(llama_dir) -> None:
 def test_bad_prompts_are_rejected(llama_dir, prompt, match) -> None:
     dep = build_local(llama_dir, 2, None)
     with pytest.raises(ValueError, match=match):
-        Generation(dep.pipeline, None, prompt, Mode.PP, DecodeOptions(max_new_tokens=4))
+        LockstepGeneration(dep.pipeline, None, prompt, Mode.PP, DecodeOptions(max_new_tokens=4))
 
 
 def test_speculative_mode_needs_a_draft(llama_dir) -> None:
     dep = build_local(llama_dir, 2, None)
     with pytest.raises(ValueError, match="needs a draft"):
-        Generation(dep.pipeline, None, PROMPT, Mode.SPECPIPE, DecodeOptions(max_new_tokens=4))
+        LockstepGeneration(
+            dep.pipeline, None, PROMPT, Mode.SPECPIPE, DecodeOptions(max_new_tokens=4)
+        )
 
 
 # -- several tree layers per step, token sources ---------------------------------------------
@@ -203,14 +205,14 @@ def _draft_of(source: str, request) -> str | Path | None:
     return ORACLE_DRAFT if source == "oracle" else request.getfixturevalue("unrelated_draft_dir")
 
 
-def _layers_runs(target, source, stages, request, ks, **opts) -> dict[int, Generation]:
+def _layers_runs(target, source, stages, request, ks, **opts) -> dict[int, LockstepGeneration]:
     """One request per K on one fp64 deployment (exact comparisons across cache shapes)."""
     dep = build_local(target, stages, _draft_of(source, request), torch.float64)
     out = {}
     for k in ks:
         src = "ngram" if source == "ngram" else "draft"
         o = DecodeOptions(layers_per_step=k, token_source=src, **opts)
-        out[k] = Generation(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
+        out[k] = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
         out[k].run()
     return out
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine, Run, new_controller
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration, Run, new_controller
 from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.options import DecodeOptions, Mode
-from specpipe.common.spec.sampling import SamplingParams, sample_token
+from specpipe.common.spec.sampling import SamplingParams, draw_index
 from transformers import AutoModelForCausalLM
 
 from tests.integration.conftest import add_char_tokenizer
@@ -102,9 +102,8 @@ def plain_constrained(target: Path, name: str, sampling: SamplingParams) -> list
             logits = hf(torch.tensor([seq])).logits[0, -1]
             bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
             allowed = np.unpackbits(bits, bitorder="little")[:VOCAB].astype(bool)
-            token = sample_token(
-                logits.masked_fill(~torch.from_numpy(allowed), -math.inf), sampling, len(out)
-            )
+            allowed_logits = logits.masked_fill(~torch.from_numpy(allowed), -math.inf)
+            token = int(draw_index(allowed_logits, sampling, len(out)))
             assert matcher.consume_token(token)
             out.append(token)
             seq.append(token)
@@ -145,7 +144,7 @@ def test_every_mode_emits_plain_constrained_decoding(target, name, sampling, req
     for mode, stages, source, k in RUNS:
         dep = build_local(target, stages, draft_of(source, request), torch.float64)
         opts = options(target, name, SAMPLING[sampling], source, k)
-        gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+        gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, opts)
         gen.run()
         assert gen.output == expect, f"{mode} S={stages} {source} K={k}"
         assert gen.stats.finish_reason == ("stop" if complete else "length")
@@ -155,7 +154,7 @@ def test_max_tokens_cuts_the_output_short_with_finish_reason_length(target) -> N
     expect = plain_constrained(target, "object", SAMPLING["greedy"])
     dep = build_local(target, 2, ORACLE_DRAFT, torch.float64)
     opts = DecodeOptions(max_new_tokens=5, width=4, grammar=grammar_of(target, "object"))
-    gen = Generation(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, opts)
+    gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, opts)
     assert gen.run() == expect[:5] and gen.stats.finish_reason == "length"
 
 
@@ -239,7 +238,7 @@ def test_forced_tokens_are_lossless_and_sure_hits(target, sampling, request) -> 
                 dep = build_local(target, stages, draft_of(source, request), torch.float64)
                 opts = options(target, "tagged", SAMPLING[sampling], source, k)
                 opts = dataclasses.replace(opts, forced_tokens=forced)
-                gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+                gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, opts)
                 assert gen.run() == expect, f"{mode} S={stages} {source} K={k} forced={forced}"
                 got[forced] = gen.stats
             assert got[False].forced_hits == 0

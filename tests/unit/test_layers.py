@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.commands import BroadcastPrune, Emit, Feed, Propose
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.messages import Activation, Candidates
@@ -44,10 +44,12 @@ def token_source(source: str) -> str:
     return {"ngram": "ngram", "hybrid": "hybrid"}.get(source, "draft")
 
 
-def run(stages, source="oracle", n=24, pipeline=RulePipeline, rule=rule, **opts) -> Generation:
+def run(
+    stages, source="oracle", n=24, pipeline=RulePipeline, rule=rule, **opts
+) -> LockstepGeneration:
     draft = draft_for("blind" if source == "hybrid" else source, rule)
     opts = DecodeOptions(n, token_source=token_source(source), **opts)
-    gen = Generation(pipeline(stages, rule), draft, PROMPT, Mode.SPECPIPE, opts)
+    gen = LockstepGeneration(pipeline(stages, rule), draft, PROMPT, Mode.SPECPIPE, opts)
     gen.run()
     return gen
 
@@ -78,7 +80,7 @@ def test_several_layers_per_step_emit_plain_decoding(k, stages, source, target, 
 @pytest.mark.parametrize("source", ["oracle", "blind", "ngram", "hybrid"])
 def test_seeded_sampling_with_several_layers_equals_autoregressive(k, source, growth) -> None:
     sampling = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
-    ref = Generation(SoftRulePipeline(1), None, PROMPT, Mode.AUTOREGRESSIVE,
+    ref = LockstepGeneration(SoftRulePipeline(1), None, PROMPT, Mode.AUTOREGRESSIVE,
                      DecodeOptions(20, sampling)).run()  # fmt: skip
     for stages in (2, 4):
         gen = run(stages, source, n=20, pipeline=SoftRulePipeline, sampling=sampling,
@@ -138,7 +140,7 @@ def test_every_draft_forward_is_in_the_step_trace(k, source) -> None:
     steps)."""
     draft = CountingDraft(source == "oracle")
     opts = DecodeOptions(40, width=2, layers_per_step=k)
-    gen = Generation(RulePipeline(4, rule), draft, PROMPT, Mode.SPECPIPE, opts)
+    gen = LockstepGeneration(RulePipeline(4, rule), draft, PROMPT, Mode.SPECPIPE, opts)
     gen.run()
     st = gen.stats
     assert sorted(r for f in st.draft_forwards for r in f) == sorted(draft.forwards)
@@ -165,7 +167,7 @@ def test_hybrid_counts_hits_per_source() -> None:
     assert run(3, "blind", n=30, rule=copy_rule, width=3).stats.hits == 0
     assert blind.draft_hits == 0 and blind.ngram_hits == blind.hits >= 10
     assert blind.record()["ngram_hit_rate"] == round(blind.hits / 30, 6)
-    both = Generation(RulePipeline(3, copy_rule), RuleDraft(True, copy_rule), PROMPT,
+    both = LockstepGeneration(RulePipeline(3, copy_rule), RuleDraft(True, copy_rule), PROMPT,
                       Mode.SPECPIPE, DecodeOptions(30, width=3, token_source="hybrid"))  # fmt: skip
     both.run()
     st = both.stats
@@ -318,7 +320,7 @@ class MisleadingDraft(RuleDraft):
 def test_target_ranking_keeps_the_path_the_beam_drops() -> None:
     def steps(ranking: str) -> int:
         opts = DecodeOptions(40, width=3, ranking=ranking)
-        gen = Generation(RulePipeline(6), MisleadingDraft(), PROMPT, Mode.SPECPIPE, opts)
+        gen = LockstepGeneration(RulePipeline(6), MisleadingDraft(), PROMPT, Mode.SPECPIPE, opts)
         assert gen.run() == plain_decoding(PROMPT, 40)
         return gen.stats.decode_steps
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 
@@ -29,7 +29,7 @@ def test_concurrent_requests_emit_their_single_request_tokens(llama_dir, unrelat
     for draft in (ORACLE_DRAFT, unrelated_draft_dir):
         dep = build_local(llama_dir, 3, draft, torch.float64)
         alone = [
-            Generation(dep.pipeline, dep.draft, p, m, opts(s, 12 + i)).run()
+            LockstepGeneration(dep.pipeline, dep.draft, p, m, opts(s, 12 + i)).run()
             for i, (p, m, s) in enumerate(JOBS)
         ]
         engine = LockstepEngine(dep.pipeline, dep.draft)

@@ -11,7 +11,7 @@ from specpipe.common.model.loading import load_stage
 from specpipe.common.model.packed_linear import PackedLinear, pack_linears, packing_applies
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.loader import build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from torch import nn
 
@@ -86,5 +86,7 @@ def test_the_batched_engine_decodes_with_packed_weights(qwen_dir) -> None:
     dep = build_local(qwen_dir, 2, dtype=torch.bfloat16)
     assert all(linears(s.model)[0] == 0 for s in dep.pipeline.stages)
     opts = DecodeOptions(max_new_tokens=12)
-    out = Generation(dep.pipeline, dep.draft, list(range(3, 90)), Mode.AUTOREGRESSIVE, opts).run()
+    out = LockstepGeneration(
+        dep.pipeline, dep.draft, list(range(3, 90)), Mode.AUTOREGRESSIVE, opts
+    ).run()
     assert len(out) == 12

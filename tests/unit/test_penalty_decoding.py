@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine, Run, new_controller
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration, Run, new_controller
 from specpipe.common.spec.grammar import Grammar, ResponseFormat, load_grammar_tokenizer
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
@@ -78,7 +78,7 @@ def run_every_mode(target, request, expect, **opts) -> None:
         token_source = source if source in ("ngram", "hybrid") else "draft"
         o = DecodeOptions(max_new_tokens=MAX_TOKENS, width=4, prefill_chunk=5,
                           layers_per_step=k, token_source=token_source, **opts)  # fmt: skip
-        gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, o)
+        gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, o)
         assert gen.run() == expect, f"{mode} S={stages} {source} K={k}"
 
 
@@ -198,7 +198,7 @@ def test_the_rules_with_a_grammar_in_every_mode(text_target, sampling, min_token
         o = DecodeOptions(max_new_tokens=40, sampling=params, width=4, layers_per_step=k,
                           token_source=token_source, grammar=grammar_of(text_target),
                           min_tokens=min_tokens)  # fmt: skip
-        gen = Generation(dep.pipeline, dep.draft, GRAMMAR_PROMPT, mode, o)
+        gen = LockstepGeneration(dep.pipeline, dep.draft, GRAMMAR_PROMPT, mode, o)
         assert gen.run() == expect, f"{mode} S={stages} {source} K={k}"
         assert gen.stats.finish_reason == "stop"
 
@@ -216,6 +216,6 @@ def test_with_frequency_and_presence_the_target_as_its_own_draft_always_hits(lla
     params = SamplingParams(frequency_penalty=0.8, presence_penalty=0.6)
     dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
     o = DecodeOptions(max_new_tokens=MAX_TOKENS, sampling=params, width=4, layers_per_step=k)
-    gen = Generation(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
+    gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, Mode.SPECPIPE, o)
     assert gen.run() == reference(llama_dir, params)
     assert gen.stats.hits == gen.stats.new_tokens

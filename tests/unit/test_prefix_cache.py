@@ -17,7 +17,7 @@ from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.block_pool import BlockPool
 from specpipe.common.runtime.draft import DraftRuntime
 from specpipe.common.runtime.errors import BadInput, CacheFull
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.pipeline import LocalPipeline
 from specpipe.common.runtime.prefix_hash import CacheScope, block_keys
 from specpipe.common.runtime.stage import StageRuntime
@@ -129,7 +129,7 @@ def _run(pipeline, draft, prompt, mode, temperature):
         width=3,
         prefill_chunk=8,
     )
-    gen = Generation(pipeline, draft, prompt, mode, opts)
+    gen = LockstepGeneration(pipeline, draft, prompt, mode, opts)
     gen.run()
     return gen
 

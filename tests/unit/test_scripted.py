@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.scripted import ScriptedPipeline
 from specpipe.common.spec.options import DecodeOptions, Mode
 
@@ -32,10 +32,10 @@ def test_the_scripted_target_takes_the_real_pipelines_steps_and_rows(
     draft_dir = ORACLE_DRAFT if draft == "oracle" else unrelated_draft_dir
     dep = build_local(llama_dir, stages, draft_dir, torch.float64)
     o = DecodeOptions(max_new_tokens=20, width=3, prefill_chunk=4, **opts)
-    real = Generation(dep.pipeline, dep.draft, PROMPT, mode, o)
+    real = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, o)
     tokens = real.run()
     vocab = dep.pipeline.vocab_size
-    scripted = Generation(ScriptedPipeline(PROMPT + tokens, stages, vocab), dep.draft,
+    scripted = LockstepGeneration(ScriptedPipeline(PROMPT + tokens, stages, vocab), dep.draft,
                           PROMPT, mode, o)  # fmt: skip
     assert scripted.run() == tokens
     a, b = real.stats, scripted.stats
@@ -47,5 +47,5 @@ def test_the_scripted_target_takes_the_real_pipelines_steps_and_rows(
 def test_the_scripted_target_can_only_continue_its_script() -> None:
     """Rows off the script get token 0's row: a run that drew from one would emit 0."""
     pipe = ScriptedPipeline([1, 2, 3, 4], 1, 10)
-    gen = Generation(pipe, None, [1, 2], Mode.PP, DecodeOptions(max_new_tokens=2))
+    gen = LockstepGeneration(pipe, None, [1, 2], Mode.PP, DecodeOptions(max_new_tokens=2))
     assert gen.run() == [3, 4]

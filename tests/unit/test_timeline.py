@@ -11,7 +11,7 @@ from specpipe.common.perf.cost_model import (
 )
 from specpipe.common.perf.timeline import Ask, closed_loop, project, schedule
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 
 S = 3
@@ -36,7 +36,7 @@ def opts(n: int = 8) -> DecodeOptions:
 def test_one_request_projects_as_the_single_request_projection(dep, mode) -> None:
     draft = None if mode == "pp" else dep.draft
     load = closed_loop(LockstepEngine(dep.pipeline, draft), [Ask([5, 9, 2], mode, opts())], 1)
-    gen = Generation(dep.pipeline, draft, [5, 9, 2], mode, opts())
+    gen = LockstepGeneration(dep.pipeline, draft, [5, 9, 2], mode, opts())
     assert gen.run() == load.served[0].tokens
     s, c = gen.stats, costs()
     passes = specinfer_draft_seconds(s.draft_layers, c) if mode == "specinfer" else ()
@@ -55,7 +55,7 @@ def test_closed_loop_keeps_concurrency_and_every_request_is_exact(dep) -> None:
     assert [s.join_step for s in load.served][:2] == [0, 0]
     assert all(s.join_step > 0 for s in load.served[2:])  # joined as others finished
     for p, s in zip(prompts, load.served, strict=True):
-        alone = Generation(dep.pipeline, dep.draft, p, Mode.SPECPIPE, opts()).run()
+        alone = LockstepGeneration(dep.pipeline, dep.draft, p, Mode.SPECPIPE, opts()).run()
         assert s.tokens == alone
     assert len(load.trace) == max(s.token_steps[-1] for s in load.served)
 
@@ -69,7 +69,7 @@ def test_schedule_of_runs_alone_is_the_closed_loop_run(dep, mode) -> None:
     load = closed_loop(LockstepEngine(dep.pipeline, dep.draft), asks, 2)
     alone = []
     for a in asks:
-        gen = Generation(dep.pipeline, dep.draft, a.prompt, a.mode, a.opts)
+        gen = LockstepGeneration(dep.pipeline, dep.draft, a.prompt, a.mode, a.opts)
         gen.run()
         alone.append(gen.stats)
     again = schedule(alone, 2)

@@ -169,22 +169,12 @@ def test_rate_limited_log_counts_what_it_leaves_out(caplog) -> None:
     assert len(lines) == 3
 
 
-def test_the_router_takes_only_well_formed_logits() -> None:
-    """A 3-D or mis-sized logits frame (from a last stage that predates verification)
-    fails the request (issue 13: [1, 1, 1000] logits were passed on)."""
-    from specpipe.services.router.frames import logits_of
+def test_the_router_takes_only_verifications_from_the_last_stage() -> None:
+    """A last stage sends verifications: a frame of any other kind (logits, hidden
+    states) fails the request before the controller sees it."""
+    from specpipe.services.router.frames import verification_of
     from specpipe.services.transport.codec import Frame, encode
 
-    def frame(logits):
-        act = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), logits=logits)
-        header, payload = encode(act, 0)
-        return Frame(header, payload)
-
-    ok = logits_of(frame(torch.zeros(1, 97)), 97)
-    assert ok.logits.shape == (1, 97)
-    for bad in (torch.zeros(1, 1, 97), torch.zeros(1, 1000), torch.full((1, 97), float("nan"))):
-        with pytest.raises(InvalidInput):
-            logits_of(frame(bad), 97)
     hidden = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), hidden=torch.zeros(1, 97))
-    with pytest.raises(FrameError, match="takes verifications or logits"):
-        logits_of(Frame(*encode(hidden, 0)), 97)
+    with pytest.raises(FrameError, match="takes verifications, not frames of kind"):
+        verification_of(Frame(*encode(hidden, 0)), None, 97)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration
 from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.common.spec.options import DecodeOptions, Mode
@@ -146,9 +146,9 @@ def test_seeded_draws_use_the_output_position() -> None:
         )
         (v,) = RequestVerifier("r", spec, lambda h: h).on_output(act)
         draws.append(v.tokens[0])
-    from specpipe.common.spec.sampling import sample_token
+    from specpipe.common.spec.sampling import draw_index
 
-    assert draws == [sample_token(logits[0], spec.sampling, i) for i in (0, 3, 7)]
+    assert draws == [int(draw_index(logits[0], spec.sampling, i)) for i in (0, 3, 7)]
 
 
 def test_a_rounds_walks_share_one_head_call_and_walk_as_one_at_a_time() -> None:
@@ -212,7 +212,9 @@ def test_the_in_process_last_stage_sends_verifications_not_logits(llama_dir, k) 
     engine.run_all()
     assert all(r.last is None for r in seen)  # no logits leave the last stage
     assert sum(len(r.verified) for r in seen) == run.stats.verifications
-    ref = Generation(dep.pipeline, None, PROMPT, Mode.AUTOREGRESSIVE, DecodeOptions(20)).run()
+    ref = LockstepGeneration(
+        dep.pipeline, None, PROMPT, Mode.AUTOREGRESSIVE, DecodeOptions(20)
+    ).run()
     assert run.tokens == ref
 
 
@@ -224,7 +226,7 @@ def test_logprobs_are_the_targets_own(llama_dir, mode, temperature) -> None:
     dep = build_local(llama_dir, 3, ORACLE_DRAFT, torch.float64)
     sampling = SamplingParams(temperature=temperature, seed=4)
     opts = DecodeOptions(12, sampling=sampling, width=3, logprobs=5)
-    gen = Generation(dep.pipeline, dep.draft, PROMPT, mode, opts)
+    gen = LockstepGeneration(dep.pipeline, dep.draft, PROMPT, mode, opts)
     gen.run()
     lps = gen.controller.out.logprobs
     assert len(lps) == len(gen.output) == 12
@@ -283,7 +285,7 @@ def test_prompt_logprobs_are_the_targets_own_even_after_a_prefix_cache_hit(llama
 def test_a_one_token_prompt_has_no_prompt_logprobs(llama_dir) -> None:
     dep = build_local(llama_dir, 2, None, torch.float64)
     opts = DecodeOptions(3, prompt_logprobs=0)
-    gen = Generation(dep.pipeline, None, [5], Mode.PP, opts)
+    gen = LockstepGeneration(dep.pipeline, None, [5], Mode.PP, opts)
     gen.run()
     assert gen.controller.out.prompt_logprobs == () and len(gen.output) == 3
 

@@ -11,7 +11,7 @@ from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime import verifier as verifier_module
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
-from specpipe.common.runtime.lockstep import Generation, LockstepEngine
+from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration
 from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation
 from specpipe.common.spec.options import DecodeOptions, Mode
@@ -201,7 +201,9 @@ def test_every_step_of_a_served_batch_calls_the_head_once(llama_dir, k) -> None:
     head.logits = real_logits
     dep.pipeline.step_many = step_many  # type: ignore[method-assign]
     for run, p, s in zip(runs, prompts, samplings, strict=True):
-        ref = Generation(dep.pipeline, None, p, Mode.AUTOREGRESSIVE, DecodeOptions(16, sampling=s))
+        ref = LockstepGeneration(
+            dep.pipeline, None, p, Mode.AUTOREGRESSIVE, DecodeOptions(16, sampling=s)
+        )
         assert run.tokens == ref.run()
 
 

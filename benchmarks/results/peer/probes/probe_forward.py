@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from specpipe.common.runtime.loader import build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,7 +25,7 @@ x = torch.tensor([ids])
 
 
 def ours(n):
-    g = Generation(
+    g = LockstepGeneration(
         dep.pipeline, dep.draft, list(ids), Mode.AUTOREGRESSIVE, DecodeOptions(max_new_tokens=n)
     )
     t = time.perf_counter()

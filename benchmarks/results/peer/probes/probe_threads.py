@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 from specpipe.common.runtime.loader import build_local
-from specpipe.common.runtime.lockstep import Generation
+from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from transformers import AutoTokenizer
 
@@ -21,7 +21,7 @@ dep = build_local(d, 1, None, torch.bfloat16)
 
 
 def ours(n):
-    g = Generation(
+    g = LockstepGeneration(
         dep.pipeline, dep.draft, list(ids), Mode.AUTOREGRESSIVE, DecodeOptions(max_new_tokens=n)
     )
     t = time.perf_counter()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..runtime.loader import InProcessDeployment
-from ..runtime.lockstep import Generation
+from ..runtime.lockstep import LockstepGeneration
 from ..spec.options import DecodeOptions, Mode
 from .cost_model import DeploymentCosts
 
@@ -115,7 +115,9 @@ def measure_hit_rates(
         hits = emitted = 0
         for prompt in prompts:
             o = replace(opts, layers_per_step=k)
-            gen = Generation(deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, o)
+            gen = LockstepGeneration(
+                deployment.pipeline, deployment.draft, prompt, Mode.SPECPIPE, o
+            )
             gen.run()
             hits += gen.stats.hits
             emitted += gen.stats.new_tokens
