@@ -1,5 +1,6 @@
 """Attention of one step's rows over their paged keys with FlexAttention: the path for
-accelerators (docs/architecture.md, "The stage engine", "Attention on accelerators").
+accelerators (docs/architecture.md, "5. The request controller and its executors",
+"The stage engine"; its bullet "Attention on accelerators").
 
 The padded path (`paged_attention`) gathers every request's keys into a batch as long as
 the longest and hands SDPA an additive mask with `enable_gqa`; on CUDA that combination

@@ -37,7 +37,7 @@ def test_only_bf16_on_a_cpu_is_packed() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_float_models_keep_their_plain_linears(llama_dir, dtype) -> None:
     model = load_stage(llama_dir, dtype=dtype)
-    assert linears(model) == (5 * 7 + 1, 0)
+    assert linears(model) == (5 * 4 + 1, 0)  # per layer: qkv, o, gate_up, down
 
 
 @needs_bf16_kernels
@@ -48,8 +48,8 @@ def test_a_bf16_stage_packs_every_linear_and_computes_what_plain_weights_do(
     packed = load_stage(llama_dir, layers, dtype=torch.bfloat16)
     plain = load_stage(llama_dir, layers, dtype=torch.bfloat16, pack=False)
     head = 1 if layers.is_last else 0
-    assert linears(packed) == (0, layers.size * 7 + head)
-    assert linears(plain) == (layers.size * 7 + head, 0)
+    assert linears(packed) == (0, layers.size * 4 + head)
+    assert linears(plain) == (layers.size * 4 + head, 0)
     assert packed.num_bytes() == plain.num_bytes()
     assert packed.dtype == torch.bfloat16
     torch.manual_seed(0)

@@ -214,7 +214,7 @@ def test_a_router_is_built_from_its_configuration_alone() -> None:
     from specpipe.services.router.service import RouterService
 
     config = RouterConfig(
-        stages=("127.0.0.1:9",), stall_seconds=30.0, replica_stall_seconds=1.5,
+        stages=("127.0.0.1:9",), path_stall_seconds=30.0, replica_stall_seconds=1.5,
         replay_seconds=4.0, max_replays=2, model_id="served", router_name="r1",
         scheduling=SchedulingConfig(max_running=3, max_waiting=4, late_draft_wait_ms=2.5),
     )  # fmt: skip
