@@ -93,15 +93,15 @@ class CallBatcher:
             return
         for (_, _, done), outcome in zip(batch, outcomes, strict=True):
             refused = outcome.code != grpc.StatusCode.OK.value[0]
-            _settle(done, refusal(outcome.code, outcome.message) if refused else None)
+            settle(done, refusal(outcome.code, outcome.message) if refused else None)
 
     async def _send_one(self, item, timeout: float, done: asyncio.Future) -> None:
         try:
             await self.single(item, timeout)
         except Exception as e:  # handed to the waiting item
-            _settle(done, e)
+            settle(done, e)
         else:
-            _settle(done)
+            settle(done)
 
 
 def stage_batchers(stub, label: str) -> tuple[CallBatcher, CallBatcher]:
@@ -129,13 +129,14 @@ def stage_batchers(stub, label: str) -> tuple[CallBatcher, CallBatcher]:
 
 def _fail(batch: list[tuple[object, float, asyncio.Future]], error: BaseException) -> None:
     for _, _, done in batch:
-        _settle(done, error)
+        settle(done, error)
 
 
-def _settle(done: asyncio.Future, error: BaseException | None = None) -> None:
+def settle(done: asyncio.Future, error: BaseException | None = None, result=None) -> None:
+    """Complete `done` with `error` (or `result`) unless it is done already (cancelled)."""
     if done.done():
         return
     if error is None:
-        done.set_result(None)
+        done.set_result(result)
     else:
         done.set_exception(error)

@@ -25,7 +25,7 @@ import grpc
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from .batched import CallBatcher, refusal, stage_batchers
+from .batched import CallBatcher, refusal, settle, stage_batchers
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class StageStream(_Stream):
         if self.unary is not None:
             call = self.stub.Release(pb.RequestRef(request_id=wire_id), timeout=5.0)
             asyncio.ensure_future(call).add_done_callback(
-                lambda f: _settle(done, result=release_confirmed(f))
+                lambda f: settle(done, result=release_confirmed(f))
             )
             return done
         self._releases.setdefault(wire_id, []).append(done)
@@ -212,13 +212,13 @@ class StageStream(_Stream):
                 user(r.code, r.message)
         for rid in reply.released:
             for done in self._released.pop(rid, ()):
-                _settle(done, result=True)
+                settle(done, result=True)
 
     def _on_break(self, code: int, message: str) -> None:
         waiting, self._released = self._released, {}
         for waiters in waiting.values():
             for done in waiters:
-                _settle(done, result=False)
+                settle(done, result=False)
         for user in list(self._users.values()):
             user(code, message)
 
@@ -265,15 +265,15 @@ class DraftStream(_Stream):
             if done is None:
                 continue
             if a.code:
-                _settle(done, refusal(a.code, a.message))
+                settle(done, refusal(a.code, a.message))
             else:
-                _settle(done, None, a.proposal if a.HasField("proposal") else None)
+                settle(done, None, a.proposal if a.HasField("proposal") else None)
 
     def _on_break(self, code: int, message: str) -> None:
         waiting, self._waiting = self._waiting, {}
         self._calls = []
         for done in waiting.values():
-            _settle(done, refusal(code, message))
+            settle(done, refusal(code, message))
 
     def _unimplemented(self) -> bool:
         self.unary = True
@@ -304,15 +304,6 @@ def release_confirmed(call: asyncio.Future) -> bool:
     return e is None or (
         isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.NOT_FOUND
     )
-
-
-def _settle(done: asyncio.Future, error: BaseException | None = None, result=None) -> None:
-    if done.done():
-        return
-    if error is None:
-        done.set_result(result)
-    else:
-        done.set_exception(error)
 
 
 def control_stream(kind: str, stub, label: str) -> StageStream | DraftStream:
