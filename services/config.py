@@ -407,6 +407,11 @@ class RouterConfig(ServiceConfig):
         "no new requests, and a request waiting on it is replayed on another path as if "
         "it had died (default %(default)s)",
     )
+    health_check_interval: float = flag(
+        0.5,
+        parse=positive_seconds,
+        help="seconds between two health checks of a replica (default %(default)s)",
+    )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")
     startup_timeout: float = flag(

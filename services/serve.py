@@ -249,56 +249,35 @@ class RouterInputs:
 
     @classmethod
     def load(cls, config: RouterConfig) -> RouterInputs:
-        from .router.discovery import make_discovery
+        from .router.discovery import discovery_of
 
-        discovery = make_discovery(
-            config.discovery,
-            config.stages,
-            config.drafts,
-            config.discovery_namespace,
-            config.discovery_selector,
-        )
+        discovery = discovery_of(config)
         return cls(discovery, load_api_keys(config), load_public_tls(config))
-
-
-def edge_limits(config: RouterConfig):
-    """The public ports' limits of a router configuration (ValueError for bad ones)."""
-    from .router.edge import EdgeLimits
-
-    given = {"max_connections": config.http_max_connections} if config.http_max_connections else {}
-    return EdgeLimits(
-        max_connections_per_client=config.http_max_connections_per_client,
-        header_timeout=config.http_header_timeout,
-        **given,
-    )
 
 
 async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -> None:
     """`inputs`: loaded already (the command line checks them first); None: load them."""
     from .metrics import RouterMetrics
-    from .router import RouterService
+    from .router import RouterEngine, RouterService
 
     inputs = inputs or RouterInputs.load(config)
     router_metrics = RouterMetrics()
-    svc = RouterService.from_config(
+    engine = RouterEngine(
         config,
         discovery=inputs.discovery,
         api_keys=inputs.api_keys,
-        public_tls=inputs.public_tls,
         security=security_of(config),
-        limits=edge_limits(config),
         metrics=router_metrics,
     )
-    router_metrics.watch(svc)
+    svc = RouterService(engine, inputs.public_tls)
+    router_metrics.watch(engine)
     host = config.advertise_host or _local(config.host)
     log.info("replicas from %s", inputs.discovery.describe())
     http, info = None, _serve_metrics(router_metrics, config, host)
     if config.http_port is not None:  # first: /health says "starting" while stages load
         from .router.http_api import HttpServer
 
-        http = HttpServer(
-            svc, tool_call_parser=config.tool_call_parser, metrics_access=config.http_metrics
-        )
+        http = HttpServer(engine)
         port = await http.start(config.host, config.http_port, inputs.public_tls)
         info["http"] = f"{host}:{port}"
         log.info("OpenAI-compatible HTTP API at http://%s/v1", info["http"])
@@ -317,8 +296,8 @@ async def run_router(config: RouterConfig, inputs: RouterInputs | None = None) -
     addr = f"{host}:{port}"
     if inputs.api_keys.enabled:
         log.info("API keys on: %d key(s)", len(inputs.api_keys))
-    write_ready(config.ready_file, grpc=addr, data=svc.transport.address, **info)
-    log.info("router ready at %s (model %s)", addr, svc.model.model_id if svc.model else "?")
+    write_ready(config.ready_file, grpc=addr, data=engine.transport.address, **info)
+    log.info("router ready at %s (model %s)", addr, engine.model.model_id if engine.model else "?")
     stops = [*([http.stop] if http else []), _closer(router_metrics)]
     await _serve_until_stopped(svc, config.drain_seconds, stops)
 

@@ -32,6 +32,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -331,6 +335,17 @@ def _own_namespace() -> str:
 
 
 # -- from the command line -----------------------------------------------------------------
+def discovery_of(config: RouterConfig) -> Discovery:
+    """The replicas' source a router's configuration names (`make_discovery`)."""
+    return make_discovery(
+        config.discovery,
+        config.stages,
+        config.drafts,
+        config.discovery_namespace,
+        config.discovery_selector,
+    )
+
+
 def make_discovery(
     spec: str | None,
     stages: Sequence[str] = (),

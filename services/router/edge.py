@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from ..conn_limits import default_max_connections
+
+if TYPE_CHECKING:
+    from ..config import RouterConfig
 
 # One client address may hold this many HTTP connections (0: no cap; set it to 0 or to
 # the total behind a proxy, where every client comes from the proxy's address).
@@ -56,6 +60,19 @@ class EdgeLimits:
         for name in ("header_timeout", "idle_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> EdgeLimits:
+        """The limits `config` sets (--http-max-connections..., ValueError for bad
+        ones); the others are this class's defaults."""
+        given = (
+            {"max_connections": config.http_max_connections} if config.http_max_connections else {}
+        )
+        return cls(
+            max_connections_per_client=config.http_max_connections_per_client,
+            header_timeout=config.http_header_timeout,
+            **given,
+        )
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Options of the public gRPC server (gRPC core enforces them)."""

@@ -19,8 +19,8 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Self
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 from specpipe.common.runtime.lease import MIN_TOKEN_BYTES
@@ -28,15 +28,9 @@ from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.controller import make_controller
 from specpipe.common.spec.grammar import GrammarError, load_grammar_tokenizer
 from specpipe.common.spec.options import Mode, check_step_rows
-from specpipe.common.spec.scheduler import (
-    DEFAULT_MAX_RUNNING,
-    DEFAULT_MAX_WAITING,
-    DEFAULT_MAX_WAITING_PER_TENANT,
-)
 from specpipe.v1 import generation_pb2 as gen
 
 from ..auth import ApiKeys, Caller
-from ..config import DEFAULT_LATE_DRAFT_WAIT_MS, DEFAULT_PATH_STALL_SECONDS, DEFAULT_REPLAY_SECONDS
 from ..control import logprobs_to_proto
 from ..grpc_util import channel
 from ..ratelog import RateLimitedLog
@@ -44,11 +38,11 @@ from ..security import Security
 from ..stats_wire import stats_to_proto
 from ..transport import TCP, Inbox, Transport, make_transport
 from .admission import Admission
-from .backends import DEFAULT_STALL_SECONDS, Backend, Backends, ModelInfo, NoPath
-from .bounds import max_prompt_chars
+from .backends import Backend, Backends, ModelInfo, NoPath
+from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .cache_scope import CacheScopes
 from .calls import DriverError, LeaseClaim
-from .discovery import Discovery, StaticDiscovery
+from .discovery import Discovery, discovery_of
 from .driver import DriverSettings, RequestDriver
 from .keepalive import LeaseKeepAlive
 from .path_session import first_path
@@ -84,160 +78,107 @@ class RouterEngine:
 
     def __init__(
         self,
-        stage_addresses: list[str] | None = None,
-        draft_address: str | None = None,
-        tokenizer_dir: str | None = None,
-        transport_kind: str = TCP,
-        bind_host: str = "127.0.0.1",
-        advertise_host: str | None = None,
-        model_id: str = "",
-        check_interval: float = 0.5,
-        api_keys: ApiKeys | None = None,
-        max_running: int = DEFAULT_MAX_RUNNING,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        row_budget: int | str | None = None,
+        config: RouterConfig,
+        *,
         discovery: Discovery | None = None,
-        replay_seconds: float = DEFAULT_REPLAY_SECONDS,
-        stall_seconds: float = DEFAULT_PATH_STALL_SECONDS,
-        max_replays: int = 8,
-        metrics=None,
-        name: str = "",
+        api_keys: ApiKeys | None = None,
         security: Security | None = None,
-        defaults: RequestDefaults | None = None,
-        tuning: RouterTuning | None = None,
-        late_draft_wait: float = DEFAULT_LATE_DRAFT_WAIT_MS / 1e3,
-        max_running_per_key: int | None = None,
-        max_waiting_per_key: int = DEFAULT_MAX_WAITING_PER_TENANT,
-        share_prefix_cache: bool = False,
-        replica_stall_seconds: float = DEFAULT_STALL_SECONDS,
+        metrics=None,
     ) -> None:
-        """`security`: mutual TLS to the stages and the draft and authenticated frames
-        (--secure); `defaults`: width, layers per step and token source of requests
-        that leave them unset (values or "auto"; None: the engine's fixed defaults, as
-        embedders and tests want; `specpipe up` and `specpipe router` pass the flags',
-        which tune); `tuning`: how `auto` settings are chosen; `late_draft_wait`: how
-        long a verification may wait for a late draft answer (seconds; 0: never, see
-        driver.py). Fair admission (common/spec/scheduler.py): an API key (or, without
-        keys, a client address) runs at most `max_running_per_key` requests (None: all
-        but an eighth of `max_running`) and queues at most `max_waiting_per_key`.
-        `share_prefix_cache`: tenants may share cached prefixes (cache_scope.py).
-        `stall_seconds`: how long a silent path is trusted (the watchdog);
-        `replica_stall_seconds`: how long a replica may leave a health check
-        unanswered before it takes no new requests (backends.py)."""
+        """Every setting comes from `config` (`specpipe router`'s flags). The live
+        objects it names, when the caller made them already (the command line does, to
+        report a bad file before anything starts): `discovery`, the replicas' source
+        (None: made here from --stages/--draft/--discovery), `api_keys` (None: loaded
+        here from --api-key/--api-key-file); `security`: the internal planes' mutual TLS
+        and frame keys (--secure; None: plaintext); `metrics`: a RouterMetrics, or None."""
+        s = config.scheduling
+        self.config = config
         self.security = security
         self.inbox = Inbox()
+        self.transport_kind = config.transport or TCP
         self.transport: Transport = make_transport(
-            transport_kind,
+            self.transport_kind,
             self.inbox,
-            bind_host=bind_host,
-            advertise_host=advertise_host,
+            bind_host=config.host,
+            advertise_host=config.advertise_host,
             admit=self.inbox.admit,
             auth=security.frame_auth() if security else None,
         )
-        self.transport_kind = transport_kind
         if discovery is None:
-            if not stage_addresses:
-                raise ValueError("a router needs at least one stage (or a discovery source)")
-            discovery = StaticDiscovery(stage_addresses, [draft_address] if draft_address else [])
+            discovery = discovery_of(config)
         self.backends = Backends(
             discovery,
             on_down=self._backend_down,
             on_readiness=self._readiness,
-            check_interval=check_interval,
-            transport_kind=transport_kind,
+            check_interval=config.health_check_interval,
+            transport_kind=self.transport_kind,
             make_channel=lambda address: channel(address, security),
-            stall_seconds=replica_stall_seconds,
+            stall_seconds=config.replica_stall_seconds,
         )
-        # Faults: how long a replay waits for a path, how long a silent path is trusted
-        # (the watchdog), and how often one request is replayed before it fails.
-        self.replay_seconds, self.stall_seconds = replay_seconds, stall_seconds
-        self.max_replays = max_replays
         self.metrics = metrics  # services/metrics.RouterMetrics, or None
-        self.tokenizer_dir = tokenizer_dir
+        self.tokenizer_dir = config.target
+        # Requests larger than any prompt that fits the context are refused before they
+        # are read: by gRPC (RESOURCE_EXHAUSTED) and the HTTP API (413).
+        self.max_request_bytes = max_request_bytes(context_of(config.target))
         self.codec = None
         self.grammar_tokenizer = None  # response_format: loaded at the first such request
-        self.model_id_override = model_id
+        self.model_id_override = config.model_id
         self.drivers: dict[str, RequestDriver] = {}
-        self.defaults = defaults or RequestDefaults.fixed()
-        self.tuning = tuning or RouterTuning()
-        self.late_draft_wait = late_draft_wait
+        self.defaults = RequestDefaults(s.width, s.layers_per_step, s.token_source)
+        tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
+        self.tuning = RouterTuning(**{k: v for k, v in tuning.items() if v is not None})
+        # Faults: how long a replay waits for a path, how long a silent path is trusted
+        # (the watchdog), how often one request is replayed before it fails, and how
+        # long a verification waits for a late draft answer (driver.py).
+        self.driver_settings = DriverSettings(
+            replay_timeout=config.replay_seconds,
+            stall_timeout=config.path_stall_seconds,
+            max_replays=config.max_replays,
+            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
+        )
         # Admission and elastic width; the row budget may come from the stages ("auto").
-        self.row_budget_spec = row_budget
         self.admission = Admission(
-            self.drivers, max_running, max_waiting, max_running_per_key, max_waiting_per_key
+            self.drivers,
+            s.max_running,
+            s.max_waiting,
+            s.max_running_per_key,
+            s.max_waiting_per_key,
         )
         self.scheduler = self.admission.scheduler
         # Prefix-cache namespaces: per tenant, keyed with the deployment's secret.
         self.cache_scopes = CacheScopes(
-            security.data_secret if security else None, share_prefix_cache
+            security.data_secret if security else None, config.share_prefix_cache
         )
         self._cleanup: set[asyncio.Task] = set()
         self._ids = RequestIds()
         # Leases: this router's stable name (default host:port, set at start), this
         # process's epoch (its start time in ns: a restarted router's is larger) and its
         # lease token (random: only this process renews its requests).
-        self.name = name
+        self.name = config.router_name
         self.epoch = time.time_ns()
         self.lease_token = secrets.token_bytes(MIN_TOKEN_BYTES)
         self.keepalive = LeaseKeepAlive(self.backends, self.drivers, self.lease)
         self.draining = False
-        self.api_keys = api_keys or ApiKeys()
+        self.api_keys = api_keys or ApiKeys.load(
+            config.api_keys, config.api_key_files, config.max_priority
+        )
+        self._readiness_watchers: list[Callable[[bool], Awaitable[None]]] = []
         # Tokenizing (and chat templates) off the event loop, bounded: a long prompt never
         # delays other requests' tokens or the health checks (tokenizing.py).
         self._tokenizing = TokenizingQueue()
         self._failures = RateLimitedLog(log)  # a failing replica fails many requests
-
-    @classmethod
-    def from_config(
-        cls,
-        config: RouterConfig,
-        *,
-        discovery: Discovery,
-        api_keys: ApiKeys,
-        security: Security | None = None,
-        metrics=None,
-        **front,
-    ) -> Self:
-        """The engine `config` (`specpipe router`) describes, over the live objects made
-        from it (its replicas' source, API keys, the internal planes' credentials): the
-        one place its settings meet the engine. `front`: a front end's own options."""
-        s = config.scheduling
-        tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
-        return cls(
-            tokenizer_dir=config.target,
-            transport_kind=config.transport or TCP,
-            bind_host=config.host,
-            advertise_host=config.advertise_host,
-            model_id=config.model_id,
-            api_keys=api_keys,
-            max_running=s.max_running,
-            max_waiting=s.max_waiting,
-            max_running_per_key=s.max_running_per_key,
-            max_waiting_per_key=s.max_waiting_per_key,
-            share_prefix_cache=config.share_prefix_cache,
-            row_budget=s.row_budget,
-            defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
-            tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
-            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
-            discovery=discovery,
-            replay_seconds=config.replay_seconds,
-            max_replays=config.max_replays,
-            stall_seconds=config.path_stall_seconds,
-            replica_stall_seconds=config.replica_stall_seconds,
-            name=config.router_name,
-            security=security,
-            metrics=metrics,
-            **front,
-        )
 
     @property
     def lease(self) -> LeaseClaim:
         return LeaseClaim(self.name, self.epoch, self.lease_token)
 
     # -- lifecycle -----------------------------------------------------------------------
-    async def start_engine(self, startup_timeout: float) -> None:
+    async def start(self, startup_timeout: float, default_name: str) -> None:
         """Load the tokenizer, find a complete path, free a predecessor's requests (a
-        restarted router's: its name is this one's) and keep this router's leases."""
+        restarted router's: its name is this one's; `default_name` without
+        --router-name) and keep this router's leases. The data plane is started first
+        (`transport.start`): the front end that owns the process starts both."""
+        self.name = self.name or default_name
         self.codec = await asyncio.get_running_loop().run_in_executor(
             None, load_codec, self.tokenizer_dir
         )
@@ -251,8 +192,9 @@ class RouterEngine:
         await self.keepalive.renew()  # a restarted router's predecessor's requests go now
         self.keepalive.start()
 
-    async def stop_engine(self) -> None:
-        """Fail what is still open, release it, close the replicas and the data plane."""
+    async def stop(self) -> None:
+        """Fail what is still open (`close` then releases it and closes the replicas and
+        the data plane)."""
         self.keepalive.stop()
         for d in list(self.drivers.values()):
             d.fail(
@@ -260,19 +202,25 @@ class RouterEngine:
                 "the router shut down before this request finished (retry it)",
             )
 
-    async def close_engine(self) -> None:
+    async def close(self) -> None:
         if self._cleanup:
             await asyncio.wait(self._cleanup, timeout=5.0)
         await self.backends.close()
         await self.transport.close()
         self._tokenizing.shutdown()
 
+    def watch_readiness(self, watcher: Callable[[bool], Awaitable[None]]) -> None:
+        """Call `watcher(ready)` whenever a complete path comes up or goes (a front end
+        reports it: gRPC health)."""
+        self._readiness_watchers.append(watcher)
+
     async def _readiness(self, ready: bool) -> None:
-        """Backends' readiness changed (a front end reports it)."""
+        for watcher in self._readiness_watchers:
+            await watcher(ready)
 
     def _row_budget(self) -> int | None:
         """--row-budget: a number, "auto" (the smallest a stage measured), or None."""
-        spec = self.row_budget_spec
+        spec = self.config.scheduling.row_budget
         if spec in (None, "", "none"):
             return None
         if spec != "auto":
@@ -462,13 +410,16 @@ class RouterEngine:
         try:
             yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:
-                async for tokens in batches:
-                    try:
-                        yield self._delta(driver, stream, tokens, index, plan)
-                    except StopGeneration:
-                        stopped = True
+                async for batch in batches:
+                    for tokens in split_at_min_tokens(batch, index, plan.opts.min_tokens):
+                        try:
+                            yield self._delta(driver, stream, tokens, index, plan)
+                        except StopGeneration:
+                            stopped = True
+                            break
+                        index += len(tokens)
+                    if stopped:
                         break
-                    index += len(tokens)
             finished = self._finished(driver, stream, len(plan.prompt))
             if stopped:
                 finished.finish_reason = "stop"
@@ -535,12 +486,7 @@ class RouterEngine:
             path,
             self.transport.address,
             self.inbox,
-            settings=DriverSettings(
-                replay_timeout=self.replay_seconds,
-                stall_timeout=self.stall_seconds,
-                max_replays=self.max_replays,
-                late_draft_wait=self.late_draft_wait,
-            ),
+            settings=self.driver_settings,
             deadline=deadline,
             lease=LeaseClaim(self.name, self.epoch, self.lease_token),
             vocab_size=self.model.vocab_size if self.model else None,
@@ -625,3 +571,11 @@ class RouterEngine:
             text=stream.flush() if stream else "",
             resumed_tokens=st.resumed_tokens,
         )
+
+
+def split_at_min_tokens(tokens: list[int], index: int, min_tokens: int) -> list[list[int]]:
+    """The deltas of `tokens` (output positions `index`..): one, or two where the output
+    reaches `min_tokens` tokens, so that a stop string, honoured from there on
+    (openai_compat.StopMatcher), is searched only in the text of the tokens after."""
+    cut = min_tokens - 1 - index
+    return [tokens[:cut], tokens[cut:]] if 0 < cut < len(tokens) else [tokens]

@@ -41,7 +41,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from specpipe.common.spec.grammar import ResponseFormat
-from specpipe.common.spec.tool_parsers import AUTO as AUTO_PARSER
 from specpipe.common.spec.tool_parsers import choose_parser
 from specpipe.v1 import generation_pb2 as gen
 from starlette.exceptions import HTTPException
@@ -50,6 +49,7 @@ from specpipe import __version__
 
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits
+from .engine import RouterEngine
 from .http_guard import ConnectionGuard, KeyConnections, guarded_protocol, limit_uvicorn_logs
 from .openai_compat import (
     DEFAULT_COMPLETION_TOKENS,
@@ -57,9 +57,9 @@ from .openai_compat import (
     ChatCompletionRequest,
     CompletionRequest,
     Entry,
-    Generation,
     Piece,
     ResponseShape,
+    TextRun,
     TokenNames,
     bad_request,
     model_card,
@@ -67,7 +67,6 @@ from .openai_compat import (
     usage,
 )
 from .requests import RequestFailed
-from .service import RouterService
 from .side_endpoints import (
     METRICS_KEY,
     METRICS_OFF,
@@ -89,21 +88,18 @@ class ClientGone(Exception):
 
 
 class HttpApi:
-    """`tool_call_parser`: the model's tool-call format for tool_choice "auto"
-    (tool_parsers.PARSER_CHOICES); `metrics_access`: who may GET /metrics here
-    (side_endpoints.METRICS_ACCESS)."""
+    """The routes over one `RouterEngine` (the one the gRPC service holds too); its
+    configuration says the model's tool-call format for tool_choice "auto"
+    (--tool-call-parser) and who may GET /metrics here (--http-metrics). `limits`: the
+    port's (None: the configuration's, edge.py)."""
 
-    def __init__(
-        self,
-        router: RouterService,
-        tool_call_parser: str = AUTO_PARSER,
-        metrics_access: str = METRICS_KEY,
-    ) -> None:
-        self.router = router
+    def __init__(self, engine: RouterEngine, limits: EdgeLimits | None = None) -> None:
+        self.engine = engine
+        self.limits = limits or EdgeLimits.of(engine.config)
         self.created = int(time.time())
         self._names = TokenNames()
-        self.tool_call_parser = tool_call_parser
-        self.metrics_access = metrics_access
+        self.tool_call_parser = engine.config.tool_call_parser
+        self.metrics_access = engine.config.http_metrics
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -128,23 +124,23 @@ class HttpApi:
             app.add_api_route("/metrics", self.metrics, methods=["GET"], dependencies=guard)
         app.add_middleware(
             BodyLimit,
-            limit=lambda: self.router.max_request_bytes,
-            timeout=self.router.limits.body_timeout,
+            limit=lambda: self.engine.max_request_bytes,
+            timeout=self.limits.body_timeout,
             # A body of n bytes holds at least n/4 characters (UTF-8).
-            busy=lambda length: self.router.tokenizer_full(length // 4),
+            busy=lambda length: self.engine.tokenizer_full(length // 4),
         )
         return app
 
     # -- routes ------------------------------------------------------------------------
     async def authorize(self, request: Request) -> None:
-        why = self.router.api_keys.check(request.headers.get("authorization"))
+        why = self.engine.api_keys.check(request.headers.get("authorization"))
         if why is not None:
             code = "missing_api_key" if "needs" in why else "invalid_api_key"
             raise ApiError(401, why, code)
 
     async def health(self) -> JSONResponse:
         """200 while the router takes requests (a complete path is up), else 503."""
-        r = self.router
+        r = self.engine
         if r.draining:
             status = "draining"
         elif r.model is None:
@@ -169,7 +165,7 @@ class HttpApi:
                 weight_hash=c.weight_hash,
                 modes=list(c.modes),
             )
-            for c in self.router.model_cards()
+            for c in self.engine.model_cards()
         ]
 
     async def models(self) -> dict[str, Any]:
@@ -193,7 +189,7 @@ class HttpApi:
         tools = self._tool_choice(body)
         ids = await self._chat_prompt(body.model, rendered_conversation(body.messages), tools)
         # OpenAI: without max_tokens, a chat completion may fill the context.
-        context = self.router.model.max_positions
+        context = self.engine.model.max_positions
         default = max(1, context - len(ids))
         reqs = body.to_requests(ids, default, self._mode())
         if tools is not None and tools.constrains:
@@ -210,7 +206,7 @@ class HttpApi:
         """The conversation's tokens through the chat template (with the tools), for
         the model `model_id` names ("": the served one)."""
         try:
-            model = self.router.check_model(model_id)
+            model = self.engine.check_model(model_id)
             chars = _conversation_chars(messages, tools.tools if tools else None)
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
@@ -218,7 +214,7 @@ class HttpApi:
                     f"the model's context of {model.max_positions} tokens",
                     "messages",
                 )
-            return await self.router.tokenize_off_loop(
+            return await self.engine.tokenize_off_loop(
                 chars, self._render, messages, tools.tools if tools else None,
                 add_generation_prompt,
             )  # fmt: skip
@@ -229,7 +225,7 @@ class HttpApi:
         """The request's function calling, checked (None: none)."""
         if body.tools is None and body.tool_choice is None:
             return None
-        codec = self.router.codec
+        codec = self.engine.codec
         template = codec.chat_template_text if codec is not None else ""
         parser = choose_parser(self.tool_call_parser, template)
         tools = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
@@ -248,7 +244,7 @@ class HttpApi:
 
     async def metrics(self) -> Response:
         """The router's Prometheus registry (its vllm: series too), text format 0.0.4."""
-        registry = getattr(self.router.metrics, "registry", None)
+        registry = getattr(self.engine.metrics, "registry", None)
         if registry is None:
             raise ApiError(404, "this router keeps no metrics", "not_found")
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -266,7 +262,7 @@ class HttpApi:
                 raise bad_request(f"the prompt has {len(body.prompt or '')} characters: too long",
                                   "prompt")  # fmt: skip
             ids = await self._off_loop(
-                len(body.prompt or ""), encode_prompt, self.router.codec, body.prompt, special
+                len(body.prompt or ""), encode_prompt, self.engine.codec, body.prompt, special
             )
         names = [self._token_names()(t) for t in ids] if body.return_token_strs else None
         return tokenize_answer(ids, model.max_positions, names)
@@ -274,23 +270,23 @@ class HttpApi:
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         model = self._model_with_codec(body.model)
         text = await self._off_loop(
-            len(body.tokens), decode_tokens, self.router.codec, body.tokens, model.vocab_size
+            len(body.tokens), decode_tokens, self.engine.codec, body.tokens, model.vocab_size
         )
         return {"prompt": text}
 
     def _model_with_codec(self, model_id: str):
         """The served model, checked against `model_id`, when the router has its tokenizer."""
         try:
-            model = self.router.check_model(model_id)
+            model = self.engine.check_model(model_id)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
-        if self.router.codec is None:
+        if self.engine.codec is None:
             raise ApiError(400, "the served model has no tokenizer here", "failed_precondition")
         return model
 
     async def _off_loop(self, chars: int, fn, *args):
         try:
-            return await self.router.tokenize_off_loop(chars, fn, *args)
+            return await self.engine.tokenize_off_loop(chars, fn, *args)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
 
@@ -299,17 +295,17 @@ class HttpApi:
         """The prompt as `echo` gives it back: its text (token ids decoded)."""
         if isinstance(prompt, str):
             return prompt
-        codec = self.router.codec
+        codec = self.engine.codec
         if codec is None or not prompt:
             return ""
         try:
-            return await self.router.tokenize_off_loop(len(prompt), codec.decode, prompt)
+            return await self.engine.tokenize_off_loop(len(prompt), codec.decode, prompt)
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
 
     def _token_names(self) -> TokenNames:
         """Token texts for logprobs, of the tokenizer the router has now."""
-        codec = self.router.codec
+        codec = self.engine.codec
         tokenizer = None if codec is None else codec.tokenizer
         if self._names.tokenizer is not tokenizer:
             self._names = TokenNames(tokenizer)
@@ -317,13 +313,13 @@ class HttpApi:
 
     def _mode(self) -> str:
         """Without `mode`: specpipe, or pp on a deployment without a draft."""
-        return "specpipe" if self.router.backends.has_draft else "pp"
+        return "specpipe" if self.engine.backends.has_draft else "pp"
 
     def _render(
         self, messages: list[dict[str, Any]], tools=None, add_generation_prompt: bool = True
     ) -> list[int]:
         """Chat messages (and tools) through the model's chat template, as token ids."""
-        codec = self.router.codec
+        codec = self.engine.codec
         if codec is None:
             raise RequestFailed(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -335,6 +331,10 @@ class HttpApi:
             return codec.encode_chat(messages, tools, add_generation_prompt)
         except TokenizerError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def _run(self, request: gen.GenerateRequest, caller, stops: list[str]) -> TextRun:
+        """One choice: the engine's events as OpenAI text, cut at the stop strings."""
+        return TextRun(self.engine.generate(request, caller=caller), stops, request.min_tokens)
 
     async def _respond(
         self,
@@ -350,24 +350,23 @@ class HttpApi:
         the others find the prompt's blocks in every stage's prefix cache. With
         `tools`, each choice's output becomes its text and tool calls."""
         client = request.client.host if request.client else ""
-        caller = self.router.api_keys.caller(request.headers.get("authorization"), client)
+        caller = self.engine.api_keys.caller(request.headers.get("authorization"), client)
         try:  # every choice counts against the client's share, all of them up front
-            self.router.check_room(caller, len(reqs))
+            self.engine.check_room(caller, len(reqs))
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
-        runs = [Generation(self.router.generate(reqs[0], caller=caller), body.stops)]
+        runs = [self._run(reqs[0], caller, body.stops)]
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
             firsts = [await _unless_disconnected(request, runs[0].next())]
-            runs += [Generation(self.router.generate(r, caller=caller), body.stops)
-                     for r in reqs[1:]]  # fmt: skip
+            runs += [self._run(r, caller, body.stops) for r in reqs[1:]]
             if len(runs) > 1:
                 firsts += await _unless_disconnected(
                     request, _together(run.next() for run in runs[1:])
                 )
             lead = runs[0]
-            model = lead.model or self.router.model.model_id
+            model = lead.model or self.engine.model.model_id
             shape = ResponseShape(chat, lead.request_id, model, lead.weight_hash,
                                   self._token_names(), body.top_logprobs_wanted() is not None)  # fmt: skip
             choices = Choices(runs, firsts, shape, echo, tools)
@@ -409,7 +408,7 @@ class Choices:
 
     def __init__(
         self,
-        runs: list[Generation],
+        runs: list[TextRun],
         firsts: list[Piece | None],
         shape: ResponseShape,
         echo: str | None,
@@ -480,7 +479,7 @@ async def _together(works) -> list:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _close(runs: list[Generation]) -> None:
+async def _close(runs: list[TextRun]) -> None:
     for run in runs:
         await run.close()
 
@@ -501,7 +500,7 @@ async def _events(
     shape, runs = choices.shape, choices.runs
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
-    async def pump(i: int, run: Generation, piece: Piece | None) -> None:
+    async def pump(i: int, run: TextRun, piece: Piece | None) -> None:
         try:
             while piece is not None:
                 await queue.put((i, piece))
@@ -740,9 +739,8 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """uvicorn serving the HTTP API as a task of the running loop."""
 
-    def __init__(self, router: RouterService, **options: str) -> None:
-        """`options`: HttpApi's (tool_call_parser, metrics_access)."""
-        self.api = HttpApi(router, **options)
+    def __init__(self, engine: RouterEngine, limits: EdgeLimits | None = None) -> None:
+        self.api = HttpApi(engine, limits)
         self.guard: ConnectionGuard | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -753,8 +751,8 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, port), family=family, reuse_port=False)
         self.port = sock.getsockname()[1]
-        limits: EdgeLimits = self.api.router.limits
-        keys = self.api.router.api_keys
+        limits = self.api.limits
+        keys = self.api.engine.api_keys
         self.guard = ConnectionGuard(limits, asyncio.get_running_loop(), per_key=keys.enabled)
         listener = self.guard.listen(sock)
         limit_uvicorn_logs()

@@ -282,13 +282,6 @@ class _Common(BaseModel):
         """Usage so far on every streamed chunk (vLLM's continuous_usage_stats)."""
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def to_request(
-        self, prompt: str | Sequence[int], default_max_tokens: int, default_mode: str
-    ) -> gen.GenerateRequest:
-        """The Generation API's request for this body and prompt (text or token ids).
-        Values are passed on as given: the router validates them like a gRPC request's."""
-        return self.to_requests(prompt, default_max_tokens, default_mode)[0]
-
     def to_requests(
         self, prompt: str | Sequence[int], default_max_tokens: int, default_mode: str
     ) -> list[gen.GenerateRequest]:
@@ -448,35 +441,39 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
 
-    def rendered_messages(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise bad_request("messages must not be empty", "messages")
-        return [m.rendered() for m in self.messages]
-
 
 # -- stop strings --------------------------------------------------------------------------
 class StopMatcher:
     """Cuts streamed text at the first stop string. Text that could be the start of a
     stop string is held back until the next piece decides; once a stop string has
-    appeared, `stopped` is set and nothing more comes out (the stop string included)."""
+    appeared, `stopped` is set and nothing more comes out (the stop string included).
+
+    With `min_tokens`, text pushed before that many tokens are out is not searched
+    (vLLM's rule: a stop string is honoured once min_tokens tokens are out): a stop
+    string counts only where it ends in text pushed after (one may begin before)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.stopped = False
         self._held = ""
+        self._early = 0  # characters at the start of _held pushed before min_tokens
 
-    def push(self, text: str) -> str:
-        """The text that is safe to emit after this piece."""
+    def push(self, text: str, honoured: bool = True) -> str:
+        """The text that is safe to emit after this piece; `honoured`: whether a stop
+        string may end in it (False: the output has fewer than min_tokens tokens)."""
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self._held = True, ""
-            return buf[: min(hits)]
-        keep = self._partial(buf)
-        self._held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep]
+        early = self._early if honoured else len(buf)  # where no stop string may end
+        if honoured:
+            found = (buf.find(s, max(0, early - len(s) + 1)) for s in self.stops)
+            hits = [i for i in found if i >= 0]
+            if hits:
+                self.stopped, self._held = True, ""
+                return buf[: min(hits)]
+        cut = len(buf) - self._partial(buf)
+        self._held, self._early = buf[cut:], max(0, early - cut)
+        return buf[:cut]
 
     def flush(self) -> str:
         """At the end of the output: what was held back (no stop string came)."""
@@ -506,16 +503,25 @@ class Piece:
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
 
 
-class Generation:
-    """The `GenerateResponse` events of one request (from `RouterService.generate`) as
+class TextRun:
+    """The `GenerateResponse` events of one request (from `RouterEngine.generate`) as
     OpenAI text: `next()` gives the pieces of text left after stop strings; at the end,
     the finish reason, usage and speculation stats. A stop string ends the request at
-    once (StopGeneration thrown in: the stages free it, the stats come back). Raises
-    what the events raise (RequestFailed)."""
+    once (StopGeneration thrown in: the stages free it, the stats come back), but not
+    before `min_tokens` tokens are out (the request's: its stop tokens wait as long;
+    the engine starts a delta where the output reaches it). Raises what the events
+    raise (RequestFailed)."""
 
-    def __init__(self, responses: AsyncGenerator[gen.GenerateResponse, None], stops=()) -> None:
+    def __init__(
+        self,
+        responses: AsyncGenerator[gen.GenerateResponse, None],
+        stops: Sequence[str] = (),
+        min_tokens: int = 0,
+    ) -> None:
         self._responses = responses
         self.matcher = StopMatcher(stops)
+        self.min_tokens = min_tokens
+        self._out = 0  # output tokens so far (a resume's included)
         self.request_id = ""
         self.model = ""
         self.weight_hash = ""
@@ -568,12 +574,14 @@ class Generation:
                     self.logprobs.extend(d.logprobs)
                     self._ids.extend(d.token_ids)
                     self._lps.extend(d.logprobs)
-                    text = self.matcher.push(d.text)
+                    self._out = d.index + len(d.token_ids)
+                    text = self.matcher.push(d.text, self._out >= self.min_tokens)
                     if self.matcher.stopped:
                         final = await responses.athrow(StopGeneration())
                         self._finish(final.finished)
                 elif kind == "finished":
-                    text = self.matcher.push(resp.finished.text) + self.matcher.flush()
+                    honoured = self._out >= self.min_tokens
+                    text = self.matcher.push(resp.finished.text, honoured) + self.matcher.flush()
                     self._finish(resp.finished)
                 # At the end, tokens whose text never came out still bring their logprobs.
                 if text or (self.finished is not None and self._lps):
@@ -717,7 +725,7 @@ def completion_logprobs(
     return answer, offset
 
 
-def prompt_entries(run: Generation) -> list[Entry]:
+def prompt_entries(run: TextRun) -> list[Entry]:
     """The prompt's tokens with their logprobs (the first has none)."""
     ids, lps = run.prompt_token_ids, run.prompt_logprobs
     return [(t, None if i == 0 else lps[i - 1]) for i, t in enumerate(ids)]

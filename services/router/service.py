@@ -10,76 +10,49 @@ import ipaddress
 import logging
 import socket
 import time
-from typing import TYPE_CHECKING
 
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
 from ..grpc_util import Server, wait_until_idle
 from ..security import PublicTls
-from .bounds import context_of, max_prompt_chars, max_request_bytes
+from .bounds import max_prompt_chars
 from .edge import EdgeLimits, InvalidMessages
 from .engine import RouterEngine
 from .requests import RequestFailed, invalid, tokenize
-
-if TYPE_CHECKING:
-    from ..config import RouterConfig
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "specpipe.v1.Generation"
 
 
-class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
-    """The engine (its constructor's arguments are the engine's, see engine.py) served
-    over gRPC."""
+class RouterService(generation_pb2_grpc.GenerationServicer):
+    """The Generation service over one `RouterEngine`: gRPC in, engine calls, gRPC out."""
 
     def __init__(
         self,
-        *args,
+        engine: RouterEngine,
         public_tls: PublicTls | None = None,
         limits: EdgeLimits | None = None,
-        describe_internals: bool = False,
-        **engine_options,
     ) -> None:
         """`public_tls`: TLS on the public gRPC port (clients use API keys); `limits`:
-        connection caps and timeouts of the public ports (edge.py);
-        `describe_internals`: without API keys, callers on this host see the replicas'
-        addresses in Describe (operators do anyway)."""
-        super().__init__(*args, **engine_options)
+        the public ports' connection caps and timeouts (None: the engine's
+        configuration's, edge.py)."""
+        self.engine = engine
         self.public_tls = public_tls
-        self.describe_internals = describe_internals
-        self.limits = limits or EdgeLimits()
-        auth = [self.api_keys.grpc_interceptor(SERVICE_NAME)] if self.api_keys.enabled else []
-        # Requests larger than any prompt that fits the context are refused by gRPC
-        # before they are read (RESOURCE_EXHAUSTED); the HTTP API caps bodies the same.
-        self.max_request_bytes = max_request_bytes(context_of(self.tokenizer_dir))
+        self.limits = limits or EdgeLimits.of(engine.config)
+        # Without API keys, callers on this host see the replicas' addresses in Describe.
+        self.describe_internals = engine.config.describe_internals
+        keys = engine.api_keys
+        auth = [keys.grpc_interceptor(SERVICE_NAME)] if keys.enabled else []
         self.server = Server(
             [SERVICE_NAME],
             interceptors=[*auth, InvalidMessages(SERVICE_NAME)],
-            max_receive_bytes=self.max_request_bytes,
+            max_receive_bytes=engine.max_request_bytes,
             credentials=public_tls.server_credentials() if public_tls else None,
             options=self.limits.grpc_options(),
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(self, self.server.server)
-
-    @classmethod
-    def from_config(
-        cls,
-        config: RouterConfig,
-        *,
-        public_tls: PublicTls | None = None,
-        limits: EdgeLimits | None = None,
-        **live,
-    ) -> RouterService:
-        """The engine of `config` (RouterEngine.from_config, over the `live` objects)
-        behind this front end, with the public port's TLS and limits made from it."""
-        return super().from_config(
-            config,
-            public_tls=public_tls,
-            limits=limits,
-            describe_internals=config.describe_internals,
-            **live,
-        )
+        engine.watch_readiness(self.server.set_serving)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(
@@ -90,38 +63,41 @@ class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
         startup_timeout: float = 120.0,
         health_port: int | None = None,
     ) -> int:
-        await self.transport.start(data_port)
+        """The data plane, the gRPC port (NOT_SERVING until a complete path is up),
+        then the engine; the gRPC port."""
+        engine = self.engine
+        await engine.transport.start(data_port)
         port = await self.server.start(host, port, health_port)
-        self.name = self.name or default_router_name(self.transport.advertise_host, port)
         await self.server.set_serving(False)
-        await self.start_engine(startup_timeout)
-        await self._readiness(self.backends.ready)
+        await engine.start(
+            startup_timeout, default_router_name(engine.transport.advertise_host, port)
+        )
+        await self.server.set_serving(engine.backends.ready)
         return port
 
     async def drain(self, seconds: float) -> None:
         """Graceful shutdown, first half: NOT_SERVING at once, refuse new requests, and
         let open ones finish for up to `seconds` (then `stop` fails what is left)."""
-        self.draining = True
+        drivers = self.engine.drivers
+        self.engine.draining = True
         await self.server.enter_drain()
-        log.info("draining %d open requests for up to %.0f s", len(self.drivers), seconds)
-        left = await wait_until_idle(lambda: len(self.drivers), seconds)
+        log.info("draining %d open requests for up to %.0f s", len(drivers), seconds)
+        left = await wait_until_idle(lambda: len(drivers), seconds)
         if left:
             log.warning("drain deadline passed with %d requests open", left)
 
     async def stop(self) -> None:
-        await self.stop_engine()
+        await self.engine.stop()
         await self.server.stop()
-        await self.close_engine()
-
-    async def _readiness(self, ready: bool) -> None:
-        await self.server.set_serving(ready)
+        await self.engine.close()
 
     # -- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request, context):
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
-        caller = self.api_keys.caller_of_call(context)
-        async with contextlib.aclosing(self.generate(request, deadline, caller)) as responses:
+        caller = self.engine.api_keys.caller_of_call(context)
+        generate = self.engine.generate(request, deadline, caller)
+        async with contextlib.aclosing(generate) as responses:
             try:
                 async for response in responses:
                     yield response
@@ -130,20 +106,21 @@ class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request, context) -> gen.TokenizeResponse:
         try:
-            model = self.check_model(request.model)
+            engine = self.engine
+            model = engine.check_model(request.model)
             if not request.text:
                 raise invalid("the text is empty")
             if len(request.text) > max_prompt_chars(model.max_positions):
                 raise invalid(f"the text has {len(request.text)} characters: too long")
-            ids = await self.tokenize_off_loop(
-                len(request.text), tokenize, self.codec, request.text, request.chat
+            ids = await engine.tokenize_off_loop(
+                len(request.text), tokenize, engine.codec, request.text, request.chat
             )
         except RequestFailed as e:
             await context.abort(e.code, e.message)
         return gen.TokenizeResponse(token_ids=ids)
 
     async def ListModels(self, request, context) -> gen.ListModelsResponse:
-        return gen.ListModelsResponse(models=self.model_cards())
+        return gen.ListModelsResponse(models=self.engine.model_cards())
 
     async def Describe(self, request, context) -> gen.RouterDescription:
         """The router's state. Replicas' addresses and errors and the router's data
@@ -151,10 +128,11 @@ class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
         on a router without API keys started with --describe-internals, a caller on
         this host); everyone else gets the replicas by kind, layers, version, health
         and load."""
+        engine = self.engine
         internal = self._sees_internals(context)
-        tenant = self.api_keys.caller_of_call(context).tenant if context is not None else ""
+        tenant = engine.api_keys.caller_of_call(context).tenant
         backends = []
-        for b in self.backends.all:
+        for b in engine.backends.all:
             layers = f"{b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
             if internal:
                 error = b.refused or b.error
@@ -173,32 +151,30 @@ class RouterService(RouterEngine, generation_pb2_grpc.GenerationServicer):
                     refused=bool(b.refused),
                 )
             )
+        scheduler = engine.scheduler
         return gen.RouterDescription(
-            ready=self.backends.ready,
-            active_requests=len(self.drivers),
+            ready=engine.backends.ready,
+            active_requests=len(engine.drivers),
             backends=backends,
-            transport=self.transport_kind,
-            data_address=self.transport.address if internal else "",
-            waiting_requests=len(self.scheduler.waiting),
-            max_running=self.scheduler.max_running,
-            max_waiting=self.scheduler.max_waiting,
-            row_budget=self.scheduler.row_budget or 0,
-            tuning=self.tuning.describe(),
-            max_running_per_key=self.scheduler.running_cap,
-            max_waiting_per_key=self.scheduler.waiting_cap,
-            caller_running=self.scheduler.running_of(tenant),
-            caller_waiting=self.scheduler.waiting_of(tenant),
+            transport=engine.transport_kind,
+            data_address=engine.transport.address if internal else "",
+            waiting_requests=len(scheduler.waiting),
+            max_running=scheduler.max_running,
+            max_waiting=scheduler.max_waiting,
+            row_budget=scheduler.row_budget or 0,
+            tuning=engine.tuning.describe(),
+            max_running_per_key=scheduler.running_cap,
+            max_waiting_per_key=scheduler.waiting_cap,
+            caller_running=scheduler.running_of(tenant),
+            caller_waiting=scheduler.waiting_of(tenant),
         )
 
     def _sees_internals(self, context) -> bool:
-        """Whether the caller of `context` is an operator (None: an in-process call)."""
-        if context is None:
+        """Whether the caller of `context` is an operator."""
+        keys = self.engine.api_keys
+        if keys.caller_of_call(context).operator:
             return True
-        if self.api_keys.caller_of_call(context).operator:
-            return True
-        return (
-            self.describe_internals and not self.api_keys.enabled and is_local_peer(context.peer())
-        )
+        return self.describe_internals and not keys.enabled and is_local_peer(context.peer())
 
 
 def default_router_name(advertised: str, port: int) -> str:

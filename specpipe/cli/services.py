@@ -135,12 +135,12 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     """`specpipe router`'s configuration."""
-    from specpipe.services.serve import edge_limits
+    from specpipe.services.router.edge import EdgeLimits
 
     _check_security_mode(args)
     try:
         config = RouterConfig.from_args(args)
-        edge_limits(config)  # checked now: a bad limit is a command-line error
+        EdgeLimits.of(config)  # checked now: a bad limit is a command-line error
     except ValueError as e:
         raise CliError(str(e)) from None
     return config

@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 from specpipe.services.draft_service import DraftService
-from specpipe.services.router.service import RouterService
 from specpipe.services.stage_service import StageService
 
+from ..router_config import router_service
 from .test_services_stage import _stage
 from .test_services_stalls import _Proxy, _request, _tokens
 
@@ -33,17 +33,17 @@ def test_a_control_stream_reset_mid_request_replays_it_exactly(llama_dir, victim
         ports = [await s.start() for s in (*stages, draft)]
         proxies = [_Proxy(p) for p in ports]
         addrs = [await p.start() for p in proxies]
-        router = RouterService(addrs[:3], addrs[3], check_interval=0.2, stall_seconds=60.0,
-                               replay_seconds=20.0)  # fmt: skip
+        router = router_service(addrs[:3], addrs[3], health_check_interval=0.2,
+                                path_stall_seconds=60.0, replay_seconds=20.0)  # fmt: skip
         await router.start(startup_timeout=30)
         try:
-            reference = _tokens([r async for r in router.generate(_request("specpipe", 40))])
+            reference = _tokens([r async for r in router.engine.generate(_request("specpipe", 40))])
             assert len(reference) == 40
-            run = router.generate(_request("specpipe", 40))
+            run = router.engine.generate(_request("specpipe", 40))
             got: list[int] = []
             while len(got) < 3:
                 got += _tokens([await asyncio.wait_for(run.__anext__(), 30)])
-            (driver,) = router.drivers.values()
+            (driver,) = router.engine.drivers.values()
             on_path = [addrs.index(b.address) for b in driver.path.backends]
             # one stream per replica on the path so far, for both requests
             assert {b.control.opened for b in driver.path.backends} == {1}

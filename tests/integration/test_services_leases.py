@@ -10,16 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 from specpipe.services.client import build_request
 from specpipe.services.draft_service import DraftService
-from specpipe.services.router.service import RequestFailed, RouterService
+from specpipe.services.router.requests import RequestFailed
+from specpipe.services.router.service import RouterService
 from specpipe.services.stage_service import StageService
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..router_config import router_service
 from .test_services_stage import _stage
 
 
@@ -62,7 +65,7 @@ def _held(stages, draft) -> list[int]:
 
 
 async def _router(addresses, draft, **kw) -> RouterService:
-    router = RouterService(addresses, draft, check_interval=0.2, **kw)
+    router = router_service(addresses, draft, health_check_interval=0.2, **kw)
     await router.start(startup_timeout=30)
     return router
 
@@ -77,10 +80,10 @@ async def _until(pred, seconds: float) -> float:
 
 async def _abandon(router: RouterService) -> None:
     """What kill -9 does to a router, as its peers see it: no Release, no renewal."""
-    router.keepalive.stop()
-    for task in router.backends._tasks:  # the health monitor and discovery
+    router.engine.keepalive.stop()
+    for task in router.engine.backends._tasks:  # the health monitor and discovery
         task.cancel()
-    await router.transport.close()
+    await router.engine.transport.close()
     await router.server.stop(None)
 
 
@@ -91,8 +94,8 @@ def _request(mode: str, n: int = 200):
 def test_a_dead_routers_requests_expire_and_a_restarted_one_frees_them(llama_dir) -> None:
     async def main() -> None:
         async with _services(llama_dir, lease=1.0) as (stages, draft, addrs, daddr):
-            router = await _router(addrs, daddr, name="router-a")
-            runs = [router.generate(_request(m)) for m in ("pp", "specpipe")]
+            router = await _router(addrs, daddr, router_name="router-a")
+            runs = [router.engine.generate(_request(m)) for m in ("pp", "specpipe")]
             for run in runs:
                 await run.__anext__()  # started
                 await run.__anext__()  # a first token: open everywhere
@@ -104,14 +107,14 @@ def test_a_dead_routers_requests_expire_and_a_restarted_one_frees_them(llama_dir
             # The same router name restarted: its predecessor's requests go at once.
             for s in (*stages, draft):
                 s.leases.seconds = 600.0
-            first = await _router(addrs, daddr, name="router-b")
-            run = first.generate(_request("specpipe"))
+            first = await _router(addrs, daddr, router_name="router-b")
+            run = first.engine.generate(_request("specpipe"))
             await run.__anext__()
             await run.__anext__()
             await _abandon(first)
             assert _held(stages, draft) == [2, 2, 2]
             t0 = time.monotonic()
-            again = await _router(addrs, daddr, name="router-b")
+            again = await _router(addrs, daddr, router_name="router-b")
             await _until(lambda: not any(_held(stages, draft)), 10)
             assert time.monotonic() - t0 < 5
             await again.stop()
@@ -127,8 +130,8 @@ def test_the_keep_alive_holds_an_idle_request(llama_dir) -> None:
         async with _services(llama_dir, lease=0.6) as (stages, draft, addrs, daddr):
             router = await _router(addrs, daddr)
             try:
-                assert router.keepalive.interval() == pytest.approx(0.2)
-                run = router.generate(_request("specpipe", 12))
+                assert router.engine.keepalive.interval() == pytest.approx(0.2)
+                run = router.engine.generate(_request("specpipe", 12))
                 got = [await run.__anext__(), await run.__anext__()]
                 await asyncio.sleep(2.0)  # three leases without reading
                 got += [r async for r in run]
@@ -226,16 +229,16 @@ def test_a_renewal_from_elsewhere_frees_nothing(llama_dir) -> None:
 
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
-            router = await _router(addrs, daddr, name="router-a")
+            router = await _router(addrs, daddr, router_name="router-a")
             try:
-                quiet = _tokens(await _consume(router.generate(_request("specpipe", 24))))
-                run = router.generate(_request("specpipe", 24))
+                quiet = _tokens(await _consume(router.engine.generate(_request("specpipe", 24))))
+                run = router.engine.generate(_request("specpipe", 24))
                 got = [await run.__anext__(), await run.__anext__()]  # open everywhere
                 held = _held(stages, draft)
-                wire_ids = [d.wire_id for d in router.drivers.values()]
-                forged = pb.RenewRequest(owner=router.name, epoch=(1 << 64) - 1,
+                wire_ids = [d.wire_id for d in router.engine.drivers.values()]
+                forged = pb.RenewRequest(owner=router.engine.name, epoch=(1 << 64) - 1,
                                          token=b"x" * 16, request_ids=wire_ids)  # fmt: skip
-                lease = dict(lease_owner=router.name, lease_epoch=(1 << 64) - 1,
+                lease = dict(lease_owner=router.engine.name, lease_epoch=(1 << 64) - 1,
                              lease_token=b"x" * 16)  # fmt: skip
                 for address, stub_of in [
                     *((a, stage_pb2_grpc.StageStub) for a in addrs),
@@ -259,7 +262,10 @@ def test_a_renewal_from_elsewhere_frees_nothing(llama_dir) -> None:
                 assert _held(stages, draft) == held
                 got += [r async for r in run]
                 assert _tokens(got) == quiet and got[-1].finished.finish_reason == "length"
-                assert _tokens(await _consume(router.generate(_request("specpipe", 24)))) == quiet
+                assert (
+                    _tokens(await _consume(router.engine.generate(_request("specpipe", 24))))
+                    == quiet
+                )
             finally:
                 await router.stop()
 
@@ -275,25 +281,26 @@ def test_the_watchdog_replays_a_request_that_makes_no_progress(llama_dir) -> Non
 
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, _, addrs, daddr):
-            router = await _router(addrs, daddr, stall_seconds=1.0, max_replays=1,
+            router = await _router(addrs, daddr, path_stall_seconds=1.0, max_replays=1,
                                    replay_seconds=0.5)  # fmt: skip
             try:
                 real = stages[1].rounds.compute
                 stages[1].rounds.compute = lambda work: time.sleep(3) or real(work)
                 with pytest.raises(RequestFailed) as info:
-                    async for _ in router.generate(_request("pp", 4)):
+                    async for _ in router.engine.generate(_request("pp", 4)):
                         pass
                 assert info.value.code == grpc.StatusCode.UNAVAILABLE
                 assert "made no progress for 1 s" in info.value.message
                 assert "given up after 1 replays" in info.value.message
                 stages[1].rounds.compute = real
 
-                router.stall_seconds = 30.0
+                engine = router.engine  # the second half: a path silent for 30 s is trusted
+                engine.driver_settings = replace(engine.driver_settings, stall_timeout=30.0)
                 stages[0].frozen = asyncio.Event()  # its Open now hangs
-                run = asyncio.ensure_future(_consume(router.generate(_request("pp", 4))))
+                run = asyncio.ensure_future(_consume(router.engine.generate(_request("pp", 4))))
                 await asyncio.wait_for(stages[0].frozen.wait(), 10)
-                (stage0,) = [b for b in router.backends.stages if b.address == addrs[0]]
-                router._backend_down(stage0, "health check timed out")
+                (stage0,) = [b for b in router.engine.backends.stages if b.address == addrs[0]]
+                router.engine._backend_down(stage0, "health check timed out")
                 with pytest.raises(RequestFailed) as info:
                     await asyncio.wait_for(run, 5)  # not the Open's own 10 s
                 assert info.value.code == grpc.StatusCode.UNAVAILABLE

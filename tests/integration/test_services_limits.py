@@ -19,7 +19,7 @@ from specpipe.common.spec.messages import Activation
 from specpipe.services.client import build_request
 from specpipe.services.control import rows_to_proto
 from specpipe.services.draft_service import DraftService
-from specpipe.services.router.service import RequestFailed, RouterService
+from specpipe.services.router.requests import RequestFailed
 from specpipe.services.security import Security, make_pki
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Inbox, make_transport
@@ -27,6 +27,7 @@ from specpipe.services.transport.codec import Kind
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..router_config import router_service
 from .test_services_stage import DTYPE, _feed, _rows, _stage
 
 Code = grpc.StatusCode
@@ -218,7 +219,7 @@ def test_the_router_refuses_a_step_above_the_cap_before_opening(llama_dir) -> No
         draft = DraftService(llama_dir, "float64", max_step_rows=300)
         ports = [await s.start() for s in stages]
         dport = await draft.start()
-        router = RouterService([f"127.0.0.1:{p}" for p in ports], f"127.0.0.1:{dport}")
+        router = router_service([f"127.0.0.1:{p}" for p in ports], f"127.0.0.1:{dport}")
         try:
             await router.start(startup_timeout=30)
             for request, what in (
@@ -228,14 +229,14 @@ def test_the_router_refuses_a_step_above_the_cap_before_opening(llama_dir) -> No
                                width=20, depth=15), "tree of 301 rows"),
             ):  # fmt: skip
                 with pytest.raises(RequestFailed) as info:
-                    async for _ in router.generate(request):
+                    async for _ in router.engine.generate(request):
                         pass
                 assert info.value.code == Code.INVALID_ARGUMENT
                 assert what in info.value.message and "300 rows" in info.value.message
             assert [s.opens for s in stages] == [0, 0]  # nothing was opened
             ok = build_request(prompt_ids=[3, 4, 5], mode="specinfer", max_new_tokens=4,
                                width=20, depth=14, prefill_chunk=300)  # fmt: skip
-            got = [r async for r in router.generate(ok)]
+            got = [r async for r in router.engine.generate(ok)]
             assert got[-1].HasField("finished")
         finally:
             await router.stop()

@@ -16,7 +16,6 @@ from specpipe.common.spec.messages import Verified
 from specpipe.services.client import build_request
 from specpipe.services.control import verified_to_proto
 from specpipe.services.draft_service import DraftService
-from specpipe.services.router.service import RouterService
 from specpipe.services.security import Security, make_pki
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import make_transport
@@ -25,6 +24,7 @@ from specpipe.services.transport.codec import Kind, error_header
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..router_config import router_service
 from .conftest import reference
 from .test_services_stage import _stage
 
@@ -45,7 +45,9 @@ async def _secure(llama_dir, security: Security):
     ports = [await s.start() for s in stages]
     dport = await draft.start()
     addrs = [f"127.0.0.1:{p}" for p in ports]
-    router = RouterService(addrs, f"127.0.0.1:{dport}", security=security, check_interval=0.2)
+    router = router_service(
+        addrs, f"127.0.0.1:{dport}", security=security, health_check_interval=0.2
+    )
     await router.start(startup_timeout=30)
     try:
         yield router, stages, draft, addrs, f"127.0.0.1:{dport}"
@@ -70,11 +72,11 @@ def test_secure_generation_and_forged_frames(llama_dir, security) -> None:
         async with _secure(llama_dir, security) as (router, *_):
             outputs = {}
             for mode in ("pp", "specpipe"):
-                run = router.generate(build_request(prompt_ids=prompt, mode=mode,
+                run = router.engine.generate(build_request(prompt_ids=prompt, mode=mode,
                                                     max_new_tokens=12, ignore_eos=True))  # fmt: skip
                 started = await run.__anext__()
                 rid = started.started.request_id
-                await _forge(router.transport.address, rid)
+                await _forge(router.engine.transport.address, rid)
                 tokens = []
                 async for r in run:
                     if r.HasField("delta"):
@@ -227,9 +229,9 @@ def test_public_tls_on_grpc_and_http(security, tmp_path) -> None:
             return e.code
 
     async def main():
-        router = RouterService(["127.0.0.1:9"], None, public_tls=tls)
+        router = router_service(["127.0.0.1:9"], public_tls=tls)
         port = await router.server.start("127.0.0.1", 0)
-        http = HttpServer(router)
+        http = HttpServer(router.engine)
         hport = await http.start("127.0.0.1", 0, tls)
         try:
             async with AsyncClient(f"127.0.0.1:{port}", timeout=5, tls=pki / "ca.crt") as c:
@@ -246,6 +248,6 @@ def test_public_tls_on_grpc_and_http(security, tmp_path) -> None:
         finally:
             await http.stop()
             await router.server.stop(None)
-            await router.backends.close()
+            await router.engine.backends.close()
 
     asyncio.run(main())

@@ -19,9 +19,10 @@ import grpc
 import pytest
 from specpipe.services.client import build_request
 from specpipe.services.draft_service import DraftService
-from specpipe.services.router.service import RequestFailed, RouterService
+from specpipe.services.router.requests import RequestFailed
 from specpipe.services.stage_service import StageService
 
+from ..router_config import router_service
 from .test_services_stage import _stage
 
 
@@ -89,19 +90,19 @@ def test_a_stalled_replica_is_dead_for_its_requests_within_the_stall_limit(
         dport = await draft.start()
         proxies = [_Proxy(p) for p in ports[:2]]
         addrs = [await p.start() for p in proxies] + [f"127.0.0.1:{ports[2]}"]
-        router = RouterService(addrs, f"127.0.0.1:{dport}", check_interval=0.2,
-                               stall_seconds=60.0, replay_seconds=20.0)  # fmt: skip
-        router.backends.stall_seconds = 1.0
-        router.backends.check_timeout = 30.0  # its own "down" would take 90 s
+        router = router_service(addrs, f"127.0.0.1:{dport}", health_check_interval=0.2,
+                                path_stall_seconds=60.0, replay_seconds=20.0,
+                                replica_stall_seconds=1.0)  # fmt: skip
+        router.engine.backends.check_timeout = 30.0  # its own "down" would take 90 s
         await router.start(startup_timeout=30)
         try:
-            reference = _tokens([r async for r in router.generate(_request(mode, 40))])
+            reference = _tokens([r async for r in router.engine.generate(_request(mode, 40))])
             assert len(reference) == 40
-            run = router.generate(_request(mode, 40))
+            run = router.engine.generate(_request(mode, 40))
             got: list[int] = []
             while len(got) < 3:
                 got += _tokens([await asyncio.wait_for(run.__anext__(), 30)])
-            (driver,) = router.drivers.values()
+            (driver,) = router.engine.drivers.values()
             on_path = driver.path.stages[0].address
             (victim,) = [p for p, a in zip(proxies, addrs, strict=False) if a == on_path]
             victim.stall()
@@ -134,8 +135,8 @@ def test_a_next_hop_that_does_not_accept_is_an_error_the_router_hears(llama_dir)
     async def main() -> None:
         stages = [StageService(_stage(llama_dir, a, b, 5)) for a, b in ((0, 2), (2, 5))]
         ports = [await s.start() for s in stages]
-        router = RouterService([f"127.0.0.1:{p}" for p in ports], None, check_interval=0.2,
-                               stall_seconds=60.0, replay_seconds=1.0, max_replays=1)  # fmt: skip
+        router = router_service([f"127.0.0.1:{p}" for p in ports], None, health_check_interval=0.2,
+                                path_stall_seconds=60.0, replay_seconds=1.0, max_replays=1)  # fmt: skip
         await router.start(startup_timeout=30)
         mute = socket.socket()
         try:
@@ -150,7 +151,7 @@ def test_a_next_hop_that_does_not_accept_is_an_error_the_router_hears(llama_dir)
             mute.listen(8)
             with pytest.raises(RequestFailed) as info:
                 await asyncio.wait_for(
-                    _drain(router.generate(_request("pp", 8))), 30
+                    _drain(router.engine.generate(_request("pp", 8))), 30
                 )  # not the watchdog's 60 s
             assert info.value.code == grpc.StatusCode.UNAVAILABLE
             assert "did not accept" in info.value.message, info.value.message

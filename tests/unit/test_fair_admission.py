@@ -12,14 +12,16 @@ import grpc
 import pytest
 from specpipe.common.spec.options import Mode
 from specpipe.services.auth import ApiKeys
+from specpipe.services.router.engine import RouterEngine
 from specpipe.services.router.requests import RequestFailed
-from specpipe.services.router.service import RouterService
+
+from ..router_config import router_engine
 
 PLAN = SimpleNamespace(mode=Mode.PP, opts=SimpleNamespace(width=1, depth=1))
 
 
-def _router(**kw) -> RouterService:
-    return RouterService(["127.0.0.1:9"], None, **kw)
+def _router(api_keys: ApiKeys | None = None, **scheduling) -> RouterEngine:
+    return router_engine(["127.0.0.1:9"], api_keys=api_keys, scheduling=scheduling)
 
 
 def test_a_bumped_waiting_request_fails_resource_exhausted() -> None:

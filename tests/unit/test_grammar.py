@@ -273,7 +273,7 @@ def test_the_http_body_takes_openais_response_format() -> None:
     body = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], response_format=body)
     chat.check()
-    req = chat.to_request("hi", 16, "specpipe")
+    req = chat.to_requests("hi", 16, "specpipe")[0]
     assert req.response_format.type == "json_schema"
     assert json.loads(req.response_format.schema) == SCHEMA
     bad = ChatCompletionRequest(messages=[], response_format={"type": "json_schema"})

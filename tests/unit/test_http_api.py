@@ -18,10 +18,11 @@ from specpipe.services.router.openai_compat import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Generation,
     StopMatcher,
+    TextRun,
 )
 from specpipe.services.router.requests import RequestFailed, StopGeneration
+from specpipe.services.router.tool_calls import rendered_conversation
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
 
@@ -95,11 +96,11 @@ def test_chat_body_to_request() -> None:
         }
     )  # fmt: skip
     body.check()
-    assert body.rendered_messages() == [
+    assert rendered_conversation(body.messages) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hi there"},
     ]
-    req = body.to_request([1, 2, 3], default_max_tokens=100, default_mode="specpipe")
+    req = body.to_requests([1, 2, 3], default_max_tokens=100, default_mode="specpipe")[0]
     assert list(req.token_ids.ids) == [1, 2, 3] and not req.chat
     assert req.model == "m" and req.mode == "specinfer" and req.max_new_tokens == 5
     assert req.sampling.temperature == 0.5 and req.sampling.top_p == 0.8
@@ -114,7 +115,7 @@ def test_tree_settings_and_auto_pass_to_the_router() -> None:
         {"messages": [{"role": "user", "content": "hi"}], "width": "auto",
          "layers_per_step": 2, "token_source": "auto", "ranking": "beam", "growth": "eager"}
     )  # fmt: skip
-    req = body.to_request([1], default_max_tokens=8, default_mode="specpipe")
+    req = body.to_requests([1], default_max_tokens=8, default_mode="specpipe")[0]
     assert req.HasField("width") and req.width == 0  # the wire's auto
     assert req.layers_per_step == 2 and req.token_source == "auto" and req.ranking == "beam"
     assert req.growth == "eager"
@@ -126,15 +127,15 @@ def test_tree_settings_and_auto_pass_to_the_router() -> None:
 
 def test_defaults_are_openais() -> None:
     body = CompletionRequest.model_validate({"prompt": "hi"})
-    req = body.to_request(body.prompt_value(), default_max_tokens=16, default_mode="pp")
+    req = body.to_requests(body.prompt_value(), default_max_tokens=16, default_mode="pp")[0]
     assert req.text == "hi" and req.max_new_tokens == 16 and req.mode == "pp"
     assert req.sampling.temperature == 1.0 and not req.sampling.HasField("top_p")
     assert not req.HasField("width")
     # Sampling without a seed: a fresh seed per request; greedy needs none.
-    seeds = {body.to_request("hi", 16, "pp").sampling.seed for _ in range(8)}
+    seeds = {body.to_requests("hi", 16, "pp")[0].sampling.seed for _ in range(8)}
     assert len(seeds) > 1
     greedy = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0})
-    assert greedy.to_request("hi", 16, "pp").sampling.seed == 0
+    assert greedy.to_requests("hi", 16, "pp")[0].sampling.seed == 0
 
 
 @pytest.mark.parametrize(
@@ -187,7 +188,7 @@ def test_logits_rules_out_of_range_are_refused_naming_the_field(fields, param, f
     body = CompletionRequest.model_validate({"prompt": "hi", **fields})
     with pytest.raises(ApiError) as info:
         body.check()
-        body.to_request("hi", DEFAULT_COMPLETION_TOKENS, "specpipe")
+        body.to_requests("hi", DEFAULT_COMPLETION_TOKENS, "specpipe")[0]
     e = info.value
     assert e.status == 400 and e.param == param and fragment in e.message, e.message
     assert param in e.message
@@ -199,7 +200,7 @@ def test_logits_rules_reach_the_request() -> None:
          "repetition_penalty": 1.1, "logit_bias": {"7": 150, "9": -2}, "min_tokens": 4}
     )  # fmt: skip
     body.check()
-    req = body.to_request("hi", 16, "specpipe")
+    req = body.to_requests("hi", 16, "specpipe")[0]
     s = req.sampling
     assert (s.frequency_penalty, s.presence_penalty, s.repetition_penalty) == (0.5, -0.25, 1.1)
     assert dict(s.logit_bias) == {7: 150.0, 9: -2.0} and req.min_tokens == 4
@@ -235,7 +236,7 @@ def test_status_codes_map_to_http(code, status) -> None:
 
 # -- events to responses -------------------------------------------------------------------
 def events(texts: list[str], reason: str = "length", tail: str = ""):
-    """A scripted RouterService.generate: one token per text; StopGeneration honoured."""
+    """A scripted RouterEngine.generate: one token per text; StopGeneration honoured."""
 
     async def gen_events():
         try:
@@ -258,15 +259,15 @@ def events(texts: list[str], reason: str = "length", tail: str = ""):
                 )
             )
         finally:
-            log.append("released")  # what RouterService.generate's `finally` does
+            log.append("released")  # what RouterEngine.generate's `finally` does
 
     log: list[str] = []
     return gen_events(), log
 
 
-def collect(texts, stops=(), **kw):
+def collect(texts, stops=(), min_tokens=0, **kw):
     responses, log = events(texts, **kw)
-    run = Generation(responses, stops)
+    run = TextRun(responses, stops, min_tokens)
     text = asyncio.run(run.text())
     return run, text, log
 
@@ -290,6 +291,33 @@ def test_a_stop_string_ends_the_request_with_its_stats() -> None:
     assert text == "a" and run.finish_reason == "stop"
 
 
+def test_a_stop_string_waits_for_min_tokens() -> None:
+    """vLLM's rule: a stop string is honoured once min_tokens tokens are out; one that
+    ends in the text of an earlier token does not end the output (nor count later)."""
+    texts = ["he", "llo ST", "OP and", " STOP x", " more"]
+    run, text, _ = collect(texts, stops=["STOP"], min_tokens=4)
+    assert text == "hello STOP and " and run.finish_reason == "stop"
+    assert run.usage["completion_tokens"] == 4
+    # One that begins before and ends with the min_tokens-th token counts.
+    run, text, _ = collect(texts, stops=["STOP"], min_tokens=3)
+    assert text == "hello " and run.usage["completion_tokens"] == 3
+    # None after min_tokens: the whole output.
+    run, text, _ = collect(texts, stops=["STOP"], min_tokens=5)
+    assert text == "hello STOP and STOP x more" and run.finish_reason == "length"
+    # A shorter stop string inside a held-back prefix of a longer one is early too.
+    run, text, _ = collect(["x", "ab", "y", "z", "ab"], stops=["ab", "xaby!"], min_tokens=3)
+    assert text == "xabyz" and run.usage["completion_tokens"] == 5
+
+
+def test_the_engine_starts_a_delta_where_the_output_reaches_min_tokens() -> None:
+    from specpipe.services.router.engine import split_at_min_tokens
+
+    assert split_at_min_tokens([1, 2, 3, 4], 0, 3) == [[1, 2], [3, 4]]  # positions 2.. honour
+    assert split_at_min_tokens([1, 2, 3, 4], 2, 3) == [[1, 2, 3, 4]]
+    assert split_at_min_tokens([1, 2], 0, 0) == [[1, 2]]
+    assert split_at_min_tokens([1, 2], 0, 9) == [[1, 2]]
+
+
 # -- API keys --------------------------------------------------------------------------------
 def test_api_keys(tmp_path) -> None:
     f = tmp_path / "keys"
@@ -310,22 +338,24 @@ def test_api_keys(tmp_path) -> None:
 
 
 # -- the app in front of a scripted router ---------------------------------------------------
-def with_app(script, fn, keys=("k",), codec=None, metrics=None, **options):
-    """fn(client, router) -> result, against the HTTP API of a RouterService whose
+def with_app(script, fn, keys=("k",), codec=None, metrics=None, **settings):
+    """fn(client, engine) -> result, against the HTTP API of a RouterEngine whose
     generate() is `script(request)` (an async generator), served on a free port (with
-    `codec` as its tokenizer, `metrics` as its registry, HttpApi's `options`)."""
+    `codec` as its tokenizer, `metrics` as its registry, RouterConfig's `settings`)."""
     from specpipe.services.router.backends import ModelInfo
     from specpipe.services.router.http_api import HttpServer
-    from specpipe.services.router.service import RouterService
+
+    from ..router_config import router_engine
 
     async def main():
-        router = RouterService(["127.0.0.1:9"], None, api_keys=ApiKeys(keys))
+        router = router_engine(["127.0.0.1:9"], api_keys=ApiKeys(keys), metrics=metrics,
+                               **settings)  # fmt: skip
         router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
                                  eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         router.backends._ready = True
         router.generate = lambda req, deadline=None, caller=None: script(req)
-        router.codec, router.metrics = codec, metrics
-        server = HttpServer(router, **options)
+        router.codec = codec
+        server = HttpServer(router)
         port = await server.start("127.0.0.1", 0)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key=keys[0] if keys else "x",
@@ -434,7 +464,7 @@ def test_logprobs_echo_and_n_to_requests() -> None:
     assert req.logprobs == 0 and not req.HasField("prompt_logprobs")
     assert (
         not CompletionRequest.model_validate({"prompt": "hi"})
-        .to_request("hi", 16, "pp")
+        .to_requests("hi", 16, "pp")[0]
         .HasField("logprobs")
     )
     # Without a seed, sampled choices draw independently; greedy ones are the same.
@@ -453,16 +483,16 @@ def test_chat_logprobs_to_requests() -> None:
         {"messages": msgs, "logprobs": True, "top_logprobs": 20}
     )
     body.check()
-    req = body.to_request([1, 2], 8, "pp")
+    req = body.to_requests([1, 2], 8, "pp")[0]
     assert req.logprobs == 20 and not req.HasField("prompt_logprobs")
     assert (
         ChatCompletionRequest.model_validate({"messages": msgs, "logprobs": True})
-        .to_request([1], 8, "pp")
+        .to_requests([1], 8, "pp")[0]
         .logprobs
         == 0
     )
     off = ChatCompletionRequest.model_validate({"messages": msgs, "logprobs": False})
-    assert not off.to_request([1], 8, "pp").HasField("logprobs")
+    assert not off.to_requests([1], 8, "pp")[0].HasField("logprobs")
     with pytest.raises(ApiError, match="top_logprobs needs logprobs"):
         ChatCompletionRequest.model_validate({"messages": msgs, "top_logprobs": 2}).check()
     for bad in ({"top_logprobs": 21, "logprobs": True}, {"top_logprobs": -1, "logprobs": True}):

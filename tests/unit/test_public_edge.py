@@ -4,7 +4,7 @@ tokenization queue, 400/INVALID_ARGUMENT for out-of-range or malformed fields, p
 capped per API key, Describe without internal addresses for the public, and the
 metrics servers' bounded threads.
 
-A RouterService here knows its model but reaches no stage ("127.0.0.1:9"), so a request
+A router here knows its model but reaches no stage ("127.0.0.1:9"), so a request
 that passes every check ends 503 ("no complete path"): that status means "admitted".
 """
 
@@ -30,10 +30,12 @@ from specpipe.services.router.edge import EdgeLimits
 from specpipe.services.router.http_api import HttpServer
 from specpipe.services.router.http_guard import RateLimitFilter
 from specpipe.services.router.requests import RequestFailed
-from specpipe.services.router.service import RouterService, is_local_peer
+from specpipe.services.router.service import is_local_peer
 from specpipe.services.router.tokenizing import SHORT_CHARS
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
+
+from ..router_config import router_service
 
 ADMITTED = 503  # passed every check; no stage to run on
 ATTACKER = "127.0.0.2"  # another loopback address: a second client
@@ -43,14 +45,14 @@ WAIT = 30.0  # generous bound on anything that must happen (a test, not a benchm
 # -- a router with its public ports, no stages ------------------------------------------------
 @contextlib.asynccontextmanager
 async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=False, **kw):
-    router = RouterService(
-        ["127.0.0.1:9"], None, api_keys=keys or ApiKeys(), limits=limits or EdgeLimits(), **kw
+    router = router_service(
+        ["127.0.0.1:9"], api_keys=keys or ApiKeys(), limits=limits or EdgeLimits(), **kw
     )
-    router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=max_positions,
+    router.engine.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=max_positions,
                              eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
-    router.backends._ready = True
-    router.codec = codec
-    http = HttpServer(router)
+    router.engine.backends._ready = True
+    router.engine.codec = codec
+    http = HttpServer(router.engine, router.limits)
     port = await http.start("127.0.0.1", 0)
     grpc_port = await router.server.start("127.0.0.1", 0) if with_grpc else 0
     try:
@@ -59,8 +61,8 @@ async def edge(limits=None, keys=None, codec=None, max_positions=256, with_grpc=
         await http.stop()
         if with_grpc:
             await router.server.stop(None)
-        await router.backends.close()
-        router._tokenizing.shutdown()
+        await router.engine.backends.close()
+        router.engine._tokenizing.shutdown()
 
 
 async def request(port, path="/health", body=None, key=None, source=None, method=None):
@@ -185,8 +187,8 @@ def test_tls_connections_that_never_finish_their_handshake_are_closed(tmp_path) 
     tls = PublicTls.load(pki / "tls.crt", pki / "tls.key")
 
     async def main():
-        router = RouterService(["127.0.0.1:9"], None, limits=EdgeLimits(header_timeout=2.0))
-        http = HttpServer(router)
+        router = router_service(["127.0.0.1:9"], limits=EdgeLimits(header_timeout=2.0))
+        http = HttpServer(router.engine, router.limits)
         port = await http.start("127.0.0.1", 0, tls)
         try:
             conns = await silent(port, 5)
@@ -201,7 +203,7 @@ def test_tls_connections_that_never_finish_their_handshake_are_closed(tmp_path) 
             return counted, got, status, left
         finally:
             await http.stop()
-            await router.backends.close()
+            await router.engine.backends.close()
 
     counted, got, status, left = asyncio.run(main())
     assert counted >= 1 and got == [b""] * 5 and left == 0
@@ -296,7 +298,7 @@ def test_a_port_full_of_busy_connections_refuses_new_ones_503(caplog) -> None:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "released")
                 yield
 
-            e.router.generate = lambda req, deadline=None, caller=None: held(req)
+            e.router.engine.generate = lambda req, deadline=None, caller=None: held(req)
             busy = [asyncio.ensure_future(request(e.port, "/v1/completions", {"prompt": [1]}))
                     for _ in range(2)]  # fmt: skip
             while e.http.guard._idle or e.http.guard.counts.open < 2:
@@ -367,7 +369,7 @@ def test_long_prompts_beyond_the_tokenizer_budget_are_429_and_short_ones_pass() 
             # 600 kB cannot be under 150k characters: refused before it is read or parsed
             # (it is not even JSON).
             unread = await request(e.port, "/v1/chat/completions", b"x" * 600_000)
-            queue = e.router._tokenizing
+            queue = e.router.engine._tokenizing
             held = (queue.long_chars, codec.long_started)
             codec.release.set()
             rest = await asyncio.gather(*longs)
@@ -552,7 +554,7 @@ def test_describe_shows_internal_addresses_to_operators_only(tmp_path) -> None:
         async with edge(keys=ApiKeys.load(files=[f]), with_grpc=True) as e:
             public, ops = await describe(e, "plain"), await describe(e, "ops")
             health = await request(e.port)
-            e.router.backends._ready = False
+            e.router.engine.backends._ready = False
             down = await request(e.port)
         async with edge(with_grpc=True) as e:  # no keys: nobody is an operator...
             anyone = await describe(e)

@@ -139,7 +139,7 @@ def test_the_http_body_has_every_option_and_no_other() -> None:
 @pytest.mark.parametrize("o", [p for p in OPTIONS if p.values[0].http])
 def test_the_http_api_puts_each_option_on_the_wire(o: RequestOption) -> None:
     body = CompletionRequest(prompt="x", **{o.http: o.example})
-    req = body.to_request("x", 16, "specpipe")
+    req = body.to_requests("x", 16, "specpipe")[0]
     assert _read(req, o.wire) == _on_wire(o, o.example)
 
 

@@ -37,11 +37,12 @@ def test_caps_follow_the_context(llama_dir, tmp_path) -> None:
 
 def test_oversized_grpc_requests_are_refused_before_they_are_read(llama_dir) -> None:
     from specpipe.services.router.backends import ModelInfo
-    from specpipe.services.router.service import RouterService
+
+    from ..router_config import router_service
 
     async def main():
-        router = RouterService(["127.0.0.1:9"], None, tokenizer_dir=str(llama_dir))
-        router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
+        router = router_service(["127.0.0.1:9"], target=str(llama_dir))
+        router.engine.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
                                  eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         port = await router.server.start("127.0.0.1", 0)
         big = [("grpc.max_send_message_length", 1 << 30)]
@@ -72,7 +73,7 @@ def test_oversized_grpc_requests_are_refused_before_they_are_read(llama_dir) -> 
         finally:
             await channel.close()
             await router.server.stop(None)
-            await router.backends.close()
+            await router.engine.backends.close()
 
     asyncio.run(main())
 

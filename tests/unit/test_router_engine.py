@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from specpipe.services.client import build_request
-from specpipe.services.router.engine import RouterEngine
 
+from ..router_config import router_engine
 from .router_fakes import TEXT, deployment
 
 PROMPT = TEXT[:12]
@@ -18,7 +18,7 @@ NEW = 24
 def test_a_request_is_checked_once_and_streamed_as_typed_events() -> None:
     async def main():
         dep = deployment()
-        engine = RouterEngine(["127.0.0.1:9"])
+        engine = router_engine(["127.0.0.1:9"])
         await engine.backends.close()
         engine.backends, engine.inbox = dep.backends, dep.inbox
         for b in dep.backends.all:

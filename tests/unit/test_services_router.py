@@ -189,10 +189,11 @@ def _with_router_async(fn):
     import asyncio
 
     from specpipe.services.router.backends import ModelInfo
-    from specpipe.services.router.service import RouterService
+
+    from ..router_config import router_engine
 
     async def main():
-        svc = RouterService(["127.0.0.1:9"], "127.0.0.1:9")
+        svc = router_engine(["127.0.0.1:9"], "127.0.0.1:9")
         svc.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
                               eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         try:
@@ -204,32 +205,41 @@ def _with_router_async(fn):
 
 
 def test_a_router_is_built_from_its_configuration_alone() -> None:
-    """`specpipe router` builds the service from its RouterConfig (and the live objects
-    made from it): every setting lands where it acts, none is patched in afterwards."""
+    """`specpipe router` builds the engine from its RouterConfig (and the live objects
+    made from it): every setting lands where it acts, none is patched in afterwards; the
+    gRPC front end holds that engine and takes its own settings from the same config."""
     import asyncio
 
     from specpipe.services.auth import ApiKeys
     from specpipe.services.config import RouterConfig, SchedulingConfig
     from specpipe.services.router.discovery import StaticDiscovery
+    from specpipe.services.router.engine import RouterEngine
     from specpipe.services.router.service import RouterService
 
     config = RouterConfig(
         stages=("127.0.0.1:9",), path_stall_seconds=30.0, replica_stall_seconds=1.5,
         replay_seconds=4.0, max_replays=2, model_id="served", router_name="r1",
+        health_check_interval=0.25, describe_internals=True, http_header_timeout=3.0,
         scheduling=SchedulingConfig(max_running=3, max_waiting=4, late_draft_wait_ms=2.5),
     )  # fmt: skip
 
     async def main():
-        svc = RouterService.from_config(
+        engine = RouterEngine(
             config, discovery=StaticDiscovery(list(config.stages), []), api_keys=ApiKeys()
         )
+        svc = RouterService(engine)
+        s = engine.driver_settings
         try:
             return (
-                svc.backends.stall_seconds, svc.stall_seconds, svc.replay_seconds,
-                svc.max_replays, svc.model_id_override, svc.name, svc.late_draft_wait,
-                svc.scheduler.max_running, svc.scheduler.max_waiting,
+                engine.backends.stall_seconds, s.stall_timeout, s.replay_timeout,
+                s.max_replays, engine.model_id_override, engine.name, s.late_draft_wait,
+                engine.scheduler.max_running, engine.scheduler.max_waiting,
+                engine.backends.check_interval, svc.describe_internals,
+                svc.limits.header_timeout, svc.engine is engine,
             )  # fmt: skip
         finally:
-            await svc.backends.close()
+            await engine.backends.close()
 
-    assert asyncio.run(main()) == (1.5, 30.0, 4.0, 2, "served", "r1", 0.0025, 3, 4)
+    assert asyncio.run(main()) == (
+        1.5, 30.0, 4.0, 2, "served", "r1", 0.0025, 3, 4, 0.25, True, 3.0, True
+    )  # fmt: skip

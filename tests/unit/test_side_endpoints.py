@@ -117,7 +117,7 @@ def test_metrics_on_the_http_port_as_the_operator_chooses(access) -> None:
         return call(client, "/metrics"), call(client, "/metrics", key=None)
 
     (with_key, without) = with_app(
-        scripted([]), in_thread(fn), metrics=metrics, metrics_access=access
+        scripted([]), in_thread(fn), metrics=metrics, http_metrics=access
     )
     if access == "off":
         assert with_key[0] == without[0] == 404
