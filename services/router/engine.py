@@ -385,10 +385,12 @@ class RouterEngine:
         request: gen.GenerateRequest,
         deadline: float | None = None,
         caller: Caller | None = None,
+        model: ModelInfo | None = None,
     ) -> AsyncIterator[gen.GenerateResponse]:
         """One request: `started`, then `delta`s, then `finished`; raises RequestFailed.
         `deadline` is on time.monotonic() (None: none); `caller`: what the client may do
-        (its API key's; None: the defaults). The gRPC and HTTP APIs both serve
+        (its API key's; None: the defaults); `model`: `check_model(request.model)` as a
+        front end already called it for its own checks (None: called here). The gRPC and HTTP APIs both serve
         requests through this. Closing the generator early (the client went away)
         releases the request on every stage and the draft; throwing StopGeneration in at
         a delta ends it as finished ("stop") and yields the final message."""
@@ -399,7 +401,7 @@ class RouterEngine:
             scope = self.cache_scopes.of(caller.tenant, request.cache_salt)
         except ValueError as e:
             raise invalid(str(e)) from None
-        model = self.check_model(request.model)
+        model = model or self.check_model(request.model)
         plan, tuned = self._tune(await self.prepare(request, model))
         driver = await self._start(plan, tuned, request.priority, deadline, caller.tenant, scope)
         stream = self.codec.stream() if self.codec else None

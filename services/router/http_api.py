@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException
 
 from specpipe import __version__
 
+from .backends import ModelInfo
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits
 from .engine import RouterEngine
@@ -187,26 +188,33 @@ class HttpApi:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
         tools = self._tool_choice(body)
-        ids = await self._chat_prompt(body.model, rendered_conversation(body.messages), tools)
+        # The model is checked here, once: the engine takes the request for it.
+        model = self._checked_model(body.model)
+        ids = await self._chat_prompt(model, rendered_conversation(body.messages), tools)
         # OpenAI: without max_tokens, a chat completion may fill the context.
-        context = self.engine.model.max_positions
-        default = max(1, context - len(ids))
+        default = max(1, model.max_positions - len(ids))
         reqs = body.to_requests(ids, default, self._mode())
         if tools is not None and tools.constrains:
             tools.constrain(reqs)
-        return await self._respond(request, body, reqs, chat=True, tools=tools)
+        return await self._respond(request, body, reqs, chat=True, tools=tools, model=model)
+
+    def _checked_model(self, model_id: str) -> ModelInfo:
+        """The served model, if `model_id` ("": any) names it; else OpenAI's error."""
+        try:
+            return self.engine.check_model(model_id)
+        except RequestFailed as e:
+            raise ApiError.from_status(e.code, e.message) from None
 
     async def _chat_prompt(
         self,
-        model_id: str,
+        model: ModelInfo,
         messages: list[dict[str, Any]],
         tools: ToolChoice | None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The conversation's tokens through the chat template (with the tools), for
-        the model `model_id` names ("": the served one)."""
+        the checked `model`."""
         try:
-            model = self.engine.check_model(model_id)
             chars = _conversation_chars(messages, tools.tools if tools else None)
             if chars > max_prompt_chars(model.max_positions):
                 raise bad_request(
@@ -255,7 +263,7 @@ class HttpApi:
         if body.messages is not None:
             tools = ToolChoice.of(body.tools, "none", None, None)
             messages = rendered_conversation(body.messages or [])
-            ids = await self._chat_prompt(body.model, messages, tools, body.add_generation_prompt)
+            ids = await self._chat_prompt(model, messages, tools, body.add_generation_prompt)
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             if len(body.prompt or "") > max_prompt_chars(model.max_positions):
@@ -276,10 +284,7 @@ class HttpApi:
 
     def _model_with_codec(self, model_id: str):
         """The served model, checked against `model_id`, when the router has its tokenizer."""
-        try:
-            model = self.engine.check_model(model_id)
-        except RequestFailed as e:
-            raise ApiError.from_status(e.code, e.message) from None
+        model = self._checked_model(model_id)
         if self.engine.codec is None:
             raise ApiError(400, "the served model has no tokenizer here", "failed_precondition")
         return model
@@ -332,9 +337,13 @@ class HttpApi:
         except TokenizerError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
-    def _run(self, request: gen.GenerateRequest, caller, stops: list[str]) -> TextRun:
-        """One choice: the engine's events as OpenAI text, cut at the stop strings."""
-        return TextRun(self.engine.generate(request, caller=caller), stops, request.min_tokens)
+    def _run(
+        self, request: gen.GenerateRequest, caller, stops: list[str], model: ModelInfo | None
+    ) -> TextRun:
+        """One choice: the engine's events as OpenAI text, cut at the stop strings
+        (`model`: checked already; None: the engine checks it)."""
+        events = self.engine.generate(request, caller=caller, model=model)
+        return TextRun(events, stops, request.min_tokens)
 
     async def _respond(
         self,
@@ -344,6 +353,7 @@ class HttpApi:
         chat: bool,
         echo: str | None = None,
         tools: ToolChoice | None = None,
+        model: ModelInfo | None = None,
     ) -> Response:
         """Run the request's choices (one generation each) and answer, streamed or
         not. The first choice runs alone until its first text, so its prefill is done:
@@ -355,12 +365,12 @@ class HttpApi:
             self.engine.check_room(caller, len(reqs))
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
-        runs = [self._run(reqs[0], caller, body.stops)]
+        runs = [self._run(reqs[0], caller, body.stops, model)]
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
             firsts = [await _unless_disconnected(request, runs[0].next())]
-            runs += [self._run(r, caller, body.stops) for r in reqs[1:]]
+            runs += [self._run(r, caller, body.stops, model) for r in reqs[1:]]
             if len(runs) > 1:
                 firsts += await _unless_disconnected(
                     request, _together(run.next() for run in runs[1:])

@@ -98,6 +98,26 @@ def test_min_tokens_and_chat_through_the_openai_client(dep) -> None:
     assert chat.choices[0].model_extra["token_ids"] == want
 
 
+def test_a_stop_string_waits_for_min_tokens_through_the_openai_client(dep) -> None:
+    """vLLM's rule: a stop string is honoured once min_tokens tokens are out; one that
+    ends earlier is output as text, streamed and not (a token is a character here)."""
+    kw = dict(model="", prompt=PROMPT, max_tokens=24, temperature=0)
+    with openai_client(dep) as c:
+        whole = c.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+        assert len(whole) == 24
+        stop = whole[1:3]  # ends with the 3rd token
+        first = whole.find(stop)
+        late = next((i for i in range(len(whole)) if whole.startswith(stop, i) and i + 2 >= 12),
+                    len(whole))  # fmt: skip
+        for min_tokens, want in ((0, whole[:first]), (12, whole[:late])):
+            extra = {"ignore_eos": True, "min_tokens": min_tokens}
+            got = c.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+            assert got.text == want, min_tokens
+            assert got.finish_reason == ("stop" if len(want) < 24 else "length")
+            chunks = c.completions.create(**kw, stop=[stop], extra_body=extra, stream=True)
+            assert "".join(ch.choices[0].text for ch in chunks) == want, min_tokens
+
+
 def test_the_rules_under_a_response_format(dep) -> None:
     """With a grammar the last stage masks first, then the rules apply to the allowed
     tokens (a bias on "," fills the array); min_tokens (40) holds the end-of-sequence

@@ -353,7 +353,7 @@ def with_app(script, fn, keys=("k",), codec=None, metrics=None, **settings):
         router.model = ModelInfo("m", "h", num_layers=4, vocab_size=97, max_positions=256,
                                  eos_token_ids=(96,), ranges=[(0, 4)])  # fmt: skip
         router.backends._ready = True
-        router.generate = lambda req, deadline=None, caller=None: script(req)
+        router.generate = lambda req, deadline=None, caller=None, model=None: script(req)
         router.codec = codec
         server = HttpServer(router)
         port = await server.start("127.0.0.1", 0)

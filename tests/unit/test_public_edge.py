@@ -298,7 +298,7 @@ def test_a_port_full_of_busy_connections_refuses_new_ones_503(caplog) -> None:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "released")
                 yield
 
-            e.router.engine.generate = lambda req, deadline=None, caller=None: held(req)
+            e.router.engine.generate = lambda req, deadline=None, caller=None, model=None: held(req)
             busy = [asyncio.ensure_future(request(e.port, "/v1/completions", {"prompt": [1]}))
                     for _ in range(2)]  # fmt: skip
             while e.http.guard._idle or e.http.guard.counts.open < 2:
