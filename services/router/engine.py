@@ -578,6 +578,6 @@ class RouterEngine:
 def split_at_min_tokens(tokens: list[int], index: int, min_tokens: int) -> list[list[int]]:
     """The deltas of `tokens` (output positions `index`..): one, or two where the output
     reaches `min_tokens` tokens, so that a stop string, honoured from there on
-    (openai_compat.StopMatcher), is searched only in the text of the tokens after."""
+    (text_run.StopMatcher), is searched only in the text of the tokens after."""
     cut = min_tokens - 1 - index
     return [tokens[:cut], tokens[cut:]] if 0 < cut < len(tokens) else [tokens]

@@ -8,19 +8,22 @@ gRPC hop or cross-loop plumbing for every token, for nothing: the router's work 
 token is small and asynchronous.) uvicorn runs without its signal handlers; the
 router's process owns SIGTERM and its drain.
 
-One module: the routes, their error mapping and the server that runs them change
-together. Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events
-ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health, and vLLM's
-beside them (side_endpoints.py): GET /metrics, GET /version, POST /tokenize, POST
-/detokenize. Function calling (`tools`): tool_calls.py. Errors come in
-OpenAI's shape (see openai_compat.ApiError). A client that disconnects cancels its
-request on every stage and the draft. A request for `n` choices is `n` generations
-(`Choices`): the first alone until its prefill is done, then the others, which find the
-prompt in the prefix cache; streamed, their chunks interleave (docs/api.md).
+Routes: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent
+events ending with `data: [DONE]`, or not), GET /v1/models[/{id}], GET /health, and
+vLLM's beside them (side_endpoints.py): GET /metrics, GET /version, POST /tokenize,
+POST /detokenize. Function calling (`tools`): tool_calls.py. Errors come in OpenAI's
+shape (http_errors.py). A client that disconnects cancels its request on every stage
+and the draft. A request for `n` choices is `n` generations: the first alone until its
+prefill is done, then the others, which find the prompt in the prefix cache; streamed,
+their chunks interleave (http_stream.py, docs/api.md).
 
 The port is guarded (http_guard.py, the router's `EdgeLimits`): capped connections, in
 all and per client address; a request's headers within a few seconds, its body within
 `body_timeout` and no larger than the router's request cap (413 before it is parsed).
+
+One module of about 480 lines: the routes and the server that runs them, each route
+reading top to bottom from its body to its answer over the helpers they share (the
+model and tokenizer checks, the chat template off the loop).
 """
 
 from __future__ import annotations
@@ -31,19 +34,16 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from specpipe.common.spec.grammar import ResponseFormat
 from specpipe.common.spec.tool_parsers import choose_parser
 from specpipe.v1 import generation_pb2 as gen
-from starlette.exceptions import HTTPException
 
 from specpipe import __version__
 
@@ -51,22 +51,23 @@ from .backends import ModelInfo
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits
 from .engine import RouterEngine
-from .http_guard import ConnectionGuard, KeyConnections, guarded_protocol, limit_uvicorn_logs
+from .http_errors import add_error_handlers
+from .http_guard import (
+    BodyLimit,
+    ConnectionGuard,
+    KeyConnections,
+    guarded_protocol,
+    limit_uvicorn_logs,
+)
+from .http_stream import Choices, EventStream, close_runs, sse_events, together, unless_disconnected
 from .openai_compat import (
     DEFAULT_COMPLETION_TOKENS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    Entry,
-    Piece,
-    ResponseShape,
-    TextRun,
-    TokenNames,
     bad_request,
-    model_card,
-    prompt_entries,
-    usage,
 )
+from .openai_responses import ResponseShape, TokenNames, model_card
 from .requests import RequestFailed
 from .side_endpoints import (
     METRICS_KEY,
@@ -77,15 +78,11 @@ from .side_endpoints import (
     encode_prompt,
     tokenize_answer,
 )
-from .tool_calls import ToolAnswer, ToolChoice, rendered_conversation
+from .text_run import TextRun
+from .tool_calls import ToolChoice, rendered_conversation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never received
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before the response was ready."""
 
 
 class HttpApi:
@@ -105,10 +102,7 @@ class HttpApi:
 
     def _build(self) -> FastAPI:
         app = FastAPI(title="SpecPipe", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(ApiError, _api_error)
-        app.add_exception_handler(RequestValidationError, _validation_error)
-        app.add_exception_handler(HTTPException, _http_error)
-        app.add_exception_handler(ClientGone, _client_gone)
+        add_error_handlers(app)
         app.add_api_route("/health", self.health, methods=["GET"])
         auth = [Depends(self.authorize)]
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
@@ -369,11 +363,11 @@ class HttpApi:
         try:
             # Up to the first text (or the end): until then, a failure (bad request,
             # overload, ...) can still be an HTTP status rather than an event.
-            firsts = [await _unless_disconnected(request, runs[0].next())]
+            firsts = [await unless_disconnected(request, runs[0].next())]
             runs += [self._run(r, caller, body.stops, model) for r in reqs[1:]]
             if len(runs) > 1:
-                firsts += await _unless_disconnected(
-                    request, _together(run.next() for run in runs[1:])
+                firsts += await unless_disconnected(
+                    request, together(run.next() for run in runs[1:])
                 )
             lead = runs[0]
             model = lead.model or self.engine.model.model_id
@@ -381,16 +375,16 @@ class HttpApi:
                                   self._token_names(), body.top_logprobs_wanted() is not None)  # fmt: skip
             choices = Choices(runs, firsts, shape, echo, tools)
             if body.stream:
-                events = _events(
+                events = sse_events(
                     choices, body.include_usage, body.return_token_ids, body.continuous_usage
                 )
                 return EventStream(events, headers={"Cache-Control": "no-cache"})
-            await _unless_disconnected(request, _together(run.text() for run in runs))
+            await unless_disconnected(request, together(run.text() for run in runs))
         except RequestFailed as e:
-            await _close(runs)
+            await close_runs(runs)
             raise ApiError.from_status(e.code, e.message) from None
         except BaseException:
-            await _close(runs)
+            await close_runs(runs)
             raise
         # With tools, the messages first: they decide the finish reasons.
         tools = choices.tools
@@ -409,65 +403,6 @@ class HttpApi:
         return JSONResponse(shape.completion(answers, choices.usage, choices.speculation))
 
 
-class Choices:
-    """The generations of one request's choices and what their answer sums up: usage
-    over every choice, their stats. `echo`: the prompt's text, for a text completion
-    that echoes it (None: none); its tokens' logprobs are the first choice's (the only
-    one that asks for them: the prompt is the same). `tools`: the request's function
-    calling, which makes each choice's output text and calls (`ToolAnswer`)."""
-
-    def __init__(
-        self,
-        runs: list[TextRun],
-        firsts: list[Piece | None],
-        shape: ResponseShape,
-        echo: str | None,
-        tools: ToolChoice | None = None,
-    ) -> None:
-        self.runs, self.firsts, self.shape, self.echo = runs, firsts, shape, echo
-        self.prompt: list[Entry] = prompt_entries(runs[0]) if echo is not None else []
-        self.tools: list[ToolAnswer] = [tools.answer() for _ in runs] if tools else []
-
-    def finish_reason(self, index: int) -> str:
-        """A choice's finish reason ("tool_calls" for one that ended with calls)."""
-        reason = self.runs[index].finish_reason
-        return self.tools[index].finish_reason(reason) if self.tools else reason
-
-    def piece(self, index: int, text: str, final: bool = False) -> tuple[str, list]:
-        """A choice's streamed text as (content, delta.tool_calls); `final`: the end."""
-        if not self.tools:
-            return text, []
-        answer = self.tools[index]
-        content, calls = answer.push(text)
-        if final:
-            tail, more = answer.flush()
-            content, calls = content + tail, calls + more
-        return content, calls
-
-    def entries(self, index: int, ids, logprobs, with_prompt: bool = False) -> list[Entry]:
-        """The tokens of a choice's logprobs (none without them); `with_prompt`: the
-        echoed prompt's before them."""
-        if not self.shape.logprobs:
-            return []
-        own = list(zip(ids, logprobs, strict=True))
-        return [*self.prompt, *own] if with_prompt else own
-
-    @property
-    def usage(self) -> dict[str, Any]:
-        """The prompt once (its cached tokens too), every choice's completion tokens
-        (OpenAI's usage for n); streamed, so far."""
-        lead = self.runs[0]
-        done = sum(run.completion_tokens for run in self.runs)
-        return usage(lead.prompt_tokens, done, lead.cached_tokens)
-
-    @property
-    def speculation(self) -> dict[str, Any] | list | None:
-        """The request's stats; with several choices, one per choice."""
-        if len(self.runs) == 1:
-            return self.runs[0].speculation
-        return [run.speculation for run in self.runs]
-
-
 def _conversation_chars(messages: list[dict[str, Any]], tools: list | None) -> int:
     """The text a conversation gives the chat template, in characters: the messages'
     content, their tool calls and the tools (as JSON)."""
@@ -477,267 +412,10 @@ def _conversation_chars(messages: list[dict[str, Any]], tools: list | None) -> i
     return chars + sum(len(json.dumps(x, ensure_ascii=False)) for x in extra)
 
 
-async def _together(works) -> list:
-    """Await all of `works`; if one fails, the others are cancelled (and awaited)
-    before its error is raised, so their generations can be closed."""
-    tasks = [asyncio.ensure_future(w) for w in works]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _close(runs: list[TextRun]) -> None:
-    for run in runs:
-        await run.close()
-
-
-async def _events(
-    choices: Choices,
-    include_usage: bool,
-    token_ids: bool = False,
-    continuous_usage: bool = False,
-) -> AsyncIterator[str]:
-    """The server-sent events of a streamed completion: each choice's pieces as they
-    come (every chunk holds one choice, `index`; with `token_ids`, the piece's token ids:
-    what a resume sends back), then each one's finishing chunk.
-    Without include_usage the last finishing chunk carries usage (of every choice) and
-    speculation stats; with it, they come in OpenAI's extra last chunk without choices
-    instead. `continuous_usage`: every chunk carries the usage so far (vLLM's
-    continuous_usage_stats)."""
-    shape, runs = choices.shape, choices.runs
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
-
-    async def pump(i: int, run: TextRun, piece: Piece | None) -> None:
-        try:
-            while piece is not None:
-                await queue.put((i, piece))
-                piece = await run.next()
-            await queue.put((i, None))
-        except RequestFailed as e:
-            await queue.put((i, e))
-
-    def so_far() -> dict[str, Any]:
-        return {"usage": choices.usage} if continuous_usage else {}
-
-    tasks: list[asyncio.Task] = []
-    try:
-        for i in range(len(runs)):
-            if shape.chat:
-                yield _sse(shape.chunk(text="", first=True, index=i, **so_far()))
-            elif choices.echo is not None:
-                yield _sse(shape.chunk(text=choices.echo, index=i, entries=choices.prompt,
-                                       **so_far()))  # fmt: skip
-        tasks = [asyncio.ensure_future(pump(i, run, first))
-                 for i, (run, first) in enumerate(zip(runs, choices.firsts, strict=True))]  # fmt: skip
-        left = len(runs)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, RequestFailed):
-                yield _sse(ApiError.from_status(item.code, item.message).body())
-                break
-            if item is not None:
-                entries = choices.entries(i, item.token_ids, item.logprobs)
-                ids = list(item.token_ids) if token_ids else None
-                text, calls = choices.piece(i, item.text)
-                if text or calls or entries or ids or not choices.tools:
-                    yield _sse(shape.chunk(text=text, index=i, entries=entries, tool_calls=calls,
-                                           token_ids=ids, **so_far()))  # fmt: skip
-                continue
-            left -= 1
-            text, calls = choices.piece(i, "", final=True) if choices.tools else ("", [])
-            if text or calls:  # what the end decided (a call, or held text)
-                yield _sse(shape.chunk(text=text, index=i, tool_calls=calls, **so_far()))
-            extra = so_far()
-            if not include_usage and not left:
-                extra = {"usage": choices.usage, "speculation": choices.speculation}
-            ids = runs[i].unsent_token_ids if token_ids else None
-            yield _sse(
-                shape.chunk(finish_reason=choices.finish_reason(i), index=i, token_ids=ids, **extra)
-            )
-        else:
-            if include_usage:
-                yield _sse(shape.usage_chunk(choices.usage, choices.speculation))
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close(runs)
-    yield "data: [DONE]\n\n"
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events; the event generator is closed however the response ends (a
-    client that disconnects cancels the stream task: Starlette watches for it)."""
-
-    media_type = "text/event-stream"
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """`await work`, cancelled if the client disconnects first (then ClientGone)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:  # the server is stopping: wait for the work to unwind
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
-    finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _public_label(b) -> str:
     """A replica as the public may see it: its kind and layers."""
     layers = f" {b.layers[0]}:{b.layers[1]}" if b.kind == "stage" and b.desc else ""
     return f"{b.kind}{layers}"
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit()` bytes is refused 413 before it is
-    parsed: by its Content-Length, or by reading a chunked body up to the limit (the
-    body is then passed on as read); one that has not all arrived `timeout` seconds
-    after its headers is refused 408 (a client sending a byte at a time holds nothing
-    for long); one whose size alone says its prompt could not be tokenized now
-    (`busy(length)`) is refused 429 before it is read or parsed."""
-
-    def __init__(self, app, limit, timeout: float, busy=lambda length: False) -> None:
-        self.app, self.limit, self.timeout, self.busy = app, limit, timeout, busy
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        cap = self.limit()
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > cap):
-            await self._refuse(cap, scope, receive, send)
-            return
-        if length is not None and self.busy(int(length)):
-            e = ApiError(429, "the router is tokenizing as much as it may at once: retry later",
-                         "resource_exhausted")  # fmt: skip
-            await _drain(receive)
-            await _error_response(e, close=True)(scope, receive, send)
-            return
-        read, seen = [], 0
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                e = ApiError(408, f"the request body did not arrive within {self.timeout:.0f} s",
-                             "request_timeout")  # fmt: skip
-                await _error_response(e, close=True)(scope, receive, send)
-                return
-            read.append(message)
-            if message["type"] != "http.request":
-                break
-            seen += len(message.get("body", b""))
-            if seen > cap:
-                await self._refuse(cap, scope, receive, send)
-                return
-            if not message.get("more_body"):
-                break
-
-        async def replay():
-            return read.pop(0) if read else await receive()
-
-        await self.app(scope, replay, send)
-
-    @staticmethod
-    async def _refuse(cap: int, scope, receive, send) -> None:
-        e = ApiError(413, f"the request body is larger than {cap} bytes", "request_too_large")
-        await _drain(receive)
-        await _error_response(e, close=True)(scope, receive, send)
-
-
-# A refused body is read and dropped, up to this much for this long, before the answer:
-# closing a connection over unread bytes resets it, and the client may lose the answer.
-DRAIN_BYTES = 8 << 20
-DRAIN_SECONDS = 1.0
-
-
-async def _drain(receive) -> None:
-    seen = 0
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(DRAIN_SECONDS):
-            while seen <= DRAIN_BYTES:
-                message = await receive()
-                if message["type"] != "http.request" or not message.get("more_body"):
-                    return
-                seen += len(message.get("body", b""))
-
-
-# -- errors --------------------------------------------------------------------------------
-def _error_response(e: ApiError, close: bool = False) -> JSONResponse:
-    """`close`: the body was not read, so the connection ends with this response."""
-    headers = {"Retry-After": "1"} if e.status in (429, 503) else {}
-    if close:
-        headers["Connection"] = "close"
-    return JSONResponse(e.body(), status_code=e.status, headers=headers or None)
-
-
-async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-    return _error_response(e)
-
-
-async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-    """A body that does not parse or fit the schema: 400 (FastAPI's default is 422)."""
-    errors = e.errors()
-    first = errors[0] if errors else {}
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    field = str(loc[0]) if loc else None
-    if first.get("type") == "json_invalid":
-        message = first.get("msg", "invalid request")
-        message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', message)})"
-        return _error_response(bad_request(message))
-    # A union (prompt, stop, content) fails once per accepted shape: the error of the
-    # shape the value has (a bound, bad text) says more than "should be a list".
-    same = [x for x in errors if [p for p in x.get("loc", ()) if p != "body"][:1] == loc[:1]]
-    best = next((x for x in same if not x.get("type", "").endswith(_SHAPE_ERRORS)), first)
-    message = best.get("msg", "invalid request").removeprefix("Value error, ")
-    if len(same) > 1 and best.get("type", "").endswith(_SHAPE_ERRORS):
-        message = f"{message}, nor any other accepted shape"
-    return _error_response(bad_request(f"{field}: {message}" if field else message, field))
-
-
-# pydantic error types that only say the value has another shape than one union member.
-_SHAPE_ERRORS = ("_type", "literal_error", "union_tag_invalid")
-
-
-async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-    if e.status_code == 400:  # FastAPI's body parse failure (JSON nested too deeply)
-        return _error_response(bad_request(f"the body could not be parsed: {e.detail} "
-                                           "(JSON nested too deeply?)"))  # fmt: skip
-    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return _error_response(ApiError(e.status_code, str(e.detail), code))
-
-
-async def _client_gone(request: Request, e: ClientGone) -> Response:
-    return Response(status_code=CLIENT_CLOSED)
 
 
 # -- server --------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ gRPC port and /health down with it. Here:
   total and, idle, are the first closed for new ones.
 - `RateLimitFilter`: refusals and uvicorn's "Invalid HTTP request" warnings are logged
   at a bounded rate.
+- `BodyLimit` (ASGI middleware): a body over the router's request cap is refused 413
+  before it is parsed, one that does not arrive in time 408, one whose prompt could
+  not be tokenized now 429.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..conn_limits import ConnectionCounts
 from ..ratelog import RateLimitedLog
 from .edge import EdgeLimits
+from .http_errors import error_response
+from .openai_compat import ApiError
 
 log = logging.getLogger(__name__)
 _REFUSAL_BODY = (
@@ -359,3 +364,79 @@ def limit_uvicorn_logs() -> None:
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
         logger.addFilter(RateLimitFilter())
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit()` bytes is refused 413 before it is
+    parsed: by its Content-Length, or by reading a chunked body up to the limit (the
+    body is then passed on as read); one that has not all arrived `timeout` seconds
+    after its headers is refused 408 (a client sending a byte at a time holds nothing
+    for long); one whose size alone says its prompt could not be tokenized now
+    (`busy(length)`) is refused 429 before it is read or parsed."""
+
+    def __init__(self, app, limit, timeout: float, busy=lambda length: False) -> None:
+        self.app, self.limit, self.timeout, self.busy = app, limit, timeout, busy
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        cap = self.limit()
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            await self._refuse(cap, scope, receive, send)
+            return
+        if length is not None and self.busy(int(length)):
+            e = ApiError(429, "the router is tokenizing as much as it may at once: retry later",
+                         "resource_exhausted")  # fmt: skip
+            await _drain(receive)
+            await error_response(e, close=True)(scope, receive, send)
+            return
+        read, seen = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                e = ApiError(408, f"the request body did not arrive within {self.timeout:.0f} s",
+                             "request_timeout")  # fmt: skip
+                await error_response(e, close=True)(scope, receive, send)
+                return
+            read.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > cap:
+                await self._refuse(cap, scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+
+        async def replay():
+            return read.pop(0) if read else await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(cap: int, scope, receive, send) -> None:
+        e = ApiError(413, f"the request body is larger than {cap} bytes", "request_too_large")
+        await _drain(receive)
+        await error_response(e, close=True)(scope, receive, send)
+
+
+# A refused body is read and dropped, up to this much for this long, before the answer:
+# closing a connection over unread bytes resets it, and the client may lose the answer.
+DRAIN_BYTES = 8 << 20
+DRAIN_SECONDS = 1.0
+
+
+async def _drain(receive) -> None:
+    seen = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while seen <= DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body"):
+                    return
+                seen += len(message.get("body", b""))

@@ -18,10 +18,9 @@ from specpipe.services.router.openai_compat import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    StopMatcher,
-    TextRun,
 )
 from specpipe.services.router.requests import RequestFailed, StopGeneration
+from specpipe.services.router.text_run import StopMatcher, TextRun
 from specpipe.services.router.tool_calls import rendered_conversation
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import generation_pb2 as gen
