@@ -46,7 +46,12 @@ from specpipe.common.spec.commands import Command, Emit, Finish
 from specpipe.common.spec.controller import Controller
 from specpipe.common.spec.stats import DecodeStats
 
-from ..config import DEFAULT_LATE_DRAFT_WAIT_MS, DEFAULT_PATH_STALL_SECONDS, DEFAULT_REPLAY_SECONDS
+from ..config import (
+    DEFAULT_LATE_DRAFT_WAIT_MS,
+    DEFAULT_PATH_STALL_SECONDS,
+    DEFAULT_REPLAY_SECONDS,
+    RouterConfig,
+)
 from ..transport import FrameError, Inbox
 from ..transport.codec import Frame, Kind
 from .backends import Backend, Backends, RequestPath
@@ -71,6 +76,17 @@ class DriverSettings:
     # that it computed the request) before the request is replayed
     stall_timeout: float = DEFAULT_PATH_STALL_SECONDS
     late_draft_wait: float = DEFAULT_LATE_DRAFT_WAIT_MS / 1e3  # late_draft.py (0: never hold)
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> DriverSettings:
+        """A router configuration's (--replay-seconds, --max-replays,
+        --path-stall-seconds, --late-draft-wait-ms); the call timeouts are fixed."""
+        return cls(
+            replay_timeout=config.replay_seconds,
+            stall_timeout=config.path_stall_seconds,
+            max_replays=config.max_replays,
+            late_draft_wait=(config.scheduling.late_draft_wait_ms or 0.0) / 1e3,
+        )
 
 
 class RequestDriver:

@@ -6,7 +6,7 @@ are checked once, here (`generate` -> `prepare` -> `plan`).
 
 The front ends (service.py, http_api.py) translate to and from it and call only its
 public methods; waiting for a running slot is admission.py, the lease keep-alive
-keepalive.py. One module of about 550 lines: a request's walk (check, plan, admit,
+keepalive.py. One module of about 580 lines: a request's walk (check, plan, admit,
 open, stream, end) reads top to bottom here, over the state it shares with the other
 requests (drivers, scheduler, codec).
 """
@@ -96,14 +96,7 @@ class RouterEngine:
         self.security = security
         self.inbox = Inbox()
         self.transport_kind = config.transport or TCP
-        self.transport: Transport = make_transport(
-            self.transport_kind,
-            self.inbox,
-            bind_host=config.host,
-            advertise_host=config.advertise_host,
-            admit=self.inbox.admit,
-            auth=security.frame_auth() if security else None,
-        )
+        self.transport = data_plane(config, self.inbox, security)
         if discovery is None:
             discovery = discovery_of(config)
         self.backends = Backends(
@@ -125,17 +118,11 @@ class RouterEngine:
         self.model_id_override = config.model_id
         self.drivers: dict[str, RequestDriver] = {}
         self.defaults = RequestDefaults(s.width, s.layers_per_step, s.token_source)
-        tuning = {"calibration_tokens": s.tune_calibration_tokens, "price": s.tune_price}
-        self.tuning = RouterTuning(**{k: v for k, v in tuning.items() if v is not None})
+        self.tuning = RouterTuning.of(s)
         # Faults: how long a replay waits for a path, how long a silent path is trusted
         # (the watchdog), how often one request is replayed before it fails, and how
         # long a verification waits for a late draft answer (driver.py).
-        self.driver_settings = DriverSettings(
-            replay_timeout=config.replay_seconds,
-            stall_timeout=config.path_stall_seconds,
-            max_replays=config.max_replays,
-            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
-        )
+        self.driver_settings = DriverSettings.of(config)
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.admission = Admission(
             self.drivers,
@@ -581,3 +568,16 @@ def split_at_min_tokens(tokens: list[int], index: int, min_tokens: int) -> list[
     (text_run.StopMatcher), is searched only in the text of the tokens after."""
     cut = min_tokens - 1 - index
     return [tokens[:cut], tokens[cut:]] if 0 < cut < len(tokens) else [tokens]
+
+
+def data_plane(config: RouterConfig, inbox: Inbox, security: Security | None) -> Transport:
+    """The router's data-plane endpoint: the last stages' verifications arrive in
+    `inbox`, admitted per request, authenticated with --secure's frame keys."""
+    return make_transport(
+        config.transport or TCP,
+        inbox,
+        bind_host=config.host,
+        advertise_host=config.advertise_host,
+        admit=inbox.admit,
+        auth=security.frame_auth() if security else None,
+    )

@@ -302,30 +302,11 @@ def plan_request(
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
         raise invalid(str(e)) from None
-    try:
-        mode = Mode(r.mode or Mode.SPECPIPE)
-    except ValueError:
-        modes = ", ".join(m.value for m in Mode)
-        raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
     defaults = defaults or RequestDefaults()
+    mode, source = mode_and_source(r, defaults, has_draft)
     # With a draft the router tunes what neither the request nor its flags set.
     tuned_by_default = mode == Mode.SPECPIPE and has_draft
-    source = r.token_source or defaults.token_source or (AUTO if tuned_by_default else "")
-    # "auto" may choose the n-gram source only where the router tunes (specpipe).
-    model_free = source == "ngram" or (source == AUTO and mode == Mode.SPECPIPE)
-    if mode.uses_draft and not model_free and not has_draft:
-        raise InvalidRequest(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"mode {mode} needs a draft and this deployment has none (use pp)",
-        )
-    if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(r.stop_token_ids)}")
-    stops = list(r.stop_token_ids)
-    bad = [t for t in stops if not 0 <= t < model.vocab_size]
-    if bad:
-        raise invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
-    if not r.ignore_eos:
-        stops = [*model.eos_token_ids, *stops]
+    stops = stop_tokens(r, model)
     # The same checks as every other entry point (DecodeOptions, SamplingParams): what
     # the request sets of the table's engine fields; the rest takes their defaults.
     auto: set[str] = set()  # what the router chooses
@@ -363,8 +344,8 @@ def plan_request(
         check_prompt_logprobs(len(prompt), opts.prompt_logprobs)
     resume = tuple(r.resume_token_ids)
     check_resume(resume, model, opts)
-    space = None
     stages = len(model.ranges)  # 0: not known yet
+    space = None
     if auto:
         space = TuningSpace(
             width=None if "width" in auto else opts.width,
@@ -374,9 +355,56 @@ def plan_request(
             stages=stages,
             growth=None if "growth" in auto else opts.growth,
         )
-    # The largest logits frame such a request can bring back must be one the router
-    # reads (float64 logits, the widest dtype, of every tree row; the widest tree the
-    # tuning may choose).
+    check_frame(mode, opts, auto, model, max_payload_bytes)
+    return Plan(prompt=prompt, mode=mode, opts=opts, space=space, resume=resume)
+
+
+def mode_and_source(
+    r: gen.GenerateRequest, defaults: RequestDefaults, has_draft: bool
+) -> tuple[Mode, str]:
+    """The request's mode and token source ("": the engine's; "auto": the router's
+    choice, the default of a specpipe request with a draft), refused where they need a
+    draft this deployment lacks."""
+    try:
+        mode = Mode(r.mode or Mode.SPECPIPE)
+    except ValueError:
+        modes = ", ".join(m.value for m in Mode)
+        raise invalid(f"unknown mode {r.mode!r} (choose from {modes})") from None
+    tuned_by_default = mode == Mode.SPECPIPE and has_draft
+    source = r.token_source or defaults.token_source or (AUTO if tuned_by_default else "")
+    # "auto" may choose the n-gram source only where the router tunes (specpipe).
+    model_free = source == "ngram" or (source == AUTO and mode == Mode.SPECPIPE)
+    if mode.uses_draft and not model_free and not has_draft:
+        raise InvalidRequest(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"mode {mode} needs a draft and this deployment has none (use pp)",
+        )
+    return mode, source
+
+
+def stop_tokens(r: gen.GenerateRequest, model: ModelInfo) -> list[int]:
+    """The request's stop token ids, checked, after the model's end-of-sequence tokens
+    (unless it ignores them)."""
+    if len(r.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(r.stop_token_ids)}")
+    stops = list(r.stop_token_ids)
+    bad = [t for t in stops if not 0 <= t < model.vocab_size]
+    if bad:
+        raise invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
+    return stops if r.ignore_eos else [*model.eos_token_ids, *stops]
+
+
+def check_frame(
+    mode: Mode,
+    opts: DecodeOptions,
+    auto: set[str],
+    model: ModelInfo,
+    max_payload_bytes: int | None,
+) -> None:
+    """The largest logits frame such a request can bring back must be one the router
+    reads (float64 logits, the widest dtype, of every tree row; the widest tree the
+    tuning may choose, `auto`)."""
+    stages = len(model.ranges)
     widest = replace(
         opts,
         width=max(AUTO_WIDTHS) if "width" in auto else opts.width,
@@ -391,7 +419,6 @@ def plan_request(
             f"would bring back more logits of this model's {model.vocab_size}-token "
             "vocabulary than one frame may hold: use a smaller width or depth"
         )
-    return Plan(prompt=prompt, mode=mode, opts=opts, space=space, resume=resume)
 
 
 def check_resume(resume: tuple[int, ...], model: ModelInfo, opts: DecodeOptions) -> None:

@@ -27,6 +27,7 @@ from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.stats import DecodeStats
 from specpipe.v1 import generation_pb2 as gen
 
+from ..config import SchedulingConfig
 from ..control import cost_curve_from_proto
 from .backends import Backends
 
@@ -85,6 +86,13 @@ class RouterTuning:
         self._tuner()  # checks the values
         self.tuners: dict[tuple[str, str], Tuner] = {}
         self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
+
+    @classmethod
+    def of(cls, scheduling: SchedulingConfig) -> RouterTuning:
+        """--tune-calibration-tokens and --tune-price (unset: the defaults)."""
+        given = {"calibration_tokens": scheduling.tune_calibration_tokens,
+                 "price": scheduling.tune_price}  # fmt: skip
+        return cls(**{k: v for k, v in given.items() if v is not None})
 
     def resolve(
         self,
