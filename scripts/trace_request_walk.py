@@ -43,7 +43,7 @@ FRONT = (
         for m in (
             "http_guard", "http_api", "openai_compat", "side_endpoints", "tool_calls",
             "service", "engine", "requests", "admission", "tokenizing", "bounds", "edge",
-            "cache_scope", "tuning", "keepalive", "step_fit", "text_run", "openai_responses",
+            "cache_scope", "tuning", "keepalive", "step_fit", "text_run", "openai_responses", "http_stream", "http_errors",
         )
     ),
     "services/auth.py", "common/spec/request_options.py", "common/text.py",
