@@ -448,10 +448,11 @@ class RouterMetrics(ServiceMetrics):
         self.vllm = VllmNames(self)
         self.registry.register(self.vllm)
 
-    def watch(self, router) -> None:
-        """Running/waiting requests and the replicas, read from `router` when scraped."""
-        self.watch_dataplane(router.transport)
-        drivers = router.drivers
+    def watch(self, engine) -> None:
+        """Running/waiting requests and the replicas, read from the router's `engine`
+        (a RouterEngine) when scraped."""
+        self.watch_dataplane(engine.transport)
+        drivers = engine.drivers
         self.running.set_function(
             _safe(lambda: sum(1 for d in list(drivers.values()) if not d.waiting))
         )
@@ -459,12 +460,12 @@ class RouterMetrics(ServiceMetrics):
         # slot, or admitted and opening its path (new or replayed).
         waiting = _safe(
             lambda: (
-                len(router.scheduler.waiting) + sum(1 for d in list(drivers.values()) if d.waiting)
+                len(engine.scheduler.waiting) + sum(1 for d in list(drivers.values()) if d.waiting)
             )
         )
         self.waiting.set_function(waiting)
-        self.registry.register(_BackendCollector(router.backends))
-        self.vllm.model_name = lambda: router.model.model_id if router.model else ""
+        self.registry.register(_BackendCollector(engine.backends))
+        self.vllm.model_name = lambda: engine.model.model_id if engine.model else ""
         self.vllm.waiting = waiting
 
     # -- events of one request -------------------------------------------------------------
