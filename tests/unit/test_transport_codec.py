@@ -51,10 +51,7 @@ def test_hidden_states_roundtrip(dtype: torch.dtype) -> None:
     assert not back.committed
 
 
-def test_logits_tokens_committed_and_empty_roundtrip() -> None:
-    logits = Activation("r", torch.tensor([4]), node_ids=torch.tensor([9]), parent_ids=torch.tensor([-1]),
-                        logits=torch.randn(1, 97))  # fmt: skip
-    assert torch.equal(_roundtrip(logits)[1].logits, logits.logits)
+def test_tokens_committed_and_empty_roundtrip() -> None:
     chunk = Activation("r", torch.arange(5), committed=True, tokens=torch.arange(5) * 3)
     back = _roundtrip(chunk)[1]
     assert back.committed and torch.equal(back.tokens, chunk.tokens) and back.node_ids.numel() == 0
