@@ -154,11 +154,6 @@ class LocalPipeline:
     def in_flight(self, request_id: str) -> bool:
         return any(a is not None for a in self._in_flight[request_id])
 
-    def step(
-        self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
-    ) -> StepResult:
-        return self.step_many({request_id: (prunes, entering)})[request_id]
-
     def step_many(
         self, inputs: Mapping[str, tuple[Sequence[Prune], Activation | None]]
     ) -> dict[str, StepResult]:

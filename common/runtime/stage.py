@@ -186,10 +186,6 @@ class StageRuntime:
             if not on:
                 self.pool.clear_prefix_cache()
 
-    def cache_bytes_for(self, rows: int) -> int:
-        """Bytes of the blocks that `rows` rows of one request take."""
-        return self.pool.blocks_for(rows) * self.pool.block_bytes
-
     @property
     def cache_bytes_used(self) -> int:
         with self._lock:

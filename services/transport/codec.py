@@ -174,12 +174,6 @@ def frame_bytes(header: pb.FrameHeader, payload: Tensor | None) -> int:
     return PREAMBLE.size + header.ByteSize() + n
 
 
-def pack_header(header: pb.FrameHeader, payload_len: int) -> bytes:
-    """Preamble + serialized header, as stream transports send them."""
-    hb = header.SerializeToString()
-    return PREAMBLE.pack(len(hb), payload_len) + hb
-
-
 def parse_preamble(data: bytes | memoryview) -> tuple[int, int]:
     hlen, plen = PREAMBLE.unpack(data)
     if hlen > MAX_HEADER_BYTES or plen > MAX_PAYLOAD_BYTES:

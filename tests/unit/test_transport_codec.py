@@ -10,8 +10,8 @@ from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.control import prune_from_proto, prune_to_proto, token_activation
 from specpipe.services.transport import Address, Frame, FrameError, decode, encode
 from specpipe.services.transport.codec import (
+    PREAMBLE,
     Kind,
-    pack_header,
     parse_header,
     parse_preamble,
     payload_bytes,
@@ -23,7 +23,8 @@ from specpipe.v1 import dataplane_pb2 as pb
 def _roundtrip(act: Activation, seq: int = 3, after: int = 2) -> tuple[Frame, Activation]:
     header, payload = encode(act, seq, after, "stage x")
     raw = payload_bytes(payload)
-    wire = pack_header(header, 0 if raw is None else raw.nbytes)
+    hb = header.SerializeToString()  # as the TCP transport frames it (without a tag)
+    wire = PREAMBLE.pack(len(hb), 0 if raw is None else raw.nbytes) + hb
     hlen, plen = parse_preamble(wire[:12])
     parsed = parse_header(wire[12 : 12 + hlen], plen)
     buf = None if raw is None else np.frombuffer(raw.tobytes(), dtype=np.uint8).copy()
