@@ -391,7 +391,7 @@ def test_failure_finishes_with_an_error() -> None:
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k: int) -> None:
-    """An asynchronous executor sees a step's draft answers and its logits in any order;
+    """An asynchronous executor sees a step's draft answers and verifications in any order;
     while the draft keeps up, decisions and step counts are those of lockstep (with K
     layers per step, an answer asks again within the same step)."""
     rng = random.Random(seed)
@@ -598,7 +598,7 @@ def test_replay_reprefills_prompt_and_emitted_tokens_then_the_root() -> None:
     (propose,) = cmds_of(cmds, Propose)
     assert propose.layer.node_ids.tolist() == root.node_ids.tolist()
     assert c.stats.replays == 1 and c.stats.prefill_steps == 1  # the first prefill
-    # Answers and logits of the old path change nothing.
+    # Answers and verifications of the old path change nothing.
     assert c.on_candidates(p0.ticket, cand([(1, 4, 0.9)])) == []
     assert c.on_verified(verified(c, [1], [4])) == []
     out = c.on_verified(verified(c, [int(root.node_ids[0])], [3]))
