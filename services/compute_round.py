@@ -436,9 +436,8 @@ class ComputeRounds:
         self, st: StageRequest, seq: int, after_prune: int, out: Activation | Verified | None
     ):
         """The frame of one output for the next hop, or None: the last stage sends only
-        verifications (or logits; prefill chunks and pruned rows bring the router
-        nothing); the others keep the order of `seq` with an empty frame for a fully
-        pruned activation."""
+        verifications (prefill chunks and pruned rows bring the router nothing); the
+        others keep the order of `seq` with an empty frame for a fully pruned activation."""
         name = self.stage.name
         if isinstance(out, Verified):
             header = pb.FrameHeader(
@@ -452,8 +451,6 @@ class ComputeRounds:
             header.verified.sent_at_ns = time.time_ns()
             return header, None
         if self.stage.runtime.is_last:
-            if out is not None and out.logits is not None:
-                return encode(out, seq, after_prune, name)
             return None
         if out is None:
             return empty_header(st.request_id, seq, name), None

@@ -6,11 +6,10 @@ prunes are applied in their own order as soon as they arrive. Work comes in as `
 calls (the first stage) and data-plane frames (the others), checked before it is
 queued (`common/runtime/validation.py`; the values of hidden states on the compute
 thread); one compute loop serves every request, in rounds (`compute_round.py`). Tree
-rows carry their token ids on (`Rows.token_ids`). The last stage verifies each request
-opened with a `VerifySpec` (`common/runtime/verifier.py`: it draws the tokens and walks
-down the tree) and sends the router a small `Verification` instead of logits (without
-one, logits as before: for specpipe/pp only the root's, possibly once a prune makes a
-computed row the root). Requests join and leave between rounds; a request that fails
+rows carry their token ids on (`Rows.token_ids`). The last stage verifies every request
+(`common/runtime/verifier.py`: it draws the tokens and walks down the tree, as the
+`VerifySpec` of its Open says; an Open without one is refused) and sends the router a
+small `Verification`. Requests join and leave between rounds; a request that fails
 fails alone, and its router hears why (`fail`). The lifecycle (server, drain, leases,
 `Renew`) is the `Replica`'s; everything else is the runtime's `StageRuntime`.
 
@@ -322,7 +321,11 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                 if hop:
                     self._check_hop(hop)
             verify = None  # (awaited first: what follows runs without a pause)
-            if request.HasField("verify") and self.runtime.is_last:
+            if self.runtime.is_last:
+                if not request.HasField("verify"):
+                    raise InvalidInput(
+                        "the last stage verifies every request: Open needs a VerifySpec (`verify`)"
+                    )
                 verify = await self._verify_spec(request.verify)
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
@@ -335,9 +338,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                 cached = self.runtime.open(
                     rid,
                     int(request.capacity),
-                    request.root_logits_only and verify is None,
                     prefix_tokens=request.prefix_token_ids,
-                    final_hidden=verify is not None,
                     cache_scope=cache_scope_from_proto(request.cache_scope),
                 )
             except RequestError:

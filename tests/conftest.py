@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 from specpipe.common.model.synthetic import save_random_model
+from specpipe.common.spec.sampling import SamplingParams
+from specpipe.common.spec.verify import VerifySpec
+from specpipe.services.control import verify_spec_to_proto
+from specpipe.v1 import dataplane_pb2
 
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with
 # service processes the threads only contend.
@@ -15,6 +19,12 @@ torch.set_num_threads(1)
 
 # Tests call it by this name.
 make_tiny_model = save_random_model
+
+
+def greedy_verify(output_start: int = 1) -> dataplane_pb2.VerifySpec:
+    """The `verify` of a stage Open for a greedy request (the last stage verifies every
+    request and refuses an Open without one)."""
+    return verify_spec_to_proto(VerifySpec(SamplingParams(), output_start=output_start))
 
 
 @pytest.fixture(scope="session")

@@ -125,11 +125,23 @@ class StepProbe:
         self.close()
 
 
+def stage_step(runtime: StageRuntime, acts: Sequence[Activation]) -> None:
+    """One step of a stage as its service computes it: the batched forward and, on the
+    last stage, the LM head of the rows (its verifier's one head call for the round, at
+    most every row: the runtime itself returns final hidden states)."""
+    outs = runtime.forward_many(acts)
+    if runtime.is_last:
+        hidden = [o.hidden for o in outs if isinstance(o, Activation) and o.hidden is not None]
+        if hidden:
+            runtime.model.logits(torch.cat(hidden))
+
+
 @torch.inference_mode()
 def measure_runtime(
     runtime: StageRuntime, rows: Sequence[int], context: int, repeats: int = 3, requests: int = 1
 ) -> CostCurve:
-    """Median time of a forward of n tree rows attending to `context` cached rows.
+    """Median time of a step (`stage_step`) of n tree rows attending to `context` cached
+    rows.
 
     With `requests` > 1, a batched forward (SpecPipe-DB): the n rows belong to up to
     that many requests (as evenly as they split), each attending to its own `context`
@@ -141,7 +153,7 @@ def measure_runtime(
             for _ in range(repeats + 1):  # first run warms up
                 acts = probe.batch(n)
                 with device_timer(runtime.model.device) as elapsed:
-                    runtime.forward_many(acts)
+                    stage_step(runtime, acts)
                 samples.append(elapsed.seconds)
                 probe.drop()
             seconds.append(statistics.median(samples[1:]))

@@ -117,10 +117,6 @@ class BlockPool:
             self.k, self.v = self._zeros(self.max_blocks), self._zeros(self.max_blocks)
             self._storage_blocks, self._stored, self._free, self._refs = self.max_blocks, 0, [], []
 
-    @property
-    def storage_bytes(self) -> int:
-        return self._storage_blocks * self.block_bytes
-
     # -- accounting --------------------------------------------------------------------
     def set_budget(self, max_bytes: int) -> None:
         """A new budget. With no block held, the storage is allocated anew for it (a

@@ -11,7 +11,7 @@ candidates per node, the router keeps the best `w`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,19 +41,22 @@ def hand_off(packed: Tensor) -> Tensor:
     return packed.cpu()
 
 
-def _top_children_many(asks: Sequence[tuple[Activation, int, float]]) -> list[Candidates]:
+def _top_children_many(
+    asks: Sequence[tuple[Activation, int, float]], head: Callable[[Tensor], Tensor]
+) -> list[Candidates]:
     """The top-k children of every node of a step's proposals, `(output, top_k,
-    temperature)` each: one softmax and one top-k per (top_k, temperature) of the step,
-    and one host copy for all (`hand_off`)."""
+    temperature)` each (its rows' final hidden states): one LM head call (`head`), one
+    softmax and one top-k per (top_k, temperature) of the step, and one host copy for
+    all (`hand_off`)."""
     groups: dict[tuple[int, float], list[int]] = {}
     for i, (_, top_k, temperature) in enumerate(asks):
         groups.setdefault((top_k, temperature), []).append(i)
     parts: list[Tensor] = []  # per group: [indices | values] of its rows, as float64
     layout: list[tuple[list[int], int]] = []  # per group: its asks, and its k
     for (top_k, temperature), members in groups.items():
-        logits = [asks[i][0].logits for i in members]
-        stacked = logits[0] if len(logits) == 1 else torch.cat(logits)  # type: ignore[arg-type]
-        probs = draft_probs(stacked, temperature)
+        hidden = [asks[i][0].hidden for i in members]
+        stacked = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # type: ignore[arg-type]
+        probs = draft_probs(head(stacked), temperature)
         k = min(top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1)
         # float64 holds token ids (< 2**53) and float32 probabilities exactly
@@ -144,7 +147,9 @@ class DraftRuntime:
                 results.append(Candidates.empty())
         if grown:
             for (i, _), children in zip(
-                grown, _top_children_many([g for _, g in grown]), strict=True
+                grown,
+                _top_children_many([g for _, g in grown], self.runtime.model.logits),
+                strict=True,
             ):
                 results[i] = children
         return results

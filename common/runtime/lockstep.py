@@ -133,10 +133,6 @@ class LockstepEngine:
         if self.draft is not None and run.controller.uses_draft:
             self.draft.release(run.request_id)
 
-    def run_all(self) -> None:
-        while self.runs:
-            self.step()
-
     # -- one step ----------------------------------------------------------------------
     def step(self) -> None:
         """Carry out every request's commands, then one pipeline step for all of them."""
@@ -160,13 +156,8 @@ class LockstepEngine:
             batched = add_forwards(batched, forwards)
             run.prunes = []
             run.step += 1
-            last = result.last
-            events = list(result.verified)
-            if last is not None and last.logits is not None:
-                events.append(last)
-            for ev in events:
-                ctrl = run.controller
-                cmds = ctrl.on_logits(ev) if isinstance(ev, Activation) else ctrl.on_verified(ev)
+            for verified in result.verified:
+                cmds = run.controller.on_verified(verified)
                 if not any(isinstance(c, Emit) for c in cmds):
                     raise RuntimeError(
                         "pipeline desynchronized: the last stage did not compute the root"

@@ -7,14 +7,13 @@ runs them): apply the prunes decided since the previous step to every stage's ca
 to the activations in flight, move surviving activations one stage forward with the new tree
 layer entering stage 1, then let every stage compute. The last stage verifies the roots it computes
 (`verifier.py`, as the stage service does) and its `Verified` messages come back to the
-router; pipelines that return logits instead (test and study pipelines) leave the same
-walk to the controller (`Controller.on_logits`).
+router.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,11 +27,22 @@ from .verifier import RequestVerifier, row_tokens_of, verify_many
 
 @dataclass
 class StepResult:
-    # what the last stage computed this step: logits for tree nodes (pipelines that leave
-    # verification to the controller), or nothing to report
-    last: Activation | None
     nodes_per_stage: list[int]  # rows each stage computed this step (for cost projection)
     verified: tuple[Verified, ...] = ()  # what the last stage verified this step
+
+
+def verify_round(
+    outputs: Mapping[str, tuple[RequestVerifier, Activation]], logits: Callable[[Tensor], Tensor]
+) -> dict[str, tuple[Verified, ...]]:
+    """What the last stage verified of each request's output this step (`verify_many`:
+    one LM head call); a bad output raises its ValueError (an in-process bug)."""
+    drawn = verify_many(list(outputs.values()), logits)
+    verified = {}
+    for rid, found in zip(outputs, drawn, strict=True):
+        if isinstance(found, ValueError):
+            raise found
+        verified[rid] = tuple(found)
+    return verified
 
 
 class Pipeline(Protocol):
@@ -49,13 +59,12 @@ class Pipeline(Protocol):
         self,
         request_id: str,
         capacity: int,
-        prefix_tokens: Sequence[int] = (),
-        verify: VerifySpec | None = None,
+        prefix_tokens: Sequence[int],
+        verify: VerifySpec,
     ) -> int:
         """Open the request on every stage; how many leading `prefix_tokens` (what it
         commits before its first root) every stage holds cached (its prefill starts
-        there). With `verify`, the last stage verifies it (pipelines that return logits
-        may ignore it)."""
+        there). The last stage verifies it as `verify` says."""
         ...
 
     def release(self, request_id: str) -> None: ...
@@ -117,32 +126,23 @@ class LocalPipeline:
         self,
         request_id: str,
         capacity: int,
-        prefix_tokens: Sequence[int] = (),
-        verify: VerifySpec | None = None,
+        prefix_tokens: Sequence[int],
+        verify: VerifySpec,
     ) -> int:
         opened: list[StageRuntime] = []
         cached: list[int] = []
         try:
             for s in self.stages:
-                cached.append(
-                    s.open(
-                        request_id,
-                        capacity,
-                        prefix_tokens=prefix_tokens,
-                        final_hidden=verify is not None,
-                    )
-                )
+                cached.append(s.open(request_id, capacity, prefix_tokens=prefix_tokens))
                 opened.append(s)
         except Exception:
             for s in opened:
                 s.release(request_id)
             raise
         self._in_flight[request_id] = [None] * (len(self.stages) - 1)
-        if verify is not None:
-            last = self.stages[-1].model
-            self._verifiers[request_id] = RequestVerifier(
-                request_id, verify, last.logits, prefix_tokens
-            )
+        self._verifiers[request_id] = RequestVerifier(
+            request_id, verify, self.stages[-1].model.logits, prefix_tokens
+        )
         return min(cached)
 
     def release(self, request_id: str) -> None:
@@ -154,11 +154,6 @@ class LocalPipeline:
     def in_flight(self, request_id: str) -> bool:
         return any(a is not None for a in self._in_flight[request_id])
 
-    def step(
-        self, request_id: str, prunes: Sequence[Prune], entering: Activation | None
-    ) -> StepResult:
-        return self.step_many({request_id: (prunes, entering)})[request_id]
-
     def step_many(
         self, inputs: Mapping[str, tuple[Sequence[Prune], Activation | None]]
     ) -> dict[str, StepResult]:
@@ -167,12 +162,11 @@ class LocalPipeline:
         flight: dict[str, list[Activation | None]] = {}
         for rid, (prunes, entering) in inputs.items():
             held = self._in_flight[rid]
-            verifier = self._verifiers.get(rid)
+            verifier = self._verifiers[rid]
             for prune in prunes:
                 for s in self.stages:
                     s.prune(rid, prune)
-                if verifier is not None:
-                    verifier.on_prune(prune)
+                verifier.on_prune(prune)
                 held = [prune.filter(a) for a in held]
             flight[rid] = [entering, *held]  # the input of every stage this step
         outputs: dict[str, list[Activation | None]] = {rid: [] for rid in inputs}
@@ -187,27 +181,18 @@ class LocalPipeline:
                 if out is not None:
                     out.row_tokens = row_tokens_of(out, flight[rid][k])  # type: ignore[arg-type]
                 outputs[rid].append(out)
-        verifying = [
-            (rid, self._verifiers[rid], outputs[rid][-1])
+        verifying = {
+            rid: (self._verifiers[rid], out)
             for rid in inputs
-            if rid in self._verifiers and outputs[rid][-1] is not None
-        ]
-        logits = self.stages[-1].model.logits
-        drawn = verify_many([(v, out) for _, v, out in verifying], logits)
-        verified: dict[str, tuple[Verified, ...]] = {}
-        for (rid, _, _), found in zip(verifying, drawn, strict=True):
-            if isinstance(found, ValueError):
-                raise found
-            verified[rid] = tuple(found)
+            if (out := outputs[rid][-1]) is not None
+        }
+        verified = verify_round(verifying, self.stages[-1].model.logits)
         result = {}
         for rid in inputs:
             self._in_flight[rid] = outputs[rid][:-1]
             rows = [len(a) if a is not None else 0 for a in flight[rid]]
-            last = None if rid in self._verifiers else outputs[rid][-1]
-            result[rid] = StepResult(
-                last=last, nodes_per_stage=rows, verified=verified.get(rid, ())
-            )
+            result[rid] = StepResult(rows, verified.get(rid, ()))
         return result
 
 
-__all__ = ["Draft", "LocalPipeline", "Pipeline", "StepResult"]
+__all__ = ["Draft", "LocalPipeline", "Pipeline", "StepResult", "verify_round"]

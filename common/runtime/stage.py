@@ -52,8 +52,6 @@ class _Prepared:
     positions: np.ndarray
     node_ids: np.ndarray
     parent_ids: np.ndarray
-    is_root: np.ndarray | None
-    out_rows: np.ndarray | None = None  # last stage: rows whose logits go out now
 
     def __len__(self) -> int:
         return int(self.positions.size)
@@ -78,21 +76,6 @@ class _Prepared:
             torch.from_numpy(self.parent_ids),
             **tensors,
         )
-
-
-@dataclass
-class _Held:
-    """Last stage, `root_logits_only`: final hidden states of tree rows computed before
-    they became the root, in chunks as they came (concatenated when a prune needs them)."""
-
-    node_ids: list[np.ndarray]
-    parent_ids: list[np.ndarray]
-    positions: list[np.ndarray]
-    hidden: list[Tensor]
-
-    @classmethod
-    def empty(cls) -> _Held:
-        return cls([], [], [], [])
 
 
 @dataclass(frozen=True)
@@ -154,9 +137,6 @@ class StageRuntime:
         self._max_cache_bytes = self.pool.max_blocks * self.pool.block_bytes
         self._caches: dict[str, TreeKVCache] = {}
         self._last_prune: dict[str, Prune] = {}
-        self._held: dict[str, _Held] = {}
-        # Last stage, requests opened with final_hidden: the caller verifies (verifier.py)
-        self._final_hidden: set[str] = set()
         self._lock = threading.Lock()
         self._compute_lock = threading.Lock()
         # Caches of released requests whose blocks go back once no forward runs (a
@@ -206,10 +186,6 @@ class StageRuntime:
             if not on:
                 self.pool.clear_prefix_cache()
 
-    def cache_bytes_for(self, rows: int) -> int:
-        """Bytes of the blocks that `rows` rows of one request take."""
-        return self.pool.blocks_for(rows) * self.pool.block_bytes
-
     @property
     def cache_bytes_used(self) -> int:
         with self._lock:
@@ -246,9 +222,7 @@ class StageRuntime:
         self,
         request_id: str,
         capacity: int,
-        root_logits_only: bool = False,
         prefix_tokens: Sequence[int] | np.ndarray | None = None,
-        final_hidden: bool = False,
         cache_scope: CacheScope = NO_SCOPE,
     ) -> int:
         """Open the request's cache, which may grow to `capacity` rows (prompt + output +
@@ -263,16 +237,7 @@ class StageRuntime:
         rows; 0 with prefix caching off): the router starts the request's prefill at the
         least of its path's. Its blocks of these tokens are cached for later requests as
         they are computed. `cache_scope`: the prefix-cache namespace of those blocks
-        (prefix_hash.py: requests of other scopes neither find nor evict them first).
-
-        `root_logits_only` (last stage; specpipe/pp, where the router verifies one root at
-        a time): compute and return logits only for tree rows that are the root, i.e. whose
-        parent is committed. Other rows keep their final hidden states until the prune
-        that commits their parent makes them the root (`prune` returns their logits), or
-        drops them. Without it, every tree row's logits come out (specinfer).
-
-        `final_hidden` (last stage): no logits; the final hidden states of every row come
-        out, for the caller to verify (`common/runtime/verifier.py`)."""
+        (prefix_hash.py: requests of other scopes neither find nor evict them first)."""
         with self._lock:
             if request_id in self._caches:
                 raise AlreadyOpen(f"request {request_id!r} is already open on this stage")
@@ -290,17 +255,11 @@ class StageRuntime:
                     self.prefix_queries += int(tokens.size)
                     self.prefix_hits += cached
             self._caches[request_id] = cache
-            if root_logits_only and self.is_last:
-                self._held[request_id] = _Held.empty()
-            if final_hidden and self.is_last:
-                self._final_hidden.add(request_id)
             return cached
 
     def release(self, request_id: str) -> bool:
         with self._lock:
             self._last_prune.pop(request_id, None)
-            self._held.pop(request_id, None)
-            self._final_hidden.discard(request_id)
             cache = self._caches.pop(request_id, None)
             if cache is None:
                 return False
@@ -343,9 +302,9 @@ class StageRuntime:
         """Node-wise computation of one step: the rows of several requests in one batched
         forward (docs/architecture.md, "3. The pipeline step").
 
-        For each activation, in order: the activation for the next stage (hidden states),
-        or, on the last stage, logits for its tree nodes (none for a prefill chunk; only
-        the roots', if any, for a `root_logits_only` request); None when nothing is left
+        For each activation, in order: the hidden states of its rows (for the next stage;
+        on the last stage, the final ones, which its caller verifies:
+        `common/runtime/verifier.py`); None when nothing is left
         (nodes a prune already applied here has dropped arrived late, and are skipped); or
         the `RequestError` that request failed with, which fails no other request.
 
@@ -381,74 +340,18 @@ class StageRuntime:
         self._outputs(batch, hidden, released, results)
         return results
 
+    @staticmethod
     def _outputs(
-        self,
         batch: Sequence[_Prepared],
         hidden: Tensor,
         released: Sequence[bool],
         results: list[StageOutput],
     ) -> None:
-        """Each request's output rows: hidden states on, or (last stage) logits of the rows
-        that need them now, with one gather and one LM head over the whole batch."""
-        if not self.is_last:
-            for b, rows, gone in zip(
-                batch, hidden.split([len(b) for b in batch]), released, strict=True
-            ):
-                results[b.index] = self._gone(b) if gone else b.output(hidden=rows)
-            return
-        logit_rows: list[np.ndarray] = []  # rows of `hidden` whose logits go out now
-        hold_rows: list[np.ndarray] = []  # rows held until a prune makes them the root
-        takers: list[_Prepared] = []
-        holders: list[tuple[_Prepared, np.ndarray]] = []
-        row = 0
-        for b, gone in zip(batch, released, strict=True):
-            n = len(b)
-            if gone:
-                results[b.index] = self._gone(b)
-            elif b.act.request_id in self._final_hidden:  # the caller verifies
-                results[b.index] = b.output(hidden=hidden[row : row + n])
-            elif b.act.committed:  # prefill chunks give no logits
-                results[b.index] = b.output()
-            else:
-                roots = np.arange(n) if b.is_root is None else np.flatnonzero(b.is_root)
-                if b.is_root is not None and roots.size < n:
-                    later = np.flatnonzero(~b.is_root)
-                    hold_rows.append(row + later)
-                    holders.append((b, later))
-                if roots.size:
-                    logit_rows.append(row + roots)
-                    takers.append(b)
-                    b.out_rows = roots
-            row += n
-        if hold_rows:
-            held = hidden.index_select(0, _index(hold_rows, hidden.device))
-            with self._lock:
-                for (b, later), part in zip(
-                    holders, held.split([r.size for r in hold_rows]), strict=True
-                ):
-                    h = self._held.get(b.act.request_id)
-                    if h is not None:
-                        h.node_ids.append(b.node_ids[later])
-                        h.parent_ids.append(b.parent_ids[later])
-                        h.positions.append(b.positions[later])
-                        h.hidden.append(part)
-        if not takers:
-            return
-        logits = self.model.logits(hidden.index_select(0, _index(logit_rows, hidden.device)))
-        for b, lg in zip(takers, logits.split([r.size for r in logit_rows]), strict=True):
-            rows = b.out_rows
-            assert rows is not None
-            if rows.size == len(b):
-                results[b.index] = b.output(logits=lg)
-            else:
-                results[b.index] = Activation(
-                    b.act.request_id,
-                    torch.from_numpy(b.positions[rows]),
-                    False,
-                    torch.from_numpy(b.node_ids[rows]),
-                    torch.from_numpy(b.parent_ids[rows]),
-                    logits=lg,
-                )
+        """Each request's output rows: its part of the batch's hidden states."""
+        for b, rows, gone in zip(
+            batch, hidden.split([len(b) for b in batch]), released, strict=True
+        ):
+            results[b.index] = StageRuntime._gone(b) if gone else b.output(hidden=rows)
 
     @staticmethod
     def _gone(b: _Prepared) -> NotOpen:
@@ -479,10 +382,6 @@ class StageRuntime:
             if not alive.all():
                 keep = np.flatnonzero(alive)
                 positions, node_ids, parent_ids = positions[keep], node_ids[keep], parent_ids[keep]
-        is_root = None
-        if act.request_id in self._held and not act.committed:
-            # Rows whose parent is committed (not a cached or new tree row) are roots.
-            is_root = ~member(parent_ids, np.concatenate([cache.tree_ids, node_ids]))
         if act.committed:
             start = int(positions[0])
             if self.is_first:
@@ -490,7 +389,7 @@ class StageRuntime:
             rows = cache.append_committed(positions.size, start)
         else:
             rows = cache.append_nodes(node_ids, parent_ids)
-        return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids, is_root)
+        return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids)
 
     def _run_bounded(self, batch: Sequence[_Prepared]) -> Tensor:
         """The forward of `batch` in consecutive runs of at most the budget's rows each (a
@@ -537,56 +436,17 @@ class StageRuntime:
         return self.model.forward_batch(hidden, positions, attention)
 
     @torch.inference_mode()
-    def prune(self, request_id: str, prune: Prune) -> Activation | None:
-        """Pruning propagation: commit verified nodes, drop the rest of the pruned tree.
-
-        For a `root_logits_only` request on the last stage, returns the logits of held
-        rows this prune made the root (their parent was committed), if any."""
+    def prune(self, request_id: str, prune: Prune) -> None:
+        """Pruning propagation: commit verified nodes, drop the rest of the pruned tree."""
         commit_ids, keep_ids = host(prune.commit_ids), host(prune.keep_ids)
         with self._compute_lock:
-            return self._prune(request_id, prune, commit_ids, keep_ids)
-
-    def _prune(
-        self, request_id: str, prune: Prune, commit_ids: np.ndarray, keep_ids: np.ndarray
-    ) -> Activation | None:
-        with self._lock:
-            cache = self._cache(request_id)  # under the compute lock: not freed meanwhile
-        try:
-            cache.prune(commit_ids, keep_ids, prune.horizon)
-        finally:
-            self._free_released_locked()
-        self._last_prune[request_id] = prune
-        held = self._held.get(request_id)
-        if held is None or not held.hidden:
-            return None
-        ids = np.concatenate(held.node_ids)
-        parents = np.concatenate(held.parent_ids)
-        positions = np.concatenate(held.positions)
-        alive = (ids > prune.horizon) | member(ids, keep_ids)
-        now_root = alive & member(parents, commit_ids)
-        later = alive & ~now_root
-        hidden = torch.cat(held.hidden) if len(held.hidden) > 1 else held.hidden[0]
-        self._held[request_id] = _Held.empty()
-        if later.any():
-            idx = np.flatnonzero(later)
-            part = hidden.index_select(0, torch.from_numpy(idx).to(hidden.device))
-            self._held[request_id] = _Held([ids[idx]], [parents[idx]], [positions[idx]], [part])
-        if not now_root.any():
-            return None
-        idx = np.flatnonzero(now_root)
-        rows = hidden.index_select(0, torch.from_numpy(idx).to(hidden.device))
-        return Activation(
-            request_id,
-            torch.from_numpy(positions[idx]),
-            False,
-            torch.from_numpy(ids[idx]),
-            torch.from_numpy(parents[idx]),
-            logits=self.model.logits(rows),
-        )
-
-
-def _index(parts: list[np.ndarray], device: torch.device) -> Tensor:
-    return torch.from_numpy(np.concatenate(parts)).to(device)
+            with self._lock:
+                cache = self._cache(request_id)  # under the compute lock: not freed meanwhile
+            try:
+                cache.prune(commit_ids, keep_ids, prune.horizon)
+            finally:
+                self._free_released_locked()
+            self._last_prune[request_id] = prune
 
 
 def _input_rows(batch: Sequence[_Prepared]) -> np.ndarray | None:

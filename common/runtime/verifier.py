@@ -3,7 +3,7 @@
 The last stage computes the final hidden states of every tree row it runs; for the rows
 that are the root of a request's tree it computes the logits, draws the token there
 (`sampling.draw_index`, on the logits' device) and walks down the tree as far as rows
-are present (`spec.verify.walk`). What leaves the stage is a `Verified` message (the
+are present (`spec.verify.child_row`). What leaves the stage is a `Verified` message (the
 nodes drawn at and their tokens, logprobs if asked for), not logits.
 
 Which row is the root the stage decides itself, without waiting for the router's prune:

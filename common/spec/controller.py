@@ -2,8 +2,7 @@
 (docs/architecture.md, "5. The request controller and its executors").
 
 Events in: the tokens the last stage verified (`on_verified`: it draws them and walks
-down the tree itself, `common/runtime/verifier.py`; a pipeline that returns logits goes
-through `on_logits`, the same walk, `verify.py`), the draft's candidates for a layer it
+down the tree itself, `common/runtime/verifier.py`), the draft's candidates for a layer it
 was asked to expand (`on_candidates`), a failure (`on_failure`). Commands out (`commands.py`): feed rows to stage 1, broadcast a prune,
 open/prefill/prune the draft and ask it to propose, emit tokens, finish. The controller
 owns the statistics and the step accounting: the pipeline step at which every feed
@@ -42,8 +41,6 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-import numpy as np
-
 from .commands import (
     BroadcastPrune,
     Command,
@@ -78,7 +75,7 @@ from .output import OutputState
 from .penalties import GrowthRules
 from .stats import DecodeStats
 from .tree import Indices, TokenTree
-from .verify import VerifySpec, verify_logits
+from .verify import VerifySpec
 
 
 def needs_draft(mode: Mode, opts: DecodeOptions) -> bool:
@@ -149,7 +146,7 @@ class Controller(ABC):
 
     @property
     def tree_rows(self) -> int:
-        """The most tree rows in flight, so the most rows of one logits frame."""
+        """The most tree rows in flight (the most the last stage holds for the request)."""
         return tree_capacity(self.mode, self.num_stages, self.opts)
 
     @property
@@ -199,13 +196,6 @@ class Controller(ABC):
     def cached_prompt_tokens(self) -> int:
         """Prompt tokens this path does not prefill: they are in its prefix cache."""
         return self._prefill_start(self.prompt)
-
-    @property
-    def root_logits_only(self) -> bool:
-        """The last stage needs to return logits only for the root (one verification at a
-        time); specinfer verifies whole trees, and specpipe with several layers per step
-        verifies down the tree as far as the step's logits go."""
-        return self.mode != Mode.SPECINFER and self.layers_per_step == 1
 
     @property
     def fills_pipeline(self) -> bool:
@@ -281,33 +271,6 @@ class Controller(ABC):
     def on_verified(self, v: Verified) -> list[Command]:
         """The last stage drew tokens along the tree (`Verified`); a verification that is
         not of the current root (a stale one) changes nothing."""
-
-    def on_logits(self, act: Activation) -> list[Command]:
-        """Rows with logits came out of a pipeline that returns logits (in-process test
-        and study pipelines, a last stage that predates verification): the last stage's
-        walk over them (`verification_of`), then `on_verified`."""
-        v = self.verification_of(act)
-        return [] if v is None else self.on_verified(v)
-
-    def verification_of(self, act: Activation) -> Verified | None:
-        """The last stage's walk (`verify.verify_logits`) over rows with logits; None
-        when they hold no logits of the current root (rows a prune dropped after they
-        left the stage before)."""
-        if self.done or act.logits is None:
-            return None
-        ids = act.node_ids.numpy()
-        root = np.flatnonzero(ids == self.tree.root_id)
-        if root.size == 0:
-            return None
-        tree = self.tree
-        at = np.minimum(np.searchsorted(tree.ids, ids), len(tree) - 1)
-        tokens = np.where(tree.ids[at] == ids, tree.tokens[at], -1)
-        spec = self.verify_spec
-        grammar = None  # the grammar after the output so far (the draws move a copy)
-        if spec.grammar is not None:
-            grammar = self._grammar.copy() if self._grammar else spec.grammar_state()
-        rules = spec.rules([*self.prompt, *self.out.tokens])  # (the draws move their own)
-        return verify_logits(act, int(root[0]), tokens, spec, self.root_pos, grammar, rules)
 
     def replay(self, uses_draft: bool) -> list[Command]:
         """Re-open the request on a fresh path (another replica of some stage, or of the

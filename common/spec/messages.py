@@ -1,8 +1,8 @@
 """The small typed objects that move through the pipeline.
 
 `Activation` is the data plane: what one stage hands the next for one request in one
-step. `Verified` is what the last stage sends the router instead of logits: the tokens it
-drew along the tree (docs/architecture.md, "3. The pipeline step"). `Prune` is the
+step. `Verified` is what the last stage sends the router: the tokens it drew along the
+tree (docs/architecture.md, "3. The pipeline step"). `Prune` is the
 control plane: the verification outcome every stage and the draft apply to their caches
 and to activations still in flight. `Candidates` are what the draft proposes as children
 of tree nodes.
@@ -33,8 +33,8 @@ class Activation:
 
     Either a prefill chunk of verified tokens (`committed=True`, causal among themselves)
     or tree nodes (`committed=False`) identified by stable node ids with parent ids.
-    Exactly one of `tokens` (into stage 1), `hidden` (between stages) or `logits`
-    (out of the last stage) is set. `row_tokens` (tree rows after stage 1) are the rows'
+    Exactly one of `tokens` (into stage 1) or `hidden` (between stages; out of the last
+    stage, the final hidden states it verifies) is set. `row_tokens` (tree rows after stage 1) are the rows'
     token ids, carried along so that the last stage can walk the tree it verifies.
     """
 

@@ -103,7 +103,7 @@ class DecodeOptions:
     ranking: Ranking = Ranking.TARGET
     growth: Growth = Growth.VERIFIED
     # report each token's logprob and this many top alternatives (0-20; None: none):
-    # log_softmax of the target's raw logits, as vLLM's default (`verify.token_logprobs`)
+    # log_softmax of the target's raw logits, as vLLM's default (`verify.rows_logprobs`)
     logprobs: int | None = None
     # the same for the prompt's tokens (each given the ones before it), reported once:
     # the prefill is then computed whole (cached rows have no logits)

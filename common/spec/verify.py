@@ -1,7 +1,6 @@
-"""The verification walk (docs/architecture.md, "3. The pipeline step"), one pure function
-every executor uses: the last stage of the services and of the in-process pipeline
-(`common/runtime/verifier.py`), and the controller's `on_logits` for pipelines that
-return logits.
+"""The verification walk's parts (docs/architecture.md, "3. The pipeline step"), which
+the last stage's verifier (`common/runtime/verifier.py`) runs, in the services and in
+the in-process pipeline alike.
 
 Draw the token at the root; while the drawn token is a child of the node drawn at whose
 row is present (its logits can be computed in the same step), draw at that child. What
@@ -17,7 +16,7 @@ all of a level's draws and one `read_tokens` of them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .grammar import Grammar, GrammarState
-from .messages import Activation, TokenLogprobs, Verified
+from .messages import TokenLogprobs
 from .options import MAX_LOGPROBS
 from .penalties import LogitsRules, TokenCounts
 from .sampling import SamplingParams, draw_index
@@ -85,27 +84,6 @@ class VerifySpec:
         return row_position + 1 - self.output_start
 
 
-def walk(
-    root_row: int,
-    node_ids: np.ndarray,
-    parent_ids: np.ndarray,
-    tokens: np.ndarray,
-    draw: Callable[[int], int],
-) -> tuple[list[int], list[int]]:
-    """The rows drawn at, root first, and the token drawn at each: from `root_row`,
-    `draw(row)` gives the row's token, and the walk goes on at the row whose parent is
-    the row's node and whose token was drawn, while there is one (rows: `node_ids`,
-    `parent_ids`, `tokens`)."""
-    rows, drawn = [], []
-    row: int | None = root_row
-    while row is not None:
-        token = int(draw(row))
-        rows.append(row)
-        drawn.append(token)
-        row = child_row(row, token, node_ids, parent_ids, tokens)
-    return rows, drawn
-
-
 def child_row(
     row: int, token: int, node_ids: np.ndarray, parent_ids: np.ndarray, tokens: np.ndarray
 ) -> int | None:
@@ -114,16 +92,11 @@ def child_row(
     return int(child[0]) if child.size else None
 
 
-def token_logprobs(logits: Tensor, token: int, top: int) -> TokenLogprobs:
-    """`token`'s log-probability under the raw logits [vocab] and the `top` best (vLLM's
-    default `raw_logprobs`: before temperature, top-k and top-p)."""
-    (found,) = rows_logprobs(logits[None], [token], top)
-    return found
-
-
 def rows_logprobs(logits: Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprobs]:
-    """`token_logprobs` of every row of `logits` [rows, vocab] for its token in `tokens`,
-    computed in fp64 (the same figures whatever the logits' dtype and device)."""
+    """Each row's token's log-probability under the raw logits [rows, vocab] (its token
+    in `tokens`) and the `top` best (vLLM's default `raw_logprobs`: before temperature,
+    top-k and top-p), computed in fp64 (the same figures whatever the logits' dtype and
+    device)."""
     logp = torch.log_softmax(logits.double(), dim=-1)
     at = torch.as_tensor(list(tokens), dtype=torch.int64, device=logp.device)
     chosen = logp.gather(1, at[:, None])[:, 0].tolist()
@@ -196,57 +169,3 @@ def took(token: int, grammar: GrammarState | None = None, rules: LogitsRules | N
         grammar.advance((token,))
     if rules is not None:
         rules.drawn(token)
-
-
-def draw_at(
-    logits: Tensor,
-    spec: VerifySpec,
-    row_position: int,
-    logprobs: list[TokenLogprobs],
-    grammar: GrammarState | None = None,
-    rules: LogitsRules | None = None,
-) -> int:
-    """The token drawn from one row's logits [vocab] (`draw_logits`, read back at once:
-    the walk over a pipeline's logits on the host), its logprobs appended to
-    `logprobs` when the request asked for them; the grammar and rules take it.
-    Logprobs stay the raw logits'."""
-    position = spec.draw_position(row_position)
-    drawn = draw_logits(logits, spec, position, grammar, rules)
-    token = int(draw_index(drawn, spec.sampling, position))
-    took(token, grammar, rules)
-    if spec.logprobs is not None:
-        logprobs.append(token_logprobs(logits, token, spec.logprobs))
-    return token
-
-
-def verify_logits(
-    act: Activation,
-    root_row: int,
-    tokens: np.ndarray,
-    spec: VerifySpec,
-    root_position: int,
-    grammar: GrammarState | None = None,
-    rules: LogitsRules | None = None,
-) -> Verified:
-    """The walk over rows whose logits are all there (`act.logits`; `tokens`: the rows'
-    token ids; the root at sequence position `root_position`, each node drawn at one
-    further): what a pipeline that returns logits leaves to the controller. `grammar`
-    and `rules`: the request's grammar and logits rules after the output so far (they
-    take the drawn tokens)."""
-    assert act.logits is not None
-    logits, logprobs, depth = act.logits, [], [root_position]
-    ids = act.node_ids.numpy()
-
-    def draw(row: int) -> int:
-        token = draw_at(logits[row], spec, depth[0], logprobs, grammar, rules)
-        depth[0] += 1
-        return token
-
-    path, drawn = walk(root_row, ids, act.parent_ids.numpy(), tokens, draw)
-    return Verified(
-        act.request_id,
-        tuple(int(ids[r]) for r in path),
-        tuple(drawn),
-        root_position,
-        None if spec.logprobs is None else tuple(logprobs),
-    )

@@ -5,8 +5,7 @@ request's path.
 There is no global step. Stage 1 receives feeds from here over gRPC; each stage computes
 as soon as its input is ready and pushes it to the request's next hop; the last stage
 verifies (draws the tokens and walks down the tree: common/runtime/verifier.py) and its
-`Verification`s come back through the router's data-plane inbox (a last stage that
-predates verification sends logits, which the controller walks the same way). Events
+`Verification`s come back through the router's data-plane inbox. Events
 (frames, draft answers, failures: events.py) are handled one at a time from one queue,
 so the controller is never touched concurrently. The parts:
 
@@ -105,7 +104,7 @@ class RequestDriver:
         cache_scope: CacheScope = NO_SCOPE,
     ) -> None:
         """`deadline`: the client's, on time.monotonic() (None: none); `vocab_size`: the
-        width of every logits frame; `on_replay`: told each replay's seconds;
+        vocabulary verified tokens must be in; `on_replay`: told each replay's seconds;
         `cache_scope`: the prefix-cache scope of its blocks on every replica."""
         self.controller, self.backends, self.settings = controller, backends, settings
         self.request_id = controller.request_id

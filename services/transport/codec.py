@@ -2,7 +2,7 @@
 
 A frame is what one stage hands the next hop for one request: the rows' metadata (node
 ids, parents, positions, the request's ordering numbers) in a `FrameHeader`, and the
-hidden states (or logits) as the bytes of one C-contiguous tensor. Never pickle: the
+hidden states (or token ids) as the bytes of one C-contiguous tensor. Never pickle: the
 receiver rebuilds the tensor from dtype and shape without executing anything. The rows
 are converted as on the control plane (`services/control.py`).
 """
@@ -59,11 +59,9 @@ class Frame:
 def encode(
     act: Activation, seq: int, after_prune: int = 0, sender: str = ""
 ) -> tuple[pb.FrameHeader, Tensor | None]:
-    """Header and payload tensor of an activation (hidden states, logits or tokens)."""
+    """Header and payload tensor of an activation (hidden states or token ids)."""
     if act.hidden is not None:
         kind, payload = Kind.PAYLOAD_KIND_HIDDEN, act.hidden
-    elif act.logits is not None:
-        kind, payload = Kind.PAYLOAD_KIND_LOGITS, act.logits
     elif act.tokens is not None:
         kind, payload = Kind.PAYLOAD_KIND_TOKENS, act.tokens
     else:
@@ -158,15 +156,11 @@ def decode(frame: Frame) -> Activation:
     act = activation_from_rows(h.request_id, h.rows)
     if h.kind == Kind.PAYLOAD_KIND_HIDDEN:
         act.hidden = frame.payload
-    elif h.kind == Kind.PAYLOAD_KIND_LOGITS:
-        act.logits = frame.payload
     elif h.kind == Kind.PAYLOAD_KIND_TOKENS:
         act.tokens = frame.payload
     elif h.kind != Kind.PAYLOAD_KIND_EMPTY:
         raise FrameError(f"frame kind {h.kind} carries no activation")
-    payload = act.hidden if act.hidden is not None else act.logits
-    if payload is None:
-        payload = act.tokens
+    payload = act.hidden if act.hidden is not None else act.tokens
     if payload is not None and payload.ndim == 0:
         raise FrameError("a payload needs one row per position, got a 0-dim tensor")
     if payload is not None and payload.shape[0] != len(act):
@@ -178,12 +172,6 @@ def frame_bytes(header: pb.FrameHeader, payload: Tensor | None) -> int:
     """Bytes of a frame as framed (preamble, header, payload; not an auth tag)."""
     n = 0 if payload is None else payload.numel() * payload.element_size()
     return PREAMBLE.size + header.ByteSize() + n
-
-
-def pack_header(header: pb.FrameHeader, payload_len: int) -> bytes:
-    """Preamble + serialized header, as stream transports send them."""
-    hb = header.SerializeToString()
-    return PREAMBLE.pack(len(hb), payload_len) + hb
 
 
 def parse_preamble(data: bytes | memoryview) -> tuple[int, int]:

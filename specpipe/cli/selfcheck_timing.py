@@ -182,13 +182,14 @@ def time_stages(part, device: str, shapes: Shapes) -> None:
 def _stepper(draft, runtime, probe, rows: int) -> Callable[[], None]:
     """One step of `rows` tree rows: the stage's forward, or the draft's proposal (its
     forward, top-k and the candidates' copy to the host)."""
+    from specpipe.common.perf.cost_model import stage_step
     from specpipe.common.runtime.draft import Proposal
 
     def step() -> None:
         if draft is not None:
             draft.propose_many([Proposal(a, 4) for a in probe.batch(rows)])
         else:
-            runtime.forward_many(probe.batch(rows))
+            stage_step(runtime, probe.batch(rows))
         probe.drop()
 
     return step

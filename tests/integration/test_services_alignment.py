@@ -12,17 +12,16 @@ import threading
 import urllib.request
 
 import grpc
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.services.stage_service import StageService
-from specpipe.services.transport import Inbox, decode, make_transport
+from specpipe.services.transport import Inbox, make_transport
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
 
 from specpipe.client import Client
 
 from .conftest import reference, start
-from .test_services_stage import _feed, _reference_logits, _rows, _stage
+from .test_services_stage import _chain, _chain_drawn, _drawn, _feed, _open_last, _rows, _stage
 
 RIDS = ("r0", "r1")
 
@@ -30,7 +29,7 @@ RIDS = ("r0", "r1")
 @contextlib.asynccontextmanager
 async def _one_stage(llama_dir, aligner: StepAligner):
     """All 5 layers in one stage service (first and last), requests r0 and r1 open on
-    it, and the router-side inbox of their logits."""
+    it, and the router-side inbox of their verifications."""
     inbox = Inbox()
     queues = {rid: inbox.open(rid) for rid in RIDS}
     router = make_transport("tcp", inbox)
@@ -42,18 +41,17 @@ async def _one_stage(llama_dir, aligner: StepAligner):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = stage_pb2_grpc.StageStub(ch)
             for rid in RIDS:
-                await stub.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
-                                                           next_hop=router_addr))  # fmt: skip
+                await stub.Open(_open_last(rid, router_addr))
             yield svc, stub, queues
     finally:
         await svc.stop()
         await router.close()
 
 
-def _feeds(rid: str) -> list[stage_pb2.FeedRequest]:
-    """The request of `_reference_logits`: prompt [5, 9] (seq 0), then its tree (seq 1)."""
+def _feeds(llama_dir, rid: str) -> list[stage_pb2.FeedRequest]:
+    """The request of `_chain`: prompt [5, 9] (seq 0), then its tree (seq 1)."""
     prefill = _feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9])
-    tree = _feed(1, 0, _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1]), [13, 7, 11])
+    tree = _feed(1, 0, *_chain(llama_dir))
     for f in (prefill, tree):
         f.request_id = rid
     return [prefill, tree]
@@ -78,13 +76,13 @@ def _forwards(svc: StageService) -> tuple[int, int]:
 def _run_aligned_or_not(llama_dir, wait: float) -> tuple[int, int]:
     """r1's tree reaches the stage before its prompt (r1 is then expected: its prompt is
     in flight); r0's prompt comes next, r1's prompt last. Both requests get the
-    engine's logits; returns the stage's forwards."""
+    engine's greedy tokens; returns the stage's forwards."""
 
     async def main() -> tuple[int, int]:
         aligner = StepAligner(1.0)
         aligner.wait = wait  # a window no loaded machine reaches (past the flag's bound)
         async with _one_stage(llama_dir, aligner) as (svc, stub, queues):
-            r0, r1 = _feeds("r0"), _feeds("r1")
+            r0, r1 = _feeds(llama_dir, "r0"), _feeds(llama_dir, "r1")
             await stub.Feed(r1[1])
             await stub.Feed(r0[0])
             await stub.Feed(r0[1])
@@ -94,10 +92,9 @@ def _run_aligned_or_not(llama_dir, wait: float) -> tuple[int, int]:
             else:
                 await asyncio.wait_for(queues["r0"].get(), 30)  # computed alone
             await stub.Feed(r1[0])
-            want = _reference_logits(llama_dir)
             for rid in RIDS if wait else ("r1",):
-                got = decode(await asyncio.wait_for(queues[rid].get(), 30))
-                torch.testing.assert_close(got.logits, want)
+                got = _drawn(await asyncio.wait_for(queues[rid].get(), 30))
+                assert got == _chain_drawn(llama_dir)
             return _forwards(svc)
 
     return asyncio.run(main())
@@ -115,12 +112,12 @@ def test_a_request_that_never_comes_holds_a_round_only_for_its_window(llama_dir)
 
     async def main() -> None:
         async with _one_stage(llama_dir, StepAligner(0.2)) as (svc, stub, queues):
-            r0, r1 = _feeds("r0"), _feeds("r1")
+            r0, r1 = _feeds(llama_dir, "r0"), _feeds(llama_dir, "r1")
             await stub.Feed(r1[1])
             for f in r0:
                 await stub.Feed(f)
-            got = decode(await asyncio.wait_for(queues["r0"].get(), 30))
-            torch.testing.assert_close(got.logits, _reference_logits(llama_dir))
+            got = _drawn(await asyncio.wait_for(queues["r0"].get(), 30))
+            assert got == _chain_drawn(llama_dir)
             forwards, requests = _forwards(svc)
             assert forwards in (1, 2) and requests == forwards
             assert _samples(svc)["specpipe:stage_batch_wait_seconds_count"] >= 1

@@ -17,6 +17,7 @@ from specpipe.services.transport.codec import Kind, encode
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..conftest import greedy_verify
 from .test_services_stage import DTYPE, _feed, _rows, _stage
 
 Code = grpc.StatusCode
@@ -46,7 +47,11 @@ async def _last_stage(llama_dir, request_ids):
     for rid in request_ids:
         await stub.Open(
             stage_pb2.OpenStageRequest(
-                request_id=rid, capacity=64, next_hop=router_addr, report_to=router_addr
+                request_id=rid,
+                capacity=64,
+                next_hop=router_addr,
+                report_to=router_addr,
+                verify=greedy_verify(),
             )
         )
     try:
@@ -109,10 +114,11 @@ def test_bad_frames_fail_the_request_with_an_error_frame(llama_dir) -> None:
                 assert frame.kind == Kind.PAYLOAD_KIND_ERROR, (case, frame.header)
                 assert "bad frame" in frame.header.error, case
             act = Activation("good", torch.tensor([0]), node_ids=torch.tensor([0]),
-                             parent_ids=torch.tensor([-1]), hidden=torch.zeros(1, 48, dtype=DTYPE))  # fmt: skip
+                             parent_ids=torch.tensor([-1]), hidden=torch.zeros(1, 48, dtype=DTYPE),
+                             row_tokens=torch.tensor([3]))  # fmt: skip
             await sender.send(svc.transport.address, act, 0)
             frame = await asyncio.wait_for(queues["good"].get(), 10)
-            assert frame.kind == Kind.PAYLOAD_KIND_LOGITS
+            assert frame.kind == Kind.PAYLOAD_KIND_VERIFIED
 
     asyncio.run(main())
 
@@ -125,7 +131,12 @@ def test_stage_control_inputs_are_invalid_argument(llama_dir) -> None:
             stub = stage_pb2_grpc.StageStub(ch)
 
             def open_(**kw):
-                base = dict(request_id="r", capacity=64, next_hop="tcp://127.0.0.1:9")
+                base = dict(
+                    request_id="r",
+                    capacity=64,
+                    next_hop="tcp://127.0.0.1:9",
+                    verify=greedy_verify(),
+                )
                 return stub.Open(stage_pb2.OpenStageRequest(**{**base, **kw}))
 
             try:

@@ -22,6 +22,7 @@ from specpipe.services.stage_service import StageService
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..conftest import greedy_verify
 from ..router_config import router_service
 from .test_services_stage import _stage
 
@@ -153,7 +154,7 @@ def test_renew_names_lost_requests_and_refuses_a_replaced_router(llama_dir) -> N
                 stub = stage_pb2_grpc.StageStub(ch)
                 desc = await stub.Describe(pb.DescribeRequest())
                 assert desc.lease_seconds == 60.0
-                await stub.Open(stage_pb2.OpenStageRequest(
+                await stub.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                     request_id="a", capacity=16, next_hop="tcp://127.0.0.1:9",
                     lease_owner="r", lease_epoch=2, lease_token=token))  # fmt: skip
                 resp = await stub.Renew(
@@ -252,7 +253,7 @@ def test_a_renewal_from_elsewhere_frees_nothing(llama_dir) -> None:
                         renewed = await stub.Renew(forged)
                         assert list(renewed.unknown_ids) == wire_ids  # none of them is its
                         if stub_of is stage_pb2_grpc.StageStub:
-                            await stub.Open(stage_pb2.OpenStageRequest(
+                            await stub.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                                 request_id="forged", capacity=16,
                                 next_hop="tcp://127.0.0.1:9", **lease))  # fmt: skip
                         else:

@@ -27,6 +27,7 @@ from specpipe.services.transport.codec import Kind
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..conftest import greedy_verify
 from ..router_config import router_service
 from .test_services_stage import DTYPE, _feed, _rows, _stage
 
@@ -77,7 +78,11 @@ def test_next_hops_only_to_peers_in_every_mode(llama_dir, tmp_path) -> None:
                 ("tcp://attacker.example:80", ""),
             ):
                 req = stage_pb2.OpenStageRequest(
-                    request_id=hop + report, capacity=8, next_hop=hop, report_to=report
+                    verify=greedy_verify(),
+                    request_id=hop + report,
+                    capacity=8,
+                    next_hop=hop,
+                    report_to=report,
                 )
                 code, details = await _status(stub.Open(req))
                 if code == Code.INVALID_ARGUMENT:
@@ -126,7 +131,7 @@ def test_a_stage_refuses_a_step_above_its_cap(llama_dir) -> None:
             stub = stage_pb2_grpc.StageStub(ch)
             desc = await stub.Describe(pb.DescribeRequest())
             assert desc.max_step_rows == DEFAULT_STEP_ROWS
-            await stub.Open(stage_pb2.OpenStageRequest(
+            await stub.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                 request_id="r", capacity=2048, next_hop="tcp://127.0.0.1:9"))  # fmt: skip
             rows = DEFAULT_STEP_ROWS + 1
             code, details = await _status(stub.Feed(_feed(0, 0, _tree(rows), [3] * rows)))
@@ -138,7 +143,7 @@ def test_a_stage_refuses_a_step_above_its_cap(llama_dir) -> None:
         async with _serving(StageService(measured)) as ch:
             stub = stage_pb2_grpc.StageStub(ch)
             assert (await stub.Describe(pb.DescribeRequest())).max_step_rows == MIN_STEP_ROWS
-            await stub.Open(stage_pb2.OpenStageRequest(
+            await stub.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                 request_id="r", capacity=2048, next_hop="tcp://127.0.0.1:9"))  # fmt: skip
             rows = MIN_STEP_ROWS + 1
             code, details = await _status(stub.Feed(_feed(0, 0, _tree(rows), [3] * rows)))
@@ -152,7 +157,7 @@ def test_a_stage_refuses_a_step_above_its_cap(llama_dir) -> None:
         last = StageService(_stage(llama_dir, 2, 5, 5), max_step_rows=16)
         try:
             async with _serving(last) as ch:
-                await stage_pb2_grpc.StageStub(ch).Open(stage_pb2.OpenStageRequest(
+                await stage_pb2_grpc.StageStub(ch).Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                     request_id="r", capacity=64, next_hop=router_addr, report_to=router_addr))  # fmt: skip
                 act = _tree(17)
                 act.hidden = torch.zeros(17, 48, dtype=DTYPE)
@@ -267,7 +272,7 @@ def test_a_request_cannot_pile_up_work_that_waits(llama_dir) -> None:
             async with _serving(first) as ch0, _serving(last) as ch1:
                 s0, s1 = stage_pb2_grpc.StageStub(ch0), stage_pb2_grpc.StageStub(ch1)
                 for rid in ("r", "good"):
-                    await s0.Open(stage_pb2.OpenStageRequest(
+                    await s0.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                         request_id=rid, capacity=64, next_hop=router_addr,
                         report_to=router_addr))  # fmt: skip
                 # Committed rows, token ids and positions: 16 bytes each; the request may
@@ -289,9 +294,9 @@ def test_a_request_cannot_pile_up_work_that_waits(llama_dir) -> None:
                 tree.request_id = "good"
                 await s0.Feed(tree)
                 frame = await asyncio.wait_for(queues["good"].get(), 10)
-                assert frame.kind == Kind.PAYLOAD_KIND_LOGITS
+                assert frame.kind == Kind.PAYLOAD_KIND_VERIFIED
 
-                await s1.Open(stage_pb2.OpenStageRequest(
+                await s1.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                     request_id="framed", capacity=64, next_hop=router_addr,
                     report_to=router_addr))  # fmt: skip
                 for seq in range(1, 12):  # hidden states: 416 bytes a row here
@@ -356,7 +361,7 @@ def test_request_ids_are_not_logged_above_debug(llama_dir, caplog) -> None:
         last = StageService(_stage(llama_dir, 2, 5, 5))
         try:
             async with _serving(last) as ch:
-                await stage_pb2_grpc.StageStub(ch).Open(stage_pb2.OpenStageRequest(
+                await stage_pb2_grpc.StageStub(ch).Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                     request_id=rid, capacity=64, next_hop=router_addr, report_to=router_addr))  # fmt: skip
                 act = Activation(rid, torch.tensor([0]), committed=True,
                                  hidden=torch.full((1, 48), float("nan"), dtype=DTYPE))  # fmt: skip

@@ -24,6 +24,7 @@ from specpipe.services.transport.codec import Kind, error_header
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
+from ..conftest import greedy_verify
 from ..router_config import router_service
 from .conftest import reference
 from .test_services_stage import _stage
@@ -121,7 +122,7 @@ def test_unauthenticated_calls_are_refused(llama_dir, security, tmp_path) -> Non
         async with _secure(llama_dir, security) as (_, _, _, addrs, daddr):
             calls = {
                 "Configure": lambda s: s.Configure(stage_pb2.ConfigureStageRequest(model_path="/x")),
-                "Open": lambda s: s.Open(stage_pb2.OpenStageRequest(
+                "Open": lambda s: s.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                     request_id="r", capacity=8, next_hop="tcp://10.9.9.9:80")),
                 "Release": lambda s: s.Release(pb.RequestRef(request_id="r")),
                 "Prune": lambda s: s.Prune(pb.PruneRequest(request_id="r")),
@@ -191,7 +192,7 @@ def test_next_hops_only_to_known_peers(llama_dir) -> None:
                 stub = stage_pb2_grpc.StageStub(ch)
 
                 def open_(hop: str, report: str = ""):
-                    return stub.Open(stage_pb2.OpenStageRequest(
+                    return stub.Open(stage_pb2.OpenStageRequest(verify=greedy_verify(),
                         request_id=hop + report, capacity=8, next_hop=hop, report_to=report))  # fmt: skip
 
                 assert await _code(open_("tcp://10.0.0.5:7000")) == Code.OK

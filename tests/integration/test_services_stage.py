@@ -1,13 +1,15 @@
 """The stage service's ordering rules, in one process: activations are computed in
 `seq` order whatever order they arrive in, wait for the prunes they were created after,
-late nodes a prune dropped are skipped (also after several prunes), and the logits are
-the engine's."""
+late nodes a prune dropped are skipped (also after several prunes), and the last
+stage's verifications draw the engine's greedy tokens."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,10 +21,12 @@ from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.control import prune_to_proto, rows_to_proto
 from specpipe.services.stage_service import StageService
-from specpipe.services.transport import Inbox, decode, make_transport
+from specpipe.services.transport import Inbox, make_transport
 from specpipe.services.transport.codec import Kind
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2, stage_pb2_grpc
+
+from ..conftest import greedy_verify
 
 # The services compute the same rows as the in-process reference, but with other cache
 # shapes (rows arrive in other groupings), and fp32 reductions differ with shape and with
@@ -88,23 +92,46 @@ async def _two_stages(llama_dir):
         yield p.queues["r"], p.router_addr, p.last, p.s0, p.s1
 
 
-def _reference_logits(llama_dir) -> torch.Tensor:
-    """In one process: prompt [5, 9], then root 13 (node 0), child 7 (node 1) and
-    grandchild 11 (node 3); logits of the three tree rows."""
-    ref = [
-        StageRuntime(load_stage(llama_dir, LayerRange(a, b, 5), DTYPE)) for a, b in ((0, 2), (2, 5))
-    ]
-    acts = [
-        Activation("x", torch.tensor([0, 1]), committed=True, tokens=torch.tensor([5, 9])),
-        Activation("x", torch.tensor([2, 3, 4]), node_ids=torch.tensor([0, 1, 3]),
-                   parent_ids=torch.tensor([-1, 0, 1]), tokens=torch.tensor([13, 7, 11])),
-    ]  # fmt: skip
-    for s in ref:
-        s.open("x", 64)
-    for act in acts:
-        for s in ref:
-            act = s.forward(act)
-    return act.logits
+def _open_last(rid: str, next_hop: str) -> stage_pb2.OpenStageRequest:
+    """A last stage's Open of a greedy request (it verifies it)."""
+    return stage_pb2.OpenStageRequest(
+        request_id=rid, capacity=64, next_hop=next_hop, verify=greedy_verify()
+    )
+
+
+@functools.cache
+def _greedy(model_dir: Path, seq: tuple[int, ...], n: int) -> list[int]:
+    """The in-process model's greedy continuation of `seq` (n tokens), each from a
+    forward of the whole sequence (no cache): what a last stage must draw."""
+    model = load_stage(model_dir, None, DTYPE)
+    out, seq = [], list(seq)
+    with torch.inference_mode():
+        for _ in range(n):
+            hidden = model(model.embed(torch.tensor(seq)), torch.arange(len(seq)))
+            out.append(int(model.logits(hidden)[-1].argmax()))
+            seq.append(out[-1])
+    return out
+
+
+def _chain(model_dir: Path) -> tuple[Activation, list[int]]:
+    """After prompt [5, 9]: root 13 (node 0), child (node 1) and grandchild (node 3),
+    their tokens the greedy continuation, so the last stage's walk goes down all three;
+    the rows and their tokens."""
+    g = _greedy(model_dir, (5, 9, 13), 2)
+    return _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1]), [13, *g]
+
+
+def _chain_drawn(model_dir: Path) -> tuple[list[int], list[int], int]:
+    """The verification of `_chain`: nodes drawn at, the engine's greedy tokens there,
+    the root's position."""
+    return [0, 1, 3], _greedy(model_dir, (5, 9, 13), 3), 2
+
+
+def _drawn(frame) -> tuple[list[int], list[int], int]:
+    """(nodes drawn at, tokens drawn, root position) of a last stage's Verification."""
+    assert frame.kind == Kind.PAYLOAD_KIND_VERIFIED, frame.header
+    v = frame.header.verified
+    return list(v.node_ids), list(v.token_ids), v.position
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["Prune", "PruneMany"])
@@ -113,10 +140,12 @@ def test_order_prune_gating_and_late_nodes(llama_dir, batched) -> None:
     duplicate and one for a request it does not hold, each refused on its own."""
 
     async def main() -> None:
+        # The tree's path (nodes 0, 1, 3) is the greedy continuation; nodes 2 and 4 are
+        # off it: the last stage verifies each path row as it comes, and drops the others.
+        g = _greedy(llama_dir, (5, 9, 13), 4)
+        off = [(g[0] + 1) % 97, (g[1] + 1) % 97]
         async with _two_stages(llama_dir) as (out, router_addr, last, s0, s1):
-            await s1.Open(
-                stage_pb2.OpenStageRequest(request_id="r", capacity=64, next_hop=router_addr)
-            )
+            await s1.Open(_open_last("r", router_addr))
             await s0.Open(
                 stage_pb2.OpenStageRequest(
                     request_id="r",
@@ -125,24 +154,25 @@ def test_order_prune_gating_and_late_nodes(llama_dir, batched) -> None:
                     report_to=router_addr,
                 )
             )
-            # Root (node 0) and its children (1: token 7, 2: token 8) arrive before the prefill.
-            await s0.Feed(_feed(2, 0, _rows([3, 3], [1, 2], [0, 0]), [7, 8]))
+            # Root (node 0) and its children (1 on the path, 2 off it) arrive before the
+            # prefill.
+            await s0.Feed(_feed(2, 0, _rows([3, 3], [1, 2], [0, 0]), [g[0], off[0]]))
             await s0.Feed(_feed(1, 0, _rows([2], [0], [-1]), [13]))
             await asyncio.sleep(0.2)
             assert out.empty()  # nothing computed before seq 0
             await s0.Feed(_feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9]))
-            root = decode(await asyncio.wait_for(out.get(), 10))
-            kids = decode(await asyncio.wait_for(out.get(), 10))
-            assert root.node_ids.tolist() == [0] and kids.node_ids.tolist() == [1, 2]
+            root = _drawn(await asyncio.wait_for(out.get(), 10))
+            kids = _drawn(await asyncio.wait_for(out.get(), 10))
+            assert root == ([0], [g[0]], 2) and kids == ([1], [g[1]], 3)
             # Grandchildren 3 (under 1) and 4 (under 2), made before the first prune.
-            await s0.Feed(_feed(3, 0, _rows([4, 4], [3, 4], [1, 2]), [11, 12]))
+            await s0.Feed(_feed(3, 0, _rows([4, 4], [3, 4], [1, 2]), [g[1], off[1]]))
             # Prune 1: hit on node 1 (keeps 1 and 3). Prune 2: miss at node 1 (keeps
             # nothing); its horizon is the largest id ever created (4), not the largest id
             # still in the tree (3). The restart root waits for prune 2; a late copy of
             # node 4 (dropped by prune 1, parent gone) arrives after both and is skipped.
             await s0.Feed(_feed(5, 2, _rows([4], [5], [-1]), [30]))  # restart root, early
-            grand = decode(await asyncio.wait_for(out.get(), 10))
-            assert grand.node_ids.tolist() == [3, 4]
+            grand = _drawn(await asyncio.wait_for(out.get(), 10))
+            assert grand == ([3], [g[2]], 4)
             await asyncio.sleep(0.2)
             assert out.empty()
             prunes = [
@@ -165,17 +195,12 @@ def test_order_prune_gating_and_late_nodes(llama_dir, batched) -> None:
                                                     grpc.StatusCode.NOT_FOUND]  # fmt: skip
                 assert [o.code for o in reply.outcomes] == [c.value[0] for c in codes], reply
                 assert "already" in reply.outcomes[2].message.lower(), reply
-            await s0.Feed(_feed(4, 0, _rows([4], [4], [2]), [12]))  # the late copy
-            restart = decode(await asyncio.wait_for(out.get(), 10))
-            assert restart.node_ids.tolist() == [5]
+            await s0.Feed(_feed(4, 0, _rows([4], [4], [2]), [off[1]]))  # the late copy
+            restart = _drawn(await asyncio.wait_for(out.get(), 10))
+            # computed on the cache the prunes left: prompt, root and node 1 committed
+            assert restart == ([5], _greedy(llama_dir, (5, 9, 13, g[0], 30), 1), 4)
             await asyncio.sleep(0.2)
             assert out.empty()
-
-            # The same computation in one process: prompt, root, child 1, grandchild 3.
-            logits = _reference_logits(llama_dir)
-            torch.testing.assert_close(root.logits[0], logits[0])
-            torch.testing.assert_close(kids.logits[0], logits[1])
-            torch.testing.assert_close(grand.logits[0], logits[2])
 
     asyncio.run(main())
 
@@ -185,13 +210,8 @@ def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
     still cover them, or a late copy of a dropped node would pass as newer."""
     from specpipe.common.spec.commands import BroadcastPrune, Feed, Propose
     from specpipe.common.spec.controller import make_controller
-    from specpipe.common.spec.messages import Candidates
+    from specpipe.common.spec.messages import Candidates, Verified
     from specpipe.common.spec.options import DecodeOptions, Mode
-
-    def root_logits(node: int, token: int) -> Activation:
-        x = torch.zeros(1, 97)
-        x[0, token] = 10.0
-        return Activation("r", t(2), node_ids=t(node), parent_ids=t(-1), logits=x)
 
     def first(cmds, kind):
         return next(c for c in cmds if isinstance(c, kind))
@@ -204,13 +224,31 @@ def test_prune_horizon_is_the_largest_node_id_ever_created() -> None:
     assert first(out, Feed).act.node_ids.tolist() == [1, 2]
     out = c.on_candidates(first(out, Propose).ticket, Candidates(t(1, 2), t(11, 12), t(0.9, 0.9)))
     assert first(out, Feed).act.node_ids.tolist() == [3, 4]
-    hit = first(c.on_logits(root_logits(0, 7)), BroadcastPrune).prune
+    hit = first(c.on_verified(Verified("r", (0,), (7,), 2)), BroadcastPrune).prune
     assert hit.keep_ids.tolist() == [1, 3] and hit.horizon == 4
-    out = c.on_logits(root_logits(1, 40))
+    out = c.on_verified(Verified("r", (1,), (40,), 3))
     miss = first(out, BroadcastPrune).prune
     assert first(out, Feed).act.tokens.tolist() == [40]  # the restart root
     assert miss.horizon == 4  # not 3 = max id left
     assert not bool(miss.alive(t(4)))
+
+
+def test_a_last_stage_refuses_an_open_without_a_verify_spec(llama_dir) -> None:
+    """The last stage verifies every request: an Open without its VerifySpec is refused
+    (INVALID_ARGUMENT, saying so) and leaves nothing open; other stages need none."""
+
+    async def main() -> None:
+        async with _two_stages(llama_dir) as (_, router_addr, last, s0, s1):
+            bare = stage_pb2.OpenStageRequest(request_id="r", capacity=64, next_hop=router_addr)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await s1.Open(bare)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "VerifySpec" in info.value.details()
+            assert not last._requests and last.runtime.info().active_requests == 0
+            await s0.Open(bare)  # the first stage draws nothing
+            await s1.Open(_open_last("r", router_addr))  # with one: taken
+
+    asyncio.run(main())
 
 
 def test_configure_loads_layers_into_an_empty_stage(llama_dir) -> None:
@@ -272,7 +310,9 @@ def test_stage_and_draft_drain_refuse_new_requests_and_finish_open_ones(llama_di
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{p}") for p in ports]
         s, d = stage_pb2_grpc.StageStub(channels[0]), draft_pb2_grpc.DraftStub(channels[1])
         health = [health_pb2_grpc.HealthStub(ch) for ch in channels]
-        open_stage = stage_pb2.OpenStageRequest(capacity=16, next_hop="tcp://127.0.0.1:9")
+        open_stage = stage_pb2.OpenStageRequest(
+            capacity=16, next_hop="tcp://127.0.0.1:9", verify=greedy_verify()
+        )
         open_draft = draft_pb2.OpenDraftRequest(capacity=16, prompt_ids=[1, 2, 3])
         try:
             open_stage.request_id = open_draft.request_id = "r"
@@ -307,63 +347,40 @@ def test_stage_and_draft_drain_refuse_new_requests_and_finish_open_ones(llama_di
     asyncio.run(main())
 
 
-def test_last_stage_sends_only_root_logits_when_asked(llama_dir) -> None:
-    """specpipe/pp (`root_logits_only`): a tree layer computed before its parent is
-    verified sends nothing; the prune that commits the parent sends the new root's logits
-    (one row, the engine's); rows a prune drops never send any."""
+def test_last_stage_walks_down_the_levels_that_arrive_together(llama_dir) -> None:
+    """Three tree levels in one activation (K layers per step): one verification walks
+    down all of them (the engine's greedy tokens); a later layer under a node the walk
+    passed by sends nothing; the next group is walked from the child drawn last."""
 
     async def main() -> None:
         async with _two_stages(llama_dir) as (out, router_addr, last, s0, s1):
-
-            async def prune(seq: int, p: Prune) -> None:
-                for stub in (s0, s1):
-                    await stub.Prune(pb.PruneRequest(request_id="r", prune=prune_to_proto(p, seq)))
-
-            async def no_frame() -> None:
-                await asyncio.sleep(0.3)
-                assert out.empty()
-
-            await s1.Open(
-                stage_pb2.OpenStageRequest(
-                    request_id="r", capacity=64, next_hop=router_addr, root_logits_only=True
-                )
-            )
+            await s1.Open(_open_last("r", router_addr))
             await s0.Open(
                 stage_pb2.OpenStageRequest(
                     request_id="r", capacity=64, next_hop=last.transport.address
                 )
             )
+            chain, tokens = _chain(llama_dir)
             await s0.Feed(_feed(0, 0, _rows([0, 1], [], [], committed=True), [5, 9]))
-            await s0.Feed(_feed(1, 0, _rows([2], [0], [-1]), [13]))  # root
-            await s0.Feed(_feed(2, 0, _rows([3, 3], [1, 2], [0, 0]), [7, 8]))  # children
-            await s0.Feed(_feed(3, 0, _rows([4, 4], [3, 4], [1, 2]), [11, 12]))  # grandchildren
-            root = decode(await asyncio.wait_for(out.get(), 10))
-            assert root.node_ids.tolist() == [0] and root.logits.shape[0] == 1
-            await no_frame()  # children and grandchildren are held, not sent
-            await prune(1, Prune(torch.tensor([0]), torch.tensor([1, 3]), horizon=4))  # hit: 1
-            child = decode(await asyncio.wait_for(out.get(), 10))
-            assert child.node_ids.tolist() == [1] and child.logits.shape[0] == 1
-            await no_frame()
-            await prune(2, Prune(torch.tensor([1]), torch.tensor([3]), horizon=4))  # hit: 3
-            grand = decode(await asyncio.wait_for(out.get(), 10))
-            assert grand.node_ids.tolist() == [3]
-            await prune(3, Prune(torch.tensor([3]), torch.empty(0, dtype=torch.int64), horizon=4))
-            await s0.Feed(_feed(4, 3, _rows([5], [5], [-1]), [30]))  # miss: restart root
-            restart = decode(await asyncio.wait_for(out.get(), 10))
-            assert restart.node_ids.tolist() == [5]
-
-            # The same rows, every row's logits, in one process.
-            logits = _reference_logits(llama_dir)
-            for got, row in ((root, 0), (child, 1), (grand, 2)):
-                torch.testing.assert_close(got.logits[0], logits[row])
+            await s0.Feed(_feed(1, 0, chain, tokens))
+            assert _drawn(await asyncio.wait_for(out.get(), 10)) == _chain_drawn(llama_dir)
+            g = _greedy(llama_dir, (5, 9, 13), 5)
+            # Below node 1, off the drawn path (node 3 holds g[1]): ruled out, nothing sent.
+            await s0.Feed(_feed(2, 0, _rows([4], [4], [1]), [(g[1] + 1) % 97]))
+            await asyncio.sleep(0.3)
+            assert out.empty()
+            # The next group: node 5 (the token drawn at node 3) and its child node 6.
+            await s0.Feed(_feed(3, 0, _rows([5, 6], [5, 6], [3, 5]), [g[2], g[3]]))
+            assert _drawn(await asyncio.wait_for(out.get(), 10)) == ([5, 6], g[3:5], 5)
 
     asyncio.run(main())
 
 
 def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
     """Four requests whose rows a stage computes in one round reach the next stage in
-    one frame, and the last stage's logits reach the router in one frame; every request
-    gets the logits of the in-process engine (SpecPipe-DB, one frame per hop per step)."""
+    one frame, and the last stage's verifications reach the router in one frame; every
+    request gets the in-process engine's greedy tokens (SpecPipe-DB, one frame per hop
+    per step)."""
     import threading
 
     async def main() -> None:
@@ -374,15 +391,14 @@ def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
             real = first.rounds.compute
             first.rounds.compute = lambda work: gate.wait(10) and real(work)
             for rid in rids:
-                await s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
-                                                         next_hop=p.router_addr))  # fmt: skip
+                await s1.Open(_open_last(rid, p.router_addr))
                 await s0.Open(stage_pb2.OpenStageRequest(
                     request_id=rid, capacity=64, next_hop=last.transport.address,
                     report_to=p.router_addr))  # fmt: skip
             prefill = _rows([0, 1], [], [], committed=True)
-            root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
+            root, chain = _chain(llama_dir)
             for i, rid in enumerate(rids):
-                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
+                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, chain)):
                     feed = _feed(seq, 0, act, tokens)
                     feed.request_id = rid
                     await s0.Feed(feed)
@@ -390,10 +406,9 @@ def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
                     await asyncio.sleep(0.3)
             first.rounds.compute = real
             gate.set()
-            want = _reference_logits(llama_dir)
             for rid in rids:
-                got = decode(await asyncio.wait_for(p.queues[rid].get(), 20))
-                torch.testing.assert_close(got.logits, want)
+                got = _drawn(await asyncio.wait_for(p.queues[rid].get(), 20))
+                assert got == _chain_drawn(llama_dir)
             # r0's round alone, then r1..r3 together: their 6 activations in one frame.
             assert first.transport.parts_sent == 8
             assert first.transport.frames_sent <= 3, first.transport.frames_sent
@@ -414,15 +429,14 @@ def _free_port() -> int:
 def test_a_next_hop_that_died_fails_its_requests_alone(llama_dir) -> None:
     """Two requests whose next hop is gone (a replica SIGKILLed) share a round with one
     whose hop is up: the two get UNAVAILABLE error frames (the router replays them), the
-    third its logits, and the stage goes on computing (a regression: the failure path
+    third its verification, and the stage goes on computing (a regression: the failure path
     raised and ended the compute loop, so the replica took requests it never computed)."""
 
     async def main() -> None:
         rids = ["dead0", "dead1", "live"]
         gone = f"tcp://127.0.0.1:{_free_port()}"
         async with _stage_pair(llama_dir, rids) as p:
-            await p.s1.Open(stage_pb2.OpenStageRequest(request_id="live", capacity=64,
-                                                       next_hop=p.router_addr))  # fmt: skip
+            await p.s1.Open(_open_last("live", p.router_addr))
             for rid in rids:
                 hop = p.last.transport.address if rid == "live" else gone
                 await p.s0.Open(stage_pb2.OpenStageRequest(
@@ -433,20 +447,22 @@ def test_a_next_hop_that_died_fails_its_requests_alone(llama_dir) -> None:
                 req.request_id = rid
                 await p.s0.Feed(req)
 
+            chain, tokens = _chain(llama_dir)
             for rid in rids:
                 await feed(rid, 0, _rows([0, 1], [], [], committed=True), [5, 9])
-                await feed(rid, 1, _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1]), [13, 7, 11])
+                await feed(rid, 1, chain, tokens)
             for rid in ("dead0", "dead1"):
                 frame = await asyncio.wait_for(p.queues[rid].get(), 20)
                 assert frame.kind == Kind.PAYLOAD_KIND_ERROR
                 assert frame.header.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
                 assert "cannot reach the next hop" in frame.header.error
-            got = decode(await asyncio.wait_for(p.queues["live"].get(), 20))
-            torch.testing.assert_close(got.logits, _reference_logits(llama_dir))
+            got = _drawn(await asyncio.wait_for(p.queues["live"].get(), 20))
+            assert got == _chain_drawn(llama_dir)
             # Still computing: the live request's next layer comes through.
-            await feed("live", 2, _rows([5], [4], [3]), [12])
-            more = decode(await asyncio.wait_for(p.queues["live"].get(), 20))
-            assert more.node_ids.tolist() == [4]
+            g = _greedy(llama_dir, (5, 9, 13), 4)
+            await feed("live", 2, _rows([5], [4], [3]), [g[2]])
+            more = _drawn(await asyncio.wait_for(p.queues["live"].get(), 20))
+            assert more == ([4], [g[3]], 5)
             assert not p.first._loop_task.done()
 
     asyncio.run(main())
@@ -489,7 +505,7 @@ def test_a_service_whose_own_loop_ends_stops_serving() -> None:
 
 def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
     """One FeedMany with two requests' feeds, one for a request the stage does not hold
-    and one malformed: the two requests get the engine's logits, the other two their own
+    and one malformed: the two requests get the engine's tokens, the other two their own
     refusal (what Feed would have answered); the call itself is refused only on a stage
     that takes no feeds or when it holds too many."""
     from specpipe.common.runtime.validation import MAX_CALLS_PER_BATCH
@@ -498,16 +514,15 @@ def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
         rids = ["r0", "r1"]
         async with _stage_pair(llama_dir, rids) as p:
             for rid in rids:
-                await p.s1.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64,
-                                                           next_hop=p.router_addr))  # fmt: skip
+                await p.s1.Open(_open_last(rid, p.router_addr))
                 await p.s0.Open(stage_pb2.OpenStageRequest(
                     request_id=rid, capacity=64, next_hop=p.last.transport.address,
                     report_to=p.router_addr))  # fmt: skip
             prefill = _rows([0, 1], [], [], committed=True)
-            root = _rows([2, 3, 4], [0, 1, 3], [-1, 0, 1])
+            root, chain = _chain(llama_dir)
             feeds = []
             for rid in [*rids, "nobody"]:
-                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, [13, 7, 11])):
+                for seq, act, tokens in ((0, prefill, [5, 9]), (1, root, chain)):
                     feeds.append(_feed(seq, 0, act, tokens))
                     feeds[-1].request_id = rid
             bad = _feed(2, 0, _rows([5], [4], [3]), [1, 2])  # two tokens for one row
@@ -518,10 +533,9 @@ def test_feed_many_takes_or_refuses_each_feed_on_its_own(llama_dir) -> None:
             assert [o.code for o in reply.outcomes] == codes
             assert "not open" in reply.outcomes[4].message
             assert reply.outcomes[6].message
-            want = _reference_logits(llama_dir)
             for rid in rids:
-                got = decode(await asyncio.wait_for(p.queues[rid].get(), 20))
-                torch.testing.assert_close(got.logits, want)
+                got = _drawn(await asyncio.wait_for(p.queues[rid].get(), 20))
+                assert got == _chain_drawn(llama_dir)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await p.s1.FeedMany(stage_pb2.FeedManyRequest(feeds=feeds[:1]))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -20,6 +20,8 @@ from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Frame, encode
 from specpipe.v1 import stage_pb2
 
+from ..conftest import greedy_verify
+
 DTYPE = torch.float64
 WIDTH = 48  # the tiny llama's hidden size
 
@@ -31,14 +33,18 @@ def _last_stage(llama_dir) -> StageService:
 
 async def _open(svc: StageService, rid: str) -> None:
     # no lease owner and nothing wrong: Open never touches its context
-    req = stage_pb2.OpenStageRequest(request_id=rid, capacity=64, next_hop="tcp://127.0.0.1:9")
+    req = stage_pb2.OpenStageRequest(
+        request_id=rid, capacity=64, next_hop="tcp://127.0.0.1:9", verify=greedy_verify()
+    )
     await svc.Open(req, None)
 
 
 def _frame(rid: str, hidden: torch.Tensor) -> Frame:
-    """A request's first activation: a one-row tree (its root), whose logits come back."""
+    """A request's first activation: a one-row tree (its root), verified at once."""
     t = torch.tensor
-    act = Activation(rid, t([0]), node_ids=t([0]), parent_ids=t([-1]), hidden=hidden)
+    act = Activation(
+        rid, t([1]), node_ids=t([0]), parent_ids=t([-1]), hidden=hidden, row_tokens=t([7])
+    )
     return Frame(*encode(act, 0))
 
 
@@ -62,8 +68,8 @@ def test_hidden_states_are_checked_for_nan_on_the_compute_thread(llama_dir) -> N
             assert "a bad frame: hidden states contain NaN" in str(work[0].error)
             assert work[0].outputs == [None]
             assert work[1].error is None
-            (out,) = work[1].outputs
-            assert out.logits.shape[0] == 1 and bool(torch.isfinite(out.logits).all())
+            ((verified,),) = work[1].outputs  # the root's verification
+            assert verified.node_ids[0] == 0 and verified.position == 1
         finally:
             await svc.stop()
 

@@ -2,8 +2,10 @@
 lockstep executor over a model-free pipeline whose target and draft are rules on tokens.
 
 The target's next token after a sequence is `rule(seq)`; a stage computes nothing, the
-last one returns one-hot logits of the rule for every tree row. The oracle draft
-proposes the rule's token first; the blind draft never does.
+last one gives every tree row a one-hot of the rule's token as its final hidden state
+and verifies them as the real last stage does (`IdentityHeadStage`: the real verifier
+with an identity LM head). The oracle draft proposes the rule's token first; the blind
+draft never does.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.pipeline import StepResult
+from specpipe.common.runtime.scripted import IdentityHeadStage
 from specpipe.common.spec.commands import (
     BroadcastPrune,
     DraftOpen,
@@ -26,7 +29,7 @@ from specpipe.common.spec.commands import (
     Propose,
 )
 from specpipe.common.spec.controller import make_controller
-from specpipe.common.spec.messages import Activation, Candidates, Prune, after_prunes
+from specpipe.common.spec.messages import Activation, Candidates, Prune, Verified, after_prunes
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
 
@@ -84,22 +87,29 @@ class RuleRequest:
 
 
 class RulePipeline:
-    """S stages that pass rows along; the last returns the rule's one-hot logits."""
+    """S stages that pass rows along; the last verifies the rule's one-hot rows."""
 
     def __init__(self, num_stages: int, rule=rule) -> None:
         self.num_stages, self.vocab_size, self.max_context = num_stages, VOCAB, 10_000
         self.rule = rule
         self.requests: dict[str, RuleRequest] = {}
         self.flight: dict[str, list[Activation | None]] = {}
+        self.last = IdentityHeadStage()
 
-    def open(self, request_id: str, capacity: int, prefix_tokens=(), verify=None) -> int:
+    def open(self, request_id: str, capacity: int, prefix_tokens, verify) -> int:
         self.requests[request_id] = RuleRequest()
         self.flight[request_id] = [None] * self.num_stages
+        self.last.open(request_id, verify, prefix_tokens)
         return 0  # no prefix cache
+
+    def open_for(self, c) -> None:
+        """Open controller `c`'s request, as an executor does."""
+        self.open(c.request_id, c.capacity, c.committed_before_root, c.verify_spec)
 
     def release(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.flight.pop(request_id, None)
+        self.last.release(request_id)
 
     def in_flight(self, request_id: str) -> bool:
         return any(a is not None for a in self.flight[request_id][:-1])
@@ -111,6 +121,7 @@ class RulePipeline:
         req, flight = self.requests[request_id], self.flight[request_id]
         for p in prunes:
             req.prune(p)
+            self.last.prune(request_id, p)
             flight = [p.filter(a) for a in flight]
             entering = p.filter(entering)  # as a stage drops rows its last prune rules out
         flight = [entering, *flight[:-1]]
@@ -118,12 +129,17 @@ class RulePipeline:
         if entering is not None:
             req.add(entering)
         last = flight[-1]
-        out = None
+        verified: tuple[Verified, ...] = ()
         if last is not None and not last.committed:
-            logits = torch.stack([one_hot(self.rule(req.path(n))) for n in last.node_ids.tolist()])
             out = Activation(request_id, last.positions, node_ids=last.node_ids,
-                             parent_ids=last.parent_ids, logits=logits)  # fmt: skip
-        return StepResult(out, [len(a) if a is not None else 0 for a in flight])
+                             parent_ids=last.parent_ids, hidden=self.rows(req, last),
+                             row_tokens=last.tokens)  # fmt: skip
+            verified = self.last.verify({request_id: out})[request_id]
+        return StepResult([len(a) if a is not None else 0 for a in flight], verified)
+
+    def rows(self, req: RuleRequest, act: Activation) -> torch.Tensor:
+        """The last stage's final hidden states of `act`'s tree rows (their logits)."""
+        return torch.stack([one_hot(self.rule(req.path(n))) for n in act.node_ids.tolist()])
 
 
 class RuleDraft:
@@ -166,11 +182,8 @@ class RuleDraft:
 class SoftRulePipeline(RulePipeline):
     """The rule's logits softened (with a tilt): a sampled draw really depends on the seed."""
 
-    def step(self, request_id, prunes, entering):
-        result = super().step(request_id, prunes, entering)
-        if result.last is not None:
-            result.last.logits = result.last.logits / 8 + torch.arange(VOCAB) / VOCAB
-        return result
+    def rows(self, req: RuleRequest, act: Activation) -> torch.Tensor:
+        return super().rows(req, act) / 8 + torch.arange(VOCAB) / VOCAB
 
 
 def run(mode, stages, draft=None, n=24, prompt=PROMPT, **opts) -> LockstepGeneration:
@@ -246,9 +259,10 @@ def cmds_of(cmds, kind):
     return [c for c in cmds if isinstance(c, kind)]
 
 
-def logits_for(node: int, token: int) -> Activation:
-    return Activation("r", torch.tensor([0]), node_ids=torch.tensor([node]),
-                      parent_ids=torch.tensor([-1]), logits=one_hot(token)[None])  # fmt: skip
+def verified(c, nodes: list[int], tokens: list[int]) -> Verified:
+    """What the last stage verified of `c`'s tree: the nodes drawn at, root first, and
+    the token drawn at each."""
+    return Verified(c.request_id, tuple(nodes), tuple(tokens), c.root_pos)
 
 
 def cand(pairs: list[tuple[int, int, float]]) -> Candidates:
@@ -261,8 +275,8 @@ def test_pp_controller_script() -> None:
     start = c.start()
     feeds = cmds_of(start, Feed)
     assert [f.step for f in feeds] == [-2, -1, 0] and not cmds_of(start, Propose)
-    assert c.capacity == 3 + 2 + 2 and c.root_logits_only
-    out = c.on_logits(logits_for(0, 11))
+    assert c.capacity == 3 + 2 + 2
+    out = c.on_verified(verified(c, [0], [11]))
     assert cmds_of(out, Emit)[0].tokens == [11]
     prune = cmds_of(out, BroadcastPrune)[0]
     assert (
@@ -272,10 +286,10 @@ def test_pp_controller_script() -> None:
     )
     (restart,) = cmds_of(out, Feed)
     assert restart.step == 3 and restart.after_prune == 1 and restart.act.tokens.tolist() == [11]
-    out = c.on_logits(logits_for(1, 12))
+    out = c.on_verified(verified(c, [1], [12]))
     assert isinstance(out[-1], Finish) and out[-1].reason == "length"
     assert c.stats.decode_steps == 6 and c.tokens == [11, 12]
-    assert c.on_logits(logits_for(2, 13)) == []  # done: later events change nothing
+    assert c.on_verified(verified(c, [2], [13])) == []  # done: later events change nothing
 
 
 def _specpipe(stages=2, width=2, n=8):
@@ -293,7 +307,7 @@ def test_specpipe_holds_the_draft_answer_until_the_verification_due_first() -> N
     p1 = cmds_of(out, Propose)[0]
     # Children of both layer-1 nodes; the root's verification is due at step 1 = l1.step.
     assert c.on_candidates(p1.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])) == []
-    out = c.on_logits(logits_for(0, 7))  # hit on node 1 (token 7)
+    out = c.on_verified(verified(c, [0], [7]))  # hit on node 1 (token 7)
     assert cmds_of(out, Emit)[0].tokens == [7]
     assert cmds_of(out, BroadcastPrune)[0].prune.keep_ids.tolist() == [1]
     assert cmds_of(out, DraftPrune)[0].seq == 1
@@ -307,7 +321,7 @@ def test_a_late_draft_answer_gives_the_same_decision() -> None:
     c, p0 = _specpipe()
     out = c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)]))
     p1 = cmds_of(out, Propose)[0]
-    out = c.on_logits(logits_for(0, 7))  # verification before the draft answered
+    out = c.on_verified(verified(c, [0], [7]))  # verification before the draft answered
     assert not cmds_of(out, Feed)  # the newest layer survived: wait for its children
     (l2,) = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])), Feed)
     assert l2.step == 2 and l2.act.tokens.tolist() == [9]
@@ -316,9 +330,9 @@ def test_a_late_draft_answer_gives_the_same_decision() -> None:
 def test_an_answer_outstanding_at_a_later_verification_is_counted_late() -> None:
     c, p0 = _specpipe()
     p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)])), Propose)[0]
-    c.on_logits(logits_for(0, 7))  # step 1: the answer for layer 1 may still come in time
+    c.on_verified(verified(c, [0], [7]))  # step 1: the answer for layer 1 may still come in time
     assert c.stats.late_draft_answers == 0
-    out = c.on_logits(logits_for(1, 9))  # step 2: node 1 has no children yet, a miss
+    out = c.on_verified(verified(c, [1], [9]))  # step 2: node 1 has no children yet, a miss
     assert c.stats.late_draft_answers == 1 and c.stats.hits == 1
     assert cmds_of(out, Feed)[0].act.tokens.tolist() == [9]  # restart
     assert c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])) == []  # too late to use
@@ -328,7 +342,7 @@ def test_an_answer_outstanding_at_a_later_verification_is_counted_late() -> None
 def test_miss_restarts_from_the_drawn_token() -> None:
     c, p0 = _specpipe()
     c.on_candidates(p0.ticket, cand([(0, 7, 0.6), (0, 8, 0.4)]))
-    out = c.on_logits(logits_for(0, 30))
+    out = c.on_verified(verified(c, [0], [30]))
     prune = cmds_of(out, BroadcastPrune)[0].prune
     assert prune.keep_ids.numel() == 0 and prune.horizon == 2
     (restart,) = cmds_of(out, Feed)
@@ -345,7 +359,7 @@ def test_regrowth_from_kept_proposals_when_the_newest_layer_is_pruned_away() -> 
     assert sorted(cmds_of(out, Feed)[0].act.tokens.tolist()) == [20, 21]
     p2 = cmds_of(out, Propose)[0]
     assert c.on_candidates(p2.ticket, cand([(3, 40, 0.9), (4, 41, 0.9)])) == []  # held
-    out = c.on_logits(logits_for(0, 8))  # hit on node 2: layer 2 is pruned away
+    out = c.on_verified(verified(c, [0], [8]))  # hit on node 2: layer 2 is pruned away
     assert cmds_of(out, BroadcastPrune)[0].prune.keep_ids.tolist() == [2]
     (regrown,) = cmds_of(out, Feed)
     assert sorted(regrown.act.tokens.tolist()) == [30, 31] and regrown.step == 3
@@ -359,10 +373,7 @@ def test_specinfer_controller_script() -> None:
     p = cmds_of(c.on_candidates(p.ticket, cand([(0, 7, 0.9), (0, 8, 0.1)])), Propose)[0]
     (feed,) = cmds_of(c.on_candidates(p.ticket, cand([(1, 9, 0.9), (2, 10, 0.9)])), Feed)
     assert feed.step == 0 and feed.act.node_ids.tolist() == [0, 1, 2, 3, 4]
-    logits = torch.stack([one_hot(t) for t in (7, 9, 0, 42, 0)])
-    act = Activation("r", feed.act.positions, node_ids=feed.act.node_ids,
-                     parent_ids=feed.act.parent_ids, logits=logits)  # fmt: skip
-    out = c.on_logits(act)
+    out = c.on_verified(verified(c, [0, 1, 3], [7, 9, 42]))
     assert cmds_of(out, Emit)[0].tokens == [7, 9, 42]  # root -> 7 -> 9, then the bonus token
     assert c.stats.accepted_lengths == [3] and c.stats.decode_steps == 3
     draft_prune = cmds_of(out, DraftPrune)[0].prune
@@ -380,7 +391,7 @@ def test_failure_finishes_with_an_error() -> None:
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k: int) -> None:
-    """An asynchronous executor sees a step's draft answers and its logits in any order;
+    """An asynchronous executor sees a step's draft answers and verifications in any order;
     while the draft keeps up, decisions and step counts are those of lockstep (with K
     layers per step, an answer asks again within the same step)."""
     rng = random.Random(seed)
@@ -389,7 +400,7 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k
     ref.run()
     c = make_controller(Mode.SPECPIPE, "r", PROMPT, opts, 3)
     pipe, draft = RulePipeline(3), RuleDraft()
-    pipe.open("r", c.capacity)
+    pipe.open_for(c)
     feeds: dict[int, Activation] = {}
     prunes: list[Prune] = []
     answers: dict[int, list] = {}  # step -> draft answers for the layer entering then
@@ -419,12 +430,11 @@ def test_event_order_within_a_step_changes_neither_tokens_nor_steps(seed: int, k
         result = pipe.step("r", prunes, feeds.pop(step, None))
         prunes = []
         events = [("answer", a) for a in answers.pop(step, [])]
-        if result.last is not None and result.last.logits is not None:
-            events.append(("logits", result.last))
+        events += [("verified", v) for v in result.verified]
         while events:
             rng.shuffle(events)
             kind, ev = events.pop()
-            execute(c.on_candidates(*ev) if kind == "answer" else c.on_logits(ev))
+            execute(c.on_candidates(*ev) if kind == "answer" else c.on_verified(ev))
             events += [("answer", a) for a in answers.pop(step, [])]
         step += 1
     assert c.tokens == ref.output
@@ -459,7 +469,7 @@ class FaultHarness:
 
     def _fresh_path(self) -> None:
         self.pipe, self.draft = self.pipeline(self.stages), RuleDraft(self.oracle)
-        self.pipe.open("r", self.c.capacity)
+        self.pipe.open_for(self.c)
         self.feeds: dict[int, Activation] = {}
         self.prunes: list[Prune] = []
         self.answers: dict[int, list] = {}
@@ -533,8 +543,8 @@ class FaultHarness:
             while self.answers.get(self.step):  # an answer may ask again in the same step
                 for answer in self.answers.pop(self.step):
                     self.execute(self.c.on_candidates(*answer))
-            if result.last is not None and result.last.logits is not None:
-                self.execute(self.c.on_logits(result.last))
+            for v in result.verified:
+                self.execute(self.c.on_verified(v))
             self.step += 1
         assert self.c.stats.decode_steps == self.step  # the accounting is the real steps
         for seqs in self.seqs:
@@ -572,7 +582,7 @@ def test_replay_reprefills_prompt_and_emitted_tokens_then_the_root() -> None:
     )
     p0 = cmds_of(c.start(), Propose)[0]
     c.on_candidates(p0.ticket, cand([(0, 9, 0.9), (0, 8, 0.1)]))
-    out = c.on_logits(logits_for(0, 9))  # hit: token 9 emitted
+    out = c.on_verified(verified(c, [0], [9]))  # hit: token 9 emitted
     assert cmds_of(out, Emit)[0].tokens == [9] and c.stats.hits == 1
     horizon = c.tree.last_id
     cmds = c.replay(uses_draft=True)
@@ -588,10 +598,10 @@ def test_replay_reprefills_prompt_and_emitted_tokens_then_the_root() -> None:
     (propose,) = cmds_of(cmds, Propose)
     assert propose.layer.node_ids.tolist() == root.node_ids.tolist()
     assert c.stats.replays == 1 and c.stats.prefill_steps == 1  # the first prefill
-    # Answers and logits of the old path change nothing.
+    # Answers and verifications of the old path change nothing.
     assert c.on_candidates(p0.ticket, cand([(1, 4, 0.9)])) == []
-    assert c.on_logits(logits_for(1, 4)) == []
-    out = c.on_logits(logits_for(int(root.node_ids[0]), 3))
+    assert c.on_verified(verified(c, [1], [4])) == []
+    out = c.on_verified(verified(c, [int(root.node_ids[0])], [3]))
     assert cmds_of(out, Emit)[0].tokens == [3]
     assert cmds_of(out, BroadcastPrune)[0].seq == 1  # prunes numbered afresh too
     assert c.stats.decode_steps == 4 + 2  # the root entered at 4, crossed 2 stages

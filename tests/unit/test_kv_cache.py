@@ -63,7 +63,8 @@ class Mirror:
         for row, node in enumerate(np.asarray(idx).tolist()):
             path = t.tokens[t.path_to(node)].tolist()
             ref = scratch_logits(self.model, self.committed + path)
-            torch.testing.assert_close(out.logits[row], ref, atol=1e-9, rtol=1e-9)
+            logits = self.model.logits(out.hidden[row : row + 1])[0]
+            torch.testing.assert_close(logits, ref, atol=1e-9, rtol=1e-9)
 
     def append(self, k: int, width: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -133,7 +134,7 @@ def test_cache_full_is_an_error_and_state_survives(model) -> None:
     cache = stage._cache("r")
     assert cache.length == 3
     out = stage.forward(layer.select(torch.tensor([0])))
-    assert out.logits.shape[0] == 1
+    assert out.hidden.shape[0] == 1
 
 
 def test_unknown_parent_is_rejected(model) -> None:
@@ -244,7 +245,7 @@ def test_a_pool_that_runs_out_mid_request_fails_that_request_only(model) -> None
         [late, Activation("a", t(BLOCK + 1), node_ids=t(1), parent_ids=t(0), tokens=t(2))]
     )
     assert isinstance(out[0], CacheFull) and "pool exhausted" in str(out[0])
-    assert out[1].logits.shape[0] == 1  # a's slot was in its own tree block
+    assert out[1].hidden.shape[0] == 1  # a's slot was in its own tree block
     assert stage._cache("b").length == BLOCK
     # Committing a's root needs a new committed block: none is free, the prune fails.
     with pytest.raises(CacheFull, match="pool exhausted"):

@@ -24,10 +24,9 @@ from .test_controller import (
     SoftRulePipeline,
     cand,
     cmds_of,
-    logits_for,
-    one_hot,
     plain_decoding,
     rule,
+    verified,
 )
 
 
@@ -177,17 +176,10 @@ def test_hybrid_counts_hits_per_source() -> None:
 # -- the controller alone: a K = 2 script ---------------------------------------------------
 
 
-def rows_logits(nodes, parents, tokens) -> Activation:
-    return Activation("r", torch.arange(len(nodes)), node_ids=torch.tensor(nodes),
-                      parent_ids=torch.tensor(parents),
-                      logits=torch.stack([one_hot(t) for t in tokens]))  # fmt: skip
-
-
 def test_two_layers_enter_together_and_are_verified_in_one_step() -> None:
     """K = 2: the root waits for the layer below it and enters with it; every group after
     has two layers, and a step verifies down both."""
     c = make_controller(Mode.SPECPIPE, "r", [5, 6], DecodeOptions(8, width=1, layers_per_step=2), 2)
-    assert not c.root_logits_only  # the last stage returns every row's logits
     start = c.start()
     assert not [f for f in cmds_of(start, Feed) if not f.act.committed]  # the root waits
     (p0,) = cmds_of(start, Propose)
@@ -207,14 +199,14 @@ def test_two_layers_enter_together_and_are_verified_in_one_step() -> None:
     assert g1.act.parent_ids.tolist() == [1, 2] and g1.act.tokens.tolist() == [9, 11]
     (p3,) = cmds_of(out, Propose)
     assert c.on_candidates(p3.ticket, cand([(3, 13, 0.9)])) == []  # held: root due at 1
-    out = c.on_logits(rows_logits([0, 1], [-1, 0], [7, 9]))
+    out = c.on_verified(verified(c, [0, 1], [7, 9]))
     assert cmds_of(out, Emit)[0].tokens == [7, 9]  # the root, then node 1 in the same step
     prune = cmds_of(out, BroadcastPrune)[0].prune
     assert prune.commit_ids.tolist() == [0, 1] and prune.keep_ids.tolist() == [2, 3]
     (p4,) = cmds_of(out, Propose)  # grown from the held answer: node 4 (token 13)
     (g2,) = cmds_of(c.on_candidates(p4.ticket, cand([(4, 15, 0.9)])), Feed)
     assert g2.step == 2 and g2.act.tokens.tolist() == [13, 15]
-    out = c.on_logits(rows_logits([2, 3], [1, 2], [11, 13]))
+    out = c.on_verified(verified(c, [2, 3], [11, 13]))
     assert cmds_of(out, Emit)[0].tokens == [11, 13]
     assert c.stats.hits == 4 and c.stats.decode_steps == 3 and c.tree.root_id == 4
 
@@ -232,7 +224,7 @@ def test_eager_growth_feeds_the_next_layer_before_the_verification(growth) -> No
     (p1,) = cmds_of(out, Propose)
     assert p1.step == 1
     early = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])), Feed)
-    out = c.on_logits(logits_for(0, 7))  # a hit: node 1
+    out = c.on_verified(verified(c, [0], [7]))  # a hit: node 1
     late = cmds_of(out, Feed)
     (layer2,) = early + late
     assert layer2.step == 2 and layer2.act.tokens.tolist() == [9]
@@ -266,7 +258,7 @@ def test_a_miss_inside_the_group_restarts_from_the_drawn_token() -> None:
     p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.9)])), Propose)[0]
     p2 = cmds_of(c.on_candidates(p1.ticket, cand([(1, 9, 0.9)])), Propose)[0]
     c.on_candidates(p2.ticket, cand([(2, 11, 0.9)]))
-    out = c.on_logits(rows_logits([0, 1], [-1, 0], [7, 30]))  # node 1's token is not 9
+    out = c.on_verified(verified(c, [0, 1], [7, 30]))  # node 1's token is not 9
     assert cmds_of(out, Emit)[0].tokens == [7, 30]
     prune = cmds_of(out, BroadcastPrune)[0].prune
     assert prune.commit_ids.tolist() == [0, 1] and prune.keep_ids.numel() == 0
@@ -285,8 +277,8 @@ def test_the_walk_stops_at_the_last_token() -> None:
     p0 = cmds_of(c.start(), Propose)[0]
     p1 = cmds_of(c.on_candidates(p0.ticket, cand([(0, 7, 0.9)])), Propose)[0]
     c.on_candidates(p1.ticket, cand([(1, 9, 0.9)]))
-    c.on_logits(logits_for(0, 7))
-    out = c.on_logits(rows_logits([1, 2], [0, 1], [9, 11]))
+    c.on_verified(verified(c, [0], [7]))
+    out = c.on_verified(verified(c, [1, 2], [9, 11]))
     assert cmds_of(out, Emit)[0].tokens == [9] and c.done and c.tokens == [7, 9]
 
 

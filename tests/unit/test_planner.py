@@ -216,7 +216,7 @@ def test_model_sizes_are_the_loaded_stages_bytes(llama_dir, qwen_dir) -> None:
             # wrong per-row size.
             rows = 3 * runtime.pool.block_size
             kv = sizes.stage_bytes(r.size, r.is_first, r.is_last, rows) - runtime.model.num_bytes()
-            assert kv == runtime.cache_bytes_for(rows)
+            assert kv == runtime.pool.blocks_for(rows) * runtime.pool.block_bytes
 
 
 # -- node profiles ---------------------------------------------------------------------------

@@ -21,7 +21,8 @@ def decode(pipeline, mode, opts, resume=(), stages=3) -> tuple[list[int], object
     ctrl.resume(resume)
     engine = LockstepEngine(pipe, RuleDraft())
     run = engine.add_controller(ctrl)
-    engine.run_all()
+    while engine.runs:
+        engine.step()
     return run.tokens, ctrl.stats
 
 

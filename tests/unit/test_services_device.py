@@ -68,7 +68,7 @@ def test_bad_device_is_one_line_and_exit_2(argv, llama_dir, capsys) -> None:
 def test_stages_on_cuda_match_cpu(llama_dir) -> None:
     """Two stages with model and caches on the GPU: prefill, a tree layer, a prune
     (index_select on device K/V) and a late activation whose device hidden states a prune
-    filters; the logits are the CPU's."""
+    filters; the final hidden states are the CPU's."""
     from specpipe.common.model.loading import load_stage
     from specpipe.common.model.partition import LayerRange
     from specpipe.common.runtime.stage import StageRuntime
@@ -94,7 +94,7 @@ def test_stages_on_cuda_match_cpu(llama_dir) -> None:
             s.prune("r", Prune(t([0]), t([1, 3]), horizon=4))
         second = b.forward(late)  # node 4 was pruned while in flight
         assert second.node_ids.tolist() == [3]
-        outs[device] = (first.logits.cpu(), second.logits.cpu())
+        outs[device] = (first.hidden.cpu(), second.hidden.cpu())
     for x, y in zip(outs["cpu"], outs["cuda"], strict=True):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
 

@@ -32,7 +32,9 @@ def _raised(fn, *args) -> Exception:
 def test_stage_errors_map_to_their_codes(model_dir) -> None:
     model = load_stage(model_dir)
     stage = StageRuntime(model)
-    stage.max_cache_bytes = stage.cache_bytes_for(8)  # room for one request of 8 rows
+    stage.max_cache_bytes = (
+        stage.pool.blocks_for(8) * stage.pool.block_bytes
+    )  # room for one request of 8 rows
     stage.open("r", 8)
     stage.forward(Activation("r", torch.arange(8), committed=True, tokens=torch.arange(8)))
     no_tokens = Activation("r", torch.arange(2), committed=True)

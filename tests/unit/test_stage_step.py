@@ -71,7 +71,7 @@ def count_step(model_dir, layers: LayerRange, device: str, requests: int, prune_
     stage = stage_on(model_dir, layers, device)
     stage.pool.gather_buffers(1024)  # nor the attention's gather buffers
     for i in range(requests):
-        stage.open(f"r{i}", 64, root_logits_only=True)
+        stage.open(f"r{i}", 64)
         n = 3 + i % 3
         pre = Activation(f"r{i}", torch.arange(n), committed=True)
         if stage.is_first:
@@ -99,8 +99,9 @@ def test_device_operations_do_not_grow_with_requests(llama_dir, layers, prune_la
         counter, outs = count_step(llama_dir, layers, "meta", requests, prune_late)
         assert not counter.syncing
         counts[requests] = counter.ops
-        if layers.is_last:  # the roots' logits now, the children held (or dropped)
-            assert all(o.node_ids.tolist() == [100] for o in outs)
+        if layers.is_last:  # final hidden states of every row (the late prune's dropped)
+            want = [100] if prune_late else [100, 101]
+            assert all(o.node_ids.tolist() == want and o.hidden is not None for o in outs)
     assert counts[1] == counts[3] == counts[12], counts
 
 

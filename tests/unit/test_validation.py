@@ -170,7 +170,7 @@ def test_rate_limited_log_counts_what_it_leaves_out(caplog) -> None:
 
 
 def test_the_router_takes_only_verifications_from_the_last_stage() -> None:
-    """A last stage sends verifications: a frame of any other kind (logits, hidden
+    """A last stage sends verifications: a frame of any other kind (hidden
     states) fails the request before the controller sees it."""
     from specpipe.services.router.frames import verification_of
     from specpipe.services.transport.codec import Frame, encode

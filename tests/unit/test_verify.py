@@ -1,10 +1,9 @@
-"""Verification at the last stage: the walk (one pure function), the last stage's own
+"""Verification at the last stage: the walk down the tree, the last stage's own
 view of which row is the root (no round trip to the router), and logprobs equal to the
 target's own forward."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
@@ -13,25 +12,12 @@ from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import SamplingParams
-from specpipe.common.spec.verify import VerifySpec, walk
+from specpipe.common.spec.verify import VerifySpec
 from transformers import AutoModelForCausalLM
 
 VOCAB = 16
 GREEDY = VerifySpec(SamplingParams(), output_start=3)
 PROMPT = [5, 17, 33, 2, 8, 90, 41, 12, 60]
-
-
-def test_walk_descends_while_the_drawn_token_is_a_present_child() -> None:
-    #          0
-    #      1(a=4)  2(b=5)
-    #    3(6)        4(6)
-    ids = np.array([0, 1, 2, 3, 4])
-    parents = np.array([-1, 0, 0, 1, 2])
-    tokens = np.array([9, 4, 5, 6, 6])
-    draws = {0: 5, 2: 6, 4: 7}  # root draws 5 (node 2), node 2 draws 6 (node 4), then 7
-    assert walk(0, ids, parents, tokens, draws.__getitem__) == ([0, 2, 4], [5, 6, 7])
-    miss = {0: 8}
-    assert walk(0, ids, parents, tokens, miss.__getitem__) == ([0], [8])
 
 
 # -- the last stage's verifier, with hidden states that are their own logits -----------------
@@ -209,8 +195,8 @@ def test_the_in_process_last_stage_sends_verifications_not_logits(llama_dir, k) 
         return results
 
     dep.pipeline.step_many = spy  # type: ignore[method-assign]
-    engine.run_all()
-    assert all(r.last is None for r in seen)  # no logits leave the last stage
+    while engine.runs:
+        engine.step()
     assert sum(len(r.verified) for r in seen) == run.stats.verifications
     ref = LockstepGeneration(
         dep.pipeline, None, PROMPT, Mode.AUTOREGRESSIVE, DecodeOptions(20)
@@ -262,11 +248,13 @@ def test_prompt_logprobs_are_the_targets_own_even_after_a_prefix_cache_hit(llama
     engine = LockstepEngine(dep.pipeline, dep.draft)
     plain = DecodeOptions(4, width=3, prefill_chunk=7)
     first = engine.add(LONG_PROMPT, mode, plain)
-    engine.run_all()
+    while engine.runs:
+        engine.step()
     opts = DecodeOptions(4, width=3, prefill_chunk=7, logprobs=2, prompt_logprobs=4)
     run = engine.add(LONG_PROMPT, mode, opts)
     assert run.controller.cached_prefix == 32  # the cache holds two blocks of the prompt
-    engine.run_all()
+    while engine.runs:
+        engine.step()
     assert run.tokens == first.tokens
     found = run.controller.out.prompt_logprobs
     want = hf_logprobs(llama_dir, LONG_PROMPT + run.tokens)

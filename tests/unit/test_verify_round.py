@@ -15,8 +15,8 @@ from specpipe.common.runtime.lockstep import LockstepEngine, LockstepGeneration
 from specpipe.common.runtime.verifier import RequestVerifier, verify_many
 from specpipe.common.spec.messages import Activation
 from specpipe.common.spec.options import DecodeOptions, Mode
-from specpipe.common.spec.sampling import SamplingParams
-from specpipe.common.spec.verify import VerifySpec, draw_at
+from specpipe.common.spec.sampling import SamplingParams, draw_index
+from specpipe.common.spec.verify import VerifySpec, draw_logits, rows_logprobs, took
 
 from .test_stage_step import DeviceOps
 
@@ -45,7 +45,7 @@ class HeadCalls(DeviceOps):
 def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[int], list]:
     """One request's rows: a root, then per level WIDTH children of the node the walk
     reaches, one with the token drawn there (so the walk goes k levels down); and the
-    tokens the walk draws, drawn one at a time on the host (`draw_at`, the rules after
+    tokens the walk draws, drawn one at a time on the host (`draw_logits`, the rules after
     the prefix, the root's token and each draw), with their logprobs if asked for."""
     g = torch.Generator().manual_seed(seed)
     dim = model.cfg.hidden_size
@@ -64,7 +64,13 @@ def tree(model, spec: VerifySpec, k: int, seed: int) -> tuple[Activation, list[i
             positions.append(PROMPT - 1 + level)
         with torch.no_grad():
             logits = model.logits(hidden[first : first + 1])[0]
-        token = draw_at(logits, spec, positions[first], logprobs, None, rules)
+        position = spec.draw_position(positions[first])
+        token = int(
+            draw_index(draw_logits(logits, spec, position, None, rules), spec.sampling, position)
+        )
+        took(token, None, rules)
+        if spec.logprobs is not None:
+            logprobs += rows_logprobs(logits[None], [token], spec.logprobs)
         drawn.append(token)
         parent = first
     act = Activation(
@@ -195,7 +201,8 @@ def test_every_step_of_a_served_batch_calls_the_head_once(llama_dir, k) -> None:
         engine.add(p, Mode.SPECPIPE, DecodeOptions(16, sampling=s, width=3, layers_per_step=k))
         for p, s in zip(prompts, samplings, strict=True)
     ]
-    engine.run_all()
+    while engine.runs:
+        engine.step()
     assert per_step and max(per_step) == 1
     assert max(depths) >= 2  # walks below their roots, drawn from the one call
     head.logits = real_logits

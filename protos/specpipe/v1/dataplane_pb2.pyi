@@ -12,7 +12,6 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_UNSPECIFIED: _ClassVar[PayloadKind]
     PAYLOAD_KIND_TOKENS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_HIDDEN: _ClassVar[PayloadKind]
-    PAYLOAD_KIND_LOGITS: _ClassVar[PayloadKind]
     PAYLOAD_KIND_EMPTY: _ClassVar[PayloadKind]
     PAYLOAD_KIND_ERROR: _ClassVar[PayloadKind]
     PAYLOAD_KIND_BATCH: _ClassVar[PayloadKind]
@@ -20,7 +19,6 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_TOKENS: PayloadKind
 PAYLOAD_KIND_HIDDEN: PayloadKind
-PAYLOAD_KIND_LOGITS: PayloadKind
 PAYLOAD_KIND_EMPTY: PayloadKind
 PAYLOAD_KIND_ERROR: PayloadKind
 PAYLOAD_KIND_BATCH: PayloadKind

@@ -88,12 +88,11 @@ class ConfigureStageRequest(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., dtype: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class OpenStageRequest(_message.Message):
-    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "root_logits_only", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "prefix_token_ids", "verify", "cache_scope", "report_progress")
+    __slots__ = ("request_id", "capacity", "next_hop", "report_to", "lease_owner", "lease_epoch", "lease_token", "fills_pipeline", "prefix_token_ids", "verify", "cache_scope", "report_progress")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOP_FIELD_NUMBER: _ClassVar[int]
     REPORT_TO_FIELD_NUMBER: _ClassVar[int]
-    ROOT_LOGITS_ONLY_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -106,7 +105,6 @@ class OpenStageRequest(_message.Message):
     capacity: int
     next_hop: str
     report_to: str
-    root_logits_only: bool
     lease_owner: str
     lease_epoch: int
     lease_token: bytes
@@ -115,7 +113,7 @@ class OpenStageRequest(_message.Message):
     verify: _dataplane_pb2.VerifySpec
     cache_scope: _dataplane_pb2.CacheScope
     report_progress: bool
-    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., root_logits_only: _Optional[bool] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ..., cache_scope: _Optional[_Union[_dataplane_pb2.CacheScope, _Mapping]] = ..., report_progress: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., capacity: _Optional[int] = ..., next_hop: _Optional[str] = ..., report_to: _Optional[str] = ..., lease_owner: _Optional[str] = ..., lease_epoch: _Optional[int] = ..., lease_token: _Optional[bytes] = ..., fills_pipeline: _Optional[bool] = ..., prefix_token_ids: _Optional[_Iterable[int]] = ..., verify: _Optional[_Union[_dataplane_pb2.VerifySpec, _Mapping]] = ..., cache_scope: _Optional[_Union[_dataplane_pb2.CacheScope, _Mapping]] = ..., report_progress: _Optional[bool] = ...) -> None: ...
 
 class OpenStageResponse(_message.Message):
     __slots__ = ("cached_tokens",)
