@@ -284,7 +284,6 @@ class RouterEngine:
             model,
             prompt,
             self.backends.has_draft,
-            self.transport.max_payload_bytes,
             self.defaults,
             self.grammar_tokenizer,
             grammar,

@@ -5,11 +5,11 @@ with an id that names it on every stage; and how a refused or failed request is 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from specpipe.common.perf.tuning import AUTO_WIDTHS, TuningSpace, auto_layers
+from specpipe.common.perf.tuning import TuningSpace
 from specpipe.common.spec.grammar import TEXT, Grammar, GrammarError, ResponseFormat
 from specpipe.common.spec.options import (
     DEFAULT_LAYERS_PER_STEP,
@@ -22,7 +22,6 @@ from specpipe.common.spec.options import (
     check_logit_bias,
     check_prompt_ids,
     check_resume_ids,
-    tree_capacity,
 )
 from specpipe.common.spec.request_options import REQUEST_OPTIONS, read_wire
 from specpipe.common.spec.sampling import SamplingParams
@@ -287,17 +286,16 @@ def plan_request(
     model: ModelInfo,
     prompt: list[int],
     has_draft: bool,
-    max_payload_bytes: int | None = None,
     defaults: RequestDefaults | None = None,
     grammar_tokenizer=None,
     grammar: Grammar | None = None,
 ) -> Plan:
     """Validate a request (its prompt already as token ids) against the deployment;
-    every problem is a clear status. `max_payload_bytes`: the largest data-plane frame
-    the router reads; `defaults`: the router's for what the request leaves unset;
-    `grammar_tokenizer`: the model's tokenizer as the grammar library reads it (for
-    response_format; `grammar.load_grammar_tokenizer`); `grammar`: the request's already
-    compiled by `grammar_of` (off the event loop), else it is compiled here."""
+    every problem is a clear status. `defaults`: the router's for what the request
+    leaves unset; `grammar_tokenizer`: the model's tokenizer as the grammar library
+    reads it (for response_format; `grammar.load_grammar_tokenizer`); `grammar`: the
+    request's already compiled by `grammar_of` (off the event loop), else it is
+    compiled here."""
     try:
         check_prompt_ids(prompt, model.vocab_size)
     except ValueError as e:
@@ -355,7 +353,6 @@ def plan_request(
             stages=stages,
             growth=None if "growth" in auto else opts.growth,
         )
-    check_frame(mode, opts, auto, model, max_payload_bytes)
     return Plan(prompt=prompt, mode=mode, opts=opts, space=space, resume=resume)
 
 
@@ -392,33 +389,6 @@ def stop_tokens(r: gen.GenerateRequest, model: ModelInfo) -> list[int]:
     if bad:
         raise invalid(f"stop token ids {bad[:4]} are outside the vocabulary")
     return stops if r.ignore_eos else [*model.eos_token_ids, *stops]
-
-
-def check_frame(
-    mode: Mode,
-    opts: DecodeOptions,
-    auto: set[str],
-    model: ModelInfo,
-    max_payload_bytes: int | None,
-) -> None:
-    """The largest logits frame such a request can bring back must be one the router
-    reads (float64 logits, the widest dtype, of every tree row; the widest tree the
-    tuning may choose, `auto`)."""
-    stages = len(model.ranges)
-    widest = replace(
-        opts,
-        width=max(AUTO_WIDTHS) if "width" in auto else opts.width,
-        layers_per_step=(
-            max(auto_layers(stages)) if "layers_per_step" in auto else opts.layers_per_step
-        ),
-    )
-    rows = tree_capacity(mode, max(stages, 1), widest)
-    if max_payload_bytes is not None and rows * model.vocab_size * 8 > max_payload_bytes:
-        raise invalid(
-            f"a tree of up to {rows} rows (width {widest.width}, depth {opts.depth}) "
-            f"would bring back more logits of this model's {model.vocab_size}-token "
-            "vocabulary than one frame may hold: use a smaller width or depth"
-        )
 
 
 def check_resume(resume: tuple[int, ...], model: ModelInfo, opts: DecodeOptions) -> None:
