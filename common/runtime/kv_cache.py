@@ -246,25 +246,44 @@ class TreeKVCache:
 
         CacheFull when the committed rows need a block and the pool has none; the dropped
         rows are gone then, the commit not done."""
+        self.pool.copy_rows(*self.prune_rows(commit_ids, keep_ids, horizon))
+
+    def prune_rows(
+        self, commit_ids: np.ndarray, keep_ids: np.ndarray, horizon: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`prune`'s edit of the tables, without its K/V copy: the committed nodes' rows
+        as (source slots, destination slots), for the caller to queue. A step's prunes
+        of every request then move their rows in one copy (`StageRuntime.prune_many`):
+        a destination is a committed slot and a source a tree slot of the same request,
+        and the copy reads every source before it writes, so a block one prune gives
+        back and the next takes reads as it was."""
+        n = self.num_tree_rows
         commit_rows = self._rows_of(commit_ids)
-        committed = member(self.tree_ids, commit_ids)
+        committed = np.zeros(n, dtype=bool)
+        committed[commit_rows] = True
         keep = member(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.
         ok = keep | committed
         keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(axis=1)
-        self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
-        if commit_rows.size:
+        if commit_rows.size == 0:
+            self._drop_tree_rows(np.flatnonzero(~keep))
+            return _EMPTY, _EMPTY
+        nc, m = self.n_committed, int(commit_rows.size)
+        need = self.pool.blocks_for(nc + m) - len(self.blocks)
+        if need > 0:  # the drop may give back the block the commit needs: drop first
+            self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
+            self.blocks += self.pool.allocate(need)
             commit_rows = self._rows_of(commit_ids)  # rows moved up by the drop
-            nc, m = self.n_committed, commit_rows.size
-            self.blocks += self.pool.allocate(self.pool.blocks_for(nc + m) - len(self.blocks))
-            self.pool.copy_rows(
-                self.tree_slots[commit_rows], self.pool.slots(self.blocks, nc, nc + m)
-            )
-            self.n_committed += m
-            self._committed_ids.update(int(i) for i in commit_ids)
-            self._drop_tree_rows(commit_rows)
+            keep = np.zeros(self.num_tree_rows, dtype=bool)
+            keep[commit_rows] = True
+            keep = ~keep
+        src = self.tree_slots[commit_rows]
+        self.n_committed += m
+        self._committed_ids.update(commit_ids.tolist())
+        self._drop_tree_rows(np.flatnonzero(~keep))  # the committed rows' slots go back
+        return src, self.pool.slots(self.blocks, nc, nc + m)
 
     def _drop_tree_rows(self, rows: np.ndarray) -> None:
         """Forget tree rows; their slots are free again, and tree blocks left empty go back."""
@@ -272,34 +291,31 @@ class TreeKVCache:
             return
         live = np.ones(self.num_tree_rows, dtype=bool)
         live[rows] = False
-        self._free_tree_slots += self.tree_slots[rows].tolist()
+        freed = self.tree_slots[rows]
         self.tree_ids, self.tree_slots = self.tree_ids[live], self.tree_slots[live]
-        self.tree_mask = self.tree_mask[live][:, live]
+        self.tree_mask = self.tree_mask[np.ix_(live, live)]
         bs = self.pool.block_size
-        used = set((self.tree_slots // bs).tolist())
-        empty = [b for b in self.tree_blocks if b not in used]
-        if empty:
-            gone = set(empty)
-            self.tree_blocks = [b for b in self.tree_blocks if b not in gone]
-            self._free_tree_slots = [s for s in self._free_tree_slots if s // bs not in gone]
-            self.pool.release(empty)
+        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
+        used = member(blocks, self.tree_slots // bs)
+        if used.all():
+            self._free_tree_slots += freed.tolist()
+            return
+        free = np.concatenate([np.asarray(self._free_tree_slots, dtype=np.int64), freed])
+        empty = blocks[~used]
+        self._free_tree_slots = free[~member(free // bs, empty)].tolist()
+        self.tree_blocks = blocks[used].tolist()
+        self.pool.release(empty.tolist())
 
     def _rows_of(self, node_ids: np.ndarray) -> np.ndarray:
+        """The tree rows of `node_ids`, in their order; BadInput if one is not cached."""
         if node_ids.size == 0:
             return _EMPTY
-        order = np.argsort(self.tree_ids, kind="stable")
-        at = np.searchsorted(self.tree_ids[order], node_ids).clip(
-            max=max(self.num_tree_rows - 1, 0)
-        )
-        found = (
-            self.tree_ids[order][at] == node_ids
-            if self.num_tree_rows
-            else np.zeros(node_ids.size, bool)
-        )
+        hits = self.tree_ids[None, :] == node_ids[:, None]
+        found = hits.any(axis=1)
         if not found.all():
             missing = node_ids[~found].tolist()
             raise BadInput(f"cannot commit node ids {missing[:4]}: not cached at this stage")
-        return order[at]
+        return hits.argmax(axis=1)
 
     def release(self) -> None:
         """Give every block back to the pool."""
