@@ -62,6 +62,9 @@ class TreeKVCache:
         self.tree_blocks: list[int] = []
         self._free_tree_slots: list[int] = []
         self._committed_ids: set[int] = set()
+        # The committed rows' slots computed so far (`key_slots`), extended as rows are
+        # appended; forgotten where a block of the table is replaced or given back.
+        self._slots = _EMPTY
         # Prefix caching: the token ids the request commits first (given at open), the
         # keys of their full blocks, and how many leading blocks are in the cache.
         self.known_tokens: np.ndarray | None = None
@@ -87,8 +90,12 @@ class TreeKVCache:
 
     def key_slots(self) -> np.ndarray:
         """Slots of every cached row: the committed prefix in order, then the tree rows."""
-        committed = self.pool.slots(self.blocks, 0, self.n_committed)
-        return np.concatenate([committed, self.tree_slots])
+        known, n = self._slots.size, self.n_committed
+        if known > n:
+            self._slots = self._slots[:n]
+        elif known < n:
+            self._slots = np.concatenate([self._slots, self.pool.slots(self.blocks, known, n)])
+        return np.concatenate([self._slots, self.tree_slots])
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
@@ -150,6 +157,7 @@ class TreeKVCache:
         self.pool.release(self.blocks[keep:])
         del self.blocks[keep:]
         self.n_committed = n
+        self._slots = _EMPTY
         self._registered = min(self._registered, n // bs)
 
     # -- growing -----------------------------------------------------------------------
@@ -182,36 +190,43 @@ class TreeKVCache:
         self._check_room(n)
         t0 = self.num_tree_rows
         all_ids = np.concatenate([self.tree_ids, node_ids])
-        if np.unique(all_ids).size != all_ids.size:
+        if ((node_ids[:, None] == all_ids[None, :]).sum(axis=1) > 1).any():
             raise BadInput("duplicate tree node ids")
-        order = np.argsort(all_ids, kind="stable")
-        at = np.searchsorted(all_ids[order], parent_ids).clip(max=all_ids.size - 1)
-        has_parent = all_ids[order][at] == parent_ids
-        pidx = np.where(has_parent, order[at], -1)
+        is_parent = parent_ids[:, None] == all_ids[None, :]
+        has_parent = is_parent.any(axis=1)
+        pidx = np.where(has_parent, is_parent.argmax(axis=1), -1)
         if (has_parent & (pidx >= t0 + np.arange(n))).any():
             raise BadInput("tree nodes must come after their parent (BFS order)")
-        orphans = parent_ids[~has_parent]
-        unknown = [int(p) for p in orphans if p != -1 and int(p) not in self._committed_ids]
+        orphans = parent_ids[~has_parent & (parent_ids != -1)].tolist()
+        unknown = [p for p in orphans if p not in self._committed_ids]
         if unknown:
             raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
         slots = self._take_tree_slots(n)
 
         mask = np.zeros((t0 + n, t0 + n), dtype=bool)
         mask[:t0, :t0] = self.tree_mask
-        mask[np.arange(t0, t0 + n), np.arange(t0, t0 + n)] = True
-        for i in range(n):  # parents come first (BFS), so their rows are complete
-            if has_parent[i]:
-                mask[t0 + i] |= mask[pidx[i]]
+        new = mask[t0:]  # a view: the new rows
+        new[np.arange(n), t0 + np.arange(n)] = True
+        cached = np.flatnonzero(has_parent & (pidx < t0))
+        new[cached, :t0] = self.tree_mask[pidx[cached]]
+        # Parents among the new rows: their ancestors, one level of the batch per pass.
+        inner = np.flatnonzero(pidx >= t0)
+        while inner.size:
+            grown = new[inner] | new[pidx[inner] - t0]
+            if np.array_equal(grown, new[inner]):
+                break
+            new[inner] = grown
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(mask[t0:]))
+        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(new))
 
     def _ancestors(self, rows: np.ndarray) -> np.ndarray:
         """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
-        depth = int(rows.sum(axis=1).max()) if rows.size else 0
-        cols = np.argsort(~rows, axis=1, kind="stable")[:, :depth]
-        marked = np.take_along_axis(rows, cols, axis=1)
-        return np.where(marked, self.n_committed + cols, -1)
+        r, c = np.nonzero(rows)
+        counts = np.bincount(r, minlength=rows.shape[0])
+        out = np.full((rows.shape[0], int(counts.max()) if r.size else 0), -1, dtype=np.int64)
+        out[r, np.arange(r.size) - (np.cumsum(counts) - counts)[r]] = self.n_committed + c
+        return out
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)
@@ -233,6 +248,7 @@ class TreeKVCache:
             keep = self.pool.blocks_for(self.n_committed)
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
+            self._slots = _EMPTY
         else:
             t = self.num_tree_rows - n
             self._drop_tree_rows(np.arange(t, t + n))
@@ -321,6 +337,7 @@ class TreeKVCache:
         """Give every block back to the pool."""
         self.pool.release(self.blocks + self.tree_blocks)
         self.blocks, self.tree_blocks, self._free_tree_slots = [], [], []
+        self._slots = _EMPTY
         self.n_committed = 0
         self.known_tokens, self._keys, self._registered = None, [], 0
         self.tree_ids = self.tree_slots = _EMPTY
