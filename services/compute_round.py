@@ -272,16 +272,16 @@ class ComputeRounds:
         device, pacing included (None without rows: a round of prunes only)."""
         stage = self.stage
         runtime = stage.runtime
+        # every request's prunes in one pass (one K/V copy for all)
+        pruned = iter(runtime.prune_many([(w.st.request_id, p) for w in work for _, p in w.prunes]))
         for w in work:
-            try:
-                for _, prune in w.prunes:
-                    root = runtime.prune(w.st.request_id, prune)
-                    if w.st.verifier is not None:
-                        w.st.verifier.on_prune(prune)
-                    if root is not None:  # last stage: a held row became the root
-                        w.released.append(self.for_wire(root))
-            except RequestError as e:
-                w.error = e
+            for _, prune in w.prunes:
+                error = next(pruned)
+                if error is not None:
+                    w.error = w.error or error
+                    continue
+                if w.st.verifier is not None:
+                    w.st.verifier.on_prune(prune)
         self._check_finite(work)
         batch = [(w, i) for w in work if w.error is None for i in range(len(w.turns))]
         taken = [(w, w.turns[i][1].act) for w, i in batch if not w.turns[i][1].empty]

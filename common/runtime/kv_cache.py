@@ -62,6 +62,9 @@ class TreeKVCache:
         self.tree_blocks: list[int] = []
         self._free_tree_slots: list[int] = []
         self._committed_ids: set[int] = set()
+        # The committed rows' slots computed so far (`key_slots`), extended as rows are
+        # appended; forgotten where a block of the table is replaced or given back.
+        self._slots = _EMPTY
         # Prefix caching: the token ids the request commits first (given at open), the
         # keys of their full blocks, and how many leading blocks are in the cache.
         self.known_tokens: np.ndarray | None = None
@@ -87,8 +90,12 @@ class TreeKVCache:
 
     def key_slots(self) -> np.ndarray:
         """Slots of every cached row: the committed prefix in order, then the tree rows."""
-        committed = self.pool.slots(self.blocks, 0, self.n_committed)
-        return np.concatenate([committed, self.tree_slots])
+        known, n = self._slots.size, self.n_committed
+        if known > n:
+            self._slots = self._slots[:n]
+        elif known < n:
+            self._slots = np.concatenate([self._slots, self.pool.slots(self.blocks, known, n)])
+        return np.concatenate([self._slots, self.tree_slots])
 
     def _check_room(self, n: int) -> None:
         if self.length + n > self.capacity:
@@ -150,6 +157,7 @@ class TreeKVCache:
         self.pool.release(self.blocks[keep:])
         del self.blocks[keep:]
         self.n_committed = n
+        self._slots = _EMPTY
         self._registered = min(self._registered, n // bs)
 
     # -- growing -----------------------------------------------------------------------
@@ -182,36 +190,43 @@ class TreeKVCache:
         self._check_room(n)
         t0 = self.num_tree_rows
         all_ids = np.concatenate([self.tree_ids, node_ids])
-        if np.unique(all_ids).size != all_ids.size:
+        if ((node_ids[:, None] == all_ids[None, :]).sum(axis=1) > 1).any():
             raise BadInput("duplicate tree node ids")
-        order = np.argsort(all_ids, kind="stable")
-        at = np.searchsorted(all_ids[order], parent_ids).clip(max=all_ids.size - 1)
-        has_parent = all_ids[order][at] == parent_ids
-        pidx = np.where(has_parent, order[at], -1)
+        is_parent = parent_ids[:, None] == all_ids[None, :]
+        has_parent = is_parent.any(axis=1)
+        pidx = np.where(has_parent, is_parent.argmax(axis=1), -1)
         if (has_parent & (pidx >= t0 + np.arange(n))).any():
             raise BadInput("tree nodes must come after their parent (BFS order)")
-        orphans = parent_ids[~has_parent]
-        unknown = [int(p) for p in orphans if p != -1 and int(p) not in self._committed_ids]
+        orphans = parent_ids[~has_parent & (parent_ids != -1)].tolist()
+        unknown = [p for p in orphans if p not in self._committed_ids]
         if unknown:
             raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
         slots = self._take_tree_slots(n)
 
         mask = np.zeros((t0 + n, t0 + n), dtype=bool)
         mask[:t0, :t0] = self.tree_mask
-        mask[np.arange(t0, t0 + n), np.arange(t0, t0 + n)] = True
-        for i in range(n):  # parents come first (BFS), so their rows are complete
-            if has_parent[i]:
-                mask[t0 + i] |= mask[pidx[i]]
+        new = mask[t0:]  # a view: the new rows
+        new[np.arange(n), t0 + np.arange(n)] = True
+        cached = np.flatnonzero(has_parent & (pidx < t0))
+        new[cached, :t0] = self.tree_mask[pidx[cached]]
+        # Parents among the new rows: their ancestors, one level of the batch per pass.
+        inner = np.flatnonzero(pidx >= t0)
+        while inner.size:
+            grown = new[inner] | new[pidx[inner] - t0]
+            if np.array_equal(grown, new[inner]):
+                break
+            new[inner] = grown
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(mask[t0:]))
+        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(new))
 
     def _ancestors(self, rows: np.ndarray) -> np.ndarray:
         """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
-        depth = int(rows.sum(axis=1).max()) if rows.size else 0
-        cols = np.argsort(~rows, axis=1, kind="stable")[:, :depth]
-        marked = np.take_along_axis(rows, cols, axis=1)
-        return np.where(marked, self.n_committed + cols, -1)
+        r, c = np.nonzero(rows)
+        counts = np.bincount(r, minlength=rows.shape[0])
+        out = np.full((rows.shape[0], int(counts.max()) if r.size else 0), -1, dtype=np.int64)
+        out[r, np.arange(r.size) - (np.cumsum(counts) - counts)[r]] = self.n_committed + c
+        return out
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)
@@ -233,6 +248,7 @@ class TreeKVCache:
             keep = self.pool.blocks_for(self.n_committed)
             self.pool.release(self.blocks[keep:])
             del self.blocks[keep:]
+            self._slots = _EMPTY
         else:
             t = self.num_tree_rows - n
             self._drop_tree_rows(np.arange(t, t + n))
@@ -246,25 +262,44 @@ class TreeKVCache:
 
         CacheFull when the committed rows need a block and the pool has none; the dropped
         rows are gone then, the commit not done."""
+        self.pool.copy_rows(*self.prune_rows(commit_ids, keep_ids, horizon))
+
+    def prune_rows(
+        self, commit_ids: np.ndarray, keep_ids: np.ndarray, horizon: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`prune`'s edit of the tables, without its K/V copy: the committed nodes' rows
+        as (source slots, destination slots), for the caller to queue. A step's prunes
+        of every request then move their rows in one copy (`StageRuntime.prune_many`):
+        a destination is a committed slot and a source a tree slot of the same request,
+        and the copy reads every source before it writes, so a block one prune gives
+        back and the next takes reads as it was."""
+        n = self.num_tree_rows
         commit_rows = self._rows_of(commit_ids)
-        committed = member(self.tree_ids, commit_ids)
+        committed = np.zeros(n, dtype=bool)
+        committed[commit_rows] = True
         keep = member(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.
         ok = keep | committed
         keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(axis=1)
-        self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
-        if commit_rows.size:
+        if commit_rows.size == 0:
+            self._drop_tree_rows(np.flatnonzero(~keep))
+            return _EMPTY, _EMPTY
+        nc, m = self.n_committed, int(commit_rows.size)
+        need = self.pool.blocks_for(nc + m) - len(self.blocks)
+        if need > 0:  # the drop may give back the block the commit needs: drop first
+            self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
+            self.blocks += self.pool.allocate(need)
             commit_rows = self._rows_of(commit_ids)  # rows moved up by the drop
-            nc, m = self.n_committed, commit_rows.size
-            self.blocks += self.pool.allocate(self.pool.blocks_for(nc + m) - len(self.blocks))
-            self.pool.copy_rows(
-                self.tree_slots[commit_rows], self.pool.slots(self.blocks, nc, nc + m)
-            )
-            self.n_committed += m
-            self._committed_ids.update(int(i) for i in commit_ids)
-            self._drop_tree_rows(commit_rows)
+            keep = np.zeros(self.num_tree_rows, dtype=bool)
+            keep[commit_rows] = True
+            keep = ~keep
+        src = self.tree_slots[commit_rows]
+        self.n_committed += m
+        self._committed_ids.update(commit_ids.tolist())
+        self._drop_tree_rows(np.flatnonzero(~keep))  # the committed rows' slots go back
+        return src, self.pool.slots(self.blocks, nc, nc + m)
 
     def _drop_tree_rows(self, rows: np.ndarray) -> None:
         """Forget tree rows; their slots are free again, and tree blocks left empty go back."""
@@ -272,39 +307,37 @@ class TreeKVCache:
             return
         live = np.ones(self.num_tree_rows, dtype=bool)
         live[rows] = False
-        self._free_tree_slots += self.tree_slots[rows].tolist()
+        freed = self.tree_slots[rows]
         self.tree_ids, self.tree_slots = self.tree_ids[live], self.tree_slots[live]
-        self.tree_mask = self.tree_mask[live][:, live]
+        self.tree_mask = self.tree_mask[np.ix_(live, live)]
         bs = self.pool.block_size
-        used = set((self.tree_slots // bs).tolist())
-        empty = [b for b in self.tree_blocks if b not in used]
-        if empty:
-            gone = set(empty)
-            self.tree_blocks = [b for b in self.tree_blocks if b not in gone]
-            self._free_tree_slots = [s for s in self._free_tree_slots if s // bs not in gone]
-            self.pool.release(empty)
+        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
+        used = member(blocks, self.tree_slots // bs)
+        if used.all():
+            self._free_tree_slots += freed.tolist()
+            return
+        free = np.concatenate([np.asarray(self._free_tree_slots, dtype=np.int64), freed])
+        empty = blocks[~used]
+        self._free_tree_slots = free[~member(free // bs, empty)].tolist()
+        self.tree_blocks = blocks[used].tolist()
+        self.pool.release(empty.tolist())
 
     def _rows_of(self, node_ids: np.ndarray) -> np.ndarray:
+        """The tree rows of `node_ids`, in their order; BadInput if one is not cached."""
         if node_ids.size == 0:
             return _EMPTY
-        order = np.argsort(self.tree_ids, kind="stable")
-        at = np.searchsorted(self.tree_ids[order], node_ids).clip(
-            max=max(self.num_tree_rows - 1, 0)
-        )
-        found = (
-            self.tree_ids[order][at] == node_ids
-            if self.num_tree_rows
-            else np.zeros(node_ids.size, bool)
-        )
+        hits = self.tree_ids[None, :] == node_ids[:, None]
+        found = hits.any(axis=1)
         if not found.all():
             missing = node_ids[~found].tolist()
             raise BadInput(f"cannot commit node ids {missing[:4]}: not cached at this stage")
-        return order[at]
+        return hits.argmax(axis=1)
 
     def release(self) -> None:
         """Give every block back to the pool."""
         self.pool.release(self.blocks + self.tree_blocks)
         self.blocks, self.tree_blocks, self._free_tree_slots = [], [], []
+        self._slots = _EMPTY
         self.n_committed = 0
         self.known_tokens, self._keys, self._registered = None, [], 0
         self.tree_ids = self.tree_slots = _EMPTY

@@ -438,15 +438,43 @@ class StageRuntime:
     @torch.inference_mode()
     def prune(self, request_id: str, prune: Prune) -> None:
         """Pruning propagation: commit verified nodes, drop the rest of the pruned tree."""
-        commit_ids, keep_ids = host(prune.commit_ids), host(prune.keep_ids)
+        (result,) = self.prune_many([(request_id, prune)])
+        if result is not None:
+            raise result
+
+    @torch.inference_mode()
+    def prune_many(self, prunes: Sequence[tuple[str, Prune]]) -> list[RequestError | None]:
+        """A step's prunes of every request (each request's in order), as one pass: one
+        hold of the locks, the committed rows of all of them moved in one K/V copy (two
+        device operations per step, not per request), released requests' blocks given
+        back once. Per prune None, or the `RequestError` that request failed with (its
+        dropped rows gone, its commit not done), which fails no other."""
+        results: list[RequestError | None] = [None] * len(prunes)
+        sources: list[np.ndarray] = []
+        targets: list[np.ndarray] = []
+        failed: dict[str, RequestError] = {}  # a request's later prunes fail with it
         with self._compute_lock:
-            with self._lock:
-                cache = self._cache(request_id)  # under the compute lock: not freed meanwhile
             try:
-                cache.prune(commit_ids, keep_ids, prune.horizon)
+                for i, (request_id, prune) in enumerate(prunes):
+                    if request_id in failed:
+                        results[i] = failed[request_id]
+                        continue
+                    commit_ids, keep_ids = host(prune.commit_ids), host(prune.keep_ids)
+                    try:
+                        with self._lock:
+                            cache = self._cache(request_id)  # not freed meanwhile
+                        src, dst = cache.prune_rows(commit_ids, keep_ids, prune.horizon)
+                    except RequestError as e:
+                        results[i] = failed[request_id] = e
+                        continue
+                    sources.append(src)
+                    targets.append(dst)
+                    self._last_prune[request_id] = prune
             finally:
+                if sources:
+                    self.pool.copy_rows(np.concatenate(sources), np.concatenate(targets))
                 self._free_released_locked()
-            self._last_prune[request_id] = prune
+        return results
 
 
 def _input_rows(batch: Sequence[_Prepared]) -> np.ndarray | None:

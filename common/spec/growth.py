@@ -157,9 +157,10 @@ def merge_candidates(pool: Pool) -> Pool:
     if pid.size < 2:
         return pool
     key = pid * (int(tokens.max()) + 1) + tokens  # ids and tokens are >= 0
-    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
-    if uniq.size == key.size:
+    ordered = np.sort(key)
+    if (ordered[1:] != ordered[:-1]).all():  # no duplicate: the common case, no unique
         return pool
+    uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
     best = np.full(uniq.size, -np.inf, dtype=probs.dtype)
     np.maximum.at(best, inv, probs)
     source = np.zeros(uniq.size, dtype=np.int8)

@@ -52,19 +52,20 @@ def sibling_ranks(
     (0 = best; ties: the earlier candidate first), and the probability mass of the
     siblings ranked before it."""
     p = np.asarray(probs, dtype=np.float64)
+    parents = np.asarray(parents).reshape(-1)
     n = p.size
-    _, group = np.unique(np.asarray(parents), return_inverse=True)
-    group = group.reshape(-1)
-    order = np.lexsort((-p, group))  # by parent, then probability down, then position
-    g, p = group[order], p[order]
+    order = np.lexsort((-p, parents))  # by parent, then probability down, then position
+    g, p = parents[order], p[order]
     first = np.ones(n, dtype=bool)
     first[1:] = g[1:] != g[:-1]
     idx = np.arange(n)
     start = np.maximum.accumulate(np.where(first, idx, 0))
     before_all = np.cumsum(p) - p
     rank, before = np.empty_like(idx), np.empty_like(p)
+    group = np.empty_like(idx)
     rank[order] = idx - start
     before[order] = before_all - before_all[start]
+    group[order] = np.cumsum(first) - 1  # parents in increasing order, as np.unique's
     return group, rank, before
 
 

@@ -155,7 +155,7 @@ class SpecPipeController(Controller):
 
     def _pending_layers(self) -> int:
         tree = self.tree
-        return int(np.unique(tree.depth[tree.indices_of(self._pending)]).size)
+        return len(set(tree.depth[tree.indices_of(self._pending)].tolist()))
 
     def _flush(self) -> list[Command]:
         """Feed the pending group (the nodes of it still in the tree) into stage 1."""

@@ -230,6 +230,8 @@ class RequestDriver:
         """The next event; or, while none comes, a failure once a replica of the path
         is stalled or the path was silent for `stall_timeout`, or `HoldExpired` once a
         held verification may wait no longer."""
+        if not self.events.empty() and self.hold.until is None:
+            return self.events.get_nowait()  # the common case: no timer, no wait
         started = time.monotonic()
         stall = self.backends.stall_seconds
         stall_timeout = self.settings.stall_timeout
@@ -239,10 +241,14 @@ class RequestDriver:
             until = self.hold.until
             if until is not None:
                 wait = min(wait, until - now)
-            try:
-                return await asyncio.wait_for(self.events.get(), max(wait, 0.0))
-            except TimeoutError:
-                pass
+            if wait > 0:
+                try:
+                    # a deadline on this task (asyncio.wait_for would wrap the get in a
+                    # task of its own, per event and request)
+                    async with asyncio.timeout(wait):
+                        return await self.events.get()
+                except TimeoutError:
+                    pass
             now = time.monotonic()
             if until is not None and now >= until:
                 return HoldExpired()

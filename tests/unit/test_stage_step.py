@@ -86,7 +86,7 @@ def count_step(model_dir, layers: LayerRange, device: str, requests: int, prune_
     with DeviceOps(device) as counter:
         outs = stage.forward_many(acts)
     assert all(o is not None and not isinstance(o, Exception) for o in outs), outs
-    return counter, outs
+    return counter, outs, stage
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def count_step(model_dir, layers: LayerRange, device: str, requests: int, prune_
 def test_device_operations_do_not_grow_with_requests(llama_dir, layers, prune_late) -> None:
     counts = {}
     for requests in (1, 3, 12):
-        counter, outs = count_step(llama_dir, layers, "meta", requests, prune_late)
+        counter, outs, _ = count_step(llama_dir, layers, "meta", requests, prune_late)
         assert not counter.syncing
         counts[requests] = counter.ops
         if layers.is_last:  # final hidden states of every row (the late prune's dropped)
@@ -110,7 +110,7 @@ def test_operations_per_layer(llama_dir) -> None:
     totals = {}
     for requests in (1, 12):
         for end in (1, 3):
-            counter, _ = count_step(llama_dir, LayerRange(0, end, 5), "meta", requests)
+            counter, *_ = count_step(llama_dir, LayerRange(0, end, 5), "meta", requests)
             totals[requests, end] = sum(counter.ops.values())
     per_layer = (totals[1, 3] - totals[1, 1]) / 2
     assert per_layer == (totals[12, 3] - totals[12, 1]) / 2
@@ -123,7 +123,7 @@ def test_operations_per_layer(llama_dir) -> None:
 
 def test_a_step_on_the_cpu_runs_no_syncing_operation(llama_dir) -> None:
     for layers in (LayerRange(0, 2, 5), LayerRange(2, 5, 5)):
-        counter, _ = count_step(llama_dir, layers, "cpu", 4)
+        counter, *_ = count_step(llama_dir, layers, "cpu", 4)
         assert not counter.syncing, counter.syncing
 
 
@@ -153,3 +153,48 @@ def test_the_draft_grows_every_request_in_one_forward_on_its_paged_cache(llama_d
     for i in range(3):
         draft.release(f"r{i}")
     assert draft.runtime.info().cache_blocks_used == 0
+
+
+def prunes_of(requests: int, commit: int, keep: int) -> list[tuple[str, Prune]]:
+    return [(f"r{i}", Prune(t(commit), t(keep), horizon=keep)) for i in range(requests)]
+
+
+def test_a_step_of_prunes_runs_the_same_device_operations_for_any_number_of_requests(
+    llama_dir,
+) -> None:
+    """Every request's prunes of a step in one pass (`prune_many`): the committed rows of
+    all of them move in one K/V copy, whatever the number of requests."""
+    counts = {}
+    for requests in (1, 3, 12):
+        stage = count_step(llama_dir, LayerRange(0, 2, 5), "meta", requests)[2]
+        with DeviceOps("meta") as counter:
+            out = stage.prune_many(prunes_of(requests, 100, 101))
+        assert out == [None] * requests and not counter.syncing
+        assert all(stage._cache(f"r{i}").tree_ids.tolist() == [101] for i in range(requests))
+        counts[requests] = counter.ops
+    assert counts[1] == counts[3] == counts[12] and counts[1]["index_copy_"] == 2, counts
+
+
+def test_prunes_in_one_pass_equal_prunes_one_by_one(llama_dir) -> None:
+    """The next step's outputs after `prune_many` equal those after one `prune` per
+    request; a prune that fails (a node this stage does not hold) fails its request only."""
+    outputs = []
+    for together in (True, False):
+        torch.manual_seed(0)
+        stage = count_step(llama_dir, LayerRange(1, 3, 5), "cpu", 3)[2]
+        prunes = prunes_of(3, 100, 101)
+        prunes[1] = ("r1", Prune(t(7), t(), horizon=101))  # r1 holds no node 7
+        if together:
+            out = stage.prune_many(prunes)
+        else:
+            out = []
+            for rid, p in prunes:
+                try:
+                    out.append(stage.prune(rid, p))
+                except Exception as e:
+                    out.append(e)
+        assert out[0] is None and out[2] is None and "node ids [7]" in str(out[1])
+        step = [a for a in tree_step(stage, 3, 2, 102) if a.request_id != "r1"]
+        outputs.append([o.hidden for o in stage.forward_many(step)])
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)

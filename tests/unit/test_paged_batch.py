@@ -1,0 +1,65 @@
+"""The step's attention metadata (`paged_batch.pack`): every new row is laid out once, in
+the padded query position `out_rows` names, with its request's keys, prefix and
+ancestor columns, whether the step is one part or split by the budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from specpipe.common.runtime.block_pool import BlockPool
+from specpipe.common.runtime.kv_cache import NewRows
+from specpipe.common.runtime.paged_batch import pack
+
+
+class Costs:
+    """Attention bytes that make a small budget split requests into parts and groups."""
+
+    key_bytes, cell_bytes, query_bytes = 64, 8, 64
+
+    def attention_bytes(self, b: int, q: int, keys: int) -> int:
+        return b * (keys * self.key_bytes + q * keys * self.cell_bytes + q * self.query_bytes)
+
+
+def random_step(rng: np.random.Generator) -> tuple[list[NewRows], list[np.ndarray]]:
+    rows, keys = [], []
+    for _ in range(int(rng.integers(1, 7))):
+        m, nc, d = int(rng.integers(1, 9)), int(rng.integers(0, 40)), int(rng.integers(0, 4))
+        if d:  # tree rows: the prefix, and ancestors among the tree keys after it
+            prefix = np.full(m, nc)
+            anc = np.where(rng.random((m, d)) < 0.7, nc + rng.integers(0, 5, (m, d)), -1)
+        else:  # a prefill chunk: causal
+            prefix, anc = np.arange(nc + 1, nc + m + 1), np.empty((m, 0), dtype=np.int64)
+        rows.append(NewRows(rng.integers(0, 1000, m), prefix, anc))
+        keys.append(rng.integers(0, 1000, nc + 8))
+    return rows, keys
+
+
+@pytest.mark.parametrize("budget", [None, 3000, 20000])
+def test_every_new_row_is_laid_out_with_its_requests_keys_and_mask(budget) -> None:
+    rng = np.random.default_rng(budget or 0)
+    pool = BlockPool(1, 1, 4, 1 << 20)
+    for _ in range(40):
+        rows, keys = random_step(rng)
+        batch = pack(rows, keys, pool, Costs() if budget else None, budget)
+        out = batch.out_rows.numpy()
+        assert batch.write_slots.tolist() == np.concatenate([r.slots for r in rows]).tolist()
+        step_row, padded = 0, 0
+        where = []  # (part, position in it) of every padded query position, in order
+        for i, part in enumerate(batch.parts):
+            b, q, _ = part.shape
+            where += [(i, j) for j in range(b * q)]
+            padded += b * q
+        assert sorted(set(out.tolist())) == sorted(out.tolist()) and out.max() < padded
+        for r, (new, slots) in enumerate(zip(rows, keys, strict=True)):
+            for i in range(new.slots.size):
+                p, j = where[out[step_row]]
+                part = batch.parts[p]
+                _, q, length = part.shape
+                assert part.query_rows[j] == step_row
+                assert part.prefix[j] == new.prefix[i]
+                cols = [c for c in part.ancestors[j].tolist() if c != length]
+                assert cols == [c for c in new.ancestors[i].tolist() if c >= 0]
+                seen = part.key_slots.view(-1, length)[j // q].tolist()
+                need = max([int(new.prefix[i]), *[c + 1 for c in cols]])
+                assert seen[:need] == slots[:need].tolist(), r
+                step_row += 1
