@@ -51,6 +51,7 @@ from .calls import DriverError, LeaseClaim
 from .discovery import Discovery, StaticDiscovery
 from .driver import DriverSettings, RequestDriver
 from .keepalive import LeaseKeepAlive
+from .late_draft import StepWait
 from .path_session import first_path
 from .requests import (
     InvalidRequest,
@@ -105,7 +106,7 @@ class RouterEngine:
         security: Security | None = None,
         defaults: RequestDefaults | None = None,
         tuning: RouterTuning | None = None,
-        late_draft_wait: float = DEFAULT_LATE_DRAFT_WAIT_MS / 1e3,
+        late_draft_wait: float | None = DEFAULT_LATE_DRAFT_WAIT_MS,
         max_running_per_key: int | None = None,
         max_waiting_per_key: int = DEFAULT_MAX_WAITING_PER_TENANT,
         share_prefix_cache: bool = False,
@@ -116,10 +117,11 @@ class RouterEngine:
         that leave them unset (values or "auto"; None: the engine's fixed defaults, as
         embedders and tests want; `specpipe up` and `specpipe router` pass the flags',
         which tune); `tuning`: how `auto` settings are chosen; `late_draft_wait`: how
-        long a verification may wait for a late draft answer (seconds; 0: never, see
-        driver.py). Fair admission (common/spec/scheduler.py): an API key (or, without
-        keys, a client address) runs at most `max_running_per_key` requests (None: all
-        but an eighth of `max_running`) and queues at most `max_waiting_per_key`.
+        long a verification may wait for a late draft answer (seconds; 0: never; None:
+        one step as its requests measure it, late_draft.py). Fair admission
+        (common/spec/scheduler.py): an API key (or, without keys, a client address)
+        runs at most `max_running_per_key` requests (None: all but an eighth of
+        `max_running`) and queues at most `max_waiting_per_key`.
         `share_prefix_cache`: tenants may share cached prefixes (cache_scope.py).
         `stall_seconds`: how long a silent path is trusted (the watchdog);
         `replica_stall_seconds`: how long a replica may leave a health check
@@ -160,7 +162,9 @@ class RouterEngine:
         self.drivers: dict[str, RequestDriver] = {}
         self.defaults = defaults or RequestDefaults.fixed()
         self.tuning = tuning or RouterTuning()
-        self.late_draft_wait = late_draft_wait
+        self.late_draft_wait: float | StepWait = (
+            StepWait() if late_draft_wait is None else late_draft_wait
+        )  # one StepWait for all requests: a new one's first verification has a step
         # Admission and elastic width; the row budget may come from the stages ("auto").
         self.row_budget_spec = row_budget
         self.admission = Admission(
@@ -218,7 +222,7 @@ class RouterEngine:
             row_budget=s.row_budget,
             defaults=RequestDefaults(s.width, s.layers_per_step, s.token_source),
             tuning=RouterTuning(**{k: v for k, v in tuning.items() if v is not None}),
-            late_draft_wait=(s.late_draft_wait_ms or 0.0) / 1e3,
+            late_draft_wait=None if s.late_draft_wait_ms is None else s.late_draft_wait_ms / 1e3,
             discovery=discovery,
             replay_seconds=config.replay_seconds,
             max_replays=config.max_replays,
