@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,7 @@ class _Ask:
     answer: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    arrived: float = field(default_factory=time.monotonic)
 
     @property
     def rows(self) -> Activation:
@@ -389,6 +391,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             asks = self._take_batch()
             if not asks:  # every caller went away
                 continue
+            self._observe_batch(asks)
             try:
                 rows, ctx = batch_shape([a.rows for a in asks])
                 forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
@@ -414,6 +417,13 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                     ask.answer.set_exception(result)
                 else:
                     ask.answer.set_result(result)
+
+    def _observe_batch(self, asks: list[_Ask]) -> None:
+        m, now = self.metrics, time.monotonic()
+        m.batch_requests.observe(len(asks))
+        for a in asks:
+            if a.is_proposal:
+                m.queue_seconds.observe(now - a.arrived)
 
     def _take_batch(self) -> list[_Ask]:
         """The waiting work of the next forward: each request's first item (its calls

@@ -344,6 +344,17 @@ class DraftMetrics(_ComputeMetrics):
         super().__init__()
         self.queued = 0  # rows of calls waiting for the compute thread
         self._lock = threading.Lock()
+        # Batching: what one forward answers, and how long an ask waited for its forward
+        # (a late answer is one that waited behind another forward or a prefill).
+        self.batch_requests = self._histogram(
+            "draft_batch_requests", "Proposals and prefill chunks in one batched forward",
+            BATCH_BUCKETS,
+        )  # fmt: skip
+        self.queue_seconds = self._histogram(
+            "draft_queue_seconds",
+            "From a Propose call's arrival to the start of the forward that answers it",
+            WAIT_BUCKETS,
+        )
 
     def timed(self, fn: Callable, rows: int = 0) -> Callable:
         """`fn`, counted as queued until it runs and measured as one forward of `rows`
