@@ -14,7 +14,7 @@ published cost curves: the step the requests see holds the hops and the router, 
 needs no `--measure-costs`. Only steps no hold of the request stretched count (a hold
 delays the layers behind it: counted, the wait would feed on itself). Where the waits
 run out more than a third of the time (a draft late by more than a step: waiting then
-costs more than it saves), waiting pauses and is tried again after some 50 late answers.
+costs more than it saves), waiting pauses and is tried again after some 20 late answers.
 
 Pure (the clock is an argument): the driver hands every verification here instead of
 to the controller, calls `settle` after every other event, and wakes at `until`.
@@ -27,13 +27,16 @@ from specpipe.common.spec.controller import Controller
 from specpipe.common.spec.messages import Verified
 
 STEP_EMA = 0.2  # weight of the newest request's seconds per step in the running mean
-EXPIRED_EMA = 0.25  # weight of the newest hold's outcome (1: the wait ran out)
+# Weight of the newest hold's outcome (1: the wait ran out): small, since the requests
+# of a step are held together and a hiccup of the machine runs all their waits out at
+# once; a draft late by more than a step every time pauses waiting within 8 holds.
+EXPIRED_EMA = 0.05
 # A hold pays when its answer comes within the step (it saves the step less the wait)
 # and costs the step when it runs out: with waits of half a step on average, it pays
 # while fewer than a third run out.
 PAUSE_ABOVE = 1 / 3
 # While waiting pauses, each late answer passed by forgets this much of the run-outs:
-# waiting is tried again after some 50 of them (one wasted step per 50 at worst).
+# waiting is tried again after some 20 of them (one wasted step per 20 at worst).
 PAUSED_DECAY = 0.005
 
 
