@@ -159,7 +159,9 @@ def services_cells(args, target: Path, stages: int, costs: EmulatedCosts, cells)
     ctx = args.prompt_len + args.max_new_tokens
     priced = costs.at(ctx, stages)
     local = build_local(target, stages, ORACLE_DRAFT)
-    policy = {"late_draft_wait_ms": args.late_draft_wait_ms} if args.late_draft_wait_ms else {}
+    policy = (
+        {} if args.late_draft_wait_ms is None else {"late_draft_wait_ms": args.late_draft_wait_ms}
+    )
     dep = ServicesDeployment(
         target,
         "oracle",
@@ -600,7 +602,10 @@ def main() -> None:
     ap.add_argument("--measure", action="store_true", help="re-measure the batched Qwen curves")
     ap.add_argument("--views", default="measured,flat,flat_free_draft", help="gap: Qwen views")
     ap.add_argument(
-        "--late-draft-wait-ms", type=float, default=0.0, help="the router's late-draft wait"
+        "--late-draft-wait-ms",
+        type=float,
+        default=None,
+        help="the router's late-draft wait (default: the router's, one measured step; 0: none)",
     )
     ap.add_argument(
         "--batch-wait-ms",

@@ -51,7 +51,9 @@ DEFAULT_DRAIN_SECONDS = 25.0
 # them too (services/router/service.py and serve.py should: a note for their rewrite).
 DEFAULT_REPLAY_SECONDS = 10.0  # how long a request waits for another path when one is lost
 DEFAULT_PATH_STALL_SECONDS = 60.0  # a path silent this long counts as lost
-DEFAULT_LATE_DRAFT_WAIT_MS = 0.0  # a verification never waits for a late draft answer
+# None: a verification may wait up to one measured pipeline step for a late draft answer
+# (services/router/late_draft.py, StepWait)
+DEFAULT_LATE_DRAFT_WAIT_MS: float | None = None
 # The defaults of the modules that use them, repeated because those modules import torch
 # or grpc, which a command line's parser should not wait for (a test checks each equals
 # its origin): services/modelinfo.py, services/router/backends.py DEFAULT_STALL_SECONDS,
@@ -173,12 +175,12 @@ class SchedulingConfig(CommandLine):
         help="auto settings go by the time between tokens measured (wall, default) or by "
         "the cost curves over tokens per step (model)",
     )
-    late_draft_wait_ms: float = flag(
+    late_draft_wait_ms: float | None = flag(
         DEFAULT_LATE_DRAFT_WAIT_MS,
         parse=non_negative_float,
         help="how long a verification may wait for a draft answer that is late (lockstep "
-        "would have it): the tree keeps its layer instead of missing it (default "
-        "%(default)s: never wait)",
+        "would have it): the tree keeps its layer instead of missing it (default: one "
+        "pipeline step as measured, paused while the waits run out; 0: never wait)",
     )
 
     @classmethod

@@ -2,9 +2,11 @@
 
 The router calls it in order for each request (it awaits each call of a request before
 the next), so the service adds no ordering of its own: it runs each call's forward on
-its one compute thread and answers. `Propose` calls of different requests that wait
-while a forward runs are answered together by the next batched forward
-(`DraftRuntime.propose_many`, SpecPipe-DB); a forward that would miss requests whose
+its one compute thread and answers. `Propose` calls and prefill chunks (of `Open` and
+`Prefill`) of different requests that wait while a forward runs are answered together
+by the next batched forward (`DraftRuntime.step_many`, SpecPipe-DB: a prompt that
+arrives beside running requests takes no forward of its own, which would make their
+answers a forward late); a forward that would miss requests whose
 next call is due within a few milliseconds waits for them first, a bounded window
 (`StepAligner`, common/runtime/alignment.py; `--batch-wait-ms`). Without it the calls of
 one pipeline step, which reach the draft spread over the router's handling of the
@@ -46,7 +48,7 @@ from specpipe.common.runtime.validation import (
     check_tokens,
 )
 from specpipe.common.spec.growth import chunk_spans
-from specpipe.common.spec.messages import Candidates, Prune
+from specpipe.common.spec.messages import Activation, Candidates, Prune
 from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
@@ -69,13 +71,27 @@ MAX_ASKS_PER_REQUEST = 2
 
 @dataclass
 class _Ask:
-    """One Propose call waiting for the next batch."""
+    """One request's work waiting for the next batched forward: a Propose call (its
+    prunes first), or a prefill chunk (committed tokens; answered None once cached)."""
 
     prunes: list[Prune]
-    proposal: Proposal
+    work: Proposal | Activation
     answer: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    arrived: float = field(default_factory=time.monotonic)
+
+    @property
+    def rows(self) -> Activation:
+        return self.work.layer if isinstance(self.work, Proposal) else self.work
+
+    @property
+    def request_id(self) -> str:
+        return self.rows.request_id
+
+    @property
+    def is_proposal(self) -> bool:
+        return isinstance(self.work, Proposal)
 
 
 class _Refused(Exception):
@@ -146,7 +162,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         self.aligner = StepAligner(batch_wait, fraction=DRAFT_FRACTION, expect_recent=True)
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
-        self._asks: list[_Ask] = []  # Propose calls waiting for the next batch
+        self._asks: list[_Ask] = []  # proposals and prefill chunks waiting, in arrival order
         self._wake = asyncio.Event()
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
@@ -223,8 +239,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             )
 
     async def _prefill(self, context, rid: str, tokens: torch.Tensor, start: int, chunk: int):
-        """Cache verified tokens one chunk per compute call: other requests' calls run in
-        between, so one long prefill never stalls every draft user."""
+        """Cache verified tokens one chunk per batched forward, beside the proposals of
+        the running requests (one forward, not one of its own: a prompt that arrives
+        mid-step must not make their answers late) and other prompts' chunks."""
         chunk = min(chunk or DEFAULT_PREFILL_CHUNK, self.max_step_rows)
         engine = self.runtime.runtime
         s, stop = start, start + tokens.numel()
@@ -236,11 +253,17 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             cells = engine.step_budget.prefill_cells if alone else engine.prefill_pace.cells
             _, e = chunk_spans(s, stop, chunk, cells)[0]
             part = tokens[s - start : e - start]
-            n = part.numel()
-            prefill = paced_call(self.pacer, self.runtime.prefill, n, e, self.device)
-            await self._call(
-                context, _observed(prefill, engine, n * e), rid, part, s, chunk, rows=n
-            )
+            positions = torch.arange(s, e)
+            act = Activation(request_id=rid, positions=positions, committed=True, tokens=part)
+            if self._loop_task is None or self._loop_task.done():
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing")
+            ask = _Ask([], act)
+            self._asks.append(ask)
+            self._wake.set()
+            try:
+                await ask.answer
+            except (RequestError, FrameError, ValueError) as e:
+                await context.abort(status_code(e), f"draft: {e}")
             s = e
 
     async def Open(self, request, context) -> draft_pb2.OpenDraftResponse:
@@ -329,7 +352,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
             check_rows(layer, self.limits)
             check_tokens(layer, self.limits)
-            waiting = sum(a.proposal.layer.request_id == rid for a in self._asks)
+            waiting = sum(a.request_id == rid and a.is_proposal for a in self._asks)
             if waiting >= MAX_ASKS_PER_REQUEST:
                 raise Overloaded(
                     f"{waiting} Propose calls of this request wait already; at most "
@@ -347,16 +370,17 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return ask
 
     async def _propose_loop(self) -> None:
-        """Answer every waiting Propose with one batched forward, then the next batch
-        (once the aligner lets it start)."""
+        """Answer every waiting Propose and prefill chunk with one batched forward, then
+        the next batch (once the aligner lets it start)."""
         loop = asyncio.get_running_loop()
+        engine = self.runtime.runtime
         while True:
             if not self._asks:
                 self.aligner.started()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            ready = {a.proposal.layer.request_id for a in self._asks}
+            ready = {a.request_id for a in self._asks}
             hold = self.aligner.hold(ready, self.aligner.requests)
             if hold > 0:
                 self._wake.clear()
@@ -364,16 +388,25 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                     await asyncio.wait_for(self._wake.wait(), hold)
                 continue
             self.aligner.started(ready)
-            asks, self._asks = self._asks, []
+            asks = self._take_batch()
+            if not asks:  # every caller went away
+                continue
+            self._observe_batch(asks)
             try:
-                rows, ctx = batch_shape([a.proposal.layer for a in asks])
+                rows, ctx = batch_shape([a.rows for a in asks])
                 forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
                 timed = self.metrics.timed(
                     functools.partial(timed_call, self.device, forward), rows
                 )
                 results, seconds = await loop.run_in_executor(self._executor, timed, asks)
                 self.aligner.computed(seconds)
-                self.runtime.runtime.prefill_pace.observe(rows, 0, seconds)
+                decode = sum(len(a.rows) for a in asks if a.is_proposal)
+                cells = sum(
+                    len(a.rows) * (int(a.rows.positions.max()) + 1)
+                    for a in asks
+                    if not a.is_proposal
+                )
+                engine.prefill_pace.observe(decode, cells, seconds)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))
                 results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)
@@ -385,21 +418,42 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 else:
                     ask.answer.set_result(result)
 
-    def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError]:
+    def _observe_batch(self, asks: list[_Ask]) -> None:
+        m, now = self.metrics, time.monotonic()
+        m.batch_requests.observe(len(asks))
+        for a in asks:
+            if a.is_proposal:
+                m.queue_seconds.observe(now - a.arrived)
+
+    def _take_batch(self) -> list[_Ask]:
+        """The waiting work of the next forward: each request's first item (its calls
+        come one after another; a later one waits for the next forward)."""
+        batch: list[_Ask] = []
+        rest: list[_Ask] = []
+        taken: set[str] = set()
+        for ask in self._asks:
+            if ask.answer.done():  # its caller went away
+                continue
+            (rest if ask.request_id in taken else batch).append(ask)
+            taken.add(ask.request_id)
+        self._asks = rest
+        return batch
+
+    def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError | None]:
         """On the compute thread: each request's prunes, then one forward for all."""
         results: list[Candidates | RequestError | None] = [None] * len(asks)
+        failed: set[int] = set()
         for i, ask in enumerate(asks):
             try:
                 for prune in ask.prunes:
-                    self.runtime.prune(ask.proposal.layer.request_id, prune)
+                    self.runtime.prune(ask.request_id, prune)
             except RequestError as e:
                 results[i] = e
-        todo = [i for i, r in enumerate(results) if r is None]
-        for i, r in zip(
-            todo, self.runtime.propose_many([asks[i].proposal for i in todo]), strict=True
-        ):
+                failed.add(i)
+        todo = [i for i in range(len(asks)) if i not in failed]
+        for i, r in zip(todo, self.runtime.step_many([asks[i].work for i in todo]), strict=True):
             results[i] = r
-        return results  # type: ignore[return-value]
+        return results
 
     async def Prune(self, request, context) -> pb.PruneResponse:
         self.leases.renew(request.request_id)
@@ -489,17 +543,3 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             self._executor, self.runtime.release, request.request_id
         )
         return pb.ReleaseResponse(released=released)
-
-
-def _observed(prefill, engine, cells: int):
-    """`prefill`, its seconds told to the engine's `PrefillPace`."""
-
-    @functools.wraps(prefill)
-    def run(*args):
-        t0 = time.perf_counter()
-        try:
-            return prefill(*args)
-        finally:
-            engine.prefill_pace.observe(0, cells, time.perf_counter() - t0)
-
-    return run

@@ -253,6 +253,12 @@ class _ComputeMetrics(ServiceMetrics):
             f"{k}_forward_seconds", f"Time of one {k} forward (compute thread)", FORWARD_BUCKETS
         )
         self.rows = self._counter(f"{k}_rows", f"Rows the {k} computed")
+        self.batch_requests = self._histogram(
+            f"{k}_batch_requests",
+            "Requests in one batched forward (rounds with rows; the draft's: its proposals "
+            "and prefill chunks)",
+            BATCH_BUCKETS,
+        )
         self.requests = self._counter(f"{k}_requests", f"Requests opened on the {k}")
         self.busy_ratio = self._gauge(
             f"{k}_busy_ratio", f"Share of the last {self.meter.window:.0f} s the {k} computed"
@@ -306,12 +312,8 @@ class StageMetrics(_ComputeMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        # Step alignment (StepAligner): how many requests share a forward, and how long
-        # rounds waited for requests of the same step.
-        self.batch_requests = self._histogram(
-            "stage_batch_requests", "Requests in one batched forward (rounds with rows)",
-            BATCH_BUCKETS,
-        )  # fmt: skip
+        # Step alignment (StepAligner): how long rounds waited for requests of the same
+        # step (how many share a forward: `batch_requests`).
         self.batch_wait = self._histogram(
             "stage_batch_wait_seconds",
             "How long a round waited for requests of the same step (rounds that waited)",
@@ -344,6 +346,13 @@ class DraftMetrics(_ComputeMetrics):
         super().__init__()
         self.queued = 0  # rows of calls waiting for the compute thread
         self._lock = threading.Lock()
+        # How long an ask waited for its forward (a late answer is one that waited behind
+        # another forward or a prefill).
+        self.queue_seconds = self._histogram(
+            "draft_queue_seconds",
+            "From a Propose call's arrival to the start of the forward that answers it",
+            WAIT_BUCKETS,
+        )
 
     def timed(self, fn: Callable, rows: int = 0) -> Callable:
         """`fn`, counted as queued until it runs and measured as one forward of `rows`

@@ -29,6 +29,16 @@ A candidate whose first measurements cost more than `ELIMINATE_RATIO` times the 
 is not calibrated further and only every `FAR_REFRESH`-th re-measure visits it:
 exploring costs less.
 
+Calibration does not try every candidate (37 at S = 1): it searches the grid of widths
+and layers per step of each source from the middle (`_focus`): no draft and each
+source at the middle width and K first, then the untried neighbours (one width or one
+K away) of each source's best while that source is a contender, until the best of every
+contending source has no untried neighbour (time per token is about unimodal in W and
+K: wider and deeper trees gain hits until their rows cost more). Neighbours the cost
+curves say cannot win (a step's cost over K tokens, its most, above the best measured
+price) are skipped. Everything not tried is left to the re-measures. With requests in
+flight at once, the ones the search has no setting for calibrate the others.
+
 Measurements fade (halved once a setting has `window_tokens`), and every
 `explore_every`-th decision re-measures the setting seen least recently, so the choice
 follows the traffic. Pure state: the router feeds it decisions and finished requests.
@@ -85,6 +95,23 @@ class Setting:
         if not self.uses_tree:
             return "no draft (pp)"
         return f"W={self.width} K={self.layers_per_step} {self.token_source}"
+
+
+def _middle(values: Sequence[int]) -> int:
+    return values[(len(values) - 1) // 2]
+
+
+def _neighbours(s: Setting, widths: Sequence[int], layers: Sequence[int]) -> list[Setting]:
+    """The settings one width or one K away from `s` (same source)."""
+    out = []
+    w, k = widths.index(s.width), layers.index(s.layers_per_step)
+    for i in (w - 1, w + 1):
+        if 0 <= i < len(widths):
+            out.append(Setting(widths[i], s.layers_per_step, s.token_source))
+    for i in (k - 1, k + 1):
+        if 0 <= i < len(layers):
+            out.append(Setting(s.width, layers[i], s.token_source))
+    return out
 
 
 def auto_layers(stages: int) -> tuple[int, ...]:
@@ -176,6 +203,7 @@ class Tuner:
     pending: dict[Setting, int] = field(default_factory=dict)  # tokens asked, in flight
     decisions: int = 0
     space: TuningSpace | None = None  # the last request's candidates
+    searched: set[Setting] = field(default_factory=set)  # ever in calibration's search
 
     def __post_init__(self) -> None:
         if self.calibration_tokens < 1 or self.explore_every < 1 or self.window_tokens < 1:
@@ -235,15 +263,61 @@ class Tuner:
         bar = ELIMINATE_RATIO * min(costs.values())
         return [s for s in candidates if costs.get(s, 0.0) <= bar]
 
+    def _focus(self, candidates: list[Setting]) -> list[Setting]:
+        """The candidates calibration measures (see the module docstring): the seeds (no
+        draft; each source at the middle width and K), those measured already, and the
+        untried neighbours of each contending source's best (and of every one that was
+        its best: the search does not drop a direction it opened), less those the cost
+        curves rule out."""
+        priced = {s: c for s in candidates if (c := self.cost_per_token(s)) is not None}
+        bar = ELIMINATE_RATIO * min(priced.values()) if priced else None
+        widths = sorted({s.width for s in candidates if s.uses_tree})
+        layers = sorted({s.layers_per_step for s in candidates if s.uses_tree})
+        by_source: dict[TokenSource | str, list[Setting]] = {}
+        for s in candidates:
+            by_source.setdefault(s.token_source, []).append(s)
+        focus = self.searched | set(priced) | {s for s in candidates if s in self.measured}
+        for source, members in by_source.items():
+            if not members[0].uses_tree:
+                focus.update(members)
+                continue
+            seed = Setting(_middle(widths), _middle(layers), source)
+            focus.add(seed if seed in members else members[len(members) // 2])
+            best = min((s for s in members if s in priced), key=priced.get, default=None)
+            if best is None or bar is None or priced[best] > bar:
+                continue
+            for n in _neighbours(best, widths, layers):
+                if n in members and n not in priced and not self._cannot_win(n, priced):
+                    focus.add(n)
+        self.searched |= focus
+        return [s for s in candidates if s in focus]
+
+    def _cannot_win(self, s: Setting, priced: dict[Setting, float]) -> bool:
+        """Whether the cost curves put `s` above the best measured price even if every
+        step emitted its most tokens (K)."""
+        step = self.step_seconds(s)
+        if step is None or not priced or not s.uses_tree:
+            return False
+        best = min(priced.values())
+        if self.price == "model":
+            return False  # its prices are these curves: a measurement decides
+        return step / s.layers_per_step > best
+
     def _calibrate(self, candidates: list[Setting]) -> Decision | None:
-        """The least measured contender, while any is short of calibration tokens (those
-        in flight count: concurrent requests measure different settings)."""
+        """The least measured contender the search calibrates (`_focus`), while any is
+        short of calibration tokens (those in flight count: concurrent requests measure
+        different settings; with none left in the search, the other contenders)."""
 
         def seen(s: Setting) -> float:
             m = self.measured.get(s)
             return (m.tokens if m else 0.0) + self.pending.get(s, 0)
 
-        short = [s for s in self._contenders(candidates) if seen(s) < self.calibration_tokens]
+        contenders = self._contenders(candidates)
+        focus = self._focus(candidates)
+        short = [s for s in contenders if s in focus and seen(s) < self.calibration_tokens]
+        if not short and any(s not in self.measured for s in focus):
+            # the search waits for requests in flight: these calibrate the others
+            short = [s for s in contenders if seen(s) < self.calibration_tokens]
         if not short:
             return None
         s = min(short, key=seen)

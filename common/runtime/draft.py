@@ -82,6 +82,14 @@ def _top_children_many(
     return results  # type: ignore[return-value]
 
 
+def _computes(work: Proposal | Activation) -> bool:
+    """Whether a step's item has rows to run: a proposal that asks for children of some
+    node, or a prefill chunk of some token."""
+    if isinstance(work, Proposal):
+        return bool(len(work.layer)) and work.top_k > 0
+    return bool(len(work))
+
+
 class DraftRuntime:
     def __init__(
         self, model: StageModel, max_cache_bytes: int | None = None, prefix_caching: bool = True
@@ -132,18 +140,30 @@ class DraftRuntime:
     def propose_many(self, asks: Sequence[Proposal]) -> list[Candidates | RequestError]:
         """The next layer of several requests in one batched forward; a request whose
         rows are bad gets its error, the others their candidates."""
-        live = [a for a in asks if len(a.layer) and a.top_k > 0]
-        outs = iter(self.runtime.forward_many([a.layer for a in live]))
-        results: list[Candidates | RequestError] = []
+        return self.step_many(asks)  # type: ignore[return-value]
+
+    def step_many(
+        self, work: Sequence[Proposal | Activation]
+    ) -> list[Candidates | RequestError | None]:
+        """A step's work in one batched forward: proposals (their candidates) and prefill
+        chunks, committed tokens (None once cached), so a prompt that arrives beside
+        running requests costs them no forward of its own; a request whose rows are bad
+        gets its error, the others their results."""
+        acts = [w.layer if isinstance(w, Proposal) else w for w in work]
+        live = [i for i, w in enumerate(work) if _computes(w)]
+        outs = dict(zip(live, self.runtime.forward_many([acts[i] for i in live]), strict=True))
+        results: list[Candidates | RequestError | None] = []
         grown: list[tuple[int, tuple[Activation, int, float]]] = []
-        for ask in asks:
-            out = next(outs) if len(ask.layer) and ask.top_k > 0 else None
+        for i, w in enumerate(work):
+            out = outs.get(i)
             if isinstance(out, RequestError):
                 results.append(out)
+            elif not isinstance(w, Proposal):
+                results.append(None)  # the chunk is cached
             elif out is None:  # nothing asked, or every node was pruned before it got here
                 results.append(Candidates.empty())
             else:
-                grown.append((len(results), (out, ask.top_k, ask.temperature)))
+                grown.append((len(results), (out, w.top_k, w.temperature)))
                 results.append(Candidates.empty())
         if grown:
             for (i, _), children in zip(

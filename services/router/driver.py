@@ -57,7 +57,7 @@ from .backends import Backend, Backends, RequestPath
 from .calls import NO_LEASE, Deadline, DriverError, LeaseClaim
 from .events import Event, Failure, HoldExpired, Proposal
 from .frames import failure_of, verification_of
-from .late_draft import LateDraftHold
+from .late_draft import LateDraftHold, StepWait
 from .path_session import PathSession
 
 log = logging.getLogger(__name__)
@@ -74,17 +74,19 @@ class DriverSettings:
     # how long a path may make no progress (no frame: no verification, no stage's report
     # that it computed the request) before the request is replayed
     stall_timeout: float = DEFAULT_PATH_STALL_SECONDS
-    late_draft_wait: float = DEFAULT_LATE_DRAFT_WAIT_MS / 1e3  # late_draft.py (0: never hold)
+    # late_draft.py: seconds (0: never hold), or None: one measured step (a StepWait)
+    late_draft_wait: float | StepWait | None = DEFAULT_LATE_DRAFT_WAIT_MS
 
     @classmethod
     def of(cls, config: RouterConfig) -> DriverSettings:
         """A router configuration's (--replay-seconds, --max-replays,
         --path-stall-seconds, --late-draft-wait-ms); the call timeouts are fixed."""
+        wait_ms = config.scheduling.late_draft_wait_ms  # None: one StepWait for all requests
         return cls(
             replay_timeout=config.replay_seconds,
             stall_timeout=config.path_stall_seconds,
             max_replays=config.max_replays,
-            late_draft_wait=(config.scheduling.late_draft_wait_ms or 0.0) / 1e3,
+            late_draft_wait=StepWait() if wait_ms is None else wait_ms / 1e3,
         )
 
 

@@ -122,13 +122,13 @@ def test_emulated_deployment_is_exact_and_takes_the_modelled_time(emulated, mode
 SLOW_DRAFT = {"flat": {"stage": 0.01, "draft": 0.25}}  # every draft answer is late
 
 
-@pytest.fixture(scope="module", params=[None, 10000], ids=["no-wait", "wait"])
+@pytest.fixture(scope="module", params=[0, 10000, None], ids=["no-wait", "wait", "step-wait"])
 def slow_draft(request, llama_dir, tmp_path_factory):
     """2 stages paced to 10 ms a forward, the draft to 250 ms; the router waits up to
-    `param` ms for a late draft answer (None: never)."""
+    `param` ms for a late draft answer (0: never; None: its default, one step)."""
     path = tmp_path_factory.mktemp("costs") / "slow_draft.json"
     path.write_text(json.dumps(SLOW_DRAFT))
-    policy = {"late_draft_wait_ms": request.param} if request.param else {}
+    policy = {} if request.param is None else {"late_draft_wait_ms": request.param}
     dep = start(llama_dir, "oracle", 2, "tcp", emulate_costs=path, scheduling=policy)
     try:
         yield dep, request.param
@@ -139,14 +139,17 @@ def slow_draft(request, llama_dir, tmp_path_factory):
 def test_the_late_draft_policy(slow_draft) -> None:
     """Without a wait, verifications pass late draft answers by (the tree misses layers
     lockstep would have had: more steps); with one, every step waits for the draft as in
-    lockstep: the same steps as the engine. The tokens are plain decoding's either way."""
+    lockstep: the same steps as the engine; the default waits a step at most, and this
+    draft is late by 25 (its waits run out). The tokens are plain decoding's either way."""
     dep, wait = slow_draft
     prompt, n = [3, 14, 15, 92, 65], 12
     ref = reference_run(dep.target, dep.draft, 2, prompt, "specpipe", n)
     with Client(dep.router_address, timeout=120) as client:
         got = client.generate(prompt_ids=prompt, max_new_tokens=n, ignore_eos=True)
     assert got.token_ids == ref.output
-    if wait:
+    if wait is None:
+        assert got.stats["late_draft_answers"] > 0
+    elif wait:
         assert got.stats["late_draft_answers"] == 0
         assert got.stats["decode_steps"] == ref.stats.decode_steps
     else:

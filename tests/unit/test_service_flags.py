@@ -82,7 +82,7 @@ def test_router_defaults_are_named_once() -> None:
     settings = DriverSettings()
     assert settings.replay_timeout == RouterConfig().replay_seconds == DEFAULT_REPLAY_SECONDS
     assert settings.stall_timeout == DEFAULT_PATH_STALL_SECONDS
-    assert settings.late_draft_wait * 1e3 == SchedulingConfig().late_draft_wait_ms
+    assert settings.late_draft_wait == SchedulingConfig().late_draft_wait_ms
     assert SchedulingConfig().late_draft_wait_ms == DEFAULT_LATE_DRAFT_WAIT_MS
     replay = inspect.signature(PathSession).parameters["replay_timeout"].default
     assert replay == DEFAULT_REPLAY_SECONDS

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
-from specpipe.common.perf.tuning import NO_DRAFT, Setting, Tuner, TuningSpace
+from specpipe.common.perf.tuning import AUTO_WIDTHS, NO_DRAFT, Setting, Tuner, TuningSpace
 from specpipe.common.spec.options import TokenSource
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -229,3 +229,63 @@ def test_re_measures_visit_a_candidate_far_behind_only_now_and_then() -> None:
         tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[k])
     far = refreshes.count(2)
     assert len(refreshes) >= 28 and 1 <= far <= len(refreshes) // 4 + 1
+
+
+FULL_ONE_STAGE = TuningSpace(None, None, None, has_draft=True, stages=1)  # 37 candidates
+
+
+def _calibration(tuner: Tuner, space: TuningSpace, wall_per_token) -> list[Setting]:
+    """One request at a time until calibration ends: the settings it measured."""
+    tried = []
+    for _ in range(len(space.settings()) + 1):
+        d = tuner.decide(space, 64)
+        if not d.exploring:
+            return tried
+        s = d.setting
+        tried.append(s)
+        tuner.finish(s, 64, 64, 32, 32, 63 * wall_per_token(s))
+    raise AssertionError("calibration never ended")
+
+
+def _valley(w0: int, k0: int, source: TokenSource):
+    """A time per token lowest at (w0, k0, source), rising away from it."""
+
+    def wall(s: Setting) -> float:
+        if not s.uses_tree:
+            return 0.100
+        far = abs(AUTO_WIDTHS.index(s.width) - AUTO_WIDTHS.index(w0)) + abs(s.layers_per_step - k0)
+        return 0.04 + 0.01 * far + (0.0 if s.token_source == source else 0.05)
+
+    return wall
+
+
+@pytest.mark.parametrize("best", [(2, 4, DRAFT), (16, 2, DRAFT), (8, 3, TokenSource.HYBRID)])
+def test_calibration_searches_from_the_middle_and_finds_the_best(best) -> None:
+    """Of the 37 candidates at S = 1 calibration measures far fewer, and still ends on
+    the best where time per token falls towards it."""
+    assert len(FULL_ONE_STAGE.settings()) == 37
+    tuner = Tuner(None, calibration_tokens=64)
+    tried = _calibration(tuner, FULL_ONE_STAGE, _valley(*best))
+    assert len(tried) <= 24 and Setting.no_draft() in tried
+    d = tuner.decide(FULL_ONE_STAGE, 64)
+    assert d.setting == Setting(*best) and not d.exploring
+
+
+def test_a_search_never_chooses_worse_than_no_draft() -> None:
+    """Every tree is slower than no draft: the choice is no draft, after few requests."""
+    tuner = Tuner(None, calibration_tokens=64)
+    tried = _calibration(tuner, FULL_ONE_STAGE, lambda s: 0.2 if s.uses_tree else 0.1)
+    assert len(tried) <= 5
+    assert tuner.decide(FULL_ONE_STAGE, 64).setting == Setting.no_draft()
+
+
+def test_the_cost_curves_rule_out_settings_that_cannot_win() -> None:
+    """A setting whose step costs more than the best's price even at K tokens a step is
+    not calibrated."""
+    stage = CostCurve(ROWS, [0.01 * n for n in ROWS])  # 10 ms a row
+    tuner = Tuner(DeploymentCosts(128, [stage], None), calibration_tokens=64)
+    space = TuningSpace(None, 2, DRAFT, has_draft=True, stages=1)
+    tried = _calibration(tuner, space, lambda s: 0.1 if not s.uses_tree else 0.012 * s.width)
+    # W = 4 (the middle) measures 48 ms a token; W = 8's step costs 160 ms / 2 = 80 ms
+    assert Setting(4, 2, DRAFT) in tried and Setting(2, 2, DRAFT) in tried
+    assert Setting(8, 2, DRAFT) not in tried and Setting(16, 2, DRAFT) not in tried

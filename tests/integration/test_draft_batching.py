@@ -1,0 +1,84 @@
+"""The draft's batched forward takes prefill chunks beside proposals: a prompt that
+arrives while running requests wait for their answers costs them no forward of its
+own, and what it caches is what a prefill alone caches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import torch
+from specpipe.common.perf.emulate import EmulatedCosts, Pacer
+from specpipe.common.runtime.loader import load_draft
+from specpipe.common.spec.messages import Activation
+from specpipe.services.control import rows_to_proto
+from specpipe.services.draft_service import DraftService
+from specpipe.v1 import draft_pb2, draft_pb2_grpc
+
+FORWARD_SECONDS = 0.3  # every draft forward, paced: long enough for calls to queue
+
+
+def _layer(rid: str, position: int, token: int) -> Activation:
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    return Activation(rid, t([position]), node_ids=t([0]), parent_ids=t([-1]), tokens=t([token]))
+
+
+def _propose(rid: str, position: int, token: int) -> draft_pb2.ProposeRequest:
+    rows = rows_to_proto(_layer(rid, position, token))
+    return draft_pb2.ProposeRequest(request_id=rid, rows=rows, token_ids=[token], top_k=3)
+
+
+def test_prompts_join_the_proposals_forward_and_cache_the_same(llama_dir) -> None:
+    prompts = {"a": [5, 9, 2, 7], "b": [3, 1, 4, 1, 5, 9], "c": [2, 7, 1, 8], "d": [6, 2, 8]}
+    pacer = Pacer(EmulatedCosts.flat(FORWARD_SECONDS, FORWARD_SECONDS).draft(), "draft")
+
+    async def main() -> dict[str, draft_pb2.ProposeResponse]:
+        draft = DraftService(llama_dir, dtype="float64", pacer=pacer)
+        port = await draft.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = draft_pb2_grpc.DraftStub(channel)
+
+        def propose(rid: str):
+            p = prompts[rid]
+            return stub.Propose(_propose(rid, len(p) - 1, p[-1]))
+
+        def prefill(rid: str):
+            p = prompts[rid]
+            req = draft_pb2.PrefillDraftRequest(request_id=rid, token_ids=p[:-1])
+            return stub.Prefill(req)
+
+        try:
+            for rid, p in prompts.items():  # b and c open with their first token only
+                ids = p if rid in "ad" else p[:1]
+                await stub.Open(
+                    draft_pb2.OpenDraftRequest(request_id=rid, capacity=32, prompt_ids=ids)
+                )
+            before = _count(draft.metrics.forward_seconds.collect()[0])
+            # a's ask computes; meanwhile d's ask and b's and c's prompts arrive: one
+            # forward takes all three (not one each)
+            first = asyncio.ensure_future(propose("a"))
+            await asyncio.sleep(FORWARD_SECONDS / 3)
+            answers = await asyncio.gather(first, propose("d"), prefill("b"), prefill("c"))
+            assert _count(draft.metrics.forward_seconds.collect()[0]) - before == 2
+            got = {"a": answers[0], "d": answers[1]}
+            for rid in ("b", "c"):
+                got[rid] = await propose(rid)
+            return got
+        finally:
+            await channel.close()
+            await draft.stop()
+
+    got = asyncio.run(main())
+    alone = load_draft(llama_dir, torch.float64)  # each request prefilled on its own
+    for rid, p in prompts.items():
+        alone.open(rid, 32)
+        alone.prefill(rid, torch.tensor(p[:-1]), 0, 64)
+        want = alone.propose(_layer(rid, len(p) - 1, p[-1]), 3)
+        assert list(got[rid].token_ids) == want.tokens.tolist()
+        torch.testing.assert_close(
+            torch.tensor(list(got[rid].probs), dtype=want.probs.dtype), want.probs
+        )
+
+
+def _count(metric) -> float:
+    return next(s.value for s in metric.samples if s.name.endswith("_count"))
