@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
+from importlib.metadata import version
 from pathlib import Path
 
 from bfcl_eval.constants.enums import Language, ReturnFormat
@@ -40,6 +41,8 @@ OUT = ROOT / "benchmarks" / "results" / "bfcl"
 REGISTRY = "specpipe-FC"
 CATEGORIES = ("simple_python", "multiple")
 MODES = ("autoregressive", "specpipe")
+# what each answer's `speculation` object says that the report keeps
+SPECULATION_FIELDS = ("decode_steps", "new_tokens", "tokens_per_step", "hit_rate")
 
 
 class SpecPipeHandler(OpenAICompletionsHandler):
@@ -112,56 +115,54 @@ def entries(category: str, count: int) -> list[tuple[dict, dict, dict]]:
     return [(e, by_id[e["id"]], truth[e["id"]]) for e in sent]
 
 
-def run_mode(handler: SpecPipeHandler, mode: str, cases: dict[str, list]) -> dict:
-    """Every case through the server in `mode`, each scored by bfcl's checker."""
+def run_case(handler: SpecPipeHandler, mode: str, category: str, case: tuple) -> dict:
+    """One case through the server in `mode`, scored by bfcl's checker."""
+    sent, checked, truth = case
     handler.mode = mode
-    out: dict[str, list] = {}
-    for category, items in cases.items():
-        rows = out[category] = []
-        for sent, checked, truth in items:
-            t0 = time.monotonic()
-            result, meta = handler.inference(sent, include_input_log=False, exclude_state_log=True)
-            score = _evaluate_single_ast_entry(
-                handler,
-                sent["id"],
-                result,
-                truth["ground_truth"],
-                checked,
-                REGISTRY,
-                category,
-                language=Language.PYTHON,
-                return_format=ReturnFormat.PYTHON,
-            )
-            spec = handler.last_speculation or {}
-            rows.append(
-                {
-                    "id": sent["id"],
-                    "result": result,
-                    "valid": bool(score["valid"]),
-                    "error": score.get("error"),
-                    "output_tokens": meta["output_token_count"],
-                    "input_tokens": meta["input_token_count"],
-                    "wall_s": round(time.monotonic() - t0, 2),
-                    "tokens_per_step": spec.get("tokens_per_step"),
-                    "hit_rate": spec.get("hit_rate"),
-                }
-            )
-            mark = "ok " if score["valid"] else "BAD"
-            print(f"  {mode:14s} {sent['id']:18s} {mark} {json.dumps(result)[:110]}", flush=True)
-    return out
+    t0 = time.monotonic()
+    result, meta = handler.inference(sent, include_input_log=False, exclude_state_log=True)
+    score = _evaluate_single_ast_entry(
+        handler,
+        sent["id"],
+        result,
+        truth["ground_truth"],
+        checked,
+        REGISTRY,
+        category,
+        language=Language.PYTHON,
+        return_format=ReturnFormat.PYTHON,
+    )
+    spec = handler.last_speculation or {}
+    mark = "ok " if score["valid"] else "BAD"
+    print(f"  {mode:14s} {sent['id']:18s} {mark} {json.dumps(result)[:110]}", flush=True)
+    return {
+        "id": sent["id"],
+        "result": result,
+        "valid": bool(score["valid"]),
+        "error": score.get("error"),
+        "output_tokens": meta["output_token_count"],
+        "input_tokens": meta["input_token_count"],
+        "wall_s": round(time.monotonic() - t0, 2),
+        **{k: spec.get(k) for k in SPECULATION_FIELDS},
+    }
 
 
 def summary(rows: list[dict]) -> dict:
-    tokens = sum(r["output_tokens"] for r in rows)
-    steps = [r["output_tokens"] / r["tokens_per_step"] for r in rows if r["tokens_per_step"]]
+    steps = sum(r["decode_steps"] or 0 for r in rows)
+    tokens = sum(r["new_tokens"] or 0 for r in rows)
     return {
         "cases": len(rows),
         "correct": sum(r["valid"] for r in rows),
-        "accuracy": round(sum(r["valid"] for r in rows) / len(rows), 4),
-        "output_tokens": tokens,
+        "accuracy": round(sum(r["valid"] for r in rows) / len(rows), 4) if rows else None,
+        "output_tokens": sum(r["output_tokens"] for r in rows),
         "wall_s": round(sum(r["wall_s"] for r in rows), 1),
-        # over the whole category: its tokens over its pipeline steps
-        "tokens_per_step": round(tokens / sum(steps), 3) if steps else None,
+        # over the category: its tokens over its decode steps (the router's counts)
+        "tokens_per_step": round(tokens / steps, 3) if steps else None,
+        "hit_rate": round(
+            sum((r["hit_rate"] or 0) * (r["new_tokens"] or 0) for r in rows) / tokens, 3
+        )
+        if tokens
+        else None,
     }
 
 
@@ -222,7 +223,7 @@ def main() -> None:
     )
     ap.add_argument("--simple", type=int, default=15, help="first N of simple_python")
     ap.add_argument("--multiple", type=int, default=10, help="first N of multiple")
-    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--port", type=int, default=18736)
     ap.add_argument("--startup-timeout", type=float, default=900)
     ap.add_argument("--aiperf", help="aiperf executable (its own venv); none: no aiperf run")
@@ -245,25 +246,9 @@ def main() -> None:
     cases = {"simple_python": entries("simple_python", args.simple)}
     cases["multiple"] = entries("multiple", args.multiple)
 
+    path = Path(args.out) if args.out else OUT / f"{args.target}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     log_dir = Path(tempfile.mkdtemp(prefix="bfcl-up-"))
-    proc = serve(args, log_dir)
-    runs: dict[str, dict] = {}
-    aiperf = None
-    try:
-        for mode in MODES:
-            print(f"== {mode}", flush=True)
-            runs[mode] = run_mode(handler, mode, cases)
-        if args.aiperf:
-            aiperf = run_aiperf(args, Path(tempfile.mkdtemp(prefix="bfcl-aiperf-")))
-    finally:
-        proc.terminate()
-        proc.wait(120)
-
-    first, second = (runs[m] for m in MODES)
-    same = {
-        c: [r["id"] for r, s in zip(first[c], second[c], strict=True) if r["result"] != s["result"]]
-        for c in cases
-    }
     result = {
         "target": args.target,
         "draft": args.draft,
@@ -271,31 +256,58 @@ def main() -> None:
         "width": args.width,
         "layers_per_step": args.layers_per_step,
         "tool_call_parser": args.tool_call_parser,
-        "bfcl_eval": __import__("importlib.metadata").metadata.version("bfcl-eval"),
+        "bfcl_eval": version("bfcl-eval"),
         "request": "bfcl OpenAICompletionsHandler (FC): tools, tool_choice auto, temperature 0, "
         f"max_tokens {args.max_tokens}, extra body mode",
-        "summary": {m: {c: summary(runs[m][c]) for c in cases} for m in MODES},
-        "answers_differing_between_modes": same,
-        "aiperf": aiperf,
-        "cases": runs,
+        "order": "each case in every mode in turn (the later modes find its prompt cached)",
         "server_log_dir": str(log_dir),
     }
-    path = Path(args.out) if args.out else OUT / f"{args.target}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=str))
+    runs: dict[str, dict[str, list]] = {m: {c: [] for c in cases} for m in MODES}
+    proc = serve(args, log_dir)
+    try:
+        if (
+            args.aiperf
+        ):  # first: a few short requests, so the record has it however long the rest takes
+            try:
+                result["aiperf"] = run_aiperf(args, Path(tempfile.mkdtemp(prefix="bfcl-aiperf-")))
+            except (RuntimeError, StopIteration) as e:
+                result["aiperf"] = {"error": str(e)[-2000:]}
+            print("aiperf:", json.dumps(result["aiperf"])[:1500], flush=True)
+        for category, items in cases.items():
+            for case in items:
+                for mode in MODES:
+                    runs[mode][category].append(run_case(handler, mode, category, case))
+                report(result, runs, path)
+    finally:
+        proc.terminate()
+        proc.wait(120)
     print("\n| category | mode | correct | accuracy | output tokens | tokens/step | wall s |")
     print("|---|---|---|---|---|---|---|")
     for m in MODES:
         for c in cases:
             s = result["summary"][m][c]
             print(
-                f"| {c} | {m} | {s['correct']}/{s['cases']} | {s['accuracy']:.2f} | "
+                f"| {c} | {m} | {s['correct']}/{s['cases']} | {s['accuracy']} | "
                 f"{s['output_tokens']} | {s['tokens_per_step']} | {s['wall_s']} |"
             )
-    print(f"answers differing between modes: {same}")
-    if aiperf:
-        print("aiperf:", json.dumps({k: v for k, v in aiperf.items() if k != "files"}))
+    print(f"answers differing between modes: {result['answers_differing_between_modes']}")
     print(f"wrote {path}")
+
+
+def report(result: dict, runs: dict[str, dict[str, list]], path: Path) -> None:
+    """The result so far, written after every case (a long run keeps what it measured)."""
+    first, *others = (runs[m] for m in MODES)
+    result["summary"] = {m: {c: summary(rows) for c, rows in runs[m].items()} for m in MODES}
+    result["answers_differing_between_modes"] = {
+        c: [
+            r["id"]
+            for i, r in enumerate(rows)
+            if any(i < len(o[c]) and o[c][i]["result"] != r["result"] for o in others)
+        ]
+        for c, rows in first.items()
+    }
+    result["cases"] = runs
+    path.write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ chat template (`parser_for_template`) or named by the operator (`--tool-call-par
 A format here is a pair of markers around one call's JSON ({"name", "arguments"}):
 Hermes' and Qwen2.5's `<tool_call>{...}</tool_call>` (also Qwen3, Qwen2.5-Coder and
 the Hermes models). Everything outside the markers is the answer's text. Llama 3.x's
-JSON calls (the whole output is the calls) are `LeadingJsonFormat`. The markers
+JSON calls (the whole output is the calls) are `LeadingJsonFormat`; Qwen2.5-Coder's
+(Hermes' markers taught, bare or fenced JSON written) are `BareJsonFormat`. The markers
 must survive detokenization: the router decodes without special tokens, and Qwen's
 `<tool_call>` is an ordinary added token, so it does.
 
