@@ -18,6 +18,7 @@ specpipe's tokens per step. Writes benchmarks/results/bfcl/<target>.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -273,8 +274,9 @@ def main() -> None:
             except (RuntimeError, StopIteration) as e:
                 result["aiperf"] = {"error": str(e)[-2000:]}
             print("aiperf:", json.dumps(result["aiperf"])[:1500], flush=True)
-        for category, items in cases.items():
-            for case in items:
+        # categories in turn, case by case: a run cut short has some of each
+        for turn in itertools.zip_longest(*([(c, x) for x in xs] for c, xs in cases.items())):
+            for category, case in filter(None, turn):
                 for mode in MODES:
                     runs[mode][category].append(run_case(handler, mode, category, case))
                 report(result, runs, path)
