@@ -43,7 +43,9 @@ REGISTRY = "specpipe-FC"
 CATEGORIES = ("simple_python", "multiple")
 MODES = ("autoregressive", "specpipe")
 # what each answer's `speculation` object says that the report keeps
-SPECULATION_FIELDS = ("decode_steps", "new_tokens", "tokens_per_step", "hit_rate")
+SPECULATION_FIELDS = (
+    "decode_steps", "new_tokens", "tokens_per_step", "hit_rate", "token_source", "late_draft_answers"
+)  # fmt: skip
 
 
 class SpecPipeHandler(OpenAICompletionsHandler):
@@ -89,6 +91,8 @@ def serve(args, log_dir: Path) -> subprocess.Popen:
     cmd += ["--stages", str(args.stages), "--http-port", str(args.port)]
     cmd += ["--http-metrics", "open", "--tool-call-parser", args.tool_call_parser]
     cmd += ["--width", str(args.width), "--layers-per-step", str(args.layers_per_step)]
+    # the draft, not `auto`: auto measures each source on the first requests' tokens
+    cmd += ["--token-source", args.token_source]
     cmd += ["--log-dir", str(log_dir)]
     log = open(log_dir / "up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(["nice", "-n", "10", *cmd], stdout=log, stderr=subprocess.STDOUT)
@@ -217,6 +221,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--width", default="4", help="tree width (specpipe mode)")
     ap.add_argument("--layers-per-step", default="1", help="K (specpipe mode)")
+    ap.add_argument("--token-source", default="draft", help="specpipe mode's proposals")
     ap.add_argument(
         "--tool-call-parser",
         default="qwen2_5_coder",
@@ -257,6 +262,7 @@ def main() -> None:
         "width": args.width,
         "layers_per_step": args.layers_per_step,
         "tool_call_parser": args.tool_call_parser,
+        "token_source": args.token_source,
         "bfcl_eval": version("bfcl-eval"),
         "request": "bfcl OpenAICompletionsHandler (FC): tools, tool_choice auto, temperature 0, "
         f"max_tokens {args.max_tokens}, extra body mode",
