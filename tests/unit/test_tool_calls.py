@@ -470,3 +470,30 @@ def test_qwen2_5_coder_auto_answer_carries_the_fenced_call() -> None:
         for c in message["tool_calls"]
     ] == [("get_weather", {"city": "Paris"})]
     assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_qwen2_5_coder_fenced_calls_through_the_client_streamed_and_not(tool_codec) -> None:
+    """`--tool-call-parser qwen2_5_coder`: the fenced call Qwen2.5-Coder writes comes back
+    as a call, whole and streamed, and no piece of the fence shows as content."""
+    from .test_http_api import with_app
+
+    async def fn(client, router):
+        kw = dict(model="m", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+        full = await client.chat.completions.create(**kw)
+        chunks = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+        return full, chunks
+
+    full, chunks = with_app(
+        scripted(pieces(CODER_FENCED, 3)), fn, codec=tool_codec, tool_call_parser="qwen2_5_coder"
+    )
+    (c,) = full.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    content = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+    streamed = [t for chunk in chunks for ch in chunk.choices for t in ch.delta.tool_calls or []]
+    assert content == "" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        ("get_weather", {"city": "Paris"})
+    ]
