@@ -71,7 +71,13 @@ DEFAULT_HTTP_HEADER_TIMEOUT = 5.0
 DEFAULT_MAX_PRIORITY = 10  # a client's highest priority unless its API key says otherwise
 HTTP_METRICS_ACCESS = ("key", "open", "off")  # services/router/side_endpoints.py
 DEFAULT_HTTP_METRICS = HTTP_METRICS_ACCESS[0]
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "none")  # common/spec/tool_parsers.py
+TOOL_CALL_PARSERS = (
+    "auto",
+    "hermes",
+    "llama3_json",
+    "qwen2_5_coder",
+    "none",
+)  # common/spec/tool_parsers.py
 DEFAULT_TOOL_CALL_PARSER = TOOL_CALL_PARSERS[0]
 TRANSPORTS = ("ucx", "tcp")  # every data plane
 TCP = TRANSPORTS[1]
@@ -440,7 +446,8 @@ class RouterConfig(ServiceConfig):
         choices=TOOL_CALL_PARSERS,
         help="the model's tool-call format, parsed from its output for tool_choice 'auto' "
         "(auto: chosen from the chat template; hermes: Qwen2.5's and Hermes' <tool_call>; "
-        "llama3_json: Llama 3.x's JSON calls; none: 'auto' refused); default %(default)s",
+        "llama3_json: Llama 3.x's JSON calls; qwen2_5_coder: Hermes' and the bare or fenced "
+        "JSON calls Qwen2.5-Coder writes; none: 'auto' refused); default %(default)s",
     )
     api_keys: tuple[str, ...] = flag(
         (),

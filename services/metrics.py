@@ -384,6 +384,11 @@ def _safe(fn: Callable[[], float]) -> Callable[[], float]:
     return read
 
 
+# Why a request finished (`request_success`'s label): an end-of-sequence or stop
+# token or string, or max_tokens.
+FINISH_REASONS = ("stop", "length")
+
+
 class RouterMetrics(ServiceMetrics):
     """Requests, tokens, latencies and speculation of the router; its replicas."""
 
@@ -432,6 +437,10 @@ class RouterMetrics(ServiceMetrics):
         self.success = self._counter(
             "request_success", "Requests finished, by reason", ["finished_reason"]
         )
+        # Served at 0 from the start, as vLLM's: a scraper that reports the change over a
+        # run (aiperf) then counts the first request too, not from a series born at 1.
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
         self.failures = self._counter("request_failures", "Requests that failed or were cancelled")
         self.replays = self._counter(
             "replays", "Requests re-opened on another path after a replica was lost"

@@ -6,7 +6,8 @@ chat template (`parser_for_template`) or named by the operator (`--tool-call-par
 A format here is a pair of markers around one call's JSON ({"name", "arguments"}):
 Hermes' and Qwen2.5's `<tool_call>{...}</tool_call>` (also Qwen3, Qwen2.5-Coder and
 the Hermes models). Everything outside the markers is the answer's text. Llama 3.x's
-JSON calls (the whole output is the calls) are `LeadingJsonFormat`. The markers
+JSON calls (the whole output is the calls) are `LeadingJsonFormat`; Qwen2.5-Coder's
+(Hermes' markers taught, bare or fenced JSON written) are `BareJsonFormat`. The markers
 must survive detokenization: the router decodes without special tokens, and Qwen's
 `<tool_call>` is an ordinary added token, so it does.
 
@@ -52,23 +53,32 @@ class ToolCallFormat:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """A whole output: (its text outside the calls, the calls in order)."""
-        stream = ToolCallStream(self)
-        content, calls = stream.push(text)
-        tail, more = stream.flush()
-        return content + tail, calls + more
+        return parse_whole(self.stream(), text)
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
 
 
-def call_of_json(body: str) -> ToolCall | None:
+def parse_whole(
+    stream: ToolCallStream | LeadingJsonStream | BareJsonStream, text: str
+) -> tuple[str, list[ToolCall]]:
+    """A whole output through a format's stream: (its text, its calls): one reading
+    for whole and streamed answers."""
+    content, calls = stream.push(text)
+    tail, more = stream.flush()
+    return content + tail, calls + more
+
+
+def call_of_json(body: str, need_arguments: bool = False) -> ToolCall | None:
     """The call a JSON object {"name", "arguments"} (or "parameters") holds (None: not
-    one: no JSON object with a string name)."""
+    one: no JSON object with a string name; `need_arguments`: or without arguments)."""
     try:
         obj = json.loads(body)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    if need_arguments and not ({"arguments", "parameters"} & obj.keys()):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text
@@ -132,10 +142,7 @@ class LeadingJsonFormat:
     template_marks: tuple[str, ...] = ()
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        stream = self.stream()
-        content, calls = stream.push(text)
-        tail, more = stream.flush()
-        return content + tail, calls + more
+        return parse_whole(self.stream(), text)
 
     def stream(self) -> LeadingJsonStream:
         return LeadingJsonStream()
@@ -169,7 +176,7 @@ class LeadingJsonStream:
         return ("", calls) if calls else (text, [])
 
 
-def _json_calls(text: str) -> list[ToolCall] | None:
+def _json_calls(text: str, need_arguments: bool = False) -> list[ToolCall] | None:
     """The calls of JSON objects separated by whitespace or ";" (None: not calls only)."""
     decoder, at, calls = json.JSONDecoder(), 0, []
     while True:
@@ -181,27 +188,111 @@ def _json_calls(text: str) -> list[ToolCall] | None:
             _, end = decoder.raw_decode(text, at)
         except ValueError:
             return None
-        call = call_of_json(text[at:end])
+        call = call_of_json(text[at:end], need_arguments)
         if call is None:
             return None
         calls.append(call)
         at = end
 
 
+@dataclass(frozen=True)
+class BareJsonFormat:
+    """Calls written as bare JSON, beside a marked format: Qwen2.5-Coder's. Its chat
+    template teaches Hermes' `<tool_call>` markers (the same template as Qwen2.5's), but
+    the Coder models answer a call with the JSON object {"name", "arguments"} alone,
+    most often in one ```json fence (measured: benchmarks/README.md, "Function calling
+    with the Berkeley Function Calling Leaderboard"; vLLM issue 32926). Marked calls are
+    read as `marked` reads them; an output that starts with "{", "[" or "```" is held to
+    its end, then its calls if it is calls only (objects, an array of them, or either in
+    one fence; each with its arguments), else read as `marked` reads it."""
+
+    name: str
+    marked: ToolCallFormat
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        return parse_whole(self.stream(), text)
+
+    def stream(self) -> BareJsonStream:
+        return BareJsonStream(self.marked)
+
+
+FENCE = "```"
+
+
+class BareJsonStream:
+    """`BareJsonFormat` streamed: the marked format's stream unless the output starts
+    like JSON or a fence (held until that is known, then to the end)."""
+
+    def __init__(self, marked: ToolCallFormat) -> None:
+        self._marked = marked.stream()
+        self._held: list[str] = []
+        self._json: bool | None = None  # None: not known yet
+
+    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._json is False:
+            return self._marked.push(text)
+        self._held.append(text)
+        if self._json is None:
+            head = "".join(self._held).lstrip()
+            if not head or (len(head) < len(FENCE) and FENCE.startswith(head)):
+                return "", []
+            self._json = head.startswith(("{", "[", FENCE))
+            if not self._json:
+                held, self._held = "".join(self._held), []
+                return self._marked.push(held)
+        return "", []
+
+    def flush(self) -> tuple[str, list[ToolCall]]:
+        if self._json:
+            text, self._held = "".join(self._held), []
+            calls = _bare_calls(text)
+            if calls:
+                return "", calls
+            content, calls = self._marked.push(text)
+        else:
+            held, self._held = "".join(self._held), []
+            content, calls = self._marked.push(held)
+        tail, more = self._marked.flush()
+        return content + tail, calls + more
+
+
+def _bare_calls(text: str) -> list[ToolCall] | None:
+    """The calls of an output that is calls only: JSON objects with a name and
+    arguments, or an array of them, bare or in one fence (None: it is not)."""
+    body = text.strip()
+    if body.startswith(FENCE):
+        first_line_end = body.find("\n")
+        if first_line_end < 0 or not body.endswith(FENCE) or len(body) < 2 * len(FENCE):
+            return None
+        body = body[first_line_end + 1 : -len(FENCE)].strip()
+    if body.startswith("["):
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(items, list) or not items:
+            return None
+        calls = [call_of_json(json.dumps(item), need_arguments=True) for item in items]
+        return None if None in calls else calls  # type: ignore[return-value]
+    return _json_calls(body, need_arguments=True)
+
+
 HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>")
 LLAMA3_JSON = LeadingJsonFormat(
     "llama3_json", ('"parameters": dictionary of argument name', "<|python_tag|>")
 )
-PARSERS: dict[str, ToolCallFormat | LeadingJsonFormat] = {
+QWEN2_5_CODER = BareJsonFormat("qwen2_5_coder", HERMES)
+PARSERS: dict[str, ToolCallFormat | LeadingJsonFormat | BareJsonFormat] = {
     HERMES.name: HERMES,
     LLAMA3_JSON.name: LLAMA3_JSON,
+    QWEN2_5_CODER.name: QWEN2_5_CODER,
 }
 AUTO = "auto"  # --tool-call-parser: choose from the chat template
 NONE = "none"  # --tool-call-parser: no format (tool_choice "auto" refused)
 PARSER_CHOICES = (AUTO, *PARSERS, NONE)
 
 
-ToolParser = ToolCallFormat | LeadingJsonFormat
+ToolParser = ToolCallFormat | LeadingJsonFormat | BareJsonFormat
 
 
 def parser_for_template(template: str | None) -> ToolParser | None:

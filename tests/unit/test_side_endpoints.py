@@ -134,3 +134,22 @@ def test_metrics_on_the_http_port_as_the_operator_chooses(access) -> None:
         and "specpipe:prompt_tokens_total 7.0" in with_key[1]
     )
     assert without[0] == (200 if access == "open" else 401)
+
+
+def test_request_success_is_served_at_zero_before_any_request() -> None:
+    """A scraper that reports the change over a run (aiperf's server metrics) must see the
+    series at 0 before the first request finishes, as vLLM serves it."""
+    from prometheus_client import generate_latest
+    from specpipe.services.metrics import VllmNames
+
+    metrics = RouterMetrics()
+    text = generate_latest(metrics.registry).decode()
+    for reason in ("stop", "length"):
+        assert f'specpipe:request_success_total{{finished_reason="{reason}"}} 0.0' in text
+    (family,) = [f for f in VllmNames(metrics).collect() if f.name == "vllm:request_success"]
+    assert {
+        (s.labels["finished_reason"], s.value) for s in family.samples if s.name.endswith("_total")
+    } == {
+        ("stop", 0.0),
+        ("length", 0.0),
+    }

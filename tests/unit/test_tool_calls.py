@@ -409,3 +409,91 @@ def test_llama3_json_calls_are_the_whole_output() -> None:
         "get_time",
     ]
     assert answer.finish_reason("stop") == "tool_calls"
+
+
+CODER_FENCED = (
+    '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+)
+
+
+def test_qwen2_5_coder_calls_are_bare_or_fenced_json_or_marked() -> None:
+    """Qwen2.5-Coder answers a call as bare JSON, mostly fenced (seen on bfcl's cases)."""
+    from specpipe.common.spec.tool_parsers import QWEN2_5_CODER
+
+    get_time = ToolCall("get_time", "{}")
+    assert QWEN2_5_CODER.parse(CODER_FENCED) == ("", [PARIS])
+    assert QWEN2_5_CODER.parse("\n" + CODER_FENCED + "\n") == ("", [PARIS])
+    assert QWEN2_5_CODER.parse('```\n{"name": "get_time", "arguments": {}}\n```')[1] == [get_time]
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "get_time", "arguments": {}}'
+    assert QWEN2_5_CODER.parse(bare) == ("", [PARIS, get_time])
+    array = '```json\n[{"name": "get_weather", "arguments": {"city": "Paris"}}]\n```'
+    assert QWEN2_5_CODER.parse(array) == ("", [PARIS])
+    assert QWEN2_5_CODER.parse(QWEN_TEXT) == HERMES.parse(QWEN_TEXT)  # Hermes' markers too
+    # Not calls only: text, as it was written.
+    for text in (
+        '```json\n{"name": "Bob", "age": 3}\n```',  # JSON without arguments: an answer
+        '```python\nprint("hi")\n```',
+        '```json\n{"name": "get_time", "arguments": {}}\n```\nDone.',
+        '{"name": "get_ti',
+        "[1, 2]",
+        "``",
+        "Sure: ```json\n{}\n```",
+    ):
+        assert QWEN2_5_CODER.parse(text) == (text, []), text
+    assert choose_parser("qwen2_5_coder", "") is QWEN2_5_CODER
+
+
+@given(cuts=st.lists(st.integers(0, len(CODER_FENCED)), max_size=8))
+def test_qwen2_5_coder_streamed_equals_whole(cuts) -> None:
+    from specpipe.common.spec.tool_parsers import QWEN2_5_CODER
+
+    for whole in (CODER_FENCED, QWEN_TEXT, "`` not a fence"):
+        bounds = sorted({0, len(whole), *(c for c in cuts if c < len(whole))})
+        stream = QWEN2_5_CODER.stream()
+        content, calls = "", []
+        for a, b in itertools.pairwise(bounds):
+            text, done = stream.push(whole[a:b])
+            assert "`" not in text or not whole.startswith("```")  # a fence is held
+            content, calls = content + text, calls + done
+        tail, more = stream.flush()
+        assert (content + tail, calls + more) == QWEN2_5_CODER.parse(whole)
+
+
+def test_qwen2_5_coder_auto_answer_carries_the_fenced_call() -> None:
+    from specpipe.common.spec.tool_parsers import QWEN2_5_CODER
+
+    answer = choice(parser=QWEN2_5_CODER).answer()
+    message = answer.message(CODER_FENCED)
+    assert message["content"] is None
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in message["tool_calls"]
+    ] == [("get_weather", {"city": "Paris"})]
+    assert answer.finish_reason("stop") == "tool_calls"
+
+
+def test_qwen2_5_coder_fenced_calls_through_the_client_streamed_and_not(tool_codec) -> None:
+    """`--tool-call-parser qwen2_5_coder`: the fenced call Qwen2.5-Coder writes comes back
+    as a call, whole and streamed, and no piece of the fence shows as content."""
+    from .test_http_api import with_app
+
+    async def fn(client, router):
+        kw = dict(model="m", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER])
+        full = await client.chat.completions.create(**kw)
+        chunks = [c async for c in await client.chat.completions.create(stream=True, **kw)]
+        return full, chunks
+
+    full, chunks = with_app(
+        scripted(pieces(CODER_FENCED, 3)), fn, codec=tool_codec, tool_call_parser="qwen2_5_coder"
+    )
+    (c,) = full.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    content = "".join(ch.delta.content or "" for chunk in chunks for ch in chunk.choices)
+    streamed = [t for chunk in chunks for ch in chunk.choices for t in ch.delta.tool_calls or []]
+    assert content == "" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in streamed] == [
+        ("get_weather", {"city": "Paris"})
+    ]
