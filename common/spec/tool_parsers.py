@@ -295,21 +295,29 @@ PARSER_CHOICES = (AUTO, *PARSERS, NONE)
 ToolParser = ToolCallFormat | LeadingJsonFormat | BareJsonFormat
 
 
-def parser_for_template(template: str | None) -> ToolParser | None:
-    """The format a chat template teaches its model (None: none SpecPipe knows)."""
+def parser_for_template(
+    template: str | None, model_names: tuple[str, ...] = ()
+) -> ToolParser | None:
+    """The format a chat template teaches its model (None: none SpecPipe knows).
+    Qwen2.5-Coder shares Qwen2.5's template but often writes its calls as bare or fenced
+    JSON without the markers (vLLM issue 32926), so a model named so (`model_names`: its
+    served id, its directory) gets the parser that reads both."""
     if not template:
         return None
     if HERMES.open in template:
-        return HERMES
+        coder = any("qwen2.5-coder" in n.lower() for n in model_names)
+        return QWEN2_5_CODER if coder else HERMES
     if any(mark in template for mark in LLAMA3_JSON.template_marks):
         return LLAMA3_JSON
     return None
 
 
-def choose_parser(flag: str, template: str | None) -> ToolParser | None:
+def choose_parser(
+    flag: str, template: str | None, model_names: tuple[str, ...] = ()
+) -> ToolParser | None:
     """`--tool-call-parser` (`PARSER_CHOICES`) applied to a model's chat template."""
     if flag == AUTO:
-        return parser_for_template(template)
+        return parser_for_template(template, model_names)
     if flag == NONE:
         return None
     try:

@@ -34,6 +34,7 @@ import json
 import logging
 import socket
 import time
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -181,9 +182,9 @@ class HttpApi:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         body.check()
-        tools = self._tool_choice(body)
         # The model is checked here, once: the engine takes the request for it.
         model = self._checked_model(body.model)
+        tools = self._tool_choice(body, model)
         ids = await self._chat_prompt(model, rendered_conversation(body.messages), tools)
         # OpenAI: without max_tokens, a chat completion may fill the context.
         default = max(1, model.max_positions - len(ids))
@@ -223,13 +224,14 @@ class HttpApi:
         except RequestFailed as e:
             raise ApiError.from_status(e.code, e.message) from None
 
-    def _tool_choice(self, body: ChatCompletionRequest) -> ToolChoice | None:
+    def _tool_choice(self, body: ChatCompletionRequest, model: ModelInfo) -> ToolChoice | None:
         """The request's function calling, checked (None: none)."""
         if body.tools is None and body.tool_choice is None:
             return None
         codec = self.engine.codec
         template = codec.chat_template_text if codec is not None else ""
-        parser = choose_parser(self.tool_call_parser, template)
+        names = (model.model_id, Path(self.engine.tokenizer_dir or "").name)
+        parser = choose_parser(self.tool_call_parser, template, names)
         tools = ToolChoice.of(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
         fmt = ResponseFormat.from_openai(body.response_format)  # checked by body.check()
         if tools is not None and tools.constrains and fmt.constrains:

@@ -93,7 +93,15 @@ def test_a_piece_that_may_begin_a_call_is_held_until_decided() -> None:
 
 
 def test_the_parser_is_chosen_from_the_template_or_named() -> None:
-    assert parser_for_template("{% for t in tools %}<tool_call>{% endfor %}") is HERMES
+    from specpipe.common.spec.tool_parsers import QWEN2_5_CODER
+
+    hermes = "{% for t in tools %}<tool_call>{% endfor %}"
+    assert parser_for_template(hermes) is HERMES
+    assert parser_for_template(hermes, ("Qwen2.5-7B-Instruct", "q7")) is HERMES
+    coder = ("served-name", "qwen2.5-coder-1.5b-instruct")  # its id set by --model-id
+    assert parser_for_template(hermes, coder) is QWEN2_5_CODER
+    assert choose_parser("auto", hermes, coder) is QWEN2_5_CODER
+    assert choose_parser("hermes", hermes, coder) is HERMES  # named: as named
     assert parser_for_template("{{ messages }}") is None and parser_for_template(None) is None
     assert choose_parser("hermes", "") is HERMES and choose_parser("none", "<tool_call>") is None
     with pytest.raises(ValueError, match="unknown tool-call parser"):
