@@ -64,6 +64,9 @@ from .transport.codec import Kind, empty_header
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 PROGRESS_SECONDS = 1.0  # a request's progress reports, at most one per this long
+# Rounds computed and not yet delivered, at most: beyond, the compute thread waits for the
+# event loop (a next hop that reads slowly holds the stage back, not its memory).
+MAX_UNDELIVERED = 4
 
 
 @dataclass
@@ -163,8 +166,12 @@ class ComputeRounds:
         (a bug) ends this too, and the stage fails what it holds."""
         loop = asyncio.get_running_loop()
         rounds: asyncio.Queue[Posted | BaseException] = asyncio.Queue()
+        room = threading.Semaphore(MAX_UNDELIVERED)
 
         def post(item: Posted | BaseException) -> None:
+            while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
+                if self._stopped:
+                    return
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
                 loop.call_soon_threadsafe(rounds.put_nowait, item)
 
@@ -178,6 +185,7 @@ class ComputeRounds:
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"{self.stage.name}: its compute thread died") from item
                 await self._delivered(*item)
+                room.release()
         finally:
             with self.inbox:
                 self._stopped = True
