@@ -200,7 +200,7 @@ class ComputeRounds:
         ready: Round | None = None
         try:
             while True:
-                work = self._next_round(wait=inflight is None)
+                work = self._next_round(inflight is None, self._running_for(inflight))
                 if work is None and inflight is None:
                     return  # stopped
                 ready = self._prepare(work) if work is not None else None
@@ -222,28 +222,45 @@ class ComputeRounds:
         or a device emulated by the pacer): then there is host work to overlap."""
         return self.stage.pacer is not None or self.stage.runtime.model.device.type != "cpu"
 
-    def _next_round(self, wait: bool) -> list[Work] | None:
-        """The next round, from the inbox: None when none is ready now and not `wait`, or
-        when stopped. A round that the aligner holds (requests of the same step expected
-        shortly) waits for them or for its window; prunes that arrive meanwhile make a
-        round at once (a prune may release a root the router waits for)."""
+    @staticmethod
+    def _running_for(r: Round | None) -> float:
+        """How much longer round `r` runs on its device, as far as the host knows without
+        waiting: an emulated device's rest of its modelled time; 0 otherwise (an
+        accelerator's next round is taken if its input is there when this one launched)."""
+        if r is None or r.done is None:
+            return 0.0
+        return max(r.done.at - r.done.clock(), 0.0)
+
+    def _next_round(self, wait: bool, patience: float = 0.0) -> list[Work] | None:
+        """The next round, from the inbox: None when stopped, or when none is ready within
+        `patience` seconds and not `wait` (the round in flight is done by then). A round
+        that the aligner holds (requests of the same step expected shortly) waits for
+        them or for its window; prunes that arrive meanwhile make a round at once (a
+        prune may release a root the router waits for)."""
+        until = time.perf_counter() + patience
         with self.inbox:
             while not self._stopped:
                 hold = self._hold()
                 if hold is None:  # nothing ready
                     self.stage.aligner.started()
                     self._held_since = None
-                    if not wait:
+                    if wait:
+                        self.inbox.wait()
+                    elif (rest := until - time.perf_counter()) > 0:
+                        self.inbox.wait(rest)
+                    else:
                         return None
-                    self.inbox.wait()
                     continue
                 if hold > 0:
                     self._held_since = self._held_since or time.perf_counter()
                     if work := self._collect(turns=False):
                         return work
-                    if not wait:
+                    if wait:
+                        self.inbox.wait(hold)
+                    elif (rest := until - time.perf_counter()) > 0:
+                        self.inbox.wait(min(hold, rest))
+                    else:
                         return None
-                    self.inbox.wait(hold)
                     continue
                 if self._held_since is not None:
                     self.stage.metrics.batch_wait.observe(time.perf_counter() - self._held_since)

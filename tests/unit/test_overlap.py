@@ -46,8 +46,10 @@ def _add(svc: StageService, rid: str, seq: int, act: Activation, after: int = 0)
         svc.rounds.wake()
 
 
-def _prefill_and_root(rid: str) -> Activation:
-    return Activation(rid, t(0, 1, 2), committed=True, tokens=t(5, 9, 13))
+def _start(svc: StageService, rid: str) -> None:
+    """A request's prompt (its last token, 13, the first root): activations 0 and 1."""
+    _add(svc, rid, 0, Activation(rid, t(0, 1), committed=True, tokens=t(5, 9)))
+    _add(svc, rid, 1, _layer(rid, (2,), (0,), (-1,), (13,)))
 
 
 def _layer(rid: str, positions, nodes, parents, tokens) -> Activation:
@@ -63,24 +65,22 @@ def test_a_round_reads_the_device_only_where_it_hands_its_outputs_on(llama_dir) 
 
     async def main() -> None:
         svc = _whole_model(llama_dir)
-        rounds = svc.rounds
-        reads = DeviceReads([])
+        rounds, runtime = svc.rounds, svc.runtime
+        if not runtime.pool.allocated:
+            runtime.pool.allocate_storage()
+        reads = DeviceReads([*runtime.model.parameters(), runtime.pool.k, runtime.pool.v])
         try:
             for rid in ("a", "b"):
                 await _open(svc, rid, "tcp://127.0.0.1:9")
-                _add(svc, rid, 0, _prefill_and_root(rid))
+                _start(svc, rid)
             turns = [
-                lambda rid: _add(svc, rid, 1, _layer(rid, (3, 3), (0, 1), (-1, -1), (7, 11))),
+                lambda rid: _add(svc, rid, 2, _layer(rid, (3, 3), (1, 2), (0, 0), (7, 11))),
                 lambda rid: (
-                    svc._requests[rid].order.add_prune(1, Prune(t(), t(0, 1), horizon=1)),
-                    _add(svc, rid, 2, _layer(rid, (4,), (2,), (0,), (4,)), after=1),
+                    svc._requests[rid].order.add_prune(1, Prune(t(0), t(1), horizon=2)),
+                    _add(svc, rid, 3, _layer(rid, (4,), (3,), (1,), (4,)), after=1),
                 ),
             ]
             for n in range(len(turns) + 1):
-                if n == 1:  # storage allocated at the first forward: device memory from now
-                    runtime = svc.runtime
-                    reads = DeviceReads([*runtime.model.parameters(), runtime.pool.k,
-                                         runtime.pool.v])  # fmt: skip
                 if n:
                     for rid in ("a", "b"):
                         turns[n - 1](rid)
@@ -94,7 +94,7 @@ def test_a_round_reads_the_device_only_where_it_hands_its_outputs_on(llama_dir) 
                     reads.phase = "hand-off"
                     rounds._complete(r)
                 assert all(w.error is None for w in work), [w.error for w in work]
-                assert all(isinstance(w.outputs[-1], list) for w in work)  # verified
+                assert all(isinstance(w.outputs[-1], list) for w in work)  # verifications
         finally:
             await svc.stop()
         assert reads.in_phase("prepare") == [] and reads.in_phase("launch") == []
@@ -126,17 +126,17 @@ def test_the_compute_thread_takes_a_ready_round_while_the_event_loop_is_blocked(
             done = threading.Event()
 
             def feed() -> None:
-                _add(svc, "r", 0, _prefill_and_root("r"))
+                _start(svc, "r")
                 _until(lambda: len(ran) == 1)
-                _add(svc, "r", 1, _layer("r", (3, 3), (0, 1), (-1, -1), (7, 11)))
+                _add(svc, "r", 2, _layer("r", (3, 3), (1, 2), (0, 0), (7, 11)))
                 _until(lambda: len(ran) == 2)
                 done.set()
 
             threading.Thread(target=feed, daemon=True).start()
             assert done.wait(30)  # blocks the event loop until both rounds ran
             assert out.empty()  # nothing delivered yet: the loop took no turn
-            got = [await asyncio.wait_for(out.get(), 30) for _ in range(2)]
-            assert all(f.header.kind == pb.PAYLOAD_KIND_VERIFIED for f in got)
+            got = await asyncio.wait_for(out.get(), 30)  # the root's verification
+            assert got.header.kind == pb.PAYLOAD_KIND_VERIFIED
         finally:
             await svc.stop()
             await router.close()
@@ -150,3 +150,39 @@ def _until(condition, seconds: float = 20.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the compute thread did not take the round"
         time.sleep(0.005)
+
+
+def test_the_next_round_is_prepared_while_the_device_runs_the_current_one(llama_dir) -> None:
+    """On an asynchronous device (here an emulated one: a forward takes 0.5 s) a round
+    whose input arrives while the previous round runs is prepared before the previous
+    one is handed off; both are delivered, in order."""
+    from specpipe.common.perf.emulate import EmulatedCosts, Pacer
+
+    log: list[str] = []
+
+    async def main() -> None:
+        inbox = Inbox()
+        outs = [inbox.open(rid) for rid in ("a", "b")]
+        router = make_transport("tcp", inbox)
+        svc = _whole_model(llama_dir)
+        svc.pacer = Pacer(EmulatedCosts.flat(0.5).stage())
+        rounds = svc.rounds
+        prepare, hand_off = rounds._prepare, rounds._hand_off
+        rounds._prepare = lambda work: log.append("prepare") or prepare(work)
+        rounds._hand_off = lambda r: log.append("hand-off") or hand_off(r)
+        await svc.start()
+        try:
+            hop = await router.start()
+            for rid in ("a", "b"):
+                await _open(svc, rid, hop)
+            _start(svc, "a")
+            await asyncio.to_thread(_until, lambda: log == ["prepare"])
+            _start(svc, "b")
+            got = [await asyncio.wait_for(out.get(), 30) for out in outs]
+            assert all(f.header.kind == pb.PAYLOAD_KIND_VERIFIED for f in got)
+        finally:
+            await svc.stop()
+            await router.close()
+
+    asyncio.run(main())
+    assert log == ["prepare", "prepare", "hand-off", "hand-off"], log
