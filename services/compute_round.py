@@ -153,6 +153,7 @@ class ComputeRounds:
         self.inbox = threading.Condition()
         self._stopped = True
         self._held_since: float | None = None  # when the aligner began holding a round
+        self._prepare_seconds = 0.0  # a round's preparation on the host, running mean
         self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
@@ -200,7 +201,7 @@ class ComputeRounds:
         ready: Round | None = None
         try:
             while True:
-                work = self._next_round(inflight is None, self._running_for(inflight))
+                work = self._next_round(inflight is None, self._gather(inflight))
                 if work is None and inflight is None:
                     return  # stopped
                 ready = self._prepare(work) if work is not None else None
@@ -221,6 +222,17 @@ class ComputeRounds:
         """Whether a forward's launch returns before its device is done (an accelerator,
         or a device emulated by the pacer): then there is host work to overlap."""
         return self.stage.pacer is not None or self.stage.runtime.model.device.type != "cpu"
+
+    def _gather(self, r: Round | None) -> float:
+        """While round `r` runs on its device: let the next round's input gather until
+        just before `r` ends (its preparation's time before, twice the recent mean), so
+        the next round is as full as it would be taken after `r` and still prepared by
+        then; returns how long `r` still runs."""
+        rest = self._running_for(r)
+        if (early := rest - 2 * self._prepare_seconds) > 0:
+            time.sleep(early)  # the device is busy: nothing could start sooner
+            rest = self._running_for(r)
+        return rest
 
     @staticmethod
     def _running_for(r: Round | None) -> float:
@@ -371,6 +383,7 @@ class ComputeRounds:
         """A round's host work before its forward: the runtime's prunes (the verifier's
         wait for the hand-off, after the previous round's draws), the inputs' values
         checked, and the forward's inputs built (`StageRuntime.prepare_step`)."""
+        start = time.perf_counter()
         runtime = self.stage.runtime
         for w in work:
             try:
@@ -389,6 +402,7 @@ class ComputeRounds:
             r.step = runtime.prepare_step(r.acts)
         except Exception as e:  # the batched forward itself failed: every request in it
             r.failed = e
+        self._prepare_seconds += 0.2 * (time.perf_counter() - start - self._prepare_seconds)
         return r
 
     def _launch(self, r: Round) -> Round:
