@@ -152,12 +152,28 @@ class ComputeRounds:
         self.requests = requests
         self.inbox = threading.Condition()
         self._stopped = True
+        self._wake_pending = False  # a `_notify` is scheduled on the event loop
         self._held_since: float | None = None  # when the aligner began holding a round
-        self._prepare_seconds = 0.0  # a round's preparation on the host, running mean
+        # a round's host work before its launch and at its hand-off, running means
+        self._host_seconds = {"prepare": 0.0, "complete": 0.0}
         self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
-        """New work arrived (an activation or a prune)."""
+        """New work arrived (an activation or a prune). On the event loop the compute
+        thread is told once the loop's current callback is done: every part of a batch
+        frame or a control message is in the inbox first, and one round takes them all
+        (told at each, the thread took the first part alone: twice the forwards)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another thread
+            self._notify()
+            return
+        if not self._wake_pending:
+            self._wake_pending = True
+            loop.call_soon(self._notify)
+
+    def _notify(self) -> None:
+        self._wake_pending = False
         with self.inbox:
             self.inbox.notify()
 
@@ -226,13 +242,17 @@ class ComputeRounds:
     def _gather(self, r: Round | None) -> float:
         """While round `r` runs on its device: let the next round's input gather until
         just before `r` ends (its preparation's time before, twice the recent mean), so
-        the next round is as full as it would be taken after `r` and still prepared by
-        then; returns how long `r` still runs."""
+        the next round is as full as it would be taken after `r` and still prepared (and
+        `r` completed) by then; returns how long `r` still runs."""
         rest = self._running_for(r)
-        if (early := rest - 2 * self._prepare_seconds) > 0:
+        if (early := rest - 2 * sum(self._host_seconds.values())) > 0:
             time.sleep(early)  # the device is busy: nothing could start sooner
             rest = self._running_for(r)
         return rest
+
+    def _took(self, part: str, start: float) -> None:
+        mean = self._host_seconds[part]
+        self._host_seconds[part] = mean + 0.2 * (time.perf_counter() - start - mean)
 
     @staticmethod
     def _running_for(r: Round | None) -> float:
@@ -402,7 +422,7 @@ class ComputeRounds:
             r.step = runtime.prepare_step(r.acts)
         except Exception as e:  # the batched forward itself failed: every request in it
             r.failed = e
-        self._prepare_seconds += 0.2 * (time.perf_counter() - start - self._prepare_seconds)
+        self._took("prepare", start)
         return r
 
     def _launch(self, r: Round) -> Round:
@@ -432,13 +452,13 @@ class ComputeRounds:
         return r.work, r.failed
 
     def _complete(self, r: Round) -> float | None:
-        """The round's one wait for the device: on an emulated device its modelled end;
-        then the verifier's prunes and draws (last stage), the outputs made ready to send
-        and the forward's time learned (aligner, prefill pace)."""
+        """The round's one wait for the device: the verifier's prunes and draws (last
+        stage) and the outputs made ready to send (on an accelerator these wait for its
+        work; an emulated device's modelled time, which covers them, is waited for
+        after), then the forward's time learned (aligner, prefill pace)."""
         if r.failed is not None:
             raise r.failed
-        if r.done is not None:
-            r.done.wait()
+        start = time.perf_counter()
         stage = self.stage
         runtime = stage.runtime
         for w in r.work:
@@ -477,6 +497,9 @@ class ComputeRounds:
                 if w.st.sliced and out is not None and out.committed:
                     out, w.st.sliced = joined([*w.st.sliced, out]), []
                 w.outputs[i] = self.for_wire(out)
+        if r.done is not None:  # the emulated device's work (verification included) ends
+            self._took("complete", start)
+            r.done.wait()
         if not rows:
             return None
         with self.inbox:
