@@ -87,6 +87,7 @@ WAITS = (
     "selectors.py:EpollSelector.select",
     "selectors.py:_PollLikeSelector.select",  # the metrics server
     "perf/emulate.py:Pacer.forward",
+    "perf/emulate.py:Deadline.wait",  # the pacer's sleep at hand-off
     "futures/thread.py:_worker",
     "threading.py:Thread.run",
     "threading.py:Condition.wait",

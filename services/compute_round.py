@@ -1,16 +1,29 @@
 """A stage's compute rounds (SpecPipe-DB): one loop serves every request open on it.
 
 Each round takes whatever is ready, across all requests: the prunes that can be applied
-and the activations whose turn it is (`RequestOrder`, common/runtime/ordering.py). On
-the compute thread it applies the prunes, checks that the round's hidden states are
-finite (one read of the device for all), runs every ready activation in one batched
-forward (`StageRuntime.forward_many`; the last stage also verifies, `RequestVerifier`)
-and puts the outputs where the transport sends from; back on the event loop it sends
-each output to its request's next hop, the frames of all requests that share a hop
-together. A round that would miss requests expected within a few milliseconds waits
-for them first, a bounded window (`StepAligner`, common/runtime/alignment.py;
-`--batch-wait-ms`), which learns from the forward's device time (`clock.device_timer`).
-A request that fails fails alone.
+and the activations whose turn it is (`RequestOrder`, common/runtime/ordering.py). The
+rounds run on a compute thread of their own, which takes each round straight from the
+requests' orders (the inbox: the event loop adds activations and prunes as they arrive,
+under `ComputeRounds.inbox`, and wakes the thread), so a round whose input is already
+there never waits for a turn of the event loop. A round is:
+
+- *prepared*: its prunes applied, the hidden states checked finite (one read for all),
+  every ready activation's cache rows, positions and attention metadata built and queued
+  for the device (`StageRuntime.prepare_step`);
+- *launched*: one batched forward (`StageRuntime.run_step`; on an accelerator the
+  launches return before the device is done, and an emulated device, `--emulate-costs`,
+  is waited for only at hand-off: `Pacer.launch`);
+- *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
+  `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
+  posted to the event loop (one `call_soon_threadsafe`), which sends each output to its
+  request's next hop, the frames of all requests that share a hop together.
+
+Where launches are asynchronous the next round is prepared between a round's launch
+and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at
+launch) a round is handed off at once. A round that would miss requests expected within
+a few milliseconds waits for them first, a bounded window (`StepAligner`,
+common/runtime/alignment.py; `--batch-wait-ms`), which learns from the forward's device
+time (`clock.device_timer`). A request that fails fails alone.
 
 The stage service (`stage_service.py`) owns the requests, takes their work in (RPCs and
 frames) and fails them; this module only computes and sends. It is one module because a
@@ -23,18 +36,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from concurrent.futures import Executor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from specpipe.common.perf.clock import device_timer
-from specpipe.common.perf.emulate import Pacer, paced
+from specpipe.common.perf.clock import Elapsed, device_timer
+from specpipe.common.perf.emulate import Deadline, Pacer, launched
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.ordering import Pending, RequestOrder
-from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.runtime.stage import PreparedStep, StageRuntime
 from specpipe.common.runtime.validation import MAX_ROWS, nonfinite, nonfinite_message
 from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of, verify_many
 from specpipe.common.spec.messages import Activation, Prune, Verified
@@ -50,6 +64,9 @@ from .transport.codec import Kind, empty_header
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 PROGRESS_SECONDS = 1.0  # a request's progress reports, at most one per this long
+# Rounds computed and not yet delivered, at most: beyond, the compute thread waits for the
+# event loop (a next hop that reads slowly holds the stage back, not its memory).
+MAX_UNDELIVERED = 4
 
 
 @dataclass
@@ -77,11 +94,31 @@ class Work:
     st: StageRequest
     prunes: list[tuple[int, Prune]]
     turns: list[tuple[int, Pending]]
-    root_seq: int  # seq to send a root released by a prune under
-    released: list[Activation] = field(default_factory=list)  # roots the prunes released
     # one per turn: the next hop's activation, or (last stage, verifying) what it verified
     outputs: list[Activation | list[Verified] | None] = field(default_factory=list)
     error: RequestError | None = None
+
+
+@dataclass
+class Round:
+    """One round on the compute thread, from its preparation to its hand-off."""
+
+    work: list[Work]
+    batch: list[tuple[Work, int]]  # (work, turn index) of every request not failed
+    taken: list[tuple[Work, Activation]]  # the turns computed, in the forward's order
+    step: PreparedStep | None = None
+    outs: list | None = None  # the runtime's outputs, once launched
+    elapsed: Elapsed = field(default_factory=Elapsed)  # the forward's, on its device
+    done: Deadline | None = None  # an emulated device: when the forward ends
+    failed: Exception | None = None  # the round failed as a whole (its forward)
+
+    @property
+    def acts(self) -> list[Activation]:
+        return [a for _, a in self.taken]
+
+
+# What the compute thread posts to the event loop per round: its work and what failed it.
+Posted = tuple[list[Work], Exception | None]
 
 
 class Stage(Protocol):
@@ -103,50 +140,165 @@ class Stage(Protocol):
 
 class ComputeRounds:
     """The loop of a stage's rounds over its open requests (`requests`, the stage's own
-    dict), computing on `executor`, its one compute thread."""
+    dict), on a compute thread of its own. `inbox` guards the requests, their orders and
+    the stage's aligner: the event loop holds it to add work (then `wake`), the thread to
+    take a round."""
 
-    def __init__(self, stage: Stage, requests: dict[str, StageRequest], executor: Executor) -> None:
+    def __init__(self, stage: Stage, requests: dict[str, StageRequest]) -> None:
         self.stage = stage
         self.requests = requests
-        self.executor = executor
-        self._wake = asyncio.Event()  # new work for the loop
+        self.inbox = threading.Condition()
+        self._stopped = True
+        self._wake_pending = False  # a `_notify` is scheduled on the event loop
+        self._held_since: float | None = None  # when the aligner began holding a round
+        # a round's host work before its launch and at its hand-off, running means
+        self._host_seconds = {"prepare": 0.0, "complete": 0.0}
         self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
-        """New work arrived (an activation or a prune)."""
-        self._wake.set()
+        """New work arrived (an activation or a prune). On the event loop the compute
+        thread is told once the loop's current callback is done: every part of a batch
+        frame or a control message is in the inbox first, and one round takes them all
+        (told at each, the thread took the first part alone: twice the forwards)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another thread
+            self._notify()
+            return
+        if not self._wake_pending:
+            self._wake_pending = True
+            loop.call_soon(self._notify)
+
+    def _notify(self) -> None:
+        self._wake_pending = False
+        with self.inbox:
+            self.inbox.notify()
 
     async def run_forever(self) -> None:
-        """Each round: collect every request's ready work, run it on the compute thread as
-        one batch, send the outputs; sleep while nothing is ready. A round that the
-        aligner holds (requests of the same step expected shortly) waits for them or for
-        its window; prunes that arrive meanwhile are applied at once (a prune may release
-        a root the router waits for)."""
-        held_since: float | None = None
-        while True:
-            hold = self._hold()
-            if hold is None:  # nothing ready
-                self.stage.aligner.started()
-                held_since = None
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if hold > 0:
-                held_since = held_since or time.perf_counter()
-                self._wake.clear()
-                if work := self._collect(turns=False):
-                    await self._run(work)
+        """Start the compute thread and deliver each round it posts, in order, until
+        cancelled (the thread then stops after its round); a compute thread that died
+        (a bug) ends this too, and the stage fails what it holds."""
+        loop = asyncio.get_running_loop()
+        rounds: asyncio.Queue[Posted | BaseException] = asyncio.Queue()
+        room = threading.Semaphore(MAX_UNDELIVERED)
+
+        def post(item: Posted | BaseException) -> None:
+            while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
+                if self._stopped:
+                    return
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+                loop.call_soon_threadsafe(rounds.put_nowait, item)
+
+        self._stopped = False
+        threading.Thread(
+            target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
+        ).start()
+        try:
+            while True:
+                item = await rounds.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"{self.stage.name}: its compute thread died") from item
+                await self._delivered(*item)
+                room.release()
+        finally:
+            with self.inbox:
+                self._stopped = True
+                self.inbox.notify()
+
+    # -- on the compute thread ---------------------------------------------------------------
+    def _serve(self, post: Callable[[Posted | BaseException], None]) -> None:
+        """The compute thread: each round taken from the inbox as soon as it is ready;
+        where launches are asynchronous, the next round prepared before the current one
+        is handed off (module docstring)."""
+        inflight: Round | None = None
+        ready: Round | None = None
+        try:
+            while True:
+                work = self._next_round(inflight is None, self._gather(inflight))
+                if work is None and inflight is None:
+                    return  # stopped
+                ready = self._prepare(work) if work is not None else None
+                if inflight is not None:
+                    post(self._hand_off(inflight))
+                inflight, ready = ready and self._launch(ready), None
+                if inflight is not None and not self.asynchronous:
+                    post(self._hand_off(inflight))
+                    inflight = None
+        except BaseException as e:  # a bug: the stage fails every request it holds
+            log.exception("%s: the compute thread failed", self.stage.name)
+            if ready is not None and ready.step is not None:  # prepared, never launched
+                self.stage.runtime.abandon_step(ready.step)
+            post(e)
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a forward's launch returns before its device is done (an accelerator,
+        or a device emulated by the pacer): then there is host work to overlap."""
+        return self.stage.pacer is not None or self.stage.runtime.model.device.type != "cpu"
+
+    def _gather(self, r: Round | None) -> float:
+        """While round `r` runs on its device: let the next round's input gather until
+        just before `r` ends (its preparation's time before, twice the recent mean), so
+        the next round is as full as it would be taken after `r` and still prepared (and
+        `r` completed) by then; returns how long `r` still runs."""
+        rest = self._running_for(r)
+        if (early := rest - 2 * sum(self._host_seconds.values())) > 0:
+            time.sleep(early)  # the device is busy: nothing could start sooner
+            rest = self._running_for(r)
+        return rest
+
+    def _took(self, part: str, start: float) -> None:
+        mean = self._host_seconds[part]
+        self._host_seconds[part] = mean + 0.2 * (time.perf_counter() - start - mean)
+
+    @staticmethod
+    def _running_for(r: Round | None) -> float:
+        """How much longer round `r` runs on its device, as far as the host knows without
+        waiting: an emulated device's rest of its modelled time; 0 otherwise (an
+        accelerator's next round is taken if its input is there when this one launched)."""
+        if r is None or r.done is None:
+            return 0.0
+        return max(r.done.at - r.done.clock(), 0.0)
+
+    def _next_round(self, wait: bool, patience: float = 0.0) -> list[Work] | None:
+        """The next round, from the inbox: None when stopped, or when none is ready within
+        `patience` seconds and not `wait` (the round in flight is done by then). A round
+        that the aligner holds (requests of the same step expected shortly) waits for
+        them or for its window; prunes that arrive meanwhile make a round at once (a
+        prune may release a root the router waits for)."""
+        until = time.perf_counter() + patience
+        with self.inbox:
+            while not self._stopped:
+                hold = self._hold()
+                if hold is None:  # nothing ready
+                    self.stage.aligner.started()
+                    self._held_since = None
+                    if wait:
+                        self.inbox.wait()
+                    elif (rest := until - time.perf_counter()) > 0:
+                        self.inbox.wait(rest)
+                    else:
+                        return None
                     continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), hold)
-                continue
-            if held_since is not None:
-                self.stage.metrics.batch_wait.observe(time.perf_counter() - held_since)
-                held_since = None
-            work = self._collect()
-            self.stage.aligner.started([w.st.request_id for w in work if w.turns])
-            if work:
-                await self._run(work)
+                if hold > 0:
+                    self._held_since = self._held_since or time.perf_counter()
+                    if work := self._collect(turns=False):
+                        return work
+                    if wait:
+                        self.inbox.wait(hold)
+                    elif (rest := until - time.perf_counter()) > 0:
+                        self.inbox.wait(min(hold, rest))
+                    else:
+                        return None
+                    continue
+                if self._held_since is not None:
+                    self.stage.metrics.batch_wait.observe(time.perf_counter() - self._held_since)
+                    self._held_since = None
+                work = self._collect()
+                self.stage.aligner.started([w.st.request_id for w in work if w.turns])
+                if work:
+                    return work
+            return None
 
     def _hold(self) -> float | None:
         """How long the next round should still wait (0: start it; None: nothing ready)."""
@@ -176,14 +328,13 @@ class ComputeRounds:
         live = [st for st in self.requests.values() if not st.closed]
         for st in live:
             order, prunes, taken = st.order, [], []
-            root_seq = order.next_seq
             while (ready := order.next_prune()) is not None:
                 prunes.append(ready)
                 order.prune_applied(ready[0])
             while turns and not next_is_prefill(order) and (turn := order.next_activation()):
                 taken.append(turn)
             if prunes or taken:
-                work[st.request_id] = Work(st, prunes, taken, root_seq)
+                work[st.request_id] = Work(st, prunes, taken)
         if turns and live:
             self._take_prefill(live, work)
         return list(work.values())
@@ -234,76 +385,98 @@ class ComputeRounds:
     def _take(work: dict[str, Work], st: StageRequest, turn: tuple[int, Pending]) -> None:
         w = work.get(st.request_id)
         if w is None:
-            w = work[st.request_id] = Work(st, [], [], st.order.next_seq)
+            w = work[st.request_id] = Work(st, [], [])
         w.turns.append(turn)
 
-    async def _run(self, work: list[Work]) -> None:
-        """One round; a round that fails other than in its forward (a bug) fails its own
-        requests, with the traceback in the log, and the loop goes on serving the rest."""
-        try:
-            await self._round(work)
-        except Exception as e:
-            log.exception("%s: a round of %d requests failed", self.stage.name, len(work))
-            for w in work:
-                if not w.st.closed:
-                    self.stage.fail(w.st, f"{self.stage.name} failed: {type(e).__name__}: {e}")
-
-    async def _round(self, work: list[Work]) -> None:
-        """One round on the compute thread, then its outputs sent."""
-        loop = asyncio.get_running_loop()
-        name = self.stage.name
-        try:
-            seconds = await loop.run_in_executor(self.executor, self.compute, work)
-        except Exception as e:  # the batched forward itself failed: every request in it
-            rlog.error("batch", "%s: a batched forward of %d requests failed: %s: %s",
-                       name, len(work), type(e).__name__, e)  # fmt: skip
-            log.debug("the batch failed", exc_info=True)
-            for w in work:
-                self.stage.fail(w.st, f"{name} failed: {e}")
-            return
-        if seconds is not None:
-            self.stage.aligner.computed(seconds)
-        await self._deliver(work)
-
-    # -- on the compute thread ---------------------------------------------------------------
     def compute(self, work: list[Work]) -> float | None:
-        """On the compute thread: the round's prunes, then one forward over every ready
-        activation; outputs made ready to send. Returns the forward's seconds on the
-        device, pacing included (None without rows: a round of prunes only)."""
-        stage = self.stage
-        runtime = stage.runtime
+        """One round prepared, launched and completed on the calling thread (no event
+        loop: tests, and callers that time a round); the forward's seconds on the device,
+        pacing included (None without rows: a round of prunes only). Raises what failed
+        the round as a whole."""
+        return self._complete(self._launch(self._prepare(work)))
+
+    def _prepare(self, work: list[Work]) -> Round:
+        """A round's host work before its forward: the runtime's prunes (the verifier's
+        wait for the hand-off, after the previous round's draws), the inputs' values
+        checked, and the forward's inputs built (`StageRuntime.prepare_step`)."""
+        start = time.perf_counter()
+        runtime = self.stage.runtime
         # every request's prunes in one pass (one K/V copy for all)
         pruned = iter(runtime.prune_many([(w.st.request_id, p) for w in work for _, p in w.prunes]))
         for w in work:
-            for _, prune in w.prunes:
+            for _ in w.prunes:
                 error = next(pruned)
                 if error is not None:
                     w.error = w.error or error
-                    continue
-                if w.st.verifier is not None:
-                    w.st.verifier.on_prune(prune)
         self._check_finite(work)
         batch = [(w, i) for w in work if w.error is None for i in range(len(w.turns))]
-        taken = [(w, w.turns[i][1].act) for w, i in batch if not w.turns[i][1].empty]
-        acts = [a for _, a in taken]
+        r = Round(
+            work, batch, [(w, w.turns[i][1].act) for w, i in batch if not w.turns[i][1].empty]
+        )
+        try:
+            r.step = runtime.prepare_step(r.acts)
+        except Exception as e:  # the batched forward itself failed: every request in it
+            r.failed = e
+        self._took("prepare", start)
+        return r
+
+    def _launch(self, r: Round) -> Round:
+        """The round's forward, launched (on a CPU: computed)."""
+        if r.step is None:
+            return r
+        stage = self.stage
+        acts = r.acts
+        device = stage.runtime.model.device
+        try:
+            with (
+                stage.metrics.forward(sum(len(a) for a in acts)),
+                device_timer(device) as r.elapsed,
+                launched(stage.pacer, acts, device) as r.done,
+            ):
+                r.outs = stage.runtime.run_step(r.step)
+        except Exception as e:
+            r.failed = e
+        return r
+
+    def _hand_off(self, r: Round) -> Posted:
+        """The round completed (`_complete`), for the event loop to deliver."""
+        try:
+            self._complete(r)
+        except Exception as e:
+            r.failed = e
+        return r.work, r.failed
+
+    def _complete(self, r: Round) -> float | None:
+        """The round's one wait for the device: the verifier's prunes and draws (last
+        stage) and the outputs made ready to send (on an accelerator these wait for its
+        work; an emulated device's modelled time, which covers them, is waited for
+        after), then the forward's time learned (aligner, prefill pace)."""
+        if r.failed is not None:
+            raise r.failed
+        start = time.perf_counter()
+        stage = self.stage
+        runtime = stage.runtime
+        for w in r.work:
+            if w.st.verifier is not None and w.error is None:
+                try:
+                    for _, prune in w.prunes:
+                        w.st.verifier.on_prune(prune)
+                except RequestError as e:
+                    w.error = e
+        assert r.outs is not None
+        # the last stage's verification is part of its step (LM head and draws)
+        results = iter(self._outputs(r.taken, r.outs))
+        acts = r.acts
         rows = sum(len(a) for a in acts)
-        device = runtime.model.device
-        with (
-            stage.metrics.forward(rows),
-            device_timer(device) as elapsed,
-            paced(stage.pacer, acts, device),
-        ):
-            outs = runtime.forward_many(acts)
-            # the last stage's verification is part of its step (LM head and draws)
-            results = iter(self._outputs(taken, outs))
+        seconds = r.done.seconds if r.done is not None and rows else r.elapsed.seconds
         if rows:
             stage.metrics.batch_requests.observe(len({a.request_id for a in acts}))
             cells = sum(prefill_cells(a) for a in acts if a.committed)
             decode_rows = sum(len(a) for a in acts if not a.committed)
-            runtime.prefill_pace.observe(decode_rows, cells, elapsed.seconds)
-        for w in work:
+            runtime.prefill_pace.observe(decode_rows, cells, seconds)
+        for w in r.work:
             w.outputs = [None] * len(w.turns)
-        for w, i in batch:
+        for w, i in r.batch:
             if w.turns[i][1].empty:
                 continue
             out = next(results)
@@ -318,7 +491,14 @@ class ComputeRounds:
                 if w.st.sliced and out is not None and out.committed:
                     out, w.st.sliced = joined([*w.st.sliced, out]), []
                 w.outputs[i] = self.for_wire(out)
-        return elapsed.seconds if rows else None
+        if r.done is not None:  # the emulated device's work (verification included) ends
+            self._took("complete", start)
+            r.done.wait()
+        if not rows:
+            return None
+        with self.inbox:
+            stage.aligner.computed(seconds)
+        return seconds
 
     def _check_finite(self, work: list[Work]) -> None:
         """Hidden states that arrived with a NaN or an infinity fail their request alone
@@ -362,19 +542,46 @@ class ComputeRounds:
         this returns (`transport.batch.settled` orders what the event loop adds)."""
         if out is None:
             return None
-        for name in ("hidden", "logits"):
-            t = getattr(out, name)
-            if t is None or t.device.type == "cpu":
-                continue
-            if self.stage.transport.host_payloads:
-                setattr(out, name, t.cpu())
-                continue
-            setattr(out, name, t.contiguous())
-            if t.device.type == "cuda":
-                torch.cuda.current_stream(t.device).synchronize()
+        t = out.hidden
+        if t is None or t.device.type == "cpu":
+            return out
+        if self.stage.transport.host_payloads:
+            out.hidden = t.cpu()
+            return out
+        out.hidden = t.contiguous()
+        if t.device.type == "cuda":
+            torch.cuda.current_stream(t.device).synchronize()
         return out
 
     # -- back on the event loop --------------------------------------------------------------
+    async def _round(self, work: list[Work]) -> None:
+        """One round computed off the event loop and delivered (without the compute
+        thread's loop: tests)."""
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.compute, work)
+        except Exception as e:
+            await self._delivered(work, e)
+            return
+        await self._delivered(work, None)
+
+    async def _delivered(self, work: list[Work], failed: Exception | None) -> None:
+        """A round the compute thread handed off: its outputs sent, or, where it failed as
+        a whole (its forward, or a bug), every request in it failed, the others served on."""
+        name = self.stage.name
+        if failed is None:
+            try:
+                await self._deliver(work)
+                return
+            except Exception as e:
+                failed = e
+        rlog.error("batch", "%s: a round of %d requests failed: %s: %s",
+                   name, len(work), type(failed).__name__, failed)  # fmt: skip
+        log.debug("the round failed", exc_info=failed)
+        for w in work:
+            if not w.st.closed:
+                self.stage.fail(w.st, f"{name} failed: {failed}")
+
     async def _deliver(self, work: list[Work]) -> None:
         """Send a round's outputs: every request's frames in its order, and the frames of
         all requests that share a next hop together, as one frame where they fit
@@ -393,7 +600,7 @@ class ComputeRounds:
         if w.error is not None:
             self.stage.fail(st, f"{name} failed: {w.error}")
             return []
-        outs = [(w.root_seq, st.order.applied, root) for root in w.released]
+        outs: list[tuple[int, int, Activation | Verified | None]] = []
         for (seq, item), out in zip(w.turns, w.outputs, strict=True):
             if isinstance(item, Slice):
                 continue  # its output goes with the chunk's rest

@@ -140,7 +140,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, StageRequest] = {}
         self.aligner = StepAligner(batch_wait)  # when a round waits for more requests
-        self.rounds = ComputeRounds(self, self._requests, self._executor)
+        self.rounds = ComputeRounds(self, self._requests)
         self.transport: Transport = make_transport(
             transport_kind,
             self._on_frame,
@@ -357,8 +357,9 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         # in flight: nothing legitimate is numbered further ahead.
         st.order.window = capacity + 64
         st.order.max_pending_bytes = self._pending_bytes(capacity)
-        self._requests[rid] = st
-        self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
+        with self.rounds.inbox:  # the compute thread reads both
+            self._requests[rid] = st
+            self.aligner.opened(rid, joins=request.fills_pipeline, first=self.runtime.is_first)
         self.metrics.requests.inc()
         if self.runtime.prefix_caching:
             self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
@@ -442,10 +443,12 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             return grpc.StatusCode.NOT_FOUND, self._not_open(request.request_id)
         self.leases.renew(st.request_id)
         try:
-            st.order.add_prune(request.prune.seq, prune_from_proto(request.prune))
+            prune = prune_from_proto(request.prune)
+            with self.rounds.inbox:
+                st.order.add_prune(request.prune.seq, prune)
+                self.rounds.wake()
         except (FrameError, RequestError) as e:
             return status_code(e), str(e)
-        self.rounds.wake()
         return None
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
@@ -568,9 +571,10 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
 
     def _enqueue(self, st: StageRequest, seq: int, item: Pending) -> None:
-        st.order.add_activation(seq, item)
-        self.aligner.arrived(st.request_id)
-        self.rounds.wake()
+        with self.rounds.inbox:
+            st.order.add_activation(seq, item)
+            self.aligner.arrived(st.request_id)
+            self.rounds.wake()
 
     # -- failing a request -----------------------------------------------------------------
     def fail(self, st: StageRequest, message: str, unavailable: bool = False) -> None:
@@ -602,9 +606,10 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
 
     def _drop(self, rid: str) -> bool:
         self.leases.end(rid)
-        self.aligner.forget(rid)
-        st = self._requests.pop(rid, None)
-        if st is not None:
-            st.closed = True
+        with self.rounds.inbox:
+            self.aligner.forget(rid)
+            st = self._requests.pop(rid, None)
+            if st is not None:
+                st.closed = True
         released = self.model is not None and self.runtime.release(rid)
         return st is not None or released

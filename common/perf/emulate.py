@@ -208,6 +208,23 @@ def batch_shape(acts: Sequence[Activation]) -> tuple[int, int]:
 
 
 @dataclass
+class Deadline:
+    """When an emulated forward ends (`Pacer.launch`): `at` on the pacer's clock, and
+    its `seconds`, max(real, modelled)."""
+
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    at: float = float("-inf")
+    seconds: float = 0.0
+
+    def wait(self) -> None:
+        """Until the forward's modelled end (at once once it has passed)."""
+        rest = self.at - self.clock()
+        if rest > 0:
+            self.sleep(rest)
+
+
+@dataclass
 class Pacer:
     """Makes every forward take its modelled time: the caller runs the real forward
     inside `forward(rows, context)`, which then sleeps the rest on the calling thread."""
@@ -230,16 +247,28 @@ class Pacer:
         """The real forward runs in the block; its time is `device`'s (the one device
         timer, `clock.device_timer`, synchronized: the pacer measures each forward to
         sleep the rest of its modelled time)."""
-        if rows <= 0:  # nothing computed (a round of prunes only): not a forward
+        with self.launch(rows, context, device) as done:
             yield
+        done.wait()
+
+    @contextlib.contextmanager
+    def launch(
+        self, rows: int, context: int | None = None, device: torch.device | str = "cpu"
+    ) -> Iterator[Deadline]:
+        """As `forward`, on an emulated device whose launches are asynchronous: the real
+        forward runs in the block and the rest of its modelled time is waited for where
+        its outputs are handed on (`Deadline.wait`), so host work done in between
+        overlaps the emulated device's as it would a real one's."""
+        done = Deadline(self.clock, self.sleep)
+        if rows <= 0:  # nothing computed (a round of prunes only): not a forward
+            yield done
             return
         start = self.clock()
         with measuring_costs(), device_timer(device, self.clock) as elapsed:
-            yield
+            yield done
         real = elapsed.seconds
         modelled = self.cost(rows, context)
-        if real < modelled:
-            self.sleep(modelled - real)
+        done.at, done.seconds = self.clock() + max(modelled - real, 0.0), max(real, modelled)
         with self._lock:
             self.forwards += 1
             self.modelled_seconds += modelled
@@ -273,6 +302,16 @@ def paced(
     if pacer is None:
         return contextlib.nullcontext()
     return pacer.forward(*batch_shape(acts), device=device)
+
+
+def launched(
+    pacer: Pacer | None, acts: Sequence[Activation], device: torch.device | str = "cpu"
+) -> contextlib.AbstractContextManager[Deadline | None]:
+    """Around a batched forward of `acts` on `device` whose outputs are handed on later:
+    with a pacer, the forward's `Deadline` (wait for it at hand-off); None without one."""
+    if pacer is None:
+        return contextlib.nullcontext()
+    return pacer.launch(*batch_shape(acts), device=device)
 
 
 def paced_call(

@@ -55,7 +55,7 @@ class Pending:
     def nbytes(self) -> int:
         """Bytes of the activation's tensors (what waiting holds)."""
         a = self.act
-        return _nbytes(a.positions, a.node_ids, a.parent_ids, a.tokens, a.hidden, a.logits)
+        return _nbytes(a.positions, a.node_ids, a.parent_ids, a.tokens, a.hidden)
 
 
 @dataclass

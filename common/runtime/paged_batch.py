@@ -139,6 +139,12 @@ def _part(groups: Sequence[QueryGroup]) -> PartPlan:
     return PartPlan(tuple(groups), (len(groups), q, length), block)
 
 
+def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
+    """A host array on `device`, the copy queued without waiting for the device (a
+    blocking copy would wait for the step still running there)."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
 def pack(
     rows: Sequence[NewRows],
     key_slots: Sequence[np.ndarray],
@@ -183,7 +189,7 @@ def pack(
     flex_arrays = flex_metadata(rows, key_slots) if flex else []
 
     parts = [write, out_rows, *arrays, *flex_arrays]
-    flat = torch.from_numpy(np.concatenate(parts)).to(device, non_blocking=True)
+    flat = to_device(np.concatenate(parts), device)
     write_t, out_t, *tensors = flat.split([p.size for p in parts])
     flex_step = _flex_step(tensors[len(arrays) :], n, depth) if flex else None
     built = []

@@ -17,12 +17,13 @@ import torch
 from torch import Tensor
 
 from ..model.layers import StageModel
+from ..model.paged_attention import PagedBatch
 from ..spec.messages import Activation, Prune
 from ..spec.tree import member
 from .block_pool import BLOCK_SIZE, BlockPool
 from .errors import AlreadyOpen, BadInput, CacheFull, NotOpen, RequestError
 from .kv_cache import NewRows, TreeKVCache
-from .paged_batch import pack
+from .paged_batch import pack, to_device
 from .prefill_pace import PrefillPace
 from .prefix_hash import NO_SCOPE, CacheScope
 from .step_budget import DEFAULT_STEP_BYTES, StepBudget, StepCosts
@@ -76,6 +77,17 @@ class _Prepared:
             torch.from_numpy(self.parent_ids),
             **tensors,
         )
+
+
+@dataclass
+class PreparedStep:
+    """A step whose host work is done (`StageRuntime.prepare_step`): its requests' rows
+    in the cache, each forward's inputs built; `results` holds the requests that failed
+    or have nothing to run."""
+
+    results: list[StageOutput]
+    batch: list[_Prepared]
+    inputs: list[tuple[Tensor, Tensor, PagedBatch]]
 
 
 @dataclass(frozen=True)
@@ -297,7 +309,6 @@ class StageRuntime:
             raise result
         return result
 
-    @torch.inference_mode()
     def forward_many(self, acts: Sequence[Activation]) -> list[StageOutput]:
         """Node-wise computation of one step: the rows of several requests in one batched
         forward (docs/architecture.md, "3. The pipeline step").
@@ -310,10 +321,21 @@ class StageRuntime:
 
         Every decision is taken on the host from the messages' ids; the device runs one
         fixed sequence of operations for the whole batch and nothing is read back from it.
-        """
+        It is `prepare_step` then `run_step`, which a caller that overlaps the next step's
+        host work with this step's device work calls apart."""
+        return self.run_step(self.prepare_step(acts))
+
+    @torch.inference_mode()
+    def prepare_step(self, acts: Sequence[Activation]) -> PreparedStep:
+        """A step's host work: each request's rows checked and given cache rows, and the
+        forward's inputs (rows, positions, attention metadata) built and on their way to
+        the device. The step holds the runtime's compute lock from here until `run_step`
+        (or `abandon_step`) on the same thread: no released request's blocks are given
+        back in between, since the step writes them."""
         results: list[StageOutput] = [None] * len(acts)
-        with self._compute_lock:
-            batch: list[_Prepared] = []
+        self._compute_lock.acquire()
+        batch: list[_Prepared] = []
+        try:
             for i, act in enumerate(acts):
                 try:
                     prepared = self._prepare(i, act)
@@ -322,23 +344,59 @@ class StageRuntime:
                     continue
                 if prepared is not None:
                     batch.append(prepared)
-            if not batch:
-                return results
-            try:
-                hidden = self._run_bounded(batch)
-            except Exception:
-                for b in batch:
-                    b.cache.undo_append(len(b), b.act.committed)
-                raise
+            step = PreparedStep(results, batch, [self._inputs(run) for run in self._runs(batch)])
+        except BaseException:
+            self._undo(batch)
+            raise
+        if not batch:
+            self._end_step()
+        return step
+
+    @torch.inference_mode()
+    def run_step(self, step: PreparedStep) -> list[StageOutput]:
+        """A prepared step's forward (on an accelerator: launched, nothing waited for) and
+        each request's output, as `forward_many` returns them."""
+        batch, results = step.batch, step.results
+        if not batch:
+            return results
+        try:
+            parts = [
+                self.model.forward_batch(self.model.embed(x) if self.is_first else x, *rest)
+                for x, *rest in step.inputs
+            ]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
+        except BaseException:
+            self._undo(batch)
+            raise
+        try:
             for b in batch:
                 if b.act.committed:
                     b.cache.register_full_blocks()  # computed: other requests may share them
             with self._lock:
                 released = [b.act.request_id not in self._caches for b in batch]
-            self._free_released_locked()
-        self._free_released()  # released after the check above
+        finally:
+            self._end_step()
         self._outputs(batch, hidden, released, results)
         return results
+
+    def abandon_step(self, step: PreparedStep) -> None:
+        """A prepared step that will not run: its cache rows given back."""
+        if step.batch:
+            self._undo(step.batch)
+
+    def _undo(self, batch: Sequence[_Prepared]) -> None:
+        try:
+            for b in batch:
+                b.cache.undo_append(len(b), b.act.committed)
+        finally:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        try:
+            self._free_released_locked()
+        finally:
+            self._compute_lock.release()
+        self._free_released()  # released after the step's check
 
     @staticmethod
     def _outputs(
@@ -391,10 +449,10 @@ class StageRuntime:
             rows = cache.append_nodes(node_ids, parent_ids)
         return _Prepared(index, act, cache, rows, keep, positions, node_ids, parent_ids)
 
-    def _run_bounded(self, batch: Sequence[_Prepared]) -> Tensor:
-        """The forward of `batch` in consecutive runs of at most the budget's rows each (a
-        request's later rows may attend to its earlier ones: runs go in order, and each
-        writes its K/V before the next reads them); their hidden states concatenated."""
+    def _runs(self, batch: Sequence[_Prepared]) -> list[list[_Prepared]]:
+        """`batch` in consecutive runs of at most the budget's rows each (a request's later
+        rows may attend to its earlier ones: runs go in order, and each writes its K/V
+        before the next reads them); their hidden states are concatenated."""
         limit = self.step_budget.max_rows
         runs: list[list[_Prepared]] = [[]]
         rows = 0
@@ -404,27 +462,26 @@ class StageRuntime:
                 rows = 0
             runs[-1].append(b)
             rows += len(b)
-        if len(runs) == 1:
-            return self._run(batch)
-        return torch.cat([self._run(run) for run in runs])
+        return runs if batch else []
 
-    def _run(self, batch: Sequence[_Prepared]) -> Tensor:
-        """One forward over the concatenated rows of `batch`, its attention in parts of
-        at most the step budget's (`paged_batch.plan`)."""
+    def _inputs(self, batch: Sequence[_Prepared]) -> tuple[Tensor, Tensor, PagedBatch]:
+        """The inputs of one forward over the concatenated rows of `batch` (hidden states,
+        or token ids on the first stage; positions, attention in parts of at most the step budget's: `paged_batch.plan`),
+        copied to the device without waiting for it."""
         device = self.model.device
         keep = _input_rows(batch)
         if self.is_first:
             tokens = np.concatenate([host(b.act.tokens) for b in batch])  # type: ignore[arg-type]
             if keep is not None:
                 tokens = tokens[keep]
-            hidden = self.model.embed(torch.from_numpy(tokens).to(device))
+            hidden = to_device(tokens, device)  # embedded in `run_step`
         else:
             parts = [b.act.hidden for b in batch]
             hidden = torch.cat(parts)  # type: ignore[arg-type]
             if keep is not None:
                 hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
-            hidden = hidden.to(device=device, dtype=self.model.dtype)
-        positions = torch.from_numpy(np.concatenate([b.positions for b in batch])).to(device)
+            hidden = hidden.to(device=device, dtype=self.model.dtype, non_blocking=True)
+        positions = to_device(np.concatenate([b.positions for b in batch]), device)
         budget = self.step_budget
         attention = pack(
             [b.rows for b in batch],
@@ -433,7 +490,7 @@ class StageRuntime:
             budget.costs,
             budget.attention_bytes,
         )
-        return self.model.forward_batch(hidden, positions, attention)
+        return hidden, positions, attention
 
     @torch.inference_mode()
     def prune(self, request_id: str, prune: Prune) -> None:

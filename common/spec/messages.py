@@ -34,8 +34,9 @@ class Activation:
     Either a prefill chunk of verified tokens (`committed=True`, causal among themselves)
     or tree nodes (`committed=False`) identified by stable node ids with parent ids.
     Exactly one of `tokens` (into stage 1) or `hidden` (between stages; out of the last
-    stage, the final hidden states it verifies) is set. `row_tokens` (tree rows after stage 1) are the rows'
-    token ids, carried along so that the last stage can walk the tree it verifies.
+    stage, the final hidden states it verifies) is set. `row_tokens` (tree rows after
+    stage 1) are the rows' token ids, carried along so that the last stage can walk the
+    tree it verifies.
     """
 
     request_id: str
@@ -45,7 +46,6 @@ class Activation:
     parent_ids: Tensor = field(default_factory=lambda: EMPTY_IDS)
     tokens: Tensor | None = None
     hidden: Tensor | None = None
-    logits: Tensor | None = None
     row_tokens: Tensor | None = None
 
     def __len__(self) -> int:
@@ -65,7 +65,6 @@ class Activation:
             parent_ids=self.parent_ids.index_select(0, rows),
             tokens=pick(self.tokens),
             hidden=pick(self.hidden),
-            logits=pick(self.logits),
             row_tokens=pick(self.row_tokens),
         )
 

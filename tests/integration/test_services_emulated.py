@@ -58,7 +58,9 @@ def test_a_paced_stage_answers_calls_while_its_forward_sleeps(llama_dir) -> None
         router = make_transport("tcp", inbox)
         router_addr = await router.start()
         svc = StageService(stage())
-        svc.pacer = Pacer(EmulatedCosts.flat(STAGE_SECONDS).stage(), sleep=held_sleep)
+        # its clock stands still: the rest of each modelled forward is slept (held here)
+        frozen = lambda: 0.0  # noqa: E731
+        svc.pacer = Pacer(EmulatedCosts.flat(STAGE_SECONDS).stage(), clock=frozen, sleep=held_sleep)
         port = await svc.start()
         ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = stage_pb2_grpc.StageStub(ch)

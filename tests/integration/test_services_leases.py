@@ -285,15 +285,15 @@ def test_the_watchdog_replays_a_request_that_makes_no_progress(llama_dir) -> Non
             router = await _router(addrs, daddr, path_stall_seconds=1.0, max_replays=1,
                                    replay_seconds=0.5)  # fmt: skip
             try:
-                real = stages[1].rounds.compute
-                stages[1].rounds.compute = lambda work: time.sleep(3) or real(work)
+                real = stages[1].rounds._launch
+                stages[1].rounds._launch = lambda r: time.sleep(3) or real(r)
                 with pytest.raises(RequestFailed) as info:
                     async for _ in router.engine.generate(_request("pp", 4)):
                         pass
                 assert info.value.code == grpc.StatusCode.UNAVAILABLE
                 assert "made no progress for 1 s" in info.value.message
                 assert "given up after 1 replays" in info.value.message
-                stages[1].rounds.compute = real
+                stages[1].rounds._launch = real
 
                 engine = router.engine  # the second half: a path silent for 30 s is trusted
                 engine.driver_settings = replace(engine.driver_settings, stall_timeout=30.0)

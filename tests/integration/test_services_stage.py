@@ -388,8 +388,8 @@ def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
         async with _stage_pair(llama_dir, rids) as p:
             first, last, s0, s1 = p.first, p.last, p.s0, p.s1
             gate = threading.Event()
-            real = first.rounds.compute
-            first.rounds.compute = lambda work: gate.wait(10) and real(work)
+            real = first.rounds._launch
+            first.rounds._launch = lambda r: gate.wait(10) and real(r)
             for rid in rids:
                 await s1.Open(_open_last(rid, p.router_addr))
                 await s0.Open(stage_pb2.OpenStageRequest(
@@ -404,7 +404,7 @@ def test_requests_computed_together_share_one_frame_per_hop(llama_dir) -> None:
                     await s0.Feed(feed)
                 if i == 0:  # r0's round is on the compute thread (held by the gate)
                     await asyncio.sleep(0.3)
-            first.rounds.compute = real
+            first.rounds._launch = real
             gate.set()
             for rid in rids:
                 got = _drawn(await asyncio.wait_for(p.queues[rid].get(), 20))

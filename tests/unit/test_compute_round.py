@@ -93,11 +93,11 @@ def test_a_round_is_timed_on_the_device_and_the_aligner_learns_that_time(
         svc = _last_stage(llama_dir)
         try:
             await _open(svc, "r")
-            forward_many = svc.runtime.forward_many
+            run_step = svc.runtime.run_step
             monkeypatch.setattr(
                 svc.runtime,
-                "forward_many",
-                lambda acts: events.append("forward") or forward_many(acts),
+                "run_step",
+                lambda step: events.append("forward") or run_step(step),
             )
             monkeypatch.setattr(compute_round, "device_timer", timer)
             monkeypatch.setattr(svc.aligner, "computed", lambda s: events.append(f"aligner {s}"))

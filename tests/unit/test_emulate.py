@@ -148,6 +148,26 @@ def test_pacer_makes_a_forward_take_its_modelled_time() -> None:
     assert pacer.summary()["forwards"] == 3 and pacer.overruns == 0
 
 
+def test_a_launched_forward_is_waited_for_at_hand_off_and_host_work_overlaps_it() -> None:
+    """An emulated device whose launches are asynchronous: the launch returns after the
+    real forward; host work done before the hand-off counts against the rest of the
+    modelled time, and the hand-off waits only for what is left (none once past)."""
+    clock = FakeClock()
+    pacer = Pacer(EmulatedCosts.flat(0.02).stage(), clock=clock, sleep=clock.sleep)
+    with pacer.launch(4) as done:
+        clock.advance(0.005)  # the real forward
+    assert clock() == pytest.approx(0.005) and clock.slept == []
+    clock.advance(0.004)  # the next round prepared meanwhile
+    done.wait()
+    assert clock() == pytest.approx(0.02) and clock.slept == [pytest.approx(0.011)]
+    assert done.seconds == pytest.approx(0.02)
+    with pacer.launch(4) as late:
+        clock.advance(0.001)
+    clock.advance(0.05)  # the host took longer than the device
+    late.wait()
+    assert len(clock.slept) == 1 and pacer.forwards == 2
+
+
 def test_a_forward_slower_than_its_model_is_not_slowed_and_is_counted() -> None:
     clock = FakeClock()
     pacer = Pacer(EmulatedCosts.flat(0.01).stage(), clock=clock, sleep=clock.sleep)

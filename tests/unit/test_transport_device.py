@@ -261,23 +261,23 @@ def _stage_round(llama_dir, transport: MemoryTransport, requests: list[str], on_
         try:
             svc.transport = transport
             rt = svc.runtime
-            forward = rt.forward_many
+            forward = rt.run_step
 
-            def forward_on_gpu(acts):
-                outs = forward(acts)
+            def forward_on_gpu(step):
+                outs = forward(step)
                 for o in outs:
                     o.hidden = on_gpu(o.hidden)
                     made.append(o.hidden)
                 return outs
 
-            rt.forward_many = forward_on_gpu
+            rt.run_step = forward_on_gpu
             work = []
             for i, r in enumerate(requests):
                 rt.open(r, 8)
                 act = Activation(r, torch.tensor([0, 1]), committed=True,
                                  tokens=torch.tensor([5 + i, 9]))  # fmt: skip
                 st = StageRequest(r, next_hop="mem://127.0.0.1:9", report_to="")
-                work.append(Work(st, prunes=[], turns=[(0, Pending(act, 0))], root_seq=0))
+                work.append(Work(st, prunes=[], turns=[(0, Pending(act, 0))]))
             await svc.rounds._round(work)
             assert all(w.error is None for w in work)
         finally:
@@ -320,7 +320,7 @@ def test_a_host_only_transport_gets_host_copies_made_on_the_compute_thread(
     assert type(payload) is torch.Tensor and payload.device.type == "cpu"
     torch.testing.assert_close(payload, made[0].as_subclass(torch.Tensor))
     ((op, thread),) = OnGpu.copies
-    assert op == "cpu" and thread.startswith("stage")  # the compute thread, not the loop
+    assert op == "cpu" and thread != "MainThread"  # off the event loop (its thread)
     assert fake_cuda == []  # a host copy waits for the device by itself
 
 
