@@ -133,7 +133,7 @@ def test_a_stage_round_sends_outputs_from_host_memory_over_tcp(llama_dir, device
             assert rt.model.device.type == device
             rt.open("r", 8)
             st = StageRequest("r", next_hop="tcp://127.0.0.1:9", report_to="")
-            work = Work(st, prunes=[], turns=[(0, Pending(prompt(), 0))], root_seq=0)
+            work = Work(st, prunes=[], turns=[(0, Pending(prompt(), 0))])
             seconds = svc.rounds.compute([work])
             assert work.error is None and seconds is not None and seconds >= 0.0
             (out,) = work.outputs
