@@ -23,9 +23,9 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
-import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
@@ -34,6 +34,9 @@ from bfcl_eval.constants.model_config import MODEL_CONFIG_MAPPING, ModelConfig
 from bfcl_eval.eval_checker.eval_runner import _evaluate_single_ast_entry
 from bfcl_eval.model_handler.api_inference.openai_completion import OpenAICompletionsHandler
 from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from http_up import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECPIPE = [str(ROOT / ".venv" / "bin" / "python"), "-m", "specpipe.cli"]
@@ -96,17 +99,7 @@ def serve(args, log_dir: Path) -> subprocess.Popen:
     cmd += ["--log-dir", str(log_dir)]
     log = open(log_dir / "up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(["nice", "-n", "10", *cmd], stdout=log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + args.startup_timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"specpipe up exited: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(3)
-    proc.terminate()
-    raise SystemExit("specpipe up did not serve in time")
+    return wait_until_serving(proc, args.port, args.startup_timeout, log.name, poll=3)
 
 
 def entries(category: str, count: int) -> list[tuple[dict, dict, dict]]:

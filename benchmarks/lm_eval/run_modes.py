@@ -20,8 +20,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from http_up import wait_until_serving
 
 HERE = Path(__file__).resolve().parent
 # This interpreter's SpecPipe (a venv's `specpipe` script on PATH may be another checkout's).
@@ -38,17 +40,7 @@ def serve(args) -> subprocess.Popen:
     cmd += ["--stages", str(args.stages), "--dtype", args.dtype, "--http-port", str(args.port)]
     log = open(Path(tempfile.mkdtemp(prefix="lmeval-up-")) / "up.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 600
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"specpipe up exited: see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2):
-                return proc
-        except OSError:
-            time.sleep(2)
-    proc.terminate()
-    raise SystemExit("specpipe up did not serve in time")
+    return wait_until_serving(proc, args.port, 600, log.name)
 
 
 def lm_eval(args, mode: str, source: str) -> dict:
