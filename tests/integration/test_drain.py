@@ -24,7 +24,7 @@ def test_a_draining_service_frees_a_crashed_routers_requests(llama_dir) -> None:
     async def main() -> None:
         async with _services(llama_dir, lease=60.0) as (stages, draft, addrs, daddr):
             router = await _router(addrs, daddr)
-            run = router.generate(_request("specpipe"))
+            run = router.engine.generate(_request("specpipe"))
             await run.__anext__()  # started
             await run.__anext__()  # a first token: open everywhere
             assert all(_held(stages, draft))
@@ -46,10 +46,10 @@ def test_a_live_routers_quiet_request_finishes_on_a_draining_stage(llama_dir) ->
         async with _services(llama_dir, lease=60.0) as (stages, _draft, addrs, daddr):
             router = await _router(addrs, daddr)
             try:
-                run = router.generate(_request("pp", n))
+                run = router.engine.generate(_request("pp", n))
                 got = [await run.__anext__(), await run.__anext__()]
                 drain = asyncio.ensure_future(stages[1].drain(DRAIN_SECONDS))
-                await _until(lambda: any(b.draining for b in router.backends.all), 10)
+                await _until(lambda: any(b.draining for b in router.engine.backends.all), 10)
                 await asyncio.sleep(2 * DRAIN_LEASE_SECONDS)
                 assert not drain.done()  # it waits for the request
                 got += [r async for r in run]

@@ -87,22 +87,22 @@ def family_tokens(family: int, positions: torch.Tensor) -> torch.Tensor:
 def guard_writes(stage: StageRuntime) -> None:
     """Fail the step that would write rows into a block that is shared or cached (its
     rows are other requests' K/V, or a key's)."""
-    pool, run, copy = stage.pool, stage._run, stage.pool.copy_rows
+    pool, inputs, copy = stage.pool, stage._inputs, stage.pool.copy_rows
 
     def check(slots: np.ndarray) -> None:
         shared = [b for b in set((slots // pool.block_size).tolist()) if pool.is_cached(b)]
         assert not shared, f"rows written into shared or cached blocks {shared}"
 
-    def checked_run(batch):
+    def checked_inputs(batch):  # each run's inputs name the rows its forward writes
         for b in batch:
             check(b.rows.slots)
-        return run(batch)
+        return inputs(batch)
 
     def checked_copy(src: np.ndarray, dst: np.ndarray) -> None:
         check(dst)
         copy(src, dst)
 
-    stage._run = checked_run  # type: ignore[method-assign]
+    stage._inputs = checked_inputs  # type: ignore[method-assign]
     pool.copy_rows = checked_copy  # type: ignore[method-assign]
 
 

@@ -21,7 +21,7 @@ t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
 
 def test_a_stage_step_on_the_meta_device_reads_nothing_back(llama_dir) -> None:
     for layers in (LayerRange(0, 2, 5), LayerRange(2, 5, 5)):
-        counter, outs = count_step(llama_dir, layers, "meta", 3)
+        counter, outs, _ = count_step(llama_dir, layers, "meta", 3)
         assert not counter.syncing and counter.ops
         assert all(out.hidden.device.type == "meta" for out in outs)
 
