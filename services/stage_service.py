@@ -232,12 +232,17 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         return self.model.cost_curve if self.model is not None else None
 
     def _pending_bytes(self, capacity: int) -> int:
-        """What one request may hold waiting for its turn: every row it may ever cache,
-        as this stage's input (token ids and row ids; hidden states after the first)."""
+        """What one request may hold waiting for its turn, as this stage's input (token
+        ids and row ids; hidden states after the first): every row it may ever cache,
+        twice. Rows wait both for their turn and for the prunes before them, and while
+        a verification is held or its prune is on its way the rows already fed keep
+        coming, some of which that prune drops: a tree's rows beside the cached ones
+        (the request's capacity counts both, so twice it bounds them; once was reached
+        at K = 3, S = 3 with a late-draft hold)."""
         lim = self.limits
         ids = 4 * torch.int64.itemsize  # position, token, node and parent id
         hidden = 0 if self.runtime.is_first else lim.row_bytes(lim.hidden_size)
-        return capacity * (ids + hidden)
+        return 2 * capacity * (ids + hidden)
 
     # -- RPCs ------------------------------------------------------------------------------
     def _describe(self) -> stage_pb2.StageDescription:

@@ -276,7 +276,7 @@ def test_a_request_cannot_pile_up_work_that_waits(llama_dir) -> None:
                         request_id=rid, capacity=64, next_hop=router_addr,
                         report_to=router_addr))  # fmt: skip
                 # Committed rows, token ids and positions: 16 bytes each; the request may
-                # hold 64 rows' worth (its capacity) of stage-1 input waiting.
+                # hold 128 rows' worth (twice its capacity) of stage-1 input waiting.
                 chunk = _rows(list(range(32)), [], [], committed=True)
                 codes = [
                     (await _status(s0.Feed(_feed(seq, 0, chunk, [3] * 32))))[0]
