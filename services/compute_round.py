@@ -554,17 +554,6 @@ class ComputeRounds:
         return out
 
     # -- back on the event loop --------------------------------------------------------------
-    async def _round(self, work: list[Work]) -> None:
-        """One round computed off the event loop and delivered (without the compute
-        thread's loop: tests)."""
-        loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(None, self.compute, work)
-        except Exception as e:
-            await self._delivered(work, e)
-            return
-        await self._delivered(work, None)
-
     async def _delivered(self, work: list[Work], failed: Exception | None) -> None:
         """A round the compute thread handed off: its outputs sent, or, where it failed as
         a whole (its forward, or a bug), every request in it failed, the others served on."""

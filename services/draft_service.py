@@ -55,6 +55,7 @@ from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .control import FrameError, cache_scope_from_proto, prune_from_proto, token_activation
 from .metrics import DraftMetrics
+from .prefill_slices import prefill_cells
 from .ratelog import RateLimitedLog
 from .replica import Replica
 from .security import Security
@@ -255,11 +256,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             part = tokens[s - start : e - start]
             positions = torch.arange(s, e)
             act = Activation(request_id=rid, positions=positions, committed=True, tokens=part)
-            if self._loop_task is None or self._loop_task.done():
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "draft: not computing")
             ask = _Ask([], act)
-            self._asks.append(ask)
-            self._wake.set()
+            if (refused := self._queue(ask)) is not None:
+                await context.abort(*refused)
             try:
                 await ask.answer
             except (RequestError, FrameError, ValueError) as e:
@@ -361,13 +360,19 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         except (FrameError, RequestError) as e:
             return status_code(e), f"draft: {e}"
         prunes = [prune_from_proto(sig) for sig in request.prunes]
+        ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
+        if (refused := self._queue(ask)) is not None:
+            return refused
+        self.aligner.arrived(request.request_id)
+        return ask
+
+    def _queue(self, ask: _Ask) -> tuple[grpc.StatusCode, str] | None:
+        """`ask` into the next batched forward; what refuses it if no forward will come."""
         if self._loop_task is None or self._loop_task.done():
             return grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)"
-        ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         self._asks.append(ask)
-        self.aligner.arrived(request.request_id)
         self._wake.set()
-        return ask
+        return None
 
     async def _propose_loop(self) -> None:
         """Answer every waiting Propose and prefill chunk with one batched forward, then
@@ -401,11 +406,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 results, seconds = await loop.run_in_executor(self._executor, timed, asks)
                 self.aligner.computed(seconds)
                 decode = sum(len(a.rows) for a in asks if a.is_proposal)
-                cells = sum(
-                    len(a.rows) * (int(a.rows.positions.max()) + 1)
-                    for a in asks
-                    if not a.is_proposal
-                )
+                cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
                 engine.prefill_pace.observe(decode, cells, seconds)
             except Exception as e:  # the batched forward itself failed
                 log.exception("draft: a batched forward of %d requests failed", len(asks))

@@ -102,7 +102,8 @@ def test_a_round_is_timed_on_the_device_and_the_aligner_learns_that_time(
             monkeypatch.setattr(compute_round, "device_timer", timer)
             monkeypatch.setattr(svc.aligner, "computed", lambda s: events.append(f"aligner {s}"))
             svc._on_frame(_frame("r", torch.zeros(1, WIDTH, dtype=DTYPE)))
-            await svc.rounds._round(svc.rounds._collect())
+            work = svc.rounds._collect()
+            await asyncio.get_running_loop().run_in_executor(None, svc.rounds.compute, work)
         finally:
             await svc.stop()
 

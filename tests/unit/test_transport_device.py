@@ -278,7 +278,9 @@ def _stage_round(llama_dir, transport: MemoryTransport, requests: list[str], on_
                                  tokens=torch.tensor([5 + i, 9]))  # fmt: skip
                 st = StageRequest(r, next_hop="mem://127.0.0.1:9", report_to="")
                 work.append(Work(st, prunes=[], turns=[(0, Pending(act, 0))]))
-            await svc.rounds._round(work)
+            # off the event loop, as the compute thread runs it, then delivered
+            await asyncio.get_running_loop().run_in_executor(None, svc.rounds.compute, work)
+            await svc.rounds._delivered(work, None)
             assert all(w.error is None for w in work)
         finally:
             await svc.stop()
