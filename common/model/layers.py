@@ -17,12 +17,14 @@ request controller and its executors", "The stage engine".
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .paged_attention import PagedBatch, attend
+from .paged_attention import PagedBatch, StepAttention, attend_layer, step_attention
 from .partition import LayerRange
 
 
@@ -33,33 +35,52 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalize in fp32 like the reference implementation, then cast back; through
-        # `F.rms_norm`, which is one fused kernel where the device has one (CUDA) and the
-        # reference's operations, to the bit, on a CPU.
+        # The reference normalizes in fp32, casts back to the model's dtype, then scales by
+        # the weight, through `F.rms_norm` (one fused kernel where the device has one,
+        # CUDA; the reference's operations, to the bit, on a CPU), in as few calls as
+        # give the same bits (tests/unit/test_lean_forward.py): an fp32 model's norm is
+        # one call with the weight; a half one's is F.rms_norm's own fp32 upcast and cast
+        # back, then the weight; an fp64 one's is cast down to fp32 and back, as the
+        # reference's is.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype in (torch.bfloat16, torch.float16):
+            return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+
+@cache
+def _rope_constants(head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
+    """RoPE's inverse frequencies [1, head_dim / 2] and the sign [head_dim] folded into
+    sin, once per shape and device. Made outside inference mode, so that a forward that
+    records autograd (a test's) may use them too."""
+    with torch.inference_mode(False), torch.no_grad():
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+        inv_freq = 1.0 / (theta ** (exponents / head_dim))
+        sign = torch.ones(head_dim, device=device)
+        sign[: head_dim // 2] = -1.0
+    return inv_freq[None, :], sign
 
 
 def rope_cos_sin(
     positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / (
-        theta
-        ** (
-            torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-            / head_dim
-        )
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """cos and sign-folded sin [n, 1, head_dim] of `positions`, once per step for every
+    layer and head (HF's rotate-half convention, with rotate_half's negation moved into
+    sin's first half: `apply_rope`)."""
+    inv_freq, sign = _rope_constants(head_dim, theta, positions.device)
+    freqs = positions.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), (emb.sin() * sign).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [n, heads, head_dim]; cos/sin: [n, 1, head_dim] (HF rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [n, heads, head_dim]; cos and sign-folded sin: [n, 1, head_dim] (`rope_cos_sin`).
+
+    HF's ``x * cos + rotate_half(x) * sin``, rotate_half(x) = cat(-x2, x1), to the bit:
+    (-x2) * s == x2 * (-s) exactly, so the rotation is a roll of the halves."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 class Attention(nn.Module):
@@ -77,14 +98,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, step: StepAttention | None, layer: int
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
-        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, d)
-        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        if batch is None:  # one causal sequence, no cache
+        qkv = self.qkv_proj.forward(x).view(n, heads + 2 * kv_heads, d)
+        q, k = apply_rope(qkv[:, : heads + kv_heads], cos, sin).split((heads, kv_heads), 1)
+        v = qkv[:, heads + kv_heads :]
+        if step is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
                 k.transpose(0, 1)[None],
@@ -92,11 +113,10 @@ class Attention(nn.Module):
                 is_causal=True,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-            return self.o_proj(out.reshape(n, heads * d))
-        k_cache, v_cache = batch.k[layer], batch.v[layer]
-        k_cache.index_copy_(0, batch.write_slots, k)
-        v_cache.index_copy_(0, batch.write_slots, v)
-        return self.o_proj(attend(q, k_cache, v_cache, batch, heads))
+            return self.o_proj.forward(out.reshape(n, heads * d))
+        step.k[layer].index_copy_(0, step.batch.write_slots, k)
+        step.v[layer].index_copy_(0, step.batch.write_slots, v)
+        return self.o_proj.forward(attend_layer(q, step, layer))
 
 
 class MLP(nn.Module):
@@ -108,8 +128,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -121,10 +141,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, batch: PagedBatch | None, layer: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, step: StepAttention | None, layer: int
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed = self.input_layernorm.forward(x)
+        x = x + self.self_attn.forward(normed, cos, sin, step, layer)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class StageModel(nn.Module):
@@ -168,9 +189,9 @@ class StageModel(nn.Module):
 
     def _layers(self, hidden: Tensor, positions: Tensor, batch: PagedBatch | None) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
-        cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+        step = None if batch is None else step_attention(batch, self.cfg.num_heads)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos, sin, batch, i)
+            hidden = layer.forward(hidden, cos, sin, step, i)
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:

@@ -101,6 +101,61 @@ def tree_mask(
     return mask[:, :keys].reshape(batch, 1, queries, keys)
 
 
+@dataclass(frozen=True)
+class StepAttention:
+    """What every layer of one step attends with, made once per step (`step_attention`)
+    rather than once per layer: each layer's K/V cache views, and for a step of one
+    padded part the gather buffers' views in SDPA's layout and a buffer for the
+    queries, so that a layer issues only its gathers and its SDPA call."""
+
+    batch: PagedBatch
+    k: tuple[Tensor, ...]  # layer i's K cache [slots, kv_heads, d]
+    v: tuple[Tensor, ...]
+    keys: Tensor | None = None  # [B, kv_heads, L, d]: views of the gather buffers
+    values: Tensor | None = None
+    query_buffer: Tensor | None = None  # [B*Q, heads, d]
+    queries: Tensor | None = None  # [B, heads, Q, d]: a view of query_buffer
+
+
+def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
+    """`batch`'s per-step views (see `StepAttention`)."""
+    k, v = batch.k.unbind(0), batch.v.unbind(0)
+    one = batch.flex is None and len(batch.parts) == 1 and not batch.parts[0].blocked
+    if not one or batch.parts[0].mask is None:
+        return StepAttention(batch, k, v)
+    b, nq, length = batch.parts[0].shape
+    kv_heads, d = batch.k.shape[2], batch.k.shape[3]
+    query_buffer = batch.k.new_empty((b * nq, heads, d))
+    return StepAttention(
+        batch,
+        k,
+        v,
+        keys=batch.key_buffer.view(b, length, kv_heads, d).transpose(1, 2),
+        values=batch.value_buffer.view(b, length, kv_heads, d).transpose(1, 2),
+        query_buffer=query_buffer,
+        queries=query_buffer.view(b, nq, heads, d).transpose(1, 2),
+    )
+
+
+def attend_layer(q: Tensor, step: StepAttention, layer: int) -> Tensor:
+    """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] at
+    `layer` (the new rows' K/V written)."""
+    if step.queries is None:
+        return attend(q, step.k[layer], step.v[layer], step.batch, q.shape[1])
+    part = step.batch.parts[0]
+    torch.index_select(step.k[layer], 0, part.key_slots, out=step.batch.key_buffer)
+    torch.index_select(step.v[layer], 0, part.key_slots, out=step.batch.value_buffer)
+    torch.index_select(q, 0, part.query_rows, out=step.query_buffer)
+    out = F.scaled_dot_product_attention(
+        step.queries, step.keys, step.values, attn_mask=part.mask, enable_gqa=True
+    )  # [B, heads, Q, d]
+    return (
+        out.transpose(1, 2)
+        .reshape(-1, q.shape[1] * q.shape[2])
+        .index_select(0, step.batch.out_rows)
+    )
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PagedBatch, heads: int) -> Tensor:
     """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] over the
     layer's K/V `k_cache`, `v_cache` [slots, kv_heads, d] (the new rows' written)."""
