@@ -10,7 +10,7 @@ rows per step (what a step of the emulated deployment computes), at 1 and 8 requ
   those that are not views, aliases or no-op casts) of the model's forward on a prepared
   step (`StageModel.forward_batch`, plus `logits` for the draft), of the step's input
   building (`StageRuntime.prepare_step`: `paged_batch.pack`'s index tensors and mask), and
-  per decoder layer ((8-layer forward - 2-layer forward) / 6).
+  per decoder layer ((7-layer forward - 2-layer forward) / 5).
 - **CPU per forward**: process CPU seconds (fair on a shared machine) of the same calls,
   `--repeats` times in a row after a warm-up, best of `--rounds` rounds, one torch thread
   (a step this small runs on one; more only adds thread wake-ups).
@@ -25,34 +25,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 
 import torch
-from specpipe.common.model.config import ModelConfig
+from bench_serve import make_model
+from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
-from specpipe.common.model.synthetic import random_stage
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OUT = Path(__file__).resolve().parent / "results" / "forward"
 
-# bench_host.py's model (bench_serve.make_model(root, 8, 64, 512)) as a config.json dict
-TINY_LLAMA = {
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-}
+
+@cache
+def tiny_llama() -> Path:
+    """bench_host.py's model, saved once per process (its weights' scale matters: a
+    model of tiny weights computes on denormals, which are slow)."""
+    return make_model(Path(tempfile.mkdtemp(prefix="bench-forward-")), 8, 64, 512)
+
+
 NOT_KERNELS = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice",
                "select", "split", "split_with_sizes", "unsqueeze", "squeeze", "expand",
                "alias", "as_strided", "detach", "lift_fresh", "narrow", "unbind", "to",
@@ -84,8 +81,8 @@ class Deployment:
     head), with `requests` open requests of `context` cached tokens."""
 
     def __init__(self, layers: LayerRange, requests: int, context: int, rows: int) -> None:
-        model = random_stage(TINY_LLAMA, layers)
-        self.cfg = ModelConfig.from_dict(TINY_LLAMA)
+        model = load_stage(tiny_llama(), layers, torch.float32)
+        self.cfg = model.cfg
         self.stage = StageRuntime(model, max_cache_bytes=64 << 20)
         self.rows, self.next_id = rows, 1000
         self.rids = [f"r{i}" for i in range(requests)]
@@ -196,20 +193,21 @@ def measure(name: str, layers: LayerRange, requests: int, args) -> dict:
 
 
 def per_layer(requests: int, args) -> dict:
-    """One decoder layer's ops and CPU: (8-layer middle forward - 2-layer) / 6, no head."""
+    """One decoder layer's ops and CPU: (7-layer forward - 2-layer) / 5, both without the
+    head."""
     recs = {}
-    for end in (2, 8):
-        dep = Deployment(LayerRange(0, end, 9), requests, args.context, args.rows)
+    for end in (2, 7):
+        dep = Deployment(LayerRange(0, end, 8), requests, args.context, args.rows)
         with dep.prepared() as (forward, _):
             ops = count(forward)
             recs[end] = (ops.total, ops.kernels, cpu_us(forward, args.repeats, args.rounds))
         dep.close()
-    (a8, k8, t8), (a2, k2, t2) = recs[8], recs[2]
+    (a7, k7, t7), (a2, k2, t2) = recs[7], recs[2]
     return {
         "requests": requests,
-        "ops": (a8 - a2) / 6,
-        "kernels": (k8 - k2) / 6,
-        "cpu_us": (t8 - t2) / 6,
+        "ops": (a7 - a2) / 5,
+        "kernels": (k7 - k2) / 5,
+        "cpu_us": (t7 - t2) / 5,
     }
 
 

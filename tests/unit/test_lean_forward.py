@@ -1,0 +1,164 @@
+"""The lean forward (issue 34, point 6) computes the reference's bits with fewer operations:
+RMSNorm in one or two calls, RoPE with a sign-folded sin, attention over per-step views.
+
+Bitwise, not close: each shortcut is exact by construction (the same kernels on the same
+values, or a negation moved across a product), and these tests hold it to that."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from specpipe.common.model.layers import RMSNorm, apply_rope, rope_cos_sin
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.paged_attention import attend, attend_layer, step_attention
+from specpipe.common.model.partition import LayerRange
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import Activation
+from torch.utils._python_dispatch import TorchDispatchMode
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm.forward: normalized in fp32, cast back, then scaled."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def reference_rope(x: torch.Tensor, positions: torch.Tensor, head_dim: int, theta: float):
+    """Hugging Face's default RoPE: cos/sin of cat(freqs, freqs) in fp32, cast to x's
+    dtype, and x * cos + rotate_half(x) * sin."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (4, 64), (7, 48), (33, 1536), (5, 33)])
+def test_rms_norm_is_the_reference_to_the_bit(dtype, rows, dim) -> None:
+    torch.manual_seed(rows * dim)
+    norm = RMSNorm(dim, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim) * 2)
+    x = (torch.randn(rows, dim) * 3).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(norm(x), reference_rms_norm(x, norm.weight, 1e-6))
+
+
+def test_rms_norm_is_transformers_to_the_bit() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    for dtype in DTYPES:
+        ours, theirs = RMSNorm(48, 1e-5).to(dtype), LlamaRMSNorm(48, eps=1e-5).to(dtype)
+        with torch.no_grad():
+            theirs.weight.copy_(torch.randn(48))
+            ours.weight.copy_(theirs.weight)
+        x = torch.randn(6, 48).to(dtype)
+        assert torch.equal(ours(x), theirs(x)), dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(1, 64), (8, 16), (3, 128)])
+def test_rope_with_a_folded_sin_is_the_rotate_half_formula_to_the_bit(
+    dtype, heads, head_dim
+) -> None:
+    torch.manual_seed(heads)
+    positions = torch.tensor([0, 1, 5, 17, 1000, 4095, 4096, 32767])
+    x = (torch.randn(positions.numel(), heads, head_dim) * 4).to(dtype)
+    cos, sin = rope_cos_sin(positions, head_dim, 1e6, dtype)
+    assert cos.shape == sin.shape == (positions.numel(), 1, head_dim)
+    want = reference_rope(x, positions, head_dim, 1e6)
+    assert torch.equal(apply_rope(x, cos, sin), want)
+    # a strided view, as the layer passes the query and key heads of its q/k/v output
+    qkv = torch.cat((x, x[:, :1] * 2), dim=1)
+    assert torch.equal(apply_rope(qkv[:, :heads], cos, sin), want)
+
+
+def test_rope_constants_leave_autograd_usable_after_inference_mode() -> None:
+    """The cached inverse frequencies are made outside inference mode: a later forward
+    that records autograd can still use them."""
+    with torch.inference_mode():
+        rope_cos_sin(torch.arange(3), 24, 1e4, torch.float32)
+    x = torch.randn(3, 2, 24, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(3), 24, 1e4, torch.float32)
+    apply_rope(x, cos, sin).sum().backward()
+    assert x.grad is not None
+
+
+def _tree_step(stage: StageRuntime, lengths: list[int]) -> list[Activation]:
+    """Open one request per length, prefill it, and return a tree layer of 3 rows each."""
+    acts = []
+    for i, n in enumerate(lengths):
+        stage.open(f"r{i}", n + 8)
+        pre = Activation(f"r{i}", torch.arange(n), committed=True, tokens=torch.arange(n) % 50)
+        assert not isinstance(stage.forward_many([pre])[0], Exception)
+        acts.append(
+            Activation(
+                f"r{i}",
+                torch.tensor([n, n + 1, n + 1]),
+                node_ids=torch.tensor([100, 101, 102]),
+                parent_ids=torch.tensor([-1, 100, 100]),
+                tokens=torch.tensor([1, 2, 3]),
+            )
+        )
+    return acts
+
+
+@pytest.mark.parametrize("lengths", [[9], [4, 11, 7]])
+def test_per_step_views_attend_as_the_generic_path_to_the_bit(llama_dir, lengths) -> None:
+    stage = StageRuntime(load_stage(llama_dir, LayerRange(0, 2, 5), torch.float32))
+    step = stage.prepare_step(_tree_step(stage, lengths))
+    try:
+        ((x, _, batch),) = step.inputs
+        heads, d = stage.model.cfg.num_heads, stage.model.cfg.head_dim
+        q = torch.randn(x.shape[0], heads + 1, d)[:, :heads]  # strided, as the layer's
+        with torch.inference_mode():  # as a step runs (the pool's tensors are made so)
+            views = step_attention(batch, heads)
+            assert views.queries is not None  # one padded part: the per-step views apply
+            for layer in range(2):
+                want = attend(q, batch.k[layer], batch.v[layer], batch, heads)
+                assert torch.equal(attend_layer(q, views, layer), want)
+    finally:
+        stage.abandon_step(step)
+
+
+class AtenOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_ops(model_dir, end: int, dtype: torch.dtype, lengths: list[int]) -> int:
+    stage = StageRuntime(load_stage(model_dir, LayerRange(0, end, 5), dtype))
+    step = stage.prepare_step(_tree_step(stage, lengths))
+    try:
+        ((x, positions, batch),) = step.inputs
+        with torch.inference_mode(), AtenOps() as counter:
+            stage.model.forward_batch(stage.model.embed(x), positions, batch)
+    finally:
+        stage.abandon_step(step)
+    return sum(counter.ops.values())
+
+
+@pytest.mark.parametrize(("dtype", "most"), [(torch.float32, 28), (torch.bfloat16, 30)])
+def test_a_decoder_layer_issues_few_operations(llama_dir, dtype, most) -> None:
+    """Per decoder layer, every aten operation counted (views included), the same for any
+    number of requests: fp32 28 (47 before the lean forward), bf16 30 (its two norms
+    scale after F.rms_norm's cast back)."""
+    per_layer = {}
+    for lengths in ([9], [4, 11, 7, 5]):
+        ops = {end: _forward_ops(llama_dir, end, dtype, lengths) for end in (1, 3)}
+        per_layer[len(lengths)] = (ops[3] - ops[1]) / 2
+    assert per_layer[1] == per_layer[4] <= most, per_layer
