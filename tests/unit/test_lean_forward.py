@@ -6,8 +6,6 @@ values, or a negation moved across a product), and these tests hold it to that."
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from specpipe.common.model.layers import RMSNorm, apply_rope, rope_cos_sin
@@ -16,7 +14,8 @@ from specpipe.common.model.paged_attention import attend, attend_layer, step_att
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .test_stage_step import DeviceOps
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -130,25 +129,16 @@ def test_per_step_views_attend_as_the_generic_path_to_the_bit(llama_dir, lengths
         stage.abandon_step(step)
 
 
-class AtenOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__.split(".")[0]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _forward_ops(model_dir, end: int, dtype: torch.dtype, lengths: list[int]) -> int:
     stage = StageRuntime(load_stage(model_dir, LayerRange(0, end, 5), dtype))
     step = stage.prepare_step(_tree_step(stage, lengths))
     try:
         ((x, positions, batch),) = step.inputs
-        with torch.inference_mode(), AtenOps() as counter:
+        with torch.inference_mode(), DeviceOps("cpu") as counter:
             stage.model.forward_batch(stage.model.embed(x), positions, batch)
     finally:
         stage.abandon_step(step)
+    assert not counter.syncing, counter.syncing
     return sum(counter.ops.values())
 
 
