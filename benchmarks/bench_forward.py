@@ -9,22 +9,31 @@ rows per step (what a step of the emulated deployment computes), at 1 and 8 requ
 - **ops**: aten operations (a `TorchDispatchMode`, every op counted, views included; "kernels":
   those that are not views, aliases or no-op casts) of the model's forward on a prepared
   step (`StageModel.forward_batch`, plus `logits` for the draft), of the step's input
-  building (`StageRuntime.prepare_step`: `paged_batch.pack`'s index tensors and mask), and
-  per decoder layer ((7-layer forward - 2-layer forward) / 5).
+  building (`StageRuntime._inputs`: `paged_batch.pack`'s index tensors and mask), of the
+  whole step (`StageRuntime.forward_many`: the host's bookkeeping tensors too), and per
+  decoder layer ((7-layer forward - 2-layer forward) / 5).
 - **CPU per forward**: process CPU seconds (fair on a shared machine) of the same calls,
   `--repeats` times in a row after a warm-up, best of `--rounds` rounds, one torch thread
-  (a step this small runs on one; more only adds thread wake-ups).
+  (what `specpipe up` gives each of this deployment's 5 model processes on 2 cores).
 
-    .venv/bin/python benchmarks/bench_forward.py --label after
+`--baseline DIR` (a copy of another version's common/model) times that version's
+`StageModel` too, with the same weights on the same prepared steps, the two taking turns
+in every round, so that a comparison on a loaded machine sees the same load:
 
-Writes results/forward/<label>.json and prints the table.
+    git archive a2cf155 common/model | tar -x -C /tmp/base
+    .venv/bin/python benchmarks/bench_forward.py --baseline /tmp/base/common/model
+
+Writes results/forward/<label>.json and .md (the tables printed).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
+import shutil
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -38,8 +47,10 @@ from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+Forward = Callable[[], object]
 OUT = Path(__file__).resolve().parent / "results" / "forward"
 
 
@@ -120,27 +131,30 @@ class Deployment:
             self.stage.prune(rid, Prune(empty, empty, self.next_id - 1))
 
     @contextlib.contextmanager
-    def prepared(self) -> Iterator[tuple[Callable[[], object], Callable[[], object]]]:
-        """(the model's forward on a prepared step, the step's input building), while the
-        step is prepared (abandoned after): each callable repeats its work with the same
+    def prepared(self) -> Iterator[tuple[Callable[[nn.Module], Forward], Forward]]:
+        """(a forward of a given model on a prepared step, the step's input building),
+        while the step is prepared (abandoned after): each repeats its work with the same
         inputs (the K/V writes rewrite the same slots)."""
         step = self.stage.prepare_step(self.tree_layer())
         try:
             ((x, positions, batch),) = step.inputs
             (run,) = self.stage._runs(step.batch)
-            model, draft = self.stage.model, self.stage.model.layer_range.is_last
+            first, last = self.stage.is_first, self.stage.model.layer_range.is_last
 
-            @torch.inference_mode()
-            def forward() -> object:
-                hidden = model.embed(x) if self.stage.is_first else x
-                hidden = model.forward_batch(hidden, positions, batch)
-                return model.logits(hidden) if draft else hidden
+            def forward_of(model: nn.Module) -> Forward:
+                @torch.inference_mode()
+                def forward() -> object:
+                    hidden = model.embed(x) if first else x
+                    hidden = model.forward_batch(hidden, positions, batch)
+                    return model.logits(hidden) if last else hidden
+
+                return forward
 
             @torch.inference_mode()
             def build() -> object:
                 return self.stage._inputs(run)
 
-            yield forward, build
+            yield forward_of, build
         finally:
             self.stage.abandon_step(step)
 
@@ -149,71 +163,107 @@ class Deployment:
             self.stage.release(rid)
 
 
-def count(fn: Callable[[], object]) -> AtenOps:
+def count(fn: Forward) -> AtenOps:
     with AtenOps() as counter:
         fn()
     return counter
 
 
-def cpu_us(fn: Callable[[], object], repeats: int, rounds: int) -> float:
-    """Best-of-`rounds` mean process CPU microseconds of one call."""
-    fn()
-    best = float("inf")
+def cpu_us(fns: dict[str, Forward], repeats: int, rounds: int) -> dict[str, float]:
+    """Per callable, its best-of-`rounds` mean process CPU microseconds of one call; the
+    callables take turns in every round, so that a comparison sees the same load."""
+    best = dict.fromkeys(fns, float("inf"))
+    for fn in fns.values():
+        fn()
     for _ in range(rounds):
-        t0 = time.process_time()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.process_time() - t0) / repeats)
-    return best * 1e6
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            for _ in range(repeats):
+                fn()
+            best[name] = min(best[name], (time.process_time() - t0) / repeats)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
-def measure(name: str, layers: LayerRange, requests: int, args) -> dict:
+def baseline_class(path: Path) -> type[nn.Module]:
+    """The `StageModel` of another version of common/model (a copy of the folder), imported
+    as a package of its own beside this one."""
+    root = Path(tempfile.mkdtemp(prefix="bench-forward-baseline-"))
+    shutil.copytree(path, root / "baseline_model")
+    sys.path.insert(0, str(root))
+    return importlib.import_module("baseline_model.layers").StageModel
+
+
+def models(dep: Deployment, baseline: type[nn.Module] | None) -> dict[str, nn.Module]:
+    """This version's model of `dep` and, given a baseline, the same weights in its."""
+    out: dict[str, nn.Module] = {}
+    if baseline is not None:
+        model = baseline(dep.cfg, dep.stage.model.layer_range)
+        model.load_state_dict(dep.stage.model.state_dict())
+        out["before"] = model.eval().requires_grad_(False)
+    out["after"] = dep.stage.model
+    return out
+
+
+def measure(name: str, layers: LayerRange, requests: int, args, baseline) -> dict:
     dep = Deployment(layers, requests, args.context, args.rows)
     with torch.inference_mode():
-        step_ops = count(lambda: (dep.stage.forward_many(dep.tree_layer()), dep.drop_tree()))
-    with dep.prepared() as (forward, build):
-        fwd, bld = count(forward), count(build)
-        forward_us = cpu_us(forward, args.repeats, args.rounds)
-        build_us = cpu_us(build, args.repeats, args.rounds)
-    rec = {
+        acts = dep.tree_layer()
+        step_ops = count(lambda: dep.stage.forward_many(acts))
+    dep.drop_tree()
+    with dep.prepared() as (forward_of, build):
+        forwards = {k: forward_of(m) for k, m in models(dep, baseline).items()}
+        ops = {k: count(fn) for k, fn in forwards.items()}
+        build_ops = count(build)
+        times = cpu_us({**forwards, "build": build}, args.repeats, args.rounds)
+    dep.close()
+    return {
         "process": name,
         "layers": f"{layers.start}:{layers.end}",
         "requests": requests,
         "rows": args.rows,
-        "forward_ops": fwd.total,
-        "forward_kernels": fwd.kernels,
-        "build_ops": bld.total,
+        "forward_ops": {k: c.total for k, c in ops.items()},
+        "forward_kernels": {k: c.kernels for k, c in ops.items()},
+        "forward_cpu_us": {k: times[k] for k in forwards},
+        "build_ops": build_ops.total,
+        "build_cpu_us": times["build"],
         "step_ops": step_ops.total,
-        "forward_cpu_us": forward_us,
-        "build_cpu_us": build_us,
-        "forward_op_names": dict(fwd.ops.most_common()),
+        "forward_op_names": {k: dict(c.ops.most_common()) for k, c in ops.items()},
     }
-    dep.close()
-    return rec
 
 
-def per_layer(requests: int, args) -> dict:
+def per_layer(requests: int, args, baseline) -> dict:
     """One decoder layer's ops and CPU: (7-layer forward - 2-layer) / 5, both without the
     head."""
-    recs = {}
+    recs: dict[int, dict] = {}
     for end in (2, 7):
         dep = Deployment(LayerRange(0, end, 8), requests, args.context, args.rows)
-        with dep.prepared() as (forward, _):
-            ops = count(forward)
-            recs[end] = (ops.total, ops.kernels, cpu_us(forward, args.repeats, args.rounds))
+        with dep.prepared() as (forward_of, _):
+            forwards = {k: forward_of(m) for k, m in models(dep, baseline).items()}
+            ops = {k: count(fn) for k, fn in forwards.items()}
+            times = cpu_us(forwards, args.repeats, args.rounds)
+        recs[end] = {k: (ops[k].total, ops[k].kernels, times[k]) for k in forwards}
         dep.close()
-    (a7, k7, t7), (a2, k2, t2) = recs[7], recs[2]
     return {
         "requests": requests,
-        "ops": (a7 - a2) / 5,
-        "kernels": (k7 - k2) / 5,
-        "cpu_us": (t7 - t2) / 5,
+        **{
+            k: {
+                f: (recs[7][k][i] - recs[2][k][i]) / 5
+                for i, f in enumerate(("ops", "kernels", "cpu_us"))
+            }
+            for k in recs[2]
+        },
     }
+
+
+def arrow(values: dict[str, float], fmt: str) -> str:
+    """'before -> after', or the one value."""
+    return " -> ".join(format(v, fmt) for v in values.values())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--label", default="after")
+    ap.add_argument("--baseline", type=Path, help="a copy of another version's common/model")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=200)
@@ -221,39 +271,50 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    baseline = baseline_class(args.baseline) if args.baseline else None
     processes = {
         "stage 0 (embeds)": LayerRange(0, 2, 8),
         "stage 1": LayerRange(2, 4, 8),
-        "stage 3 (last)": LayerRange(6, 8, 8),
+        "stage 3 (last: + head)": LayerRange(6, 8, 8),
         "draft (8 layers + head)": LayerRange(0, 8, 8),
     }
-    record: dict = {"label": args.label, "torch": torch.__version__, "args": vars(args)}
-    record["per_layer"] = [per_layer(n, args) for n in (1, 8)]
+    record: dict = {
+        "label": args.label,
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    record["per_layer"] = [per_layer(n, args, baseline) for n in (1, 8)]
     record["processes"] = [
-        measure(name, layers, n, args) for n in (1, 8) for name, layers in processes.items()
+        measure(name, layers, n, args, baseline)
+        for n in (1, 8)
+        for name, layers in processes.items()
     ]
+    versions = " (before -> after)" if baseline else ""
     lines = [
-        f"## {args.label} (torch {torch.__version__}, {args.threads} thread, "
-        f"{args.rows} rows per request over {args.context} cached tokens)",
+        f"## {args.label}{versions}: torch {torch.__version__}, {args.threads} thread, "
+        f"{args.rows} rows per request over {args.context} cached tokens",
         "",
         "| per decoder layer | aten ops | kernels | CPU us |",
         "|---|---|---|---|",
     ]
     for r in record["per_layer"]:
+        v = {k: r[k] for k in ("before", "after") if k in r}
         lines.append(
-            f"| {r['requests']} requests | {r['ops']:.0f} | {r['kernels']:.0f} | {r['cpu_us']:.0f} |"
+            f"| {r['requests']} requests | {arrow({k: x['ops'] for k, x in v.items()}, '.0f')} | "
+            f"{arrow({k: x['kernels'] for k, x in v.items()}, '.0f')} | "
+            f"{arrow({k: x['cpu_us'] for k, x in v.items()}, '.0f')} |"
         )
     lines += [
         "",
-        "| process | requests | forward ops (kernels) | forward CPU us | input building ops | "
-        "input building CPU us | whole step ops |",
-        "|---|---|---|---|---|---|---|",
+        "| process | requests | forward: aten ops | kernels | CPU us | input building: ops | "
+        "CPU us | whole step: ops |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in record["processes"]:
         lines.append(
-            f"| {r['process']} | {r['requests']} | {r['forward_ops']} ({r['forward_kernels']}) | "
-            f"{r['forward_cpu_us']:.0f} | {r['build_ops']} | {r['build_cpu_us']:.0f} | "
-            f"{r['step_ops']} |"
+            f"| {r['process']} | {r['requests']} | {arrow(r['forward_ops'], 'd')} | "
+            f"{arrow(r['forward_kernels'], 'd')} | {arrow(r['forward_cpu_us'], '.0f')} | "
+            f"{r['build_ops']} | {r['build_cpu_us']:.0f} | {r['step_ops']} |"
         )
     text = "\n".join(lines)
     print(text)
