@@ -13,6 +13,13 @@ parts, query blocks and key blocks. On CUDA a step of one part attends through
 FlexAttention over the keys unpadded instead (`flex_attention.py`). Why padded SDPA on a
 CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5. The
 request controller and its executors", "The stage engine".
+
+Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
+layer issues as few as give the reference's bits (28 aten ops in fp32; what they are and
+what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
+step shares (RoPE's cos and sin, the attention's views) is made once per step, and the
+submodules are called through `.forward` (`nn.Module.__call__`'s hook handling costs
+about 1.5 us a call, nine calls a layer; this model registers no hooks).
 """
 
 from __future__ import annotations
