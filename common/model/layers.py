@@ -59,7 +59,7 @@ class RMSNorm(nn.Module):
 
 @cache
 def _rope_constants(head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """RoPE's inverse frequencies [1, head_dim / 2] and the sign [head_dim] folded into
+    """RoPE's inverse frequencies [1, 1, head_dim / 2] and the sign [head_dim] folded into
     sin, once per shape and device. Made outside inference mode, so that a forward that
     records autograd (a test's) may use them too."""
     with torch.inference_mode(False), torch.no_grad():
@@ -67,7 +67,7 @@ def _rope_constants(head_dim: int, theta: float, device: torch.device) -> tuple[
         inv_freq = 1.0 / (theta ** (exponents / head_dim))
         sign = torch.ones(head_dim, device=device)
         sign[: head_dim // 2] = -1.0
-    return inv_freq[None, :], sign
+    return inv_freq.view(1, 1, -1), sign
 
 
 def rope_cos_sin(
@@ -77,9 +77,11 @@ def rope_cos_sin(
     layer and head (HF's rotate-half convention, with rotate_half's negation moved into
     sin's first half: `apply_rope`)."""
     inv_freq, sign = _rope_constants(head_dim, theta, positions.device)
-    freqs = positions.float()[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), (emb.sin() * sign).to(dtype)
+    # int64 positions times fp32: the product converts them as `.float()` would
+    freqs = positions.reshape(-1, 1, 1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin() * sign
+    return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
