@@ -130,12 +130,17 @@ def test_per_step_views_attend_as_the_generic_path_to_the_bit(llama_dir, lengths
 
 
 def _forward_ops(model_dir, end: int, dtype: torch.dtype, lengths: list[int]) -> int:
+    """aten ops of the forward of layers [0, end) of 5 (and the head, on the last) over
+    a tree layer of 3 rows per request."""
     stage = StageRuntime(load_stage(model_dir, LayerRange(0, end, 5), dtype))
     step = stage.prepare_step(_tree_step(stage, lengths))
+    model = stage.model
     try:
         ((x, positions, batch),) = step.inputs
         with torch.inference_mode(), DeviceOps("cpu") as counter:
-            stage.model.forward_batch(stage.model.embed(x), positions, batch)
+            hidden = model.forward_batch(model.embed(x), positions, batch)
+            if model.layer_range.is_last:
+                model.logits(hidden)
     finally:
         stage.abandon_step(step)
     assert not counter.syncing, counter.syncing
@@ -152,3 +157,13 @@ def test_a_decoder_layer_issues_few_operations(llama_dir, dtype, most) -> None:
         ops = {end: _forward_ops(llama_dir, end, dtype, lengths) for end in (1, 3)}
         per_layer[len(lengths)] = (ops[3] - ops[1]) / 2
     assert per_layer[1] == per_layer[4] <= most, per_layer
+
+
+def test_a_draft_forward_issues_the_same_operations_for_any_number_of_requests(
+    llama_dir,
+) -> None:
+    """The draft's forward (every layer and the head) over 1, 4 and 9 requests."""
+    counts = {
+        n: _forward_ops(llama_dir, 5, torch.float32, [5 + i for i in range(n)]) for n in (1, 4, 9)
+    }
+    assert counts[1] == counts[4] == counts[9], counts
