@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from bench_serve import make_model
 from specpipe.common.model.loading import load_stage
+from specpipe.common.model.packed_linear import packing_applies
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
@@ -91,8 +92,15 @@ class Deployment:
     """One process of the deployment: a stage (`layers`) or the draft (every layer and the
     head), with `requests` open requests of `context` cached tokens."""
 
-    def __init__(self, layers: LayerRange, requests: int, context: int, rows: int) -> None:
-        model = load_stage(tiny_llama(), layers, torch.float32)
+    def __init__(
+        self,
+        layers: LayerRange,
+        requests: int,
+        context: int,
+        rows: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        model = load_stage(tiny_llama(), layers, dtype)
         self.cfg = model.cfg
         self.stage = StageRuntime(model, max_cache_bytes=64 << 20)
         self.rows, self.next_id = rows, 1000
@@ -197,15 +205,19 @@ def models(dep: Deployment, baseline: type[nn.Module] | None) -> dict[str, nn.Mo
     """This version's model of `dep` and, given a baseline, the same weights in its."""
     out: dict[str, nn.Module] = {}
     if baseline is not None:
-        model = baseline(dep.cfg, dep.stage.model.layer_range)
-        model.load_state_dict(dep.stage.model.state_dict())
+        ours = dep.stage.model
+        plain = load_stage(tiny_llama(), ours.layer_range, ours.dtype, pack=False)
+        model = baseline(dep.cfg, ours.layer_range).to(ours.dtype)
+        model.load_state_dict(plain.state_dict())
+        if packing_applies(ours.dtype, "cpu"):  # as load_stage does
+            importlib.import_module("baseline_model.packed_linear").pack_linears(model)
         out["before"] = model.eval().requires_grad_(False)
     out["after"] = dep.stage.model
     return out
 
 
 def measure(name: str, layers: LayerRange, requests: int, args, baseline) -> dict:
-    dep = Deployment(layers, requests, args.context, args.rows)
+    dep = Deployment(layers, requests, args.context, args.rows, args.dtype)
     with torch.inference_mode():
         acts = dep.tree_layer()
         step_ops = count(lambda: dep.stage.forward_many(acts))
@@ -236,7 +248,7 @@ def per_layer(requests: int, args, baseline) -> dict:
     head."""
     recs: dict[int, dict] = {}
     for end in (2, 7):
-        dep = Deployment(LayerRange(0, end, 8), requests, args.context, args.rows)
+        dep = Deployment(LayerRange(0, end, 8), requests, args.context, args.rows, args.dtype)
         with dep.prepared() as (forward_of, _):
             forwards = {k: forward_of(m) for k, m in models(dep, baseline).items()}
             ops = {k: count(fn) for k, fn in forwards.items()}
@@ -269,7 +281,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     args = ap.parse_args()
+    args.dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     baseline = baseline_class(args.baseline) if args.baseline else None
     processes = {
@@ -291,7 +305,7 @@ def main() -> None:
     ]
     versions = " (before -> after)" if baseline else ""
     lines = [
-        f"## {args.label}{versions}: torch {torch.__version__}, {args.threads} thread, "
+        f"## {args.label}{versions}: torch {torch.__version__}, {args.dtype}, {args.threads} thread, "
         f"{args.rows} rows per request over {args.context} cached tokens",
         "",
         "| per decoder layer | aten ops | kernels | CPU us |",
