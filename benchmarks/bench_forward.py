@@ -18,7 +18,8 @@ rows per step (what a step of the emulated deployment computes), at 1 and 8 requ
 
 `--baseline DIR` (a copy of another version's common/model) times that version's
 `StageModel` too, with the same weights on the same prepared steps, the two taking turns
-in every round, so that a comparison on a loaded machine sees the same load:
+in every round, so that a comparison on a loaded machine sees the same load; the
+after / before column is the median over rounds of the two's ratio:
 
     git archive a2cf155 common/model | tar -x -C /tmp/base
     .venv/bin/python benchmarks/bench_forward.py --baseline /tmp/base/common/model
@@ -33,6 +34,7 @@ import contextlib
 import importlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -177,10 +179,11 @@ def count(fn: Forward) -> AtenOps:
     return counter
 
 
-def cpu_us(fns: dict[str, Forward], repeats: int, rounds: int) -> dict[str, float]:
-    """Per callable, its best-of-`rounds` mean process CPU microseconds of one call; the
-    callables take turns in every round, so that a comparison sees the same load."""
-    best = dict.fromkeys(fns, float("inf"))
+def cpu_us(fns: dict[str, Forward], repeats: int, rounds: int) -> dict[str, list[float]]:
+    """Per callable, the mean process CPU microseconds of one call in each of `rounds`
+    rounds of `repeats` calls; the callables take turns in every round, so that a
+    comparison sees the same load."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     for _ in range(rounds):
@@ -188,8 +191,16 @@ def cpu_us(fns: dict[str, Forward], repeats: int, rounds: int) -> dict[str, floa
             t0 = time.process_time()
             for _ in range(repeats):
                 fn()
-            best[name] = min(best[name], (time.process_time() - t0) / repeats)
-    return {name: t * 1e6 for name, t in best.items()}
+            times[name].append((time.process_time() - t0) / repeats * 1e6)
+    return times
+
+
+def ratio(times: dict[str, list[float]]) -> float | None:
+    """The median over rounds of after / before (None without a baseline): steadier than
+    either's best on a loaded machine, since the two ran side by side in each round."""
+    if "before" not in times:
+        return None
+    return statistics.median(a / b for a, b in zip(times["after"], times["before"], strict=True))
 
 
 def baseline_class(path: Path) -> type[nn.Module]:
@@ -227,6 +238,7 @@ def measure(name: str, layers: LayerRange, requests: int, args, baseline) -> dic
         ops = {k: count(fn) for k, fn in forwards.items()}
         build_ops = count(build)
         times = cpu_us({**forwards, "build": build}, args.repeats, args.rounds)
+        best = {k: min(v) for k, v in times.items()}
     dep.close()
     return {
         "process": name,
@@ -235,9 +247,10 @@ def measure(name: str, layers: LayerRange, requests: int, args, baseline) -> dic
         "rows": args.rows,
         "forward_ops": {k: c.total for k, c in ops.items()},
         "forward_kernels": {k: c.kernels for k, c in ops.items()},
-        "forward_cpu_us": {k: times[k] for k in forwards},
+        "forward_cpu_us": {k: best[k] for k in forwards},
+        "forward_cpu_ratio": ratio(times),
         "build_ops": build_ops.total,
-        "build_cpu_us": times["build"],
+        "build_cpu_us": best["build"],
         "step_ops": step_ops.total,
         "forward_op_names": {k: dict(c.ops.most_common()) for k, c in ops.items()},
     }
@@ -253,7 +266,7 @@ def per_layer(requests: int, args, baseline) -> dict:
             forwards = {k: forward_of(m) for k, m in models(dep, baseline).items()}
             ops = {k: count(fn) for k, fn in forwards.items()}
             times = cpu_us(forwards, args.repeats, args.rounds)
-        recs[end] = {k: (ops[k].total, ops[k].kernels, times[k]) for k in forwards}
+        recs[end] = {k: (ops[k].total, ops[k].kernels, min(times[k])) for k in forwards}
         dep.close()
     return {
         "requests": requests,
@@ -278,8 +291,8 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path, help="a copy of another version's common/model")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     args = ap.parse_args()
@@ -320,14 +333,15 @@ def main() -> None:
         )
     lines += [
         "",
-        "| process | requests | forward: aten ops | kernels | CPU us | input building: ops | "
-        "CPU us | whole step: ops |",
-        "|---|---|---|---|---|---|---|---|",
+        "| process | requests | forward: aten ops | kernels | CPU us (best) | after / before "
+        "(median) | input building: ops | CPU us | whole step: ops |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["processes"]:
         lines.append(
             f"| {r['process']} | {r['requests']} | {arrow(r['forward_ops'], 'd')} | "
             f"{arrow(r['forward_kernels'], 'd')} | {arrow(r['forward_cpu_us'], '.0f')} | "
+            f"{'' if r['forward_cpu_ratio'] is None else format(r['forward_cpu_ratio'], '.2f')} | "
             f"{r['build_ops']} | {r['build_cpu_us']:.0f} | {r['step_ops']} |"
         )
     text = "\n".join(lines)

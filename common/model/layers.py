@@ -49,12 +49,13 @@ class RMSNorm(nn.Module):
         # one call with the weight; a half one's is F.rms_norm's own fp32 upcast and cast
         # back, then the weight; an fp64 one's is cast down to fp32 and back, as the
         # reference's is.
+        weight = self.weight
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return F.rms_norm(x, weight.shape, weight, self.eps)
         if x.dtype in (torch.bfloat16, torch.float16):
-            return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+            return weight * F.rms_norm(x, weight.shape, eps=self.eps)
+        normed = F.rms_norm(x.float(), weight.shape, eps=self.eps)
+        return weight * normed.to(x.dtype)
 
 
 @cache
@@ -92,6 +93,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def project(layer: nn.Module, x: Tensor) -> Tensor:
+    """`layer(x)` for the model's projections (an `nn.Linear`, or a `PackedLinear`), without
+    `nn.Module`'s call and attribute look-ups: `F.linear` on the layer's own parameters
+    (read from its parameter dict, so always the current ones)."""
+    if type(layer) is nn.Linear:
+        params = layer._parameters
+        return F.linear(x, params["weight"], params["bias"])
+    return layer.forward(x)
+
+
 class Attention(nn.Module):
     """Self-attention with one fused q/k/v projection (the checkpoint's three matrices
     stacked, `loading.fuse_checkpoint`): one GEMM and one RoPE over the query and key
@@ -111,7 +122,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
-        qkv = self.qkv_proj.forward(x).view(n, heads + 2 * kv_heads, d)
+        qkv = project(self.qkv_proj, x).view(n, heads + 2 * kv_heads, d)
         q, k = apply_rope(qkv[:, : heads + kv_heads], cos, sin).split((heads, kv_heads), 1)
         v = qkv[:, heads + kv_heads :]
         if step is None:  # one causal sequence, no cache
@@ -122,10 +133,10 @@ class Attention(nn.Module):
                 is_causal=True,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-            return self.o_proj.forward(out.reshape(n, heads * d))
+            return project(self.o_proj, out.reshape(n, heads * d))
         step.k[layer].index_copy_(0, step.batch.write_slots, k)
         step.v[layer].index_copy_(0, step.batch.write_slots, v)
-        return self.o_proj.forward(attend_layer(q, step, layer))
+        return project(self.o_proj, attend_layer(q, step, layer))
 
 
 class MLP(nn.Module):
@@ -137,8 +148,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
+        return project(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
