@@ -17,9 +17,10 @@ request controller and its executors", "The stage engine".
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
 layer issues as few as give the reference's bits (28 aten ops in fp32; what they are and
 what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
-step shares (RoPE's cos and sin, the attention's views) is made once per step, and the
+step shares (RoPE's cos and sin, the attention's views) is made once per step, the
 submodules are called through `.forward` (`nn.Module.__call__`'s hook handling costs
-about 1.5 us a call, nine calls a layer; this model registers no hooks).
+about 1.5 us a call, nine calls a layer; this model registers no hooks) and the
+projections through `project`.
 """
 
 from __future__ import annotations
