@@ -420,6 +420,12 @@ class RouterConfig(ServiceConfig):
         parse=positive_seconds,
         help="seconds between two health checks of a replica (default %(default)s)",
     )
+    no_control_frames: bool = flag(
+        False,
+        help="send the stages' feeds and prunes on the gRPC control streams, not as "
+        "data-plane frames (by default they ride the data plane where a stage takes them: "
+        "a third of a stream message's CPU at each end)",
+    )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")
     startup_timeout: float = flag(

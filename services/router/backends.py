@@ -59,7 +59,7 @@ from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
-from .control_stream import DraftStream, StageStream, control_stream
+from .control_stream import ControlFrames, DraftStream, StageStream, control_stream
 from .discovery import Discovery, Endpoint
 from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
@@ -277,8 +277,12 @@ class Backends:
         make_channel: Callable[[str], grpc.aio.Channel] = channel,
         on_version: Callable[[ModelInfo], None] | None = None,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
+        control_frames: ControlFrames | None = None,
     ) -> None:
+        """`control_frames`: the router's data plane, which carries feeds and prunes to
+        the stages that take control frames (None: their control streams do)."""
         self.discovery = discovery
+        self.control_frames = control_frames
         self.stall_seconds = stall_seconds
         self._make_channel = make_channel  # mutual TLS with --secure
         self.on_down, self.on_readiness = on_down, on_readiness
@@ -343,9 +347,11 @@ class Backends:
         check, not after the old channel's reconnect backoff (up to 2 s)."""
         if b.active > 0 or b.channel is None:
             return
-        old = b.channel
+        old, old_control = b.channel, b.control
         self._connect(b)
         self._in_background(old.close())
+        if old_control is not None:
+            self._in_background(old_control.close())
 
     def _in_background(self, call) -> None:
         task = asyncio.ensure_future(call)
@@ -767,6 +773,9 @@ class Backends:
             return
         before = b.desc
         b.desc = desc
+        if isinstance(b.control, StageStream):
+            address = desc.data_address if desc.control_frames else ""
+            b.control.carry_on(self.control_frames, address)
         identity = ("weight_hash", "layer_start", "layer_end", "num_layers", "vocab_size")
         if before is None or any(
             getattr(before, f, None) != getattr(desc, f, None) for f in identity
