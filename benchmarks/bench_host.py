@@ -357,6 +357,8 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
+    ap.add_argument("--no-control-frames", action="store_true",
+                    help="the router's feeds and prunes on the gRPC streams (A/B)")  # fmt: skip
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -378,6 +380,7 @@ def main() -> None:
         target, "oracle", args.stages, threads=1, emulate_costs=cost_file,
         log_dir=work / "logs", metrics=True,
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
+        control_frames=not args.no_control_frames,
     )  # fmt: skip
     dep.start()
     cells = []

@@ -596,6 +596,7 @@ class DeploymentConfig:
     emulate_costs: str | Path | None = None  # every stage (its own curve) and the draft
     batch_wait: float | None = None  # seconds, of every stage and the draft; None: auto
     prefix_cache: bool = True  # False: --no-prefix-cache on every stage and the draft
+    control_frames: bool = True  # False: the router's --no-control-frames
 
     def __post_init__(self) -> None:
         # Tests and benchmarks give scheduling as a mapping of field names.

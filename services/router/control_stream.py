@@ -249,17 +249,27 @@ class StageStream(_Stream):
         return msgs
 
     def _send_frames(self, msgs: list[stage_pb2.StageControl]) -> None:
-        """Send this turn's feeds and prunes as control frames (in order: the transport
-        sends one address's frames in the order they were started)."""
+        """Send this turn's feeds and prunes as control frames, in order: each at once
+        where the transport can (`post_frame`), else it and every later one through a
+        task, one after another, until none waits."""
         assert self._frames is not None
-        transport, address, token = self._frames.transport, self._address, self._token
+        transport, address = self._frames.transport, self._address
+        frames = [
+            message_frame(CONTROL, self._token, m, "router", reply_to=transport.address)
+            for m in msgs
+        ]
+        while frames and not self._sending and transport.post_frame(address, *frames[0]):
+            frames.pop(0)
+            self.frames += 1
+        if not frames:
+            return
+        behind = list(self._sending)
 
         async def send() -> None:
+            if behind:
+                await asyncio.wait(behind)
             try:
-                for msg in msgs:
-                    header, payload = message_frame(
-                        CONTROL, token, msg, "router", reply_to=transport.address
-                    )
+                for header, payload in frames:
                     await transport.send_frame(address, header, payload)
                     self.frames += 1
             except TransportError as e:  # as a broken stream: every request replays
