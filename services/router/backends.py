@@ -730,10 +730,9 @@ class Backends:
     async def _check(self, b: Backend) -> None:
         if b.asked_since is None:
             b.asked_since = time.monotonic()
-        try:
-            resp = await b.health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout
-            )
+        try:  # identity (a restarted replica may hold other weights), load and health
+            desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
+            status = desc.health_status or await self._health(b)  # 0: an older version
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 b.slow_checks += 1
@@ -753,7 +752,7 @@ class Backends:
         if b.stalled:
             self._mark_stalls(b.answered_at)
         b.slow_checks = 0
-        if resp.status != SERVING:
+        if status != SERVING:
             # Draining (shutting down): no new requests go there, but it still serves the
             # ones it has, so they are not failed; if it dies, the next check says so.
             was_healthy = b.healthy
@@ -762,11 +761,6 @@ class Backends:
             if was_healthy:
                 log.warning("%s reports NOT_SERVING (draining?)", b.label)
                 self._recompute()
-            return
-        try:  # identity (a restarted replica may hold other weights) and load
-            desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
-        except grpc.aio.AioRpcError as e:
-            b.error = rpc_error_text(e)
             return
         if b.kind == "stage" and not desc.ready:
             b.healthy, b.error = False, "no model loaded yet"
@@ -791,6 +785,11 @@ class Backends:
                 b.ready_at = time.monotonic()
             log.info("%s is up: %s %s", b.label, desc.model_id, desc.weight_hash)
             self._recompute()
+
+    async def _health(self, b: Backend) -> int:
+        """What `b`'s gRPC health service answers for the whole server."""
+        req = health_pb2.HealthCheckRequest(service="")
+        return (await b.health.Check(req, timeout=self.check_timeout)).status
 
     async def close(self) -> None:
         for t in self._tasks:
