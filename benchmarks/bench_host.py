@@ -24,7 +24,9 @@ come: a unary gRPC call, a message on a bidirectional gRPC stream, and a data-pl
 frame (what riding the data plane would cost).
 
 Writes results/host/results.json and results.md (the tables printed). CPU time, not wall
-clock: a shared 2-core machine measures it fairly.
+clock: a shared 2-core machine measures it fairly. One piece: the wire part prices the
+very messages the cells' processes send, counted the same way, and the README's tables
+quote both together.
 """
 
 from __future__ import annotations
