@@ -24,7 +24,9 @@ come: a unary gRPC call, a message on a bidirectional gRPC stream, and a data-pl
 frame (what riding the data plane would cost).
 
 Writes results/host/results.json and results.md (the tables printed). CPU time, not wall
-clock: a shared 2-core machine measures it fairly.
+clock: a shared 2-core machine measures it fairly. One piece: the wire part prices the
+very messages the cells' processes send, counted the same way, and the README's tables
+quote both together.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ async def wire(n: int = 2000, gap: float = 0.0005) -> dict[str, float]:
 
         async def Control(self, requests, context):
             async for msg in requests:
-                got.append(msg.feeds[0].seq)
+                got.append(len(msg.feeds) + len(msg.prunes))
             return
             yield
 
@@ -248,8 +250,6 @@ async def wire(n: int = 2000, gap: float = 0.0005) -> dict[str, float]:
     queue.put_nowait(None)
     async for _ in call:
         pass
-    await channel.close()
-    await server.stop(None)
 
     receiver = make_transport("tcp", lambda frame: got.append(frame.header.seq))
     sender = make_transport("tcp", lambda frame: None)
@@ -259,7 +259,52 @@ async def wire(n: int = 2000, gap: float = 0.0005) -> dict[str, float]:
     out["data-plane TCP frame"] = await _paced(lambda: sender.send_frame(address, header), n, gap)
     await sender.close()
     await receiver.close()
+    prune = pb.PruneRequest(request_id="r" * 22, prune=pb.PruneSignal(seq=3))
+    for carrier in ("gRPC streams", "control frames"):
+        key = f"a step's control to 4 stages (feed + 4 prunes), {carrier}"
+        out[key] = await _control_turns(port, feed, prune, carrier == "control frames", n, gap)
+    await channel.close()
+    await server.stop(None)
     return {k: round(1e6 * v, 1) for k, v in out.items()}
+
+
+async def _control_turns(port: int, feed, prune, frames: bool, n: int, gap: float) -> float:
+    """CPU seconds per step of the router's `StageStream`s to 4 stages (stage 1's feed,
+    every stage's prune; a channel each, as the router has) and of their taking, on gRPC
+    streams or as control frames."""
+    import grpc
+    from specpipe.services.router.control_stream import ControlFrames, StageStream
+    from specpipe.services.transport import Inbox, make_transport
+    from specpipe.v1 import stage_pb2_grpc
+
+    inbox = Inbox()
+    router = make_transport("tcp", inbox)
+    await router.start()
+    stages = [make_transport("tcp", lambda frame: None) for _ in range(4)]
+    addresses = [await t.start() for t in stages]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(4)]
+    streams = [
+        StageStream(stage_pb2_grpc.StageStub(ch), f"stage {i}") for i, ch in enumerate(channels)
+    ]
+    for stream, address in zip(streams, addresses, strict=True):
+        if frames:
+            stream.carry_on(ControlFrames(router, inbox), address)
+        stream.attach(feed.request_id, lambda code, message: None)
+
+    async def step() -> None:
+        streams[0].feed(feed, 60.0)
+        for stream in streams:
+            stream.prune(prune, 60.0)
+
+    await step()
+    cost = await _paced(step, n, gap)
+    for stream in streams:
+        await stream.close()
+    for ch in channels:
+        await ch.close()
+    for t in (router, *stages):
+        await t.close()
+    return cost
 
 
 # -- one cell ------------------------------------------------------------------------------
@@ -357,6 +402,8 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
+    ap.add_argument("--no-control-frames", action="store_true",
+                    help="the router's feeds and prunes on the gRPC streams (A/B)")  # fmt: skip
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -378,6 +425,7 @@ def main() -> None:
         target, "oracle", args.stages, threads=1, emulate_costs=cost_file,
         log_dir=work / "logs", metrics=True,
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
+        control_frames=not args.no_control_frames,
     )  # fmt: skip
     dep.start()
     cells = []

@@ -420,6 +420,12 @@ class RouterConfig(ServiceConfig):
         parse=positive_seconds,
         help="seconds between two health checks of a replica (default %(default)s)",
     )
+    no_control_frames: bool = flag(
+        False,
+        help="send the stages' feeds and prunes on the gRPC control streams, not as "
+        "data-plane frames (by default they ride the data plane where a stage takes them: "
+        "a third of a stream message's CPU at each end)",
+    )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")
     startup_timeout: float = flag(
@@ -590,6 +596,7 @@ class DeploymentConfig:
     emulate_costs: str | Path | None = None  # every stage (its own curve) and the draft
     batch_wait: float | None = None  # seconds, of every stage and the draft; None: auto
     prefix_cache: bool = True  # False: --no-prefix-cache on every stage and the draft
+    control_frames: bool = True  # False: the router's --no-control-frames
 
     def __post_init__(self) -> None:
         # Tests and benchmarks give scheduling as a mapping of field names.

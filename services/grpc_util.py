@@ -64,6 +64,11 @@ class Server:
         )
         self.port = 0
         self._dead: asyncio.Future | None = None  # entering drain after a loop died
+        # What the health service answers for the whole server ("" ), which every
+        # Describe repeats (a router's check is one call): SERVING until set otherwise,
+        # as grpc's HealthServicer starts; NOT_SERVING for good once draining.
+        self.status: int = SERVING
+        self._draining = False
 
     async def start(self, host: str, port: int, health_port: int | None = None) -> int:
         """Listen on `port` (0: any); with `health_port`, also serve plaintext gRPC health
@@ -88,10 +93,13 @@ class Server:
         status = SERVING if serving else NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
+        if not self._draining:
+            self.status = status
 
     async def enter_drain(self) -> None:
         """NOT_SERVING for good (later `set_serving` calls are ignored): load balancers and
         routers stop sending new work while open work finishes."""
+        self._draining, self.status = True, NOT_SERVING
         await self.health.enter_graceful_shutdown()
 
     def supervise(self, task: asyncio.Task, on_death: Callable[[], None] = lambda: None) -> None:

@@ -327,6 +327,7 @@ class ServicesDeployment:
             api_key_files=(str(self._write_keys()),) if self.api_keys else (),
             describe_internals=True,  # every service on this host: its operator's
             scheduling=c.scheduling,
+            no_control_frames=not c.control_frames,
         )
         return self._child(name, "router", config)
 

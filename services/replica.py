@@ -218,6 +218,7 @@ class Replica(ABC):
 
     def _describe_replica(self, desc) -> None:
         """The fields of a Stage- or DraftDescription every replica has, model or not."""
+        desc.health_status = self.server.status
         desc.active_requests = self._open_requests()
         desc.lease_seconds = self.leases.seconds
         desc.max_step_rows = self.max_step_rows

@@ -50,6 +50,7 @@ from specpipe.v1 import stage_pb2, stage_pb2_grpc
 from .compute_round import ComputeRounds, StageRequest
 from .control import (
     cache_scope_from_proto,
+    max_control_bytes,
     prune_from_proto,
     token_activation,
     verify_spec_from_proto,
@@ -68,6 +69,7 @@ from .transport import (
     FrameError,
     Transport,
     TransportError,
+    control_frames,
     decode,
     make_transport,
 )
@@ -247,7 +249,9 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
     # -- RPCs ------------------------------------------------------------------------------
     def _describe(self) -> stage_pb2.StageDescription:
         desc = stage_pb2.StageDescription(
-            data_address=self.transport.address, ready=self.model is not None
+            data_address=self.transport.address,
+            ready=self.model is not None,
+            control_frames=True,
         )
         if self.model is None:
             self._describe_replica(desc)
@@ -497,6 +501,25 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         released = [ref.request_id for ref in msg.releases]
         return stage_pb2.StageControlReply(refusals=refusals, released=released)
 
+    def _on_control_frame(self, frame: Frame) -> None:
+        """A router's control message on the data plane (`transport/control_frames.py`):
+        taken as on the Control stream; its answer, if any, goes back as a frame to the
+        router's address (one of this stage's peers, like every address it sends to)."""
+        h = frame.header
+        try:
+            msg = control_frames.message_of(frame, stage_pb2.StageControl)
+            self._check_hop(h.reply_to)
+        except (FrameError, InvalidInput) as e:
+            rlog.warning("bad-control", "%s: bad control frame from %s: %s", self.name,
+                         h.sender, e)  # fmt: skip
+            return
+        reply = self._take_control(msg)
+        if reply is not None:
+            header, payload = control_frames.message_frame(
+                Kind.PAYLOAD_KIND_CONTROL_REPLY, h.request_id, reply, self.name
+            )
+            self._send_later(h.reply_to, header, payload, "answer a control frame")
+
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"
 
@@ -524,18 +547,25 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         return min(st.capacity, self.max_step_rows)
 
     def _bound_frames(self) -> None:
-        """No frame larger than the largest batch of activations a peer sends is read
-        (each part is then held to its request's rows by `_admit`)."""
+        """No frame larger than the largest batch of activations a peer sends, or than the
+        largest control message, is read (each part is then held to its request's rows,
+        and a control frame to the control limit, by `_admit`)."""
         if self.model is not None:
             lim = self.limits
-            self.transport.max_payload_bytes = MAX_ROWS * lim.row_bytes(lim.hidden_size)
+            most = max(MAX_ROWS * lim.row_bytes(lim.hidden_size), max_control_bytes(lim))
+            self.transport.max_payload_bytes = most
 
     def _admit(self, h: pb.FrameHeader) -> bool:
         """Whether to read a frame's payload (the header is all there is yet): frames of
         requests open here, hidden states of this stage's dtype and width, one row per
         position and at most the request's capacity. A frame refused here fails its
         request (a well-behaved peer never sends one); frames of unknown requests
-        (released already) are dropped."""
+        (released already) are dropped. A control frame is read up to the control
+        limit."""
+        if h.kind == Kind.PAYLOAD_KIND_CONTROL:
+            return self.model is not None and control_frames.admitted(
+                h, max_control_bytes(self.limits)
+            )
         st = self._requests.get(h.request_id)
         if st is None or self.model is None:
             return False
@@ -555,6 +585,9 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         return False
 
     def _on_frame(self, frame: Frame) -> None:
+        if frame.kind == Kind.PAYLOAD_KIND_CONTROL:
+            self._on_control_frame(frame)
+            return
         st = self._requests.get(frame.request_id)
         if st is None:  # released already (cancelled or failed): late frames are dropped
             return
@@ -597,17 +630,22 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             grpc.StatusCode.UNAVAILABLE if unavailable else grpc.StatusCode.INTERNAL
         ).value[0]
 
+        if st.report_to:
+            self._send_later(st.report_to, header, None, "report a request's failure")
+
+    def _send_later(self, address: str, header: pb.FrameHeader, payload, what: str) -> None:
+        """Send a frame from the event loop without waiting for it (a failure is logged:
+        the router learns of a lost stage from its control stream)."""
+
         async def send() -> None:
             try:
-                await self.transport.send_frame(st.report_to, header)
+                await self.transport.send_frame(address, header, payload)
             except TransportError as e:
-                rlog.warning("report", "%s: cannot report a request's failure: %s", self.name, e)
-                log.debug("cannot report failure of %s", st.request_id)
+                rlog.warning(what, "%s: cannot %s: %s", self.name, what, e)
 
-        if st.report_to:
-            task = asyncio.ensure_future(send())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        task = asyncio.ensure_future(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _drop(self, rid: str) -> bool:
         self.leases.end(rid)

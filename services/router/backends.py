@@ -59,7 +59,7 @@ from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
 
 from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
-from .control_stream import DraftStream, StageStream, control_stream
+from .control_stream import ControlFrames, DraftStream, StageStream, control_stream
 from .discovery import Discovery, Endpoint
 from .prefix_affinity import PrefixIndex, PromptKeys, key_limit, prefer_prefix
 
@@ -277,8 +277,12 @@ class Backends:
         make_channel: Callable[[str], grpc.aio.Channel] = channel,
         on_version: Callable[[ModelInfo], None] | None = None,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
+        control_frames: ControlFrames | None = None,
     ) -> None:
+        """`control_frames`: the router's data plane, which carries feeds and prunes to
+        the stages that take control frames (None: their control streams do)."""
         self.discovery = discovery
+        self.control_frames = control_frames
         self.stall_seconds = stall_seconds
         self._make_channel = make_channel  # mutual TLS with --secure
         self.on_down, self.on_readiness = on_down, on_readiness
@@ -343,9 +347,11 @@ class Backends:
         check, not after the old channel's reconnect backoff (up to 2 s)."""
         if b.active > 0 or b.channel is None:
             return
-        old = b.channel
+        old, old_control = b.channel, b.control
         self._connect(b)
         self._in_background(old.close())
+        if old_control is not None:
+            self._in_background(old_control.close())
 
     def _in_background(self, call) -> None:
         task = asyncio.ensure_future(call)
@@ -724,10 +730,9 @@ class Backends:
     async def _check(self, b: Backend) -> None:
         if b.asked_since is None:
             b.asked_since = time.monotonic()
-        try:
-            resp = await b.health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.check_timeout
-            )
+        try:  # identity (a restarted replica may hold other weights), load and health
+            desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
+            status = desc.health_status or await self._health(b)  # 0: an older version
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 b.slow_checks += 1
@@ -747,7 +752,7 @@ class Backends:
         if b.stalled:
             self._mark_stalls(b.answered_at)
         b.slow_checks = 0
-        if resp.status != SERVING:
+        if status != SERVING:
             # Draining (shutting down): no new requests go there, but it still serves the
             # ones it has, so they are not failed; if it dies, the next check says so.
             was_healthy = b.healthy
@@ -757,16 +762,14 @@ class Backends:
                 log.warning("%s reports NOT_SERVING (draining?)", b.label)
                 self._recompute()
             return
-        try:  # identity (a restarted replica may hold other weights) and load
-            desc = await b.stub.Describe(pb.DescribeRequest(), timeout=self.check_timeout)
-        except grpc.aio.AioRpcError as e:
-            b.error = rpc_error_text(e)
-            return
         if b.kind == "stage" and not desc.ready:
             b.healthy, b.error = False, "no model loaded yet"
             return
         before = b.desc
         b.desc = desc
+        if isinstance(b.control, StageStream):
+            address = desc.data_address if desc.control_frames else ""
+            b.control.carry_on(self.control_frames, address)
         identity = ("weight_hash", "layer_start", "layer_end", "num_layers", "vocab_size")
         if before is None or any(
             getattr(before, f, None) != getattr(desc, f, None) for f in identity
@@ -782,6 +785,11 @@ class Backends:
                 b.ready_at = time.monotonic()
             log.info("%s is up: %s %s", b.label, desc.model_id, desc.weight_hash)
             self._recompute()
+
+    async def _health(self, b: Backend) -> int:
+        """What `b`'s gRPC health service answers for the whole server."""
+        req = health_pb2.HealthCheckRequest(service="")
+        return (await b.health.Check(req, timeout=self.check_timeout)).status
 
     async def close(self) -> None:
         for t in self._tasks:

@@ -1,6 +1,10 @@
 """The router's control streams: one long-lived bidirectional gRPC call per replica
 (`Stage.Control`, `Draft.Control`), instead of a unary call per feed, prune, proposal and
-release (docs/architecture.md, "6. Control plane and data plane", says why).
+release (docs/architecture.md, "6. Control plane and data plane", says why). A stage
+that takes control frames (`StageDescription.control_frames`) gets its feeds and prunes
+as data-plane frames instead (`ControlFrames`: a third of a stream message's CPU at each
+end); its stream then carries releases and stays open while requests are attached, so a
+stage that dies still breaks it.
 
 What the router's request drivers send a replica in one turn of the event loop leaves as
 one message on its stream (the requests whose verifications came in one frame feed and
@@ -19,12 +23,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
+from ..transport import Inbox, Transport, TransportError
+from ..transport.codec import Frame
+from ..transport.control_frames import CONTROL, message_frame, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
 
 log = logging.getLogger(__name__)
@@ -129,9 +138,19 @@ class _Stream:
             reader.cancel()
 
 
+@dataclass(frozen=True)
+class ControlFrames:
+    """The router's data plane, for control frames: the transport that sends them and
+    the inbox that hands the stages' answers to their streams."""
+
+    transport: Transport
+    inbox: Inbox
+
+
 class StageStream(_Stream):
     """A stage's control stream: feeds (stage 1), prunes and releases of every request;
-    `attach` says whom to tell of a refusal or a break."""
+    `attach` says whom to tell of a refusal or a break. With `carry_on(frames, address)`
+    the feeds and prunes go as data-plane frames to the stage's `address`."""
 
     def __init__(self, stub, label: str) -> None:
         super().__init__(lambda requests: stub.Control(requests), label)
@@ -142,9 +161,32 @@ class StageStream(_Stream):
         self._releases: dict[str, list[asyncio.Future]] = {}  # to send: their waiters
         self._released: dict[str, list[asyncio.Future]] = {}  # sent: waiting for the answer
         self.unary: tuple[CallBatcher, CallBatcher] | None = None  # a stage without Control
+        self._frames: ControlFrames | None = None
+        self._address = ""  # the stage's data-plane address, with `_frames`
+        self._token = ""  # names this stream's frames; the stage's answers come back with it
+        self._sending: set[asyncio.Task] = set()
+        self.frames = 0  # control frames sent so far
+
+    def carry_on(self, frames: ControlFrames | None, address: str) -> None:
+        """Send feeds and prunes as control frames to `address` (frames None or address
+        empty: on the stream, a stage that takes no control frames)."""
+        if frames is None or not address:
+            self._stop_frames()
+            return
+        if self._frames is None:
+            self._token = f"control:{secrets.token_urlsafe(12)}"
+            frames.inbox.route(self._token, self._on_reply_frame)
+        self._frames, self._address = frames, address
+
+    def _stop_frames(self) -> None:
+        if self._frames is not None:
+            self._frames.inbox.close(self._token)
+        self._frames, self._address = None, ""
 
     def attach(self, wire_id: str, on_fault: OnFault) -> None:
         self._users[wire_id] = on_fault
+        if self._frames is not None and self._queue is None and self.unary is None:
+            self._open()  # the stream's break tells of a lost stage
 
     def detach(self, wire_id: str) -> None:
         self._users.pop(wire_id, None)
@@ -193,17 +235,58 @@ class StageStream(_Stream):
     def _collect(self) -> list[stage_pb2.StageControl]:
         if not (self._feeds or self._prunes or self._releases):
             return []
-        msgs = []
-        for part in _packed([*self._feeds, *self._prunes]):
-            msg = stage_pb2.StageControl()
-            for item in part:
-                (msg.feeds if isinstance(item, stage_pb2.FeedRequest) else msg.prunes).append(item)
-            msgs.append(msg)
-        msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
+        items = [*self._feeds, *self._prunes]
+        msgs = _messages_of(items)  # at least one
+        if self._frames is not None:
+            if items:
+                self._send_frames(msgs)
+            msgs = [stage_pb2.StageControl()] if self._releases else []
+        if self._releases:
+            msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
         for rid, waiters in self._releases.items():
             self._released.setdefault(rid, []).extend(waiters)
         self._feeds, self._prunes, self._releases = [], [], {}
         return msgs
+
+    def _send_frames(self, msgs: list[stage_pb2.StageControl]) -> None:
+        """Send this turn's feeds and prunes as control frames, in order: each at once
+        where the transport can (`post_frame`), else it and every later one through a
+        task, one after another, until none waits."""
+        assert self._frames is not None
+        transport, address = self._frames.transport, self._address
+        frames = [
+            message_frame(CONTROL, self._token, m, "router", reply_to=transport.address)
+            for m in msgs
+        ]
+        while frames and not self._sending and transport.post_frame(address, *frames[0]):
+            frames.pop(0)
+            self.frames += 1
+        if not frames:
+            return
+        behind = list(self._sending)
+
+        async def send() -> None:
+            if behind:
+                await asyncio.wait(behind)
+            try:
+                for header, payload in frames:
+                    await transport.send_frame(address, header, payload)
+                    self.frames += 1
+            except TransportError as e:  # as a broken stream: every request replays
+                log.warning("%s: a control frame was not delivered (%s)", self.label, e)
+                self._on_break(UNAVAILABLE, f"{self.label}: control frame not delivered: {e}")
+
+        task = asyncio.ensure_future(send())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    def _on_reply_frame(self, frame: Frame) -> None:
+        try:
+            reply = message_of(frame, stage_pb2.StageControlReply)
+        except ValueError as e:
+            log.warning("%s: a bad control answer: %s", self.label, e)
+            return
+        self._on_reply(reply)  # type: ignore[arg-type]
 
     def _on_reply(self, reply: stage_pb2.StageControlReply) -> None:
         for r in reply.refusals:
@@ -224,7 +307,16 @@ class StageStream(_Stream):
 
     def _unimplemented(self) -> bool:
         self.unary = stage_batchers(self.stub, self.label)
+        self._stop_frames()
         return True
+
+    async def close(self) -> None:
+        self._stop_frames()
+        if self.frames:
+            log.info("%s: %d control frames", self.label, self.frames)
+        for task in list(self._sending):
+            task.cancel()
+        await super().close()
 
 
 class DraftStream(_Stream):
@@ -278,6 +370,17 @@ class DraftStream(_Stream):
     def _unimplemented(self) -> bool:
         self.unary = True
         return True
+
+
+def _messages_of(items: list) -> list[stage_pb2.StageControl]:
+    """Feeds and prunes in messages of at most MESSAGE_BUDGET bytes."""
+    msgs = []
+    for part in _packed(items):
+        msg = stage_pb2.StageControl()
+        for item in part:
+            (msg.feeds if isinstance(item, stage_pb2.FeedRequest) else msg.prunes).append(item)
+        msgs.append(msg)
+    return msgs
 
 
 def _packed(items: list) -> list[list]:

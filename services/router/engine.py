@@ -42,6 +42,7 @@ from .backends import Backend, Backends, ModelInfo, NoPath
 from .bounds import context_of, max_prompt_chars, max_request_bytes
 from .cache_scope import CacheScopes
 from .calls import DriverError, LeaseClaim
+from .control_stream import ControlFrames
 from .discovery import Discovery, discovery_of
 from .driver import DriverSettings, RequestDriver
 from .keepalive import LeaseKeepAlive
@@ -107,6 +108,9 @@ class RouterEngine:
             transport_kind=self.transport_kind,
             make_channel=lambda address: channel(address, security),
             stall_seconds=config.replica_stall_seconds,
+            control_frames=(
+                None if config.no_control_frames else ControlFrames(self.transport, self.inbox)
+            ),
         )
         self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = config.target

@@ -218,6 +218,13 @@ class Transport(ABC):
     ) -> None:
         """Deliver one frame; frames to one address arrive in the order they were sent."""
 
+    def post_frame(
+        self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
+    ) -> bool:
+        """Send a small frame at once without waiting, where the transport can do that
+        in order; False (nothing sent): `send_frame` it. This one never can."""
+        return False
+
     @abstractmethod
     async def close(self) -> None:
         """Stop listening and close every connection."""

@@ -34,6 +34,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int64": torch.int64,
+    "uint8": torch.uint8,  # a protobuf message's bytes (control frames, `control_frames.py`)
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

@@ -227,6 +227,10 @@ class _Conn:
         return self.writer.is_closing() or self.reader.at_eof()
 
 
+# The largest payload `post_frame` writes at once (joined with its header: one copy).
+POST_BYTES = 64 << 10
+
+
 class TcpTransport(Transport):
     scheme = "tcp"
 
@@ -304,6 +308,32 @@ class TcpTransport(Transport):
         conn = self._conns.pop(address, None)
         if conn is not None:
             conn.writer.close()
+
+    def post_frame(
+        self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
+    ) -> bool:
+        """Write a small frame now, in one write, where that can neither block nor pass an
+        earlier frame whose send has begun: a live connection to `address`, no send to it
+        under way and nothing waiting in its buffer. False (nothing sent): `send_frame`
+        it. (A caller's own send that has not begun yet is the caller's to wait for.)"""
+        conn = self._conns.get(address)
+        lock = self._locks.get(address)
+        if conn is None or conn.stale or (lock is not None and lock.locked()):
+            return False
+        w = conn.writer
+        data = payload_bytes(None if payload is None else self.staged(payload))
+        if w.transport.get_write_buffer_size() or (data is not None and data.nbytes > POST_BYTES):
+            return False
+        hb = header.SerializeToString()
+        parts = [PREAMBLE.pack(len(hb), 0 if data is None else data.nbytes), hb]
+        if conn.mac is not None:
+            parts.append(conn.mac.header_tag(hb))
+        if data is not None:
+            parts.append(data.tobytes())
+        if conn.mac is not None:
+            parts.append(conn.mac.payload_tag(data))
+        w.write(b"".join(parts))
+        return True
 
     async def send_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None

@@ -90,9 +90,11 @@ def test_a_stalled_replica_is_dead_for_its_requests_within_the_stall_limit(
         dport = await draft.start()
         proxies = [_Proxy(p) for p in ports[:2]]
         addrs = [await p.start() for p in proxies] + [f"127.0.0.1:{ports[2]}"]
+        # The proxy stalls the gRPC port only (a SIGSTOPped process stalls its data
+        # plane too): the feeds must go where it stalls them, on the control stream.
         router = router_service(addrs, f"127.0.0.1:{dport}", health_check_interval=0.2,
                                 path_stall_seconds=60.0, replay_seconds=20.0,
-                                replica_stall_seconds=1.0)  # fmt: skip
+                                replica_stall_seconds=1.0, no_control_frames=True)  # fmt: skip
         router.engine.backends.check_timeout = 30.0  # its own "down" would take 90 s
         await router.start(startup_timeout=30)
         try:

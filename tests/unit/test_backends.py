@@ -206,6 +206,46 @@ def test_an_idle_replica_that_fails_a_check_gets_a_fresh_channel() -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("said", [True, False], ids=["in Describe", "older replica"])
+def test_a_check_is_one_describe_and_asks_the_health_service_only_if_it_must(said) -> None:
+    """A replica's Describe repeats its health status: a check is that one call. An
+    older version's says nothing (0), and the health service is asked as before; either
+    way NOT_SERVING is draining (no new requests, its own kept)."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+    from specpipe.v1 import stage_pb2
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, 2
+    asked: list[str] = []
+
+    class Stub:
+        status = serving
+
+        async def Describe(self, request, timeout: float):
+            asked.append("Describe")
+            return stage_pb2.StageDescription(
+                model_id="m", weight_hash="v1", layer_end=4, num_layers=4, vocab_size=97,
+                ready=True, data_address="tcp://h:1", health_status=self.status if said else 0,
+            )  # fmt: skip
+
+        async def Check(self, request, timeout: float):
+            asked.append("Check")
+            return health_pb2.HealthCheckResponse(status=self.status)
+
+    async def main() -> None:
+        bs = backends()
+        b = add(bs, "stage", "s0:1")
+        b.stub = b.health = stub = Stub()
+        await bs._check(b)
+        assert b.healthy and asked == (["Describe"] if said else ["Describe", "Check"])
+        stub.status = not_serving
+        await bs._check(b)
+        assert b.draining and not b.healthy and "NOT_SERVING" in b.error
+
+    asyncio.run(main())
+
+
 # -- speed: the cost curves replicas publish in Describe (--measure-costs) ------------------
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 

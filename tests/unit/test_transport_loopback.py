@@ -9,6 +9,7 @@ import pytest
 import torch
 from specpipe.common.spec.messages import Activation
 from specpipe.services.transport import Inbox, TransportError, decode, make_transport
+from specpipe.services.transport.codec import encode
 
 KINDS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(
     not __import__("specpipe.services.transport.ucx", fromlist=["available"]).available(),
@@ -258,5 +259,38 @@ def test_tcp_receiver_bounds_what_it_reads_and_holds() -> None:
             await tx.close()
         finally:
             await rx.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
+def test_posted_frames_keep_their_order_among_sent_ones(secure: bool) -> None:
+    """`post_frame` writes at once only where it cannot pass a frame being sent (a large
+    one still draining): posted and sent frames arrive in the order they were started,
+    authenticated."""
+
+    async def main() -> None:
+        auth = _key() if secure else None
+        inbox = Inbox()
+        q = inbox.open("r")
+        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
+        tx = make_transport("tcp", lambda f: None, auth=auth)
+        addr = await rx.start()
+        acts = [_act("r", 2, i) for i in range(6)]
+        acts[3] = _act("r", 4000, 3)  # 24 MB: its send waits for the receiver to read
+        frame = lambda i: encode(acts[i], seq=i)  # noqa: E731
+        assert not tx.post_frame(addr, *frame(0))  # no connection yet: send it
+        await tx.send_frame(addr, *frame(0))
+        assert tx.post_frame(addr, *frame(1)) and tx.post_frame(addr, *frame(2))
+        big = asyncio.ensure_future(tx.send_frame(addr, *frame(3)))
+        await asyncio.sleep(0)  # under way, not done
+        assert not big.done() and not tx.post_frame(addr, *frame(4))
+        await tx.send_frame(addr, *frame(4))
+        await big
+        assert tx.post_frame(addr, *frame(5))
+        got = [decode(await asyncio.wait_for(q.get(), 10)) for _ in range(6)]
+        assert all(torch.equal(g.hidden, a.hidden) for g, a in zip(got, acts, strict=True))
+        await tx.close()
+        await rx.close()
 
     asyncio.run(main())

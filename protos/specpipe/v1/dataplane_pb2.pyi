@@ -16,6 +16,8 @@ class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAYLOAD_KIND_ERROR: _ClassVar[PayloadKind]
     PAYLOAD_KIND_BATCH: _ClassVar[PayloadKind]
     PAYLOAD_KIND_VERIFIED: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_CONTROL: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_CONTROL_REPLY: _ClassVar[PayloadKind]
 PAYLOAD_KIND_UNSPECIFIED: PayloadKind
 PAYLOAD_KIND_TOKENS: PayloadKind
 PAYLOAD_KIND_HIDDEN: PayloadKind
@@ -23,6 +25,8 @@ PAYLOAD_KIND_EMPTY: PayloadKind
 PAYLOAD_KIND_ERROR: PayloadKind
 PAYLOAD_KIND_BATCH: PayloadKind
 PAYLOAD_KIND_VERIFIED: PayloadKind
+PAYLOAD_KIND_CONTROL: PayloadKind
+PAYLOAD_KIND_CONTROL_REPLY: PayloadKind
 
 class Rows(_message.Message):
     __slots__ = ("positions", "committed", "node_ids", "parent_ids", "token_ids")
@@ -39,7 +43,7 @@ class Rows(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code", "parts", "verified")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code", "parts", "verified", "reply_to")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +56,7 @@ class FrameHeader(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     after_prune: int
@@ -64,7 +69,8 @@ class FrameHeader(_message.Message):
     error_code: int
     parts: _containers.RepeatedCompositeFieldContainer[FrameHeader]
     verified: Verification
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ...) -> None: ...
+    reply_to: str
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ..., reply_to: _Optional[str] = ...) -> None: ...
 
 class VerifySpec(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs", "prompt_logprobs", "grammar", "grammar_consumed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")

@@ -1,0 +1,54 @@
+"""Control messages as data-plane frames (docs/architecture.md, "6. Control plane and
+data plane"): a router's feeds and prunes for a stage (`StageControl`) and the stage's
+answer (`StageControlReply`) ride the data plane, a protobuf message's bytes as a uint8
+payload. One such frame costs each end about a third of a message on a gRPC stream
+(`benchmarks/bench_host.py --wire`), and a step sends one per stage.
+
+The frame's `request_id` is the router's token for the stream the message belongs to
+(the stage echoes it, so the router's `Inbox` hands the answer to that stream), and
+`reply_to` the router's data-plane address. The frames are authenticated like every
+other (`--secure`), and a receiver reads no more of one than its `limit`.
+"""
+
+from __future__ import annotations
+
+import torch
+from google.protobuf.message import DecodeError, Message
+from specpipe.v1 import dataplane_pb2 as pb
+
+from ..control import FrameError
+from .codec import Frame, Kind
+
+CONTROL = Kind.PAYLOAD_KIND_CONTROL
+CONTROL_REPLY = Kind.PAYLOAD_KIND_CONTROL_REPLY
+
+
+def message_frame(
+    kind: int, token: str, msg: Message, sender: str = "", reply_to: str = ""
+) -> tuple[pb.FrameHeader, torch.Tensor | None]:
+    """Header and payload of a frame carrying `msg` (an empty message: no payload)."""
+    data = msg.SerializeToString()
+    header = pb.FrameHeader(request_id=token, kind=kind, sender=sender, reply_to=reply_to)
+    if not data:
+        return header, None
+    header.dtype, header.shape[:] = "uint8", [len(data)]
+    return header, torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def admitted(header: pb.FrameHeader, limit: int) -> bool:
+    """Whether a message frame's payload is worth reading: bytes, at most `limit`."""
+    if not header.dtype:
+        return True
+    return header.dtype == "uint8" and len(header.shape) == 1 and 0 <= header.shape[0] <= limit
+
+
+def message_of(frame: Frame, cls: type[Message]) -> Message:
+    """The message a frame carries. Raises FrameError for one that is not a `cls`."""
+    msg = cls()
+    if frame.payload is None:
+        return msg
+    try:
+        msg.ParseFromString(frame.payload.numpy().tobytes())
+    except DecodeError as e:
+        raise FrameError(f"a control frame that is not a {cls.__name__}: {e}") from None
+    return msg
