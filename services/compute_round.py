@@ -234,7 +234,7 @@ class ComputeRounds:
     def asynchronous(self) -> bool:
         """Whether a forward's launch returns before its device is done (an accelerator,
         or a device emulated by the pacer): then there is host work to overlap."""
-        return self.stage.pacer is not None or self.stage.runtime.model.device.type != "cpu"
+        return self.stage.pacer is not None or self.stage.runtime.device.type != "cpu"
 
     def _gather(self, r: Round | None) -> float:
         """While round `r` runs on its device: let the next round's input gather until
@@ -426,7 +426,7 @@ class ComputeRounds:
             return r
         stage = self.stage
         acts = r.acts
-        device = stage.runtime.model.device
+        device = stage.runtime.device
         try:
             with (
                 stage.metrics.forward(sum(len(a) for a in acts)),

@@ -185,19 +185,40 @@ class TreeKVCache:
 
         A parent is a cached tree row, an earlier node of this batch, or a committed token
         (then the node attends to the committed prefix only, which includes its parent).
-        """
+
+        A node's ancestors are its parent's plus itself, so in BFS order one pass over the
+        nodes finds them all: a few list operations per node and a fixed number of array
+        operations per call (a step's feed is a handful of nodes, and an array operation
+        costs microseconds however small)."""
         n = int(node_ids.size)
         self._check_room(n)
         t0 = self.num_tree_rows
         all_ids = np.concatenate([self.tree_ids, node_ids])
-        if ((node_ids[:, None] == all_ids[None, :]).sum(axis=1) > 1).any():
+        ids = all_ids.tolist()
+        row_of = {node: row for row, node in enumerate(ids)}
+        if len(row_of) < len(ids):
             raise BadInput("duplicate tree node ids")
-        is_parent = parent_ids[:, None] == all_ids[None, :]
-        has_parent = is_parent.any(axis=1)
-        pidx = np.where(has_parent, is_parent.argmax(axis=1), -1)
-        if (has_parent & (pidx >= t0 + np.arange(n))).any():
+        columns: list[list[int]] = []  # each new row's ancestor rows (itself last), sorted
+        of_cached: dict[int, list[int]] = {}  # a cached parent's, once per parent
+        late, orphans = False, []
+        for i, parent in enumerate(parent_ids.tolist()):
+            row = row_of.get(parent)
+            if row is None:
+                if parent != -1:
+                    orphans.append(parent)
+                above: list[int] = []
+            elif row >= t0 + i:
+                late = True
+                above = []
+            elif row >= t0:
+                above = columns[row - t0]
+            else:
+                above = of_cached.get(row)  # type: ignore[assignment]
+                if above is None:
+                    above = of_cached[row] = np.flatnonzero(self.tree_mask[row]).tolist()
+            columns.append([*above, t0 + i])
+        if late:
             raise BadInput("tree nodes must come after their parent (BFS order)")
-        orphans = parent_ids[~has_parent & (parent_ids != -1)].tolist()
         unknown = [p for p in orphans if p not in self._committed_ids]
         if unknown:
             raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
@@ -205,28 +226,17 @@ class TreeKVCache:
 
         mask = np.zeros((t0 + n, t0 + n), dtype=bool)
         mask[:t0, :t0] = self.tree_mask
-        new = mask[t0:]  # a view: the new rows
-        new[np.arange(n), t0 + np.arange(n)] = True
-        cached = np.flatnonzero(has_parent & (pidx < t0))
-        new[cached, :t0] = self.tree_mask[pidx[cached]]
-        # Parents among the new rows: their ancestors, one level of the batch per pass.
-        inner = np.flatnonzero(pidx >= t0)
-        while inner.size:
-            grown = new[inner] | new[pidx[inner] - t0]
-            if np.array_equal(grown, new[inner]):
-                break
-            new[inner] = grown
+        depth = max((len(c) for c in columns), default=0)
+        ancestors = np.full((n, depth), -1, dtype=np.int64)
+        if n:
+            rows = [i for i, c in enumerate(columns) for _ in c]
+            cols = [col for c in columns for col in c]
+            mask[t0:][rows, cols] = True
+            nc = self.n_committed  # key columns: the committed rows come first
+            ancestors[rows, [j for c in columns for j in range(len(c))]] = [nc + c for c in cols]
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(new))
-
-    def _ancestors(self, rows: np.ndarray) -> np.ndarray:
-        """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
-        r, c = np.nonzero(rows)
-        counts = np.bincount(r, minlength=rows.shape[0])
-        out = np.full((rows.shape[0], int(counts.max()) if r.size else 0), -1, dtype=np.int64)
-        out[r, np.arange(r.size) - (np.cumsum(counts) - counts)[r]] = self.n_committed + c
-        return out
+        return NewRows(slots, np.full(n, self.n_committed), ancestors)
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)
