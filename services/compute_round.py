@@ -117,6 +117,27 @@ class Round:
         return [a for _, a in self.taken]
 
 
+# A round's hidden states up to this many values are checked as one tensor (`_all_finite`).
+JOINED_CHECK_VALUES = 1 << 18
+
+
+def _all_finite(hidden: list[torch.Tensor]) -> bool:
+    """Whether a round's hidden states are all finite, as one reduction over them joined
+    (a few tensor operations whatever the requests, against three per request for
+    `nonfinite`, which then finds the request a failure belongs to). False where it
+    cannot tell so cheaply: several devices or dtypes, or more than JOINED_CHECK_VALUES."""
+    if not hidden:
+        return True
+    first = hidden[0]
+    if len(hidden) > 1 and (
+        sum(h.numel() for h in hidden) > JOINED_CHECK_VALUES
+        or any(h.device != first.device or h.dtype != first.dtype for h in hidden)
+    ):
+        return False
+    joined = first if len(hidden) == 1 else torch.cat([h.reshape(-1) for h in hidden])
+    return bool(torch.isfinite(joined).all())
+
+
 # What the compute thread posts to the event loop per round: its work and what failed it.
 Posted = tuple[list[Work], Exception | None]
 
@@ -511,6 +532,8 @@ class ComputeRounds:
             for _, p in w.turns
             if not p.empty and p.act.hidden is not None
         ]
+        if _all_finite([h for _, h in mine]):
+            return
         for (w, _), bad in zip(mine, nonfinite([h for _, h in mine]), strict=True):
             if bad and w.error is None:
                 w.error = InvalidInput(f"a bad frame: {nonfinite_message('hidden states')}")
