@@ -38,6 +38,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -142,6 +143,40 @@ def _all_finite(hidden: list[torch.Tensor]) -> bool:
 Posted = tuple[list[Work], Exception | None]
 
 
+class HandOffs:
+    """Rounds the compute thread hands to the event loop, in order: each put in a deque,
+    and the loop woken once per batch of them (a `call_soon_threadsafe` only where none
+    is pending since the loop last found the deque empty), not once per round: a wake is
+    a write to the loop's self-pipe, a read and a turn of the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Posted | BaseException] = deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a wake is scheduled, or the loop has not found it empty since
+        self._ready = asyncio.Event()
+
+    def put(self, item: Posted | BaseException) -> None:
+        """On the compute thread."""
+        with self._lock:
+            self._items.append(item)
+            if self._woken:
+                return
+            self._woken = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> Posted | BaseException:
+        """On the event loop: the next round, waiting for one."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._woken = False
+            self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
+            await self._ready.wait()
+
+
 class Stage(Protocol):
     """What the rounds read of their stage (it may load another model between them)."""
 
@@ -170,6 +205,7 @@ class ComputeRounds:
         self.requests = requests
         self.inbox = threading.Condition()
         self._stopped = True
+        self._halt = threading.Event()  # set with `_stopped`: ends a wait in `_gather`
         self._wake_pending = False  # a `_notify` is scheduled on the event loop
         self._held_since: float | None = None  # when the aligner began holding a round
         # a round's host work before its launch and at its hand-off, running means
@@ -199,18 +235,17 @@ class ComputeRounds:
         """Start the compute thread and deliver each round it posts, in order, until
         cancelled (the thread then stops after its round); a compute thread that died
         (a bug) ends this too, and the stage fails what it holds."""
-        loop = asyncio.get_running_loop()
-        rounds: asyncio.Queue[Posted | BaseException] = asyncio.Queue()
+        rounds = HandOffs(asyncio.get_running_loop())
         room = threading.Semaphore(MAX_UNDELIVERED)
 
         def post(item: Posted | BaseException) -> None:
             while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
                 if self._stopped:
                     return
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-                loop.call_soon_threadsafe(rounds.put_nowait, item)
+            rounds.put(item)
 
         self._stopped = False
+        self._halt.clear()
         threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
         ).start()
@@ -224,6 +259,7 @@ class ComputeRounds:
         finally:
             with self.inbox:
                 self._stopped = True
+                self._halt.set()
                 self.inbox.notify()
 
     # -- on the compute thread ---------------------------------------------------------------
@@ -264,7 +300,7 @@ class ComputeRounds:
         `r` completed) by then; returns how long `r` still runs."""
         rest = self._running_for(r)
         if (early := rest - 2 * sum(self._host_seconds.values())) > 0:
-            time.sleep(early)  # the device is busy: nothing could start sooner
+            self._halt.wait(early)  # the device is busy: nothing could start sooner
             rest = self._running_for(r)
         return rest
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import torch
 from specpipe.common.model.loading import load_stage
@@ -109,3 +110,34 @@ def test_a_round_is_timed_on_the_device_and_the_aligner_learns_that_time(
 
     asyncio.run(main())
     assert events == ["timer on cpu", "forward", "timer read", "aligner 0.25"]
+
+
+def test_rounds_reach_the_event_loop_in_order_with_one_wake_per_batch() -> None:
+    """The compute thread's rounds (`HandOffs`) arrive in the order put; rounds put
+    while the loop has not yet looked wake it once, and a get with none waiting waits
+    for the next."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wakes: list[object] = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]  # type: ignore[method-assign]
+        rounds = compute_round.HandOffs(loop)
+
+        def put(items) -> None:
+            t = threading.Thread(target=lambda: [rounds.put(i) for i in items])
+            t.start()
+            t.join()
+
+        put(range(5))
+        assert [await rounds.get() for _ in range(5)] == list(range(5))
+        assert len(wakes) == 1
+        waiting = asyncio.ensure_future(rounds.get())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        put([5, 6])
+        assert await asyncio.wait_for(waiting, 5) == 5
+        assert await rounds.get() == 6
+        assert len(wakes) == 2
+
+    asyncio.run(main())
