@@ -283,23 +283,24 @@ class TreeKVCache:
         a destination is a committed slot and a source a tree slot of the same request,
         and the copy reads every source before it writes, so a block one prune gives
         back and the next takes reads as it was."""
-        n = self.num_tree_rows
         commit_rows = self._rows_of(commit_ids)
-        committed = np.zeros(n, dtype=bool)
-        committed[commit_rows] = True
         keep = member(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.
-        ok = keep | committed
-        keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(axis=1)
+        ok = keep.copy()
+        ok[commit_rows] = True
+        keep &= ~(self.tree_mask & ~ok).any(axis=1)
+        keep[commit_rows] = False
         if commit_rows.size == 0:
             self._drop_tree_rows(np.flatnonzero(~keep))
             return _EMPTY, _EMPTY
         nc, m = self.n_committed, int(commit_rows.size)
         need = self.pool.blocks_for(nc + m) - len(self.blocks)
         if need > 0:  # the drop may give back the block the commit needs: drop first
-            self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
+            dropped = ~keep
+            dropped[commit_rows] = False
+            self._drop_tree_rows(np.flatnonzero(dropped))
             self.blocks += self.pool.allocate(need)
             commit_rows = self._rows_of(commit_ids)  # rows moved up by the drop
             keep = np.zeros(self.num_tree_rows, dtype=bool)
@@ -319,13 +320,14 @@ class TreeKVCache:
         live[rows] = False
         freed = self.tree_slots[rows]
         self.tree_ids, self.tree_slots = self.tree_ids[live], self.tree_slots[live]
-        self.tree_mask = self.tree_mask[np.ix_(live, live)]
+        self.tree_mask = self.tree_mask[live][:, live]
         bs = self.pool.block_size
-        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
-        used = member(blocks, self.tree_slots // bs)
-        if used.all():
+        in_use = set((self.tree_slots // bs).tolist())
+        if all(b in in_use for b in self.tree_blocks):  # no tree block left empty
             self._free_tree_slots += freed.tolist()
             return
+        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
+        used = member(blocks, self.tree_slots // bs)
         free = np.concatenate([np.asarray(self._free_tree_slots, dtype=np.int64), freed])
         empty = blocks[~used]
         self._free_tree_slots = free[~member(free // bs, empty)].tolist()

@@ -436,7 +436,12 @@ class StageRuntime:
         )
         keep = None
         last_prune = self._last_prune.get(act.request_id)
-        if last_prune is not None and not act.committed:
+        # rows newer than the last prune's horizon (a step's feed, nearly always) all run
+        if (
+            last_prune is not None
+            and not act.committed
+            and int(node_ids.min()) <= last_prune.horizon
+        ):
             alive = (node_ids > last_prune.horizon) | member(node_ids, host(last_prune.keep_ids))
             if not alive.any():
                 return None
