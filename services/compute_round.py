@@ -15,7 +15,8 @@ there never waits for a turn of the event loop. A round is:
   is waited for only at hand-off: `Pacer.launch`);
 - *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
   `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
-  posted to the event loop (one `call_soon_threadsafe`), which sends each output to its
+  posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
+  prunes only, all applied, has nothing to post), which sends each output to its
   request's next hop, the frames of all requests that share a hop together.
 
 Where launches are asynchronous the next round is prepared between a round's launch
