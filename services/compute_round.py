@@ -15,7 +15,8 @@ there never waits for a turn of the event loop. A round is:
   is waited for only at hand-off: `Pacer.launch`);
 - *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
   `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
-  posted to the event loop (one `call_soon_threadsafe`), which sends each output to its
+  posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
+  prunes only, all applied, has nothing to post), which sends each output to its
   request's next hop, the frames of all requests that share a hop together.
 
 Where launches are asynchronous the next round is prepared between a round's launch
@@ -38,6 +39,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -117,8 +119,63 @@ class Round:
         return [a for _, a in self.taken]
 
 
+# A round's hidden states up to this many values are checked as one tensor (`_all_finite`).
+JOINED_CHECK_VALUES = 1 << 18
+
+
+def _all_finite(hidden: list[torch.Tensor]) -> bool:
+    """Whether a round's hidden states are all finite, as one reduction over them joined
+    (a few tensor operations whatever the requests, against three per request for
+    `nonfinite`, which then finds the request a failure belongs to). False where it
+    cannot tell so cheaply: several devices or dtypes, or more than JOINED_CHECK_VALUES."""
+    if not hidden:
+        return True
+    first = hidden[0]
+    if len(hidden) > 1 and (
+        sum(h.numel() for h in hidden) > JOINED_CHECK_VALUES
+        or any(h.device != first.device or h.dtype != first.dtype for h in hidden)
+    ):
+        return False
+    joined = first if len(hidden) == 1 else torch.cat([h.reshape(-1) for h in hidden])
+    return bool(torch.isfinite(joined).all())
+
+
 # What the compute thread posts to the event loop per round: its work and what failed it.
 Posted = tuple[list[Work], Exception | None]
+
+
+class HandOffs:
+    """Rounds the compute thread hands to the event loop, in order: each put in a deque,
+    and the loop woken once per batch of them (a `call_soon_threadsafe` only where none
+    is pending since the loop last found the deque empty), not once per round: a wake is
+    a write to the loop's self-pipe, a read and a turn of the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Posted | BaseException] = deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a wake is scheduled, or the loop has not found it empty since
+        self._ready = asyncio.Event()
+
+    def put(self, item: Posted | BaseException) -> None:
+        """On the compute thread."""
+        with self._lock:
+            self._items.append(item)
+            if self._woken:
+                return
+            self._woken = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> Posted | BaseException:
+        """On the event loop: the next round, waiting for one."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._woken = False
+            self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
+            await self._ready.wait()
 
 
 class Stage(Protocol):
@@ -149,6 +206,7 @@ class ComputeRounds:
         self.requests = requests
         self.inbox = threading.Condition()
         self._stopped = True
+        self._halt = threading.Event()  # set with `_stopped`: ends a wait in `_gather`
         self._wake_pending = False  # a `_notify` is scheduled on the event loop
         self._held_since: float | None = None  # when the aligner began holding a round
         # a round's host work before its launch and at its hand-off, running means
@@ -178,18 +236,17 @@ class ComputeRounds:
         """Start the compute thread and deliver each round it posts, in order, until
         cancelled (the thread then stops after its round); a compute thread that died
         (a bug) ends this too, and the stage fails what it holds."""
-        loop = asyncio.get_running_loop()
-        rounds: asyncio.Queue[Posted | BaseException] = asyncio.Queue()
+        rounds = HandOffs(asyncio.get_running_loop())
         room = threading.Semaphore(MAX_UNDELIVERED)
 
         def post(item: Posted | BaseException) -> None:
             while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
                 if self._stopped:
                     return
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-                loop.call_soon_threadsafe(rounds.put_nowait, item)
+            rounds.put(item)
 
         self._stopped = False
+        self._halt.clear()
         threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
         ).start()
@@ -203,6 +260,7 @@ class ComputeRounds:
         finally:
             with self.inbox:
                 self._stopped = True
+                self._halt.set()
                 self.inbox.notify()
 
     # -- on the compute thread ---------------------------------------------------------------
@@ -219,10 +277,10 @@ class ComputeRounds:
                     return  # stopped
                 ready = self._prepare(work) if work is not None else None
                 if inflight is not None:
-                    post(self._hand_off(inflight))
+                    self._hand_off(inflight, post)
                 inflight, ready = ready and self._launch(ready), None
                 if inflight is not None and not self.asynchronous:
-                    post(self._hand_off(inflight))
+                    self._hand_off(inflight, post)
                     inflight = None
         except BaseException as e:  # a bug: the stage fails every request it holds
             log.exception("%s: the compute thread failed", self.stage.name)
@@ -234,7 +292,7 @@ class ComputeRounds:
     def asynchronous(self) -> bool:
         """Whether a forward's launch returns before its device is done (an accelerator,
         or a device emulated by the pacer): then there is host work to overlap."""
-        return self.stage.pacer is not None or self.stage.runtime.model.device.type != "cpu"
+        return self.stage.pacer is not None or self.stage.runtime.device.type != "cpu"
 
     def _gather(self, r: Round | None) -> float:
         """While round `r` runs on its device: let the next round's input gather until
@@ -243,7 +301,7 @@ class ComputeRounds:
         `r` completed) by then; returns how long `r` still runs."""
         rest = self._running_for(r)
         if (early := rest - 2 * sum(self._host_seconds.values())) > 0:
-            time.sleep(early)  # the device is busy: nothing could start sooner
+            self._halt.wait(early)  # the device is busy: nothing could start sooner
             rest = self._running_for(r)
         return rest
 
@@ -426,7 +484,7 @@ class ComputeRounds:
             return r
         stage = self.stage
         acts = r.acts
-        device = stage.runtime.model.device
+        device = stage.runtime.device
         try:
             with (
                 stage.metrics.forward(sum(len(a) for a in acts)),
@@ -438,13 +496,18 @@ class ComputeRounds:
             r.failed = e
         return r
 
-    def _hand_off(self, r: Round) -> Posted:
-        """The round completed (`_complete`), for the event loop to deliver."""
+    def _hand_off(self, r: Round, post: Callable[[Posted | BaseException], None]) -> None:
+        """The round completed (`_complete`) and posted for the event loop to deliver,
+        unless it has nothing to deliver: a round of prunes only that all applied (the
+        rounds of a step's prunes, which arrive apart from its activations: at 1 client
+        about 2 rounds in 5), which then costs the event loop no wake and no turn."""
         try:
             self._complete(r)
         except Exception as e:
             r.failed = e
-        return r.work, r.failed
+        if r.failed is None and all(not w.turns and w.error is None for w in r.work):
+            return
+        post((r.work, r.failed))
 
     def _complete(self, r: Round) -> float | None:
         """The round's one wait for the device: the verifier's prunes and draws (last
@@ -511,6 +574,8 @@ class ComputeRounds:
             for _, p in w.turns
             if not p.empty and p.act.hidden is not None
         ]
+        if _all_finite([h for _, h in mine]):
+            return
         for (w, _), bad in zip(mine, nonfinite([h for _, h in mine]), strict=True):
             if bad and w.error is None:
                 w.error = InvalidInput(f"a bad frame: {nonfinite_message('hidden states')}")

@@ -131,6 +131,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         capped; 0: never; see StepAligner); `max_step_rows`: the most rows one activation
         may carry (None: from the model's measured cost curve, `step_row_cap`)."""
         self.model = model
+        self._limits: tuple[LoadedModel | None, CostCurve | None, Limits] | None = None
         limits = Limits.of(model.runtime.model) if model else None
         super().__init__(SERVICE_NAME, "stage", lease_seconds, security, max_step_rows, limits)
         self.allow_configure = allow_configure
@@ -228,6 +229,17 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
     def model_limits(self) -> Limits:
         assert self.model is not None
         return Limits.of(self.runtime.model)
+
+    @property
+    def limits(self) -> Limits:
+        """The replica's limits (`Replica.limits`), built once per model and cost curve:
+        every frame and feed reads them, and building them (the model's dtype from its
+        parameters, the row cap from its cost curve) cost tens of microseconds each time."""
+        model, curve = self.model, self.cost_curve
+        cached = self._limits
+        if cached is None or cached[0] is not model or cached[1] is not curve:
+            cached = self._limits = (model, curve, Replica.limits.fget(self))  # type: ignore[attr-defined]
+        return cached[2]
 
     @property
     def cost_curve(self) -> CostCurve | None:  # type: ignore[override]
@@ -544,7 +556,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
 
     def _rows_of(self, st: StageRequest) -> int:
         """The most rows one activation of `st` may carry here."""
-        return min(st.capacity, self.max_step_rows)
+        return min(st.capacity, self.limits.max_rows)
 
     def _bound_frames(self) -> None:
         """No frame larger than the largest batch of activations a peer sends, or than the

@@ -185,19 +185,40 @@ class TreeKVCache:
 
         A parent is a cached tree row, an earlier node of this batch, or a committed token
         (then the node attends to the committed prefix only, which includes its parent).
-        """
+
+        A node's ancestors are its parent's plus itself, so in BFS order one pass over the
+        nodes finds them all: a few list operations per node and a fixed number of array
+        operations per call (a step's feed is a handful of nodes, and an array operation
+        costs microseconds however small)."""
         n = int(node_ids.size)
         self._check_room(n)
         t0 = self.num_tree_rows
         all_ids = np.concatenate([self.tree_ids, node_ids])
-        if ((node_ids[:, None] == all_ids[None, :]).sum(axis=1) > 1).any():
+        ids = all_ids.tolist()
+        row_of = {node: row for row, node in enumerate(ids)}
+        if len(row_of) < len(ids):
             raise BadInput("duplicate tree node ids")
-        is_parent = parent_ids[:, None] == all_ids[None, :]
-        has_parent = is_parent.any(axis=1)
-        pidx = np.where(has_parent, is_parent.argmax(axis=1), -1)
-        if (has_parent & (pidx >= t0 + np.arange(n))).any():
+        columns: list[list[int]] = []  # each new row's ancestor rows (itself last), sorted
+        of_cached: dict[int, list[int]] = {}  # a cached parent's, once per parent
+        late, orphans = False, []
+        for i, parent in enumerate(parent_ids.tolist()):
+            row = row_of.get(parent)
+            if row is None:
+                if parent != -1:
+                    orphans.append(parent)
+                above: list[int] = []
+            elif row >= t0 + i:
+                late = True
+                above = []
+            elif row >= t0:
+                above = columns[row - t0]
+            else:
+                above = of_cached.get(row)  # type: ignore[assignment]
+                if above is None:
+                    above = of_cached[row] = np.flatnonzero(self.tree_mask[row]).tolist()
+            columns.append([*above, t0 + i])
+        if late:
             raise BadInput("tree nodes must come after their parent (BFS order)")
-        orphans = parent_ids[~has_parent & (parent_ids != -1)].tolist()
         unknown = [p for p in orphans if p not in self._committed_ids]
         if unknown:
             raise BadInput(f"parent node ids {unknown[:4]} are neither cached nor committed")
@@ -205,28 +226,17 @@ class TreeKVCache:
 
         mask = np.zeros((t0 + n, t0 + n), dtype=bool)
         mask[:t0, :t0] = self.tree_mask
-        new = mask[t0:]  # a view: the new rows
-        new[np.arange(n), t0 + np.arange(n)] = True
-        cached = np.flatnonzero(has_parent & (pidx < t0))
-        new[cached, :t0] = self.tree_mask[pidx[cached]]
-        # Parents among the new rows: their ancestors, one level of the batch per pass.
-        inner = np.flatnonzero(pidx >= t0)
-        while inner.size:
-            grown = new[inner] | new[pidx[inner] - t0]
-            if np.array_equal(grown, new[inner]):
-                break
-            new[inner] = grown
+        depth = max((len(c) for c in columns), default=0)
+        ancestors = np.full((n, depth), -1, dtype=np.int64)
+        if n:
+            rows = [i for i, c in enumerate(columns) for _ in c]
+            cols = [col for c in columns for col in c]
+            mask[t0:][rows, cols] = True
+            nc = self.n_committed  # key columns: the committed rows come first
+            ancestors[rows, [j for c in columns for j in range(len(c))]] = [nc + c for c in cols]
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), self._ancestors(new))
-
-    def _ancestors(self, rows: np.ndarray) -> np.ndarray:
-        """Key columns of the tree rows each mask row marks, padded with -1: [n, depth]."""
-        r, c = np.nonzero(rows)
-        counts = np.bincount(r, minlength=rows.shape[0])
-        out = np.full((rows.shape[0], int(counts.max()) if r.size else 0), -1, dtype=np.int64)
-        out[r, np.arange(r.size) - (np.cumsum(counts) - counts)[r]] = self.n_committed + c
-        return out
+        return NewRows(slots, np.full(n, self.n_committed), ancestors)
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)
@@ -273,23 +283,24 @@ class TreeKVCache:
         a destination is a committed slot and a source a tree slot of the same request,
         and the copy reads every source before it writes, so a block one prune gives
         back and the next takes reads as it was."""
-        n = self.num_tree_rows
         commit_rows = self._rows_of(commit_ids)
-        committed = np.zeros(n, dtype=bool)
-        committed[commit_rows] = True
         keep = member(self.tree_ids, keep_ids)
         if horizon is not None:
             keep |= self.tree_ids > horizon
         # A node survives only if every tree ancestor survives or is being committed.
-        ok = keep | committed
-        keep &= ~committed & ~(self.tree_mask & ~ok[None, :]).any(axis=1)
+        ok = keep.copy()
+        ok[commit_rows] = True
+        keep &= ~(self.tree_mask & ~ok).any(axis=1)
+        keep[commit_rows] = False
         if commit_rows.size == 0:
             self._drop_tree_rows(np.flatnonzero(~keep))
             return _EMPTY, _EMPTY
         nc, m = self.n_committed, int(commit_rows.size)
         need = self.pool.blocks_for(nc + m) - len(self.blocks)
         if need > 0:  # the drop may give back the block the commit needs: drop first
-            self._drop_tree_rows(np.flatnonzero(~keep & ~committed))
+            dropped = ~keep
+            dropped[commit_rows] = False
+            self._drop_tree_rows(np.flatnonzero(dropped))
             self.blocks += self.pool.allocate(need)
             commit_rows = self._rows_of(commit_ids)  # rows moved up by the drop
             keep = np.zeros(self.num_tree_rows, dtype=bool)
@@ -309,13 +320,14 @@ class TreeKVCache:
         live[rows] = False
         freed = self.tree_slots[rows]
         self.tree_ids, self.tree_slots = self.tree_ids[live], self.tree_slots[live]
-        self.tree_mask = self.tree_mask[np.ix_(live, live)]
+        self.tree_mask = self.tree_mask[live][:, live]
         bs = self.pool.block_size
-        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
-        used = member(blocks, self.tree_slots // bs)
-        if used.all():
+        in_use = set((self.tree_slots // bs).tolist())
+        if all(b in in_use for b in self.tree_blocks):  # no tree block left empty
             self._free_tree_slots += freed.tolist()
             return
+        blocks = np.asarray(self.tree_blocks, dtype=np.int64)
+        used = member(blocks, self.tree_slots // bs)
         free = np.concatenate([np.asarray(self._free_tree_slots, dtype=np.int64), freed])
         empty = blocks[~used]
         self._free_tree_slots = free[~member(free // bs, empty)].tolist()

@@ -80,6 +80,12 @@ def keys_needed(rows: NewRows) -> np.ndarray:
     return need
 
 
+def _keys_of(rows: NewRows) -> int:
+    """How many of its request's keys its new rows see (`keys_needed`'s most)."""
+    most = int(rows.prefix.max())
+    return max(most, int(rows.ancestors.max()) + 1) if rows.ancestors.size else most
+
+
 def query_groups(index: int, rows: NewRows, costs: StepCosts, budget: int) -> list[QueryGroup]:
     """Request `index`'s new rows as query groups that each fit `budget` bytes."""
     need = keys_needed(rows)
@@ -110,9 +116,17 @@ def plan(
 ) -> list[PartPlan]:
     """The step's attention parts: each padded call within `budget` bytes (None: one
     part of all); every request's rows in one part, in order, when that fits."""
-    if costs is None or budget is None:
-        return [_part([QueryGroup(i, 0, r.slots.size, *[int(keys_needed(r).max())] * 2)
-                       for i, r in enumerate(rows)])]  # fmt: skip
+    keys = [_keys_of(r) for r in rows]
+    counts = [int(r.slots.size) for r in rows]
+    # every request whole in one part when that fits (a part's bytes grow with B, Q and
+    # L, so each request's own group fits then too): what `query_groups` would find
+    if (
+        costs is None
+        or budget is None
+        or (costs.attention_bytes(len(rows), max(counts), max(keys)) <= budget)
+    ):
+        whole = zip(counts, keys, strict=True)
+        return [_part([QueryGroup(i, 0, m, k, k) for i, (m, k) in enumerate(whole)])]
     groups = [g for i, r in enumerate(rows) for g in query_groups(i, r, costs, budget)]
     whole = _part(groups)
     if whole.key_block == whole.shape[2] and whole.bytes(costs) <= budget:
@@ -156,33 +170,14 @@ def pack(
     the K/V storage of `pool`, in attention parts of at most `budget` bytes each by
     `costs` (None: one part)."""
     device = pool.device
-    counts = np.array([r.slots.size for r in rows])
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each request's first row
+    counts = [int(r.slots.size) for r in rows]
     plans = plan(rows, costs, budget if costs is not None else None)
     depth = max(1, max(r.ancestors.shape[1] for r in rows))
-
-    n = int(counts.sum())
-    out_rows = np.zeros(n, dtype=np.int64)
-    arrays: list[np.ndarray] = []
-    padded = 0  # padded query positions of the parts before
-    for p in plans:
-        b, q, length = p.shape
-        keys = np.zeros((b, length), dtype=np.int64)
-        query_rows = np.zeros(b * q, dtype=np.int64)
-        prefix = np.ones(b * q, dtype=np.int64)
-        ancestors = np.full((b * q, depth), length, dtype=np.int64)
-        for i, g in enumerate(p.groups):
-            r, at = rows[g.request], i * q
-            m = g.rows
-            keys[i, : g.keys] = key_slots[g.request][: g.keys]
-            first = offsets[g.request] + g.start
-            query_rows[at : at + m] = first + np.arange(m)
-            out_rows[first : first + m] = padded + at + np.arange(m)
-            prefix[at : at + m] = r.prefix[g.start : g.stop]
-            a = r.ancestors[g.start : g.stop]
-            ancestors[at : at + m, : a.shape[1]] = np.where(a >= 0, a, length)
-        arrays += [keys.ravel(), query_rows, prefix, ancestors.ravel()]
-        padded += b * q
+    if len(plans) == 1 and _whole_requests(plans[0], counts):
+        arrays, out_rows = _one_part(rows, key_slots, plans[0], depth)
+    else:
+        arrays, out_rows = _parts(rows, key_slots, counts, plans, depth)
+    n = int(out_rows.size)
     write = np.concatenate([r.slots for r in rows])
     # an accelerator's step of one part: FlexAttention over the keys unpadded
     flex = flex_applies(device) and len(plans) == 1 and plans[0].key_block == plans[0].shape[2]
@@ -213,6 +208,99 @@ def pack(
         out_rows=out_t,
         flex=flex_step,
     )
+
+
+def _whole_requests(p: PartPlan, counts: Sequence[int]) -> bool:
+    """Whether part `p` holds every request's rows as one query group, in order (what
+    almost every step is)."""
+    return len(p.groups) == len(counts) and all(
+        g.request == i and g.start == 0 and g.stop == c
+        for i, (g, c) in enumerate(zip(p.groups, counts, strict=True))
+    )
+
+
+def _one_part(
+    rows: Sequence[NewRows], key_slots: Sequence[np.ndarray], p: PartPlan, depth: int
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The arrays of a step that is one part of whole requests (`_whole_requests`) and
+    `out_rows`, built as whole-array operations over the concatenated new rows: a
+    constant number of them whatever the number of requests (`_parts` lays out any plan,
+    a group at a time)."""
+    b, q, length = p.shape
+    if b == 1:  # one request: its rows are the part's first query rows
+        (r,), (g,) = rows, p.groups
+        n = g.rows
+        at = np.arange(n)
+        prefix = np.ones(q, dtype=np.int64)
+        prefix[:n] = r.prefix
+        keys = key_slots[0][: g.keys].astype(np.int64, copy=False)
+        ancestors = np.full((q, depth), length, dtype=np.int64)
+        a = r.ancestors
+        if a.shape[1]:
+            ancestors[:n, : a.shape[1]] = np.where(a >= 0, a, length)
+        query_rows = np.zeros(q, dtype=np.int64)
+        query_rows[:n] = at
+        return [keys, query_rows, prefix, ancestors.ravel()], at
+    counts = np.fromiter((g.rows for g in p.groups), dtype=np.int64, count=b)
+    n = int(counts.sum())
+    # each new row's padded position: its request's query group, then its place in it
+    starts = np.arange(b, dtype=np.int64) * q - (np.cumsum(counts) - counts)
+    at = np.arange(n, dtype=np.int64) + np.repeat(starts, counts)
+    query_rows = np.zeros(b * q, dtype=np.int64)
+    query_rows[at] = np.arange(n)
+    prefix = np.ones(b * q, dtype=np.int64)
+    prefix[at] = np.concatenate([r.prefix for r in rows])
+    ancestors = np.full((b * q, depth), length, dtype=np.int64)
+    widths = {r.ancestors.shape[1] for r in rows}
+    if widths != {0}:
+        a = np.full((n, depth), -1, dtype=np.int64)
+        if len(widths) == 1:
+            a[:, : widths.pop()] = np.concatenate([r.ancestors for r in rows])
+        else:
+            first = 0
+            for r in rows:
+                a[first : first + r.ancestors.shape[0], : r.ancestors.shape[1]] = r.ancestors
+                first += r.ancestors.shape[0]
+        ancestors[at] = np.where(a >= 0, a, length)
+    need = np.fromiter((g.keys for g in p.groups), dtype=np.int64, count=b)
+    keys = np.zeros((b, length), dtype=np.int64)
+    keys[np.arange(length) < need[:, None]] = np.concatenate(
+        [s[:k] for s, k in zip(key_slots, need.tolist(), strict=True)]
+    )
+    return [keys.ravel(), query_rows, prefix, ancestors.ravel()], at
+
+
+def _parts(
+    rows: Sequence[NewRows],
+    key_slots: Sequence[np.ndarray],
+    counts: Sequence[int],
+    plans: Sequence[PartPlan],
+    depth: int,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The arrays of every part of `plans` and `out_rows`, a query group at a time."""
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])  # each request's first row
+    out_rows = np.zeros(int(sum(counts)), dtype=np.int64)
+    arrays: list[np.ndarray] = []
+    padded = 0  # padded query positions of the parts before
+    for p in plans:
+        b, q, length = p.shape
+        keys = np.zeros((b, length), dtype=np.int64)
+        query_rows = np.zeros(b * q, dtype=np.int64)
+        prefix = np.ones(b * q, dtype=np.int64)
+        ancestors = np.full((b * q, depth), length, dtype=np.int64)
+        for i, g in enumerate(p.groups):
+            r, at = rows[g.request], i * q
+            m = g.rows
+            keys[i, : g.keys] = key_slots[g.request][: g.keys]
+            first = offsets[g.request] + g.start
+            query_rows[at : at + m] = first + np.arange(m)
+            out_rows[first : first + m] = padded + at + np.arange(m)
+            prefix[at : at + m] = r.prefix[g.start : g.stop]
+            a = r.ancestors[g.start : g.stop]
+            ancestors[at : at + m, : a.shape[1]] = np.where(a >= 0, a, length)
+        arrays += [keys.ravel(), query_rows, prefix, ancestors.ravel()]
+        padded += b * q
+    return arrays, out_rows
 
 
 def flex_metadata(rows: Sequence[NewRows], key_slots: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -126,6 +126,9 @@ class StageRuntime:
         """`step_bytes`: the working memory one step may take (`step_budget.py`; None:
         `DEFAULT_STEP_BYTES`)."""
         self.model = model
+        # read once: a module's device and dtype walk its parameters (microseconds a read,
+        # several reads a step)
+        self.device, self.dtype = model.device, model.dtype
         cfg = model.cfg
         self.step_budget = StepBudget(
             step_bytes if step_bytes is not None else DEFAULT_STEP_BYTES,
@@ -433,7 +436,12 @@ class StageRuntime:
         )
         keep = None
         last_prune = self._last_prune.get(act.request_id)
-        if last_prune is not None and not act.committed:
+        # rows newer than the last prune's horizon (a step's feed, nearly always) all run
+        if (
+            last_prune is not None
+            and not act.committed
+            and int(node_ids.min()) <= last_prune.horizon
+        ):
             alive = (node_ids > last_prune.horizon) | member(node_ids, host(last_prune.keep_ids))
             if not alive.any():
                 return None
@@ -468,7 +476,7 @@ class StageRuntime:
         """The inputs of one forward over the concatenated rows of `batch` (hidden states,
         or token ids on the first stage; positions, attention in parts of at most the step budget's: `paged_batch.plan`),
         copied to the device without waiting for it."""
-        device = self.model.device
+        device = self.device
         keep = _input_rows(batch)
         if self.is_first:
             tokens = np.concatenate([host(b.act.tokens) for b in batch])  # type: ignore[arg-type]
@@ -480,7 +488,7 @@ class StageRuntime:
             hidden = torch.cat(parts)  # type: ignore[arg-type]
             if keep is not None:
                 hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
-            hidden = hidden.to(device=device, dtype=self.model.dtype, non_blocking=True)
+            hidden = hidden.to(device=device, dtype=self.dtype, non_blocking=True)
         positions = to_device(np.concatenate([b.positions for b in batch]), device)
         budget = self.step_budget
         attention = pack(

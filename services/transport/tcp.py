@@ -3,10 +3,14 @@
 Same framing as UCX: preamble, protobuf header, raw payload; with `--secure`, the
 header's tag right after the header and the payload's tag after the payload (`auth.py`).
 The receiver answers every connection it accepts with a 16-byte hello (the challenge
-with `--secure`) and reads straight into buffers it allocates for each frame (a
-`BufferedProtocol`), so payload bytes are copied once, from the socket, and only for
-frames its owner admitted (see `base.py`); others are read past through a small scratch
-buffer.
+with `--secure`) and reads through a staging buffer of `STAGING_BYTES` (a
+`BufferedProtocol`): one read takes every small part of a frame, and of the frames
+behind it, at once (a frame read part by part cost a read and a turn of the event loop
+per part: five for a step's small frame). A payload of at least `STAGING_BYTES` still to
+come is read straight into the buffer allocated for it, so a large payload's bytes are
+copied once, from the socket; only frames its owner admitted (see `base.py`) are kept,
+others are read past. A sender writes a frame of at most `JOIN_BYTES` (preamble, header,
+payload and tags) as one buffer: one send, one TCP segment.
 
 Connections are bounded (`base.py`, `admission.py`): at most `max_connections` inbound
 at once and `max_half_open_per_peer` of them per peer address without a complete frame
@@ -51,7 +55,8 @@ from .codec import (
     tensor_from_bytes,
 )
 
-_SCRATCH = 1 << 16
+STAGING_BYTES = 1 << 16  # the receiver's reads of small parts, several frames at once
+JOIN_BYTES = 1 << 16  # a frame's payload up to this is joined with its header: one send
 
 PREAMBLE_, HEADER, PAYLOAD, TAGS = range(4)
 
@@ -64,7 +69,8 @@ class _FrameReader(asyncio.BufferedProtocol):
         self.owner = transport
         self._transport: asyncio.Transport | None = None
         self._mac: FrameMac | None = None
-        self._scratch: np.ndarray | None = None
+        self._staging: memoryview | None = None
+        self._direct = False  # the last read went straight into the part's buffer
         self._frames = 0
         self._opened = self._last_frame = time.monotonic()
         self._frame_started: float | None = None  # the first byte of the frame being read
@@ -82,7 +88,7 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._frame_started = None
 
     def _expect(self, buf: np.ndarray, discard: int = 0) -> None:
-        """Read into `buf`; or, with `discard`, read that many bytes into scratch space."""
+        """Read into `buf`; or, with `discard`, read past that many bytes."""
         self._buf, self._view, self._filled = buf, memoryview(buf).cast("B"), 0
         self._discard = discard
 
@@ -136,25 +142,45 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._arm()
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._discard:
-            if self._scratch is None:
-                self._scratch = np.empty(_SCRATCH, dtype=np.uint8)
-            return memoryview(self._scratch)[: min(self._discard - self._filled, _SCRATCH)]
-        return self._view[self._filled :]
+        rest = len(self._buf) - self._filled
+        self._direct = not self._discard and rest >= STAGING_BYTES
+        if self._direct:  # a large payload: straight into its buffer
+            return self._view[self._filled :]
+        if self._staging is None:
+            self._staging = memoryview(bytearray(STAGING_BYTES))
+        return self._staging
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._frame_started is None:
-            self._frame_started = time.monotonic()
-        self._filled += nbytes
         try:
-            while self._filled == (self._discard or len(self._buf)):
-                if not self._advance():
-                    break
+            if self._direct:
+                self._filled += nbytes
+                self._take(memoryview(b""))
+            else:
+                assert self._staging is not None
+                self._take(self._staging[:nbytes])
         except (FrameError, FrameAuthError) as e:
             self.close(f"dropping it: {e}")
 
-    def _advance(self) -> bool:
-        """A part of the frame is complete; set up the next one. False when waiting."""
+    def _take(self, data: memoryview) -> None:
+        """Bytes read: into the parts they complete, each complete part acted on (the next
+        part set up, a complete frame delivered), until `data` is used up."""
+        at, n = 0, len(data)
+        while True:
+            size = self._discard or len(self._buf)
+            take = min(size - self._filled, n - at)
+            if take:
+                if self._frame_started is None:
+                    self._frame_started = time.monotonic()
+                if not self._discard:
+                    self._view[self._filled : self._filled + take] = data[at : at + take]
+                self._filled += take
+                at += take
+            if self._filled < size:
+                return
+            self._advance()
+
+    def _advance(self) -> None:
+        """A part of the frame is complete: set up the next one (or deliver the frame)."""
         owner = self.owner
         if self._stage == PREAMBLE_:
             hlen, self._plen = parse_preamble(bytes(self._buf))
@@ -165,7 +191,7 @@ class _FrameReader(asyncio.BufferedProtocol):
             self._stage = HEADER
             tag = HEADER_TAG_BYTES if self._mac is not None else 0
             self._expect(np.empty(hlen + tag, dtype=np.uint8))
-            return hlen + tag == 0
+            return
         if self._stage == HEADER:
             raw = self._buf.tobytes()
             if self._mac is not None:  # authentic before it has any effect
@@ -180,22 +206,22 @@ class _FrameReader(asyncio.BufferedProtocol):
                 self._expect(np.empty(0, dtype=np.uint8), discard=self._plen)
             else:
                 self._expect(np.empty(self._plen, dtype=np.uint8))
-            return self._plen == 0
+            return
         if self._stage == PAYLOAD:
             self._payload = self._buf if self._keep and self._plen else None
             if self._mac is not None:
                 self._stage = TAGS
                 self._expect(np.empty(PAYLOAD_TAG_BYTES, dtype=np.uint8))
-                return False
+                return
         else:  # the payload's tag
             assert self._mac is not None
             if self._keep:
                 self._mac.check_payload(self._payload, self._buf.tobytes())
             else:
                 self._mac.skip_payload()
-        return self._complete()
+        self._complete()
 
-    def _complete(self) -> bool:
+    def _complete(self) -> None:
         header, payload, keep = self._header, self._payload, self._keep
         assert header is not None
         if self._frames == 0:
@@ -205,7 +231,6 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._new_frame()
         if keep:
             self.owner._deliver(Frame(header, tensor_from_bytes(header, payload)), keep)
-        return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -346,13 +371,17 @@ class TcpTransport(Transport):
             while True:  # once more on a fresh connection if a cached one broke
                 conn, fresh = await self._connection(address)
                 try:
-                    w = conn.writer
-                    htag = conn.mac.header_tag(hb) if conn.mac is not None else b""
-                    w.write(PREAMBLE.pack(len(hb), plen) + hb + htag)
-                    if data is not None:
+                    w, mac = conn.writer, conn.mac
+                    head = PREAMBLE.pack(len(hb), plen) + hb
+                    if mac is not None:
+                        head += mac.header_tag(hb)
+                    ptag = mac.payload_tag(data) if mac is not None else b""
+                    if data is None or plen <= JOIN_BYTES:  # one send
+                        w.write(b"".join((head, b"" if data is None else data, ptag)))
+                    else:
+                        w.write(head)
                         w.write(memoryview(data))
-                    if conn.mac is not None:
-                        w.write(conn.mac.payload_tag(data))
+                        w.write(ptag)
                     if w.transport.get_write_buffer_size():  # the peer lags: bounded
                         async with asyncio.timeout(self.frame_seconds):
                             await w.drain()

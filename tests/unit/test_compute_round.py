@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import torch
 from specpipe.common.model.loading import load_stage
@@ -14,7 +15,7 @@ from specpipe.common.model.partition import LayerRange
 from specpipe.common.perf.clock import Elapsed
 from specpipe.common.runtime.loader import LoadedModel
 from specpipe.common.runtime.stage import StageRuntime
-from specpipe.common.spec.messages import Activation
+from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services import compute_round
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Frame, encode
@@ -109,3 +110,70 @@ def test_a_round_is_timed_on_the_device_and_the_aligner_learns_that_time(
 
     asyncio.run(main())
     assert events == ["timer on cpu", "forward", "timer read", "aligner 0.25"]
+
+
+def test_rounds_reach_the_event_loop_in_order_with_one_wake_per_batch() -> None:
+    """The compute thread's rounds (`HandOffs`) arrive in the order put; rounds put
+    while the loop has not yet looked wake it once, and a get with none waiting waits
+    for the next."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wakes: list[object] = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]  # type: ignore[method-assign]
+        rounds = compute_round.HandOffs(loop)
+
+        def put(items) -> None:
+            t = threading.Thread(target=lambda: [rounds.put(i) for i in items])
+            t.start()
+            t.join()
+
+        put(range(5))
+        assert [await rounds.get() for _ in range(5)] == list(range(5))
+        assert len(wakes) == 1
+        waiting = asyncio.ensure_future(rounds.get())
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        put([5, 6])
+        assert await asyncio.wait_for(waiting, 5) == 5
+        assert await rounds.get() == 6
+        assert len(wakes) == 2
+
+    asyncio.run(main())
+
+
+def test_a_round_of_prunes_only_reaches_the_event_loop_only_if_one_failed(llama_dir) -> None:
+    """A round with outputs is handed to the event loop; one of prunes only that all
+    applied has nothing to deliver and is not; one whose prune failed is (its request
+    fails there)."""
+
+    async def main() -> None:
+        model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
+        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        rounds = svc.rounds
+        try:
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="a", capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            svc._on_frame(_frame("a", torch.zeros(1, WIDTH, dtype=DTYPE)))
+            t = torch.tensor
+
+            def round_posts() -> list:
+                posted: list = []
+                rounds._hand_off(rounds._launch(rounds._prepare(rounds._collect())), posted.append)
+                return posted
+
+            ((work, failed),) = round_posts()
+            assert failed is None and len(work[0].outputs) == 1
+            order = svc._requests["a"].order
+            with rounds.inbox:
+                order.add_prune(1, Prune(t([0]), t([], dtype=torch.long), 0))
+            assert round_posts() == []
+            with rounds.inbox:
+                order.add_prune(2, Prune(t([99]), t([], dtype=torch.long), 99))
+            ((work, failed),) = round_posts()
+            assert failed is None and "cannot commit node ids [99]" in str(work[0].error)
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())

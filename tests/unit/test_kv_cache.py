@@ -256,3 +256,43 @@ def test_a_pool_that_runs_out_mid_request_fails_that_request_only(model) -> None
 
 
 t = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+
+
+def test_a_nodes_ancestors_are_its_parents_plus_itself_across_appends() -> None:
+    """Random trees fed in BFS batches (parents cached, earlier in the batch, or the
+    committed prefix): every new row's ancestor columns and the cached mask are the
+    node's chain of tree parents, walked one by one; a batch that breaks BFS order,
+    repeats an id or names an unknown parent is refused and leaves the cache as it was."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        cache = TreeKVCache(BlockPool(1, 1, 2, 1 << 20), 512)
+        cache.append_committed(int(rng.integers(0, 9)))
+        parent_of: dict[int, int] = {}
+        for _ in range(int(rng.integers(1, 5))):
+            first, n = len(parent_of), int(rng.integers(0, 7))
+            ids = np.arange(first, first + n)
+            parents = np.array([int(rng.integers(-1, i)) for i in ids], dtype=np.int64)
+            new = cache.append_nodes(ids, parents)
+            parent_of.update(zip(ids.tolist(), parents.tolist(), strict=True))
+            rows = {node: row for row, node in enumerate(cache.tree_ids.tolist())}
+            for i, node in enumerate(ids.tolist()):
+                chain, at = [], node
+                while at != -1:
+                    chain.append(rows[at])
+                    at = parent_of[at]
+                want = sorted(cache.n_committed + r for r in chain)
+                assert [c for c in new.ancestors[i].tolist() if c >= 0] == want
+                assert np.flatnonzero(cache.tree_mask[rows[node]]).tolist() == sorted(chain)
+            assert (new.prefix == cache.n_committed).all() and new.slots.size == n
+        mask, tree = cache.tree_mask.copy(), cache.tree_ids.copy()
+        k = len(parent_of)
+        for ids, parents, why in [
+            ([k, k + 1], [k + 1, -1], "BFS order"),
+            ([k, k], [-1, -1], "duplicate"),
+            ([0] if k else [k, k], [-1, -1], "duplicate"),
+            ([k], [k + 50], "neither cached nor committed"),
+        ]:
+            with pytest.raises(BadInput, match=why):
+                cache.append_nodes(np.array(ids), np.array(parents))
+            assert cache.tree_mask.tolist() == mask.tolist()
+            assert cache.tree_ids.tolist() == tree.tolist()

@@ -169,7 +169,7 @@ def test_the_next_round_is_prepared_while_the_device_runs_the_current_one(llama_
         rounds = svc.rounds
         prepare, hand_off = rounds._prepare, rounds._hand_off
         rounds._prepare = lambda work: log.append("prepare") or prepare(work)
-        rounds._hand_off = lambda r: log.append("hand-off") or hand_off(r)
+        rounds._hand_off = lambda r, post: log.append("hand-off") or hand_off(r, post)
         await svc.start()
         try:
             hop = await router.start()

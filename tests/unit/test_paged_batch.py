@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from specpipe.common.runtime.block_pool import BlockPool
 from specpipe.common.runtime.kv_cache import NewRows
-from specpipe.common.runtime.paged_batch import pack
+from specpipe.common.runtime.paged_batch import _one_part, _parts, _whole_requests, pack, plan
 
 
 class Costs:
@@ -63,3 +63,27 @@ def test_every_new_row_is_laid_out_with_its_requests_keys_and_mask(budget) -> No
                 need = max([int(new.prefix[i]), *[c + 1 for c in cols]])
                 assert seen[:need] == slots[:need].tolist(), r
                 step_row += 1
+
+
+@pytest.mark.parametrize("budget", [None, 20000])
+def test_the_array_pass_lays_out_a_part_as_the_group_loop_does(budget) -> None:
+    """A step of whole requests in one part is built by whole-array operations
+    (`_one_part`); the general layout (`_parts`, a query group at a time) gives the
+    same arrays for it."""
+    rng = np.random.default_rng(7)
+    costs = Costs() if budget else None
+    built = 0
+    for _ in range(60):
+        rows, keys = random_step(rng)
+        plans = plan(rows, costs, budget)
+        counts = [r.slots.size for r in rows]
+        if len(plans) != 1 or not _whole_requests(plans[0], counts):
+            continue
+        depth = max(1, max(r.ancestors.shape[1] for r in rows))
+        fast, fast_out = _one_part(rows, keys, plans[0], depth)
+        loop, loop_out = _parts(rows, keys, counts, plans, depth)
+        assert fast_out.tolist() == loop_out.tolist()
+        for a, b in zip(fast, loop, strict=True):
+            assert a.dtype == b.dtype and a.tolist() == b.tolist()
+        built += 1
+    assert built > 10
