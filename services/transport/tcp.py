@@ -252,8 +252,17 @@ class _Conn:
         return self.writer.is_closing() or self.reader.at_eof()
 
 
-# The largest payload `post_frame` writes at once (joined with its header: one copy).
-POST_BYTES = 64 << 10
+def _frame_writes(mac: FrameMac | None, hb: bytes, data: np.ndarray | None) -> list:
+    """A frame's bytes as written (its tags made, in order): one buffer where its payload
+    is at most `JOIN_BYTES` (one send), else the head, the payload (not copied) and the
+    payload's tag."""
+    head = PREAMBLE.pack(len(hb), 0 if data is None else data.nbytes) + hb
+    if mac is not None:
+        head += mac.header_tag(hb)
+    ptag = mac.payload_tag(data) if mac is not None else b""
+    if data is None or data.nbytes <= JOIN_BYTES:
+        return [b"".join((head, b"" if data is None else data, ptag))]
+    return [head, memoryview(data), ptag]
 
 
 class TcpTransport(Transport):
@@ -347,17 +356,10 @@ class TcpTransport(Transport):
             return False
         w = conn.writer
         data = payload_bytes(None if payload is None else self.staged(payload))
-        if w.transport.get_write_buffer_size() or (data is not None and data.nbytes > POST_BYTES):
+        if w.transport.get_write_buffer_size() or (data is not None and data.nbytes > JOIN_BYTES):
             return False
-        hb = header.SerializeToString()
-        parts = [PREAMBLE.pack(len(hb), 0 if data is None else data.nbytes), hb]
-        if conn.mac is not None:
-            parts.append(conn.mac.header_tag(hb))
-        if data is not None:
-            parts.append(data.tobytes())
-        if conn.mac is not None:
-            parts.append(conn.mac.payload_tag(data))
-        w.write(b"".join(parts))
+        (joined,) = _frame_writes(conn.mac, header.SerializeToString(), data)
+        w.write(joined)
         return True
 
     async def send_frame(
@@ -365,23 +367,14 @@ class TcpTransport(Transport):
     ) -> None:
         data = payload_bytes(None if payload is None else self.staged(payload))
         hb = header.SerializeToString()
-        plen = 0 if data is None else data.nbytes
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
             while True:  # once more on a fresh connection if a cached one broke
                 conn, fresh = await self._connection(address)
                 try:
-                    w, mac = conn.writer, conn.mac
-                    head = PREAMBLE.pack(len(hb), plen) + hb
-                    if mac is not None:
-                        head += mac.header_tag(hb)
-                    ptag = mac.payload_tag(data) if mac is not None else b""
-                    if data is None or plen <= JOIN_BYTES:  # one send
-                        w.write(b"".join((head, b"" if data is None else data, ptag)))
-                    else:
-                        w.write(head)
-                        w.write(memoryview(data))
-                        w.write(ptag)
+                    w = conn.writer
+                    for buffer in _frame_writes(conn.mac, hb, data):
+                        w.write(buffer)
                     if w.transport.get_write_buffer_size():  # the peer lags: bounded
                         async with asyncio.timeout(self.frame_seconds):
                             await w.drain()
