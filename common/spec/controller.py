@@ -52,10 +52,13 @@ from .commands import (
     Propose,
 )
 from .growth import (
+    Pool,
     allowed_by_grammar,
     beside,
+    candidates_of,
     concat_candidates,
     extend_frontier,
+    pool_of,
     prefill_chunks,
     with_forced_tokens,
 )
@@ -397,19 +400,22 @@ class Controller(ABC):
         seq = [*self.prompt, *self.out.tokens]
         return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
 
-    def _extend(self, cand: Candidates) -> Indices:
-        """Grow the tree's frontier from `cand` under the request's ranking; with a
-        grammar, only from the candidates it allows after their paths (the one place both
-        executors' growth goes through), and where it allows one token only, that token
-        whatever the sources proposed (`opts.forced_tokens`)."""
+    def _extend(self, pool: Pool) -> Indices:
+        """Grow the tree's frontier from the candidates `pool` under the request's
+        ranking; with a grammar, only from the candidates it allows after their paths
+        (the one place both executors' growth goes through), and where it allows one
+        token only, that token whatever the sources proposed (`opts.forced_tokens`)."""
         opts = self.opts
-        if self._grammar is not None:
-            cand = allowed_by_grammar(self.tree, cand, self._grammar)
-            if opts.forced_tokens:
-                cand = with_forced_tokens(self.tree, cand, self._grammar)
-        if self._growth_rules is not None:
-            cand = self._growth_rules.apply(self.tree, cand)
-        return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
+        if self._grammar is not None or self._growth_rules is not None:
+            cand = candidates_of(pool)
+            if self._grammar is not None:
+                cand = allowed_by_grammar(self.tree, cand, self._grammar)
+                if opts.forced_tokens:
+                    cand = with_forced_tokens(self.tree, cand, self._grammar)
+            if self._growth_rules is not None:
+                cand = self._growth_rules.apply(self.tree, cand)
+            pool = pool_of(cand)
+        return extend_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
         """A verified token was a tree node proposed by `source` (bits)."""

@@ -76,18 +76,18 @@ class TokenTree:
 
     def frontier(self) -> Indices:
         """Indices of the newest layer: the leaves the draft expands next."""
-        return np.flatnonzero(self.depth == self.frontier_depth)
+        return (self.depth == self.frontier_depth).nonzero()[0]
 
     def children(self, node: int) -> Indices:
-        return np.flatnonzero(self.parent == node)
+        return (self.parent == node).nonzero()[0]
 
     def child_with_token(self, node: int, token: int) -> int | None:
-        hit = np.flatnonzero((self.parent == node) & (self.tokens == token))
+        hit = ((self.parent == node) & (self.tokens == token)).nonzero()[0]
         return int(hit[0]) if hit.size else None
 
     def indices_of(self, ids: ArrayLike) -> Indices:
         """Indices (in tree order) of the nodes whose ids are among `ids`."""
-        return np.flatnonzero(member(self.ids, np.asarray(ids)))
+        return member(self.ids, np.asarray(ids)).nonzero()[0]
 
     def has_ids(self, ids: ArrayLike) -> NDArray[np.bool_]:
         """Which of `ids` are nodes of the tree."""
@@ -160,7 +160,7 @@ class TokenTree:
         """Keep `child` and its descendants; `child` becomes the root. Returns kept old indices."""
         if int(self.parent[child]) != 0:
             raise ValueError("can only prune to a child of the root")
-        keep = np.flatnonzero(self.mask[:, child])
+        keep = self.mask[:, child].nonzero()[0]
         remap = np.full(len(self), -1, dtype=np.int64)
         remap[keep] = np.arange(keep.size)
         old_parent = self.parent[keep]
@@ -175,7 +175,7 @@ class TokenTree:
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
         self.source[0] = 0
-        self.mask = self.mask[np.ix_(keep, keep)]
+        self.mask = self.mask[keep][:, keep]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.
         self.frontier_depth = min(self.frontier_depth - 1, int(self.depth.max()))
@@ -183,7 +183,7 @@ class TokenTree:
 
     def path_to(self, node: int) -> Indices:
         """Indices from the root down to `node`, in order."""
-        return np.flatnonzero(self.mask[node])
+        return self.mask[node].nonzero()[0]
 
     def check_invariants(self) -> None:
         """Assert M equals the ancestor relation of `parent` (used by property tests)."""
