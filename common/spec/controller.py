@@ -452,16 +452,14 @@ class Controller(ABC):
     def _entry_step(self, layer: Activation) -> int:
         """Lockstep step at which `layer` enters stage 1: after the previous layer, after
         the last verification (it was decided after it) and after its parents' layer."""
-        parents = (self._node_step.get(p) for p in set(layer.parent_ids.tolist()))
-        step = max(
-            [
-                self._last_enter + 1,
-                self._last_verify + 1,
-                *(p + 1 for p in parents if p is not None),
-            ]
-        )
+        entered = self._node_step
+        step = max(self._last_enter, self._last_verify) + 1
+        for p in set(layer.parent_ids.tolist()):
+            s = entered.get(p)
+            if s is not None and s >= step:
+                step = s + 1
         self._last_enter = step
-        self._node_step.update(dict.fromkeys(layer.node_ids.tolist(), step))
+        entered.update(dict.fromkeys(layer.node_ids.tolist(), step))
         return step
 
     def _root_due(self, root_id: int) -> int:

@@ -177,9 +177,8 @@ def merge_candidates(pool: Pool) -> Pool:
 def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     """Candidates whose parent is still in the tree and that did not become a node."""
     pid, tokens, probs, sources = pool
-    has_parent = tree.parent >= 0
-    node_parent_ids = tree.ids[tree.parent[has_parent]]
-    node_tokens = tree.tokens[has_parent]
+    node_parent_ids = tree.ids[tree.parent[1:]]  # every node's but the root's (node 0)
+    node_tokens = tree.tokens[1:]
     taken = (
         (pid[:, None] == node_parent_ids[None, :]) & (tokens[:, None] == node_tokens[None, :])
     ).any(axis=1)

@@ -24,7 +24,6 @@ not depend on which of the two events reaches the executor first.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -186,7 +185,8 @@ class SpecPipeController(Controller):
         if layer is None:
             group = layer_activation(self.request_id, tree, idx, self.root_pos)
         else:
-            group = dataclasses.replace(layer)
+            group = Activation(layer.request_id, layer.positions, node_ids=layer.node_ids,
+                               parent_ids=layer.parent_ids, tokens=layer.tokens)  # fmt: skip
         step = self._entry_step(group)
         self._node_depth.update(zip(tree.ids[idx].tolist(), tree.depth[idx].tolist(), strict=True))
         return [self._feed(group, step)]

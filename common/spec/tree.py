@@ -18,6 +18,8 @@ may be either (`np.asarray` reads a CPU tensor without a copy).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
@@ -124,15 +126,19 @@ class TokenTree:
         dev = self.dev[parents]
         if deviation is not None:
             dev = dev + np.asarray(deviation, dtype=np.int64)
-        ok = np.flatnonzero(np.isfinite(score))
         # best key first: on the source's argmax chain, then higher score; ties keep
-        # candidate order
-        order = np.lexsort((-score[ok], dev[ok] > 0))
-        best = ok[order[:width]]
-        if best.size == 0:
+        # candidate order (a sort of tens of tuples: cheaper than numpy's calls here)
+        ranked = sorted(
+            (d > 0, -s, i)
+            for i, (s, d) in enumerate(zip(score.tolist(), dev.tolist(), strict=True))
+            if math.isfinite(s)
+        )
+        if not ranked or width <= 0:
             return np.empty(0, dtype=np.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
-        best = best[np.argsort(parents[best], kind="stable")]
+        order = parents.tolist()
+        chosen = sorted((r[2] for r in ranked[:width]), key=order.__getitem__)
+        best = np.array(chosen, dtype=np.int64)
         par, n0, m = parents[best], len(self), int(best.size)
         if source is None:
             src = np.ones(m, dtype=np.int8)
@@ -163,9 +169,9 @@ class TokenTree:
         keep = self.mask[:, child].nonzero()[0]
         remap = np.full(len(self), -1, dtype=np.int64)
         remap[keep] = np.arange(keep.size)
-        old_parent = self.parent[keep]
-        self.parent = np.where(old_parent >= 0, remap[np.maximum(old_parent, 0)], -1)
-        self.parent[0] = -1
+        # every kept node's parent is a node (none is the root); `child`'s, the root, is
+        # not kept: it maps to -1
+        self.parent = remap[self.parent[keep]]
         self.tokens = self.tokens[keep]
         self.depth = self.depth[keep] - 1
         self.prob = self.prob[keep]
