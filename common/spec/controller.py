@@ -397,8 +397,8 @@ class Controller(ABC):
         if self.ngram is None or len(nodes) == 0:
             return Candidates.empty()
         k = top_k or min(self.opts.top_k_children, max(self.width, 1))
-        seq = [*self.prompt, *self.out.tokens]
-        return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
+        # the index holds the verified text (prompt + output): no copy of it per ask
+        return ngram_candidates(self.ngram, self.ngram.tokens, self.tree, nodes, k)
 
     def _extend(self, pool: Pool) -> Indices:
         """Grow the tree's frontier from the candidates `pool` under the request's

@@ -162,10 +162,9 @@ def merge_candidates(pool: Pool) -> Pool:
     pid, tokens, probs, sources = pool
     if pid.size < 2:
         return pool
+    if len(set(zip(pid.tolist(), tokens.tolist(), strict=True))) == pid.size:
+        return pool  # no duplicate: the common case (a set of tens of pairs, no sort)
     key = pid * (int(tokens.max()) + 1) + tokens  # ids and tokens are >= 0
-    ordered = np.sort(key)
-    if (ordered[1:] != ordered[:-1]).all():  # no duplicate: the common case, no unique
-        return pool
     uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
     best = np.full(uniq.size, -np.inf, dtype=probs.dtype)
     np.maximum.at(best, inv, probs)

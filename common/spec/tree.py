@@ -120,8 +120,11 @@ class TokenTree:
         if not (self.depth[parents] == self.frontier_depth).all():
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            logp = np.log(probs) if logp is None else np.asarray(logp, dtype=np.float64)
+        if logp is None:
+            with np.errstate(divide="ignore"):
+                logp = np.log(probs)
+        else:
+            logp = np.asarray(logp, dtype=np.float64)
         score = self.score[parents] + logp
         dev = self.dev[parents]
         if deviation is not None:
