@@ -14,11 +14,18 @@ Model forwards are not counted. The tokens are written too, so that two versions
 the controller can be checked to decide the same thing (same steps, same tokens).
 
     python benchmarks/bench_controller.py [--modes specpipe,specinfer] [--concurrency 1,8]
+    python benchmarks/bench_controller.py --modes specpipe --stages 4 --width 4 --replay 10
+
+`--replay N`: the controllers' events of each cell are recorded and replayed N times on
+fresh controllers, no model and no engine between them; it prints the CPU time (this
+thread's) per verification, the least of the N (the replays repeat the same decisions:
+their statistics are checked equal), the figure least moved by a shared machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -42,6 +49,7 @@ from specpipe.common.spec.specinfer import SpecInferController  # noqa: E402
 from specpipe.common.spec.specpipe import SpecPipeController  # noqa: E402
 
 HANDLERS = ("start", "on_verified", "on_candidates")
+Event = tuple[str, str, tuple]  # (request id, handler, its arguments)
 
 
 class HandlerClock:
@@ -50,6 +58,8 @@ class HandlerClock:
     def __init__(self) -> None:
         self.seconds = 0.0
         self._saved: list[tuple[type, str, Callable]] = []
+        self.events: list[Event] = []  # every handler call, in order (`replay_cpu`)
+        self.made: dict[str, Callable[[], Controller]] = {}  # a fresh copy of each request's
 
     def __enter__(self) -> HandlerClock:
         for cls in (SpecPipeController, SpecInferController):
@@ -65,6 +75,12 @@ class HandlerClock:
 
     def _timed(self, f: Callable) -> Callable:
         def timed(ctrl: Controller, *args, **kwargs):
+            self.events.append((ctrl.request_id, f.__name__, args))
+            if f.__name__ == "start":
+                self.made[ctrl.request_id] = functools.partial(
+                    type(ctrl), ctrl.request_id, list(ctrl.prompt), ctrl.mode, ctrl.opts,
+                    ctrl.num_stages,
+                )  # fmt: skip
             t0 = time.perf_counter()
             try:
                 return f(ctrl, *args, **kwargs)
@@ -72,6 +88,27 @@ class HandlerClock:
                 self.seconds += time.perf_counter() - t0
 
         return timed
+
+
+def replay_cpu(
+    events: list[Event], made: dict[str, Callable[[], Controller]], repeats: int
+) -> tuple[float, int]:
+    """(least CPU seconds of `repeats` replays of `events` on fresh controllers, the
+    verifications of one replay); `made[request_id]()` makes a request's controller."""
+    best, stats = None, None
+    for _ in range(repeats):
+        ctrls = {rid: make() for rid, make in made.items()}
+        t0 = time.thread_time()
+        for rid, name, args in events:
+            getattr(ctrls[rid], name)(*args)
+        cpu = time.thread_time() - t0
+        best = cpu if best is None else min(best, cpu)
+        now = {rid: str(c.stats) for rid, c in ctrls.items()}
+        if stats is not None and now != stats:
+            raise AssertionError("a replay decided differently from the first")
+        stats = now
+    verifications = sum(c.stats.verifications for c in ctrls.values())
+    return best or 0.0, verifications
 
 
 def main() -> None:
@@ -83,6 +120,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--layers-per-step", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--replay", type=int, default=0, help="replays of each cell's events")
     ap.add_argument("--out", default=str(HERE / "results" / "controller"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -113,12 +151,20 @@ def main() -> None:
                 "controller_ms_per_step": round(1e3 * clock.seconds / engine.steps, 3),
                 "controller_us_per_verification": round(1e6 * clock.seconds / verifications, 1),
             }
+            if args.replay:
+                cpu, nv = replay_cpu(clock.events, clock.made, args.replay)
+                row["replay_cpu_us_per_verification"] = round(1e6 * cpu / nv, 1)
             rows.append(row)
             tokens[f"{mode}@{conc}"] = [x.tokens for x in load.served]
             print(
                 f"{mode:10s} c={conc:<3d} steps {row['steps']:4d} tokens {row['tokens']:5d} "
                 f"controller {row['controller_ms_per_step']:7.2f} ms/step "
-                f"{row['controller_us_per_verification']:7.1f} us/verification",
+                f"{row['controller_us_per_verification']:7.1f} us/verification"
+                + (
+                    f", replayed {row['replay_cpu_us_per_verification']:.1f} us CPU/verification"
+                    if args.replay
+                    else ""
+                ),
                 flush=True,
             )
     out = Path(args.out)

@@ -52,10 +52,13 @@ from .commands import (
     Propose,
 )
 from .growth import (
+    Pool,
     allowed_by_grammar,
     beside,
+    candidates_of,
     concat_candidates,
     extend_frontier,
+    pool_of,
     prefill_chunks,
     with_forced_tokens,
 )
@@ -394,22 +397,25 @@ class Controller(ABC):
         if self.ngram is None or len(nodes) == 0:
             return Candidates.empty()
         k = top_k or min(self.opts.top_k_children, max(self.width, 1))
-        seq = [*self.prompt, *self.out.tokens]
-        return ngram_candidates(self.ngram, seq, self.tree, nodes, k)
+        # the index holds the verified text (prompt + output): no copy of it per ask
+        return ngram_candidates(self.ngram, self.ngram.tokens, self.tree, nodes, k)
 
-    def _extend(self, cand: Candidates) -> Indices:
-        """Grow the tree's frontier from `cand` under the request's ranking; with a
-        grammar, only from the candidates it allows after their paths (the one place both
-        executors' growth goes through), and where it allows one token only, that token
-        whatever the sources proposed (`opts.forced_tokens`)."""
+    def _extend(self, pool: Pool) -> Indices:
+        """Grow the tree's frontier from the candidates `pool` under the request's
+        ranking; with a grammar, only from the candidates it allows after their paths
+        (the one place both executors' growth goes through), and where it allows one
+        token only, that token whatever the sources proposed (`opts.forced_tokens`)."""
         opts = self.opts
-        if self._grammar is not None:
-            cand = allowed_by_grammar(self.tree, cand, self._grammar)
-            if opts.forced_tokens:
-                cand = with_forced_tokens(self.tree, cand, self._grammar)
-        if self._growth_rules is not None:
-            cand = self._growth_rules.apply(self.tree, cand)
-        return extend_frontier(self.tree, cand, self.width, opts.ranking, opts.sampling)
+        if self._grammar is not None or self._growth_rules is not None:
+            cand = candidates_of(pool)
+            if self._grammar is not None:
+                cand = allowed_by_grammar(self.tree, cand, self._grammar)
+                if opts.forced_tokens:
+                    cand = with_forced_tokens(self.tree, cand, self._grammar)
+            if self._growth_rules is not None:
+                cand = self._growth_rules.apply(self.tree, cand)
+            pool = pool_of(cand)
+        return extend_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
         """A verified token was a tree node proposed by `source` (bits)."""
@@ -446,16 +452,14 @@ class Controller(ABC):
     def _entry_step(self, layer: Activation) -> int:
         """Lockstep step at which `layer` enters stage 1: after the previous layer, after
         the last verification (it was decided after it) and after its parents' layer."""
-        parents = (self._node_step.get(p) for p in set(layer.parent_ids.tolist()))
-        step = max(
-            [
-                self._last_enter + 1,
-                self._last_verify + 1,
-                *(p + 1 for p in parents if p is not None),
-            ]
-        )
+        entered = self._node_step
+        step = max(self._last_enter, self._last_verify) + 1
+        for p in set(layer.parent_ids.tolist()):
+            s = entered.get(p)
+            if s is not None and s >= step:
+                step = s + 1
         self._last_enter = step
-        self._node_step.update(dict.fromkeys(layer.node_ids.tolist(), step))
+        entered.update(dict.fromkeys(layer.node_ids.tolist(), step))
         return step
 
     def _root_due(self, root_id: int) -> int:

@@ -17,8 +17,15 @@ from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import NO_NODES, Indices, TokenTree, member
 
-# A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources.
+# A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources. The
+# controller grows from pools (tensors cross once, where candidates come in).
 Pool = tuple[NDArray[np.int64], NDArray[np.int64], NDArray, NDArray[np.int8]]
+EMPTY_POOL: Pool = (
+    np.empty(0, dtype=np.int64),
+    np.empty(0, dtype=np.int64),
+    np.empty(0, dtype=np.float32),
+    np.empty(0, dtype=np.int8),
+)
 
 
 def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos: int) -> Activation:
@@ -76,16 +83,15 @@ def prefill_chunks(
 
 def extend_frontier(
     tree: TokenTree,
-    cand: Candidates,
+    pool: Pool,
     width: int,
     ranking: Ranking = Ranking.BEAM,
     sampling: SamplingParams | None = None,
 ) -> Indices:
-    """Append the best `width` candidates whose parents are (still) frontier nodes,
-    ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
+    """Append the best `width` candidates of `pool` whose parents are (still) frontier
+    nodes, ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
     frontier = tree.frontier()
     frontier_ids = tree.ids[frontier]
-    pool = pool_of(cand)
     alive = member(pool[0], frontier_ids)
     if not alive.any():
         return NO_NODES
@@ -156,10 +162,9 @@ def merge_candidates(pool: Pool) -> Pool:
     pid, tokens, probs, sources = pool
     if pid.size < 2:
         return pool
+    if len(set(zip(pid.tolist(), tokens.tolist(), strict=True))) == pid.size:
+        return pool  # no duplicate: the common case (a set of tens of pairs, no sort)
     key = pid * (int(tokens.max()) + 1) + tokens  # ids and tokens are >= 0
-    ordered = np.sort(key)
-    if (ordered[1:] != ordered[:-1]).all():  # no duplicate: the common case, no unique
-        return pool
     uniq, first, inv = np.unique(key, return_index=True, return_inverse=True)
     best = np.full(uniq.size, -np.inf, dtype=probs.dtype)
     np.maximum.at(best, inv, probs)
@@ -168,17 +173,16 @@ def merge_candidates(pool: Pool) -> Pool:
     return pid[first], tokens[first], best, source
 
 
-def unused_candidates(tree: TokenTree, cand: Candidates) -> Candidates:
+def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     """Candidates whose parent is still in the tree and that did not become a node."""
-    pid, tokens, probs, sources = pool_of(cand)
-    has_parent = tree.parent >= 0
-    node_parent_ids = tree.ids[tree.parent[has_parent]]
-    node_tokens = tree.tokens[has_parent]
+    pid, tokens, probs, sources = pool
+    node_parent_ids = tree.ids[tree.parent[1:]]  # every node's but the root's (node 0)
+    node_tokens = tree.tokens[1:]
     taken = (
         (pid[:, None] == node_parent_ids[None, :]) & (tokens[:, None] == node_tokens[None, :])
     ).any(axis=1)
     keep = member(pid, tree.ids) & ~taken
-    return candidates_of((pid[keep], tokens[keep], probs[keep], sources[keep]))
+    return pid[keep], tokens[keep], probs[keep], sources[keep]
 
 
 def beside(extra: Candidates, main: Candidates) -> Candidates:
@@ -197,12 +201,24 @@ def concat_candidates(*parts: Candidates) -> Candidates:
     fixed cost is most of the time at these sizes, see tree.py)."""
     if len(parts) == 1 and parts[0].probs.dtype == torch.float32:
         return parts[0]
-    pools = [pool_of(c) for c in parts]
-    return candidates_of(
-        (
-            np.concatenate([p[0] for p in pools]),
-            np.concatenate([p[1] for p in pools]),
-            np.concatenate([p[2].astype(np.float32, copy=False) for p in pools]),
-            np.concatenate([p[3] for p in pools]),
+    return candidates_of(concat_pools(*(pool_of(c) for c in parts)))
+
+
+def concat_pools(*pools: Pool) -> Pool:
+    """The pools' candidates, in order, with float32 probabilities (as the draft sends
+    them: growth ranks the same whichever source and path they came by)."""
+    parts = [p for p in pools if p[0].size]
+    if len(parts) <= 1:
+        pid, tokens, probs, sources = parts[0] if parts else EMPTY_POOL
+        return (
+            pid.astype(np.int64, copy=False),
+            tokens.astype(np.int64, copy=False),
+            probs.astype(np.float32, copy=False),
+            sources.astype(np.int8, copy=False),
         )
+    return (
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2].astype(np.float32, copy=False) for p in parts]),
+        np.concatenate([p[3] for p in parts]),
     )

@@ -69,6 +69,22 @@ def sibling_ranks(
     return group, rank, before
 
 
+def best_siblings(parents: ArrayLike, probs: ArrayLike) -> NDArray[np.bool_]:
+    """Whether each candidate is its parent's best proposal: `sibling_ranks`' rank 0
+    (the highest probability, the earlier candidate on ties, NaN never before a number).
+    One pass in plain Python: on a layer's tens of candidates it costs a fraction of
+    the sorts `sibling_ranks` needs (numpy's fixed cost per call dominates there)."""
+    p = np.asarray(probs, dtype=np.float64).reshape(-1).tolist()
+    best: dict[int, int] = {}
+    for i, g in enumerate(np.asarray(parents).reshape(-1).tolist()):
+        j = best.get(g)
+        if j is None or p[i] > p[j] or (p[j] != p[j] and p[i] == p[i]):
+            best[g] = i
+    out = np.zeros(len(p), dtype=bool)
+    out[list(best.values())] = True
+    return out
+
+
 def edge_scores(
     parents: ArrayLike, probs: ArrayLike, ranking: Ranking, sampling: SamplingParams
 ) -> tuple[NDArray[np.float64], NDArray[np.int64]]:
@@ -79,9 +95,9 @@ def edge_scores(
     with np.errstate(divide="ignore", invalid="ignore"):
         if ranking == Ranking.BEAM or p.size == 0:
             return np.log(p), zero
-        group, rank, before = sibling_ranks(parents, p)
         if sampling.greedy:
-            return np.log(p), (rank > 0).astype(np.int64)
+            return np.log(p), (~best_siblings(parents, p)).astype(np.int64)
+        group, rank, before = sibling_ranks(parents, p)
 
         def per_parent(x: NDArray[np.float64]) -> NDArray[np.float64]:
             return np.bincount(group, weights=x)[group]

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from .commands import Command, DraftPrefill
 from .controller import Controller
-from .growth import layer_activation
+from .growth import layer_activation, pool_of
 from .messages import EMPTY_IDS, Candidates, Prune, Verified
 from .options import DecodeOptions, Mode
 from .tree import NO_NODES, TokenTree, member
@@ -48,7 +48,7 @@ class SpecInferController(Controller):
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        if self._extend(cand).size == 0:
+        if self._extend(pool_of(cand)).size == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 

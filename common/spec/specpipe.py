@@ -31,8 +31,15 @@ import torch
 
 from .commands import Command
 from .controller import Controller
-from .growth import concat_candidates, layer_activation, unused_candidates
-from .messages import EMPTY_IDS, Candidates, Prune, Verified
+from .growth import (
+    EMPTY_POOL,
+    Pool,
+    concat_pools,
+    layer_activation,
+    pool_of,
+    unused_candidates,
+)
+from .messages import EMPTY_IDS, Activation, Candidates, Prune, Verified
 from .options import DecodeOptions, Growth, Mode
 from .tree import NO_NODES, Indices, TokenTree
 
@@ -58,8 +65,8 @@ class SpecPipeController(Controller):
         # Source proposals not (yet) in the tree, for nodes still in it: if a prune removes
         # the whole newest layer, the tree regrows from the deepest survivors' proposals
         # (a one-step bubble) instead of running dry until a miss (S steps).
-        self.reserve = Candidates.empty()
-        self._held: list[Candidates] = []  # answers waiting for a verification
+        self.reserve = EMPTY_POOL
+        self._held: list[Pool] = []  # answers waiting for a verification
         self._asked: dict[int, int] = {}  # outstanding tickets -> the step the source works in
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
         self._newest = NO_NODES  # node ids of the newest layer grown
@@ -87,7 +94,7 @@ class SpecPipeController(Controller):
         cand = self._answer(ticket, cand)
         if self.done or step is None:
             return []
-        return self._offer(cand, step)
+        return self._offer(pool_of(cand), step)
 
     def on_verified(self, v: Verified) -> list[Command]:
         if self.done or v.node_ids[0] != self.tree.root_id:
@@ -113,10 +120,10 @@ class SpecPipeController(Controller):
             self.width = 0
             return self._flush()
         # hybrid: the n-gram source grows the frontier on its own from now on
-        return self._offer(self._ngram_children(self.tree.frontier()), self._work_step())
+        return self._offer(pool_of(self._ngram_children(self.tree.frontier())), self._work_step())
 
     def _forget_draft_work(self) -> None:
-        self.reserve = Candidates.empty()
+        self.reserve = EMPTY_POOL
         self._held, self._asked, self._late, self._local = [], {}, set(), {}
         self._newest_ticket = None
 
@@ -142,14 +149,21 @@ class SpecPipeController(Controller):
         for their children."""
         tree = self.tree
         ids = tree.ids[idx]
-        self._pending = np.concatenate([self._pending, ids])
+        alone = self._pending.size == 0  # the group is this layer (K = 1: always)
+        self._pending = ids if alone else np.concatenate([self._pending, ids])
         self._newest, self._newest_ticket = ids, None
         cmds: list[Command] = []
-        full = self._pending_layers() >= self.layers_per_step
+        layer = layer_activation(self.request_id, tree, idx, self.root_pos) if self.width else None
+        full = (alone and self.layers_per_step == 1) or (
+            self._pending_layers() >= self.layers_per_step
+        )
         if feed_now or full or tree.frontier_depth >= self.max_depth:
-            cmds += self._flush()
-        if self.width:
-            layer = layer_activation(self.request_id, tree, idx, self.root_pos)
+            if alone:  # the group is this layer: fed as the source is asked about it
+                self._pending = NO_NODES
+                cmds += self._feed_group(idx, layer)
+            else:
+                cmds += self._flush()
+        if layer is not None:
             cmds += self._ask(layer, idx, self._work_step())
         return cmds
 
@@ -162,19 +176,27 @@ class SpecPipeController(Controller):
         tree, pending = self.tree, self._pending
         self._pending = NO_NODES
         idx = tree.indices_of(pending)
-        if idx.size == 0:
-            return []
-        group = layer_activation(self.request_id, tree, idx, self.root_pos)
+        return self._feed_group(idx) if idx.size else []
+
+    def _feed_group(self, idx: Indices, layer: Activation | None = None) -> list[Command]:
+        """Feed tree nodes `idx` into stage 1 as one group (`layer`: their activation,
+        when the caller made it already: the feed gets an object of its own)."""
+        tree = self.tree
+        if layer is None:
+            group = layer_activation(self.request_id, tree, idx, self.root_pos)
+        else:
+            group = Activation(layer.request_id, layer.positions, node_ids=layer.node_ids,
+                               parent_ids=layer.parent_ids, tokens=layer.tokens)  # fmt: skip
         step = self._entry_step(group)
         self._node_depth.update(zip(tree.ids[idx].tolist(), tree.depth[idx].tolist(), strict=True))
         return [self._feed(group, step)]
 
-    def _offer(self, cand: Candidates, step: int) -> list[Command]:
+    def _offer(self, pool: Pool, step: int) -> list[Command]:
         """Candidates for the layer after the newest, from the source working in `step`."""
         if not self._answer_first(step, self._root_due(self.tree.root_id)):
-            self._held.append(cand)
+            self._held.append(pool)
             return []
-        return self._grow(cand)
+        return self._grow(pool)
 
     def _verify(self, v: Verified) -> list[Command]:
         """The last stage drew the root's token, and while that token was a child whose
@@ -209,7 +231,7 @@ class SpecPipeController(Controller):
         cmds = self._emit(tokens, done, logprobs)
         if self.done:
             return cmds
-        commit = torch.tensor(path, dtype=torch.int64)
+        commit = torch.from_numpy(np.array(path, dtype=np.int64))
         if hit:
             prune = Prune(
                 commit_ids=commit, keep_ids=torch.from_numpy(tree.ids.copy()), horizon=horizon
@@ -226,23 +248,24 @@ class SpecPipeController(Controller):
             # what grows next enters then (a stage drops such rows on arrival).
             ahead = (s for s in self._node_step.values() if s > self._last_verify)
             self._last_enter = max(ahead, default=self._last_verify)
-        self._pending = self._pending[tree.has_ids(self._pending)]
+        if self._pending.size:
+            self._pending = self._pending[tree.has_ids(self._pending)]
         if not hit:
-            self.reserve = Candidates.empty()
+            self.reserve = EMPTY_POOL
             self._held, self._pending = [], NO_NODES
             return cmds + self._add_root()
-        if not self.width or bool((self._pending == tree.root_id).any()):
+        if not self.width or (self._pending.size and bool((self._pending == tree.root_id).any())):
             cmds += self._flush()  # nothing may wait for growth: the root must go in
             if not self.width:
                 return cmds
         held, self._held = self._held, []
         if held:
-            return cmds + self._grow(concat_candidates(*held))
+            return cmds + self._grow(concat_pools(*held))
         newest_alive = bool(tree.has_ids(self._newest).any())
         if not (newest_alive and self._newest_ticket in self._asked):
             # The newest layer was pruned away (or nothing will come for it): regrow from
             # the kept proposals (and fresh n-gram ones) now instead of waiting.
-            return cmds + self._grow(self._ngram_children(tree.frontier()))
+            return cmds + self._grow(pool_of(self._ngram_children(tree.frontier())))
         return cmds
 
     def _answer_first(self, step: int, due: int) -> bool:
@@ -259,15 +282,15 @@ class SpecPipeController(Controller):
                 self._late.add(ticket)
                 self.stats.late_draft_answers += 1
 
-    def _grow(self, cand: Candidates) -> list[Command]:
+    def _grow(self, fresh: Pool) -> list[Command]:
         """Append the best `width` candidates whose parents are frontier nodes: the source's
         fresh proposals for the newest layer, or kept ones if that layer was pruned away.
         Nothing to append: the pending group goes in as it is."""
         if self.tree.frontier_depth >= self.max_depth:
-            self._held.append(cand)  # too deep: wait until a verification makes room
+            self._held.append(fresh)  # too deep: wait until a verification makes room
             return []
-        pool = concat_candidates(cand, self.reserve)
-        fresh_alive = bool(self.tree.has_ids(cand.parent_ids.numpy()).any())
+        pool = concat_pools(fresh, self.reserve)
+        fresh_alive = bool(self.tree.has_ids(fresh[0]).any())
         new = self._extend(pool)
         if new.size and not fresh_alive:
             self.stats.regrowths += 1

@@ -18,6 +18,8 @@ may be either (`np.asarray` reads a CPU tensor without a copy).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
@@ -76,18 +78,18 @@ class TokenTree:
 
     def frontier(self) -> Indices:
         """Indices of the newest layer: the leaves the draft expands next."""
-        return np.flatnonzero(self.depth == self.frontier_depth)
+        return (self.depth == self.frontier_depth).nonzero()[0]
 
     def children(self, node: int) -> Indices:
-        return np.flatnonzero(self.parent == node)
+        return (self.parent == node).nonzero()[0]
 
     def child_with_token(self, node: int, token: int) -> int | None:
-        hit = np.flatnonzero((self.parent == node) & (self.tokens == token))
+        hit = ((self.parent == node) & (self.tokens == token)).nonzero()[0]
         return int(hit[0]) if hit.size else None
 
     def indices_of(self, ids: ArrayLike) -> Indices:
         """Indices (in tree order) of the nodes whose ids are among `ids`."""
-        return np.flatnonzero(member(self.ids, np.asarray(ids)))
+        return member(self.ids, np.asarray(ids)).nonzero()[0]
 
     def has_ids(self, ids: ArrayLike) -> NDArray[np.bool_]:
         """Which of `ids` are nodes of the tree."""
@@ -118,21 +120,28 @@ class TokenTree:
         if not (self.depth[parents] == self.frontier_depth).all():
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
-        with np.errstate(divide="ignore"):
-            logp = np.log(probs) if logp is None else np.asarray(logp, dtype=np.float64)
+        if logp is None:
+            with np.errstate(divide="ignore"):
+                logp = np.log(probs)
+        else:
+            logp = np.asarray(logp, dtype=np.float64)
         score = self.score[parents] + logp
         dev = self.dev[parents]
         if deviation is not None:
             dev = dev + np.asarray(deviation, dtype=np.int64)
-        ok = np.flatnonzero(np.isfinite(score))
         # best key first: on the source's argmax chain, then higher score; ties keep
-        # candidate order
-        order = np.lexsort((-score[ok], dev[ok] > 0))
-        best = ok[order[:width]]
-        if best.size == 0:
+        # candidate order (a sort of tens of tuples: cheaper than numpy's calls here)
+        ranked = sorted(
+            (d > 0, -s, i)
+            for i, (s, d) in enumerate(zip(score.tolist(), dev.tolist(), strict=True))
+            if math.isfinite(s)
+        )
+        if not ranked or width <= 0:
             return np.empty(0, dtype=np.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
-        best = best[np.argsort(parents[best], kind="stable")]
+        order = parents.tolist()
+        chosen = sorted((r[2] for r in ranked[:width]), key=order.__getitem__)
+        best = np.array(chosen, dtype=np.int64)
         par, n0, m = parents[best], len(self), int(best.size)
         if source is None:
             src = np.ones(m, dtype=np.int8)
@@ -160,12 +169,12 @@ class TokenTree:
         """Keep `child` and its descendants; `child` becomes the root. Returns kept old indices."""
         if int(self.parent[child]) != 0:
             raise ValueError("can only prune to a child of the root")
-        keep = np.flatnonzero(self.mask[:, child])
+        keep = self.mask[:, child].nonzero()[0]
         remap = np.full(len(self), -1, dtype=np.int64)
         remap[keep] = np.arange(keep.size)
-        old_parent = self.parent[keep]
-        self.parent = np.where(old_parent >= 0, remap[np.maximum(old_parent, 0)], -1)
-        self.parent[0] = -1
+        # every kept node's parent is a node (none is the root); `child`'s, the root, is
+        # not kept: it maps to -1
+        self.parent = remap[self.parent[keep]]
         self.tokens = self.tokens[keep]
         self.depth = self.depth[keep] - 1
         self.prob = self.prob[keep]
@@ -175,7 +184,7 @@ class TokenTree:
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
         self.source[0] = 0
-        self.mask = self.mask[np.ix_(keep, keep)]
+        self.mask = self.mask[keep][:, keep]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.
         self.frontier_depth = min(self.frontier_depth - 1, int(self.depth.max()))
@@ -183,7 +192,7 @@ class TokenTree:
 
     def path_to(self, node: int) -> Indices:
         """Indices from the root down to `node`, in order."""
-        return np.flatnonzero(self.mask[node])
+        return self.mask[node].nonzero()[0]
 
     def check_invariants(self) -> None:
         """Assert M equals the ancestor relation of `parent` (used by property tests)."""

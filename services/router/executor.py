@@ -189,7 +189,10 @@ class CommandExecutor:
         timeout = self.deadline.timeout()
         answer = stream.call(timeout, **call)
         try:
-            return await asyncio.wait_for(answer, timeout)
+            # a deadline on the lane's task (wait_for would add a future and callbacks
+            # per call and request)
+            async with asyncio.timeout(timeout):
+                return await answer
         except TimeoutError:
             code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             raise refusal(code, f"no answer from {draft.label}") from None
