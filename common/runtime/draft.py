@@ -62,21 +62,22 @@ def _top_children_many(
         # float64 holds token ids (< 2**53) and float32 probabilities exactly
         parts += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
         layout.append((members, k))
-    host = hand_off(torch.cat(parts) if len(parts) > 1 else parts[0])
+    host = hand_off(torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
     results: list[Candidates | None] = [None] * len(asks)
     at = 0
-    for members, k in layout:
+    for members, k in layout:  # sliced through numpy: a third of torch's time per slice
         n = sum(len(asks[i][0]) for i in members) * k
-        tokens, probs = host[at : at + n].long(), host[at + n : at + 2 * n].float()
+        tokens, probs = host[at : at + n].astype(np.int64), host[at + n : at + 2 * n]
+        probs = probs.astype(np.float32)
         at += 2 * n
         row = 0
         for i in members:
             out = asks[i][0]
             m = len(out) * k
             results[i] = Candidates(  # on the CPU, like the router's tree
-                parent_ids=out.node_ids.repeat_interleave(k),
-                tokens=tokens[row : row + m],
-                probs=probs[row : row + m],
+                parent_ids=torch.from_numpy(np.repeat(out.node_ids.numpy(), k)),
+                tokens=torch.from_numpy(tokens[row : row + m]),
+                probs=torch.from_numpy(probs[row : row + m]),
             )
             row += m
     return results  # type: ignore[return-value]
@@ -176,3 +177,8 @@ class DraftRuntime:
 
     def prune(self, request_id: str, prune: Prune) -> None:
         self.runtime.prune(request_id, prune)
+
+    def prune_many(self, prunes: Sequence[tuple[str, Prune]]) -> list[RequestError | None]:
+        """A step's prunes of several requests in one pass (`StageRuntime.prune_many`):
+        per prune None, or the error its request failed with."""
+        return self.runtime.prune_many(prunes)
