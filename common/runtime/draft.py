@@ -41,28 +41,40 @@ def hand_off(packed: Tensor) -> Tensor:
     return packed.cpu()
 
 
-def _top_children_many(
-    asks: Sequence[tuple[Activation, int, float]], head: Callable[[Tensor], Tensor]
-) -> list[Candidates]:
-    """The top-k children of every node of a step's proposals, `(output, top_k,
-    temperature)` each (its rows' final hidden states): one LM head call (`head`), one
-    softmax and one top-k per (top_k, temperature) of the step, and one host copy for
-    all (`hand_off`)."""
+Ask = tuple[Activation, int, float]  # a proposal's output rows, top_k, temperature
+Group = tuple[list[int], int]  # the asks of one (top_k, temperature), and their k
+
+
+@torch.inference_mode()
+def _top_k_packed(
+    asks: Sequence[Ask], head: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, list[Group]]:
+    """The device's part of `_top_children_many` (no autograd: a tenth less dispatch):
+    per group [token ids | probabilities] of its rows, as float64 (which holds token
+    ids, < 2**53, and float32 probabilities exactly), all groups in one host copy."""
     groups: dict[tuple[int, float], list[int]] = {}
     for i, (_, top_k, temperature) in enumerate(asks):
         groups.setdefault((top_k, temperature), []).append(i)
-    parts: list[Tensor] = []  # per group: [indices | values] of its rows, as float64
-    layout: list[tuple[list[int], int]] = []  # per group: its asks, and its k
+    parts: list[Tensor] = []
+    layout: list[Group] = []
     for (top_k, temperature), members in groups.items():
         hidden = [asks[i][0].hidden for i in members]
         stacked = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # type: ignore[arg-type]
         probs = draft_probs(head(stacked), temperature)
         k = min(top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1)
-        # float64 holds token ids (< 2**53) and float32 probabilities exactly
         parts += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
         layout.append((members, k))
-    host = hand_off(torch.cat(parts) if len(parts) > 1 else parts[0]).numpy()
+    return hand_off(torch.cat(parts) if len(parts) > 1 else parts[0]), layout
+
+
+def _top_children_many(asks: Sequence[Ask], head: Callable[[Tensor], Tensor]) -> list[Candidates]:
+    """The top-k children of every node of a step's proposals, `(output, top_k,
+    temperature)` each (its rows' final hidden states): one LM head call (`head`), one
+    softmax and one top-k per (top_k, temperature) of the step, and one host copy for
+    all (`hand_off`)."""
+    packed, layout = _top_k_packed(asks, head)
+    host = packed.numpy()
     results: list[Candidates | None] = [None] * len(asks)
     at = 0
     for members, k in layout:  # sliced through numpy: a third of torch's time per slice
