@@ -352,9 +352,10 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         if not self.leases.renew(rid):
             return grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open"
         try:
-            layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
-            check_rows(layer, self.limits)
-            check_tokens(layer, self.limits)
+            limits = self.limits  # built once per call: the row cap reads the cost curve
+            layer = token_activation(rid, request.rows, request.token_ids, limits.max_rows)
+            check_rows(layer, limits)
+            check_tokens(layer, limits)
             with self.rounds.inbox:
                 waiting = sum(a.request_id == rid and a.is_proposal for a in self.rounds.waiting)
             if waiting >= MAX_ASKS_PER_REQUEST:
