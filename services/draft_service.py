@@ -4,8 +4,8 @@ The router calls it in order for each request (it awaits each call of a request 
 the next), so the service adds no ordering of its own: it runs each call's forward on
 its compute thread and answers. `Propose` calls and prefill chunks (of `Open` and
 `Prefill`) of different requests that wait while a forward runs are answered together
-by the next batched forward, taken by the compute thread straight from the inbox
-(`DraftRounds`, draft_rounds.py) (`DraftRuntime.step_many`, SpecPipe-DB: a prompt that
+by the next batched forward, which the compute thread takes straight from the inbox
+(`DraftRounds`, draft_rounds.py; `DraftRuntime.step_many`, SpecPipe-DB: a prompt that
 arrives beside running requests takes no forward of its own, which would make their
 answers a forward late); a forward that would miss requests whose
 next call is due within a few milliseconds waits for them first, a bounded window
@@ -13,7 +13,9 @@ next call is due within a few milliseconds waits for them first, a bounded windo
 one pipeline step, which reach the draft spread over the router's handling of the
 step, take two forwards, and the answers of the second come a draft forward late. The
 router sends its calls on one control stream (`Control`; services/router/
-control_stream.py), each run as its unary handler runs it. The lifecycle (server, drain,
+control_stream.py), each run as its unary handler runs it (`Open`'s prefix lookup,
+`Prune` and `Release` on the replica's executor thread, beside a batch that computes:
+the runtime's locks keep them apart, as a stage's). The lifecycle (server, drain,
 leases, `Renew`, most of `Describe`) is the `Replica`'s.
 
 One module: the unary handlers and the control stream take calls into the same state
@@ -396,14 +398,14 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
             timed = self.metrics.timed(functools.partial(timed_call, self.device, forward), rows)
             results, seconds = timed(asks)
+            with self.rounds.inbox:
+                self.aligner.computed(seconds)
+            decode = sum(len(a.rows) for a in asks if a.is_proposal)
+            cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
+            engine.prefill_pace.observe(decode, cells, seconds)
         except Exception as e:  # the batched forward itself failed
             log.exception("draft: a batched forward of %d requests failed", len(asks))
             return [RequestError(f"the draft's forward failed: {e}")] * len(asks)
-        with self.rounds.inbox:
-            self.aligner.computed(seconds)
-        decode = sum(len(a.rows) for a in asks if a.is_proposal)
-        cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
-        engine.prefill_pace.observe(decode, cells, seconds)
         return results
 
     @staticmethod
