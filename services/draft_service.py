@@ -2,9 +2,10 @@
 
 The router calls it in order for each request (it awaits each call of a request before
 the next), so the service adds no ordering of its own: it runs each call's forward on
-its one compute thread and answers. `Propose` calls and prefill chunks (of `Open` and
+its compute thread and answers. `Propose` calls and prefill chunks (of `Open` and
 `Prefill`) of different requests that wait while a forward runs are answered together
-by the next batched forward (`DraftRuntime.step_many`, SpecPipe-DB: a prompt that
+by the next batched forward, which the compute thread takes straight from the inbox
+(`DraftRounds`, draft_rounds.py; `DraftRuntime.step_many`, SpecPipe-DB: a prompt that
 arrives beside running requests takes no forward of its own, which would make their
 answers a forward late); a forward that would miss requests whose
 next call is due within a few milliseconds waits for them first, a bounded window
@@ -12,7 +13,9 @@ next call is due within a few milliseconds waits for them first, a bounded windo
 one pipeline step, which reach the draft spread over the router's handling of the
 step, take two forwards, and the answers of the second come a draft forward late. The
 router sends its calls on one control stream (`Control`; services/router/
-control_stream.py), each run as its unary handler runs it. The lifecycle (server, drain,
+control_stream.py), each run as its unary handler runs it (`Open`'s prefix lookup,
+`Prune` and `Release` on the replica's executor thread, beside a batch that computes:
+the runtime's locks keep them apart, as a stage's). The lifecycle (server, drain,
 leases, `Renew`, most of `Describe`) is the `Replica`'s.
 
 One module: the unary handlers and the control stream take calls into the same state
@@ -22,7 +25,6 @@ One module: the unary handlers and the control stream take calls into the same s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -54,6 +56,7 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from .control import FrameError, cache_scope_from_proto, prune_from_proto, token_activation
+from .draft_rounds import DraftRounds
 from .metrics import DraftMetrics
 from .prefill_slices import prefill_cells
 from .ratelog import RateLimitedLog
@@ -93,6 +96,10 @@ class _Ask:
     @property
     def is_proposal(self) -> bool:
         return isinstance(self.work, Proposal)
+
+    def gone(self) -> bool:
+        """Answered already: its caller went away."""
+        return self.answer.done()
 
 
 class _Refused(Exception):
@@ -163,8 +170,8 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         self.aligner = StepAligner(batch_wait, fraction=DRAFT_FRACTION, expect_recent=True)
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
-        self._asks: list[_Ask] = []  # proposals and prefill chunks waiting, in arrival order
-        self._wake = asyncio.Event()
+        # proposals and prefill chunks waiting, and the thread that computes them
+        self.rounds: DraftRounds[_Ask] = DraftRounds(self.aligner, self._compute_batch)
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch_dataplane(None)  # the draft has no data plane: 0 bytes
@@ -189,19 +196,18 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return self.runtime.runtime.model.device
 
     def _compute_forever(self):
-        return self._propose_loop()
+        return self.rounds.run_forever(self._deliver)
 
     def _open_requests(self) -> int:
         return self.runtime.runtime.info().active_requests
 
     async def _release(self, rid: str) -> None:
-        self.aligner.forget(rid)
+        self._forget(rid)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.runtime.release, rid)
 
     def _fail_held(self) -> None:
         """The batch loop ended: fail the waiting Propose calls."""
-        asks, self._asks = self._asks, []
-        for ask in asks:
+        for ask in self.rounds.take_all():
             if not ask.answer.done():
                 ask.answer.set_exception(RequestError("the draft's batch loop ended"))
 
@@ -348,10 +354,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         if not self.leases.renew(rid):
             return grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open"
         try:
-            layer = token_activation(rid, request.rows, request.token_ids, self.max_step_rows)
-            check_rows(layer, self.limits)
-            check_tokens(layer, self.limits)
-            waiting = sum(a.request_id == rid and a.is_proposal for a in self._asks)
+            limits = self.limits  # built once per call: the row cap reads the cost curve
+            layer = token_activation(rid, request.rows, request.token_ids, limits.max_rows)
+            check_rows(layer, limits)
+            check_tokens(layer, limits)
+            with self.rounds.inbox:
+                waiting = sum(a.request_id == rid and a.is_proposal for a in self.rounds.waiting)
             if waiting >= MAX_ASKS_PER_REQUEST:
                 raise Overloaded(
                     f"{waiting} Propose calls of this request wait already; at most "
@@ -363,61 +371,53 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
         if (refused := self._queue(ask)) is not None:
             return refused
-        self.aligner.arrived(request.request_id)
         return ask
 
     def _queue(self, ask: _Ask) -> tuple[grpc.StatusCode, str] | None:
-        """`ask` into the next batched forward; what refuses it if no forward will come."""
+        """`ask` into the next batched forward (a proposal's arrival told to the aligner
+        first); what refuses it if no forward will come."""
         if self._loop_task is None or self._loop_task.done():
             return grpc.StatusCode.UNAVAILABLE, "draft: not computing (see its log)"
-        self._asks.append(ask)
-        self._wake.set()
+        with self.rounds.inbox:
+            if ask.is_proposal:
+                self.aligner.arrived(ask.request_id)
+            self.rounds.add(ask)
         return None
 
-    async def _propose_loop(self) -> None:
-        """Answer every waiting Propose and prefill chunk with one batched forward, then
-        the next batch (once the aligner lets it start)."""
-        loop = asyncio.get_running_loop()
+    def _forget(self, rid: str) -> None:
+        with self.rounds.inbox:
+            self.aligner.forget(rid)
+
+    def _compute_batch(self, asks: list[_Ask]) -> list[Candidates | Exception | None]:
+        """On the compute thread: one batched forward for `asks` (paced, timed), its time
+        learned (aligner, prefill pace); a forward that failed fails each of them."""
+        self._observe_batch(asks)
         engine = self.runtime.runtime
-        while True:
-            if not self._asks:
-                self.aligner.started()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            ready = {a.request_id for a in self._asks}
-            hold = self.aligner.hold(ready, self.aligner.requests)
-            if hold > 0:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), hold)
-                continue
-            self.aligner.started(ready)
-            asks = self._take_batch()
-            if not asks:  # every caller went away
-                continue
-            self._observe_batch(asks)
-            try:
-                rows, ctx = batch_shape([a.rows for a in asks])
-                forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
-                timed = self.metrics.timed(
-                    functools.partial(timed_call, self.device, forward), rows
-                )
-                results, seconds = await loop.run_in_executor(self._executor, timed, asks)
+        try:
+            rows, ctx = batch_shape([a.rows for a in asks])
+            forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
+            timed = self.metrics.timed(functools.partial(timed_call, self.device, forward), rows)
+            results, seconds = timed(asks)
+            with self.rounds.inbox:
                 self.aligner.computed(seconds)
-                decode = sum(len(a.rows) for a in asks if a.is_proposal)
-                cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
-                engine.prefill_pace.observe(decode, cells, seconds)
-            except Exception as e:  # the batched forward itself failed
-                log.exception("draft: a batched forward of %d requests failed", len(asks))
-                results = [RequestError(f"the draft's forward failed: {e}")] * len(asks)
-            for ask, result in zip(asks, results, strict=True):
-                if ask.answer.done():  # the caller went away
-                    continue
-                if isinstance(result, Exception):
-                    ask.answer.set_exception(result)
-                else:
-                    ask.answer.set_result(result)
+            decode = sum(len(a.rows) for a in asks if a.is_proposal)
+            cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
+            engine.prefill_pace.observe(decode, cells, seconds)
+        except Exception as e:  # the batched forward itself failed
+            log.exception("draft: a batched forward of %d requests failed", len(asks))
+            return [RequestError(f"the draft's forward failed: {e}")] * len(asks)
+        return results
+
+    @staticmethod
+    def _deliver(asks: list[_Ask], results) -> None:
+        """On the event loop: each ask's answer (or error), unless its caller went away."""
+        for ask, result in zip(asks, results, strict=True):
+            if ask.answer.done():
+                continue
+            if isinstance(result, Exception):
+                ask.answer.set_exception(result)
+            else:
+                ask.answer.set_result(result)
 
     def _observe_batch(self, asks: list[_Ask]) -> None:
         m, now = self.metrics, time.monotonic()
@@ -426,32 +426,16 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             if a.is_proposal:
                 m.queue_seconds.observe(now - a.arrived)
 
-    def _take_batch(self) -> list[_Ask]:
-        """The waiting work of the next forward: each request's first item (its calls
-        come one after another; a later one waits for the next forward)."""
-        batch: list[_Ask] = []
-        rest: list[_Ask] = []
-        taken: set[str] = set()
-        for ask in self._asks:
-            if ask.answer.done():  # its caller went away
-                continue
-            (rest if ask.request_id in taken else batch).append(ask)
-            taken.add(ask.request_id)
-        self._asks = rest
-        return batch
-
     def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError | None]:
-        """On the compute thread: each request's prunes, then one forward for all."""
+        """Each request's prunes (all of the batch's in one pass), then one forward for
+        the requests whose prunes held."""
         results: list[Candidates | RequestError | None] = [None] * len(asks)
-        failed: set[int] = set()
-        for i, ask in enumerate(asks):
-            try:
-                for prune in ask.prunes:
-                    self.runtime.prune(ask.request_id, prune)
-            except RequestError as e:
-                results[i] = e
-                failed.add(i)
-        todo = [i for i in range(len(asks)) if i not in failed]
+        prunes = [(i, p) for i, ask in enumerate(asks) for p in ask.prunes]
+        if prunes:
+            done = self.runtime.prune_many([(asks[i].request_id, p) for i, p in prunes])
+            for (i, _), error in zip(prunes, done, strict=True):
+                results[i] = results[i] or error
+        todo = [i for i in range(len(asks)) if results[i] is None]
         for i, r in zip(todo, self.runtime.step_many([asks[i].work for i in todo]), strict=True):
             results[i] = r
         return results
@@ -539,7 +523,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         self.leases.end(request.request_id)
-        self.aligner.forget(request.request_id)
+        self._forget(request.request_id)
         released = await asyncio.get_running_loop().run_in_executor(
             self._executor, self.runtime.release, request.request_id
         )

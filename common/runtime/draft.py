@@ -41,42 +41,55 @@ def hand_off(packed: Tensor) -> Tensor:
     return packed.cpu()
 
 
-def _top_children_many(
-    asks: Sequence[tuple[Activation, int, float]], head: Callable[[Tensor], Tensor]
-) -> list[Candidates]:
-    """The top-k children of every node of a step's proposals, `(output, top_k,
-    temperature)` each (its rows' final hidden states): one LM head call (`head`), one
-    softmax and one top-k per (top_k, temperature) of the step, and one host copy for
-    all (`hand_off`)."""
+Ask = tuple[Activation, int, float]  # a proposal's output rows, top_k, temperature
+Group = tuple[list[int], int]  # the asks of one (top_k, temperature), and their k
+
+
+@torch.inference_mode()
+def _top_k_packed(
+    asks: Sequence[Ask], head: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, list[Group]]:
+    """The device's part of `_top_children_many` (no autograd: a tenth less dispatch):
+    per group [token ids | probabilities] of its rows, as float64 (which holds token
+    ids, < 2**53, and float32 probabilities exactly), all groups in one host copy."""
     groups: dict[tuple[int, float], list[int]] = {}
     for i, (_, top_k, temperature) in enumerate(asks):
         groups.setdefault((top_k, temperature), []).append(i)
-    parts: list[Tensor] = []  # per group: [indices | values] of its rows, as float64
-    layout: list[tuple[list[int], int]] = []  # per group: its asks, and its k
+    parts: list[Tensor] = []
+    layout: list[Group] = []
     for (top_k, temperature), members in groups.items():
         hidden = [asks[i][0].hidden for i in members]
         stacked = hidden[0] if len(hidden) == 1 else torch.cat(hidden)  # type: ignore[arg-type]
         probs = draft_probs(head(stacked), temperature)
         k = min(top_k, probs.shape[-1])
         top = torch.topk(probs, k, dim=-1)
-        # float64 holds token ids (< 2**53) and float32 probabilities exactly
         parts += [top.indices.reshape(-1).double(), top.values.reshape(-1).double()]
         layout.append((members, k))
-    host = hand_off(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return hand_off(torch.cat(parts) if len(parts) > 1 else parts[0]), layout
+
+
+def _top_children_many(asks: Sequence[Ask], head: Callable[[Tensor], Tensor]) -> list[Candidates]:
+    """The top-k children of every node of a step's proposals, `(output, top_k,
+    temperature)` each (its rows' final hidden states): one LM head call (`head`), one
+    softmax and one top-k per (top_k, temperature) of the step, and one host copy for
+    all (`hand_off`)."""
+    packed, layout = _top_k_packed(asks, head)
+    host = packed.numpy()
     results: list[Candidates | None] = [None] * len(asks)
     at = 0
-    for members, k in layout:
+    for members, k in layout:  # sliced through numpy: a third of torch's time per slice
         n = sum(len(asks[i][0]) for i in members) * k
-        tokens, probs = host[at : at + n].long(), host[at + n : at + 2 * n].float()
+        tokens, probs = host[at : at + n].astype(np.int64), host[at + n : at + 2 * n]
+        probs = probs.astype(np.float32)
         at += 2 * n
         row = 0
         for i in members:
             out = asks[i][0]
             m = len(out) * k
             results[i] = Candidates(  # on the CPU, like the router's tree
-                parent_ids=out.node_ids.repeat_interleave(k),
-                tokens=tokens[row : row + m],
-                probs=probs[row : row + m],
+                parent_ids=torch.from_numpy(np.repeat(out.node_ids.numpy(), k)),
+                tokens=torch.from_numpy(tokens[row : row + m]),
+                probs=torch.from_numpy(probs[row : row + m]),
             )
             row += m
     return results  # type: ignore[return-value]
@@ -176,3 +189,8 @@ class DraftRuntime:
 
     def prune(self, request_id: str, prune: Prune) -> None:
         self.runtime.prune(request_id, prune)
+
+    def prune_many(self, prunes: Sequence[tuple[str, Prune]]) -> list[RequestError | None]:
+        """A step's prunes of several requests in one pass (`StageRuntime.prune_many`):
+        per prune None, or the error its request failed with."""
+        return self.runtime.prune_many(prunes)

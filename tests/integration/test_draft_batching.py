@@ -13,6 +13,7 @@ from specpipe.common.runtime.loader import load_draft
 from specpipe.common.spec.messages import Activation
 from specpipe.services.control import rows_to_proto
 from specpipe.services.draft_service import DraftService
+from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 FORWARD_SECONDS = 0.3  # every draft forward, paced: long enough for calls to queue
@@ -82,3 +83,53 @@ def test_prompts_join_the_proposals_forward_and_cache_the_same(llama_dir) -> Non
 
 def _count(metric) -> float:
     return next(s.value for s in metric.samples if s.name.endswith("_count"))
+
+
+def test_a_bad_prune_fails_its_request_alone_in_a_shared_forward(llama_dir) -> None:
+    """One control message, two proposals: one forward (its prunes in one pass); the
+    request whose prune commits a node it never cached fails, the other is answered as a
+    draft alone answers it."""
+    prompts = {"a": [5, 9, 2, 7], "b": [3, 1, 4, 1, 5, 9]}
+
+    async def main() -> dict[str, draft_pb2.DraftAnswer]:
+        draft = DraftService(llama_dir, dtype="float64")
+        port = await draft.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = draft_pb2_grpc.DraftStub(channel)
+        try:
+            for rid, p in prompts.items():
+                req = draft_pb2.OpenDraftRequest(request_id=rid, capacity=32, prompt_ids=p)
+                await stub.Open(req)
+            before = _count(draft.metrics.forward_seconds.collect()[0])
+            bad = pb.PruneSignal(seq=1, commit_ids=[77], horizon=77)
+            calls = [
+                draft_pb2.DraftCall(call_id=1, propose=_propose("a", 3, 7)),
+                draft_pb2.DraftCall(call_id=2, propose=_propose("b", 5, 9)),
+            ]
+            calls[0].propose.prunes.append(bad)
+            stream = stub.Control()
+            await stream.write(draft_pb2.DraftControl(calls=calls))
+            answers: dict[int, draft_pb2.DraftAnswer] = {}
+            while len(answers) < 2:
+                for answer in (await stream.read()).answers:
+                    answers[answer.call_id] = answer
+            await stream.done_writing()
+            assert _count(draft.metrics.forward_seconds.collect()[0]) - before == 1
+            return {"a": answers[1], "b": answers[2]}
+        finally:
+            await channel.close()
+            await draft.stop()
+
+    got = asyncio.run(main())
+    assert got["a"].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "cannot commit node ids [77]" in got["a"].message
+    assert got["b"].code == 0
+    alone = load_draft(llama_dir, torch.float64)
+    alone.open("b", 32)
+    alone.prefill("b", torch.tensor(prompts["b"][:-1]), 0, 64)
+    want = alone.propose(_layer("b", 5, 9), 3)
+    assert list(got["b"].proposal.token_ids) == want.tokens.tolist()
+    assert list(got["b"].proposal.parent_ids) == want.parent_ids.tolist()
+    torch.testing.assert_close(
+        torch.tensor(list(got["b"].proposal.probs), dtype=want.probs.dtype), want.probs
+    )
