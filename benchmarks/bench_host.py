@@ -16,6 +16,7 @@ engine's.
     python benchmarks/bench_host.py                       # 1 and 8 clients, ~2 minutes
     python benchmarks/bench_host.py --concurrency 1 --no-profile
     python benchmarks/bench_host.py --wire                # the control message's cost only
+    python benchmarks/bench_host.py --idle 20             # CPU per second serving nothing
 
 `--wire` (how the control plane's transport was chosen, docs/architecture.md, "6. Control
 plane and data plane"): the CPU time of one control message (a feed of 4 rows) sent and
@@ -307,6 +308,17 @@ async def _control_turns(port: int, feed, prune, frames: bool, n: int, gap: floa
     return cost
 
 
+# -- idle: what serving nothing costs (health checks, timers) ---------------------------------
+def idle_cpu(dep, seconds: float) -> dict[str, float]:
+    """CPU ms per second of each process over `seconds` without a request (after 3 s to
+    settle)."""
+    time.sleep(3.0)
+    pids = {name: c.proc.pid for name, c in dep.children.items() if c.proc is not None}
+    cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    time.sleep(seconds)
+    return {n: round(1e3 * (cpu_seconds(p) - cpu0[n]) / seconds, 2) for n, p in pids.items()}
+
+
 # -- one cell ------------------------------------------------------------------------------
 def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     from specpipe.common.perf.timeline import Ask, closed_loop
@@ -404,6 +416,8 @@ def main() -> None:
     ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
     ap.add_argument("--no-control-frames", action="store_true",
                     help="the router's feeds and prunes on the gRPC streams (A/B)")  # fmt: skip
+    ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
+                    help="only each process's CPU over SECONDS without a request")  # fmt: skip
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -425,11 +439,15 @@ def main() -> None:
         target, "oracle", args.stages, threads=1, emulate_costs=cost_file,
         log_dir=work / "logs", metrics=True,
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
-        control_frames=not args.no_control_frames,
+        # an older checkout's launcher (a "before" run) has no control_frames
+        **({"control_frames": False} if args.no_control_frames else {}),
     )  # fmt: skip
     dep.start()
     cells = []
     try:
+        if args.idle:
+            print("CPU ms per second, idle:", json.dumps(idle_cpu(dep, args.idle)))
+            return
         for conc in args.concurrency:
             (work / f"c{conc}").mkdir()
             cells.append(run_cell(args, dep, local, conc, work))
