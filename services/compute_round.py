@@ -35,11 +35,9 @@ turns it took, sliced prefill included, and what each gave).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -60,6 +58,7 @@ from .control import verified_to_proto
 from .metrics import StageMetrics
 from .prefill_slices import Slice, joined, next_is_prefill, prefill_cells, rows_within, split_chunk
 from .ratelog import RateLimitedLog
+from .thread_handoff import HandOffs, ThreadInbox
 from .transport import Transport, TransportError, encode
 from .transport.codec import Kind, empty_header
 
@@ -144,40 +143,6 @@ def _all_finite(hidden: list[torch.Tensor]) -> bool:
 Posted = tuple[list[Work], Exception | None]
 
 
-class HandOffs:
-    """Rounds the compute thread hands to the event loop, in order: each put in a deque,
-    and the loop woken once per batch of them (a `call_soon_threadsafe` only where none
-    is pending since the loop last found the deque empty), not once per round: a wake is
-    a write to the loop's self-pipe, a read and a turn of the loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._items: deque[Posted | BaseException] = deque()
-        self._lock = threading.Lock()
-        self._woken = False  # a wake is scheduled, or the loop has not found it empty since
-        self._ready = asyncio.Event()
-
-    def put(self, item: Posted | BaseException) -> None:
-        """On the compute thread."""
-        with self._lock:
-            self._items.append(item)
-            if self._woken:
-                return
-            self._woken = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-            self._loop.call_soon_threadsafe(self._ready.set)
-
-    async def get(self) -> Posted | BaseException:
-        """On the event loop: the next round, waiting for one."""
-        while True:
-            with self._lock:
-                if self._items:
-                    return self._items.popleft()
-                self._woken = False
-            self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
-            await self._ready.wait()
-
-
 class Stage(Protocol):
     """What the rounds read of their stage (it may load another model between them)."""
 
@@ -204,39 +169,24 @@ class ComputeRounds:
     def __init__(self, stage: Stage, requests: dict[str, StageRequest]) -> None:
         self.stage = stage
         self.requests = requests
-        self.inbox = threading.Condition()
+        self.inbox = ThreadInbox()
         self._stopped = True
         self._halt = threading.Event()  # set with `_stopped`: ends a wait in `_gather`
-        self._wake_pending = False  # a `_notify` is scheduled on the event loop
         self._held_since: float | None = None  # when the aligner began holding a round
         # a round's host work before its launch and at its hand-off, running means
         self._host_seconds = {"prepare": 0.0, "complete": 0.0}
         self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
 
     def wake(self) -> None:
-        """New work arrived (an activation or a prune). On the event loop the compute
-        thread is told once the loop's current callback is done: every part of a batch
-        frame or a control message is in the inbox first, and one round takes them all
-        (told at each, the thread took the first part alone: twice the forwards)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # another thread
-            self._notify()
-            return
-        if not self._wake_pending:
-            self._wake_pending = True
-            loop.call_soon(self._notify)
-
-    def _notify(self) -> None:
-        self._wake_pending = False
-        with self.inbox:
-            self.inbox.notify()
+        """New work arrived (an activation or a prune): the compute thread is told
+        (`ThreadInbox.wake`: once per callback of the event loop)."""
+        self.inbox.wake()
 
     async def run_forever(self) -> None:
         """Start the compute thread and deliver each round it posts, in order, until
         cancelled (the thread then stops after its round); a compute thread that died
         (a bug) ends this too, and the stage fails what it holds."""
-        rounds = HandOffs(asyncio.get_running_loop())
+        rounds: HandOffs[Posted | BaseException] = HandOffs(asyncio.get_running_loop())
         room = threading.Semaphore(MAX_UNDELIVERED)
 
         def post(item: Posted | BaseException) -> None:

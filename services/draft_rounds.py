@@ -4,9 +4,10 @@ The event loop puts each request's work (a Propose, a prefill chunk) into the in
 wakes the thread; the thread takes every waiting request's first item as one batch as
 soon as the `StepAligner` lets it start (the calls of one pipeline step reach the draft
 spread over the router's handling of the step: a bounded wait for the expected ones),
-computes it, and posts the batch and its results to the event loop with one
-`call_soon_threadsafe`. So a batch whose input is already there never waits for a turn
-of the event loop, and a forward costs the loop one wake-up, not an executor submit, a
+computes it, and hands the batch and its results to the event loop (`HandOffs`: one
+wake-up per batch the loop has not looked at yet; thread_handoff.py, which the stages
+share). So a batch whose input is already there never waits for a turn of the event
+loop, and a forward costs the loop at most one wake-up, not an executor submit, a
 chained future and a task's resumption (`benchmarks/README.md`, "Draft host work,
 session 41"). A stage does the same with more phases (services/compute_round.py); the
 draft's work of a request depends on its last answer, so there is nothing to prepare
@@ -19,13 +20,14 @@ to tell the aligner of arrivals and departures, and the thread to take a batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from specpipe.common.runtime.alignment import StepAligner
+
+from .thread_handoff import HandOffs, ThreadInbox
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +52,17 @@ class DraftRounds(Generic[W]):
 
     def __init__(self, aligner: StepAligner, compute: Callable[[list[W]], Sequence]) -> None:
         self.aligner = aligner
-        self.inbox = threading.Condition()
+        self.inbox = ThreadInbox()
         self.waiting: list[W] = []  # in arrival order
         self._compute = compute
         self._stopped = True
-        self._wake_pending = False
 
     def add(self, item: W) -> None:
-        """On the event loop: `item` joins the next batch. The thread is told once the
-        loop's current callback is done, so the calls of one control message join one
-        batch (told at each, it would take the first alone)."""
+        """On the event loop: `item` joins the next batch (the thread is told once the
+        loop's current callback is done: the calls of one control message join one)."""
         with self.inbox:
             self.waiting.append(item)
-        if not self._wake_pending:
-            self._wake_pending = True
-            asyncio.get_running_loop().call_soon(self._notify)
+        self.inbox.wake()
 
     def take_all(self) -> list[W]:
         """Every waiting item, taken (the loop stopped: they are failed)."""
@@ -72,52 +70,35 @@ class DraftRounds(Generic[W]):
             items, self.waiting = self.waiting, []
         return items
 
-    def _notify(self) -> None:
-        self._wake_pending = False
-        with self.inbox:
-            self.inbox.notify()
-
     async def run_forever(self, deliver: Callable[[list[W], Sequence], None]) -> None:
         """Start the compute thread and deliver what it computes until cancelled (the
         thread stops after its batch); a thread that died (a bug) ends this too."""
-        loop = asyncio.get_running_loop()
-        died: asyncio.Future = loop.create_future()
-
-        def post(batch: list[W], results: Sequence) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-                loop.call_soon_threadsafe(deliver, batch, results)
-
-        def fail(e: BaseException) -> None:
-            def set_died() -> None:
-                if not died.done():
-                    died.set_exception(e)
-
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(set_died)
-
+        batches: HandOffs[tuple[list[W], Sequence] | BaseException] = HandOffs(
+            asyncio.get_running_loop()
+        )
         self._stopped = False
         threading.Thread(
-            target=self._serve, args=(post, fail), name="draft rounds", daemon=True
+            target=self._serve, args=(batches.put,), name="draft rounds", daemon=True
         ).start()
         try:
-            await died
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            raise RuntimeError("draft: its compute thread died") from e
+            while True:
+                item = await batches.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("draft: its compute thread died") from item
+                deliver(*item)
         finally:
             with self.inbox:
                 self._stopped = True
                 self.inbox.notify()
 
     # -- on the compute thread ---------------------------------------------------------------
-    def _serve(self, post: Callable, fail: Callable[[BaseException], None]) -> None:
+    def _serve(self, post: Callable) -> None:
         try:
             while (batch := self._next()) is not None:
-                post(batch, self._compute(batch))
+                post((batch, self._compute(batch)))
         except BaseException as e:  # a bug: the service fails what it holds
             log.exception("draft: the compute thread failed")
-            fail(e)
+            post(e)
 
     def _next(self) -> list[W] | None:
         """The next batch, once the aligner lets it start; None when stopped."""

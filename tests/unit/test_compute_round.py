@@ -18,6 +18,7 @@ from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services import compute_round
 from specpipe.services.stage_service import StageService
+from specpipe.services.thread_handoff import HandOffs
 from specpipe.services.transport import Frame, encode
 from specpipe.v1 import stage_pb2
 
@@ -122,7 +123,7 @@ def test_rounds_reach_the_event_loop_in_order_with_one_wake_per_batch() -> None:
         wakes: list[object] = []
         real = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]  # type: ignore[method-assign]
-        rounds = compute_round.HandOffs(loop)
+        rounds = HandOffs(loop)
 
         def put(items) -> None:
             t = threading.Thread(target=lambda: [rounds.put(i) for i in items])

@@ -1,0 +1,79 @@
+"""How the event loop and a service's compute thread hand each other work, shared by a
+stage's rounds (compute_round.py) and the draft's batches (draft_rounds.py).
+
+Both directions cost a wake-up: the thread waiting on a condition, the loop on its
+self-pipe. Each is paid once per batch, not once per item: `ThreadInbox.wake` tells the
+thread once the loop's current callback is done (every part of a batch frame or a
+control message is in the inbox first, so one round takes them all; told at each, the
+thread took the first part alone: twice the forwards), and `HandOffs` wakes the loop
+once per batch of results it has not looked at yet (a wake is a write to the loop's
+self-pipe, a read and a turn of the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ThreadInbox(threading.Condition):
+    """The condition that guards a compute thread's waiting work; `wake` tells it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wake_pending = False  # a `_notify` is scheduled on the event loop
+
+    def wake(self) -> None:
+        """New work arrived: on the event loop, the thread is told once the loop's
+        current callback is done; from another thread, at once."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # another thread
+            self._notify()
+            return
+        if not self._wake_pending:
+            self._wake_pending = True
+            loop.call_soon(self._notify)
+
+    def _notify(self) -> None:
+        self._wake_pending = False
+        with self:
+            self.notify()
+
+
+class HandOffs(Generic[T]):
+    """What a compute thread hands the event loop, in order: each item put in a deque,
+    and the loop woken (a `call_soon_threadsafe`) only where no wake is pending since the
+    loop last found the deque empty."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[T] = deque()
+        self._lock = threading.Lock()
+        self._woken = False  # a wake is scheduled, or the loop has not found it empty since
+        self._ready = asyncio.Event()
+
+    def put(self, item: T) -> None:
+        """On the compute thread."""
+        with self._lock:
+            self._items.append(item)
+            if self._woken:
+                return
+            self._woken = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    async def get(self) -> T:
+        """On the event loop: the next item, waiting for one."""
+        while True:
+            with self._lock:
+                if self._items:
+                    return self._items.popleft()
+                self._woken = False
+            self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
+            await self._ready.wait()
