@@ -424,7 +424,7 @@ class RouterConfig(ServiceConfig):
         False,
         help="send the stages' feeds and prunes on the gRPC control streams, not as "
         "data-plane frames (by default they ride the data plane where a stage takes them: "
-        "a third of a stream message's CPU at each end)",
+        "about half the CPU of stream messages, both ends together)",
     )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")

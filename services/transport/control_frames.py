@@ -1,8 +1,8 @@
 """Control messages as data-plane frames (docs/architecture.md, "6. Control plane and
 data plane"): a router's feeds and prunes for a stage (`StageControl`) and the stage's
 answer (`StageControlReply`) ride the data plane, a protobuf message's bytes as a uint8
-payload. One such frame costs each end about a third of a message on a gRPC stream
-(`benchmarks/bench_host.py --wire`), and a step sends one per stage.
+payload. A step's control to 4 stages, one frame each, costs about half the CPU of its
+messages on gRPC streams, both ends together (`benchmarks/bench_host.py --wire`).
 
 The frame's `request_id` is the router's token for the stream the message belongs to
 (the stage echoes it, so the router's `Inbox` hands the answer to that stream), and
