@@ -56,6 +56,10 @@ from specpipe.common.spec.options import DecodeOptions  # noqa: E402
 
 OUT = HERE / "results" / "host"
 STEPS_KEY = "specpipe:stage_forward_seconds_count"  # the last stage's forwards: steps
+# The first stage's feeds: one per request and pipeline step (a tree layer entering the
+# pipeline). The last stage's rounds also count rounds of prunes only, about 1.7 per
+# pipeline step at 1 client, so CPU per feed is the honest per-step figure there.
+FEEDS_KEY = "specpipe:stage_feeds_per_call_sum"
 
 # Subsystems, checked from a sample's leaf frame up: the first rule whose pattern is in a
 # frame's file (or "file:function") claims the sample. Project modules first (they call
@@ -333,6 +337,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     last = f"stage{args.stages - 1}"
     addrs = dep.metrics_addresses()
     before = scrape(addrs[last])
+    feeds0 = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0)
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     profilers = start_profilers(pids, work / f"c{conc}", args.rate, 600) if args.profile else {}
     if profilers:
@@ -343,6 +348,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
     profiles = stop_profilers(profilers)
     steps = scrape(addrs[last]).get(STEPS_KEY, 0.0) - before.get(STEPS_KEY, 0.0)
+    feeds = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0) - feeds0
     emitted = sum(len(t) for t in tokens)
     opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width)
     ref = closed_loop(
@@ -356,6 +362,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
         "wall_s": round(wall, 2),
         "elapsed_s": round(time.perf_counter() - t0, 2),
         "steps": int(steps),
+        "feeds": int(feeds),
         "emitted": emitted,
         "identical": sum(t == x.tokens for t, x in zip(tokens, ref.served, strict=True)),
         "load_average": round(os.getloadavg()[0], 2),
@@ -365,6 +372,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
         row = {
             "cpu_s": round(cpu[name], 3),
             "cpu_ms_per_step": round(1e3 * cpu[name] / steps, 3) if steps else None,
+            "cpu_ms_per_feed": round(1e3 * cpu[name] / feeds, 3) if feeds else None,
             "cpu_ms_per_token": round(1e3 * cpu[name] / emitted, 3) if emitted else None,
         }
         if name in profiles:
@@ -375,17 +383,22 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
 
 def fmt_cell(c: dict) -> list[str]:
     lines = [
-        f"{c['concurrency']} client(s): {c['requests']} requests, {c['steps']} steps, "
+        f"{c['concurrency']} client(s): {c['requests']} requests, {c['steps']} steps "
+        f"(last stage's rounds), {c.get('feeds')} feeds (first stage's), "
         f"{c['emitted']} tokens in {c['wall_s']} s, identical {c['identical']}/{c['requests']}, "
         f"load {c['load_average']}",
         "",
-        "| process | CPU ms / step | CPU ms / token | top subsystems (share of working samples) |",
-        "|---|---|---|---|",
+        "| process | CPU ms / step | CPU ms / feed | CPU ms / token | top subsystems "
+        "(share of working samples) |",
+        "|---|---|---|---|---|",
     ]
     for name, p in c["processes"].items():
         prof = p.get("profile", {}).get("subsystems", {})
         top = ", ".join(f"{k} {v:.0%}" for k, v in list(prof.items())[:6]) or "-"
-        lines.append(f"| {name} | {p['cpu_ms_per_step']} | {p['cpu_ms_per_token']} | {top} |")
+        lines.append(
+            f"| {name} | {p['cpu_ms_per_step']} | {p.get('cpu_ms_per_feed')} "
+            f"| {p['cpu_ms_per_token']} | {top} |"
+        )
     return [*lines, ""]
 
 
