@@ -99,7 +99,9 @@ class Server:
 
 
 def start_specpipe(args) -> Server:
-    cmd = [*SPECPIPE, "up", "--target", MODEL, "--draft", "none", "--stages", "1"]
+    """`specpipe up` on one stage: plain decoding, or with `--specpipe-draft` the router's
+    own tuning (layers per step, width, and whether to use the draft at all)."""
+    cmd = [*SPECPIPE, "up", "--target", MODEL, "--draft", args.specpipe_draft, "--stages", "1"]
     cmd += ["--dtype", args.dtype, "--http-port", str(args.port), "--threads", str(args.threads)]
     return Server("specpipe", cmd, args.port)
 
@@ -112,6 +114,8 @@ def start_vllm(args) -> Server:
     cmd += ["--model", str(model_dir(MODEL)), "--served-model-name", MODEL]
     cmd += ["--dtype", args.dtype, "--port", str(args.port + 1), "--max-model-len", "2048"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
+    if args.vllm_bind:  # its default binding keeps one of two cores for its front end
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_bind
     return Server("vllm", cmd, args.port + 1, env)
 
 
@@ -283,6 +287,17 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=0, help="SpecPipe's torch threads (0: auto)")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    ap.add_argument(
+        "--vllm-bind",
+        default=f"0-{(os.cpu_count() or 1) - 1}",
+        help="VLLM_CPU_OMP_THREADS_BIND: vLLM's model threads on the cores SpecPipe's use "
+        "(all of them; '' keeps vLLM's default, which leaves its model one of two cores)",
+    )
+    ap.add_argument(
+        "--specpipe-draft",
+        default="none",
+        help="SpecPipe's draft model (none: plain decoding; e.g. qwen2.5-coder-0.5b-instruct)",
+    )
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-exactness", action="store_true", help="timings only")
@@ -293,6 +308,8 @@ def main() -> None:
     result: dict = {"model": MODEL, "dtype": args.dtype, "max_tokens": args.max_tokens}
     result |= {"prompts": PROMPTS, "clients": clients, "cpus": os.cpu_count(), "rounds": []}
     result["specpipe_threads"] = args.threads
+    result["specpipe_draft"] = args.specpipe_draft
+    result["vllm_bind"] = args.vllm_bind
     result["aiperf_request_rate"] = args.request_rate
 
     if not args.no_exactness:
