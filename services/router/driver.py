@@ -5,9 +5,15 @@ request's path.
 There is no global step. Stage 1 receives feeds from here over gRPC; each stage computes
 as soon as its input is ready and pushes it to the request's next hop; the last stage
 verifies (draws the tokens and walks down the tree: common/runtime/verifier.py) and its
-`Verification`s come back through the router's data-plane inbox. Events
-(frames, draft answers, failures: events.py) are handled one at a time from one queue,
-so the controller is never touched concurrently. The parts:
+`Verification`s come back through the router's data-plane inbox. Events (frames, draft
+answers, failures: events.py) are handled one at a time, in arrival order, so the
+controller is never touched concurrently: while the request's task is parked waiting for
+one, a verification or a draft's answer is handled at once where it arrives (the inbox's
+or the draft lane's callback: no queue and no task wake-up per event, issue 34) and the
+task wakes only to yield tokens, end, or raise; any other event (a failure, which may
+replay), and every event that comes while one is being handled or the task is busy,
+waits in its `EventQueue`. One timer per request wakes the parked task for a held
+verification's end or the stall watch, moved only to an earlier time. The parts:
 
 - `PathSession` (path_session.py) owns the path: which replicas, the wire id, the load
   claim, open, abandon, release;
@@ -207,7 +213,7 @@ class RequestDriver:
                 ev = await self._next_event()
                 if ev is None:
                     continue  # woken for what events handled at once gave
-                cpu = time.thread_time()
+                cpu = self._cpu_now(ev)
                 self._handling = True
                 try:
                     self._apply(await self._handle(ev), cpu)
@@ -251,7 +257,7 @@ class RequestDriver:
     def _handle_now(self, ev: Frame | Proposal) -> None:
         """Handle `ev` outside the task (which stays parked unless it has tokens to
         yield, the end, or an error to raise)."""
-        cpu = time.thread_time()
+        cpu = self._cpu_now(ev)
         self._handling = True
         try:
             self._apply(self._handle_sync(ev), cpu)
@@ -283,6 +289,13 @@ class RequestDriver:
         if self._verified_at and cpu is not None and self.on_step_cpu is not None:
             self.on_step_cpu(time.thread_time() - cpu)  # a verification: decisions, calls
         self._verified_at = 0
+
+    def _cpu_now(self, ev: Event) -> float | None:
+        """The thread's CPU time where the step's CPU is measured: a frame (maybe a
+        verification) with the metric on (a system call: not for every event)."""
+        if self.on_step_cpu is None or not isinstance(ev, Frame):
+            return None
+        return time.thread_time()
 
     async def _next_event(self) -> Event | None:
         """The next queued event (None: the task was woken for what events handled at
