@@ -58,6 +58,7 @@ class DraftLane:
         """No more calls: the one in flight is given up, the rest never sent."""
         self.closed = True
         self._todo.clear()
+        self._sweep.forget(self)
         call, self._call = self._call, None
         self.due = math.inf
         if call is not None:
@@ -119,8 +120,7 @@ class DeadlineSweep:
     expired and it is armed again at the earliest left. A call that starts with an
     earlier deadline than the timer's moves it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self) -> None:
         self.lanes: set[DraftLane] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._at = math.inf
@@ -130,11 +130,19 @@ class DeadlineSweep:
         if lane.due < self._at:
             self._arm(lane.due)
 
+    def forget(self, lane: DraftLane) -> None:
+        """`lane` is closed; with no lane left, no timer either (nor its loop held)."""
+        self.lanes.discard(lane)
+        if not self.lanes and self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._at = None, math.inf
+
     def _arm(self, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
         self._at = at
-        self._timer = self.loop.call_later(max(at - time.monotonic(), 0.0), self.sweep)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(max(at - time.monotonic(), 0.0), self.sweep)
 
     def sweep(self) -> None:
         """Expire the lanes past their deadline; forget the idle ones."""
@@ -158,8 +166,9 @@ _sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DeadlineSweep] = (
 
 
 def sweep_of(loop: asyncio.AbstractEventLoop) -> DeadlineSweep:
-    """The event loop's one sweep of draft-call deadlines."""
+    """The event loop's one sweep of draft-call deadlines (with no lane open it holds no
+    timer, so nothing of the loop: the entry goes with the loop)."""
     sweep = _sweeps.get(loop)
     if sweep is None:
-        sweep = _sweeps[loop] = DeadlineSweep(loop)
+        sweep = _sweeps[loop] = DeadlineSweep()
     return sweep

@@ -89,6 +89,7 @@ def test_a_call_past_its_deadline_fails_the_lane_and_nothing_after_it_is_sent() 
         assert sweep_of(asyncio.get_running_loop()).lanes == {patient}
         patient.close()
         assert slow.futures["propose"].cancelled() and not slow.failures
+        assert not sweep_of(asyncio.get_running_loop()).lanes  # closed lanes are forgotten
 
     asyncio.run(main())
 
