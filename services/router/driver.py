@@ -5,9 +5,15 @@ request's path.
 There is no global step. Stage 1 receives feeds from here over gRPC; each stage computes
 as soon as its input is ready and pushes it to the request's next hop; the last stage
 verifies (draws the tokens and walks down the tree: common/runtime/verifier.py) and its
-`Verification`s come back through the router's data-plane inbox. Events
-(frames, draft answers, failures: events.py) are handled one at a time from one queue,
-so the controller is never touched concurrently. The parts:
+`Verification`s come back through the router's data-plane inbox. Events (frames, draft
+answers, failures: events.py) are handled one at a time, in arrival order, so the
+controller is never touched concurrently: while the request's task is parked waiting for
+one, a verification or a draft's answer is handled at once where it arrives (the inbox's
+or the draft lane's callback: no queue and no task wake-up per event, issue 34) and the
+task wakes only to yield tokens, end, or raise; any other event (a failure, which may
+replay), and every event that comes while one is being handled or the task is busy,
+waits in its `EventQueue`. One timer per request wakes the parked task for a held
+verification's end or the stall watch, moved only to an earlier time. The parts:
 
 - `PathSession` (path_session.py) owns the path: which replicas, the wire id, the load
   claim, open, abandon, release;
@@ -34,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -55,7 +63,7 @@ from ..transport import FrameError, Inbox
 from ..transport.codec import Frame, Kind
 from .backends import Backend, Backends, RequestPath
 from .calls import NO_LEASE, Deadline, DriverError, LeaseClaim
-from .events import Event, Failure, HoldExpired, Proposal
+from .events import Event, EventQueue, Failure, HoldExpired, Proposal
 from .frames import failure_of, verification_of
 from .late_draft import LateDraftHold, StepWait
 from .path_session import PathSession
@@ -113,9 +121,9 @@ class RequestDriver:
         self.deadline = Deadline(deadline, settings.rpc_timeout)
         self.vocab_size = vocab_size
         self.on_replay = on_replay
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.events = EventQueue()  # events that wait for the driver's task
         self.session = PathSession(
-            controller, backends, path, router_address, inbox, self.events.put_nowait,
+            controller, backends, path, router_address, inbox, self._post,
             self.deadline, lease, settings.open_timeout, settings.replay_timeout, cache_scope,
         )  # fmt: skip
         self.hold = LateDraftHold(controller, settings.late_draft_wait)
@@ -127,10 +135,18 @@ class RequestDriver:
         self.replay_seconds: list[float] = []  # time from each fault to the re-opened path
         # The step's service overhead and the router's CPU per step (metrics): when the
         # last stage sent the verification being handled (unix ns; 0: none), which
-        # stage 1 gets with the feeds it gives; the thread CPU time its handling began.
+        # stage 1 gets with the feeds it gives.
         self._verified_at = 0
-        self._step_cpu: float | None = None
         self.on_step_cpu: Callable[[float], None] | None = None
+        # What handling events gave the task to do: tokens to yield (one list per Emit),
+        # the end, an error to raise; whether an event is being handled.
+        self._emitted: deque[list[int]] = deque()
+        self._finished = False
+        self._error: Exception | None = None
+        self._handling = False
+        self._quiet_since = time.monotonic()  # the last event (the stall watch)
+        self._timer: asyncio.TimerHandle | None = None  # wakes the parked task
+        self._timer_at = math.inf
         self.on_opened: Callable[[RequestDriver], None] | None = None  # first path open
 
     # -- what the service reads ----------------------------------------------------------
@@ -184,28 +200,27 @@ class RequestDriver:
             self.on_opened(self)
         if ctrl.uses_draft and self.session.draft is None:
             ctrl.drop_draft()  # no draft is up: the request runs as pp
-        cmds = ctrl.start()
-        while True:
-            for cmd in cmds:
-                if isinstance(cmd, Emit):
-                    self.token_times.extend([time.monotonic()] * len(cmd.tokens))
-                    yield cmd.tokens
-                elif isinstance(cmd, Finish):
+        try:
+            self._apply(ctrl.start())
+            while True:
+                while self._emitted:
+                    yield self._emitted.popleft()
+                if self._finished:
                     return
-                else:
-                    assert self.session.executor is not None
-                    self.session.executor.execute(cmd, self._verified_at)
-            self.session.count_rows(ctrl.rows_in_flight)
-            if self._step_cpu is not None:  # a verification handled: its decisions and calls
-                if self.on_step_cpu is not None:
-                    self.on_step_cpu(time.thread_time() - self._step_cpu)
-                self._step_cpu = None
-            self._verified_at = 0
-            ev = await self._next_event()
-            cpu = time.thread_time()
-            cmds = await self._handle(ev)
-            if self._verified_at:
-                self._step_cpu = cpu
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    raise error
+                ev = await self._next_event()
+                if ev is None:
+                    continue  # woken for what events handled at once gave
+                cpu = self._cpu_now(ev)
+                self._handling = True
+                try:
+                    self._apply(await self._handle(ev), cpu)
+                finally:
+                    self._handling = False
+        finally:
+            self._stop_timer()
 
     def backend_down(self, b: Backend, message: str) -> None:
         """The health monitor found `b` down, or `b` no longer holds this request (its
@@ -228,30 +243,88 @@ class RequestDriver:
         await self.session.release()
 
     # -- events ----------------------------------------------------------------------------
-    async def _next_event(self) -> Event:
-        """The next event; or, while none comes, a failure once a replica of the path
-        is stalled or the path was silent for `stall_timeout`, or `HoldExpired` once a
-        held verification may wait no longer."""
-        if not self.events.empty() and self.hold.until is None:
-            return self.events.get_nowait()  # the common case: no timer, no wait
-        started = time.monotonic()
+    def _post(self, ev: Event) -> None:
+        """Where the request's frames, draft answers and call failures go: handled at
+        once where the task is parked waiting for an event and none needs an await (a
+        verification, a progress report, a draft's answer), else queued for the task.
+        Either way one at a time and in arrival order: the task is parked only while no
+        event is being handled or waits."""
+        if self.events.parked and not self._handling and _at_once(ev):
+            self._handle_now(ev)
+        else:
+            self.events.put_nowait(ev)
+
+    def _handle_now(self, ev: Frame | Proposal) -> None:
+        """Handle `ev` outside the task (which stays parked unless it has tokens to
+        yield, the end, or an error to raise)."""
+        cpu = self._cpu_now(ev)
+        self._handling = True
+        try:
+            self._apply(self._handle_sync(ev), cpu)
+        except Exception as e:  # raised by the task, as if it had handled the event
+            self._error = e
+        finally:
+            self._handling = False
+        self._quiet_since = time.monotonic()
+        if self._emitted or self._finished or self._error is not None:
+            self.events.wake()
+        elif self.hold.until is not None:
+            self._arm(self.hold.until)  # a verification held: the task wakes at its end
+
+    def _apply(self, cmds: list[Command], cpu: float | None = None) -> None:
+        """Carry out the commands of one event (`cpu`: the thread time its handling
+        began): tokens to yield, calls started."""
+        executor = self.session.executor
+        for cmd in cmds:
+            if isinstance(cmd, Emit):
+                self.token_times.extend([time.monotonic()] * len(cmd.tokens))
+                self._emitted.append(cmd.tokens)
+            elif isinstance(cmd, Finish):
+                self._finished = True
+                return
+            else:
+                assert executor is not None
+                executor.execute(cmd, self._verified_at)
+        self.session.count_rows(self.controller.rows_in_flight)
+        if self._verified_at and cpu is not None and self.on_step_cpu is not None:
+            self.on_step_cpu(time.thread_time() - cpu)  # a verification: decisions, calls
+        self._verified_at = 0
+
+    def _cpu_now(self, ev: Event) -> float | None:
+        """The thread's CPU time where the step's CPU is measured: a frame (maybe a
+        verification) with the metric on (a system call: not for every event)."""
+        if self.on_step_cpu is None or not isinstance(ev, Frame):
+            return None
+        return time.thread_time()
+
+    async def _next_event(self) -> Event | None:
+        """The next queued event (None: the task was woken for what events handled at
+        once while it waited gave); or, while none comes, a failure once a replica of
+        the path is stalled or the path was silent for `stall_timeout`, or `HoldExpired`
+        once a held verification may wait no longer."""
+        events = self.events
+        if events and self.hold.until is None:
+            return events.get_nowait()  # the common case: no timer, no wait
+        self._quiet_since = time.monotonic()
         stall = self.backends.stall_seconds
         stall_timeout = self.settings.stall_timeout
         while True:
-            now = time.monotonic()
-            wait = min(started + stall_timeout - now, max(stall / 4, 0.01))
+            now, started = time.monotonic(), self._quiet_since
+            # replicas are looked at once the path was quiet `stall`, then every stall/4
+            look = started + stall if now < started + stall else now + max(stall / 4, 0.01)
+            wake = min(look, started + stall_timeout)
             until = self.hold.until
             if until is not None:
-                wait = min(wait, until - now)
-            if wait > 0:
-                try:
-                    # a deadline on this task (asyncio.wait_for would wrap the get in a
-                    # task of its own, per event and request)
-                    async with asyncio.timeout(wait):
-                        return await self.events.get()
-                except TimeoutError:
-                    pass
-            now = time.monotonic()
+                wake = min(wake, until)
+            if wake > now:
+                if not events:
+                    self._arm(wake)
+                    await events.wait()  # meanwhile events are handled at once (_post)
+                if events:
+                    return events.get_nowait()
+                if self._emitted or self._finished or self._error is not None:
+                    return None
+            now, started, until = time.monotonic(), self._quiet_since, self.hold.until
             if until is not None and now >= until:
                 return HoldExpired()
             if now - started >= stall:
@@ -267,28 +340,53 @@ class RequestDriver:
                     replayable=True,
                 )
 
+    def _arm(self, at: float) -> None:
+        """Wake the parked task at `at` (time.monotonic()) at the latest: one timer per
+        request, moved only to an earlier time (one armed earlier wakes the task early,
+        which looks again), so that events coming steadily set none."""
+        if self._timer is not None:
+            if self._timer_at <= at:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        delay = max(at - time.monotonic(), 0.0)
+        self._timer = asyncio.get_running_loop().call_later(delay, self._ring)
+
+    def _ring(self) -> None:
+        self._timer, self._timer_at = None, math.inf
+        self.events.wake()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, math.inf
+
     async def _handle(self, ev: Event) -> list[Command]:
+        """A queued event (the task's)."""
+        if _at_once(ev):
+            return self._handle_sync(ev)  # type: ignore[arg-type]
         if isinstance(ev, Frame):
-            cmds = await self._on_frame(ev)
-        elif isinstance(ev, Proposal):
-            current = ev.attempt == self.session.attempt
-            cmds = self.controller.on_candidates(ev.ticket, ev.cand) if current else []
+            cmds = await self._on_failed_frame(ev)
         elif isinstance(ev, Failure):
             cmds = await self._on_failure(ev)
         else:
             cmds = []  # HoldExpired: settled below
         return cmds + self.hold.settle(time.monotonic(), isinstance(ev, HoldExpired))
 
-    async def _on_frame(self, frame: Frame) -> list[Command]:
+    def _handle_sync(self, ev: Frame | Proposal) -> list[Command]:
+        """An event that needs no await: a frame that reports no failure, a draft's
+        answer."""
+        if isinstance(ev, Frame):
+            cmds = self._on_frame(ev)
+        elif ev.attempt == self.session.attempt:
+            cmds = self.controller.on_candidates(ev.ticket, ev.cand)
+        else:
+            cmds = []  # an answer for an earlier path
+        return cmds + self.hold.settle(time.monotonic())
+
+    def _on_frame(self, frame: Frame) -> list[Command]:
         if frame.request_id != self.session.wire_id:
             return []  # a frame of an earlier path
-        failed = failure_of(frame)
-        if failed is not None:
-            code, message = failed
-            if code == grpc.StatusCode.UNAVAILABLE and not self.deadline.passed():
-                return await self._replay(None, message)  # a next hop is unreachable
-            self.controller.on_failure(message)
-            raise DriverError(code, message)
         if frame.kind == Kind.PAYLOAD_KIND_EMPTY:
             return []  # a stage computing the request (report_progress): not stalled
         try:
@@ -299,6 +397,16 @@ class RequestDriver:
             ) from None
         self._verified_at = frame.header.verified.sent_at_ns or 0
         return self.hold.verified(v, time.monotonic())
+
+    async def _on_failed_frame(self, frame: Frame) -> list[Command]:
+        """A stage reports that it failed the request."""
+        if frame.request_id != self.session.wire_id:
+            return []  # a frame of an earlier path
+        code, message = failure_of(frame) or (grpc.StatusCode.INTERNAL, "failed")
+        if code == grpc.StatusCode.UNAVAILABLE and not self.deadline.passed():
+            return await self._replay(None, message)  # a next hop is unreachable
+        self.controller.on_failure(message)
+        raise DriverError(code, message)
 
     async def _on_failure(self, ev: Failure) -> list[Command]:
         if ev.attempt != self.session.attempt:
@@ -350,3 +458,11 @@ class RequestDriver:
         log.warning("%s: %s; going on without the draft", self.request_id, message)
         self.session.drop_draft(message)
         return self.controller.drop_draft()
+
+
+def _at_once(ev: Event) -> bool:
+    """Whether handling `ev` needs no await (a replay may): a draft's answer, a frame
+    that reports no failure."""
+    return isinstance(ev, Proposal) or (
+        isinstance(ev, Frame) and ev.kind != Kind.PAYLOAD_KIND_ERROR
+    )

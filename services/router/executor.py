@@ -3,9 +3,10 @@
 `Feed` rows go to stage 1 and `BroadcastPrune`s to every stage on each stage's control
 stream (control_stream.py: one long-lived gRPC stream per replica, shared with the
 router's other requests); the draft's calls (`DraftOpen` as a unary call, `DraftPrefill`
-and `Propose` on its stream) run in one ordered lane, so the draft sees prunes and layers
-in the order the controller created them, and prunes for the draft (`DraftPrune`) ride
-on the next `Propose`. Each refusal, broken stream and draft answer becomes an event
+and `Propose` on its stream) run in one ordered lane (draft_lane.py: each call sent once
+the one before it was answered, chained by callbacks), so the draft sees prunes and
+layers in the order the controller created them, and prunes for the draft (`DraftPrune`)
+ride on the next `Propose`. Each refusal, broken stream and draft answer becomes an event
 (events.py) tagged with the path's attempt: the driver ignores those of a path it
 abandoned. Nothing here decides anything: the commands are the controller's.
 """
@@ -13,9 +14,9 @@ abandoned. Nothing here decides anything: the commands are the controller's.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Callable
 
-import grpc
 import numpy as np
 from specpipe.common.runtime.prefix_hash import NO_SCOPE, CacheScope
 from specpipe.common.spec.commands import (
@@ -36,9 +37,8 @@ from .backends import Backend, RequestPath
 from .batched import refusal
 from .calls import Deadline, LeaseClaim
 from .control_stream import DraftStream, StageStream, release_confirmed
+from .draft_lane import DraftLane, OnAnswer, Start
 from .events import Event, Failure, Proposal
-
-DraftCall = Callable[[Backend], Awaitable]  # (the draft) -> the call
 
 
 class CommandExecutor:
@@ -61,12 +61,11 @@ class CommandExecutor:
         self.cache_scope = cache_scope
         for s in path.stages:  # refusals and broken streams of this request
             self._stream(s).attach(wire_id, self._on_fault(s))
-        self._draft_q: asyncio.Queue[tuple[str, DraftCall]] = asyncio.Queue()
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, with the next layer
-        self._lane: asyncio.Task | None = None
+        self._lane: DraftLane | None = None
         if path.draft is not None:
-            self._lane = asyncio.create_task(
-                self._draft_lane(path.draft), name=f"draft-lane-{wire_id}"
+            self._lane = DraftLane(
+                path.draft, deadline, functools.partial(self._draft_failed, path.draft)
             )
 
     def execute(self, cmd: Command, verified_at_ns: int = 0) -> None:
@@ -104,7 +103,10 @@ class CommandExecutor:
                 lease_token=self.lease.token,
                 cache_scope=cache_scope_to_proto(self.cache_scope),
             )
-            self._draft_call("opening the request", lambda d: d.stub.Open(req, timeout=timeout()))
+            self._draft_call(
+                "opening the request",
+                lambda d: asyncio.ensure_future(d.stub.Open(req, timeout=timeout())),
+            )
         elif isinstance(cmd, DraftPrefill):
             req = draft_pb2.PrefillDraftRequest(
                 request_id=rid,
@@ -119,7 +121,7 @@ class CommandExecutor:
     def drop_draft(self) -> None:
         """The draft is lost: its lane stops, and no call goes to it any more."""
         if self._lane is not None:
-            self._lane.cancel()
+            self._lane.close()
         self._lane = None
         self._draft_prunes = []
         self.path = RequestPath(self.path.stages, None)
@@ -129,7 +131,7 @@ class CommandExecutor:
         for s in self.path.stages:
             self._stream(s).detach(self.wire_id)
         if self._lane is not None:
-            self._lane.cancel()
+            self._lane.close()
         self._lane = None
 
     # -- the draft -----------------------------------------------------------------------
@@ -143,59 +145,54 @@ class CommandExecutor:
             prunes=self._draft_prunes,
         )
         self._draft_prunes = []
+        attempt, post, ticket = self.attempt, self.post, cmd.ticket
 
-        async def call(draft: Backend) -> None:
-            resp = await self._on_stream(draft, propose=req)
+        def answered(resp) -> None:
             cand = Candidates(
                 tensor_of(resp.parent_ids),
                 tensor_of(resp.token_ids),
                 tensor_of(resp.probs, np.float32),
             )
-            self.post(Proposal(self.attempt, cmd.ticket, cand))
+            post(Proposal(attempt, ticket, cand))
 
-        self._draft_call("proposing a tree layer", call, flush_prunes=False)
+        self._draft_call(
+            "proposing a tree layer",
+            lambda d: self._on_stream(d, propose=req),
+            answered,
+            flush_prunes=False,
+        )
 
-    def _draft_call(self, what: str, call: DraftCall, flush_prunes: bool = True) -> None:
-        """Queue a draft call in the request's lane; prunes not yet sent go first."""
-        if self._lane is None:
+    def _draft_call(
+        self,
+        what: str,
+        start: Start,
+        on_answer: OnAnswer | None = None,
+        flush_prunes: bool = True,
+    ) -> None:
+        """A draft call in the request's lane (after the ones before it were answered);
+        prunes not yet sent go first."""
+        lane = self._lane
+        if lane is None:
             return  # the draft was dropped: the controller sends it nothing more
         if flush_prunes:
             for sig in self._draft_prunes:
                 req = pb.PruneRequest(request_id=self.wire_id, prune=sig)
-                self._draft_q.put_nowait(
-                    ("applying a prune", lambda d, r=req: self._on_stream(d, prune=r))
-                )
+                lane.add("applying a prune", lambda d, r=req: self._on_stream(d, prune=r))
             self._draft_prunes = []
-        self._draft_q.put_nowait((what, call))
+        lane.add(what, start, on_answer)
 
-    async def _draft_lane(self, draft: Backend) -> None:
-        """Run the draft calls of this request one after another, in creation order."""
-        while True:
-            what, call = await self._draft_q.get()
-            try:
-                await call(draft)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                err = self.deadline.error(draft, what, e)
-                self.post(Failure(self.attempt, err.code, err.message, draft))
-                return
+    def _draft_failed(self, draft: Backend, what: str, error: BaseException) -> None:
+        """A draft call failed or went unanswered: the lane stopped; the driver is told."""
+        err = self.deadline.error(draft, what, error)
+        self.post(Failure(self.attempt, err.code, err.message, draft))
 
-    async def _on_stream(self, draft: Backend, **call):
-        """One call on the draft's control stream; its answer within the call's timeout
-        (a draft that answers nothing is a fault, as a unary call past its deadline)."""
+    def _on_stream(self, draft: Backend, **call) -> asyncio.Future:
+        """One call on the draft's control stream (its answer: the lane's deadline
+        sweep gives up on a draft that answers nothing, as on a unary call past its
+        deadline)."""
         stream = draft.control
         assert isinstance(stream, DraftStream)
-        timeout = self.deadline.timeout()
-        answer = stream.call(timeout, **call)
-        try:
-            # a deadline on the lane's task (wait_for would add a future and callbacks
-            # per call and request)
-            async with asyncio.timeout(timeout):
-                return await answer
-        except TimeoutError:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-            raise refusal(code, f"no answer from {draft.label}") from None
+        return stream.call(self.deadline.timeout(), **call)
 
     # -- the stages ----------------------------------------------------------------------
     @staticmethod

@@ -9,12 +9,14 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import grpc
+import numpy as np
 import pytest
 from specpipe.common.spec.controller import make_controller, needs_draft
-from specpipe.common.spec.messages import Verified
+from specpipe.common.spec.messages import Candidates, Verified
 from specpipe.common.spec.options import DecodeOptions, Mode, TokenSource
 from specpipe.services.router.calls import DriverError
 from specpipe.services.router.driver import DriverSettings, RequestDriver
+from specpipe.services.router.events import Proposal
 from specpipe.services.router.late_draft import LateDraftHold
 from specpipe.services.router.path_session import first_path
 from specpipe.services.transport.codec import Frame, Kind
@@ -38,6 +40,7 @@ def run_request(
     opts: DecodeOptions,
     prepare: Callable[[RequestDriver], None] = lambda d: None,
     each: Callable[[RequestDriver, list[int]], None] = lambda d, out: None,
+    settings: DriverSettings | None = None,
 ) -> tuple[RequestDriver, list[int]]:
     """Run one request to its end (`prepare` the driver before, look at it after each
     batch of tokens with `each`), then release it."""
@@ -45,9 +48,9 @@ def run_request(
     async def main() -> tuple[RequestDriver, list[int]]:
         path = first_path(dep.backends, mode, opts, PROMPT)
         controller = make_controller(mode, "r", PROMPT, opts, len(path.stages))
-        settings = DriverSettings(replay_timeout=0.0, stall_timeout=30.0)
+        given = settings or DriverSettings(replay_timeout=0.0, stall_timeout=30.0)
         driver = RequestDriver(controller, dep.backends, path, "tcp://router:1", dep.inbox,
-                               settings=settings, vocab_size=VOCAB)  # fmt: skip
+                               settings=given, vocab_size=VOCAB)  # fmt: skip
         prepare(driver)
         out: list[int] = []
         try:
@@ -183,6 +186,85 @@ def test_a_failing_draft_is_dropped_and_the_request_goes_on() -> None:
     assert driver.stats.draft_drops == 1 and driver.stats.replays == 0
     assert not draft.healthy and driver.path.draft is None
     assert draft.stub.released == ["r"]
+    assert_released(dep, driver)
+
+
+def test_a_draft_call_past_its_deadline_drops_the_draft_and_the_request_goes_on() -> None:
+    """The lane's deadline sweep (draft_lane.py) gives up a proposal the draft does not
+    answer in time: the request, which holds its verifications for the late draft
+    meanwhile, goes on without the draft, losslessly."""
+    dep = deployment()
+    stub = dep.drafts[0].stub
+    propose, proposals, dropped = stub.Propose, [], []
+
+    async def slow_propose(request, timeout):
+        proposals.append(request.request_id)
+        if len(proposals) == 3:
+            await asyncio.sleep(1.2)  # past the call's deadline (rpc_timeout)
+        return await propose(request, timeout)
+
+    stub.Propose = slow_propose  # type: ignore[method-assign]
+
+    def prepare(driver: RequestDriver) -> None:
+        drop = driver.session.drop_draft
+        driver.session.drop_draft = lambda message: (dropped.append(message), drop(message))  # type: ignore[method-assign]
+
+    settings = DriverSettings(
+        replay_timeout=0.0, stall_timeout=30.0, rpc_timeout=0.4, late_draft_wait=30.0
+    )
+    driver, out = run_request(dep, Mode.SPECPIPE, options("draft"), prepare, settings=settings)
+    assert out == EXPECTED
+    assert driver.stats.draft_drops == 1 and driver.stats.replays == 0
+    assert len(proposals) == 3  # nothing went to the draft after the call it left unanswered
+    (message,) = dropped
+    assert "no answer from draft at d0" in message
+    assert driver.path.draft is None and stub.released == ["r"]
+    assert_released(dep, driver)
+
+
+def test_events_wait_while_a_replay_is_under_way() -> None:
+    """Events come while the driver awaits a replay (the old path's release): they are
+    queued and handled after it, one at a time, never beside it (the old path's are then
+    ignored)."""
+    dep = deployment(ranges=((0, 4),), replicas=2)
+    replaying, handled, queued = [False], [], []
+
+    def prepare(driver: RequestDriver) -> None:
+        driver.path.stages[0].stub.dies_after = 4
+        ctrl = driver.controller
+        for name in ("on_verified", "on_candidates"):
+            real = getattr(ctrl, name)
+
+            def watched(*args, real=real, name=name):
+                handled.append((name, replaying[0]))
+                return real(*args)
+
+            setattr(ctrl, name, watched)
+        session = driver.session
+        leave = session.leave_for_replay
+
+        async def leave_slowly(failed, message):
+            replaying[0] = True
+            try:
+                # a draft answer and a verification of the path being left come meanwhile
+                cand = Candidates(np.array([0]), np.array([1]), np.array([0.5], np.float32))
+                session.post(Proposal(session.attempt, 0, cand))
+                header = pb.FrameHeader(request_id=session.wire_id,
+                                        kind=Kind.PAYLOAD_KIND_VERIFIED,
+                                        verified=pb.Verification(node_ids=[0], token_ids=[1]))  # fmt: skip
+                session.post(Frame(header))
+                queued.append(len(driver.events))
+                await asyncio.sleep(0.05)
+                return await leave(failed, message)
+            finally:
+                replaying[0] = False
+
+        session.leave_for_replay = leave_slowly  # type: ignore[method-assign]
+
+    driver, out = run_request(dep, Mode.SPECPIPE, options("draft"), prepare)
+    assert out == EXPECTED and driver.stats.replays == 1
+    assert queued == [2]
+    assert handled and not any(during for _, during in handled)
     assert_released(dep, driver)
 
 
