@@ -152,6 +152,43 @@ async def stage_steps(
     }
 
 
+async def delivery(model_dir: Path, steps: int) -> float:
+    """CPU us per round of a stage's delivery on its event loop (`_delivered`: the round's
+    frames made and sent to its next hop), one request of one 4-row layer a round, and
+    of the frame's receipt by that hop (a TCP transport in this process, no auth)."""
+    got = asyncio.Event()
+    rx = make_transport("tcp", lambda f: got.set())
+    hop = await rx.start()
+    model = load_stage(model_dir, LayerRange(1, 3, 5), torch.float32)
+    svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+    rounds = svc.rounds
+    req = stage_pb2.OpenStageRequest(request_id="r", capacity=4096, next_hop=hop)
+    await svc.Open(req, None)
+    prompt = Activation("r", torch.arange(32), committed=True, hidden=torch.randn(32, WIDTH))
+    svc._on_frame(Frame(*encode(prompt, 0)))
+    rounds.compute(rounds._collect())
+    empty = torch.tensor([], dtype=torch.long)
+    cpu = 0.0
+    try:
+        for s in range(steps + 20):  # 20 to warm up
+            seq, node = s + 1, 1000 + FEED * s
+            svc._on_frame(_layer("r", seq, node))
+            work = rounds._collect()
+            rounds.compute(work)
+            got.clear()
+            start = time.process_time()
+            await rounds._delivered(work, None)
+            await got.wait()
+            if s >= 20:
+                cpu += time.process_time() - start
+            with rounds.inbox:  # the layer dropped, applied by the next round
+                svc._requests["r"].order.add_prune(seq, Prune(empty, empty, node + FEED - 1))
+    finally:
+        await svc.stop()
+        await rx.close()
+    return round(1e6 * cpu / steps, 1)
+
+
 async def tcp_frame(rounds: int) -> float:
     """CPU us per 4-row secure frame, sent and taken (both ends here)."""
     got = asyncio.Event()
@@ -204,9 +241,11 @@ def main() -> None:
               flush=True)  # fmt: skip
     frame = asyncio.run(tcp_frame(args.frames))
     print(f"tcp frame (4 rows, secure, both ends): {frame} us CPU", flush=True)
+    delivered = asyncio.run(delivery(model_dir, args.frames))
+    print(f"a round's delivery and receipt (1 request, tcp): {delivered} us CPU", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"label": args.label, "prune_rounds": args.prune_rounds, "cells": cells,
-               "tcp_frame_us": frame,
+               "tcp_frame_us": frame, "delivery_us": delivered,
                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 

@@ -610,11 +610,17 @@ class ComputeRounds:
     async def _deliver(self, work: list[Work]) -> None:
         """Send a round's outputs: every request's frames in its order, and the frames of
         all requests that share a next hop together, as one frame where they fit
-        (`Transport.send_many`). A hop that cannot be reached fails its requests alone."""
+        (`Transport.send_many`). A hop that cannot be reached fails its requests alone.
+        One hop (a stage's next, or the last stage's router: almost every round) is sent
+        to without a task of its own."""
         by_hop: dict[str, list[tuple[StageRequest, tuple]]] = {}
         for w in work:
             for hop, frame in self._frames_of(w):
                 by_hop.setdefault(hop, []).append((w.st, frame))
+        if len(by_hop) == 1:
+            ((hop, items),) = by_hop.items()
+            await self._send_hop(hop, items)
+            return
         await asyncio.gather(*(self._send_hop(hop, items) for hop, items in by_hop.items()))
 
     def _frames_of(self, w: Work) -> list[tuple[str, tuple]]:
