@@ -49,7 +49,12 @@ from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.errors import InvalidInput, RequestError
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.stage import PreparedStep, StageRuntime
-from specpipe.common.runtime.validation import MAX_ROWS, nonfinite, nonfinite_message
+from specpipe.common.runtime.validation import (
+    MAX_ROWS,
+    host_finite,
+    nonfinite,
+    nonfinite_message,
+)
 from specpipe.common.runtime.verifier import RequestVerifier, row_tokens_of, verify_many
 from specpipe.common.spec.messages import Activation, Prune, Verified
 from specpipe.v1 import dataplane_pb2 as pb
@@ -127,12 +132,16 @@ JOINED_CHECK_VALUES = 1 << 18
 
 
 def _all_finite(hidden: list[torch.Tensor]) -> bool:
-    """Whether a round's hidden states are all finite, as one reduction over them joined
-    (a few tensor operations whatever the requests, against three per request for
-    `nonfinite`, which then finds the request a failure belongs to). False where it
-    cannot tell so cheaply: several devices or dtypes, or more than JOINED_CHECK_VALUES."""
+    """Whether a round's hidden states are all finite: host tensors each read through
+    numpy (`host_finite`), else one reduction over them joined (a few tensor operations
+    whatever the requests, against three per request for `nonfinite`, which then finds
+    the request a failure belongs to). False where it cannot tell so cheaply: several
+    devices or dtypes, or more than JOINED_CHECK_VALUES."""
     if not hidden:
         return True
+    host = [host_finite(h) for h in hidden]
+    if None not in host:
+        return all(host)
     first = hidden[0]
     if len(hidden) > 1 and (
         sum(h.numel() for h in hidden) > JOINED_CHECK_VALUES
