@@ -5,7 +5,8 @@ and the activations whose turn it is (`RequestOrder`, common/runtime/ordering.py
 rounds run on a compute thread of their own, which takes each round straight from the
 requests' orders (the inbox: the event loop adds activations and prunes as they arrive,
 under `ComputeRounds.inbox`, and wakes the thread), so a round whose input is already
-there never waits for a turn of the event loop. A round is:
+there never waits for a turn of the event loop. A prune that no waiting activation
+needs does not wake it: the next round applies it (`prune_arrived`). A round is:
 
 - *prepared*: its prunes applied, the hidden states checked finite (one read for all),
   every ready activation's cache rows, positions and attention metadata built and queued
