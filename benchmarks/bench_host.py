@@ -7,7 +7,9 @@ vocabulary 512: its real forwards fit the modelled ones), every stage forward pa
 `--stage-ms` and the draft's to `--draft-ms`, greedy, W = 4, `--max-new-tokens` tokens per
 request, closed loop at each of `--concurrency` clients. Per process it prints the CPU
 time (user + system of all its threads, from /proc, over the cell) per pipeline step (the
-last stage's forwards) and per emitted token, and, with py-spy attached to every process
+last stage's forwards) and per emitted token, that per token split by thread (its main
+thread, a service's event loop; its busiest other, a stage's or the draft's compute
+thread; the rest), and, with py-spy attached to every process
 (`--profile`, sampling without stopping it), where its on-CPU samples go, grouped by
 subsystem (`SUBSYSTEMS`: the first frame from the leaf up that a rule claims) and the
 leaf functions that cost most. Every output is checked against the in-process lockstep
@@ -191,6 +193,28 @@ def summarize_profile(path: Path, top: int = 8) -> dict:
     }
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each live thread of process `pid`, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def thread_split(pid: int, before: dict[int, float], after: dict[int, float]) -> dict:
+    """A process's CPU seconds over a cell by thread: its main thread (a service's event
+    loop), its busiest other thread (a stage's or the draft's compute thread) and the rest
+    (gRPC's, the metrics', executors'; threads that ended count in none)."""
+    spent = {tid: cpu - before.get(tid, 0.0) for tid, cpu in after.items()}
+    loop = spent.pop(pid, 0.0)
+    busiest = max(spent.values(), default=0.0)
+    return {"loop": loop, "busiest": busiest, "rest": sum(spent.values()) - busiest}
+
+
 # -- the wire: one control message's CPU ------------------------------------------------------
 def _cpu() -> float:
     return time.process_time()
@@ -343,9 +367,13 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     if profilers:
         time.sleep(1.0)  # attached
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    threads0 = {name: thread_cpu(pid) for name, pid in pids.items()}
     t0 = time.perf_counter()
     _, tokens, wall = asyncio.run(stream_all(dep.router_address, prompts, conc, kwargs))
     cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
+    threads = {
+        name: thread_split(pid, threads0[name], thread_cpu(pid)) for name, pid in pids.items()
+    }
     profiles = stop_profilers(profilers)
     steps = scrape(addrs[last]).get(STEPS_KEY, 0.0) - before.get(STEPS_KEY, 0.0)
     feeds = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0) - feeds0
@@ -374,6 +402,10 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
             "cpu_ms_per_step": round(1e3 * cpu[name] / steps, 3) if steps else None,
             "cpu_ms_per_feed": round(1e3 * cpu[name] / feeds, 3) if feeds else None,
             "cpu_ms_per_token": round(1e3 * cpu[name] / emitted, 3) if emitted else None,
+            "threads_ms_per_token": {
+                k: round(1e3 * v / emitted, 3) if emitted else None
+                for k, v in threads[name].items()
+            },
         }
         if name in profiles:
             row["profile"] = summarize_profile(profiles[name])
@@ -388,16 +420,17 @@ def fmt_cell(c: dict) -> list[str]:
         f"{c['emitted']} tokens in {c['wall_s']} s, identical {c['identical']}/{c['requests']}, "
         f"load {c['load_average']}",
         "",
-        "| process | CPU ms / step | CPU ms / feed | CPU ms / token | top subsystems "
-        "(share of working samples) |",
-        "|---|---|---|---|---|",
+        "| process | CPU ms / step | CPU ms / feed | CPU ms / token | of which loop / busiest "
+        "thread / rest | top subsystems (share of working samples) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, p in c["processes"].items():
         prof = p.get("profile", {}).get("subsystems", {})
         top = ", ".join(f"{k} {v:.0%}" for k, v in list(prof.items())[:6]) or "-"
+        split = " / ".join(str(v) for v in p.get("threads_ms_per_token", {}).values()) or "-"
         lines.append(
             f"| {name} | {p['cpu_ms_per_step']} | {p.get('cpu_ms_per_feed')} "
-            f"| {p['cpu_ms_per_token']} | {top} |"
+            f"| {p['cpu_ms_per_token']} | {split} | {top} |"
         )
     return [*lines, ""]
 

@@ -5,14 +5,17 @@ A middle stage of a tiny Llama (5 layers, hidden 48; layers 1-2 here), no gRPC a
 peers: each step every request's 4-row tree layer arrives as a frame (`_on_frame`:
 decode, checks, queue), one round computes it (`_collect` and `compute`: the prunes,
 the finite check, the cache rows and attention metadata, the forward), and a prune of
-the layer follows in a round of its own, as the router's prunes come apart from the
-activations. Each function's CPU time (`time.process_time`, this thread) is summed
-over the steps and divided by them: microseconds per step, both rounds (a function
-called once per request counts every call). Besides: one secure TCP data-plane frame of 4
+the layer follows, as the router's prunes come apart from the activations: applied by
+the next layer's round, as a stage does when no turn waits for it, or (`--prune-rounds`,
+the stage before it deferred them) in a round of its own. Each function's CPU time
+(`time.process_time`, this thread) is summed over the steps and divided by them:
+microseconds per step, all its rounds (a function called once per request counts every
+call); `step` is the CPU of a step's rounds together. Besides: one secure TCP data-plane frame of 4
 rows sent and taken on loopback, both ends in this process (CPU per frame, ping-pong).
 
     python benchmarks/bench_stage_host.py            # 1 and 8 requests, ~30 s
     python benchmarks/bench_stage_host.py --steps 100
+    python benchmarks/bench_stage_host.py --prune-rounds   # each prune in a round of its own
 
 Writes results/stage-host/results.json. Per call, and CPU time: a shared machine moves
 it less than wall time, but compare runs made back to back.
@@ -99,7 +102,9 @@ def _layer(rid: str, seq: int, node: int) -> Frame:
     return Frame(*encode(act, seq, seq - 1))
 
 
-async def stage_steps(model_dir: Path, requests: int, steps: int, t: Timers) -> dict:
+async def stage_steps(
+    model_dir: Path, requests: int, steps: int, t: Timers, prune_rounds: bool = False
+) -> dict:
     model = load_stage(model_dir, LayerRange(1, 3, 5), torch.float32)
     svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
     rounds = svc.rounds
@@ -114,7 +119,7 @@ async def stage_steps(model_dir: Path, requests: int, steps: int, t: Timers) -> 
                                 hidden=torch.randn(32, WIDTH))  # fmt: skip
             svc._on_frame(Frame(*encode(prompt, 0)))
         rounds.compute(rounds._collect())
-        on_frame = compute = 0.0
+        on_frame = compute = pruning = 0.0
         for s in range(steps):
             seq, node = s + 1, 1000 + FEED * s
             frames = [_layer(rid, seq, node) for rid in rids]
@@ -133,13 +138,55 @@ async def stage_steps(model_dir: Path, requests: int, steps: int, t: Timers) -> 
                 with rounds.inbox:
                     prune = Prune(empty, empty, node + FEED - 1)
                     svc._requests[rid].order.add_prune(seq, prune)
-            rounds.compute(rounds._collect(turns=False))
+            if prune_rounds:
+                start = time.process_time()
+                rounds.compute(rounds._collect(turns=False))
+                pruning += time.process_time() - start
     finally:
         await svc.stop()
     return {
         "_on_frame": round(1e6 * on_frame / (steps * requests), 1),
-        "round": round(1e6 * compute / steps, 1),  # the layer's round, its forward included
+        # the layer's round, its forward (and with the prunes deferred, the prunes) included
+        "round": round(1e6 * compute / steps, 1),
+        "step": round(1e6 * (compute + pruning) / steps, 1),  # with the prunes' own rounds
     }
+
+
+async def delivery(model_dir: Path, steps: int) -> float:
+    """CPU us per round of a stage's delivery on its event loop (`_delivered`: the round's
+    frames made and sent to its next hop), one request of one 4-row layer a round, and
+    of the frame's receipt by that hop (a TCP transport in this process, no auth)."""
+    got = asyncio.Event()
+    rx = make_transport("tcp", lambda f: got.set())
+    hop = await rx.start()
+    model = load_stage(model_dir, LayerRange(1, 3, 5), torch.float32)
+    svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+    rounds = svc.rounds
+    req = stage_pb2.OpenStageRequest(request_id="r", capacity=4096, next_hop=hop)
+    await svc.Open(req, None)
+    prompt = Activation("r", torch.arange(32), committed=True, hidden=torch.randn(32, WIDTH))
+    svc._on_frame(Frame(*encode(prompt, 0)))
+    rounds.compute(rounds._collect())
+    empty = torch.tensor([], dtype=torch.long)
+    cpu = 0.0
+    try:
+        for s in range(steps + 20):  # 20 to warm up
+            seq, node = s + 1, 1000 + FEED * s
+            svc._on_frame(_layer("r", seq, node))
+            work = rounds._collect()
+            rounds.compute(work)
+            got.clear()
+            start = time.process_time()
+            await rounds._delivered(work, None)
+            await got.wait()
+            if s >= 20:
+                cpu += time.process_time() - start
+            with rounds.inbox:  # the layer dropped, applied by the next round
+                svc._requests["r"].order.add_prune(seq, Prune(empty, empty, node + FEED - 1))
+    finally:
+        await svc.stop()
+        await rx.close()
+    return round(1e6 * cpu / steps, 1)
 
 
 async def tcp_frame(rounds: int) -> float:
@@ -172,6 +219,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--frames", type=int, default=3000)
+    ap.add_argument(
+        "--prune-rounds",
+        action="store_true",
+        help="each step's prunes in a round of their own (as before deferral)",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -182,15 +234,18 @@ def main() -> None:
     for n in args.requests:
         t.seconds.clear()
         t.calls.clear()
-        cell = asyncio.run(stage_steps(model_dir, n, args.steps, t))
+        cell = asyncio.run(stage_steps(model_dir, n, args.steps, t, args.prune_rounds))
         cell = {"requests": n, **cell, **t.per_step_us(args.steps)}
         cells.append(cell)
         print(f"{n} request(s), CPU us per step (_on_frame: per frame):", json.dumps(cell),
               flush=True)  # fmt: skip
     frame = asyncio.run(tcp_frame(args.frames))
     print(f"tcp frame (4 rows, secure, both ends): {frame} us CPU", flush=True)
+    delivered = asyncio.run(delivery(model_dir, args.frames))
+    print(f"a round's delivery and receipt (1 request, tcp): {delivered} us CPU", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"label": args.label, "cells": cells, "tcp_frame_us": frame,
+    results = {"label": args.label, "prune_rounds": args.prune_rounds, "cells": cells,
+               "tcp_frame_us": frame, "delivery_us": delivered,
                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 

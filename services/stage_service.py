@@ -467,7 +467,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             prune = prune_from_proto(request.prune)
             with self.rounds.inbox:
                 st.order.add_prune(request.prune.seq, prune)
-                self.rounds.wake()
+                self.rounds.prune_arrived(st)
         except (FrameError, RequestError) as e:
             return status_code(e), str(e)
         return None

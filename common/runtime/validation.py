@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -189,15 +190,41 @@ def nonfinite_message(what: str) -> str:
     return f"{what} contain NaN or infinite values"
 
 
+# A float whose exponent bits are all set is a NaN or an infinity: how `host_finite`
+# reads the dtypes numpy has none of (bfloat16), and float16 without a conversion.
+_EXPONENT_BITS = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def host_finite(x: Tensor) -> bool | None:
+    """Whether a host tensor holds no NaN and no infinity, read through numpy: a few
+    microseconds where torch's `isfinite(x).all()` takes 6 for [4, 64] and 560 for
+    [160, 1536] float32 on one thread. None where it cannot tell so (a device tensor,
+    another dtype): then torch's reduction."""
+    if x.device.type != "cpu":
+        return None
+    if x.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(x.numpy()).all())
+    mask = _EXPONENT_BITS.get(x.dtype)
+    if mask is None:
+        return None
+    return not bool(((x.view(torch.int16).numpy() & mask) == mask).any())
+
+
 def nonfinite(tensors: Sequence[Tensor]) -> list[bool]:
-    """Which of `tensors` hold a NaN or an infinity: one reduction each on its own
-    device and one read per device for all of them, so a stage checks a whole round's
-    inputs with one wait for the device, on its compute thread (on the event loop the
-    read would wait behind the forward running on the device)."""
+    """Which of `tensors` hold a NaN or an infinity: host tensors read through numpy
+    (`host_finite`), the others with one reduction each on their device and one read
+    per device for all of them, so a stage checks a whole round's inputs with one wait
+    for the device, on its compute thread (on the event loop the read would wait behind
+    the forward running on the device)."""
     out = [False] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, x in enumerate(tensors):
-        if x.numel():
+        if not x.numel():
+            continue
+        host = host_finite(x)
+        if host is not None:
+            out[i] = not host
+        else:
             by_device.setdefault(x.device, []).append(i)
     for idx in by_device.values():
         flags = torch.stack([~torch.isfinite(tensors[i]).all() for i in idx])

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from specpipe.common.runtime import validation
 from specpipe.common.runtime.errors import DuplicatePrune, InvalidInput
 from specpipe.common.runtime.ordering import Pending, RequestOrder
 from specpipe.common.runtime.validation import (
@@ -16,6 +17,7 @@ from specpipe.common.runtime.validation import (
     check_counts,
     check_input,
     check_span,
+    host_finite,
     nonfinite,
 )
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
@@ -95,6 +97,9 @@ def test_nonfinite_flags_each_tensor_with_one_read_per_device(monkeypatch) -> No
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda x: reads.append(x.device) or tolist(x))
+    assert nonfinite(tensors) == [False, True, False, True, False]
+    assert reads == []  # host tensors: read through numpy (`host_finite`), no torch read
+    monkeypatch.setattr(validation, "host_finite", lambda x: None)  # as device tensors are
     assert nonfinite(tensors) == [False, True, False, True, False]
     assert reads == [torch.device("cpu")]
     assert nonfinite([]) == []
@@ -178,3 +183,21 @@ def test_the_router_takes_only_verifications_from_the_last_stage() -> None:
     hidden = Activation("r", t(4), node_ids=t(0), parent_ids=t(-1), hidden=torch.zeros(1, 97))
     with pytest.raises(FrameError, match="takes verifications, not frames of kind"):
         verification_of(Frame(*encode(hidden, 0)), None, 97)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_host_tensors_are_checked_finite_through_numpy_as_torch_would(dtype) -> None:
+    """`host_finite` (numpy, exponent bits for bfloat16 and float16) agrees with torch's
+    `isfinite` on NaN, both infinities, the largest and smallest finite values and a
+    strided view; `nonfinite` gives the same per tensor."""
+    info = torch.finfo(dtype)
+    values = [0.0, -1.5, info.max, info.min, info.tiny, float("nan"), float("inf"), -float("inf")]
+    cases = [torch.tensor([[v, 1.0], [2.0, 3.0]], dtype=dtype) for v in values]
+    cases.append(torch.full((6, 4), 7.0, dtype=dtype)[::2, 1:])  # strided, finite
+    bad = torch.zeros(6, 4, dtype=dtype)
+    bad[4, 2] = float("nan")
+    cases.append(bad[::2, 1:])  # strided, the NaN inside the view
+    expected = [bool(torch.isfinite(x).all()) for x in cases]
+    assert expected.count(False) == 4
+    assert [host_finite(x) for x in cases] == expected
+    assert nonfinite(cases) == [not e for e in expected]
