@@ -1,0 +1,148 @@
+"""The draft's calls as data-plane control frames (services/transport/control_frames.py)
+between a router's `DraftStream` and a real draft service: proposals answered as on the
+stream, a refused call answered to that call only, nothing written on the gRPC stream
+(which stays open, so that a lost draft breaks it); through a router, a request whose
+draft calls ride frames decodes exactly as plain decoding, and one whose draft's data
+plane cannot be reached, or whose draft stops mid-request, goes on without the draft,
+exactly too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from specpipe.services.draft_service import DraftService
+from specpipe.services.router.control_stream import ControlFrames, DraftStream
+from specpipe.services.stage_service import StageService
+from specpipe.services.transport import Inbox, make_transport
+from specpipe.services.transport.control_frames import CONTROL, message_frame
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import draft_pb2, draft_pb2_grpc
+
+from ..router_config import router_service
+from .test_draft_batching import _propose
+from .test_services_stage import _stage
+from .test_services_stalls import _request, _tokens
+
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+PROMPTS = {"a": [5, 9, 2, 7], "b": [5, 9, 2, 7]}
+
+
+def test_calls_as_frames_answer_as_the_stream_and_refusals_their_own_call(llama_dir) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        router = make_transport("tcp", inbox)
+        await router.start()
+        draft = DraftService(llama_dir, dtype="float64")
+        port = await draft.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = draft_pb2_grpc.DraftStub(ch)
+                desc = await stub.Describe(pb.DescribeRequest())
+                assert desc.control_frames and desc.data_address == draft.transport.address
+                for rid, p in PROMPTS.items():
+                    await stub.Open(draft_pb2.OpenDraftRequest(request_id=rid, capacity=32,
+                                                               prompt_ids=p))  # fmt: skip
+                plain = DraftStream(stub, "draft (stream)")
+                framed = DraftStream(stub, "draft (frames)")
+                framed.carry_on(ControlFrames(router, inbox), desc.data_address)
+                want = await asyncio.wait_for(plain.call(propose=_propose("a", 3, 7)), 30)
+                got, missing = (
+                    framed.call(propose=_propose("b", 3, 7)),
+                    framed.call(propose=_propose("gone", 3, 7)),
+                )  # one turn: one frame
+                got = await asyncio.wait_for(got, 30)
+                assert got == want  # the same request, the same proposal
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await asyncio.wait_for(missing, 30)
+                assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+                assert "not open" in (refused.value.details() or "")
+                release = pb.RequestRef(request_id="b")
+                assert await asyncio.wait_for(framed.call(release=release), 30) is None
+                assert "b" not in draft.leases
+                assert framed.frames == 2 and framed.messages == 0  # nothing on gRPC
+                assert framed.opened == 1  # open beside the frames: a lost draft breaks it
+                await plain.close()
+                await framed.close()
+                assert "control:" not in str(inbox._sinks)  # its answers' route is gone
+        finally:
+            await draft.stop()
+            await router.close()
+
+    asyncio.run(main())
+
+
+def test_a_frame_whose_reply_address_is_not_a_peer_is_not_answered(llama_dir) -> None:
+    async def main() -> None:
+        inbox = Inbox()
+        answers = inbox.open("token")
+        router = make_transport("tcp", inbox)
+        await router.start()
+        draft = DraftService(llama_dir, dtype="float64")
+        await draft.start()
+        try:
+            calls = draft_pb2.DraftControl(
+                calls=[draft_pb2.DraftCall(call_id=1, propose=_propose("gone", 3, 7))]
+            )
+            for reply_to in ("tcp://10.9.8.7:9", router.address):  # not a peer, then one
+                header, payload = message_frame(CONTROL, "token", calls, "router", reply_to)
+                await router.send_frame(draft.transport.address, header, payload)
+            frame = await asyncio.wait_for(answers.get(), 30)
+            reply = draft_pb2.DraftControlReply.FromString(frame.payload.numpy().tobytes())
+            assert [(a.call_id, a.code) for a in reply.answers] == [(1, NOT_FOUND)]
+            await asyncio.sleep(0.2)
+            assert answers.empty()  # the first frame got no answer
+        finally:
+            await draft.stop()
+            await router.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("fault", ["none", "unreachable", "stopped"])
+def test_a_request_whose_draft_calls_ride_frames_decodes_exactly(llama_dir, fault) -> None:
+    """`unreachable`: the draft's data plane is gone (its gRPC is not), so every frame
+    is undelivered; `stopped`: the draft stops mid-request. Either way the request goes
+    on without the draft, exactly."""
+
+    async def main() -> None:
+        stages = [StageService(_stage(llama_dir, a, b, 5)) for a, b in ((0, 2), (2, 5))]
+        draft = DraftService(llama_dir, "float64")
+        addrs = [f"127.0.0.1:{await s.start()}" for s in (*stages, draft)]
+        if fault == "unreachable":
+            await draft.transport.close()
+        router = router_service(addrs[:2], addrs[2], health_check_interval=0.2,
+                                replay_seconds=20.0)  # fmt: skip
+        await router.start(startup_timeout=30)
+        stopped = False
+        try:
+            plain = _tokens([r async for r in router.engine.generate(_request("pp", 32))])
+            assert len(plain) == 32
+            run = router.engine.generate(_request("specpipe", 32))
+            got: list[int] = []
+            while len(got) < 3:
+                got += _tokens([await asyncio.wait_for(run.__anext__(), 30)])
+            (driver,) = router.engine.drivers.values()
+            control = next(b for b in router.engine.backends.drafts).control
+            if fault == "stopped":
+                await draft.stop()
+                stopped = True
+
+            async def rest() -> list:
+                return [r async for r in run]
+
+            got += _tokens(await asyncio.wait_for(rest(), 60))
+            assert got == plain  # greedy: what plain decoding of the target gives
+            assert isinstance(control, DraftStream) and control.opened >= 1
+            if fault == "none":
+                assert control.frames > 0 and control.messages == 0
+                assert driver.stats.draft_drops == 0
+            else:
+                assert driver.stats.draft_drops >= 1
+        finally:
+            await router.stop()
+            for svc in (*stages, *([] if stopped else [draft])):
+                await svc.stop()
+
+    asyncio.run(main())
