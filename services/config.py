@@ -355,7 +355,10 @@ class DraftConfig(ModelServiceConfig):
     """`specpipe draft`: the draft model (its --model is required)."""
 
     port: int = _port(DEFAULT_DRAFT_PORT)
-    data_port: int = flag(0, help="control frames' port (0: any)")
+    data_port: int | None = flag(
+        help="take the router's calls as data-plane control frames on this port (0: any "
+        "free port; default: none, they ride the gRPC control stream)"
+    )
     transport: str | None = _transport()  # None: UCX where it imports, else TCP
     peers: tuple[str, ...] = _peers("a control frame's reply address")
 

@@ -206,7 +206,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         pacer: Pacer | None = None,
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
-        transport_kind: str = TCP,
+        transport_kind: str | None = TCP,
         bind_host: str = "127.0.0.1",
         advertise_host: str | None = None,
         peers: Sequence[str] = (),
@@ -217,7 +217,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         automatic; 0: never); `max_step_rows`: the most rows one call (a prefill chunk,
         a tree layer) may carry (None: from the measured cost curve, `step_row_cap`);
         `transport_kind`, `bind_host`, `advertise_host`: the data plane that takes
-        control frames; `peers`: the only hosts a control frame's answer may go to (as a
+        control frames (kind None: none, the router's calls ride the stream); `peers`: the only hosts a control frame's answer may go to (as a
         stage's, `Peers`; empty: loopback only)."""
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         self._model_limits = Limits.of(self.runtime.runtime.model)
@@ -236,16 +236,19 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         self.rounds: DraftRounds[_Ask] = DraftRounds(self.aligner, self._compute_batch)
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.peers = Peers.parse(peers)
-        self.transport: Transport = make_transport(
-            transport_kind,
-            self._on_frame,
-            bind_host=bind_host,
-            advertise_host=advertise_host,
-            device=str(self.device),
-            admit=self._admit,
-            auth=security.frame_auth() if security else None,
-        )
-        self._frame_answers = _FrameAnswers(BackgroundSends(self.transport))
+        self.transport: Transport | None = None
+        self._frame_answers: _FrameAnswers | None = None
+        if transport_kind is not None:
+            self.transport = make_transport(
+                transport_kind,
+                self._on_frame,
+                bind_host=bind_host,
+                advertise_host=advertise_host,
+                device=str(self.device),
+                admit=self._admit,
+                auth=security.frame_auth() if security else None,
+            )
+            self._frame_answers = _FrameAnswers(BackgroundSends(self.transport))
         self._frame_calls: set[asyncio.Future] = set()  # control frames' calls at work
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch_dataplane(self.transport)
@@ -264,17 +267,19 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         data_port: int = 0,
         health_port: int | None = None,
     ) -> int:
-        """Serve the data plane (control frames, none larger than the largest control
-        message) and gRPC; returns the gRPC port."""
-        await self.transport.start(data_port)
-        self.transport.max_payload_bytes = max_control_bytes(self.limits)
+        """Serve the data plane, if any (control frames, none larger than the largest
+        control message), and gRPC; returns the gRPC port."""
+        if self.transport is not None:
+            await self.transport.start(data_port)
+            self.transport.max_payload_bytes = max_control_bytes(self.limits)
         return await super().start(host, port, health_port)
 
     async def stop(self) -> None:
         await super().stop()
         for call in list(self._frame_calls):
             call.cancel()
-        await self.transport.close()
+        if self.transport is not None:
+            await self.transport.close()
 
     # -- what the Replica asks of it -------------------------------------------------------
     @property
@@ -306,7 +311,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 ask.answer.set_exception(RequestError("the draft's batch loop ended"))
 
     def _describe(self) -> draft_pb2.DraftDescription:
-        desc = draft_pb2.DraftDescription(control_frames=True, data_address=self.transport.address)
+        desc = draft_pb2.DraftDescription()
+        if self.transport is not None:
+            desc.control_frames, desc.data_address = True, self.transport.address
         self._describe_model(desc, self.runtime.runtime.info(), self.model_id, self.weight_hash)
         return desc
 
@@ -603,7 +610,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def _on_frame(self, frame: Frame) -> None:
         """A router's calls as a control frame: taken as on the stream; their answers go
         back as reply frames to its address (one of this draft's peers)."""
-        if frame.kind != control_frames.CONTROL:
+        if frame.kind != control_frames.CONTROL or self._frame_answers is None:
             return
         msg = control_frames.read_control(frame, draft_pb2.DraftControl, self._check_hop, "draft")
         if msg is not None:
@@ -611,6 +618,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             self._take_calls(msg, answer, self._frame_calls)  # type: ignore[arg-type]
 
     def _check_hop(self, address: str) -> None:
+        assert self.transport is not None
         self.peers.check_hop(address, self.transport.scheme, "this draft")
 
     async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:

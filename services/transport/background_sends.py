@@ -18,7 +18,8 @@ rlog = RateLimitedLog(logging.getLogger(__name__))
 
 
 class BackgroundSends:
-    """One replica's frames in flight: each send a task, kept until it ends."""
+    """One replica's frames in flight: each send that must wait a task, kept until it
+    ends."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
@@ -32,7 +33,11 @@ class BackgroundSends:
         what: str,
         who: str,
     ) -> None:
-        """Send a frame to `address` (`what` it does and `who` sends it: for the log)."""
+        """Send a frame to `address` (`what` it does and `who` sends it: for the log): at
+        once where the transport can without passing an earlier one (`post_frame`), else
+        through a task."""
+        if not self._tasks and self.transport.post_frame(address, header, payload):
+            return
 
         async def send() -> None:
             try:

@@ -100,15 +100,17 @@ def test_a_frame_whose_reply_address_is_not_a_peer_is_not_answered(llama_dir) ->
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("fault", ["none", "unreachable", "stopped"])
+@pytest.mark.parametrize("fault", ["none", "no data plane", "unreachable", "stopped"])
 def test_a_request_whose_draft_calls_ride_frames_decodes_exactly(llama_dir, fault) -> None:
-    """`unreachable`: the draft's data plane is gone (its gRPC is not), so every frame
-    is undelivered; `stopped`: the draft stops mid-request. Either way the request goes
-    on without the draft, exactly."""
+    """`no data plane`: a draft started without one (or of an older version) says so in
+    its Describe and gets its calls on the stream; `unreachable`: the draft's data plane
+    is gone (its gRPC is not), so every frame is undelivered; `stopped`: the draft stops
+    mid-request. The last two make the request go on without the draft, exactly."""
 
     async def main() -> None:
         stages = [StageService(_stage(llama_dir, a, b, 5)) for a, b in ((0, 2), (2, 5))]
-        draft = DraftService(llama_dir, "float64")
+        kind = None if fault == "no data plane" else "tcp"
+        draft = DraftService(llama_dir, "float64", transport_kind=kind)
         addrs = [f"127.0.0.1:{await s.start()}" for s in (*stages, draft)]
         if fault == "unreachable":
             await draft.transport.close()
@@ -137,6 +139,9 @@ def test_a_request_whose_draft_calls_ride_frames_decodes_exactly(llama_dir, faul
             assert isinstance(control, DraftStream) and control.opened >= 1
             if fault == "none":
                 assert control.frames > 0 and control.messages == 0
+                assert driver.stats.draft_drops == 0
+            elif fault == "no data plane":
+                assert control.frames == 0 and control.messages > 0
                 assert driver.stats.draft_drops == 0
             else:
                 assert driver.stats.draft_drops >= 1
