@@ -9,13 +9,16 @@ exactly too."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
 from specpipe.services.draft_service import DraftService
 from specpipe.services.router.control_stream import ControlFrames, DraftStream
+from specpipe.services.security import Security, make_pki
 from specpipe.services.stage_service import StageService
 from specpipe.services.transport import Inbox, make_transport
+from specpipe.services.transport.auth import FrameAuth
 from specpipe.services.transport.control_frames import CONTROL, message_frame
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
@@ -73,28 +76,40 @@ def test_calls_as_frames_answer_as_the_stream_and_refusals_their_own_call(llama_
     asyncio.run(main())
 
 
-def test_a_frame_whose_reply_address_is_not_a_peer_is_not_answered(llama_dir) -> None:
+def test_only_authenticated_frames_from_peers_are_answered(llama_dir, tmp_path) -> None:
+    """Under --secure a control frame without the deployment's key is not read, and one
+    whose reply address is not one of the draft's peers (here only "localhost") is not
+    answered, though it is reachable; the frame after them, naming a peer, is."""
+    security = Security.load(make_pki(tmp_path / "pki"))
+
     async def main() -> None:
         inbox = Inbox()
         answers = inbox.open("token")
-        router = make_transport("tcp", inbox)
+        router = make_transport("tcp", inbox, auth=security.frame_auth())
         await router.start()
-        draft = DraftService(llama_dir, dtype="float64")
+        forger = make_transport("tcp", lambda f: None, auth=FrameAuth(b"guess" * 8))
+        draft = DraftService(llama_dir, dtype="float64", security=security, peers=["localhost"])
         await draft.start()
         try:
             calls = draft_pb2.DraftControl(
                 calls=[draft_pb2.DraftCall(call_id=1, propose=_propose("gone", 3, 7))]
             )
-            for reply_to in ("tcp://10.9.8.7:9", router.address):  # not a peer, then one
+            address = draft.transport.address
+            peer = router.address.replace("127.0.0.1", "localhost")
+            forged = message_frame(CONTROL, "token", calls, "evil", peer)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(forger.send_frame(address, *forged), 5)
+            for reply_to in (router.address, peer):  # not a peer, then one
                 header, payload = message_frame(CONTROL, "token", calls, "router", reply_to)
-                await router.send_frame(draft.transport.address, header, payload)
+                await router.send_frame(address, header, payload)
             frame = await asyncio.wait_for(answers.get(), 30)
             reply = draft_pb2.DraftControlReply.FromString(frame.payload.numpy().tobytes())
             assert [(a.call_id, a.code) for a in reply.answers] == [(1, NOT_FOUND)]
             await asyncio.sleep(0.2)
-            assert answers.empty()  # the first frame got no answer
+            assert answers.empty()  # the first two frames got no answer
         finally:
             await draft.stop()
+            await forger.close()
             await router.close()
 
     asyncio.run(main())
