@@ -432,9 +432,11 @@ class RouterConfig(ServiceConfig):
     )
     no_control_frames: bool = flag(
         False,
-        help="send the stages' feeds and prunes on the gRPC control streams, not as "
-        "data-plane frames (by default they ride the data plane where a stage takes them: "
-        "about half the CPU of stream messages, both ends together)",
+        help="send the stages' feeds and prunes and the draft's calls on the gRPC control "
+        "streams, not as data-plane frames (by default they ride the data plane where a "
+        "stage or the draft takes them: about half the CPU of stream messages for a "
+        "stage's, both ends together; for the draft's, up to a tenth of the router's and "
+        "the draft's CPU per token)",
     )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")

@@ -217,8 +217,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         automatic; 0: never); `max_step_rows`: the most rows one call (a prefill chunk,
         a tree layer) may carry (None: from the measured cost curve, `step_row_cap`);
         `transport_kind`, `bind_host`, `advertise_host`: the data plane that takes
-        control frames (kind None: none, the router's calls ride the stream); `peers`: the only hosts a control frame's answer may go to (as a
-        stage's, `Peers`; empty: loopback only)."""
+        control frames (kind None: none, the router's calls ride the stream); `peers`:
+        the only hosts a control frame's answer may go to (as a stage's, `Peers`; empty:
+        loopback only)."""
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         self._model_limits = Limits.of(self.runtime.runtime.model)
         super().__init__(

@@ -5,9 +5,10 @@ that takes control frames (`StageDescription.control_frames`) gets its feeds and
 as data-plane frames instead (`ControlFrames`: a step's control to 4 stages costs about
 half its CPU on streams, both ends together); its stream then carries releases and stays
 open while requests are attached, so a stage that dies still breaks it. A draft that
-takes them (`DraftDescription.control_frames`) gets all its calls as frames when the
-router is told to send them (`Backends(draft_frames=True)`), its stream open beside them
-for the same reason; a frame that cannot be delivered is a broken stream.
+takes them (`DraftDescription.control_frames`: one started with a data plane) gets all
+its calls as frames (`DraftStream`: the router's CPU per token 7-10% less than on the
+stream, the draft's 4-9%), its stream open beside them for the same reason. A frame that
+cannot be delivered is a broken stream.
 
 What the router's request drivers send a replica in one turn of the event loop leaves as
 one message on its stream (the requests whose verifications came in one frame feed and
