@@ -24,6 +24,7 @@ from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
 from ..router_config import router_service
+from .test_control_frames import QuietControl, unreachable
 from .test_draft_batching import _propose
 from .test_services_stage import _stage
 from .test_services_stalls import _request, _tokens
@@ -164,5 +165,27 @@ def test_a_request_whose_draft_calls_ride_frames_decodes_exactly(llama_dir, faul
             await router.stop()
             for svc in (*stages, *([] if stopped else [draft])):
                 await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_an_undelivered_frame_fails_the_calls_in_flight() -> None:
+    """A draft whose data plane cannot be reached: the call fails UNAVAILABLE (the driver
+    goes on without the draft), as after a broken stream; the stream was opened at the
+    call, so a lost draft would break it too."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        router, gone = await unreachable(inbox)
+        stream = DraftStream(QuietControl(), "draft")
+        stream.carry_on(ControlFrames(router, inbox), gone)
+        call = stream.call(propose=_propose("a", 3, 7))
+        assert stream.opened == 1
+        with pytest.raises(grpc.aio.AioRpcError) as broke:
+            await asyncio.wait_for(call, 10)
+        assert broke.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "control frame not delivered" in (broke.value.details() or "")
+        await stream.close()
+        await router.close()
 
     asyncio.run(main())
