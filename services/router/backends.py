@@ -55,7 +55,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.v1 import dataplane_pb2 as pb
-from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
+from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
@@ -786,7 +786,7 @@ class Backends:
             log.info("%s is up: %s %s", b.label, desc.model_id, desc.weight_hash)
             self._recompute()
 
-    def _frames_address(self, desc) -> str:
+    def _frames_address(self, desc: stage_pb2.StageDescription | draft_pb2.DraftDescription) -> str:
         """Where a replica takes control frames from this router: its data-plane address
         if it takes them on this router's transport; "" (its control stream) if not."""
         if self.control_frames is None or not desc.control_frames:
