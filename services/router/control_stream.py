@@ -25,6 +25,7 @@ rolling update) gets the batched unary calls instead (batched.py), from then on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
@@ -202,7 +203,10 @@ class _Stream:
         finally:
             if self._queue is queue:
                 self._queue = None
-            queue.put_nowait(None)  # the request iterator ends
+            # the request iterator ends (unless the loop is gone: a stream opened while a
+            # router that was never stopped shut down, its reader collected unfinished)
+            with contextlib.suppress(RuntimeError):
+                queue.put_nowait(None)
         log.warning("%s: control stream broke (%s)", self.label, error)
         self._on_break(code, f"{self.label}: control stream broke: {error}")
 
@@ -351,8 +355,6 @@ class DraftStream(_Stream):
             ((kind, msg),) = item.items()
             rpc = getattr(self.stub, kind.capitalize())
             return asyncio.ensure_future(rpc(msg, timeout=timeout))
-        if self._frames is not None and self._queue is None:
-            self._open()  # the stream's break tells of a lost draft
         done = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
         self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
@@ -367,6 +369,8 @@ class DraftStream(_Stream):
         msgs = [draft_pb2.DraftControl(calls=part) for part in _packed(calls) if part]
         if self._frames is None or not msgs:
             return msgs
+        if self._queue is None:
+            self._open()  # beside the frames: the stream's break tells of a lost draft
         self._send_frames(msgs)
         return []
 

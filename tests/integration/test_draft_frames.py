@@ -180,9 +180,9 @@ def test_an_undelivered_frame_fails_the_calls_in_flight() -> None:
         stream = DraftStream(QuietControl(), "draft")
         stream.carry_on(ControlFrames(router, inbox), gone)
         call = stream.call(propose=_propose("a", 3, 7))
-        assert stream.opened == 1
         with pytest.raises(grpc.aio.AioRpcError) as broke:
             await asyncio.wait_for(call, 10)
+        assert stream.opened == 1
         assert broke.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "control frame not delivered" in (broke.value.details() or "")
         await stream.close()
