@@ -24,7 +24,10 @@ engine's.
 plane and data plane"): the CPU time of one control message (a feed of 4 rows) sent and
 taken, both ends in this process on loopback, one message per 0.5 ms as a step's would
 come: a unary gRPC call, a message on a bidirectional gRPC stream, and a data-plane TCP
-frame (what riding the data plane would cost).
+frame (what riding the data plane would cost); then a step's control to 4 stages through
+the router's `StageStream`s, and the draft's Propose round trip through its `DraftStream`
+(one call, and 8 calls in one turn as 8 clients' would come; the draft's end in a process
+of its own, each end's CPU apart), each on gRPC streams and as control frames.
 
 Writes results/host/results.json and results.md (the tables printed). CPU time, not wall
 clock: a shared 2-core machine measures it fairly. One piece: the wire part prices the
@@ -294,7 +297,116 @@ async def wire(n: int = 2000, gap: float = 0.0005) -> dict[str, float]:
         out[key] = await _control_turns(port, feed, prune, carrier == "control frames", n, gap)
     await channel.close()
     await server.stop(None)
+    for calls in (1, 8):
+        for carrier in ("gRPC stream", "control frames"):
+            key = f"the draft's Propose round trip, {calls} call(s) a turn, {carrier}"
+            router, draft = await _propose_turns(calls, carrier == "control frames", n, gap)
+            out[f"{key}: router"], out[f"{key}: draft"] = router, draft
     return {k: round(1e6 * v, 1) for k, v in out.items()}
+
+
+_PROPOSAL = dict(parent_ids=[0, 0, 1, 1], token_ids=[5, 6, 7, 8], probs=[0.4, 0.3, 0.2, 0.1])
+
+
+def _answered(msg):
+    """A draft's answer to a `DraftControl`: every Propose answered with 4 candidates."""
+    from specpipe.v1 import draft_pb2
+
+    proposal = draft_pb2.ProposeResponse(**_PROPOSAL)
+    answers = [draft_pb2.DraftAnswer(call_id=c.call_id, proposal=proposal) for c in msg.calls]
+    return draft_pb2.DraftControlReply(answers=answers)
+
+
+async def _serve_draft_calls(conn) -> None:
+    """A draft's control ends, answering at once: its gRPC `Control` stream, and its
+    data plane reading and answering control frames as the draft service does
+    (`read_control`, `answer`); its CPU time when the parent asks ("cpu")."""
+    import grpc
+    from specpipe.services.peers import Peers
+    from specpipe.services.transport import control_frames, make_transport
+    from specpipe.services.transport.background_sends import BackgroundSends
+    from specpipe.v1 import draft_pb2, draft_pb2_grpc
+
+    class Draft(draft_pb2_grpc.DraftServicer):
+        async def Control(self, requests, context):
+            async for msg in requests:
+                yield _answered(msg)
+
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServicer_to_server(Draft(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    peers = Peers.parse(())
+
+    def check(address: str) -> None:
+        peers.check_hop(address, "tcp", "this draft")
+
+    def on_frame(frame) -> None:
+        msg = control_frames.read_control(frame, draft_pb2.DraftControl, check, "draft")
+        control_frames.answer(sends, frame.header, _answered(msg), "draft")
+
+    transport = make_transport("tcp", on_frame)
+    sends = BackgroundSends(transport)
+    conn.send((port, await transport.start()))
+    loop = asyncio.get_running_loop()
+    while await loop.run_in_executor(None, conn.recv) == "cpu":
+        conn.send(time.process_time())
+    await transport.close()
+    await server.stop(None)
+
+
+def _draft_process(conn) -> None:
+    asyncio.run(_serve_draft_calls(conn))
+
+
+async def _propose_turns(calls: int, frames: bool, n: int, gap: float) -> tuple[float, float]:
+    """CPU seconds per turn of `calls` Propose calls (4 rows and a prune each) through the
+    router's `DraftStream` to a draft process that answers each at once (4 candidates),
+    on its gRPC stream or as control frames: (the router's, the draft's)."""
+    import multiprocessing
+
+    import grpc
+    from specpipe.services.router.control_stream import ControlFrames, DraftStream
+    from specpipe.services.transport import Inbox, make_transport
+    from specpipe.v1 import dataplane_pb2 as pb
+    from specpipe.v1 import draft_pb2, draft_pb2_grpc
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_end = ctx.Pipe()
+    child = ctx.Process(target=_draft_process, args=(child_end,), daemon=True)
+    child.start()
+    loop = asyncio.get_running_loop()
+    port, address = await loop.run_in_executor(None, conn.recv)
+
+    async def draft_cpu() -> float:
+        conn.send("cpu")
+        return await loop.run_in_executor(None, conn.recv)
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    inbox = Inbox()
+    router = make_transport("tcp", inbox)
+    await router.start()
+    stream = DraftStream(draft_pb2_grpc.DraftStub(channel), "draft")
+    if frames:
+        stream.carry_on(ControlFrames(router, inbox), address)
+    rows = pb.Rows(positions=[9, 9, 9, 9], node_ids=[5, 6, 7, 8], parent_ids=[1, 1, 1, 1])
+    prune = pb.PruneSignal(seq=3, commit_ids=[1, 2], horizon=4)
+    ask = dict(rows=rows, token_ids=[1, 2, 3, 4], top_k=4, prunes=[prune])
+    asks = [draft_pb2.ProposeRequest(request_id=f"{i:022d}", **ask) for i in range(calls)]
+
+    async def turn() -> None:
+        await asyncio.gather(*(stream.call(propose=a) for a in asks))
+
+    await turn()
+    d0 = await draft_cpu()
+    cost = await _paced(turn, n, gap)
+    draft = (await draft_cpu() - d0) / n  # its idle share (the pacing's second half) is ~0
+    await stream.close()
+    await channel.close()
+    await router.close()
+    conn.send("stop")
+    child.join(10)
+    return cost, draft
 
 
 async def _control_turns(port: int, feed, prune, frames: bool, n: int, gap: float) -> float:

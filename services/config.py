@@ -123,6 +123,16 @@ def _transport() -> Any:
     return flag(choices=TRANSPORTS, help="data plane (default: ucx if installed)")
 
 
+def _peers(sends: str) -> Any:
+    return flag(
+        (),
+        parse=comma_list,
+        render=render_comma,
+        help=f"comma-separated hosts, addresses and CIDR networks {sends} may name, in every "
+        "mode (default: loopback only)",
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class SchedulingConfig(CommandLine):
     """The router's admission, elastic width and the defaults of what requests leave
@@ -337,13 +347,7 @@ class StageConfig(ModelServiceConfig):
     allow_configure: bool = flag(
         False, help="accept Configure calls (loading other weights over gRPC; off by default)"
     )
-    peers: tuple[str, ...] = flag(
-        (),
-        parse=comma_list,
-        render=render_comma,
-        help="comma-separated hosts, addresses and CIDR networks a request's next hop and "
-        "report address may name, in every mode (default: loopback only)",
-    )
+    peers: tuple[str, ...] = _peers("a request's next hop and report address")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,6 +355,12 @@ class DraftConfig(ModelServiceConfig):
     """`specpipe draft`: the draft model (its --model is required)."""
 
     port: int = _port(DEFAULT_DRAFT_PORT)
+    data_port: int | None = flag(
+        help="take the router's calls as data-plane control frames on this port (0: any "
+        "free port; default: none, they ride the gRPC control stream)"
+    )
+    transport: str | None = _transport()  # None: UCX where it imports, else TCP
+    peers: tuple[str, ...] = _peers("a control frame's reply address")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,9 +432,11 @@ class RouterConfig(ServiceConfig):
     )
     no_control_frames: bool = flag(
         False,
-        help="send the stages' feeds and prunes on the gRPC control streams, not as "
-        "data-plane frames (by default they ride the data plane where a stage takes them: "
-        "about half the CPU of stream messages, both ends together)",
+        help="send the stages' feeds and prunes and the draft's calls on the gRPC control "
+        "streams, not as data-plane frames (by default they ride the data plane where a "
+        "stage or the draft takes them: about half the CPU of stream messages for a "
+        "stage's, both ends together; for the draft's, up to a tenth of the router's and "
+        "the draft's CPU per token)",
     )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")

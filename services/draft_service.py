@@ -13,13 +13,17 @@ next call is due within a few milliseconds waits for them first, a bounded windo
 one pipeline step, which reach the draft spread over the router's handling of the
 step, take two forwards, and the answers of the second come a draft forward late. The
 router sends its calls on one control stream (`Control`; services/router/
-control_stream.py), each run as its unary handler runs it (`Open`'s prefix lookup,
-`Prune` and `Release` on the replica's executor thread, beside a batch that computes:
-the runtime's locks keep them apart, as a stage's). The lifecycle (server, drain,
-leases, `Renew`, most of `Describe`) is the `Replica`'s.
+control_stream.py), or as control frames to the draft's data plane (a `DraftControl` in
+a PAYLOAD_KIND_CONTROL frame, transport/control_frames.py, answered by CONTROL_REPLY
+frames to the router's address, one of `--peers`, while the stream stays open so that a
+lost draft still breaks it), each run as its unary handler runs it (`Open`'s prefix
+lookup, `Prune` and `Release` on the replica's executor thread, beside a batch that
+computes: the runtime's locks keep them apart, as a stage's). The lifecycle (server,
+drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
 
-One module: the unary handlers and the control stream take calls into the same state
-(the batch's asks, the leases) under the same checks, and refuse them the same way.
+One module: the unary handlers, the control stream and the control frames take calls
+into the same state (the batch's asks, the leases) under the same checks, and refuse
+them the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,14 +60,23 @@ from specpipe.common.spec.options import DEFAULT_PREFILL_CHUNK
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, draft_pb2_grpc
 
-from .control import FrameError, cache_scope_from_proto, prune_from_proto, token_activation
+from .control import (
+    FrameError,
+    cache_scope_from_proto,
+    max_control_bytes,
+    prune_from_proto,
+    token_activation,
+)
 from .draft_rounds import DraftRounds
 from .metrics import DraftMetrics
+from .peers import Peers
 from .prefill_slices import prefill_cells
 from .ratelog import RateLimitedLog
 from .replica import Replica
 from .security import Security
 from .status import status_code
+from .transport import TCP, Frame, Transport, control_frames, make_transport
+from .transport.background_sends import BackgroundSends
 
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
@@ -138,6 +152,47 @@ def _answer_of(call_id: int, answer: asyncio.Future) -> draft_pb2.DraftAnswer:
     return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
 
 
+Answer = Callable[[draft_pb2.DraftAnswer], None]  # where a control call's answer goes
+
+
+def _answer_when_done(
+    pending: set[asyncio.Future],
+    answer: Answer,
+    answer_of: Callable[[asyncio.Future], draft_pb2.DraftAnswer],
+    done: asyncio.Future,
+) -> None:
+    """A control call's work ended: its answer (none if cancelled: its channel ended)."""
+    pending.discard(done)
+    if not done.cancelled():
+        answer(answer_of(done))
+
+
+class _FrameAnswers:
+    """The answers to control frames: one reply frame per sender (its stream's token and
+    address) and turn of the event loop, as the Control stream sends one message."""
+
+    def __init__(self, sends: BackgroundSends) -> None:
+        self.sends = sends
+        self._waiting: dict[tuple[str, str], tuple[pb.FrameHeader, list]] = {}
+
+    def to(self, request: pb.FrameHeader) -> Answer:
+        """Where the answers to the calls of control frame `request` go."""
+        key = (request.request_id, request.reply_to)
+
+        def answer(a: draft_pb2.DraftAnswer) -> None:
+            if not self._waiting:
+                asyncio.get_running_loop().call_soon(self._flush)
+            self._waiting.setdefault(key, (request, []))[1].append(a)
+
+        return answer
+
+    def _flush(self) -> None:
+        waiting, self._waiting = self._waiting, {}
+        for request, answers in waiting.values():
+            reply = draft_pb2.DraftControlReply(answers=answers)
+            control_frames.answer(self.sends, request, reply, "draft")
+
+
 class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def __init__(
         self,
@@ -151,12 +206,20 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         pacer: Pacer | None = None,
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
+        transport_kind: str | None = TCP,
+        bind_host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        peers: Sequence[str] = (),
     ) -> None:
-        """`security`: mutual TLS on gRPC (--secure); `pacer`: every forward paced to a
-        cost model (--emulate-costs); `batch_wait`: how long a forward may wait for
-        Propose calls of the same step, in seconds (None: automatic; 0: never);
-        `max_step_rows`: the most rows one call (a prefill chunk, a tree layer) may
-        carry (None: from the measured cost curve, `step_row_cap`)."""
+        """`security`: mutual TLS on gRPC and authenticated frames (--secure); `pacer`:
+        every forward paced to a cost model (--emulate-costs); `batch_wait`: how long a
+        forward may wait for Propose calls of the same step, in seconds (None:
+        automatic; 0: never); `max_step_rows`: the most rows one call (a prefill chunk,
+        a tree layer) may carry (None: from the measured cost curve, `step_row_cap`);
+        `transport_kind`, `bind_host`, `advertise_host`: the data plane that takes
+        control frames (kind None: none, the router's calls ride the stream); `peers`:
+        the only hosts a control frame's answer may go to (as a stage's, `Peers`; empty:
+        loopback only)."""
         self.runtime = load_draft(model_dir, parse_dtype(dtype), device, max_cache_bytes)
         self._model_limits = Limits.of(self.runtime.runtime.model)
         super().__init__(
@@ -173,14 +236,51 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         # proposals and prefill chunks waiting, and the thread that computes them
         self.rounds: DraftRounds[_Ask] = DraftRounds(self.aligner, self._compute_batch)
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
+        self.peers = Peers.parse(peers)
+        self.transport: Transport | None = None
+        self._frame_answers: _FrameAnswers | None = None
+        if transport_kind is not None:
+            self.transport = make_transport(
+                transport_kind,
+                self._on_frame,
+                bind_host=bind_host,
+                advertise_host=advertise_host,
+                device=str(self.device),
+                admit=self._admit,
+                auth=security.frame_auth() if security else None,
+            )
+            self._frame_answers = _FrameAnswers(BackgroundSends(self.transport))
+        self._frame_calls: set[asyncio.Future] = set()  # control frames' calls at work
         self.metrics = DraftMetrics()  # served by serve.py with --metrics-port
-        self.metrics.watch_dataplane(None)  # the draft has no data plane: 0 bytes
+        self.metrics.watch_dataplane(self.transport)
         stage = self.runtime.runtime
         self.metrics.watch(
             lambda: self.metrics.queued,
             lambda: stage.cache_bytes_used / stage.max_cache_bytes if stage.max_cache_bytes else 0,
             lambda: stage.info().active_requests,
         )
+
+    # -- process lifecycle (the rest is the Replica's) -------------------------------------
+    async def start(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        data_port: int = 0,
+        health_port: int | None = None,
+    ) -> int:
+        """Serve the data plane, if any (control frames, none larger than the largest
+        control message), and gRPC; returns the gRPC port."""
+        if self.transport is not None:
+            await self.transport.start(data_port)
+            self.transport.max_payload_bytes = max_control_bytes(self.limits)
+        return await super().start(host, port, health_port)
+
+    async def stop(self) -> None:
+        await super().stop()
+        for call in list(self._frame_calls):
+            call.cancel()
+        if self.transport is not None:
+            await self.transport.close()
 
     # -- what the Replica asks of it -------------------------------------------------------
     @property
@@ -213,6 +313,8 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
 
     def _describe(self) -> draft_pb2.DraftDescription:
         desc = draft_pb2.DraftDescription()
+        if self.transport is not None:
+            desc.control_frames, desc.data_address = True, self.transport.address
         self._describe_model(desc, self.runtime.runtime.info(), self.model_id, self.weight_hash)
         return desc
 
@@ -448,43 +550,20 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return pb.PruneResponse()
 
     async def Control(self, request_iterator, context):
-        """A router's control stream (services/router/control_stream.py): a Propose joins
-        the next batched forward at once and is answered from its result; the other calls
-        run as their unary handlers run them. The answers ready in one turn of the event
-        loop leave as one message."""
+        """A router's control stream (services/router/control_stream.py): its calls taken
+        as `_take_calls` takes them; the answers ready in one turn of the event loop
+        leave as one message."""
         answers: list[draft_pb2.DraftAnswer] = []
         ready = asyncio.Event()
-        calls: set[asyncio.Task] = set()
-        asks: set[asyncio.Future] = set()  # proposals not answered (cancelled if it ends)
+        pending: set[asyncio.Future] = set()  # calls at work (cancelled if it ends)
 
-        def answered(task: asyncio.Task) -> None:
-            calls.discard(task)
-            if not task.cancelled():
-                answers.append(task.result())
-                ready.set()
-
-        def proposed(call_id: int, answer: asyncio.Future) -> None:
-            asks.discard(answer)
-            if not answer.cancelled():
-                answers.append(_answer_of(call_id, answer))
-                ready.set()
+        def answer(a: draft_pb2.DraftAnswer) -> None:
+            answers.append(a)
+            ready.set()
 
         async def read() -> None:
             async for msg in request_iterator:
-                for call in msg.calls:
-                    if call.WhichOneof("call") == "propose":  # no task: its answer's callback
-                        ask = self._take_propose(call.propose)
-                        if isinstance(ask, _Ask):
-                            ask.answer.add_done_callback(functools.partial(proposed, call.call_id))
-                            asks.add(ask.answer)
-                            continue
-                        code, message = ask
-                        answers.append(_refused(call.call_id, code, message))
-                        ready.set()
-                        continue
-                    task = asyncio.ensure_future(self._control_call(call))
-                    calls.add(task)
-                    task.add_done_callback(answered)
+                self._take_calls(msg, answer, pending)
 
         reader = asyncio.ensure_future(read())
         reader.add_done_callback(lambda _: ready.set())
@@ -498,10 +577,50 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             reader.result()  # a broken stream ends the call with its error
         finally:
             reader.cancel()
-            for task in list(calls):
-                task.cancel()
-            for answer in list(asks):
-                answer.cancel()
+            for call in list(pending):
+                call.cancel()
+
+    def _take_calls(
+        self, msg: draft_pb2.DraftControl, answer: Answer, pending: set[asyncio.Future]
+    ) -> None:
+        """A router's control message (on the stream or in a frame): a Propose joins the
+        next batched forward at once and is answered from its result; the other calls run
+        as their unary handlers run them. Each answer, by its call id, goes to `answer`;
+        `pending` holds the calls at work."""
+        for call in msg.calls:
+            if call.WhichOneof("call") == "propose":  # no task: its answer's callback
+                ask = self._take_propose(call.propose)
+                if not isinstance(ask, _Ask):
+                    answer(_refused(call.call_id, *ask))
+                    continue
+                work: asyncio.Future = ask.answer
+                answer_of = functools.partial(_answer_of, call.call_id)
+            else:
+                work = asyncio.ensure_future(self._control_call(call))
+                answer_of = asyncio.Future.result
+            pending.add(work)
+            work.add_done_callback(functools.partial(_answer_when_done, pending, answer, answer_of))
+
+    # -- control frames (data plane) -------------------------------------------------------
+    def _admit(self, h: pb.FrameHeader) -> bool:
+        """Only control frames are read here, up to the largest control message."""
+        return h.kind == control_frames.CONTROL and control_frames.admitted(
+            h, max_control_bytes(self.limits)
+        )
+
+    def _on_frame(self, frame: Frame) -> None:
+        """A router's calls as a control frame: taken as on the stream; their answers go
+        back as reply frames to its address (one of this draft's peers)."""
+        if frame.kind != control_frames.CONTROL or self._frame_answers is None:
+            return
+        msg = control_frames.read_control(frame, draft_pb2.DraftControl, self._check_hop, "draft")
+        if msg is not None:
+            answer = self._frame_answers.to(frame.header)
+            self._take_calls(msg, answer, self._frame_calls)  # type: ignore[arg-type]
+
+    def _check_hop(self, address: str) -> None:
+        assert self.transport is not None
+        self.peers.check_hop(address, self.transport.scheme, "this draft")
 
     async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
         ctx, kind = _CallContext(), call.WhichOneof("call")

@@ -300,6 +300,9 @@ class ServicesDeployment:
             **self._model_service(stage=False, name=name),
             model=str(model),
             port=self._free_port(),
+            data_port=self._free_port(),
+            transport=self.config.transport,
+            peers=(self.advertise_host,),
         )
         return self._child(name, "draft", config, group)
 

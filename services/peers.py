@@ -1,4 +1,5 @@
-"""The hosts a stage may send data-plane frames to (`specpipe stage --peers`).
+"""The hosts a stage or the draft may send data-plane frames to (`specpipe stage|draft
+--peers`).
 
 A request's next hop and report address come from whoever opens the request; a stage
 sends hidden states and error frames only to hosts on this list, in every mode, so
@@ -15,6 +16,10 @@ import ipaddress
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from specpipe.common.runtime.errors import InvalidInput
+
+from .transport.base import Address
 
 DEFAULT_PEERS = ("127.0.0.0/8", "::1/128", "localhost")
 _HOST_NAME = re.compile(
@@ -60,6 +65,21 @@ class Peers:
         if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
             ip = ip.ipv4_mapped
         return any(ip in net for net in self.networks)
+
+    def check_hop(self, address: str, scheme: str, who: str) -> None:
+        """An address to send frames to (a next hop, a report or reply address) must be
+        a data-plane address of this deployment's transport (`scheme`) on one of the
+        peers; InvalidInput says why not (`who`: whose peers, for the message)."""
+        try:
+            addr = Address.parse(address)
+        except ValueError as e:
+            raise InvalidInput(str(e)) from None
+        if addr.scheme != scheme:
+            raise InvalidInput(f"{address}: this deployment's data plane is {scheme}")
+        if not self.allows(addr.host):
+            raise InvalidInput(
+                f"{address}: {addr.host} is not one of {who}'s peers ({self}; see --peers)"
+            )
 
     def __str__(self) -> str:
         return self.text

@@ -205,6 +205,10 @@ async def run_draft(config: DraftConfig) -> None:
         security=security_of(config),
         pacer=_pacer(config),
         batch_wait=config.batch_wait,
+        transport_kind=None if config.data_port is None else config.transport or TCP,
+        bind_host=config.host,
+        advertise_host=config.advertise_host,
+        peers=config.peers,
     )
     _set_cache_budget(svc.runtime.runtime, config)
     if config.measure_costs:
@@ -212,10 +216,11 @@ async def run_draft(config: DraftConfig) -> None:
         log.info("draft cost per row count %s", svc.cost_curve.to_dict())
     host = config.advertise_host or _local(config.host)
     metrics = _serve_metrics(svc.metrics, config, host)
-    port = await svc.start(config.host, config.port, config.health_port)
+    port = await svc.start(config.host, config.port, config.data_port or 0, config.health_port)
     addr = f"{host}:{port}"
-    write_ready(config.ready_file, grpc=addr, **metrics)
-    log.info("draft %s ready at %s", svc.model_id, addr)
+    data = {"data": svc.transport.address} if svc.transport is not None else {}
+    write_ready(config.ready_file, grpc=addr, **data, **metrics)
+    log.info("draft %s ready at %s %s", svc.model_id, addr, data)
     stops = [_closer(svc.metrics), _report(svc.pacer)]
     await _serve_until_stopped(svc, config.drain_seconds, stops)
 

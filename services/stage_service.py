@@ -64,15 +64,14 @@ from .security import Security
 from .status import status_code
 from .transport import (
     TCP,
-    Address,
     Frame,
     FrameError,
     Transport,
-    TransportError,
     control_frames,
     decode,
     make_transport,
 )
+from .transport.background_sends import BackgroundSends
 from .transport.codec import Kind, error_header
 
 log = logging.getLogger(__name__)
@@ -154,7 +153,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             auth=security.frame_auth() if security else None,
         )
         self._bound_frames()
-        self._background: set[asyncio.Task] = set()
+        self._sends = BackgroundSends(self.transport)
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)
         self.metrics = metrics or StageMetrics()  # served by serve.py with --metrics-port
         self.metrics.watch(self._queued_rows, self._kv_usage, lambda: len(self._requests))
@@ -517,20 +516,11 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         """A router's control message on the data plane (`transport/control_frames.py`):
         taken as on the Control stream; its answer, if any, goes back as a frame to the
         router's address (one of this stage's peers, like every address it sends to)."""
-        h = frame.header
-        try:
-            msg = control_frames.message_of(frame, stage_pb2.StageControl)
-            self._check_hop(h.reply_to)
-        except (FrameError, InvalidInput) as e:
-            rlog.warning("bad-control", "%s: bad control frame from %s: %s", self.name,
-                         h.sender, e)  # fmt: skip
-            return
-        reply = self._take_control(msg)
+        msg = control_frames.read_control(frame, stage_pb2.StageControl, self._check_hop,
+                                          self.name)  # fmt: skip
+        reply = None if msg is None else self._take_control(msg)  # type: ignore[arg-type]
         if reply is not None:
-            header, payload = control_frames.message_frame(
-                Kind.PAYLOAD_KIND_CONTROL_REPLY, h.request_id, reply, self.name
-            )
-            self._send_later(h.reply_to, header, payload, "answer a control frame")
+            control_frames.answer(self._sends, frame.header, reply, self.name)
 
     def _not_open(self, rid: str) -> str:
         return f"request {rid!r} is not open on {self.name}"
@@ -540,19 +530,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         """A next hop or report address must be a data-plane address of this deployment's
         transport on one of this stage's peers (--peers; loopback by default), in every
         mode: nobody makes a stage send frames elsewhere."""
-        try:
-            addr = Address.parse(address)
-        except ValueError as e:
-            raise InvalidInput(str(e)) from None
-        if addr.scheme != self.transport.scheme:
-            raise InvalidInput(
-                f"{address}: this deployment's data plane is {self.transport.scheme}"
-            )
-        if not self.peers.allows(addr.host):
-            raise InvalidInput(
-                f"{address}: {addr.host} is not one of this stage's peers ({self.peers}; "
-                "see --peers)"
-            )
+        self.peers.check_hop(address, self.transport.scheme, "this stage")
 
     def _rows_of(self, st: StageRequest) -> int:
         """The most rows one activation of `st` may carry here."""
@@ -648,16 +626,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
     def _send_later(self, address: str, header: pb.FrameHeader, payload, what: str) -> None:
         """Send a frame from the event loop without waiting for it (a failure is logged:
         the router learns of a lost stage from its control stream)."""
-
-        async def send() -> None:
-            try:
-                await self.transport.send_frame(address, header, payload)
-            except TransportError as e:
-                rlog.warning(what, "%s: cannot %s: %s", self.name, what, e)
-
-        task = asyncio.ensure_future(send())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._sends.send(address, header, payload, what, self.name)
 
     def _drop(self, rid: str) -> bool:
         self.leases.end(rid)

@@ -55,7 +55,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specpipe.common.perf.cost_model import CostCurve
 from specpipe.v1 import dataplane_pb2 as pb
-from specpipe.v1 import draft_pb2_grpc, stage_pb2_grpc
+from specpipe.v1 import draft_pb2, draft_pb2_grpc, stage_pb2, stage_pb2_grpc
 
 from ..control import cost_curve_from_proto
 from ..grpc_util import SERVING, channel, rpc_error_text
@@ -280,7 +280,8 @@ class Backends:
         control_frames: ControlFrames | None = None,
     ) -> None:
         """`control_frames`: the router's data plane, which carries feeds and prunes to
-        the stages that take control frames (None: their control streams do)."""
+        the stages, and calls to the drafts, that take control frames (None: their
+        control streams do)."""
         self.discovery = discovery
         self.control_frames = control_frames
         self.stall_seconds = stall_seconds
@@ -767,9 +768,8 @@ class Backends:
             return
         before = b.desc
         b.desc = desc
-        if isinstance(b.control, StageStream):
-            address = desc.data_address if desc.control_frames else ""
-            b.control.carry_on(self.control_frames, address)
+        if b.control is not None:
+            b.control.carry_on(self.control_frames, self._frames_address(desc))
         identity = ("weight_hash", "layer_start", "layer_end", "num_layers", "vocab_size")
         if before is None or any(
             getattr(before, f, None) != getattr(desc, f, None) for f in identity
@@ -785,6 +785,15 @@ class Backends:
                 b.ready_at = time.monotonic()
             log.info("%s is up: %s %s", b.label, desc.model_id, desc.weight_hash)
             self._recompute()
+
+    def _frames_address(self, desc: stage_pb2.StageDescription | draft_pb2.DraftDescription) -> str:
+        """Where a replica takes control frames from this router: its data-plane address
+        if it takes them on this router's transport; "" (its control stream) if not."""
+        if self.control_frames is None or not desc.control_frames:
+            return ""
+        if desc.data_address.partition("://")[0] != self.control_frames.transport.scheme:
+            return ""  # a draft of another --transport: its stream carries its calls
+        return desc.data_address
 
     async def _health(self, b: Backend) -> int:
         """What `b`'s gRPC health service answers for the whole server."""

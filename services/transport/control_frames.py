@@ -1,23 +1,33 @@
 """Control messages as data-plane frames (docs/architecture.md, "6. Control plane and
 data plane"): a router's feeds and prunes for a stage (`StageControl`) and the stage's
-answer (`StageControlReply`) ride the data plane, a protobuf message's bytes as a uint8
-payload. A step's control to 4 stages, one frame each, costs about half the CPU of its
-messages on gRPC streams, both ends together (`benchmarks/bench_host.py --wire`).
+answer (`StageControlReply`), or its calls to the draft (`DraftControl`) and the draft's
+answers (`DraftControlReply`), ride the data plane, a protobuf message's bytes as a
+uint8 payload. A step's control to 4 stages, one frame each, costs about half the CPU of
+its messages on gRPC streams, both ends together (`benchmarks/bench_host.py --wire`).
 
 The frame's `request_id` is the router's token for the stream the message belongs to
 (the stage echoes it, so the router's `Inbox` hands the answer to that stream), and
-`reply_to` the router's data-plane address. The frames are authenticated like every
-other (`--secure`), and a receiver reads no more of one than its `limit`.
+`reply_to` the router's data-plane address, which the receiver answers only where it is
+one of its peers (`read_control`). The frames are authenticated like every other
+(`--secure`), and a receiver reads no more of one than its `limit` (`admitted`).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from google.protobuf.message import DecodeError, Message
+from specpipe.common.runtime.errors import InvalidInput
 from specpipe.v1 import dataplane_pb2 as pb
 
 from ..control import FrameError
+from ..ratelog import RateLimitedLog
+from .background_sends import BackgroundSends
 from .codec import Frame, Kind
+
+rlog = RateLimitedLog(logging.getLogger(__name__))
 
 CONTROL = Kind.PAYLOAD_KIND_CONTROL
 CONTROL_REPLY = Kind.PAYLOAD_KIND_CONTROL_REPLY
@@ -52,3 +62,26 @@ def message_of(frame: Frame, cls: type[Message]) -> Message:
     except DecodeError as e:
         raise FrameError(f"a control frame that is not a {cls.__name__}: {e}") from None
     return msg
+
+
+def read_control(
+    frame: Frame, cls: type[Message], check_hop: Callable[[str], None], who: str
+) -> Message | None:
+    """The control message a replica received (a `cls`), if its reply address passes
+    `check_hop` (one of the replica's peers: nobody makes a replica send its answers
+    elsewhere); None, logged, for a bad one."""
+    h = frame.header
+    try:
+        msg = message_of(frame, cls)
+        check_hop(h.reply_to)
+    except (FrameError, InvalidInput) as e:
+        rlog.warning("bad-control", "%s: bad control frame from %s: %s", who, h.sender, e)
+        return None
+    return msg
+
+
+def answer(sends: BackgroundSends, request: pb.FrameHeader, reply: Message, who: str) -> None:
+    """Send `reply` to the control frame `request` (read by `read_control`) back to its
+    sender's address, named by its token."""
+    header, payload = message_frame(CONTROL_REPLY, request.request_id, reply, who)
+    sends.send(request.reply_to, header, payload, "answer a control frame", who)

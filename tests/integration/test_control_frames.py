@@ -12,9 +12,9 @@ import asyncio
 import grpc
 from specpipe.services.router.control_stream import ControlFrames, StageStream
 from specpipe.services.stage_service import StageService
-from specpipe.services.transport import Inbox, make_transport
+from specpipe.services.transport import Inbox, Transport, make_transport
 from specpipe.v1 import dataplane_pb2 as pb
-from specpipe.v1 import stage_pb2, stage_pb2_grpc
+from specpipe.v1 import stage_pb2_grpc
 
 from .test_services_alignment import _feeds
 from .test_services_stage import _chain_drawn, _drawn, _open_last, _stage
@@ -66,26 +66,34 @@ def test_feeds_and_prunes_as_frames_verify_exactly_and_refusals_come_back(llama_
     asyncio.run(main())
 
 
+class QuietControl:
+    """A replica stub whose control stream opens and stays quiet."""
+
+    def Control(self, requests):
+        async def replies():
+            async for _ in requests:
+                pass
+            return
+            yield
+
+        return replies()
+
+
+async def unreachable(inbox: Inbox) -> tuple[Transport, str]:
+    """A router's transport (started), and a data-plane address where nothing listens."""
+    router = make_transport("tcp", inbox, handshake_seconds=2.0)
+    await router.start()
+    closed = make_transport("tcp", inbox)
+    gone = await closed.start()
+    await closed.close()
+    return router, gone
+
+
 def test_an_unreachable_data_plane_is_a_fault_of_every_request_on_the_stream() -> None:
     async def main() -> None:
         inbox = Inbox()
-        router = make_transport("tcp", inbox, handshake_seconds=2.0)
-        await router.start()
-        closed = make_transport("tcp", inbox)
-        gone = await closed.start()
-        await closed.close()  # nothing listens there now
-
-        class Stub:  # a stage whose control stream opens and stays quiet
-            def Control(self, requests):
-                async def replies():
-                    async for _ in requests:
-                        pass
-                    if False:
-                        yield stage_pb2.StageControlReply()
-
-                return replies()
-
-        stream = StageStream(Stub(), "stage 2")
+        router, gone = await unreachable(inbox)
+        stream = StageStream(QuietControl(), "stage 2")
         stream.carry_on(ControlFrames(router, inbox), gone)
         told: dict[str, list] = {"a": [], "b": []}
         for rid in told:

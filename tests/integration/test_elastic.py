@@ -288,12 +288,14 @@ def test_metrics_move_with_traffic(elastic) -> None:
     sent = "specpipe:dataplane_sent_bytes_total"
     for name in addrs:
         assert got in after[name] and sent in after[name], name
-    assert after["draft.1"][got] == after["draft.1"][sent] == 0  # no data plane
+    assert after["draft.1"][got] > before["draft.1"][got]  # its calls as control frames
     assert s1[sent] > s0[sent]
-    # The last stage sends the router verifications, not logits (a float64 logits row
-    # of this model's 97-token vocabulary alone is 776 bytes).
+    # The last stage sends the router verifications, not logits: a float64 logits row of
+    # this model's 97-token vocabulary alone is 776 bytes, more than a verification and
+    # the draft's answers of its step (control frames too, since the draft has a data
+    # plane) come to.
     received = r1[got] - r0[got]
-    assert 0 < received < 400 * verified
+    assert 0 < received < 776 * verified
 
 
 def test_prometheus_scrapes_every_service(elastic, tmp_path) -> None:

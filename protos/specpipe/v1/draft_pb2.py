@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specpipe.v1 import dataplane_pb2 as specpipe_dot_v1_dot_dataplane__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpipe/v1/draft.proto\x12\x0bspecpipe.v1\x1a\x1bspecpipe/v1/dataplane.proto\"\xa9\x03\n\x10\x44raftDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bweight_hash\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x15\n\rlease_seconds\x18\n \x01(\x01\x12*\n\ncost_curve\x18\x0b \x01(\x0b\x32\x16.specpipe.v1.CostCurve\x12\x15\n\rmax_step_rows\x18\x0c \x01(\r\x12\x16\n\x0eprefix_caching\x18\r \x01(\x08\x12\x1b\n\x13\x63\x61\x63he_blocks_cached\x18\x0e \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x15\n\rhealth_status\x18\x33 \x01(\x05\"\xd6\x01\n\x10OpenDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x12\n\nprompt_ids\x18\x03 \x03(\x03\x12\x15\n\rprefill_chunk\x18\x04 \x01(\r\x12\x13\n\x0blease_owner\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x07 \x01(\x04\x12\x13\n\x0blease_token\x18\x08 \x01(\x0c\x12,\n\x0b\x63\x61\x63he_scope\x18\t \x01(\x0b\x32\x17.specpipe.v1.CacheScopeJ\x04\x08\x06\x10\x07\"*\n\x11OpenDraftResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x04\"k\n\x13PrefillDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x15\n\rprefill_chunk\x18\x04 \x01(\r\"\x16\n\x14PrefillDraftResponse\"\xa6\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12(\n\x06prunes\x18\x06 \x03(\x0b\x32\x18.specpipe.v1.PruneSignal\"G\n\x0fProposeResponse\x12\x12\n\nparent_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xe1\x01\n\tDraftCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07prefill\x18\x02 \x01(\x0b\x32 .specpipe.v1.PrefillDraftRequestH\x00\x12.\n\x07propose\x18\x03 \x01(\x0b\x32\x1b.specpipe.v1.ProposeRequestH\x00\x12*\n\x05prune\x18\x04 \x01(\x0b\x32\x19.specpipe.v1.PruneRequestH\x00\x12*\n\x07release\x18\x05 \x01(\x0b\x32\x17.specpipe.v1.RequestRefH\x00\x42\x06\n\x04\x63\x61ll\"5\n\x0c\x44raftControl\x12%\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x16.specpipe.v1.DraftCall\"m\n\x0b\x44raftAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12.\n\x08proposal\x18\x04 \x01(\x0b\x32\x1c.specpipe.v1.ProposeResponse\">\n\x11\x44raftControlReply\x12)\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.DraftAnswer2\xb9\x04\n\x05\x44raft\x12G\n\x08\x44\x65scribe\x12\x1c.specpipe.v1.DescribeRequest\x1a\x1d.specpipe.v1.DraftDescription\x12\x45\n\x04Open\x12\x1d.specpipe.v1.OpenDraftRequest\x1a\x1e.specpipe.v1.OpenDraftResponse\x12N\n\x07Prefill\x12 .specpipe.v1.PrefillDraftRequest\x1a!.specpipe.v1.PrefillDraftResponse\x12\x44\n\x07Propose\x12\x1b.specpipe.v1.ProposeRequest\x1a\x1c.specpipe.v1.ProposeResponse\x12>\n\x05Prune\x12\x19.specpipe.v1.PruneRequest\x1a\x1a.specpipe.v1.PruneResponse\x12@\n\x07Release\x12\x17.specpipe.v1.RequestRef\x1a\x1c.specpipe.v1.ReleaseResponse\x12>\n\x05Renew\x12\x19.specpipe.v1.RenewRequest\x1a\x1a.specpipe.v1.RenewResponse\x12H\n\x07\x43ontrol\x12\x19.specpipe.v1.DraftControl\x1a\x1e.specpipe.v1.DraftControlReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specpipe/v1/draft.proto\x12\x0bspecpipe.v1\x1a\x1bspecpipe/v1/dataplane.proto\"\xd7\x03\n\x10\x44raftDescription\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0bweight_hash\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x04\x12\x19\n\x11\x66ree_memory_bytes\x18\x08 \x01(\x04\x12\x17\n\x0f\x61\x63tive_requests\x18\t \x01(\r\x12\x15\n\rlease_seconds\x18\n \x01(\x01\x12*\n\ncost_curve\x18\x0b \x01(\x0b\x32\x16.specpipe.v1.CostCurve\x12\x15\n\rmax_step_rows\x18\x0c \x01(\r\x12\x16\n\x0eprefix_caching\x18\r \x01(\x08\x12\x1b\n\x13\x63\x61\x63he_blocks_cached\x18\x0e \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0f \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x10 \x01(\x04\x12\x15\n\rhealth_status\x18\x33 \x01(\x05\x12\x16\n\x0e\x63ontrol_frames\x18\x34 \x01(\x08\x12\x14\n\x0c\x64\x61ta_address\x18\x35 \x01(\t\"\xd6\x01\n\x10OpenDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\x12\x12\n\nprompt_ids\x18\x03 \x03(\x03\x12\x15\n\rprefill_chunk\x18\x04 \x01(\r\x12\x13\n\x0blease_owner\x18\x05 \x01(\t\x12\x13\n\x0blease_epoch\x18\x07 \x01(\x04\x12\x13\n\x0blease_token\x18\x08 \x01(\x0c\x12,\n\x0b\x63\x61\x63he_scope\x18\t \x01(\x0b\x32\x17.specpipe.v1.CacheScopeJ\x04\x08\x06\x10\x07\"*\n\x11OpenDraftResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\x04\"k\n\x13PrefillDraftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x16\n\x0estart_position\x18\x03 \x01(\x03\x12\x15\n\rprefill_chunk\x18\x04 \x01(\r\"\x16\n\x14PrefillDraftResponse\"\xa6\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x04rows\x18\x02 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12(\n\x06prunes\x18\x06 \x03(\x0b\x32\x18.specpipe.v1.PruneSignal\"G\n\x0fProposeResponse\x12\x12\n\nparent_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\r\n\x05probs\x18\x03 \x03(\x02\"\xe1\x01\n\tDraftCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x07prefill\x18\x02 \x01(\x0b\x32 .specpipe.v1.PrefillDraftRequestH\x00\x12.\n\x07propose\x18\x03 \x01(\x0b\x32\x1b.specpipe.v1.ProposeRequestH\x00\x12*\n\x05prune\x18\x04 \x01(\x0b\x32\x19.specpipe.v1.PruneRequestH\x00\x12*\n\x07release\x18\x05 \x01(\x0b\x32\x17.specpipe.v1.RequestRefH\x00\x42\x06\n\x04\x63\x61ll\"5\n\x0c\x44raftControl\x12%\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x16.specpipe.v1.DraftCall\"m\n\x0b\x44raftAnswer\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\x12.\n\x08proposal\x18\x04 \x01(\x0b\x32\x1c.specpipe.v1.ProposeResponse\">\n\x11\x44raftControlReply\x12)\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.DraftAnswer2\xb9\x04\n\x05\x44raft\x12G\n\x08\x44\x65scribe\x12\x1c.specpipe.v1.DescribeRequest\x1a\x1d.specpipe.v1.DraftDescription\x12\x45\n\x04Open\x12\x1d.specpipe.v1.OpenDraftRequest\x1a\x1e.specpipe.v1.OpenDraftResponse\x12N\n\x07Prefill\x12 .specpipe.v1.PrefillDraftRequest\x1a!.specpipe.v1.PrefillDraftResponse\x12\x44\n\x07Propose\x12\x1b.specpipe.v1.ProposeRequest\x1a\x1c.specpipe.v1.ProposeResponse\x12>\n\x05Prune\x12\x19.specpipe.v1.PruneRequest\x1a\x1a.specpipe.v1.PruneResponse\x12@\n\x07Release\x12\x17.specpipe.v1.RequestRef\x1a\x1c.specpipe.v1.ReleaseResponse\x12>\n\x05Renew\x12\x19.specpipe.v1.RenewRequest\x1a\x1a.specpipe.v1.RenewResponse\x12H\n\x07\x43ontrol\x12\x19.specpipe.v1.DraftControl\x1a\x1e.specpipe.v1.DraftControlReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,27 +33,27 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specpipe.v1.draft_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTDESCRIPTION']._serialized_start=70
-  _globals['_DRAFTDESCRIPTION']._serialized_end=495
-  _globals['_OPENDRAFTREQUEST']._serialized_start=498
-  _globals['_OPENDRAFTREQUEST']._serialized_end=712
-  _globals['_OPENDRAFTRESPONSE']._serialized_start=714
-  _globals['_OPENDRAFTRESPONSE']._serialized_end=756
-  _globals['_PREFILLDRAFTREQUEST']._serialized_start=758
-  _globals['_PREFILLDRAFTREQUEST']._serialized_end=865
-  _globals['_PREFILLDRAFTRESPONSE']._serialized_start=867
-  _globals['_PREFILLDRAFTRESPONSE']._serialized_end=889
-  _globals['_PROPOSEREQUEST']._serialized_start=892
-  _globals['_PROPOSEREQUEST']._serialized_end=1058
-  _globals['_PROPOSERESPONSE']._serialized_start=1060
-  _globals['_PROPOSERESPONSE']._serialized_end=1131
-  _globals['_DRAFTCALL']._serialized_start=1134
-  _globals['_DRAFTCALL']._serialized_end=1359
-  _globals['_DRAFTCONTROL']._serialized_start=1361
-  _globals['_DRAFTCONTROL']._serialized_end=1414
-  _globals['_DRAFTANSWER']._serialized_start=1416
-  _globals['_DRAFTANSWER']._serialized_end=1525
-  _globals['_DRAFTCONTROLREPLY']._serialized_start=1527
-  _globals['_DRAFTCONTROLREPLY']._serialized_end=1589
-  _globals['_DRAFT']._serialized_start=1592
-  _globals['_DRAFT']._serialized_end=2161
+  _globals['_DRAFTDESCRIPTION']._serialized_end=541
+  _globals['_OPENDRAFTREQUEST']._serialized_start=544
+  _globals['_OPENDRAFTREQUEST']._serialized_end=758
+  _globals['_OPENDRAFTRESPONSE']._serialized_start=760
+  _globals['_OPENDRAFTRESPONSE']._serialized_end=802
+  _globals['_PREFILLDRAFTREQUEST']._serialized_start=804
+  _globals['_PREFILLDRAFTREQUEST']._serialized_end=911
+  _globals['_PREFILLDRAFTRESPONSE']._serialized_start=913
+  _globals['_PREFILLDRAFTRESPONSE']._serialized_end=935
+  _globals['_PROPOSEREQUEST']._serialized_start=938
+  _globals['_PROPOSEREQUEST']._serialized_end=1104
+  _globals['_PROPOSERESPONSE']._serialized_start=1106
+  _globals['_PROPOSERESPONSE']._serialized_end=1177
+  _globals['_DRAFTCALL']._serialized_start=1180
+  _globals['_DRAFTCALL']._serialized_end=1405
+  _globals['_DRAFTCONTROL']._serialized_start=1407
+  _globals['_DRAFTCONTROL']._serialized_end=1460
+  _globals['_DRAFTANSWER']._serialized_start=1462
+  _globals['_DRAFTANSWER']._serialized_end=1571
+  _globals['_DRAFTCONTROLREPLY']._serialized_start=1573
+  _globals['_DRAFTCONTROLREPLY']._serialized_end=1635
+  _globals['_DRAFT']._serialized_start=1638
+  _globals['_DRAFT']._serialized_end=2207
 # @@protoc_insertion_point(module_scope)

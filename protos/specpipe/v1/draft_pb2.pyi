@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds", "cost_curve", "max_step_rows", "prefix_caching", "cache_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "health_status")
+    __slots__ = ("model_id", "weight_hash", "vocab_size", "num_layers", "dtype", "device", "weight_bytes", "free_memory_bytes", "active_requests", "lease_seconds", "cost_curve", "max_step_rows", "prefix_caching", "cache_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "health_status", "control_frames", "data_address")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,8 @@ class DraftDescription(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_STATUS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     vocab_size: int
@@ -43,7 +45,9 @@ class DraftDescription(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     health_status: int
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., health_status: _Optional[int] = ...) -> None: ...
+    control_frames: bool
+    data_address: str
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., health_status: _Optional[int] = ..., control_frames: _Optional[bool] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class OpenDraftRequest(_message.Message):
     __slots__ = ("request_id", "capacity", "prompt_ids", "prefill_chunk", "lease_owner", "lease_epoch", "lease_token", "cache_scope")
