@@ -521,17 +521,25 @@ def test_services_listen_on_all_interfaces_and_advertise_the_pod_ip(render):
         assert arg(c, "--advertise-host") == "$(POD_IP)"
         (env,) = [e for e in c["env"] if e["name"] == "POD_IP"]
         assert env["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        if component(d) != "draft":
-            assert arg(c, "--transport") == "tcp"
-        if component(d) == "stage":  # next hops on the pod network only (issue 22, N8)
-            assert "10.0.0.0/8" in arg(c, "--peers").split(",")
-    assert all(arg(main_container(d), "--peers") is None
-               for d in workloads(render({"stage": {"peers": []}})))  # fmt: skip
+        assert arg(c, "--transport") == "tcp"
+        if component(d) in ("stage", "draft"):  # hops and answers on the pod network only
+            assert "10.0.0.0/8" in arg(c, "--peers").split(",")  # (issue 22, N8)
+    no_peers = render({"stage": {"peers": []}, "draft": {"peers": []}})
+    assert all(arg(main_container(d), "--peers") is None for d in workloads(no_peers))
     ucx = render({"transport": "ucx", "ucxEnv": [{"name": "UCX_TLS", "value": "rc,tcp"}]})
     for d in workloads(ucx):
         c = main_container(d)
-        assert arg(c, "--transport") == (None if component(d) == "draft" else "ucx")
-        assert any(e["name"] == "UCX_TLS" for e in c["env"]) == (component(d) != "draft")
+        assert arg(c, "--transport") == "ucx"
+        assert any(e["name"] == "UCX_TLS" for e in c["env"])
+
+
+def test_the_draft_listens_for_control_frames_on_its_own_data_port(render):
+    """The routers' calls reach the draft as control frames on its data port (the
+    backends' NetworkPolicy admits the release's pods to it: the test below)."""
+    (draft,) = [d for d in workloads(render()) if component(d) == "draft"]
+    c = main_container(draft)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["data"] == int(arg(c, "--data-port")) != ports["grpc"]
 
 
 @pytest.mark.parametrize(
@@ -1133,7 +1141,7 @@ def test_network_policies_admit_only_the_release_to_backend_ports(render):
     ]
     inner, probes, _scrape = backends["ingress"]
     assert inner["from"] == [{"podSelector": {"matchLabels": own}}]
-    assert ports(inner) == [50052, 50053, 50060] and ports(probes) == [50059]
+    assert ports(inner) == [50052, 50053, 50060, 50061] and ports(probes) == [50059]
     assert "from" not in probes  # health only: the kubelet's probes
     router_policy = named(docs, "NetworkPolicy", "specpipe-router")["spec"]
     public, data, _scrape = router_policy["ingress"]
