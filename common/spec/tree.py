@@ -29,11 +29,11 @@ NO_NODES.setflags(write=False)
 
 
 def member(a: NDArray, b: NDArray) -> NDArray[np.bool_]:
-    """`np.isin(a, b)` for the small arrays of a tree: one broadcast comparison, several
-    times faster than isin's sort at these sizes."""
+    """`np.isin(a, b)` for the small arrays of a tree: set lookups in plain Python, several
+    times faster than isin's sort, and than a broadcast comparison, at these sizes."""
     if a.size * b.size > 1 << 16:
         return np.isin(a, b)
-    return (a[:, None] == b[None, :]).any(axis=1)
+    return np.fromiter(map(set(b.tolist()).__contains__, a.tolist()), dtype=bool, count=a.size)
 
 
 class TokenTree:
