@@ -103,7 +103,7 @@ def extend_frontier(
     merged = merge_candidates(pool)
     if merged is not pool:  # duplicates merged: fewer candidates, in another order
         parent_of = [at[p] for p in merged[0].tolist()]
-    pid, tokens, probs, sources = merged
+    _, tokens, probs, sources = merged
     parents = np.array(parent_of, dtype=np.int64)
     logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
     return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
@@ -186,7 +186,9 @@ def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     ids = tree.ids.tolist()
     # (parent id, token) of every node but the root (node 0), as sets: tens of elements,
     # where a set lookup costs less than numpy's broadcast comparisons
-    nodes = set(zip([ids[p] for p in tree.parent[1:].tolist()], tree.tokens[1:].tolist()))
+    nodes = set(
+        zip([ids[p] for p in tree.parent[1:].tolist()], tree.tokens[1:].tolist(), strict=True)
+    )
     present = set(ids)
     pairs = zip(pool[0].tolist(), pool[1].tolist(), strict=True)
     keep = [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
