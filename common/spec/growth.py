@@ -11,7 +11,7 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
-from .messages import SOURCE_GRAMMAR, Activation, Candidates
+from .messages import SOURCE_DRAFT, SOURCE_GRAMMAR, Activation, Candidates
 from .options import MAX_PREFILL_CHUNKS
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
@@ -156,7 +156,10 @@ def pool_of(cand: Candidates) -> Pool:
     probs = cand.probs
     if probs.dtype not in (torch.float32, torch.float64):
         probs = probs.to(torch.float32)
-    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), cand.sources.numpy()
+    n = len(cand)
+    sources = (np.full(n, SOURCE_DRAFT, dtype=np.int8) if cand.source is None
+               else cand.source.numpy())  # fmt: skip
+    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), sources
 
 
 def candidates_of(pool: Pool) -> Candidates:

@@ -102,12 +102,20 @@ def edge_scores(
     identifies the parent of each candidate); a log score of -inf: never a node."""
     p = np.asarray(probs, dtype=np.float64)
     zero = np.zeros(p.size, dtype=np.int64)
+    if ranking == Ranking.BEAM or p.size == 0:
+        return log_probs(p), zero
+    if sampling.greedy:
+        return log_probs(p), (~best_siblings(parents, p)).astype(np.int64)
+    return _sampled_scores(np.asarray(parents).reshape(-1).tolist(), p, sampling), zero
+
+
+def log_probs(p: NDArray[np.float64]) -> NDArray[np.float64]:
+    """`np.log(p)`, log 0 = -inf without a warning (numpy's `errstate`, a context
+    manager that costs more than the log of a layer's candidates, only where needed)."""
+    if p.size and p.min() > 0:  # (NaN: not > 0)
+        return np.log(p)
     with np.errstate(divide="ignore", invalid="ignore"):
-        if ranking == Ranking.BEAM or p.size == 0:
-            return np.log(p), zero
-        if sampling.greedy:
-            return np.log(p), (~best_siblings(parents, p)).astype(np.int64)
-        return _sampled_scores(np.asarray(parents).reshape(-1).tolist(), p, sampling), zero
+        return np.log(p)
 
 
 def _sampled_scores(
@@ -143,7 +151,7 @@ def _sampled_scores(
         # The nucleus's mass: the kept candidates', or top_p where it extends beyond.
         kept = per_parent([x if k else x * 0.0 for x, k in zip(p, keep, strict=True)])
         p = [x / max(m, sampling.top_p) for x, m in zip(p, kept, strict=True)]
-    return np.where(np.array(keep, dtype=bool), np.log(np.array(p, dtype=np.float64)), -np.inf)
+    return np.where(np.array(keep, dtype=bool), log_probs(np.array(p, dtype=np.float64)), -np.inf)
 
 
 def _divide(a: float, b: float) -> float:

@@ -23,6 +23,8 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from .ranking import log_probs
+
 Indices = NDArray[np.int64]
 NO_NODES: Indices = np.empty(0, dtype=np.int64)
 NO_NODES.setflags(write=False)
@@ -133,11 +135,7 @@ class TokenTree:
         if np.count_nonzero(self.depth[parents] != self.frontier_depth):
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
-        if logp is None:
-            with np.errstate(divide="ignore"):
-                logp = np.log(probs)
-        else:
-            logp = np.asarray(logp, dtype=np.float64)
+        logp = log_probs(probs) if logp is None else np.asarray(logp, dtype=np.float64)
         score = self.score[parents] + logp
         dev = self.dev[parents]
         if deviation is not None:
