@@ -32,7 +32,8 @@ def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos:
     """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix)."""
     idx = np.asarray(idx, dtype=np.int64)
     parents = tree.parent[idx]
-    parent_ids = np.where(parents >= 0, tree.ids[np.maximum(parents, 0)], -1)
+    parent_ids = tree.ids[parents]
+    parent_ids[parents < 0] = -1  # the root's (its -1 read the last id)
     return Activation(
         request_id=request_id,
         positions=torch.from_numpy(root_pos + tree.depth[idx]),

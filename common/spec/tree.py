@@ -110,6 +110,10 @@ class TokenTree:
         """Which of `ids` are nodes of the tree."""
         return member(np.asarray(ids), self.ids)
 
+    def has_any(self, ids: ArrayLike) -> bool:
+        """Whether any of `ids` is a node of the tree."""
+        return not set(self.ids.tolist()).isdisjoint(np.asarray(ids).tolist())
+
     def append_layer(
         self,
         parents: ArrayLike,
