@@ -20,17 +20,25 @@ the controller can be checked to decide the same thing (same steps, same tokens)
 fresh controllers, no model and no engine between them; it prints the CPU time (this
 thread's) per verification, the least of the N (the replays repeat the same decisions:
 their statistics are checked equal), the figure least moved by a shared machine's load.
+
+`--save-events FILE` / `--check-events FILE`: the recorded events of every cell and the
+commands each produced, saved; then replayed on this checkout's controllers, every
+command compared (fails at the first that differs): two versions of the controller
+decide exactly the same on the same events (`--sampling seeded` adds misses).
 """
 
 from __future__ import annotations
 
 import argparse
+import copyreg
 import functools
 import json
+import pickle
 import platform
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,12 +47,14 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import numpy as np  # noqa: E402
 from bench_serve import make_model  # noqa: E402
 from specpipe.common.perf.timeline import Ask, closed_loop  # noqa: E402
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local  # noqa: E402
 from specpipe.common.runtime.lockstep import LockstepEngine  # noqa: E402
-from specpipe.common.spec.controller import Controller  # noqa: E402
+from specpipe.common.spec.controller import Controller, make_controller  # noqa: E402
 from specpipe.common.spec.options import DecodeOptions  # noqa: E402
+from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
 from specpipe.common.spec.specinfer import SpecInferController  # noqa: E402
 from specpipe.common.spec.specpipe import SpecPipeController  # noqa: E402
 
@@ -111,6 +121,43 @@ def replay_cpu(
     return best or 0.0, verifications
 
 
+def _proxy(d: dict) -> types.MappingProxyType:
+    return types.MappingProxyType(d)
+
+
+# the options' read-only mappings (logit bias), for `--save-events`
+copyreg.pickle(types.MappingProxyType, lambda m: (_proxy, (dict(m),)))
+
+
+def plain(x: object) -> object:
+    """A command (or anything in one) as plain values: tensors and arrays as lists with
+    their dtype, dataclasses as their fields."""
+    if isinstance(x, torch.Tensor | np.ndarray):
+        return (str(x.dtype), x.tolist())
+    if isinstance(x, list | tuple):
+        return [plain(y) for y in x]
+    if hasattr(x, "__dataclass_fields__"):
+        return (type(x).__name__, {k: plain(getattr(x, k)) for k in x.__dataclass_fields__})
+    return x
+
+
+def replay_commands(events: list[Event], made: dict[str, tuple]) -> list[object]:
+    """The commands every event gives on fresh controllers (`made`: each request's
+    `make_controller` arguments), as plain values."""
+    ctrls = {rid: make_controller(*args) for rid, args in made.items()}
+    return [plain(getattr(ctrls[rid], name)(*args)) for rid, name, args in events]
+
+
+def check_events(path: Path) -> None:
+    """Replay the saved cells on this checkout's controllers; exit 1 at a difference."""
+    for cell, (events, made, want) in pickle.loads(path.read_bytes()).items():
+        got = replay_commands(events, made)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                sys.exit(f"{cell}: event {i} ({events[i][1]}) decided differently:\n{w}\n{g}")
+        print(f"{cell}: {len(events)} events, every command the same", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default="specpipe,specinfer")
@@ -122,8 +169,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--replay", type=int, default=0, help="replays of each cell's events")
     ap.add_argument("--out", default=str(HERE / "results" / "controller"))
+    ap.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
+                    help="seeded: temperature 0.8, top-k 20, top-p 0.9, seed 7")  # fmt: skip
+    ap.add_argument("--save-events", type=Path, help="save each cell's events and commands")
+    ap.add_argument("--check-events", type=Path, help="replay saved events, compare commands")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.check_events:
+        check_events(args.check_events)
+        return
 
     with tempfile.TemporaryDirectory(prefix="bench-controller-") as tmp:
         local = build_local(make_model(Path(tmp), 8, 256, 512), args.stages, ORACLE_DRAFT)
@@ -133,8 +187,11 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         width=args.width,
         layers_per_step=args.layers_per_step,
+        sampling=SamplingParams()
+        if args.sampling == "greedy"
+        else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7),
     )
-    rows, tokens = [], {}
+    rows, tokens, saved = [], {}, {}
     for mode in args.modes.split(","):
         for conc in (int(c) for c in args.concurrency.split(",")):
             engine = LockstepEngine(local.pipeline, local.draft)
@@ -154,6 +211,10 @@ def main() -> None:
             if args.replay:
                 cpu, nv = replay_cpu(clock.events, clock.made, args.replay)
                 row["replay_cpu_us_per_verification"] = round(1e6 * cpu / nv, 1)
+            if args.save_events:
+                made = {rid: (mode, rid, m.args[1], m.args[3], m.args[4])
+                        for rid, m in clock.made.items()}  # fmt: skip
+                saved[f"{mode}@{conc}"] = (clock.events, made, replay_commands(clock.events, made))
             rows.append(row)
             tokens[f"{mode}@{conc}"] = [x.tokens for x in load.served]
             print(
@@ -170,8 +231,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"config": vars(args), "machine": platform.machine(), "torch": torch.__version__}
-    (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=1, default=str))
     (out / "tokens.json").write_text(json.dumps(tokens))
+    if args.save_events:
+        args.save_events.write_bytes(pickle.dumps(saved))
+        print(f"wrote {args.save_events}")
     print(f"wrote {out}/results.json and tokens.json")
 
 

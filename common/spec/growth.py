@@ -11,11 +11,11 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
-from .messages import SOURCE_GRAMMAR, Activation, Candidates
+from .messages import SOURCE_DRAFT, SOURCE_GRAMMAR, Activation, Candidates
 from .options import MAX_PREFILL_CHUNKS
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
-from .tree import NO_NODES, Indices, TokenTree, member
+from .tree import NO_NODES, Indices, TokenTree
 
 # A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources. The
 # controller grows from pools (tensors cross once, where candidates come in).
@@ -32,7 +32,8 @@ def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos:
     """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix)."""
     idx = np.asarray(idx, dtype=np.int64)
     parents = tree.parent[idx]
-    parent_ids = np.where(parents >= 0, tree.ids[np.maximum(parents, 0)], -1)
+    parent_ids = tree.ids[parents]
+    parent_ids[parents < 0] = -1  # the root's (its -1 read the last id)
     return Activation(
         request_id=request_id,
         positions=torch.from_numpy(root_pos + tree.depth[idx]),
@@ -90,13 +91,21 @@ def extend_frontier(
 ) -> Indices:
     """Append the best `width` candidates of `pool` whose parents are (still) frontier
     nodes, ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
+    # each candidate's parent's index by its id, in plain Python (tens of candidates)
     frontier = tree.frontier()
-    frontier_ids = tree.ids[frontier]
-    alive = member(pool[0], frontier_ids)
-    if not alive.any():
-        return NO_NODES
-    pid, tokens, probs, sources = merge_candidates(tuple(a[alive] for a in pool))  # type: ignore[arg-type]
-    parents = frontier[(pid[:, None] == frontier_ids[None, :]).argmax(axis=1)]
+    at = dict(zip(tree.ids[frontier].tolist(), frontier.tolist(), strict=True))
+    parent_of = [at.get(p, -1) for p in pool[0].tolist()]
+    if -1 in parent_of:
+        alive = [i for i, q in enumerate(parent_of) if q >= 0]
+        if not alive:
+            return NO_NODES
+        pool = tuple(a[alive] for a in pool)  # type: ignore[assignment]
+        parent_of = [parent_of[i] for i in alive]
+    merged = merge_candidates(pool)
+    if merged is not pool:  # duplicates merged: fewer candidates, in another order
+        parent_of = [at[p] for p in merged[0].tolist()]
+    _, tokens, probs, sources = merged
+    parents = np.array(parent_of, dtype=np.int64)
     logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
     return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
 
@@ -148,7 +157,10 @@ def pool_of(cand: Candidates) -> Pool:
     probs = cand.probs
     if probs.dtype not in (torch.float32, torch.float64):
         probs = probs.to(torch.float32)
-    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), cand.sources.numpy()
+    n = len(cand)
+    sources = (np.full(n, SOURCE_DRAFT, dtype=np.int8) if cand.source is None
+               else cand.source.numpy())  # fmt: skip
+    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), sources
 
 
 def candidates_of(pool: Pool) -> Candidates:
@@ -175,14 +187,18 @@ def merge_candidates(pool: Pool) -> Pool:
 
 def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     """Candidates whose parent is still in the tree and that did not become a node."""
-    pid, tokens, probs, sources = pool
-    node_parent_ids = tree.ids[tree.parent[1:]]  # every node's but the root's (node 0)
-    node_tokens = tree.tokens[1:]
-    taken = (
-        (pid[:, None] == node_parent_ids[None, :]) & (tokens[:, None] == node_tokens[None, :])
-    ).any(axis=1)
-    keep = member(pid, tree.ids) & ~taken
-    return pid[keep], tokens[keep], probs[keep], sources[keep]
+    ids = tree.ids.tolist()
+    # (parent id, token) of every node but the root (node 0), as sets: tens of elements,
+    # where a set lookup costs less than numpy's broadcast comparisons
+    nodes = set(
+        zip([ids[p] for p in tree.parent[1:].tolist()], tree.tokens[1:].tolist(), strict=True)
+    )
+    present = set(ids)
+    pairs = zip(pool[0].tolist(), pool[1].tolist(), strict=True)
+    keep = [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
+    if len(keep) == pool[0].size:
+        return pool
+    return tuple(a[keep] for a in pool)  # type: ignore[return-value]
 
 
 def beside(extra: Candidates, main: Candidates) -> Candidates:

@@ -32,6 +32,7 @@ layer keeps its best `width` candidates by (any deviation, -score).
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 import numpy as np
@@ -51,21 +52,30 @@ def sibling_ranks(
     """Per candidate: its parent's group index, its rank among its siblings by probability
     (0 = best; ties: the earlier candidate first), and the probability mass of the
     siblings ranked before it."""
-    p = np.asarray(probs, dtype=np.float64)
-    parents = np.asarray(parents).reshape(-1)
-    n = p.size
-    order = np.lexsort((-p, parents))  # by parent, then probability down, then position
-    g, p = parents[order], p[order]
-    first = np.ones(n, dtype=bool)
-    first[1:] = g[1:] != g[:-1]
-    idx = np.arange(n)
-    start = np.maximum.accumulate(np.where(first, idx, 0))
-    before_all = np.cumsum(p) - p
-    rank, before = np.empty_like(idx), np.empty_like(p)
-    group = np.empty_like(idx)
-    rank[order] = idx - start
-    before[order] = before_all - before_all[start]
-    group[order] = np.cumsum(first) - 1  # parents in increasing order, as np.unique's
+    p = np.asarray(probs, dtype=np.float64).reshape(-1).tolist()
+    group, rank, before = _sibling_ranks(np.asarray(parents).reshape(-1).tolist(), p)
+    return (np.array(group, dtype=np.int64), np.array(rank, dtype=np.int64),
+            np.array(before, dtype=np.float64))  # fmt: skip
+
+
+def _sibling_ranks(parents: list[int], p: list[float]) -> tuple[list[int], list[int], list[float]]:
+    """`sibling_ranks` on lists, in plain Python: a layer's tens of candidates cost less
+    so than in numpy's sorts and scans. The masses are the floats numpy's cumulative sum
+    gave: one running sum over the candidates ordered by parent, then probability down
+    (NaN last, as numpy sorts it), minus the sum at the group's start."""
+    n = len(p)
+    # stable: ties by position
+    order = sorted(
+        range(n), key=lambda i: (parents[i], p[i] != p[i], -p[i] if p[i] == p[i] else 0.0)
+    )
+    group, rank, before = [0] * n, [0] * n, [0.0] * n
+    total, g, start, start_before = 0.0, -1, 0, 0.0
+    for k, i in enumerate(order):
+        total += p[i]
+        before_all = total - p[i]
+        if k == 0 or parents[i] != parents[order[k - 1]]:
+            g, start, start_before = g + 1, k, before_all
+        group[i], rank[i], before[i] = g, k - start, before_all - start_before
     return group, rank, before
 
 
@@ -92,26 +102,64 @@ def edge_scores(
     identifies the parent of each candidate); a log score of -inf: never a node."""
     p = np.asarray(probs, dtype=np.float64)
     zero = np.zeros(p.size, dtype=np.int64)
+    if ranking == Ranking.BEAM or p.size == 0:
+        return log_probs(p), zero
+    if sampling.greedy:
+        return log_probs(p), (~best_siblings(parents, p)).astype(np.int64)
+    return _sampled_scores(np.asarray(parents).reshape(-1).tolist(), p, sampling), zero
+
+
+def log_probs(p: NDArray[np.float64]) -> NDArray[np.float64]:
+    """`np.log(p)`, log 0 = -inf without a warning (numpy's `errstate`, a context
+    manager that costs more than the log of a layer's candidates, only where needed)."""
+    if p.size and p.min() > 0:  # (NaN: not > 0)
+        return np.log(p)
     with np.errstate(divide="ignore", invalid="ignore"):
-        if ranking == Ranking.BEAM or p.size == 0:
-            return np.log(p), zero
-        if sampling.greedy:
-            return np.log(p), (~best_siblings(parents, p)).astype(np.int64)
-        group, rank, before = sibling_ranks(parents, p)
+        return np.log(p)
 
-        def per_parent(x: NDArray[np.float64]) -> NDArray[np.float64]:
-            return np.bincount(group, weights=x)[group]
 
-        keep = np.ones(p.size, dtype=bool)
-        if sampling.top_k:
-            keep &= rank < sampling.top_k
-            # Renormalize over the top-k where the candidates hold all of it (as the
-            # target's rule does: temperature, then top-k, then top-p).
-            whole = per_parent(np.ones_like(p)) >= sampling.top_k
-            mass = np.where(whole, per_parent(p * keep), 1.0)
-            p, before = p / mass, before / mass
-        if sampling.top_p < 1.0:
-            keep &= before < sampling.top_p  # the mass before it has not reached top_p yet
-            # The nucleus's mass: the kept candidates', or top_p where it extends beyond.
-            p = p / np.maximum(per_parent(p * keep), sampling.top_p)
-        return np.where(keep, np.log(p), -np.inf), zero
+def _sampled_scores(
+    parents: list[int], probs: NDArray[np.float64], sampling: SamplingParams
+) -> NDArray[np.float64]:
+    """Log scores under the request's top-k and top-p, renormalized per parent (plain
+    Python on the layer's candidates; the sums in numpy's order: same floats)."""
+    p = probs.tolist()
+    group, rank, before = _sibling_ranks(parents, p)
+    n, groups = len(p), (max(group) + 1 if group else 0)
+
+    def per_parent(x: list[float]) -> list[float]:
+        sums = [0.0] * groups
+        for g, v in zip(group, x, strict=True):
+            sums[g] += v
+        return [sums[g] for g in group]
+
+    keep = [True] * n
+    # a candidate left out adds x * 0.0 to its parent's mass, as numpy's p * keep did
+    # (0 unless x is NaN)
+    if sampling.top_k:
+        keep = [r < sampling.top_k for r in rank]
+        # Renormalize over the top-k where the candidates hold all of it (as the target's
+        # rule does: temperature, then top-k, then top-p).
+        count = per_parent([1.0] * n)
+        kept = per_parent([x if k else x * 0.0 for x, k in zip(p, keep, strict=True)])
+        mass = [m if c >= sampling.top_k else 1.0 for m, c in zip(kept, count, strict=True)]
+        p = [_divide(x, m) for x, m in zip(p, mass, strict=True)]
+        before = [_divide(b, m) for b, m in zip(before, mass, strict=True)]
+    if sampling.top_p < 1.0:
+        # the mass before it has not reached top_p yet
+        keep = [k and b < sampling.top_p for k, b in zip(keep, before, strict=True)]
+        # The nucleus's mass: the kept candidates', or top_p where it extends beyond.
+        kept = per_parent([x if k else x * 0.0 for x, k in zip(p, keep, strict=True)])
+        p = [x / max(m, sampling.top_p) for x, m in zip(p, kept, strict=True)]
+    return np.where(np.array(keep, dtype=bool), log_probs(np.array(p, dtype=np.float64)), -np.inf)
+
+
+def _divide(a: float, b: float) -> float:
+    """`a / b` as numpy divides float64 (IEEE: a parent whose kept mass is 0 gives inf or
+    NaN, not an exception)."""
+    try:
+        return a / b
+    except ZeroDivisionError:
+        if a == 0 or a != a:
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)

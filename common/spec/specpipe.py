@@ -261,7 +261,7 @@ class SpecPipeController(Controller):
         held, self._held = self._held, []
         if held:
             return cmds + self._grow(concat_pools(*held))
-        newest_alive = bool(tree.has_ids(self._newest).any())
+        newest_alive = tree.has_any(self._newest)
         if not (newest_alive and self._newest_ticket in self._asked):
             # The newest layer was pruned away (or nothing will come for it): regrow from
             # the kept proposals (and fresh n-gram ones) now instead of waiting.
@@ -290,7 +290,7 @@ class SpecPipeController(Controller):
             self._held.append(fresh)  # too deep: wait until a verification makes room
             return []
         pool = concat_pools(fresh, self.reserve)
-        fresh_alive = bool(self.tree.has_ids(fresh[0]).any())
+        fresh_alive = self.tree.has_any(fresh[0])
         new = self._extend(pool)
         if new.size and not fresh_alive:
             self.stats.regrowths += 1

@@ -23,17 +23,19 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from .ranking import log_probs
+
 Indices = NDArray[np.int64]
 NO_NODES: Indices = np.empty(0, dtype=np.int64)
 NO_NODES.setflags(write=False)
 
 
 def member(a: NDArray, b: NDArray) -> NDArray[np.bool_]:
-    """`np.isin(a, b)` for the small arrays of a tree: one broadcast comparison, several
-    times faster than isin's sort at these sizes."""
+    """`np.isin(a, b)` for the small arrays of a tree: set lookups in plain Python, several
+    times faster than isin's sort, and than a broadcast comparison, at these sizes."""
     if a.size * b.size > 1 << 16:
         return np.isin(a, b)
-    return (a[:, None] == b[None, :]).any(axis=1)
+    return np.fromiter(map(set(b.tolist()).__contains__, a.tolist()), dtype=bool, count=a.size)
 
 
 class TokenTree:
@@ -51,7 +53,7 @@ class TokenTree:
         self.score = np.zeros(1, dtype=np.float64)
         self.dev = np.zeros(1, dtype=np.int64)
         self.source = np.zeros(1, dtype=np.int8)
-        self.mask = np.ones((1, 1), dtype=bool)
+        self._mask: NDArray[np.bool_] | None = None
         self.ids = self._new_ids(1)
         self.frontier_depth = 0
 
@@ -59,6 +61,19 @@ class TokenTree:
         ids = np.arange(self._next_id, self._next_id + n, dtype=np.int64)
         self._next_id += n
         return ids
+
+    @property
+    def mask(self) -> NDArray[np.bool_]:
+        """The ancestor mask `M` (`M[i, j]` iff j is i or an ancestor of i), built from
+        `parent` when first read after a change: growth and prunes need only `parent`, and
+        most steps never read it (the grammar's and the penalties' growth do)."""
+        if self._mask is None:
+            mask = np.eye(len(self), dtype=bool)
+            for i, p in enumerate(self.parent.tolist()):
+                if p >= 0:
+                    mask[i] |= mask[p]
+            self._mask = mask
+        return self._mask
 
     def __len__(self) -> int:
         return int(self.tokens.size)
@@ -95,6 +110,10 @@ class TokenTree:
         """Which of `ids` are nodes of the tree."""
         return member(np.asarray(ids), self.ids)
 
+    def has_any(self, ids: ArrayLike) -> bool:
+        """Whether any of `ids` is a node of the tree."""
+        return not set(self.ids.tolist()).isdisjoint(np.asarray(ids).tolist())
+
     def append_layer(
         self,
         parents: ArrayLike,
@@ -117,14 +136,10 @@ class TokenTree:
         parents = np.asarray(parents, dtype=np.int64)
         if parents.size == 0 or width <= 0:
             return np.empty(0, dtype=np.int64)
-        if not (self.depth[parents] == self.frontier_depth).all():
+        if np.count_nonzero(self.depth[parents] != self.frontier_depth):
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
-        if logp is None:
-            with np.errstate(divide="ignore"):
-                logp = np.log(probs)
-        else:
-            logp = np.asarray(logp, dtype=np.float64)
+        logp = log_probs(probs) if logp is None else np.asarray(logp, dtype=np.float64)
         score = self.score[parents] + logp
         dev = self.dev[parents]
         if deviation is not None:
@@ -156,25 +171,25 @@ class TokenTree:
         self.dev = np.concatenate([self.dev, dev[best]])
         self.source = np.concatenate([self.source, src])
         self.ids = np.concatenate([self.ids, self._new_ids(m)])
-        mask = np.zeros((n0 + m, n0 + m), dtype=bool)
-        mask[:n0, :n0] = self.mask
-        mask[n0:, :n0] = self.mask[par]
-        new = np.arange(n0, n0 + m)
-        mask[new, new] = True
-        self.mask = mask
+        self._mask = None
         self.frontier_depth += 1
-        return new
+        return np.arange(n0, n0 + m)
 
     def prune_to(self, child: int) -> Indices:
         """Keep `child` and its descendants; `child` becomes the root. Returns kept old indices."""
         if int(self.parent[child]) != 0:
             raise ValueError("can only prune to a child of the root")
-        keep = self.mask[:, child].nonzero()[0]
-        remap = np.full(len(self), -1, dtype=np.int64)
-        remap[keep] = np.arange(keep.size)
+        # `child`'s subtree: in BFS order a node is in it iff its parent is (one pass over
+        # tens of nodes in plain Python: cheaper than numpy's calls at this size)
+        parent = self.parent.tolist()
+        at = {child: 0}  # old index -> new index
+        for i in range(child + 1, len(parent)):
+            if parent[i] in at:
+                at[i] = len(at)
+        keep = np.fromiter(at, dtype=np.int64, count=len(at))
         # every kept node's parent is a node (none is the root); `child`'s, the root, is
         # not kept: it maps to -1
-        self.parent = remap[self.parent[keep]]
+        self.parent = np.fromiter((at.get(parent[i], -1) for i in at), np.int64, len(at))
         self.tokens = self.tokens[keep]
         self.depth = self.depth[keep] - 1
         self.prob = self.prob[keep]
@@ -184,15 +199,19 @@ class TokenTree:
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
         self.source[0] = 0
-        self.mask = self.mask[keep][:, keep]
+        if self._mask is not None:
+            self._mask = self._mask[keep][:, keep]
         self.ids = self.ids[keep]
         # If the newest layer lost every node, the deepest survivors become the frontier.
-        self.frontier_depth = min(self.frontier_depth - 1, int(self.depth.max()))
+        self.frontier_depth = min(self.frontier_depth - 1, int(self.depth[-1]))  # BFS order
         return keep
 
     def path_to(self, node: int) -> Indices:
         """Indices from the root down to `node`, in order."""
-        return self.mask[node].nonzero()[0]
+        path, parent = [node], self.parent.tolist()
+        while parent[path[-1]] >= 0:
+            path.append(parent[path[-1]])
+        return np.array(path[::-1], dtype=np.int64)
 
     def check_invariants(self) -> None:
         """Assert M equals the ancestor relation of `parent` (used by property tests)."""
@@ -204,4 +223,6 @@ class TokenTree:
             expect[i] |= expect[p]
             assert int(self.depth[i]) == int(self.depth[p]) + 1
         assert np.array_equal(expect, self.mask), "ancestor mask disagrees with parent array"
+        paths = [self.path_to(i).tolist() for i in range(n)]
+        assert paths == [expect[i].nonzero()[0].tolist() for i in range(n)], "paths disagree"
         assert int(self.parent[0]) == -1 and int(self.depth[0]) == 0

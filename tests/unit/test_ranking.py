@@ -99,3 +99,51 @@ def test_candidates_ruled_out_get_no_node() -> None:
     new = tree.append_layer(t(0, 0), t(5, 6), t(0.9, 0.1), 4, logp, t(0, 0))
     assert tree.tokens[new].tolist() == [5]
     tree.check_invariants()
+
+
+def numpy_sampled_scores(parents: np.ndarray, p: np.ndarray, s: SamplingParams) -> np.ndarray:
+    """The rule as numpy arrays (the implementation before the plain-Python one): the
+    reference the controller's decisions must keep bit for bit."""
+    order = np.lexsort((-p, parents))
+    g, q = parents[order], p[order]
+    n = p.size
+    first = np.ones(n, dtype=bool)
+    first[1:] = g[1:] != g[:-1]
+    idx = np.arange(n)
+    start = np.maximum.accumulate(np.where(first, idx, 0))
+    before_all = np.cumsum(q) - q
+    rank, before, group = np.empty_like(idx), np.empty_like(q), np.empty_like(idx)
+    rank[order], before[order] = idx - start, before_all - before_all[start]
+    group[order] = np.cumsum(first) - 1
+
+    def per_parent(x: np.ndarray) -> np.ndarray:
+        return np.bincount(group, weights=x)[group]
+
+    keep = np.ones(n, dtype=bool)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if s.top_k:
+            keep &= rank < s.top_k
+            mass = np.where(per_parent(np.ones_like(p)) >= s.top_k, per_parent(p * keep), 1.0)
+            p, before = p / mass, before / mass
+        if s.top_p < 1.0:
+            keep &= before < s.top_p
+            p = p / np.maximum(per_parent(p * keep), s.top_p)
+        return np.where(keep, np.log(p), -np.inf)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sampled_scores_equal_the_array_rule_bit_for_bit(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 40))
+    parents = rng.integers(0, 6, n)
+    probs = rng.choice([0.5, 0.25, 0.1, 0.0], n) if seed % 4 == 0 else rng.random(n)
+    if seed % 5 == 0:
+        probs[rng.integers(0, n)] = np.nan  # sorts last among its siblings, as numpy's
+    s = SamplingParams(temperature=1.0, top_k=int(rng.integers(0, 5)),
+                       top_p=float(rng.choice([1.0, 0.9, 0.5])))  # fmt: skip
+    logp, _ = edge_scores(parents, probs, Ranking.TARGET, s)
+    want = numpy_sampled_scores(parents, probs.astype(np.float64), s)
+    # the same floats (a NaN's sign aside: no NaN score is ever a node)
+    assert np.array_equal(logp, want, equal_nan=True)
+    group, rank, _ = sibling_ranks(parents, probs)
+    assert rank.min() == 0 and group.max() == len(set(parents.tolist())) - 1
