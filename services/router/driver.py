@@ -21,7 +21,10 @@ verification's end or the stall watch, moved only to an earlier time. The parts:
 - `LateDraftHold` (late_draft.py) may hold a verification for a late draft answer;
 - frames.py checks what a last stage sent.
 
-This module is the loop between them, and the fault policy. Faults: when a replica on
+This module is the loop between them, and the fault policy, as one module: both act on
+the request's one serialized event order (a fault handled while a verification is, or
+a replay beside an event, would break the controller), which one class keeps in one
+place. Faults: when a replica on
 the request's path dies or stops answering (a call fails UNAVAILABLE / NOT_FOUND / past
 its timeout, a stage reports its next hop unreachable, the health monitor reports it
 down, the request has waited `Backends.stall_seconds` for its path while a replica of it
