@@ -103,6 +103,7 @@ def start_specpipe(args) -> Server:
     own tuning (layers per step, width, and whether to use the draft at all)."""
     cmd = [*SPECPIPE, "up", "--target", MODEL, "--draft", args.specpipe_draft, "--stages", "1"]
     cmd += ["--dtype", args.dtype, "--http-port", str(args.port), "--threads", str(args.threads)]
+    cmd += args.specpipe_arg
     return Server("specpipe", cmd, args.port)
 
 
@@ -298,6 +299,13 @@ def main() -> None:
         default="none",
         help="SpecPipe's draft model (none: plain decoding; e.g. qwen2.5-coder-0.5b-instruct)",
     )
+    ap.add_argument(
+        "--specpipe-arg",
+        action="append",
+        default=[],
+        help="one more `specpipe up` argument (repeat; e.g. --specpipe-arg=--width "
+        "--specpipe-arg=2 to pin what the router's tuning chooses)",
+    )
     ap.add_argument("--port", type=int, default=18431)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--no-exactness", action="store_true", help="timings only")
@@ -309,6 +317,7 @@ def main() -> None:
     result |= {"prompts": PROMPTS, "clients": clients, "cpus": os.cpu_count(), "rounds": []}
     result["specpipe_threads"] = args.threads
     result["specpipe_draft"] = args.specpipe_draft
+    result["specpipe_args"] = args.specpipe_arg
     result["vllm_bind"] = args.vllm_bind
     result["aiperf_request_rate"] = args.request_rate
 
