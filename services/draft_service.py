@@ -589,7 +589,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         `pending` holds the calls at work."""
         for call in msg.calls:
             if call.WhichOneof("call") == "propose":  # no task: its answer's callback
-                ask = self._take_propose(call.propose)
+                try:
+                    ask = self._take_propose(call.propose)
+                except Exception as e:  # answered, as a unary handler's crash would be
+                    rlog.error("compute", "draft: a propose failed: %s: %s", type(e).__name__, e)
+                    answer(_refused(call.call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}"))
+                    continue
                 if not isinstance(ask, _Ask):
                     answer(_refused(call.call_id, *ask))
                     continue

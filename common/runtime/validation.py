@@ -203,11 +203,11 @@ def host_finite(x: Tensor) -> bool | None:
     if x.device.type != "cpu":
         return None
     if x.dtype in (torch.float32, torch.float64):
-        return bool(np.isfinite(x.numpy()).all())
+        return bool(np.isfinite(x.detach().numpy()).all())
     mask = _EXPONENT_BITS.get(x.dtype)
     if mask is None:
         return None
-    return not bool(((x.view(torch.int16).numpy() & mask) == mask).any())
+    return not bool(((x.detach().view(torch.int16).numpy() & mask) == mask).any())
 
 
 def nonfinite(tensors: Sequence[Tensor]) -> list[bool]:

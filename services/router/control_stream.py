@@ -112,8 +112,12 @@ class _Stream:
     def carry_on(self, frames: ControlFrames | None, address: str) -> None:
         """Send what the subclass sends as frames to `address` (frames None or address
         empty: on the stream, a replica that takes no control frames)."""
-        if frames is None or not address:
+        if self._frames is not None and address != self._address:
+            # the replica's data plane went or moved (a describe refresh): answers to
+            # what went as frames will not come, so that is a fault as a broken stream
             self._stop_frames()
+            self._on_break(UNAVAILABLE, f"{self.label}: its data plane changed")
+        if frames is None or not address:
             return
         if self._frames is None:
             self._token = f"control:{secrets.token_urlsafe(12)}"

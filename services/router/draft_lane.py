@@ -147,17 +147,18 @@ class DeadlineSweep:
     def sweep(self) -> None:
         """Expire the lanes past their deadline; forget the idle ones."""
         self._timer, self._at = None, math.inf
-        now, earliest = time.monotonic(), math.inf
-        for lane in list(self.lanes):
-            if lane.closed or lane.due == math.inf:
-                self.lanes.discard(lane)
-            elif lane.due <= now:
-                self.lanes.discard(lane)
-                lane.expire()
-            else:
-                earliest = min(earliest, lane.due)
-        if earliest < math.inf:
-            self._arm(earliest)
+        now = time.monotonic()
+        try:
+            for lane in list(self.lanes):
+                if lane.closed or lane.due == math.inf:
+                    self.lanes.discard(lane)
+                elif lane.due <= now:
+                    self.lanes.discard(lane)
+                    lane.expire()
+        finally:  # the other lanes' deadlines stay watched whatever one expiry raised
+            earliest = min((lane.due for lane in self.lanes if not lane.closed), default=math.inf)
+            if earliest < math.inf:
+                self._arm(earliest)
 
 
 _sweeps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DeadlineSweep] = (

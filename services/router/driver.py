@@ -252,7 +252,13 @@ class RequestDriver:
         verification, a progress report, a draft's answer), else queued for the task.
         Either way one at a time and in arrival order: the task is parked only while no
         event is being handled or waits."""
-        if self.events.parked and not self._handling and _at_once(ev):
+        if (
+            self.events.parked
+            and not self._handling
+            and not self._finished
+            and self._error is None
+            and _at_once(ev)
+        ):
             self._handle_now(ev)
         else:
             self.events.put_nowait(ev)
@@ -323,10 +329,12 @@ class RequestDriver:
                 if not events:
                     self._arm(wake)
                     await events.wait()  # meanwhile events are handled at once (_post)
-                if events:
-                    return events.get_nowait()
+                # what an event handled at once gave goes first (tokens to the client,
+                # the end, an error): a queued event comes after it, as in arrival order
                 if self._emitted or self._finished or self._error is not None:
                     return None
+                if events:
+                    return events.get_nowait()
             now, started, until = time.monotonic(), self._quiet_since, self.hold.until
             if until is not None and now >= until:
                 return HoldExpired()

@@ -189,3 +189,31 @@ def test_an_undelivered_frame_fails_the_calls_in_flight() -> None:
         await router.close()
 
     asyncio.run(main())
+
+
+def test_calls_sent_as_frames_fail_when_the_drafts_data_plane_goes() -> None:
+    """A describe refresh finds the draft without its data plane (restarted without
+    --data-port): the calls that went as frames will get no answer, so they fail
+    UNAVAILABLE at once (the driver goes on without the draft), not at their deadline."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        router = make_transport("tcp", inbox)
+        await router.start()
+        silent = make_transport("tcp", Inbox())  # takes frames, answers none
+        address = await silent.start()
+        stream = DraftStream(QuietControl(), "draft")
+        stream.carry_on(ControlFrames(router, inbox), address)
+        call = stream.call(propose=_propose("a", 3, 7))
+        await asyncio.sleep(0.2)  # sent
+        assert stream.frames == 1 and not call.done()
+        stream.carry_on(ControlFrames(router, inbox), "")
+        with pytest.raises(grpc.aio.AioRpcError) as broke:
+            await asyncio.wait_for(call, 5)
+        assert broke.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "data plane changed" in (broke.value.details() or "")
+        await stream.close()
+        for t in (router, silent):
+            await t.close()
+
+    asyncio.run(main())

@@ -366,3 +366,54 @@ def test_the_inbox_routes_a_requests_frames_into_its_owners_events() -> None:
     assert not dep.inbox.admit(ok)
     dep.inbox(Frame(ok))
     assert len(events) == 2 and dep.inbox.dropped == 2
+
+
+def _fail_after(driver: RequestDriver, when: Callable[[list], bool]) -> None:
+    """A failure (router shutdown) posted in the same loop turn as the first verification
+    handled at once whose commands satisfy `when`: it is queued behind what that
+    verification gave."""
+    real = driver.controller.on_verified
+
+    def verified(*args, **kwargs):
+        cmds = real(*args, **kwargs)
+        if driver.events.parked and when(cmds) and not getattr(driver, "_failing", False):
+            driver._failing = True  # type: ignore[attr-defined]
+            asyncio.get_running_loop().call_soon(
+                driver.fail, grpc.StatusCode.UNAVAILABLE, "shut down"
+            )
+        return cmds
+
+    driver.controller.on_verified = verified  # type: ignore[method-assign]
+
+
+def test_a_failure_queued_behind_the_end_does_not_fail_a_finished_request() -> None:
+    """The verification that ends the request, handled at once, and a failure in the
+    same turn: the request ends with its tokens (the failure came after the end)."""
+    from specpipe.common.spec.commands import Finish
+
+    def prepare(driver: RequestDriver) -> None:
+        _fail_after(driver, lambda cmds: any(isinstance(c, Finish) for c in cmds))
+
+    _, out = run_request(deployment(), Mode.PP, options(), prepare)
+    assert out == EXPECTED
+
+
+def test_tokens_handled_at_once_reach_the_client_before_a_later_failure() -> None:
+    """A verification handled at once emits a token, then a failure comes in the same
+    turn: the client gets the token before the request fails."""
+    from specpipe.common.spec.commands import Emit
+
+    got: list[int] = []
+
+    def prepare(driver: RequestDriver) -> None:
+        _fail_after(driver, lambda cmds: any(isinstance(c, Emit) for c in cmds))
+
+    with pytest.raises(DriverError):
+        run_request(
+            deployment(),
+            Mode.PP,
+            options(),
+            prepare,
+            each=lambda d, out: got.extend(out[len(got) :]),
+        )
+    assert got and got == EXPECTED[: len(got)]
