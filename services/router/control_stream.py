@@ -111,7 +111,9 @@ class _Stream:
     # -- control frames ----------------------------------------------------------------
     def carry_on(self, frames: ControlFrames | None, address: str) -> None:
         """Send what the subclass sends as frames to `address` (frames None or address
-        empty: on the stream, a replica that takes no control frames)."""
+        empty: on the stream, a replica that takes no control frames). Frames stopped or
+        sent elsewhere break the stream for what is in flight (`_on_break`): their
+        answers would come from nowhere."""
         if self._frames is not None and address != self._address:
             # the replica's data plane went or moved (a describe refresh): answers to
             # what went as frames will not come, so that is a fault as a broken stream
