@@ -47,9 +47,12 @@ def _add(svc: StageService, rid: str, seq: int, act: Activation, after: int = 0)
 
 
 def _start(svc: StageService, rid: str) -> None:
-    """A request's prompt (its last token, 13, the first root): activations 0 and 1."""
-    _add(svc, rid, 0, Activation(rid, t(0, 1), committed=True, tokens=t(5, 9)))
-    _add(svc, rid, 1, _layer(rid, (2,), (0,), (-1,), (13,)))
+    """A request's prompt (its last token, 13, the first root): activations 0 and 1,
+    added together as the event loop adds a frame's parts (the compute thread, told at
+    the first, takes both in one round: told between them, it took the first alone)."""
+    with svc.rounds.inbox:
+        _add(svc, rid, 0, Activation(rid, t(0, 1), committed=True, tokens=t(5, 9)))
+        _add(svc, rid, 1, _layer(rid, (2,), (0,), (-1,), (13,)))
 
 
 def _layer(rid: str, positions, nodes, parents, tokens) -> Activation:
