@@ -90,17 +90,26 @@ class BlockPool:
         self._lock = threading.RLock()
         self.k = self._zeros(0)
         self.v = self._zeros(0)
+        # K and V of a CPU storage as numpy arrays of same-sized integers (`copy_rows`)
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
         self._gather = torch.empty(2, 0, *self.row_shape, dtype=dtype, device=self.device)
         if allocate:
             self.allocate_storage()
 
     def _zeros(self, blocks: int) -> Tensor:
+        return self._storage(blocks)[0]
+
+    def _storage(self, blocks: int) -> tuple[Tensor, np.ndarray | None]:
+        """A zero K or V storage of `blocks` blocks and, on a CPU, the same memory as a
+        numpy array of integers of the dtype's size (a row copy moves the same bytes
+        whatever the dtype, and numpy has no bfloat16)."""
         shape = (self.num_layers, blocks * self.block_size, *self.row_shape)
         if self.device.type != "cpu" or not blocks:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device), None
         # calloc (numpy's zeros): a large block is fresh zero pages, committed when written
-        raw = torch.from_numpy(np.zeros(math.prod(shape) * self.dtype.itemsize, np.uint8))
-        return raw.view(self.dtype).view(shape)
+        raw = np.zeros(math.prod(shape) * self.dtype.itemsize, np.uint8)
+        as_int = np.dtype(f"i{self.dtype.itemsize}")
+        return torch.from_numpy(raw).view(self.dtype).view(shape), raw.view(as_int).reshape(shape)
 
     @property
     def allocated(self) -> bool:
@@ -114,7 +123,12 @@ class BlockPool:
                 raise RuntimeError("the KV storage cannot be replaced while blocks are held")
             self.clear_prefix_cache()
             self.k = self.v = self._zeros(0)  # the old storage goes before the new comes
-            self.k, self.v = self._zeros(self.max_blocks), self._zeros(self.max_blocks)
+            self._host = None
+            (self.k, k), (self.v, v) = (
+                self._storage(self.max_blocks),
+                self._storage(self.max_blocks),
+            )
+            self._host = (k, v) if k is not None and v is not None else None
             self._storage_blocks, self._stored, self._free, self._refs = self.max_blocks, 0, [], []
 
     # -- accounting --------------------------------------------------------------------
@@ -306,6 +320,11 @@ class BlockPool:
         """K/V of slots `src` into slots `dst`, every layer (a commit moves a few rows),
         queued on the device without waiting for it."""
         if src.size == 0:
+            return
+        if self._host is not None:  # a CPU storage: two array operations on its memory
+            k, v = self._host
+            k[:, dst] = k[:, src]
+            v[:, dst] = v[:, src]
             return
         # one host-to-device copy of both index lists; nothing is read back
         s, d = torch.from_numpy(np.stack([src, dst])).to(self.device, non_blocking=True)

@@ -284,17 +284,22 @@ class TreeKVCache:
         and the copy reads every source before it writes, so a block one prune gives
         back and the next takes reads as it was."""
         commit_rows = self._rows_of(commit_ids)
-        keep = member(self.tree_ids, keep_ids)
+        ids = self.tree_ids
+        keep = member(ids, keep_ids) if keep_ids.size else np.zeros(ids.size, dtype=bool)
         if horizon is not None:
-            keep |= self.tree_ids > horizon
+            keep |= ids > horizon
+        if commit_rows.size == 0:  # a drop only (an empty tree, or all kept: nothing to do)
+            if keep.all():
+                return _EMPTY, _EMPTY
+            if keep.any():  # a node survives only if every tree ancestor survives
+                keep &= ~(self.tree_mask & ~keep).any(axis=1)
+            self._drop_tree_rows(np.flatnonzero(~keep))
+            return _EMPTY, _EMPTY
         # A node survives only if every tree ancestor survives or is being committed.
         ok = keep.copy()
         ok[commit_rows] = True
         keep &= ~(self.tree_mask & ~ok).any(axis=1)
         keep[commit_rows] = False
-        if commit_rows.size == 0:
-            self._drop_tree_rows(np.flatnonzero(~keep))
-            return _EMPTY, _EMPTY
         nc, m = self.n_committed, int(commit_rows.size)
         need = self.pool.blocks_for(nc + m) - len(self.blocks)
         if need > 0:  # the drop may give back the block the commit needs: drop first
@@ -315,6 +320,12 @@ class TreeKVCache:
     def _drop_tree_rows(self, rows: np.ndarray) -> None:
         """Forget tree rows; their slots are free again, and tree blocks left empty go back."""
         if rows.size == 0:
+            return
+        if rows.size == self.num_tree_rows:  # every row: the tree blocks all go back
+            blocks, self.tree_blocks, self._free_tree_slots = self.tree_blocks, [], []
+            self.tree_ids = self.tree_slots = _EMPTY
+            self.tree_mask = np.zeros((0, 0), dtype=bool)
+            self.pool.release(blocks)
             return
         live = np.ones(self.num_tree_rows, dtype=bool)
         live[rows] = False

@@ -184,8 +184,11 @@ def pack(
     flex_arrays = flex_metadata(rows, key_slots) if flex else []
 
     parts = [write, out_rows, *arrays, *flex_arrays]
-    flat = to_device(np.concatenate(parts), device)
-    write_t, out_t, *tensors = flat.split([p.size for p in parts])
+    if device.type == "cpu":  # nothing to copy: each array as it is
+        write_t, out_t, *tensors = [torch.from_numpy(p) for p in parts]
+    else:
+        flat = to_device(np.concatenate(parts), device)
+        write_t, out_t, *tensors = flat.split([p.size for p in parts])
     flex_step = _flex_step(tensors[len(arrays) :], n, depth) if flex else None
     built = []
     for i, p in enumerate(plans):
@@ -193,7 +196,11 @@ def pack(
         keys_t, query_t, prefix_t, anc_t = tensors[4 * i : 4 * i + 4]
         anc_t = anc_t.view(b * q, depth)
         one = len(plans) == 1 and p.key_block == length and not flex
-        mask = tree_mask(prefix_t, anc_t, p.shape, pool.dtype) if one else None
+        mask = None
+        if one and device.type == "cpu":
+            mask = host_mask(arrays[2], arrays[3].reshape(b * q, depth), p.shape, pool.dtype)
+        elif one:
+            mask = tree_mask(prefix_t, anc_t, p.shape, pool.dtype)
         built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, p.shape, p.key_block, mask))
     gathered = max((p.shape[0] * p.shape[2] for p in plans if p.key_block == p.shape[2]),
                    default=0) if not flex else 0  # fmt: skip
@@ -208,6 +215,21 @@ def pack(
         out_rows=out_t,
         flex=flex_step,
     )
+
+
+def host_mask(
+    prefix: np.ndarray, ancestors: np.ndarray, shape: tuple[int, int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """`paged_attention.tree_mask` of a step on a CPU, built in numpy: the same additive
+    mask [B, 1, Q, L] from the same host arrays (`prefix` [B*Q], `ancestors` [B*Q, D]
+    padded with L), in a handful of array operations where the tensor operations cost
+    about ten microseconds each at a step's sizes (no device to copy it to)."""
+    b, q, length = shape
+    visible = np.arange(length + 1) < prefix[:, None]
+    visible[np.arange(b * q)[:, None], ancestors] = True
+    mask = np.where(visible[:, :length], np.float32(0), np.float32(-np.inf))
+    out = torch.from_numpy(mask).view(b, 1, q, length)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _whole_requests(p: PartPlan, counts: Sequence[int]) -> bool:
