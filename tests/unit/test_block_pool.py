@@ -284,3 +284,23 @@ def test_the_pool_holds_its_budget_and_no_more() -> None:
     pool.release(a)
     assert sorted(pool.allocate(3)) == sorted(a)
     assert np.array_equal(pool.slots([5, 2], 2, 6), [22, 23, 8, 9])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_rows_on_a_cpu_moves_every_layers_rows_as_an_index_copy_would(dtype) -> None:
+    """A CPU storage's row copies go through numpy views of its memory: every layer's K
+    and V rows of the sources land in the destinations bit for bit (sources read before
+    any write), in the storage the pool holds now, also after it is allocated anew."""
+    pool = BlockPool(3, 2, 4, 1 << 16, block_size=4, dtype=dtype)
+    for _ in range(2):
+        pool.k.copy_(torch.randn(pool.k.shape))
+        pool.v.copy_(torch.randn(pool.v.shape))
+        k, v = pool.k.clone(), pool.v.clone()
+        src, dst = np.array([3, 7, 40, 5]), np.array([100, 5, 41, 6])
+        pool.copy_rows(src, dst)
+        s, d = torch.from_numpy(src), torch.from_numpy(dst)
+        k.index_copy_(1, d, k.index_select(1, s))
+        v.index_copy_(1, d, v.index_select(1, s))
+        assert torch.equal(pool.k.view(torch.uint8), k.view(torch.uint8))
+        assert torch.equal(pool.v.view(torch.uint8), v.view(torch.uint8))
+        pool.set_budget(1 << 15)  # nothing held: a new storage

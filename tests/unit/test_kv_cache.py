@@ -296,3 +296,57 @@ def test_a_nodes_ancestors_are_its_parents_plus_itself_across_appends() -> None:
                 cache.append_nodes(np.array(ids), np.array(parents))
             assert cache.tree_mask.tolist() == mask.tolist()
             assert cache.tree_ids.tolist() == tree.tolist()
+
+
+def test_a_prune_without_commits_keeps_exactly_the_surviving_subtrees() -> None:
+    """Random trees pruned with no commit (the whole tree dropped, all of it kept by the
+    horizon, or a part kept): the rows left are the nodes kept or past the horizon whose
+    every tree ancestor is left too, their slots and mask rows as before, and the tree
+    blocks no row uses are back in the pool (none at all once every row is gone)."""
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        pool = BlockPool(1, 1, 2, 1 << 20, block_size=4)
+        cache = TreeKVCache(pool, 512)
+        cache.append_committed(3)
+        parent_of: dict[int, int] = {}
+        for _ in range(int(rng.integers(1, 4))):
+            first, n = len(parent_of), int(rng.integers(1, 7))
+            ids = np.arange(first, first + n)
+            parents = np.array([int(rng.integers(-1, i)) for i in ids], dtype=np.int64)
+            cache.append_nodes(ids, parents)
+            parent_of.update(zip(ids.tolist(), parents.tolist(), strict=True))
+        total = len(parent_of)
+        kind = trial % 3
+        if kind == 0:  # everything goes
+            keep, horizon = np.empty(0, dtype=np.int64), total
+        elif kind == 1:  # the horizon keeps everything
+            keep, horizon = np.empty(0, dtype=np.int64), -1
+        else:
+            keep = np.flatnonzero(rng.random(total) < 0.6)
+            horizon = int(rng.integers(0, total))
+        alive = {i for i in range(total) if i in set(keep.tolist()) or i > horizon}
+        want = []
+        for node in range(total):
+            at, ok = node, True
+            while at != -1:
+                ok &= at in alive
+                at = parent_of[at]
+            if ok:
+                want.append(node)
+        row_of = {node: row for row, node in enumerate(cache.tree_ids.tolist())}
+        slots = {node: int(cache.tree_slots[row_of[node]]) for node in want}
+        mask = cache.tree_mask[np.ix_([row_of[x] for x in want], [row_of[x] for x in want])]
+        src, dst = cache.prune_rows(np.empty(0, dtype=np.int64), keep, horizon)
+        assert src.size == dst.size == 0
+        assert cache.tree_ids.tolist() == want
+        assert {n: int(s) for n, s in zip(want, cache.tree_slots.tolist(), strict=True)} == slots
+        assert cache.tree_mask.tolist() == mask.tolist()
+        used = {int(s) // 4 for s in cache.tree_slots.tolist()}
+        assert set(cache.tree_blocks) == used
+        assert pool.used_blocks == len(cache.blocks) + len(used)
+        if not want:
+            assert cache.tree_blocks == [] and cache._free_tree_slots == []
+        # the cache takes new nodes after it (a parent left, or the committed prefix)
+        parent = want[-1] if want else -1
+        new = cache.append_nodes(np.array([total]), np.array([parent]))
+        assert new.slots.size == 1 and cache.tree_ids.tolist() == [*want, total]

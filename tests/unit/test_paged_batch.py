@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from specpipe.common.model.paged_attention import tree_mask
 from specpipe.common.runtime.block_pool import BlockPool
 from specpipe.common.runtime.kv_cache import NewRows
 from specpipe.common.runtime.paged_batch import _one_part, _parts, _whole_requests, pack, plan
@@ -87,3 +89,18 @@ def test_the_array_pass_lays_out_a_part_as_the_group_loop_does(budget) -> None:
             assert a.dtype == b.dtype and a.tolist() == b.tolist()
         built += 1
     assert built > 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_steps_mask_built_on_the_host_is_the_devices(dtype) -> None:
+    """On a CPU a step's one part gets its additive mask from numpy (`host_mask`): the
+    same values, shape and dtype as `tree_mask` builds from the part's tensors."""
+    rng = np.random.default_rng(11)
+    pool = BlockPool(1, 1, 4, 1 << 20, dtype=dtype)
+    for _ in range(40):
+        rows, keys = random_step(rng)
+        batch = pack(rows, keys, pool)
+        (part,) = batch.parts
+        want = tree_mask(part.prefix, part.ancestors, part.shape, dtype)
+        assert part.mask is not None and part.mask.dtype == dtype
+        assert part.mask.shape == want.shape and torch.equal(part.mask, want)
