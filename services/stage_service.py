@@ -214,10 +214,15 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
 
     @property
     def name(self) -> str:
-        if self.model is None:
+        """Made once per model loaded (read several times a round, by every frame)."""
+        model = self.model
+        if model is None:
             return "stage (no model)"
-        r = self.model.runtime.model.layer_range
-        return f"stage layers {r.start}:{r.end}/{r.num_layers}"
+        named = getattr(self, "_named", None)
+        if named is None or named[0] is not model:
+            r = model.runtime.model.layer_range
+            named = self._named = (model, f"stage layers {r.start}:{r.end}/{r.num_layers}")
+        return named[1]
 
     @property
     def runtime(self) -> StageRuntime:

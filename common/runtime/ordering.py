@@ -36,7 +36,7 @@ MAX_PENDING = 4096
 
 
 def _nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 def _prune_bytes(prune: Prune) -> int:
@@ -72,6 +72,7 @@ class RequestOrder:
     max_pending_bytes: int = 1 << 62  # the stage sets it per request
     pending_bytes: int = 0  # of the activations in `pending`
     _sizes: dict[int, int] = field(default_factory=dict)  # their bytes, by seq
+    _prune_sizes: dict[int, int] = field(default_factory=dict)  # the prunes', by seq
 
     def add_activation(self, seq: int, item: Pending) -> None:
         """Accept activation `seq`; InvalidInput if it was received before or is more
@@ -121,6 +122,7 @@ class RequestOrder:
             self._check_room(f"prune {seq}", len(self.prunes), "prunes", size,
                              "wait to be applied")  # fmt: skip
         self.prunes[seq] = prune
+        self._prune_sizes[seq] = size
         self.pending_bytes += size
 
     def next_prune(self) -> tuple[int, Prune] | None:
@@ -132,7 +134,8 @@ class RequestOrder:
     def prune_applied(self, seq: int) -> None:
         if seq != self.applied + 1 or seq not in self.prunes:
             raise ValueError(f"prune {seq} is not the one to apply (applied {self.applied})")
-        self.pending_bytes -= _prune_bytes(self.prunes.pop(seq))
+        self.prunes.pop(seq)
+        self.pending_bytes -= self._prune_sizes.pop(seq)
         self.applied = seq
 
     def next_activation(self) -> tuple[int, Pending] | None:
