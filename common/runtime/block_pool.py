@@ -311,10 +311,13 @@ class BlockPool:
         return self._gather[0, :rows], self._gather[1, :rows]
 
     def slots(self, blocks: list[int], start: int, stop: int) -> np.ndarray:
-        """Slots of rows [start, stop) of a block table."""
-        rows = np.arange(start, stop)
-        table = np.asarray(blocks, dtype=np.int64)
-        return table[rows // self.block_size] * self.block_size + rows % self.block_size
+        """Slots of rows [start, stop) of a block table (only the blocks they fall in are
+        read: a step's few rows of a long table cost as few rows of a short one)."""
+        bs = self.block_size
+        first = start // bs
+        rows = np.arange(start - first * bs, stop - first * bs)
+        table = np.asarray(blocks[first : -(-stop // bs)], dtype=np.int64)
+        return table[rows // bs] * bs + rows % bs
 
     def copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         """K/V of slots `src` into slots `dst`, every layer (a commit moves a few rows),

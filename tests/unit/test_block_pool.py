@@ -304,3 +304,17 @@ def test_copy_rows_on_a_cpu_moves_every_layers_rows_as_an_index_copy_would(dtype
         assert torch.equal(pool.k.view(torch.uint8), k.view(torch.uint8))
         assert torch.equal(pool.v.view(torch.uint8), v.view(torch.uint8))
         pool.set_budget(1 << 15)  # nothing held: a new storage
+
+
+def test_slots_of_a_row_range_read_only_its_blocks_and_match_the_whole_table() -> None:
+    """Slots of rows [start, stop) of random block tables: each row's block of the table
+    at its offset, as indexing the whole table gives them (empty ranges included)."""
+    pool = BlockPool(1, 1, 2, 1 << 20, block_size=4)
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        blocks = rng.permutation(50)[: int(rng.integers(0, 12))].tolist()
+        start = int(rng.integers(0, 4 * len(blocks) + 1))
+        stop = int(rng.integers(start, 4 * len(blocks) + 1))
+        want = [blocks[r // 4] * 4 + r % 4 for r in range(start, stop)]
+        got = pool.slots(blocks, start, stop)
+        assert got.dtype == np.int64 and got.tolist() == want
