@@ -203,16 +203,8 @@ def batch_shape(acts: Sequence[Activation]) -> tuple[int, int]:
     rows = sum(len(a) for a in acts)
     if not rows:
         return 0, 0
-    context = sum(len(a) * (_furthest(a.positions) + 1) for a in acts if len(a))
+    context = sum(len(a) * (int(a.positions.max()) + 1) for a in acts if len(a))
     return rows, round(context / rows)
-
-
-def _furthest(positions: torch.Tensor) -> int:
-    """The largest position (a host tensor through numpy: a tensor reduction costs several
-    microseconds, one per request of every round)."""
-    if positions.device.type == "cpu":
-        return int(positions.numpy().max())
-    return int(positions.max())
 
 
 @dataclass
