@@ -44,11 +44,13 @@ class NewRows:
     its committed rows then its tree rows (`TreeKVCache.key_slots`); new row i attends to
     keys [0, prefix[i]) and to the key columns `ancestors[i]` [n, depth], padded with -1
     (tree rows: the node's ancestors and itself; committed rows: none, their prefix is
-    causal)."""
+    causal). `keys`: how many of the request's keys they see at most (the cache's rows
+    once they are in, known where they are made; None: read from the arrays)."""
 
     slots: np.ndarray
     prefix: np.ndarray
     ancestors: np.ndarray
+    keys: int | None = None
 
 
 class TreeKVCache:
@@ -178,7 +180,8 @@ class TreeKVCache:
         self.n_committed += n
         prefix = np.arange(start + 1, start + n + 1)
         no_tree = np.empty((n, 0), dtype=np.int64)
-        return NewRows(self.pool.slots(self.blocks, start, start + n), prefix, no_tree)
+        slots = self.pool.slots(self.blocks, start, start + n)
+        return NewRows(slots, prefix, no_tree, start + n)
 
     def append_nodes(self, node_ids: np.ndarray, parent_ids: np.ndarray) -> NewRows:
         """Rows for tree nodes (BFS order).
@@ -236,7 +239,7 @@ class TreeKVCache:
             ancestors[rows, [j for c in columns for j in range(len(c))]] = [nc + c for c in cols]
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), ancestors)
+        return NewRows(slots, np.full(n, self.n_committed), ancestors, self.length)
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)

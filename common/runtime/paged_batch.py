@@ -82,6 +82,8 @@ def keys_needed(rows: NewRows) -> np.ndarray:
 
 def _keys_of(rows: NewRows) -> int:
     """How many of its request's keys its new rows see (`keys_needed`'s most)."""
+    if rows.keys is not None:
+        return rows.keys
     most = int(rows.prefix.max())
     return max(most, int(rows.ancestors.max()) + 1) if rows.ancestors.size else most
 

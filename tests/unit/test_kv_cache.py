@@ -284,6 +284,8 @@ def test_a_nodes_ancestors_are_its_parents_plus_itself_across_appends() -> None:
                 assert [c for c in new.ancestors[i].tolist() if c >= 0] == want
                 assert np.flatnonzero(cache.tree_mask[rows[node]]).tolist() == sorted(chain)
             assert (new.prefix == cache.n_committed).all() and new.slots.size == n
+            if n:  # the keys its rows see, as the planner would read them from the arrays
+                assert new.keys == max(int(new.prefix.max()), int(new.ancestors.max()) + 1)
         mask, tree = cache.tree_mask.copy(), cache.tree_ids.copy()
         k = len(parent_of)
         for ids, parents, why in [
@@ -307,7 +309,8 @@ def test_a_prune_without_commits_keeps_exactly_the_surviving_subtrees() -> None:
     for trial in range(60):
         pool = BlockPool(1, 1, 2, 1 << 20, block_size=4)
         cache = TreeKVCache(pool, 512)
-        cache.append_committed(3)
+        chunk = cache.append_committed(3)
+        assert chunk.keys == int(chunk.prefix.max()) == 3
         parent_of: dict[int, int] = {}
         for _ in range(int(rng.integers(1, 4))):
             first, n = len(parent_of), int(rng.integers(1, 7))
