@@ -321,7 +321,8 @@ class BlockPool:
 
     def copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         """K/V of slots `src` into slots `dst`, every layer (a commit moves a few rows),
-        queued on the device without waiting for it."""
+        queued on the device without waiting for it (a CPU storage: copied at once, by
+        numpy on the same memory)."""
         if src.size == 0:
             return
         if self._host is not None:  # a CPU storage: two array operations on its memory

@@ -24,7 +24,10 @@ Per part, all int64 in one buffer with the step's `write_slots` [N] and `out_row
   which holds finite values: the pool starts as zeros).
 
 A step costs one host-to-device copy and the device builds each mask with a fixed number
-of operations, whatever the number of requests.
+of operations, whatever the number of requests. On a CPU there is no copy to make: the
+arrays are used as they are, and a step of one part gets its mask from numpy
+(`host_mask`, the same values), where tensor operations cost several times more at a
+step's sizes.
 """
 
 from __future__ import annotations
