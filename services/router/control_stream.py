@@ -41,6 +41,7 @@ from ..transport import Inbox, Transport, TransportError
 from ..transport.codec import Frame
 from ..transport.control_frames import CONTROL, message_frame, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
+from .in_place import InPlaceFuture
 
 log = logging.getLogger(__name__)
 
@@ -361,11 +362,11 @@ class DraftStream(_Stream):
             ((kind, msg),) = item.items()
             rpc = getattr(self.stub, kind.capitalize())
             return asyncio.ensure_future(rpc(msg, timeout=timeout))
-        done = asyncio.get_running_loop().create_future()
+        done = InPlaceFuture()  # answered where its reply is read (in_place.py)
         call_id = next(self._ids)
         self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
         self._waiting[call_id] = done
-        done.add_done_callback(lambda _: self._waiting.pop(call_id, None))
+        done.then(lambda _: self._waiting.pop(call_id, None))
         self._schedule()
         return done
 

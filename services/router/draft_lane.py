@@ -25,6 +25,7 @@ import grpc
 from .backends import Backend
 from .batched import refusal
 from .calls import Deadline
+from .in_place import when_done
 
 Start = Callable[[Backend], asyncio.Future]  # (the draft) -> the call's answer
 OnAnswer = Callable[[object], None]  # the answer's result (a ProposeResponse, or None)
@@ -87,7 +88,7 @@ class DraftLane:
             self._call = call
             self.due = time.monotonic() + self.deadline.timeout()
             self._sweep.watch(self)
-            call.add_done_callback(self._answered)
+            when_done(call, self._answered)  # a frame's answers: in one pass
 
     def _answered(self, call: asyncio.Future) -> None:
         if call is not self._call:
