@@ -42,6 +42,7 @@ from ..transport.codec import Frame
 from ..transport.control_frames import CONTROL, message_frame, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
 from .in_place import InPlaceFuture
+from .send_round import send_round
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class _Stream:
     def _schedule(self) -> None:
         if not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            send_round().add(self._flush)  # every replica's in one callback
 
     def _flush(self) -> None:
         self._flushing = False

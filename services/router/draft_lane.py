@@ -1,6 +1,9 @@
 """One request's draft calls, one at a time in the order the controller created them,
 chained by their answers' callbacks: no task, queue or timeout context per request or
-call (issue 34: each was an event-loop wake-up per call and pipeline step).
+call (issue 34: each was an event-loop wake-up per call and pipeline step). A call on the
+draft's control stream is an `InPlaceFuture` (in_place.py): its lane sees the answer
+where the draft's reply is read, so one reply's answers to many requests are handled in
+one pass.
 
 The draft service adds no ordering of its own (services/draft_service.py runs a
 stream's `Prefill` and `Prune` calls as tasks of their own, beside the batched
