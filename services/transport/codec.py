@@ -111,6 +111,8 @@ def payload_bytes(payload: Tensor | None) -> np.ndarray | None:
     """A uint8 numpy view of the payload's bytes (no copy for CPU tensors)."""
     if payload is None or payload.numel() == 0:
         return None
+    if payload.dtype == torch.uint8 and payload.dim() == 1:
+        return payload.numpy()  # a control frame's message: no view to make
     return payload.reshape(-1).view(torch.uint8).numpy()
 
 
