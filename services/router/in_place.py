@@ -44,9 +44,16 @@ class InPlaceFuture(asyncio.Future):
         return True
 
     def _settled(self) -> None:
+        """Run the `then` callbacks; one that raises is reported as a failed callback
+        would be, and neither the others nor whoever settled the future see it."""
         callbacks, self._then = self._then, None
         for callback in callbacks or ():
-            callback(self)
+            try:
+                callback(self)
+            except Exception as e:
+                self.get_loop().call_exception_handler(
+                    {"message": "an in-place callback failed", "exception": e, "future": self}
+                )
 
 
 def when_done(call: asyncio.Future, callback: Then) -> None:
