@@ -193,8 +193,8 @@ def verified_from_proto(
         raise FrameError(
             f"a verification of {n} nodes and {len(msg.token_ids)} tokens (at most {max_nodes})"
         )
-    high = vocab if vocab else 1 << 62
-    if any(not 0 <= t < high for t in msg.token_ids):
+    tokens, high = tuple(msg.token_ids), vocab if vocab else 1 << 62
+    if min(tokens) < 0 or max(tokens) >= high:
         raise FrameError(f"a verified token outside the vocabulary of {vocab}")
     lps = None
     if logprobs:
@@ -204,9 +204,7 @@ def verified_from_proto(
     # A request's first verification, when it asked for them (the controller checks
     # their number against its prompt).
     prompt = _logprobs_from_proto(msg.prompt_logprobs) if msg.prompt_logprobs else None
-    return Verified(
-        request_id, tuple(msg.node_ids), tuple(msg.token_ids), msg.position, lps, prompt
-    )
+    return Verified(request_id, tuple(msg.node_ids), tokens, msg.position, lps, prompt)
 
 
 def _logprobs_from_proto(msgs) -> tuple[TokenLogprobs, ...]:

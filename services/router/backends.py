@@ -12,6 +12,9 @@ so one that hangs delays no other's checks. A replica that has not answered a ch
 `stall_seconds` (2 s by default; SIGSTOP, a frozen host) is *stalled*: it takes no new
 requests, and every request waiting on it treats it as dead for its path (the request
 driver replays it elsewhere, as on a kill) without waiting for the checks to time out.
+A replica that this router's requests showed working within the last check interval (a
+verification of a path it is on, an answer of the draft) counts as having answered, and
+is checked only every `PROVEN_CHECKS` intervals while that goes on.
 A replica that failed a check and holds no request gets a fresh channel, so one that
 restarted is seen at the next check rather than after gRPC's reconnect backoff.
 
@@ -70,6 +73,10 @@ DEFAULT_STALL_SECONDS = 2.0
 # Replicas whose expected step is within this share of the fastest count as equally fast
 # (cost curves of identical replicas differ by measurement noise): load decides there.
 SPEED_TOLERANCE = 0.1
+# A replica whose requests show it working is checked only every this many intervals
+# (`Backends._due`): its identity and load stay fresh, and a replica that stops
+# working is checked again within an interval.
+PROVEN_CHECKS = 4
 
 
 class NoPath(RuntimeError):
@@ -100,6 +107,9 @@ class Backend:
     first_request_at: float | None = None
     served: int = 0  # requests given to it so far (spreads equal loads round robin)
     answered_at: float | None = None  # the last time it answered a health check
+    # the last time this router's own traffic showed it working (a verification of a
+    # path it is on, the draft's answer): its checks can be sparser (`Backends._due`)
+    progressed_at: float | None = None
     asked_since: float | None = None  # a check has been waiting for its answer since
     stalled: bool = False  # no answer for the stall limit (see the module docstring)
     # its control stream: a stage's feeds, prunes and releases, the draft's calls
@@ -364,7 +374,24 @@ class Backends:
         none is waiting): `stall_seconds` or more makes it stalled."""
         if b.asked_since is None or b.answered_at is None:
             return 0.0
-        return (time.monotonic() if now is None else now) - b.answered_at
+        alive = max(b.answered_at, b.progressed_at or 0.0)
+        return (time.monotonic() if now is None else now) - alive
+
+    def _due(self, b: Backend, now: float) -> bool:
+        """Whether `b`'s next health check is due now that its interval passed: not
+        while its requests showed it working within the last interval and its last
+        check is less than `PROVEN_CHECKS` intervals old (a Describe per replica every
+        `check_interval` cost the router about a tenth of its CPU per step at one
+        client, issue 34; identity and load are still refreshed every few intervals)."""
+        p, answered = b.progressed_at, b.answered_at
+        return (
+            p is None
+            or answered is None
+            or not b.healthy
+            or b.stalled
+            or now - p >= self.check_interval
+            or now - answered >= PROVEN_CHECKS * self.check_interval
+        )
 
     def update(self, endpoints: frozenset[Endpoint]) -> None:
         """The discovery source's current set: new replicas are added (and described by
@@ -688,7 +715,8 @@ class Backends:
                 for b in self.all:
                     t = checks.get(b)
                     if (t is None or t.done()) and now >= next_check.get(b, 0.0):
-                        checks[b] = asyncio.create_task(self._check(b))
+                        if self._due(b, now):
+                            checks[b] = asyncio.create_task(self._check(b))
                         next_check[b] = now + self.check_interval
                 self._mark_stalls(now)
                 for key, b in list(self.by_key.items()):

@@ -41,6 +41,8 @@ from ..transport import Inbox, Transport, TransportError
 from ..transport.codec import Frame
 from ..transport.control_frames import CONTROL, message_frame, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
+from .in_place import InPlaceFuture
+from .send_round import send_round
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +177,7 @@ class _Stream:
     def _schedule(self) -> None:
         if not self._flushing:
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            send_round().add(self._flush)  # every replica's in one callback
 
     def _flush(self) -> None:
         self._flushing = False
@@ -361,11 +363,11 @@ class DraftStream(_Stream):
             ((kind, msg),) = item.items()
             rpc = getattr(self.stub, kind.capitalize())
             return asyncio.ensure_future(rpc(msg, timeout=timeout))
-        done = asyncio.get_running_loop().create_future()
+        done = InPlaceFuture()  # answered where its reply is read (in_place.py)
         call_id = next(self._ids)
         self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
         self._waiting[call_id] = done
-        done.add_done_callback(lambda _: self._waiting.pop(call_id, None))
+        done.then(lambda _: self._waiting.pop(call_id, None))
         self._schedule()
         return done
 

@@ -1,6 +1,9 @@
 """One request's draft calls, one at a time in the order the controller created them,
 chained by their answers' callbacks: no task, queue or timeout context per request or
-call (issue 34: each was an event-loop wake-up per call and pipeline step).
+call (issue 34: each was an event-loop wake-up per call and pipeline step). A call on the
+draft's control stream is an `InPlaceFuture` (in_place.py): its lane sees the answer
+where the draft's reply is read, so one reply's answers to many requests are handled in
+one pass.
 
 The draft service adds no ordering of its own (services/draft_service.py runs a
 stream's `Prefill` and `Prune` calls as tasks of their own, beside the batched
@@ -25,6 +28,7 @@ import grpc
 from .backends import Backend
 from .batched import refusal
 from .calls import Deadline
+from .in_place import when_done
 
 Start = Callable[[Backend], asyncio.Future]  # (the draft) -> the call's answer
 OnAnswer = Callable[[object], None]  # the answer's result (a ProposeResponse, or None)
@@ -87,7 +91,7 @@ class DraftLane:
             self._call = call
             self.due = time.monotonic() + self.deadline.timeout()
             self._sweep.watch(self)
-            call.add_done_callback(self._answered)
+            when_done(call, self._answered)  # a frame's answers: in one pass
 
     def _answered(self, call: asyncio.Future) -> None:
         if call is not self._call:

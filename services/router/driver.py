@@ -390,6 +390,9 @@ class RequestDriver:
         if isinstance(ev, Frame):
             cmds = self._on_frame(ev)
         elif ev.attempt == self.session.attempt:
+            draft = self.path.draft
+            if draft is not None:
+                draft.progressed_at = time.monotonic()  # it answers (backends._due)
             cmds = self.controller.on_candidates(ev.ticket, ev.cand)
         else:
             cmds = []  # an answer for an earlier path
@@ -407,7 +410,10 @@ class RequestDriver:
                 grpc.StatusCode.INTERNAL, f"bad frame from {frame.header.sender}: {e}"
             ) from None
         self._verified_at = frame.header.verified.sent_at_ns or 0
-        return self.hold.verified(v, time.monotonic())
+        now = time.monotonic()
+        for b in self.path.stages:  # each of them computed it (backends._due)
+            b.progressed_at = now
+        return self.hold.verified(v, now)
 
     async def _on_failed_frame(self, frame: Frame) -> list[Command]:
         """A stage reports that it failed the request."""

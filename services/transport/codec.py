@@ -111,6 +111,8 @@ def payload_bytes(payload: Tensor | None) -> np.ndarray | None:
     """A uint8 numpy view of the payload's bytes (no copy for CPU tensors)."""
     if payload is None or payload.numel() == 0:
         return None
+    if payload.dtype == torch.uint8 and payload.dim() == 1:
+        return payload.numpy()  # a control frame's message: no view to make
     return payload.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -148,6 +150,8 @@ def tensor_from_bytes(header: pb.FrameHeader, buf: np.ndarray | Tensor | None) -
     flat = buf if isinstance(buf, Tensor) else torch.from_numpy(buf)
     if flat.numel() != nbytes:
         raise FrameError(f"payload has {flat.numel()} bytes, header announces {nbytes}")
+    if header.dtype == "uint8" and len(header.shape) == 1 and flat.dim() == 1:
+        return flat  # a control frame's message: no views to make
     return flat.view(DTYPES[header.dtype]).reshape(tuple(header.shape))
 
 

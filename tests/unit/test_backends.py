@@ -164,6 +164,32 @@ def test_a_replica_that_answers_no_check_for_the_stall_limit_is_stalled() -> Non
     assert not s0.stalled and s0.eligible
 
 
+def test_a_replica_its_requests_show_working_is_checked_less_often() -> None:
+    """Progress (a verification of a path it is on, the draft's answer) within the last
+    interval stands for a check, up to PROVEN_CHECKS intervals since the last answer;
+    a replica that stops progressing, fails, or stalls is checked at every interval,
+    and progress counts as an answer for the stall limit."""
+    from specpipe.services.router.backends import PROVEN_CHECKS
+
+    bs = backends()
+    bs.check_interval, bs.stall_seconds = 0.5, 2.0
+    s0 = add(bs, "stage", "s0")
+    s0.answered_at = 100.0
+    assert bs._due(s0, 100.5)  # no progress seen: checked every interval
+    s0.progressed_at = 100.4
+    assert not bs._due(s0, 100.5)
+    assert bs._due(s0, 100.9)  # no progress within the last interval
+    s0.progressed_at = 100.0 + PROVEN_CHECKS * 0.5 - 0.1
+    assert bs._due(s0, 100.0 + PROVEN_CHECKS * 0.5)  # identity and load refreshed
+    s0.progressed_at = 100.7
+    s0.healthy = False
+    assert bs._due(s0, 100.8)
+    s0.healthy, s0.stalled = True, True
+    assert bs._due(s0, 100.8)
+    s0.stalled, s0.asked_since = False, 100.6
+    assert bs.stalled_for(s0, 102.5) == pytest.approx(1.8)  # from its last progress
+
+
 def test_the_command_line_default_stall_limit_is_the_routers() -> None:
     from specpipe.services.router.backends import DEFAULT_STALL_SECONDS
 

@@ -224,3 +224,25 @@ def test_a_draft_without_the_stream_gets_unary_calls() -> None:
         assert list((await asyncio.wait_for(then, 5)).token_ids) == [9]
 
     asyncio.run(main())
+
+
+def test_one_send_round_flushes_every_stream_of_a_turn_and_survives_a_failing_one() -> None:
+    from specpipe.services.router.send_round import send_round
+
+    async def main() -> None:
+        ran: list[str] = []
+        loop = asyncio.get_running_loop()
+        errors: list[dict] = []
+        loop.set_exception_handler(lambda _, ctx: errors.append(ctx))
+        handles_before = len(loop._ready)  # type: ignore[attr-defined]
+        r = send_round()
+        r.add(lambda: ran.append("a"))
+        r.add(lambda: 1 / 0)
+        r.add(lambda: (ran.append("c"), r.add(lambda: ran.append("next turn"))))
+        assert len(loop._ready) == handles_before + 1  # type: ignore[attr-defined]
+        await asyncio.sleep(0)
+        assert ran == ["a", "c"] and len(errors) == 1
+        await asyncio.sleep(0)
+        assert ran == ["a", "c", "next turn"]
+
+    asyncio.run(main())

@@ -117,3 +117,45 @@ def test_a_failed_call_or_a_bad_answer_fails_the_lane() -> None:
         assert [(w, str(e)) for w, e in refused.failures] == [("prefill", "refused")]
 
     asyncio.run(main())
+
+
+def test_one_reply_answers_many_lanes_in_place_in_its_order() -> None:
+    """The draft's answers to many requests in one reply are each handed to its lane
+    where the reply is read (no loop turn between them); a refused one fails only its
+    own lane, an answer for a closed lane is dropped."""
+    from specpipe.services.router.control_stream import DraftStream
+    from specpipe.v1 import draft_pb2
+
+    async def main() -> None:
+        stream = DraftStream(SimpleNamespace(), "d0")
+        stream._flushing = True  # nothing is sent: the test answers by hand
+        draft = SimpleNamespace(label="d0", control=stream)
+        got: list[tuple[str, object]] = []
+        failed: list[tuple[str, BaseException]] = []
+        lanes = {}
+        for name in ("a", "b", "c", "gone"):
+            lane = DraftLane(draft, Deadline(None, 60.0),  # type: ignore[arg-type]
+                             lambda what, e, n=name: failed.append((n, e)))  # fmt: skip
+            req = draft_pb2.ProposeRequest(request_id=name)
+            lane.add("propose", lambda d, r=req: d.control.call(propose=r),
+                     lambda result, n=name: got.append((n, result)))  # fmt: skip
+            lanes[name] = lane
+        lanes["gone"].close()
+        ids = [c.call_id for c in stream._calls]
+        proposal = draft_pb2.ProposeResponse(token_ids=[5])
+        reply = draft_pb2.DraftControlReply(answers=[
+            draft_pb2.DraftAnswer(call_id=ids[2], proposal=proposal),
+            draft_pb2.DraftAnswer(call_id=ids[1], code=grpc.StatusCode.NOT_FOUND.value[0],
+                                  message="not open"),
+            draft_pb2.DraftAnswer(call_id=ids[0]),
+            draft_pb2.DraftAnswer(call_id=ids[3], proposal=proposal),
+        ])  # fmt: skip
+        stream._on_reply(reply)
+        assert got == [("c", proposal), ("a", None)]  # at once, in the reply's order
+        ((name, error),) = failed
+        assert name == "b" and error.code() == grpc.StatusCode.NOT_FOUND
+        assert not stream._waiting
+        for lane in lanes.values():
+            lane.close()
+
+    asyncio.run(main())

@@ -102,6 +102,10 @@ def test_a_request_opens_steps_and_releases_its_path(mode: Mode, source: str | N
     assert dep.drafts[0].stub.opened == (["r"] if uses_model else [])
     if mode == Mode.SPECPIPE:  # the tree grew and some of it was verified at once
         assert driver.stats.hits > 0
+    # its verifications showed the path's stages working, the draft's answers the draft
+    # (their health checks can wait: backends._due)
+    assert all(s.progressed_at is not None for s in dep.stages)
+    assert (dep.drafts[0].progressed_at is not None) == uses_model
     assert_released(dep, driver)
 
 
