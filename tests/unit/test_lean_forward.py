@@ -92,36 +92,55 @@ def test_rope_constants_leave_autograd_usable_after_inference_mode() -> None:
     assert x.grad is not None
 
 
-def _tree_step(stage: StageRuntime, lengths: list[int]) -> list[Activation]:
-    """Open one request per length, prefill it, and return a tree layer of 3 rows each."""
+def _tree_step(
+    stage: StageRuntime, lengths: list[int], rows: list[int] | None = None
+) -> list[Activation]:
+    """Open one request per length, prefill it, and return a tree layer of `rows[i]` rows
+    each (3 by default: a root and two children)."""
     acts = []
     for i, n in enumerate(lengths):
-        stage.open(f"r{i}", n + 8)
+        m = 3 if rows is None else rows[i]
+        stage.open(f"r{i}", n + m + 5)
         pre = Activation(f"r{i}", torch.arange(n), committed=True, tokens=torch.arange(n) % 50)
         assert not isinstance(stage.forward_many([pre])[0], Exception)
         acts.append(
             Activation(
                 f"r{i}",
-                torch.tensor([n, n + 1, n + 1]),
-                node_ids=torch.tensor([100, 101, 102]),
-                parent_ids=torch.tensor([-1, 100, 100]),
-                tokens=torch.tensor([1, 2, 3]),
+                torch.tensor([n] + [n + 1] * (m - 1)),
+                node_ids=torch.arange(100, 100 + m),
+                parent_ids=torch.tensor([-1] + [100] * (m - 1)),
+                tokens=torch.arange(1, m + 1),
             )
         )
     return acts
 
 
-@pytest.mark.parametrize("lengths", [[9], [4, 11, 7]])
-def test_per_step_views_attend_as_the_generic_path_to_the_bit(llama_dir, lengths) -> None:
+@pytest.mark.parametrize(
+    ("lengths", "rows", "padded"),
+    [
+        ([9], None, False),
+        ([4, 11, 7], None, False),
+        ([4, 11, 7], [3, 1, 2], True),
+        ([6], [1], False),
+    ],
+)
+def test_per_step_views_attend_as_the_generic_path_to_the_bit(
+    llama_dir, lengths, rows, padded
+) -> None:
+    """One padded part: through the per-step views; queries gathered into the step's
+    buffer where requests have unequal rows (padding), a view of the layer's own where
+    every query group is full, and the same bits as the generic path either way."""
     stage = StageRuntime(load_stage(llama_dir, LayerRange(0, 2, 5), torch.float32))
-    step = stage.prepare_step(_tree_step(stage, lengths))
+    step = stage.prepare_step(_tree_step(stage, lengths, rows))
     try:
         ((x, _, batch),) = step.inputs
         heads, d = stage.model.cfg.num_heads, stage.model.cfg.head_dim
         q = torch.randn(x.shape[0], heads + 1, d)[:, :heads]  # strided, as the layer's
         with torch.inference_mode():  # as a step runs (the pool's tensors are made so)
             views = step_attention(batch, heads)
-            assert views.queries is not None  # one padded part: the per-step views apply
+            assert views.keys is not None  # one padded part: the per-step views apply
+            assert views.unpadded is not padded
+            assert (views.query_buffer is not None) is padded
             for layer in range(2):
                 want = attend(q, batch.k[layer], batch.v[layer], batch, heads)
                 assert torch.equal(attend_layer(q, views, layer), want)
