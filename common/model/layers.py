@@ -176,6 +176,9 @@ class DecoderLayer(nn.Module):
         return x + modules["mlp"].forward(modules["post_attention_layernorm"].forward(x))
 
 
+_AT_LEAST_FP32 = (torch.float32, torch.float64)  # logits kept as they are (no `.float()` op)
+
+
 class StageModel(nn.Module):
     """Layers ``[start, end)`` of a model; embedding on the first stage, norm + head on the last."""
 
@@ -203,7 +206,7 @@ class StageModel(nn.Module):
     def embed(self, token_ids: Tensor) -> Tensor:
         if self.embed_tokens is None:
             raise RuntimeError("only the first stage embeds tokens")
-        return self.embed_tokens(token_ids)
+        return self.embed_tokens.forward(token_ids)
 
     def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
         """One causal sequence `hidden` [n, H] at `positions`, without a cache (a reference
@@ -225,9 +228,9 @@ class StageModel(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("only the last stage computes logits")
-        logits = self.lm_head(self.norm(hidden))
+        logits = project(self.lm_head, self.norm.forward(hidden))
         # At least fp32 (sampling needs it); fp64 models keep fp64 (exactness checks).
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return logits if logits.dtype in _AT_LEAST_FP32 else logits.float()
 
     def num_bytes(self) -> int:
         """Weight bytes, packed ones (`packed_linear`, buffers) included."""
