@@ -15,7 +15,7 @@ CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5.
 request controller and its executors", "The stage engine".
 
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
-layer issues as few as give the reference's bits (28 aten ops in fp32; what they are and
+layer issues as few as give the reference's bits (27 aten ops in fp32; what they are and
 what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
 step shares (RoPE's cos and sin, the attention's views) is made once per step, the
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
@@ -128,9 +128,9 @@ class Attention(nn.Module):
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
         modules = self._modules
         qkv = project(modules["qkv_proj"], x).view(n, heads + 2 * kv_heads, d)
-        rotated = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
-        q, k = rotated.split_with_sizes((heads, kv_heads), 1)  # Tensor.split's Python frame: 3%
-        v = qkv[:, heads + kv_heads :]
+        # split_with_sizes, not Tensor.split (its Python frame was 3% of the draft's samples)
+        qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), 1)
+        q, k = apply_rope(qk, cos, sin).split_with_sizes((heads, kv_heads), 1)
         if step is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
