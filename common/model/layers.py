@@ -15,12 +15,13 @@ CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5.
 request controller and its executors", "The stage engine".
 
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
-layer issues as few as give the reference's bits (28 aten ops in fp32; what they are and
+layer issues as few as give the reference's bits (27 aten ops in fp32; what they are and
 what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
 step shares (RoPE's cos and sin, the attention's views) is made once per step, the
-submodules are called through `.forward` (`nn.Module.__call__`'s hook handling costs
-about 1.5 us a call, nine calls a layer; this model registers no hooks) and the
-projections through `project`.
+submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
+look-up, eight a layer) and called through `.forward` (`nn.Module.__call__`'s hook
+handling costs about 1.5 us a call, nine calls a layer; this model registers no hooks),
+and the projections through `project`.
 """
 
 from __future__ import annotations
@@ -44,32 +45,32 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # The reference normalizes in fp32, casts back to the model's dtype, then scales by
-        # the weight, through `F.rms_norm` (one fused kernel where the device has one,
-        # CUDA; the reference's operations, to the bit, on a CPU), in as few calls as
-        # give the same bits (tests/unit/test_lean_forward.py): an fp32 model's norm is
-        # one call with the weight; a half one's is F.rms_norm's own fp32 upcast and cast
-        # back, then the weight; an fp64 one's is cast down to fp32 and back, as the
-        # reference's is.
-        weight = self.weight
+        # the weight, through `torch.rms_norm` (F.rms_norm without its Python frame; one
+        # fused kernel where the device has one, CUDA; the reference's operations, to the
+        # bit, on a CPU), in as few calls as give the same bits
+        # (tests/unit/test_lean_forward.py): an fp32 model's norm is one call with the
+        # weight; a half one's is torch.rms_norm's own fp32 upcast and cast back, then the
+        # weight; an fp64 one's is cast down to fp32 and back, as the reference's is. The
+        # weight is read from the parameter dict (no `nn.Module.__getattr__`).
+        weight = self._parameters["weight"]
         if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.eps)
+            return torch.rms_norm(x, weight.shape, weight, self.eps)
         if x.dtype in (torch.bfloat16, torch.float16):
-            return weight * F.rms_norm(x, weight.shape, eps=self.eps)
-        normed = F.rms_norm(x.float(), weight.shape, eps=self.eps)
+            return weight * torch.rms_norm(x, weight.shape, None, self.eps)
+        normed = torch.rms_norm(x.float(), weight.shape, None, self.eps)
         return weight * normed.to(x.dtype)
 
 
 @cache
-def _rope_constants(head_dim: int, theta: float, device: torch.device) -> tuple[Tensor, Tensor]:
-    """RoPE's inverse frequencies [1, 1, head_dim / 2] and the sign [head_dim] folded into
-    sin, once per shape and device. Made outside inference mode, so that a forward that
+def _rope_constants(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    """RoPE's inverse frequencies, both halves [1, 1, head_dim], the first half negated,
+    once per shape and device. Made outside inference mode, so that a forward that
     records autograd (a test's) may use them too."""
     with torch.inference_mode(False), torch.no_grad():
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
         inv_freq = 1.0 / (theta ** (exponents / head_dim))
-        sign = torch.ones(head_dim, device=device)
-        sign[: head_dim // 2] = -1.0
-    return inv_freq.view(1, 1, -1), sign
+        signed = torch.cat((-inv_freq, inv_freq))
+    return signed.view(1, 1, -1)
 
 
 def rope_cos_sin(
@@ -77,12 +78,14 @@ def rope_cos_sin(
 ) -> tuple[Tensor, Tensor]:
     """cos and sign-folded sin [n, 1, head_dim] of `positions`, once per step for every
     layer and head (HF's rotate-half convention, with rotate_half's negation moved into
-    sin's first half: `apply_rope`)."""
-    inv_freq, sign = _rope_constants(head_dim, theta, positions.device)
+    sin's first half: `apply_rope`).
+
+    The negation rides on the angles: p * -f == -(p * f) exactly, cos is even and sin odd
+    to the bit (tests/unit/test_lean_forward.py), so cos(p * ±f) is HF's cos and
+    sin(p * ±f) its sin with the first half negated, in 4 operations instead of 6."""
     # int64 positions times fp32: the product converts them as `.float()` would
-    freqs = positions.reshape(-1, 1, 1) * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos(), emb.sin() * sign
+    angles = positions.reshape(-1, 1, 1) * _rope_constants(head_dim, theta, positions.device)
+    cos, sin = angles.cos(), angles.sin()
     return (cos, sin) if dtype == torch.float32 else (cos.to(dtype), sin.to(dtype))
 
 
@@ -123,9 +126,11 @@ class Attention(nn.Module):
     ) -> Tensor:
         n, d = x.shape[0], self.cfg.head_dim
         heads, kv_heads = self.cfg.num_heads, self.cfg.num_kv_heads
-        qkv = project(self.qkv_proj, x).view(n, heads + 2 * kv_heads, d)
-        q, k = apply_rope(qkv[:, : heads + kv_heads], cos, sin).split((heads, kv_heads), 1)
-        v = qkv[:, heads + kv_heads :]
+        modules = self._modules
+        qkv = project(modules["qkv_proj"], x).view(n, heads + 2 * kv_heads, d)
+        # split_with_sizes, not Tensor.split (its Python frame was 3% of the draft's samples)
+        qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), 1)
+        q, k = apply_rope(qk, cos, sin).split_with_sizes((heads, kv_heads), 1)
         if step is None:  # one causal sequence, no cache
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
@@ -134,10 +139,10 @@ class Attention(nn.Module):
                 is_causal=True,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-            return project(self.o_proj, out.reshape(n, heads * d))
+            return project(modules["o_proj"], out.reshape(n, heads * d))
         step.k[layer].index_copy_(0, step.batch.write_slots, k)
         step.v[layer].index_copy_(0, step.batch.write_slots, v)
-        return project(self.o_proj, attend_layer(q, step, layer))
+        return project(modules["o_proj"], attend_layer(q, step, layer))
 
 
 class MLP(nn.Module):
@@ -149,8 +154,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = project(self.gate_up_proj, x).chunk(2, dim=-1)
-        return project(self.down_proj, F.silu(gate) * up)
+        modules = self._modules
+        gate, up = project(modules["gate_up_proj"], x).chunk(2, dim=-1)
+        return project(modules["down_proj"], F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -164,9 +170,13 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, step: StepAttention | None, layer: int
     ) -> Tensor:
-        normed = self.input_layernorm.forward(x)
-        x = x + self.self_attn.forward(normed, cos, sin, step, layer)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        modules = self._modules
+        normed = modules["input_layernorm"].forward(x)
+        x = x + modules["self_attn"].forward(normed, cos, sin, step, layer)
+        return x + modules["mlp"].forward(modules["post_attention_layernorm"].forward(x))
+
+
+_AT_LEAST_FP32 = (torch.float32, torch.float64)  # logits kept as they are (no `.float()` op)
 
 
 class StageModel(nn.Module):
@@ -196,7 +206,7 @@ class StageModel(nn.Module):
     def embed(self, token_ids: Tensor) -> Tensor:
         if self.embed_tokens is None:
             raise RuntimeError("only the first stage embeds tokens")
-        return self.embed_tokens(token_ids)
+        return self.embed_tokens.forward(token_ids)
 
     def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
         """One causal sequence `hidden` [n, H] at `positions`, without a cache (a reference
@@ -218,9 +228,9 @@ class StageModel(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         if self.norm is None or self.lm_head is None:
             raise RuntimeError("only the last stage computes logits")
-        logits = self.lm_head(self.norm(hidden))
+        logits = project(self.lm_head, self.norm.forward(hidden))
         # At least fp32 (sampling needs it); fp64 models keep fp64 (exactness checks).
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return logits if logits.dtype in _AT_LEAST_FP32 else logits.float()
 
     def num_bytes(self) -> int:
         """Weight bytes, packed ones (`packed_linear`, buffers) included."""

@@ -91,13 +91,13 @@ def tree_mask(
     batch, queries, keys = shape
     first = start or 0
     cols = torch.arange(first, first + keys + 1, device=prefix.device)
-    visible = cols[None, :] < prefix[:, None]
+    visible = torch.lt(cols, prefix.unsqueeze(1))  # [B*Q, keys + 1]
     if start is not None:  # a key block: ancestors outside it go to the dropped column
         at = ancestors - start
         ancestors = torch.where((at >= 0) & (at < keys), at, keys)
     visible.scatter_(1, ancestors, True)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=prefix.device)
-    mask.masked_fill_(~visible, float("-inf"))
+    mask = torch.full(visible.shape, float("-inf"), dtype=dtype, device=prefix.device)
+    mask.masked_fill_(visible, 0.0)
     return mask[:, :keys].reshape(batch, 1, queries, keys)
 
 
@@ -106,15 +106,19 @@ class StepAttention:
     """What every layer of one step attends with, made once per step (`step_attention`)
     rather than once per layer: each layer's K/V cache views, and for a step of one
     padded part the gather buffers' views in SDPA's layout and a buffer for the
-    queries, so that a layer issues only its gathers and its SDPA call."""
+    queries, so that a layer issues only its gathers and its SDPA call. A part without
+    padding (`unpadded`: every query group full, so padded position p is new row p and
+    output row i is padded row i: one request, or requests of as many rows each) needs
+    no buffer: the queries are a view of the layer's own and the output is in order."""
 
     batch: PagedBatch
     k: tuple[Tensor, ...]  # layer i's K cache [slots, kv_heads, d]
     v: tuple[Tensor, ...]
     keys: Tensor | None = None  # [B, kv_heads, L, d]: views of the gather buffers
     values: Tensor | None = None
-    query_buffer: Tensor | None = None  # [B*Q, heads, d]
+    query_buffer: Tensor | None = None  # [B*Q, heads, d]; None when unpadded
     queries: Tensor | None = None  # [B, heads, Q, d]: a view of query_buffer
+    unpadded: bool = False
 
 
 def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
@@ -125,13 +129,19 @@ def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
         return StepAttention(batch, k, v)
     b, nq, length = batch.parts[0].shape
     kv_heads, d = batch.k.shape[2], batch.k.shape[3]
+    keys = batch.key_buffer.view(b, length, kv_heads, d).transpose(1, 2)
+    values = batch.value_buffer.view(b, length, kv_heads, d).transpose(1, 2)
+    # one part of whole requests in order (`runtime.paged_batch.pack`): with no padded
+    # position, its query rows and output rows are both 0..N-1
+    if b * nq == batch.write_slots.shape[0]:
+        return StepAttention(batch, k, v, keys, values, unpadded=True)
     query_buffer = batch.k.new_empty((b * nq, heads, d))
     return StepAttention(
         batch,
         k,
         v,
-        keys=batch.key_buffer.view(b, length, kv_heads, d).transpose(1, 2),
-        values=batch.value_buffer.view(b, length, kv_heads, d).transpose(1, 2),
+        keys=keys,
+        values=values,
         query_buffer=query_buffer,
         queries=query_buffer.view(b, nq, heads, d).transpose(1, 2),
     )
@@ -140,20 +150,22 @@ def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
 def attend_layer(q: Tensor, step: StepAttention, layer: int) -> Tensor:
     """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] at
     `layer` (the new rows' K/V written)."""
-    if step.queries is None:
+    if step.keys is None:
         return attend(q, step.k[layer], step.v[layer], step.batch, q.shape[1])
     part = step.batch.parts[0]
     torch.index_select(step.k[layer], 0, part.key_slots, out=step.batch.key_buffer)
     torch.index_select(step.v[layer], 0, part.key_slots, out=step.batch.value_buffer)
-    torch.index_select(q, 0, part.query_rows, out=step.query_buffer)
+    b, nq, _ = part.shape
+    if step.unpadded:
+        queries = q.view(b, nq, q.shape[1], q.shape[2]).transpose(1, 2)
+    else:
+        torch.index_select(q, 0, part.query_rows, out=step.query_buffer)
+        queries = step.queries
     out = F.scaled_dot_product_attention(
-        step.queries, step.keys, step.values, attn_mask=part.mask, enable_gqa=True
+        queries, step.keys, step.values, attn_mask=part.mask, enable_gqa=True
     )  # [B, heads, Q, d]
-    return (
-        out.transpose(1, 2)
-        .reshape(-1, q.shape[1] * q.shape[2])
-        .index_select(0, step.batch.out_rows)
-    )
+    out = out.transpose(1, 2).reshape(-1, q.shape[1] * q.shape[2])
+    return out if step.unpadded else out.index_select(0, step.batch.out_rows)
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: PagedBatch, heads: int) -> Tensor:
