@@ -574,6 +574,8 @@ def main() -> None:
     ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
     ap.add_argument("--no-control-frames", action="store_true",
                     help="the router's feeds and prunes on the gRPC streams (A/B)")  # fmt: skip
+    ap.add_argument("--no-relay-prunes", action="store_true",
+                    help="the router's prunes to every stage, not relayed from stage 1 (A/B)")  # fmt: skip
     ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
                     help="only each process's CPU over SECONDS without a request")  # fmt: skip
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
@@ -599,6 +601,7 @@ def main() -> None:
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
         # an older checkout's launcher (a "before" run) has no control_frames
         **({"control_frames": False} if args.no_control_frames else {}),
+        **({"relay_prunes": False} if args.no_relay_prunes else {}),
     )  # fmt: skip
     dep.start()
     cells = []
