@@ -18,7 +18,9 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
   `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
   posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
   prunes only, all applied, has nothing to post), which sends each output to its
-  request's next hop, the frames of all requests that share a hop together.
+  request's next hop, the frames of all requests that share a hop together, with the
+  prunes the round applied that came relayed (`_relayed`: on the request's frame there,
+  or a frame of prunes only; docs/architecture.md, "Relayed prunes").
 
 Where launches are asynchronous the next round is prepared between a round's launch
 and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at
@@ -199,6 +201,7 @@ class ComputeRounds:
         # `apply_prunes` callers, told once a round applied every prune waiting now
         self._prunes_wanted: list[Callable[[], None]] = []
         self._prunes_taken: list[Callable[[], None]] = []  # the compute thread's, in hand
+        self._thread: threading.Thread | None = None
 
     def wake(self) -> None:
         """New work arrived (an activation): the compute thread is told
@@ -238,6 +241,8 @@ class ComputeRounds:
             if not self.prunes_waiting():
                 return
             if self._stopped:
+                if self._thread is not None and self._thread.is_alive():
+                    return  # stopping: its last round may still run
                 work = self._collect(turns=False)
             else:
                 loop = asyncio.get_running_loop()
@@ -266,9 +271,10 @@ class ComputeRounds:
 
         self._stopped = False
         self._halt.clear()
-        threading.Thread(
+        self._thread = threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
-        ).start()
+        )
+        self._thread.start()
         try:
             while True:
                 item = await rounds.get()

@@ -3,11 +3,12 @@
 `Feed` rows go to stage 1 and `BroadcastPrune`s to every stage on each stage's control
 stream (control_stream.py: one long-lived gRPC stream per replica, shared with the
 router's other requests), or to stage 1 only where every stage of the path relays them
-(`StageStream.relays`: each passes them on to the next on the request's frames); the draft's calls (`DraftOpen` as a unary call, `DraftPrefill`
-and `Propose` on its stream) run in one ordered lane (draft_lane.py: each call sent once
-the one before it was answered, chained by callbacks), so the draft sees prunes and
-layers in the order the controller created them, and prunes for the draft (`DraftPrune`)
-ride on the next `Propose`. Each refusal, broken stream and draft answer becomes an event
+(`StageStream.relays`: each passes them on to the next on the request's frames); the
+draft's calls (`DraftOpen` as a unary call, `DraftPrefill` and `Propose` on its
+stream) run in one ordered lane (draft_lane.py: each call sent once the one before it
+was answered, chained by callbacks), so the draft sees prunes and layers in the order
+the controller created them, and prunes for the draft (`DraftPrune`) ride on the next
+`Propose`. Each refusal, broken stream and draft answer becomes an event
 (events.py) tagged with the path's attempt: the driver ignores those of a path it
 abandoned. Nothing here decides anything: the commands are the controller's.
 """
