@@ -20,7 +20,7 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
   prunes only, all applied, has nothing to post), which sends each output to its
   request's next hop, the frames of all requests that share a hop together, with the
   prunes the round applied that came relayed (`_relayed`: on the request's frame there,
-  or a frame of prunes only; docs/architecture.md, "Relayed prunes").
+  or a frame of prunes only; docs/architecture.md, "6. Control plane and data plane").
 
 Where launches are asynchronous the next round is prepared between a round's launch
 and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at

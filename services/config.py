@@ -443,7 +443,7 @@ class RouterConfig(ServiceConfig):
         help="send every prune to every stage of a request's path, not to its first stage "
         "only (by default, where every stage of the path relays them, each stage passes "
         "them on to the next on the request's hidden-state frames: no prune frame per "
-        'stage and step; see docs/architecture.md, "Relayed prunes")',
+        'stage and step; see docs/architecture.md, "6. Control plane and data plane")',
     )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")
