@@ -299,6 +299,7 @@ def control_cells(args, target: Path, stages: int, costs: EmulatedCosts) -> list
         metrics=True,
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency),
                     "max_running_per_key": max(args.concurrency)},  # one client: all slots
+        **({"relay_prunes": False} if args.no_relay_prunes else {}),
     )  # fmt: skip
     dep.start()
     rows = []
@@ -618,6 +619,8 @@ def main() -> None:
     )
     ap.add_argument("--control-stages", type=ints, default=[4, 8])
     ap.add_argument("--control-hidden", type=int, default=64, help="the control part's model")
+    ap.add_argument("--no-relay-prunes", action="store_true",
+                    help="control part: the router's prunes to every stage (A/B)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.modes = args.modes.split(",")

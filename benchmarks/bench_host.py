@@ -65,6 +65,8 @@ STEPS_KEY = "specpipe:stage_forward_seconds_count"  # the last stage's forwards:
 # pipeline). The last stage's rounds also count rounds of prunes only, about 1.7 per
 # pipeline step at 1 client, so CPU per feed is the honest per-step figure there.
 FEEDS_KEY = "specpipe:stage_feeds_per_call_sum"
+# rows each stage computed: pruned rows a stage learns of late are computed all the same
+ROWS_KEY = "specpipe:stage_rows_total"
 
 # Subsystems, checked from a sample's leaf frame up: the first rule whose pattern is in a
 # frame's file (or "file:function") claims the sample. Project modules first (they call
@@ -474,6 +476,8 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     addrs = dep.metrics_addresses()
     before = scrape(addrs[last])
     feeds0 = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0)
+    stages = [f"stage{i}" for i in range(args.stages)]
+    rows0 = {s: scrape(addrs[s]).get(ROWS_KEY, 0.0) for s in stages}
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     profilers = start_profilers(pids, work / f"c{conc}", args.rate, 600) if args.profile else {}
     if profilers:
@@ -489,6 +493,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     profiles = stop_profilers(profilers)
     steps = scrape(addrs[last]).get(STEPS_KEY, 0.0) - before.get(STEPS_KEY, 0.0)
     feeds = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0) - feeds0
+    rows = {s: scrape(addrs[s]).get(ROWS_KEY, 0.0) - rows0[s] for s in stages}
     emitted = sum(len(t) for t in tokens)
     opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width)
     ref = closed_loop(
@@ -506,6 +511,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
         "emitted": emitted,
         "identical": sum(t == x.tokens for t, x in zip(tokens, ref.served, strict=True)),
         "load_average": round(os.getloadavg()[0], 2),
+        "rows_per_feed": {s: round(r / feeds, 3) if feeds else None for s, r in rows.items()},
         "processes": {},
     }
     for name in pids:
@@ -544,6 +550,8 @@ def fmt_cell(c: dict) -> list[str]:
             f"| {name} | {p['cpu_ms_per_step']} | {p.get('cpu_ms_per_feed')} "
             f"| {p['cpu_ms_per_token']} | {split} | {top} |"
         )
+    if rows := c.get("rows_per_feed"):
+        lines += ["", "Rows computed per feed: " + ", ".join(f"{s} {r}" for s, r in rows.items())]
     return [*lines, ""]
 
 
@@ -574,6 +582,8 @@ def main() -> None:
     ap.add_argument("--wire", action="store_true", help="only a control message's CPU")
     ap.add_argument("--no-control-frames", action="store_true",
                     help="the router's feeds and prunes on the gRPC streams (A/B)")  # fmt: skip
+    ap.add_argument("--no-relay-prunes", action="store_true",
+                    help="the router's prunes to every stage, not relayed from stage 1 (A/B)")  # fmt: skip
     ap.add_argument("--idle", type=float, default=0.0, metavar="SECONDS",
                     help="only each process's CPU over SECONDS without a request")  # fmt: skip
     ap.add_argument("--label", default="", help="saved with the results (e.g. before/after)")
@@ -599,6 +609,7 @@ def main() -> None:
         scheduling={**FIXED_TREE, "max_running": max(args.concurrency)},
         # an older checkout's launcher (a "before" run) has no control_frames
         **({"control_frames": False} if args.no_control_frames else {}),
+        **({"relay_prunes": False} if args.no_relay_prunes else {}),
     )  # fmt: skip
     dep.start()
     cells = []

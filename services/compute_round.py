@@ -18,7 +18,9 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
   `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
   posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
   prunes only, all applied, has nothing to post), which sends each output to its
-  request's next hop, the frames of all requests that share a hop together.
+  request's next hop, the frames of all requests that share a hop together, with the
+  prunes the round applied that came relayed (`_relayed`: on the request's frame there,
+  or a frame of prunes only; docs/architecture.md, "6. Control plane and data plane").
 
 Where launches are asynchronous the next round is prepared between a round's launch
 and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at
@@ -36,6 +38,7 @@ turns it took, sliced prefill included, and what each gave).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -96,6 +99,10 @@ class StageRequest:
     report_progress: bool = False
     progress_at: float = 0.0  # when it was last told (time.monotonic)
     sliced: list[Activation] = field(default_factory=list)  # a chunk's slices' outputs
+    # Relayed prunes (StageDescription.relay_prunes): each prune as received, until a
+    # round applies it and passes it on to the next stage on the request's frames there
+    # (under `inbox`; none on the last stage).
+    to_relay: dict[int, pb.PruneSignal] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +115,7 @@ class Work:
     # one per turn: the next hop's activation, or (last stage, verifying) what it verified
     outputs: list[Activation | list[Verified] | None] = field(default_factory=list)
     error: RequestError | None = None
+    relayed: list[pb.PruneSignal] = field(default_factory=list)  # its prunes, passed on
 
 
 @dataclass
@@ -190,6 +198,10 @@ class ComputeRounds:
         # a round's host work before its launch and at its hand-off, running means
         self._host_seconds = {"prepare": 0.0, "complete": 0.0}
         self._prefill_turn = 0  # rounds so far: whose prefill goes first (`_take_prefill`)
+        # `apply_prunes` callers, told once a round applied every prune waiting now
+        self._prunes_wanted: list[Callable[[], None]] = []
+        self._prunes_taken: list[Callable[[], None]] = []  # the compute thread's, in hand
+        self._thread: threading.Thread | None = None
 
     def wake(self) -> None:
         """New work arrived (an activation): the compute thread is told
@@ -209,9 +221,40 @@ class ComputeRounds:
 
     def _prunes_due(self) -> bool:
         """Whether waiting prunes should be applied without waiting for a turn: the KV
-        pool has less than PRUNE_RESERVE of its blocks free."""
+        pool has less than PRUNE_RESERVE of its blocks free, or someone waits for the
+        blocks they free (`apply_prunes`)."""
         pool = self.stage.runtime.pool
-        return pool.free_blocks < PRUNE_RESERVE * pool.max_blocks
+        return bool(self._prunes_wanted) or pool.free_blocks < PRUNE_RESERVE * pool.max_blocks
+
+    def prunes_waiting(self) -> bool:
+        """Whether a prune that can be applied waits (under `inbox`)."""
+        return any(
+            st.order.next_prune() is not None for st in self.requests.values() if not st.closed
+        )
+
+    async def apply_prunes(self, timeout: float) -> None:
+        """Apply every prune waiting now (a deferred prune holds its rows' KV blocks
+        until then), on the compute thread, between its rounds as it applies any
+        (a prune moves K/V rows, which a prepared round's inputs point at); waits at most
+        `timeout` seconds for it. Without a compute thread (stopped), here."""
+        with self.inbox:
+            if not self.prunes_waiting():
+                return
+            if self._stopped:
+                if self._thread is not None and self._thread.is_alive():
+                    return  # stopping: its last round may still run
+                work = self._collect(turns=False)
+            else:
+                loop = asyncio.get_running_loop()
+                done = loop.create_future()
+                self._prunes_wanted.append(lambda: loop.call_soon_threadsafe(_settled, done))
+                self.inbox.notify()
+        if self._stopped:  # a round of prunes only, here
+            self.compute(work)
+            await self._deliver(work)  # relayed prunes
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(done), timeout)
 
     async def run_forever(self) -> None:
         """Start the compute thread and deliver each round it posts, in order, until
@@ -228,9 +271,10 @@ class ComputeRounds:
 
         self._stopped = False
         self._halt.clear()
-        threading.Thread(
+        self._thread = threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
-        ).start()
+        )
+        self._thread.start()
         try:
             while True:
                 item = await rounds.get()
@@ -257,6 +301,7 @@ class ComputeRounds:
                 if work is None and inflight is None:
                     return  # stopped
                 ready = self._prepare(work) if work is not None else None
+                self._prunes_applied()
                 if inflight is not None:
                     self._hand_off(inflight, post)
                 inflight, ready = ready and self._launch(ready), None
@@ -339,6 +384,12 @@ class ComputeRounds:
                     return work
             return None
 
+    def _prunes_applied(self) -> None:
+        """Tell the `apply_prunes` callers whose prunes the round just prepared applied."""
+        told, self._prunes_taken = self._prunes_taken, []
+        for tell in told:
+            tell()
+
     def _hold(self) -> float | None:
         """How long the next round should still wait (0: start it; None: nothing ready)."""
         active, ready, blocked, prunes = [], set(), set(), False
@@ -365,6 +416,8 @@ class ComputeRounds:
         controller and its executors", "Bounded memory per step")."""
         work: dict[str, Work] = {}
         live = [st for st in self.requests.values() if not st.closed]
+        self._prunes_taken += self._prunes_wanted  # this round applies what they wait for
+        self._prunes_wanted = []
         for st in live:
             order, prunes, taken = st.order, [], []
             while (ready := order.next_prune()) is not None:
@@ -373,7 +426,9 @@ class ComputeRounds:
             while turns and not next_is_prefill(order) and (turn := order.next_activation()):
                 taken.append(turn)
             if prunes or taken:
-                work[st.request_id] = Work(st, prunes, taken)
+                w = work[st.request_id] = Work(st, prunes, taken)
+                if st.to_relay:
+                    w.relayed = [p for seq, _ in prunes if (p := st.to_relay.pop(seq, None))]
         if turns and live:
             self._take_prefill(live, work)
         return list(work.values())
@@ -486,7 +541,9 @@ class ComputeRounds:
             self._complete(r)
         except Exception as e:
             r.failed = e
-        if r.failed is None and all(not w.turns and w.error is None for w in r.work):
+        if r.failed is None and all(
+            not w.turns and not w.relayed and w.error is None for w in r.work
+        ):
             return
         post((r.work, r.failed))
 
@@ -661,7 +718,24 @@ class ComputeRounds:
             self.stage.fail(st, f"{name} failed: {type(e).__name__}: {e}")
             return []
         sent = [(st.next_hop, f) for f in frames if f is not None]
+        if w.relayed:
+            sent = self._relayed(st, w.relayed, sent)
         return sent + self._progress(st, w, reported=any(h == st.report_to for h, _ in sent))
+
+    def _relayed(
+        self, st: StageRequest, prunes: list[pb.PruneSignal], sent: list[tuple[str, tuple]]
+    ) -> list[tuple[str, tuple]]:
+        """The prunes this round applied for `st`, passed on to its next stage in this
+        round's write there: on the request's first frame of the round (the receiver
+        applies them before its activation, as here), else on a frame of their own
+        (`prunes_only`, no turn), which joins the other requests' frames to that hop."""
+        if sent:
+            sent[0][1][0].prunes.extend(prunes)
+            return sent
+        header = empty_header(st.request_id, 0, self.stage.name)
+        header.prunes_only = True
+        header.prunes.extend(prunes)
+        return [(st.next_hop, (header, None))]
 
     def _progress(self, st: StageRequest, w: Work, reported: bool) -> list[tuple[str, tuple]]:
         """An empty frame to the request's router saying this stage computed its rows,
@@ -713,3 +787,8 @@ class ComputeRounds:
             for st in {st.request_id: st for st, _ in items}.values():
                 if not st.closed:
                     self.stage.fail(st, f"{self.stage.name} {why}: {e}", unavailable=unavailable)
+
+
+def _settled(done: asyncio.Future) -> None:
+    if not done.done():
+        done.set_result(None)

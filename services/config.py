@@ -438,6 +438,13 @@ class RouterConfig(ServiceConfig):
         "stage's, both ends together; for the draft's, up to a tenth of the router's and "
         "the draft's CPU per token)",
     )
+    no_relay_prunes: bool = flag(
+        False,
+        help="send every prune to every stage of a request's path, not to its first stage "
+        "only (by default, where every stage of the path relays them, each stage passes "
+        "them on to the next on the request's hidden-state frames: no prune frame per "
+        'stage and step; see docs/architecture.md, "6. Control plane and data plane")',
+    )
     target: str | None = flag(help="target model directory (for its tokenizer)")
     model_id: str = flag("", help="name clients use (default: the stages')")
     startup_timeout: float = flag(
@@ -609,6 +616,7 @@ class DeploymentConfig:
     batch_wait: float | None = None  # seconds, of every stage and the draft; None: auto
     prefix_cache: bool = True  # False: --no-prefix-cache on every stage and the draft
     control_frames: bool = True  # False: the router's --no-control-frames
+    relay_prunes: bool = True  # False: the router's --no-relay-prunes
 
     def __post_init__(self) -> None:
         # Tests and benchmarks give scheduling as a mapping of field names.

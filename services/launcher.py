@@ -331,6 +331,7 @@ class ServicesDeployment:
             describe_internals=True,  # every service on this host: its operator's
             scheduling=c.scheduling,
             no_control_frames=not c.control_frames,
+            no_relay_prunes=not c.relay_prunes,
         )
         return self._child(name, "router", config)
 

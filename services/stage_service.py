@@ -77,6 +77,9 @@ from .transport.codec import Kind, error_header
 log = logging.getLogger(__name__)
 rlog = RateLimitedLog(log)
 SERVICE_NAME = "specpipe.v1.Stage"
+# The longest a Describe or an Open waits for the compute thread to apply waiting prunes
+# (between two of its rounds: a round is milliseconds; a long prefill's may be more).
+PRUNES_WAIT_SECONDS = 0.25
 
 
 async def _check_batch(context, n: int, what: str) -> None:
@@ -268,6 +271,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             data_address=self.transport.address,
             ready=self.model is not None,
             control_frames=True,
+            relay_prunes=True,
         )
         if self.model is None:
             self._describe_replica(desc)
@@ -293,6 +297,13 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         desc.step_memory_bytes = budget.bytes
         desc.prefill_cells = self.runtime.prefill_pace.cells
         return desc
+
+    async def Describe(self, request, context) -> stage_pb2.StageDescription:
+        """The description, its free blocks counted after the prunes waiting here (a
+        prune that waits for its request's next round still holds its rows' blocks)."""
+        if self.model is not None:
+            await self.rounds.apply_prunes(PRUNES_WAIT_SECONDS)
+        return self._describe()
 
     async def Configure(self, request, context) -> stage_pb2.StageDescription:
         if not self.allow_configure:
@@ -352,6 +363,8 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                         "the last stage verifies every request: Open needs a VerifySpec (`verify`)"
                     )
                 verify = await self._verify_spec(request.verify)
+            if self.runtime.pool.free_blocks < 1:  # the blocks waiting prunes free first
+                await self.rounds.apply_prunes(PRUNES_WAIT_SECONDS)
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
             claim = self._claim(
@@ -468,13 +481,19 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             return grpc.StatusCode.NOT_FOUND, self._not_open(request.request_id)
         self.leases.renew(st.request_id)
         try:
-            prune = prune_from_proto(request.prune)
             with self.rounds.inbox:
-                st.order.add_prune(request.prune.seq, prune)
+                self._add_prune(st, request.prune, request.relay)
                 self.rounds.prune_arrived(st)
         except (FrameError, RequestError) as e:
             return status_code(e), str(e)
         return None
+
+    def _add_prune(self, st: StageRequest, sig: pb.PruneSignal, relay: bool) -> None:
+        """Queue one prune signal (under `rounds.inbox`); a relayed one (`relay`) is
+        also kept to pass on to the next stage once applied, unless this is the last."""
+        st.order.add_prune(sig.seq, prune_from_proto(sig))
+        if relay and not self.runtime.is_last:
+            st.to_relay[sig.seq] = sig
 
     async def Release(self, request, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self._drop(request.request_id))
@@ -594,20 +613,37 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         try:
             if h.kind not in (Kind.PAYLOAD_KIND_HIDDEN, Kind.PAYLOAD_KIND_EMPTY):
                 raise FrameError(f"a stage takes hidden states, not frames of kind {h.kind}")
+            if h.prunes_only and empty:
+                self._take_relayed(st, h)
+                return
             act = decode(frame)
             if not empty:  # values: on the compute thread (ComputeRounds)
                 check_input(act, self.limits, first=False, finite=False)
-            self._enqueue(st, h.seq, Pending(act, h.after_prune, empty))
+            self._enqueue(st, h.seq, Pending(act, h.after_prune, empty), h)
         except (FrameError, RequestError) as e:
             rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, e)
             log.debug("bad frame for %s", st.request_id)
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
 
-    def _enqueue(self, st: StageRequest, seq: int, item: Pending) -> None:
+    def _enqueue(
+        self, st: StageRequest, seq: int, item: Pending, h: pb.FrameHeader | None = None
+    ) -> None:
+        """Queue an activation, after the prunes relayed on its frame `h` (one hold:
+        the compute thread sees both or neither)."""
         with self.rounds.inbox:
+            if h is not None and h.prunes:
+                for sig in h.prunes:
+                    self._add_prune(st, sig, relay=True)
             st.order.add_activation(seq, item)
             self.aligner.arrived(st.request_id)
             self.rounds.wake()
+
+    def _take_relayed(self, st: StageRequest, h: pb.FrameHeader) -> None:
+        """A frame of relayed prunes only: queued as the router's would be."""
+        with self.rounds.inbox:
+            for sig in h.prunes:
+                self._add_prune(st, sig, relay=True)
+            self.rounds.prune_arrived(st)
 
     # -- failing a request -----------------------------------------------------------------
     def fail(self, st: StageRequest, message: str, unavailable: bool = False) -> None:

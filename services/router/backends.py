@@ -288,12 +288,15 @@ class Backends:
         on_version: Callable[[ModelInfo], None] | None = None,
         stall_seconds: float = DEFAULT_STALL_SECONDS,
         control_frames: ControlFrames | None = None,
+        relay_prunes: bool = True,
     ) -> None:
         """`control_frames`: the router's data plane, which carries feeds and prunes to
         the stages, and calls to the drafts, that take control frames (None: their
-        control streams do)."""
+        control streams do). `relay_prunes`: send a request's prunes to its first stage
+        only where every stage of its path relays them (False: to every stage)."""
         self.discovery = discovery
         self.control_frames = control_frames
+        self.relay_prunes = relay_prunes
         self.stall_seconds = stall_seconds
         self._make_channel = make_channel  # mutual TLS with --secure
         self.on_down, self.on_readiness = on_down, on_readiness
@@ -798,6 +801,8 @@ class Backends:
         b.desc = desc
         if b.control is not None:
             b.control.carry_on(self.control_frames, self._frames_address(desc))
+            if isinstance(b.control, StageStream):
+                b.control.relays = self.relay_prunes and desc.relay_prunes
         identity = ("weight_hash", "layer_start", "layer_end", "num_layers", "vocab_size")
         if before is None or any(
             getattr(before, f, None) != getattr(desc, f, None) for f in identity

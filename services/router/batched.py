@@ -2,10 +2,11 @@
 the router sends a stage that has no control stream (control_stream.py).
 
 Every request's driver feeds its own tree layers to stage 1 and sends its own prune
-signals to every stage. In one pipeline step the router verifies many requests at once
-(their verifications arrive in one frame), and each then prunes and feeds its next group: sent
-as one RPC each, that is 1 + S calls per request and step, which reach a stage one after
-another (its step-alignment window then waits on the late ones) and cost the router and
+signals to every stage (to stage 1 only where the stages relay them: executor.py). In
+one pipeline step the router verifies many requests at once (their verifications arrive
+in one frame), and each then prunes and feeds its next group: sent as one RPC each,
+that is 1 + S calls per request and step, which reach a stage one after another (its
+step-alignment window then waits on the late ones) and cost the router and
 the stages a call's handling each. The calls of one kind that the drivers ask for in one
 turn of the event loop go out as one `FeedMany` or `PruneMany` instead (at most
 `MAX_CALLS_PER_BATCH` items each). Every item keeps its own outcome, as if it had been

@@ -250,6 +250,9 @@ class StageStream(_Stream):
         self._releases: dict[str, list[asyncio.Future]] = {}  # to send: their waiters
         self._released: dict[str, list[asyncio.Future]] = {}  # sent: waiting for the answer
         self.unary: tuple[CallBatcher, CallBatcher] | None = None  # a stage without Control
+        # The stage relays prunes (StageDescription.relay_prunes) and this router lets it
+        # (not --no-relay-prunes): a path of such stages gets its prunes at stage 1 only.
+        self.relays = False
 
     def attach(self, wire_id: str, on_fault: OnFault) -> None:
         self._users[wire_id] = on_fault

@@ -111,6 +111,7 @@ class RouterEngine:
             control_frames=(
                 None if config.no_control_frames else ControlFrames(self.transport, self.inbox)
             ),
+            relay_prunes=not config.no_relay_prunes,
         )
         self.metrics = metrics  # services/metrics.RouterMetrics, or None
         self.tokenizer_dir = config.target

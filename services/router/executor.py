@@ -2,11 +2,13 @@
 
 `Feed` rows go to stage 1 and `BroadcastPrune`s to every stage on each stage's control
 stream (control_stream.py: one long-lived gRPC stream per replica, shared with the
-router's other requests); the draft's calls (`DraftOpen` as a unary call, `DraftPrefill`
-and `Propose` on its stream) run in one ordered lane (draft_lane.py: each call sent once
-the one before it was answered, chained by callbacks), so the draft sees prunes and
-layers in the order the controller created them, and prunes for the draft (`DraftPrune`)
-ride on the next `Propose`. Each refusal, broken stream and draft answer becomes an event
+router's other requests), or to stage 1 only where every stage of the path relays them
+(`StageStream.relays`: each passes them on to the next on the request's frames); the
+draft's calls (`DraftOpen` as a unary call, `DraftPrefill` and `Propose` on its
+stream) run in one ordered lane (draft_lane.py: each call sent once the one before it
+was answered, chained by callbacks), so the draft sees prunes and layers in the order
+the controller created them, and prunes for the draft (`DraftPrune`) ride on the next
+`Propose`. Each refusal, broken stream and draft answer becomes an event
 (events.py) tagged with the path's attempt: the driver ignores those of a path it
 abandoned. Nothing here decides anything: the commands are the controller's.
 """
@@ -61,6 +63,8 @@ class CommandExecutor:
         self.cache_scope = cache_scope
         for s in path.stages:  # refusals and broken streams of this request
             self._stream(s).attach(wire_id, self._on_fault(s))
+        # prunes to stage 1 only, passed on stage to stage (StageStream.relays)
+        self.relay = all(self._stream(s).relays for s in path.stages)
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, with the next layer
         self._lane: DraftLane | None = None
         if path.draft is not None:
@@ -85,8 +89,10 @@ class CommandExecutor:
             )
             self._stream(stage1).feed(req, timeout())
         elif isinstance(cmd, BroadcastPrune):
-            req = pb.PruneRequest(request_id=rid, prune=prune_to_proto(cmd.prune, cmd.seq))
-            for s in self.path.stages:
+            req = pb.PruneRequest(
+                request_id=rid, prune=prune_to_proto(cmd.prune, cmd.seq), relay=self.relay
+            )
+            for s in self.path.stages[:1] if self.relay else self.path.stages:
                 self._stream(s).prune(req, timeout())
         elif isinstance(cmd, DraftPrune):
             self._draft_prunes.append(prune_to_proto(cmd.prune, cmd.seq))

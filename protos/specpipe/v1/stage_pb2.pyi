@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StageDescription(_message.Message):
-    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve", "max_step_rows", "cache_blocks_used", "cache_blocks_free", "cache_block_rows", "prefix_caching", "cache_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "step_memory_bytes", "prefill_cells", "control_frames", "health_status")
+    __slots__ = ("model_id", "weight_hash", "layer_start", "layer_end", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "eos_token_ids", "dtype", "device", "weight_bytes", "free_memory_bytes", "cache_bytes_used", "cache_bytes_limit", "active_requests", "data_address", "ready", "row_budget", "lease_seconds", "cost_curve", "max_step_rows", "cache_blocks_used", "cache_blocks_free", "cache_block_rows", "prefix_caching", "cache_blocks_cached", "prefix_cache_queries", "prefix_cache_hits", "step_memory_bytes", "prefill_cells", "control_frames", "health_status", "relay_prunes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class StageDescription(_message.Message):
     PREFILL_CELLS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_FRAMES_FIELD_NUMBER: _ClassVar[int]
     HEALTH_STATUS_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PRUNES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     weight_hash: str
     layer_start: int
@@ -75,7 +76,8 @@ class StageDescription(_message.Message):
     prefill_cells: int
     control_frames: bool
     health_status: int
-    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_free: _Optional[int] = ..., cache_block_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_memory_bytes: _Optional[int] = ..., prefill_cells: _Optional[int] = ..., control_frames: _Optional[bool] = ..., health_status: _Optional[int] = ...) -> None: ...
+    relay_prunes: bool
+    def __init__(self, model_id: _Optional[str] = ..., weight_hash: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., cache_bytes_used: _Optional[int] = ..., cache_bytes_limit: _Optional[int] = ..., active_requests: _Optional[int] = ..., data_address: _Optional[str] = ..., ready: _Optional[bool] = ..., row_budget: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., cost_curve: _Optional[_Union[_dataplane_pb2.CostCurve, _Mapping]] = ..., max_step_rows: _Optional[int] = ..., cache_blocks_used: _Optional[int] = ..., cache_blocks_free: _Optional[int] = ..., cache_block_rows: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., cache_blocks_cached: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., step_memory_bytes: _Optional[int] = ..., prefill_cells: _Optional[int] = ..., control_frames: _Optional[bool] = ..., health_status: _Optional[int] = ..., relay_prunes: _Optional[bool] = ...) -> None: ...
 
 class ConfigureStageRequest(_message.Message):
     __slots__ = ("model_path", "layer_start", "layer_end", "dtype", "model_id")

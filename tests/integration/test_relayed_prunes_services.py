@@ -1,0 +1,158 @@
+"""Relayed prunes through the services, every service in one process (3 stages and the
+target as its own draft): where every stage relays them the router sends a request's
+prunes to stage 1 only, and the tokens are exactly those of prunes sent to every stage,
+in every decoding mode; a stage that does not relay them (an older version) makes the
+router send them to every stage; a control stream reset mid-request (the request
+replayed under a new id) stays exact and leaves no request and no KV block behind on
+any stage. (Every other integration test runs with relay on too: it is the default.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from specpipe.services.client.common import build_request
+from specpipe.services.draft_service import DraftService
+from specpipe.services.stage_service import StageService
+
+from ..router_config import router_service
+from .test_control_streams import _reset
+from .test_services_alignment import _samples
+from .test_services_stage import _stage
+from .test_services_stalls import _Proxy, _tokens
+
+RANGES = ((0, 2), (2, 4), (4, 5))
+CASES = [("specpipe", 0.0, 0), ("specpipe", 0.9, 7), ("specinfer", 0.0, 0), ("pp", 0.9, 3)]
+
+
+def _request(mode: str, temperature: float, seed: int, n: int = 16):
+    return build_request(prompt_ids=[3, 4, 5, 9], mode=mode, max_new_tokens=n, ignore_eos=True,
+                         temperature=temperature, seed=seed)  # fmt: skip
+
+
+def _prune_calls(svc: StageService) -> int:
+    """Prune signals the stage took from a router (not those relayed on frames)."""
+    return int(_samples(svc)["specpipe:stage_prunes_per_call_sum"])
+
+
+def _holds_nothing(svc: StageService) -> bool:
+    pool = svc.runtime.pool
+    return not svc._requests and pool.used_blocks == pool.cached_blocks
+
+
+async def _served(stages, draft, cases, **router_kw) -> list[list[int]]:
+    """Each case's tokens through a router of its own over the running services."""
+    addrs = [f"127.0.0.1:{s.port}" for s in stages]
+    router = router_service(addrs, f"127.0.0.1:{draft.port}", **router_kw)
+    await router.start(startup_timeout=30)
+    try:
+        return [
+            _tokens([r async for r in router.engine.generate(_request(*case))]) for case in cases
+        ]
+    finally:
+        await router.stop()
+
+
+async def _services(llama_dir) -> tuple[list[StageService], DraftService]:
+    stages = [StageService(_stage(llama_dir, a, b, 5)) for a, b in RANGES]
+    draft = DraftService(llama_dir, "float64")
+    for svc in (*stages, draft):
+        svc.port = await svc.start()
+    return stages, draft
+
+
+async def _wait_empty(stages: list[StageService]) -> None:
+    for _ in range(200):  # releases are answered before the blocks' round ends
+        if all(_holds_nothing(s) for s in stages):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError([(len(s._requests), s.runtime.pool.used_blocks) for s in stages])
+
+
+def test_relayed_prunes_reach_every_stage_from_the_first_and_are_exact(llama_dir) -> None:
+    async def main() -> None:
+        stages, draft = await _services(llama_dir)
+        try:
+            broadcast = await _served(stages, draft, CASES, no_relay_prunes=True)
+            sent = [_prune_calls(s) for s in stages]
+            assert min(sent) > 0 and len(set(sent)) == 1  # every prune to every stage
+            relayed = await _served(stages, draft, CASES)
+            assert relayed == broadcast
+            assert all(len(t) == 16 for t in relayed)
+            more = [_prune_calls(s) - n for s, n in zip(stages, sent, strict=True)]
+            assert more[0] > 0 and more[1:] == [0, 0]  # the router's prunes: stage 1 only
+            await _wait_empty(stages)
+        finally:
+            for svc in (*stages, draft):
+                await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_a_stage_that_does_not_relay_prunes_gets_them_from_the_router(llama_dir) -> None:
+    async def main() -> None:
+        stages, draft = await _services(llama_dir)
+        older = stages[1]
+        describe = older._describe
+
+        def without_relay():
+            desc = describe()
+            desc.relay_prunes = False
+            return desc
+
+        older._describe = without_relay  # type: ignore[method-assign]
+        try:
+            relayed_before = await _served(stages, draft, CASES[:1])
+            sent = [_prune_calls(s) for s in stages]
+            assert min(sent) > 0 and len(set(sent)) == 1  # broadcast: the path has an older stage
+            older._describe = describe  # type: ignore[method-assign]
+            assert await _served(stages, draft, CASES[:1]) == relayed_before
+            await _wait_empty(stages)
+        finally:
+            for svc in (*stages, draft):
+                await svc.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_reset_mid_request_with_relayed_prunes_replays_exactly_and_leaks_nothing(
+    llama_dir, victim
+) -> None:
+    """The router's connection to a stage reset mid-request: the request is replayed
+    under a new id (its copy released everywhere, relayed prunes in flight with it
+    dropped as frames of a released request), exactly, and no stage keeps a row of it."""
+
+    async def main() -> None:
+        stages, draft = await _services(llama_dir)
+        proxies = [_Proxy(s.port) for s in stages]
+        addrs = [await p.start() for p in proxies]
+        router = router_service(addrs, f"127.0.0.1:{draft.port}", health_check_interval=0.2,
+                                path_stall_seconds=60.0, replay_seconds=20.0)  # fmt: skip
+        await router.start(startup_timeout=30)
+        try:
+            reference = _tokens(
+                [r async for r in router.engine.generate(_request("specpipe", 0.0, 0, 40))]
+            )
+            run = router.engine.generate(_request("specpipe", 0.0, 0, 40))
+            got: list[int] = []
+            while len(got) < 3:
+                got += _tokens([await asyncio.wait_for(run.__anext__(), 30)])
+            (driver,) = router.engine.drivers.values()
+            assert driver.session.executor.relay and _prune_calls(stages[victim]) == 0
+            _reset(proxies[victim])
+
+            async def rest() -> list:
+                return [r async for r in run]
+
+            got += _tokens(await asyncio.wait_for(rest(), 60))
+            assert got == reference and len(driver.replay_seconds) == 1
+            await _wait_empty(stages)
+        finally:
+            for p in proxies:
+                await p.close()
+            await router.stop()
+            for svc in (*stages, draft):
+                await svc.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,177 @@
+"""Relayed prunes on a stage (services/compute_round.py, stage_service.py): a prune that
+came relayed (the router's `PruneRequest.relay`, or on a frame) is applied and passed on
+to the next stage on the request's frame there, or on a frame of prunes only where the
+round sends it none; the next stage applies it before that frame's activation and frees
+the blocks it drops. And the deferred-prune edge: Describe counts the blocks a waiting
+prune frees, and an Open that finds no free block has the waiting prunes applied first."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from specpipe.common.model.loading import load_stage
+from specpipe.common.model.partition import LayerRange
+from specpipe.common.runtime.loader import LoadedModel
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.services.stage_service import StageService
+from specpipe.services.transport import Frame
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import stage_pb2
+
+from ..conftest import greedy_verify
+from .test_compute_round_prunes import PROMPT, _layer, _prefilled, _prune
+
+
+def _stage(llama_dir, a: int, b: int) -> StageService:
+    model = load_stage(llama_dir, LayerRange(a, b, 5), torch.float64)
+    return StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+
+
+def _relayed(seq: int) -> pb.PruneRequest:
+    req = _prune(seq)
+    req.relay = True
+    return req
+
+
+def _round(svc: StageService, turns: bool = True) -> list[tuple[str, tuple]]:
+    """One round computed here; the frames it sends, (hop, (header, payload))."""
+    (work,) = svc.rounds._collect(turns=turns)
+    svc.rounds.compute([work])
+    assert work.error is None
+    return svc.rounds._frames_of(work)
+
+
+def _rows(svc: StageService) -> int:
+    """Rows request "a" holds in the stage's KV cache."""
+    return svc.runtime._caches["a"].length
+
+
+def _used(svc: StageService) -> int:
+    return svc.runtime.pool.used_blocks
+
+
+def test_a_relayed_prune_rides_the_next_frame_and_frees_blocks_at_every_stage(llama_dir) -> None:
+    async def main() -> None:
+        first, second, last = (
+            _stage(llama_dir, 1, 2),
+            _stage(llama_dir, 2, 3),
+            _stage(llama_dir, 3, 5),
+        )
+        try:
+            for svc in (first, second):
+                await _prefilled(svc)
+            assert first._take_prune(_relayed(1)) is None  # the router's, to stage 1 only
+            first._on_frame(_layer(2, 1))
+            ((_, (header, payload)),) = _round(first)
+            assert [p.seq for p in header.prunes] == [1] and not header.prunes_only
+            assert _rows(first) == PROMPT + 1 + 4  # layer 1's other rows gone, layer 2 in
+            # the next stage: the prune with the activation it comes with, applied first
+            second._on_frame(Frame(header, payload))
+            order = second._requests["a"].order
+            assert 1 in order.prunes and order.next_activation() is None  # the prune first
+            ((_, (header2, _)),) = _round(second)
+            assert [p.seq for p in header2.prunes] == [1]
+            assert order.applied == 1 and _rows(second) == PROMPT + 1 + 4
+            # the last stage applies it and keeps nothing to pass on
+            await last.Open(stage_pb2.OpenStageRequest(request_id="a", capacity=64,
+                next_hop="tcp://127.0.0.1:9", verify=greedy_verify(PROMPT)), None)  # fmt: skip
+            assert last._take_prune(_relayed(1)) is None
+            st = last._requests["a"]
+            assert 1 in st.order.prunes and st.to_relay == {}
+            caches = [s.runtime._caches["a"] for s in (first, second)]
+            assert {c.n_committed for c in caches} == {PROMPT + 1}  # and layer 1's root
+        finally:
+            for svc in (first, second, last):
+                await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_a_relayed_prune_with_no_frame_to_its_hop_goes_on_a_frame_of_its_own(llama_dir) -> None:
+    async def main() -> None:
+        first, second = _stage(llama_dir, 1, 2), _stage(llama_dir, 2, 3)
+        try:
+            for svc in (first, second):
+                await _prefilled(svc)
+            assert first._take_prune(_relayed(1)) is None
+            ((hop, (header, payload)),) = _round(first, turns=False)  # prunes only
+            assert header.prunes_only and payload is None and [p.seq for p in header.prunes] == [1]
+            assert hop == first._requests["a"].next_hop
+            before = _used(second)
+            second._on_frame(Frame(header, payload))
+            order = second._requests["a"].order
+            assert 1 in order.prunes and order.next_seq == 2  # no turn taken
+            _round(second, turns=False)
+            assert order.applied == 1 and _used(second) < before
+            # a prune that did not come relayed is not passed on
+            third = _stage(llama_dir, 1, 2)
+            await _prefilled(third)
+            assert third._take_prune(_prune(1)) is None
+            (work,) = third.rounds._collect(turns=False)
+            third.rounds.compute([work])
+            assert work.relayed == [] and third.rounds._frames_of(work) == []
+            await third.stop()
+        finally:
+            for svc in (first, second):
+                await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_describe_counts_the_blocks_a_waiting_prune_frees(llama_dir) -> None:
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        try:
+            await _prefilled(svc)
+            before = await svc.Describe(pb.DescribeRequest(), None)
+            assert svc._take_prune(_prune(1)) is None
+            assert svc._requests["a"].order.applied == 0  # deferred: the pool is mostly free
+            desc = await svc.Describe(pb.DescribeRequest(), None)
+            assert desc.cache_blocks_free > before.cache_blocks_free
+            assert desc.cache_blocks_free == svc.runtime.pool.free_blocks
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_an_open_with_no_free_block_has_the_waiting_prunes_applied_first(llama_dir) -> None:
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        try:
+            await _prefilled(svc)
+            pool = svc.runtime.pool
+            assert svc._take_prune(_prune(1)) is None  # deferred, then the pool fills up
+            pool.max_blocks = pool.used_blocks
+            assert svc._requests["a"].order.applied == 0
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="b", capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            assert "b" in svc._requests and svc._requests["a"].order.applied == 1
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_the_compute_thread_applies_waiting_prunes_when_asked(llama_dir) -> None:
+    """With the compute thread running, `apply_prunes` has it apply them between its
+    rounds (never on the event loop) and returns once they are."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        await _prefilled(svc)
+        task = asyncio.ensure_future(svc.rounds.run_forever())
+        try:
+            await asyncio.sleep(0.05)
+            free = svc.runtime.pool.free_blocks
+            assert svc._take_prune(_prune(1)) is None
+            assert svc._requests["a"].order.applied == 0
+            await asyncio.wait_for(svc.rounds.apply_prunes(5.0), 10)
+            assert svc._requests["a"].order.applied == 1 and svc.runtime.pool.free_blocks > free
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await svc.stop()
+
+    asyncio.run(main())
