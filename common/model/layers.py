@@ -172,6 +172,8 @@ class DecoderLayer(nn.Module):
 class StageModel(nn.Module):
     """Layers ``[start, end)`` of a model; embedding on the first stage, norm + head on the last."""
 
+    rows_alone = False  # tree rows attend one by one (`batch_invariant.make_batch_invariant`)
+
     def __init__(self, cfg: ModelConfig, layers: LayerRange) -> None:
         super().__init__()
         self.cfg, self.layer_range = cfg, layers
@@ -210,7 +212,7 @@ class StageModel(nn.Module):
 
     def _layers(self, hidden: Tensor, positions: Tensor, batch: PagedBatch | None) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
-        step = None if batch is None else step_attention(batch, self.cfg.num_heads)
+        step = None if batch is None else step_attention(batch, self.cfg.num_heads, self.rows_alone)
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, cos, sin, step, i)
         return hidden
