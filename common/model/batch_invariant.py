@@ -62,17 +62,47 @@ def invariance_applies(dtype: torch.dtype, device: torch.device | str) -> bool:
     return dtype in (torch.bfloat16, torch.float16) and torch.device(device).type == "cpu"
 
 
+class StepRows:
+    """Which of a model's current step's rows are tree rows, set by `step_attention` for
+    every batched step (`note`), so that its decoder layers' linears keep a prefill
+    chunk's rows in one call: a step of more than `MAX_ROWS` rows that holds prefill rows
+    is computed in one call, and its tree rows again in chunks over that (chunking a
+    512-row prefill would read every weight 16 times)."""
+
+    def __init__(self) -> None:
+        self.count = -1  # the step's rows
+        self.tree: Tensor | None = None  # its tree rows; None: every row is one
+
+    def note(self, plan: RowAttention | None, count: int) -> None:
+        self.count = count
+        if plan is None:  # no tree rows
+            self.tree = torch.empty(0, dtype=torch.int64)
+        else:
+            self.tree = None if plan.every_row else plan.rows
+
+
 class RowInvariantLinear(nn.Module):
     """A linear layer called in chunks of `MIN_ROWS` to `MAX_ROWS` rows, so that each
     row's bits do not depend on the others: a single row is padded with a zero row, more
-    than `MAX_ROWS` are split into balanced chunks (each at least `MAX_ROWS / 2` rows)."""
+    than `MAX_ROWS` are split into balanced chunks (each at least `MAX_ROWS / 2` rows).
+    With `step` (a decoder layer's linears), a step's prefill rows in one call instead."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, step: StepRows | None = None) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.step = inner, step
         self.in_features, self.out_features = inner.in_features, inner.out_features
 
     def forward(self, x: Tensor) -> Tensor:
+        n, step = x.shape[0], self.step
+        if n <= MAX_ROWS or step is None or step.count != n or step.tree is None:
+            return self.alone(x)
+        out = self.inner.forward(x)
+        if step.tree.numel():
+            out.index_copy_(0, step.tree, self.alone(x.index_select(0, step.tree)))
+        return out
+
+    def alone(self, x: Tensor) -> Tensor:
+        """Every row of `x` with the bits it has alone."""
         inner, n = self.inner, x.shape[0]
         if MIN_ROWS <= n <= MAX_ROWS or n == 0:
             return inner.forward(x)
@@ -86,6 +116,7 @@ def make_batch_invariant(model: StageModel) -> int:
     """Make `model`'s rows batch-invariant in place: every linear (plain or packed) called
     through `RowInvariantLinear`, tree rows attending alone (`attend_rows`); returns how
     many linears were wrapped."""
+    step = StepRows()
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -94,8 +125,9 @@ def make_batch_invariant(model: StageModel) -> int:
         if type(child) in (nn.Linear, PackedLinear)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, RowInvariantLinear(child))
-    model.rows_alone = True
+        # the head computes the rows it is given (a verifier's), whatever the step was
+        setattr(parent, name, RowInvariantLinear(child, None if child is model.lm_head else step))
+    model.rows_alone = step
     return len(targets)
 
 

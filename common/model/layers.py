@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .batch_invariant import StepRows
 from .config import ModelConfig
 from .paged_attention import PagedBatch, StepAttention, attend_layer, step_attention
 from .partition import LayerRange
@@ -172,7 +173,7 @@ class DecoderLayer(nn.Module):
 class StageModel(nn.Module):
     """Layers ``[start, end)`` of a model; embedding on the first stage, norm + head on the last."""
 
-    rows_alone = False  # tree rows attend one by one (`batch_invariant.make_batch_invariant`)
+    rows_alone: StepRows | None = None  # batch-invariant rows (`batch_invariant.py`)
 
     def __init__(self, cfg: ModelConfig, layers: LayerRange) -> None:
         super().__init__()

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .batch_invariant import RowAttention, attend_rows, row_attention
+from .batch_invariant import RowAttention, StepRows, attend_rows, row_attention
 from .flex_attention import FlexStep, flex_attend
 
 
@@ -119,11 +119,15 @@ class StepAttention:
     rows: RowAttention | None = None  # tree rows attending alone (batch_invariant.py)
 
 
-def step_attention(batch: PagedBatch, heads: int, rows_alone: bool = False) -> StepAttention:
+def step_attention(
+    batch: PagedBatch, heads: int, rows_alone: StepRows | None = None
+) -> StepAttention:
     """`batch`'s per-step views (see `StepAttention`); `rows_alone`: its tree rows attend
-    one by one, batch-invariant (`batch_invariant.row_attention`)."""
+    one by one, batch-invariant (`batch_invariant.row_attention`), noted there."""
     k, v = batch.k.unbind(0), batch.v.unbind(0)
     rows = row_attention(batch, heads) if rows_alone else None
+    if rows_alone:
+        rows_alone.note(rows, batch.out_rows.numel())
     if rows is not None:
         return StepAttention(batch, k, v, rows=rows)
     one = batch.flex is None and len(batch.parts) == 1 and not batch.parts[0].blocked

@@ -14,6 +14,7 @@ import torch
 from specpipe.common.model.batch_invariant import (
     MAX_ROWS,
     RowInvariantLinear,
+    StepRows,
     invariance_applies,
     linear_rows_invariant,
 )
@@ -42,8 +43,8 @@ def flat_qwen(tmp_path_factory: pytest.TempPathFactory):
         tmp_path_factory.mktemp("flat"),
         "qwen2",
         layers=2,
-        hidden=256,
-        heads=4,
+        hidden=512,
+        heads=8,
         kv_heads=1,
         vocab=256,
         init=0.02,
@@ -100,6 +101,26 @@ def test_a_linear_gives_a_row_its_bits_in_any_batch(k, n, packed) -> None:
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
+@needs_bf16_kernels
+def test_a_step_with_prefill_rows_keeps_them_in_one_call_and_its_tree_rows_alone() -> None:
+    """Over `MAX_ROWS` rows with prefill rows among them (`StepRows`): the tree rows get
+    their bits alone, the others those of one call over the whole step."""
+    torch.manual_seed(1)
+    linear = PackedLinear(nn.Linear(1024, 96).to(BF16))
+    step = StepRows()
+    layer = RowInvariantLinear(linear, step)
+    x = (torch.randn(90, 1024) * 3).to(BF16)
+    tree = torch.arange(3, 90, 2)  # 44 tree rows among 46 prefill rows
+    step.count, step.tree = 90, tree
+    with torch.inference_mode():
+        got, whole = layer(x), linear(x)
+        alone = torch.cat([layer.alone(r[None]) for r in x])
+    assert torch.equal(got[tree], alone[tree])
+    others = torch.ones(90, dtype=torch.bool)
+    others[tree] = False
+    assert torch.equal(got[others], whole[others])
+
+
 def _prefill(stage: StageRuntime, rid: str, tokens: list[int]) -> None:
     stage.open(rid, 256)
     with torch.inference_mode():
@@ -118,11 +139,11 @@ def _tree(rid: str, start: int, nodes: list[tuple[int, int, int, int]]) -> Activ
 
 
 @needs_bf16_kernels
-@pytest.mark.parametrize(("siblings", "beside"), [(2, False), (13, True)])
+@pytest.mark.parametrize(("siblings", "beside"), [(2, False), (40, True)])
 def test_a_tree_row_has_the_bits_of_the_same_row_decoded_alone(flat_qwen, siblings, beside):
     """A chain of three tokens decoded one row a step (plain decoding) against the same
     chain inside one tree batch, with siblings at every level; `beside`: in the same
-    step as another request's tree and a third's prefill chunk (13 siblings: a batch of
+    step as another request's tree and a third's prefill chunk (40 siblings: a batch of
     over 32 rows)."""
     stage = StageRuntime(load_stage(flat_qwen, dtype=BF16), max_cache_bytes=CACHE)
     prompt = [5, 9, 3, 77, 12, 200, 31, 8, 8, 64, 1]
