@@ -10,7 +10,7 @@ figures: benchmarks/README.md, "Batch-invariant bf16 verification"), and the rem
 - oneDNN's bf16 GEMM (packed or `F.linear`) picks its kernel by the row count M: every
   call of 2 to 32 rows gives each row the same bits whatever the other rows are, one
   row alone can differ (Qwen2.5-1.5B's down projection, K = 8960), and over 32 rows
-  every shape tried differs. `RowInvariantLinear` calls its linear in chunks of 2 to 32
+  every shape tried with K >= 512 differs. `RowInvariantLinear` calls its linear in chunks of 2 to 32
   rows, a lone row padded to two (`MIN_ROWS`, `MAX_ROWS`; `linear_rows_invariant`
   checks a layer against them).
 - SDPA (torch's CPU flash kernel) gives a query row other bits when the call holds
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from .layers import StageModel
     from .paged_attention import PagedBatch, StepAttention
 
-# Rows per GEMM call whose bits are the same whatever the call's row count (oneDNN 3.x,
-# bf16, on AMX and AVX512-BF16 cores; `linear_rows_invariant` checks it for a layer).
+# Rows per GEMM call whose bits are the same whatever the call's row count (torch 2.13's
+# oneDNN, bf16, measured on AMX cores; `linear_rows_invariant` checks it for a layer).
 MIN_ROWS, MAX_ROWS = 2, 32
 # Keys per row call padded to a multiple of this: the flash kernel's softmax handles a
 # 16-float vector tail apart, so a padded row sums its keys in one order at any length.
