@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .batch_invariant import StepRows
 from .config import ModelConfig
 from .paged_attention import PagedBatch, StepAttention, attend_layer, step_attention
 from .partition import LayerRange
@@ -182,6 +183,8 @@ _AT_LEAST_FP32 = (torch.float32, torch.float64)  # logits kept as they are (no `
 class StageModel(nn.Module):
     """Layers ``[start, end)`` of a model; embedding on the first stage, norm + head on the last."""
 
+    rows_alone: StepRows | None = None  # batch-invariant rows (`batch_invariant.py`)
+
     def __init__(self, cfg: ModelConfig, layers: LayerRange) -> None:
         super().__init__()
         self.cfg, self.layer_range = cfg, layers
@@ -220,7 +223,7 @@ class StageModel(nn.Module):
 
     def _layers(self, hidden: Tensor, positions: Tensor, batch: PagedBatch | None) -> Tensor:
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
-        step = None if batch is None else step_attention(batch, self.cfg.num_heads)
+        step = None if batch is None else step_attention(batch, self.cfg.num_heads, self.rows_alone)
         for i, layer in enumerate(self.layers):
             hidden = layer.forward(hidden, cos, sin, step, i)
         return hidden

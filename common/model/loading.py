@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from .batch_invariant import invariance_applies, make_batch_invariant
 from .config import ModelConfig, ModelConfigError
 from .layers import StageModel
 from .packed_linear import pack_linears, packing_applies
@@ -82,9 +83,12 @@ def load_stage(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     pack: bool = True,
+    batch_invariant: bool | None = None,
 ) -> StageModel:
     """Load only the tensors of one stage from a Hugging Face safetensors directory; bf16
-    linear weights on a CPU are packed for oneDNN (`packed_linear`; `pack=False`: not)."""
+    linear weights on a CPU are packed for oneDNN (`packed_linear`; `pack=False`: not),
+    and a half-precision CPU model's rows made batch-invariant (`batch_invariant`; None:
+    where `invariance_applies`)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     layers = layers or LayerRange(0, cfg.num_layers, cfg.num_layers)
@@ -118,6 +122,8 @@ def load_stage(
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if pack and packing_applies(dtype, device):
         pack_linears(model)
+    if invariance_applies(dtype, device) if batch_invariant is None else batch_invariant:
+        make_batch_invariant(model)
     return model
 
 

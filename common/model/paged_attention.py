@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .batch_invariant import RowAttention, StepRows, attend_rows, row_attention
 from .flex_attention import FlexStep, flex_attend
 
 
@@ -119,11 +120,20 @@ class StepAttention:
     query_buffer: Tensor | None = None  # [B*Q, heads, d]; None when unpadded
     queries: Tensor | None = None  # [B, heads, Q, d]: a view of query_buffer
     unpadded: bool = False
+    rows: RowAttention | None = None  # tree rows attending alone (batch_invariant.py)
 
 
-def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
-    """`batch`'s per-step views (see `StepAttention`)."""
+def step_attention(
+    batch: PagedBatch, heads: int, rows_alone: StepRows | None = None
+) -> StepAttention:
+    """`batch`'s per-step views (see `StepAttention`); `rows_alone`: its tree rows attend
+    one by one, batch-invariant (`batch_invariant.row_attention`), noted there."""
     k, v = batch.k.unbind(0), batch.v.unbind(0)
+    rows = row_attention(batch, heads) if rows_alone else None
+    if rows_alone:
+        rows_alone.note(rows, batch.out_rows.numel())
+    if rows is not None:
+        return StepAttention(batch, k, v, rows=rows)
     one = batch.flex is None and len(batch.parts) == 1 and not batch.parts[0].blocked
     if not one or batch.parts[0].mask is None:
         return StepAttention(batch, k, v)
@@ -150,6 +160,8 @@ def step_attention(batch: PagedBatch, heads: int) -> StepAttention:
 def attend_layer(q: Tensor, step: StepAttention, layer: int) -> Tensor:
     """Attention output [N, heads * d] of the step's new rows `q` [N, heads, d] at
     `layer` (the new rows' K/V written)."""
+    if step.rows is not None:
+        return attend_rows(q, step, layer, attend)
     if step.keys is None:
         return attend(q, step.k[layer], step.v[layer], step.batch, q.shape[1])
     part = step.batch.parts[0]

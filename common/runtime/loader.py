@@ -54,8 +54,10 @@ def load_draft(
     device: str | torch.device = "cpu",
     max_cache_bytes: int | None = None,
 ) -> DraftRuntime:
-    """A draft runtime holding the whole model of a directory."""
-    return DraftRuntime(load_stage(model_dir, None, dtype, device), max_cache_bytes)
+    """A draft runtime holding the whole model of a directory. Its rows need not be
+    batch-invariant (`batch_invariant`): the target's verification decides every token."""
+    model = load_stage(model_dir, None, dtype, device, batch_invariant=False)
+    return DraftRuntime(model, max_cache_bytes)
 
 
 @dataclass
