@@ -44,7 +44,7 @@ ROUTER = RouterConfig(
     health_port=7009, stages=("a:1", "b:2"), drafts=("c:3",),
     discovery_namespace="ns", discovery_selector="app=x", replay_seconds=4.0,
     max_replays=2, path_stall_seconds=30.0, replica_stall_seconds=1.5, target="/models/m",
-    health_check_interval=0.25, no_control_frames=True,
+    health_check_interval=0.25, no_control_frames=True, no_relay_prunes=True,
     model_id="served", startup_timeout=12.0, router_name="r1", http_port=8000,
     http_metrics="open", tool_call_parser="hermes",
     api_keys=("k1", "k2"), api_key_files=("/a", "/b"), public_tls_cert="/c.pem",
