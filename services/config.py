@@ -348,6 +348,17 @@ class StageConfig(ModelServiceConfig):
         False, help="accept Configure calls (loading other weights over gRPC; off by default)"
     )
     peers: tuple[str, ...] = _peers("a request's next hop and report address")
+    no_batch_invariant: bool = flag(
+        False,
+        help="half precision on a CPU: verify a tree's rows in shared kernels (faster with "
+        "many rows or long contexts, but a near-tie may then round unlike plain decoding; "
+        "default: each row computed as it would be alone, common/model/batch_invariant.py)",
+    )
+
+    @property
+    def invariance(self) -> bool | None:
+        """`load_stage`'s `batch_invariant`: None (its default by dtype and device) or off."""
+        return False if self.no_batch_invariant else None
 
 
 @dataclass(frozen=True, kw_only=True)

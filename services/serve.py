@@ -142,6 +142,7 @@ async def run_stage(config: StageConfig) -> None:
             config.model_id,
             device=config.device,
             max_cache_bytes=config.max_cache_bytes,
+            batch_invariant=config.invariance,
         )
         _set_cache_budget(model.runtime, config)
     pacer = _pacer(config)
@@ -167,6 +168,7 @@ async def run_stage(config: StageConfig) -> None:
         peers=config.peers,
         batch_wait=config.batch_wait,
         pacer=pacer,
+        batch_invariant=config.invariance,
     )
     metrics = _serve_metrics(svc.metrics, config, svc.transport.advertise_host)
     port = await svc.start(config.host, config.port, config.data_port, config.health_port)

@@ -124,6 +124,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         batch_wait: float | None = None,
         max_step_rows: int | None = None,
         pacer: Pacer | None = None,
+        batch_invariant: bool | None = None,
     ) -> None:
         """`security`: mutual TLS on gRPC and authenticated frames (--secure); Configure
         (loading other weights) only with `allow_configure`; `peers`: the only hosts and
@@ -131,7 +132,8 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         (empty: loopback only; see `Peers`); `batch_wait`: how long a round may wait for
         requests of the same step, in seconds (None: a share of the recent forwards,
         capped; 0: never; see StepAligner); `max_step_rows`: the most rows one activation
-        may carry (None: from the model's measured cost curve, `step_row_cap`)."""
+        may carry (None: from the model's measured cost curve, `step_row_cap`);
+        `batch_invariant`: of the models Configure loads, as in `load_stage`."""
         self.model = model
         self._limits: tuple[LoadedModel | None, CostCurve | None, Limits] | None = None
         limits = Limits.of(model.runtime.model) if model else None
@@ -140,6 +142,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         self.pacer = pacer
         self.peers = Peers.parse(peers)
         self.max_cache_bytes = max_cache_bytes
+        self.batch_invariant = batch_invariant
         self.cache_fraction = cache_fraction
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
@@ -331,6 +334,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                     request.model_id,
                     device=self.device,
                     max_cache_bytes=self.max_cache_bytes,
+                    batch_invariant=self.batch_invariant,
                 ),
             )
         except (ValueError, OSError) as e:

@@ -43,9 +43,12 @@ def load_runtime(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_cache_bytes: int | None = None,
+    batch_invariant: bool | None = None,
 ) -> StageRuntime:
-    """A stage runtime holding `layers` of a model directory (None: every layer)."""
-    return StageRuntime(load_stage(model_dir, layers, dtype, device), max_cache_bytes)
+    """A stage runtime holding `layers` of a model directory (None: every layer);
+    `batch_invariant` as in `load_stage`."""
+    model = load_stage(model_dir, layers, dtype, device, batch_invariant=batch_invariant)
+    return StageRuntime(model, max_cache_bytes)
 
 
 def load_draft(
@@ -119,15 +122,18 @@ def load_model(
     model_id: str = "",
     device: str = "cpu",
     max_cache_bytes: int | None = None,
+    batch_invariant: bool | None = None,
 ) -> LoadedModel:
     """Load layers [a, b) of a model directory as a stage (None: all layers; b = 0: to the
-    last layer, as in `ConfigureStageRequest`)."""
+    last layer, as in `ConfigureStageRequest`); `batch_invariant` as in `load_stage`."""
     cfg = ModelConfig.from_dir(model_dir)
     rng = None
     if layers is not None:
         a, b = layers
         rng = LayerRange(a, b or cfg.num_layers, cfg.num_layers)
-    runtime = load_runtime(model_dir, rng, parse_dtype(dtype), device, max_cache_bytes)
+    runtime = load_runtime(
+        model_dir, rng, parse_dtype(dtype), device, max_cache_bytes, batch_invariant
+    )
     return LoadedModel(
         runtime=runtime,
         model_id=model_id or Path(model_dir).name,

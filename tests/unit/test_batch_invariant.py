@@ -21,12 +21,15 @@ from specpipe.common.model.batch_invariant import (
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.packed_linear import PackedLinear, packing_applies
 from specpipe.common.model.synthetic import save_random_model
-from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
+from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, load_model
 from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation
 from specpipe.common.spec.options import DecodeOptions, Mode
+from specpipe.services.config import StageConfig
 from torch import nn
+
+from specpipe.cli import build_parser
 
 needs_bf16_kernels = pytest.mark.skipif(
     not packing_applies(torch.bfloat16, "cpu"), reason="this CPU has no oneDNN bf16 kernels"
@@ -81,6 +84,15 @@ def test_only_half_precision_on_a_cpu_is_made_invariant_by_default(llama_dir) ->
     wrapped = [m for m in model.modules() if isinstance(m, RowInvariantLinear)]
     assert len(wrapped) == 5 * 4 + 1  # per layer qkv, o, gate_up, down; the head
     assert not load_stage(llama_dir, dtype=BF16, batch_invariant=False).rows_alone
+
+
+def test_a_stage_started_with_no_batch_invariant_loads_shared_kernels(llama_dir) -> None:
+    """`specpipe stage --no-batch-invariant` reaches the model the stage loads."""
+    parse = lambda *a: StageConfig.from_args(build_parser().parse_args(["stage", *a]))  # noqa: E731
+    for argv, alone in (((), True), (("--no-batch-invariant",), False)):
+        config = parse("--model", str(llama_dir), "--dtype", "bfloat16", *argv)
+        loaded = load_model(config.model, None, config.dtype, batch_invariant=config.invariance)
+        assert bool(loaded.runtime.model.rows_alone) is alone
 
 
 @needs_bf16_kernels

@@ -29,7 +29,7 @@ STAGE = StageConfig(
     device="cuda:1", max_cache_gib=1.5, cache_fraction=0.25, step_memory_mib=96.0, lease_seconds=9.0,
     emulate_costs="/tmp/c.json", measure_costs=True, batch_wait=0.005, data_port=7004,
     transport="tcp", layers="3:7", emulate_stage=1, allow_configure=True, no_prefix_cache=True,
-    peers=("10.0.0.0/8", "127.0.0.1"),
+    peers=("10.0.0.0/8", "127.0.0.1"), no_batch_invariant=True,
 )  # fmt: skip
 DRAFT = DraftConfig(
     host="::", port=7005, drain_seconds=1.0, secure=False, model="/models/d",
