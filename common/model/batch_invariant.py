@@ -67,7 +67,9 @@ class StepRows:
     every batched step (`note`), so that its decoder layers' linears keep a prefill
     chunk's rows in one call: a step of more than `MAX_ROWS` rows that holds prefill rows
     is computed in one call, and its tree rows again in chunks over that (chunking a
-    512-row prefill would read every weight 16 times)."""
+    512-row prefill would read every weight 16 times). One per model, written by each
+    step: a model's forwards run one at a time (a stage's compute thread), never two
+    concurrently."""
 
     def __init__(self) -> None:
         self.count = -1  # the step's rows
@@ -129,6 +131,28 @@ def make_batch_invariant(model: StageModel) -> int:
         setattr(parent, name, RowInvariantLinear(child, None if child is model.lm_head else step))
     model.rows_alone = step
     return len(targets)
+
+
+# (layer kind, in, out, dtype, device) -> whether its kernel keeps rows invariant
+_kernels_checked: dict[tuple, bool] = {}
+
+
+def kernels_row_invariant(model: StageModel) -> bool:
+    """Whether every linear shape of `model` keeps a row's bits in calls of `MIN_ROWS` to
+    `MAX_ROWS` rows on this machine (`linear_rows_invariant`, once per shape and process):
+    `MIN_ROWS`/`MAX_ROWS` were measured on one CPU's oneDNN, and another kernel may not
+    keep them."""
+    for layer in model.modules():
+        if type(layer) not in (nn.Linear, PackedLinear):
+            continue
+        weight = next(t for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point())
+        key = (type(layer), layer.in_features, layer.out_features, weight.dtype, weight.device)
+        if key not in _kernels_checked:
+            rows = MAX_ROWS + 1 if layer.out_features > 16384 else 3 * MAX_ROWS  # a big head
+            _kernels_checked[key] = linear_rows_invariant(layer, rows)
+        if not _kernels_checked[key]:
+            return False
+    return True
 
 
 def linear_rows_invariant(layer: nn.Module, rows: int = 3 * MAX_ROWS) -> bool:

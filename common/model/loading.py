@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import mmap
 import os
 import struct
@@ -16,11 +17,13 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from .batch_invariant import invariance_applies, make_batch_invariant
+from .batch_invariant import invariance_applies, kernels_row_invariant, make_batch_invariant
 from .config import ModelConfig, ModelConfigError
 from .layers import StageModel
 from .packed_linear import pack_linears, packing_applies
 from .partition import LayerRange
+
+log = logging.getLogger(__name__)
 
 
 def _safetensors_files(model_dir: Path) -> dict[str, Path]:
@@ -123,7 +126,16 @@ def load_stage(
     if pack and packing_applies(dtype, device):
         pack_linears(model)
     if invariance_applies(dtype, device) if batch_invariant is None else batch_invariant:
-        make_batch_invariant(model)
+        if kernels_row_invariant(model):
+            make_batch_invariant(model)
+        else:
+            log.warning(
+                "%s: this machine's %s matmul kernels give a row other bits in calls of "
+                "2 to 32 rows: its rows stay batched (speculation may round a near-tie "
+                "unlike plain decoding)",
+                model_dir,
+                dtype,
+            )
     return model
 
 

@@ -77,6 +77,9 @@ SPEED_TOLERANCE = 0.1
 # (`Backends._due`): its identity and load stay fresh, and a replica that stops
 # working is checked again within an interval.
 PROVEN_CHECKS = 4
+# ... unless its KV cache is this short of room: its load then decides where new requests
+# go and whether they fit, and a Describe is what tells it
+SHORT_OF_ROOM = 0.2
 
 
 class NoPath(RuntimeError):
@@ -385,13 +388,15 @@ class Backends:
         while its requests showed it working within the last interval and its last
         check is less than `PROVEN_CHECKS` intervals old (a Describe per replica every
         `check_interval` cost the router about a tenth of its CPU per step at one
-        client, issue 34; identity and load are still refreshed every few intervals)."""
+        client, issue 34; identity and load are still refreshed every few intervals), and
+        not while it is short of KV cache room (`SHORT_OF_ROOM`)."""
         p, answered = b.progressed_at, b.answered_at
         return (
             p is None
             or answered is None
             or not b.healthy
             or b.stalled
+            or b.free_share <= SHORT_OF_ROOM
             or now - p >= self.check_interval
             or now - answered >= PROVEN_CHECKS * self.check_interval
         )

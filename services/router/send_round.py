@@ -13,15 +13,17 @@ Flush = Callable[[], None]
 
 
 class SendRound:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    """One loop's round; it holds no reference to its loop, so a finished loop and its
+    round go together (`_rounds` is keyed weakly by the loop)."""
+
+    def __init__(self) -> None:
         self._flushes: list[Flush] = []
 
     def add(self, flush: Flush) -> None:
         """Call `flush` in this turn's round (in the order they were added; a flush
         added while the round runs goes in the next one)."""
         if not self._flushes:
-            self.loop.call_soon(self._run)
+            asyncio.get_running_loop().call_soon(self._run)
         self._flushes.append(flush)
 
     def _run(self) -> None:
@@ -30,7 +32,7 @@ class SendRound:
             try:
                 flush()
             except Exception as e:  # as a callback of its own: the others still run
-                self.loop.call_exception_handler(
+                asyncio.get_running_loop().call_exception_handler(
                     {"message": "a send round's flush failed", "exception": e}
                 )
 
@@ -45,5 +47,5 @@ def send_round() -> SendRound:
     loop = asyncio.get_running_loop()
     r = _rounds.get(loop)
     if r is None:
-        r = _rounds[loop] = SendRound(loop)
+        r = _rounds[loop] = SendRound()
     return r

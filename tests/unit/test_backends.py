@@ -188,6 +188,10 @@ def test_a_replica_its_requests_show_working_is_checked_less_often() -> None:
     assert bs._due(s0, 100.8)
     s0.stalled, s0.asked_since = False, 100.6
     assert bs.stalled_for(s0, 102.5) == pytest.approx(1.8)  # from its last progress
+    s0.asked_since = None
+    assert not bs._due(s0, 100.8)
+    s0.desc.cache_bytes_limit, s0.desc.cache_bytes_used = 100, 85
+    assert bs._due(s0, 100.8)  # short of room: its load is read at every interval
 
 
 def test_the_command_line_default_stall_limit_is_the_routers() -> None:

@@ -86,6 +86,30 @@ def test_only_half_precision_on_a_cpu_is_made_invariant_by_default(llama_dir) ->
     assert not load_stage(llama_dir, dtype=BF16, batch_invariant=False).rows_alone
 
 
+def test_kernels_that_do_not_keep_rows_leave_the_model_batched(
+    llama_dir, monkeypatch, caplog
+) -> None:
+    """Invariance rests on a kernel property measured on one CPU: where a shape's check
+    fails on this machine, the model stays batched and says so."""
+    from specpipe.common.model import batch_invariant
+
+    checked: list[tuple[int, int]] = []
+
+    def fails(layer, rows=0) -> bool:
+        checked.append((layer.in_features, layer.out_features))
+        return False
+
+    monkeypatch.setattr(batch_invariant, "_kernels_checked", {})
+    monkeypatch.setattr(batch_invariant, "linear_rows_invariant", fails)
+    model = load_stage(llama_dir, dtype=BF16)
+    assert not model.rows_alone and checked
+    assert RowInvariantLinear not in {type(x) for x in model.modules()}
+    assert "stay batched" in caplog.text
+    monkeypatch.setattr(batch_invariant, "_kernels_checked", {})
+    monkeypatch.setattr(batch_invariant, "linear_rows_invariant", lambda layer, rows=0: True)
+    assert load_stage(llama_dir, dtype=BF16).rows_alone
+
+
 def test_a_stage_started_with_no_batch_invariant_loads_shared_kernels(llama_dir) -> None:
     """`specpipe stage --no-batch-invariant` reaches the model the stage loads."""
     parse = lambda *a: StageConfig.from_args(build_parser().parse_args(["stage", *a]))  # noqa: E731

@@ -246,3 +246,18 @@ def test_one_send_round_flushes_every_stream_of_a_turn_and_survives_a_failing_on
         assert ran == ["a", "c", "next turn"]
 
     asyncio.run(main())
+
+
+def test_a_finished_loop_leaves_no_send_round_behind() -> None:
+    import gc
+
+    from specpipe.services.router import send_round as rounds
+
+    async def main() -> None:
+        rounds.send_round().add(lambda: None)
+        await asyncio.sleep(0)
+
+    for _ in range(3):
+        asyncio.run(main())
+    gc.collect()
+    assert len(rounds._rounds) == 0
