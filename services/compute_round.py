@@ -17,9 +17,8 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
 - *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
   `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
   posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
-  prunes only, all applied, has nothing to post), whose wake's callback sends each output
-  to its request's next hop (written at once where the transport can, `post_many`; else
-  by a task, in order), the frames of all requests that share a hop together, with the
+  prunes only, all applied, has nothing to post), which sends each output to its
+  request's next hop, the frames of all requests that share a hop together, with the
   prunes the round applied that came relayed (`_relayed`: on the request's frame there,
   or a frame of prunes only; docs/architecture.md, "6. Control plane and data plane").
 
@@ -40,12 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -262,54 +259,9 @@ class ComputeRounds:
     async def run_forever(self) -> None:
         """Start the compute thread and deliver each round it posts, in order, until
         cancelled (the thread then stops after its round); a compute thread that died
-        (a bug) ends this too, and the stage fails what it holds.
-
-        A round is delivered in the callback that the thread's wake runs (`HandOffs`
-        with `on_loop`): its frames written at once where the transport can without
-        waiting (`Transport.post_many`; a round of one small frame to a live hop: almost
-        every round), else, or while an earlier round's delivery is still under way, by
-        a task that delivers the rounds in order."""
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = loop.create_future()
+        (a bug) ends this too, and the stage fails what it holds."""
+        rounds: HandOffs[Posted | BaseException] = HandOffs(asyncio.get_running_loop())
         room = threading.Semaphore(MAX_UNDELIVERED)
-        queued: deque[Callable[[], Awaitable[None]]] = deque()  # deliveries to await, in order
-        task: asyncio.Task | None = None
-
-        async def deliver_queued() -> None:
-            nonlocal task
-            try:
-                while queued:
-                    await queued[0]()
-                    queued.popleft()
-                    room.release()
-            finally:
-                task = None
-
-        def on_loop(item: Posted | BaseException) -> None:
-            nonlocal task
-            if ended.done():
-                return
-            if isinstance(item, BaseException):
-                died = RuntimeError(f"{self.stage.name}: its compute thread died")
-                died.__cause__ = item
-                ended.set_exception(died)
-                return
-            work, failed = item
-            if failed is not None or queued:  # after the rounds before it, in order
-                queued.append(functools.partial(self._delivered, work, failed))
-            else:
-                try:
-                    rest = self._post(self._hops(work))
-                except Exception as e:  # as `_delivered` fails a round's requests
-                    rest = {}
-                    queued.append(functools.partial(self._delivered, work, e))
-                if rest:
-                    queued.append(functools.partial(self._send_hops, rest))
-                elif not queued:
-                    room.release()  # delivered, all of it
-                    return
-            if task is None:
-                task = loop.create_task(deliver_queued())
 
         def post(item: Posted | BaseException) -> None:
             while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
@@ -317,7 +269,6 @@ class ComputeRounds:
                     return
             rounds.put(item)
 
-        rounds: HandOffs[Posted | BaseException] = HandOffs(loop, on_loop)
         self._stopped = False
         self._halt.clear()
         self._thread = threading.Thread(
@@ -325,10 +276,13 @@ class ComputeRounds:
         )
         self._thread.start()
         try:
-            await ended
+            while True:
+                item = await rounds.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError(f"{self.stage.name}: its compute thread died") from item
+                await self._delivered(*item)
+                room.release()
         finally:
-            if task is not None:
-                task.cancel()
             with self.inbox:
                 self._stopped = True
                 self._halt.set()
@@ -721,35 +675,15 @@ class ComputeRounds:
                 self.stage.fail(w.st, f"{name} failed: {failed}")
 
     async def _deliver(self, work: list[Work]) -> None:
-        """Send a round's outputs (`_hops`, `_send_hops`)."""
-        await self._send_hops(self._hops(work))
-
-    def _hops(self, work: list[Work]) -> dict[str, list[tuple[StageRequest, tuple]]]:
-        """A round's frames by next hop: every request's frames in its order, and the
-        frames of all requests that share a hop together (sent as one frame where they
-        fit: `Transport.send_many`)."""
+        """Send a round's outputs: every request's frames in its order, and the frames of
+        all requests that share a next hop together, as one frame where they fit
+        (`Transport.send_many`). A hop that cannot be reached fails its requests alone.
+        One hop (a stage's next, or the last stage's router: almost every round) is sent
+        to without a task of its own."""
         by_hop: dict[str, list[tuple[StageRequest, tuple]]] = {}
         for w in work:
             for hop, frame in self._frames_of(w):
                 by_hop.setdefault(hop, []).append((w.st, frame))
-        return by_hop
-
-    def _post(
-        self, by_hop: dict[str, list[tuple[StageRequest, tuple]]]
-    ) -> dict[str, list[tuple[StageRequest, tuple]]]:
-        """Write each hop's frames now where the transport can without waiting or
-        passing an earlier frame (`Transport.post_many`); what is left to send, by hop."""
-        rest = {}
-        for hop, items in by_hop.items():
-            n = self.stage.transport.post_many(hop, [f for _, f in items], self.stage.name)
-            if n < len(items):
-                rest[hop] = items[n:]
-        return rest
-
-    async def _send_hops(self, by_hop: dict[str, list[tuple[StageRequest, tuple]]]) -> None:
-        """Each hop's frames sent (`_send_hop`); one hop (a stage's next, or the last
-        stage's router: almost every round) without a task of its own. A hop that cannot
-        be reached fails its requests alone."""
         if len(by_hop) == 1:
             ((hop, items),) = by_hop.items()
             await self._send_hop(hop, items)

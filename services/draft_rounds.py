@@ -72,32 +72,20 @@ class DraftRounds(Generic[W]):
 
     async def run_forever(self, deliver: Callable[[list[W], Sequence], None]) -> None:
         """Start the compute thread and deliver what it computes until cancelled (the
-        thread stops after its batch); a thread that died (a bug), or a delivery that
-        raised, ends this too. Each batch is delivered in the callback that the thread's
-        wake runs (`HandOffs` with `on_loop`: no task resumed per batch)."""
-        loop = asyncio.get_running_loop()
-        ended: asyncio.Future[None] = loop.create_future()
-
-        def on_loop(item: tuple[list[W], Sequence] | BaseException) -> None:
-            if ended.done():
-                return
-            if isinstance(item, BaseException):
-                died = RuntimeError("draft: its compute thread died")
-                died.__cause__ = item
-                ended.set_exception(died)
-                return
-            try:
-                deliver(*item)
-            except Exception as e:
-                ended.set_exception(e)
-
-        batches: HandOffs[tuple[list[W], Sequence] | BaseException] = HandOffs(loop, on_loop)
+        thread stops after its batch); a thread that died (a bug) ends this too."""
+        batches: HandOffs[tuple[list[W], Sequence] | BaseException] = HandOffs(
+            asyncio.get_running_loop()
+        )
         self._stopped = False
         threading.Thread(
             target=self._serve, args=(batches.put,), name="draft rounds", daemon=True
         ).start()
         try:
-            await ended
+            while True:
+                item = await batches.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("draft: its compute thread died") from item
+                deliver(*item)
         finally:
             with self.inbox:
                 self._stopped = True

@@ -7,7 +7,7 @@ thread once the loop's current callback is done (every part of a batch frame or 
 control message is in the inbox first, so one round takes them all; told at each, the
 thread took the first part alone: twice the forwards), and `HandOffs` wakes the loop
 once per batch of results it has not looked at yet (a wake is a write to the loop's
-self-pipe, a read and a turn of the loop), whose callback takes them.
+self-pipe, a read and a turn of the loop).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -50,16 +49,14 @@ class ThreadInbox(threading.Condition):
 class HandOffs(Generic[T]):
     """What a compute thread hands the event loop, in order: each item put in a deque,
     and the loop woken (a `call_soon_threadsafe`) only where no wake is pending since the
-    loop last found the deque empty. The wake's own callback calls `on_loop(item)` for
-    every item there: no event to set and no task to resume per batch (a consumer that
-    must await hands its items on to a task of its own)."""
+    loop last found the deque empty."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_loop: Callable[[T], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._on_loop = on_loop
         self._items: deque[T] = deque()
         self._lock = threading.Lock()
         self._woken = False  # a wake is scheduled, or the loop has not found it empty since
+        self._ready = asyncio.Event()
 
     def put(self, item: T) -> None:
         """On the compute thread."""
@@ -69,19 +66,14 @@ class HandOffs(Generic[T]):
                 return
             self._woken = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
-            self._loop.call_soon_threadsafe(self._drain)
+            self._loop.call_soon_threadsafe(self._ready.set)
 
-    def _drain(self) -> None:
-        """On the event loop, woken: `on_loop` of every item there, in order; one that
-        raises leaves the rest to a drain of their own, next turn."""
+    async def get(self) -> T:
+        """On the event loop: the next item, waiting for one."""
         while True:
             with self._lock:
-                if not self._items:
-                    self._woken = False
-                    return
-                item = self._items.popleft()
-            try:
-                self._on_loop(item)
-            except BaseException:
-                self._loop.call_soon(self._drain)
-                raise
+                if self._items:
+                    return self._items.popleft()
+                self._woken = False
+            self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
+            await self._ready.wait()

@@ -235,33 +235,15 @@ class Transport(ABC):
         header, payload = encode(act, seq, after_prune, sender)
         await self.send_frame(address, header, payload)
 
-    def post_many(self, address: str, parts: list[batch.Part], sender: str = "") -> int:
-        """`send_many`'s frames written at once where `post_frame` can, in order, up to
-        the first that cannot: how many of `parts` went (the rest are the caller's to
-        `send_many`, before anything else to `address`)."""
-        if type(self).post_frame is Transport.post_frame:  # never can
-            return 0
-        done = 0
-        for group in batch.batches(parts):
-            header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
-            if not self.post_frame(address, header, payload):
-                break
-            self._count_sent(header, payload, len(group))
-            done += len(group)
-        return done
-
     async def send_many(self, address: str, parts: list[batch.Part], sender: str = "") -> None:
         """Frames of several requests to one address, as few batch frames as they fit
         (`batch.batches`); in order, like `send_frame` calls one after another."""
         for group in batch.batches(parts):
             header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
             await self.send_frame(address, header, payload)
-            self._count_sent(header, payload, len(group))
-
-    def _count_sent(self, header: pb.FrameHeader, payload: Tensor | None, parts: int) -> None:
-        self.bytes_sent += frame_bytes(header, payload)
-        self.frames_sent += 1
-        self.parts_sent += parts
+            self.bytes_sent += frame_bytes(header, payload)
+            self.frames_sent += 1
+            self.parts_sent += len(group)
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)

@@ -126,7 +126,17 @@ def test_the_compute_thread_takes_a_ready_round_while_the_event_loop_is_blocked(
         await svc.start()
         try:
             await _open(svc, "r", await router.start())
-            _two_rounds_with_the_loop_blocked(svc, ran)
+            done = threading.Event()
+
+            def feed() -> None:
+                _start(svc, "r")
+                _until(lambda: len(ran) == 1)
+                _add(svc, "r", 2, _layer("r", (3, 3), (1, 2), (0, 0), (7, 11)))
+                _until(lambda: len(ran) == 2)
+                done.set()
+
+            threading.Thread(target=feed, daemon=True).start()
+            assert done.wait(30)  # blocks the event loop until both rounds ran
             assert out.empty()  # nothing delivered yet: the loop took no turn
             got = await asyncio.wait_for(out.get(), 30)  # the root's verification
             assert got.header.kind == pb.PAYLOAD_KIND_VERIFIED
@@ -136,22 +146,6 @@ def test_the_compute_thread_takes_a_ready_round_while_the_event_loop_is_blocked(
 
     asyncio.run(main())
     assert len(ran) == 2 and all(name.endswith("rounds") for name in ran)
-
-
-def _two_rounds_with_the_loop_blocked(svc: StageService, ran: list) -> None:
-    """Two rounds of request "r" computed while this (the event loop's) thread waits:
-    its prompt, then, once `ran` has one entry, a tree layer; returns at two."""
-    done = threading.Event()
-
-    def feed() -> None:
-        _start(svc, "r")
-        _until(lambda: len(ran) == 1)
-        _add(svc, "r", 2, _layer("r", (3, 3), (1, 2), (0, 0), (7, 11)))
-        _until(lambda: len(ran) == 2)
-        done.set()
-
-    threading.Thread(target=feed, daemon=True).start()
-    assert done.wait(30)
 
 
 def _until(condition, seconds: float = 20.0) -> None:
@@ -195,58 +189,3 @@ def test_the_next_round_is_prepared_while_the_device_runs_the_current_one(llama_
 
     asyncio.run(main())
     assert log == ["prepare", "prepare", "hand-off", "hand-off"], log
-
-
-def test_rounds_are_delivered_in_order_whether_written_at_once_or_by_a_task(llama_dir) -> None:
-    """A round's frames are written in the wake's callback where the transport can
-    (`post_many`), else sent by a task; a round handed off while an earlier one is still
-    being sent waits for it. Here the first round finds no connection to its hop (a task
-    connects and sends it) and the second was computed meanwhile (queued behind it);
-    a third, once the connection is idle, is written at once: frames arrive in order."""
-    ran: list[int] = []  # rounds handed off
-    how: list[str] = []
-
-    async def main() -> None:
-        inbox = Inbox()
-        out = inbox.open("r")
-        router = make_transport("tcp", inbox)
-        model = load_stage(llama_dir, LayerRange(0, 3, 5), torch.float64)  # frames every row
-        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
-        hand_off = svc.rounds._hand_off
-        svc.rounds._hand_off = lambda r, post: (hand_off(r, post), ran.append(1))  # type: ignore[method-assign]
-        tx = svc.transport
-        post_many, send_many = tx.post_many, tx.send_many
-
-        def posted(hop, parts, sender=""):
-            n = post_many(hop, parts, sender)
-            how.extend(["posted"] * n)
-            return n
-
-        async def sent(hop, parts, sender=""):
-            how.extend(["sent"] * len(parts))
-            await send_many(hop, parts, sender)
-
-        tx.post_many, tx.send_many = posted, sent  # type: ignore[method-assign]
-        await svc.start()
-        try:
-            await _open(svc, "r", await router.start())
-            _two_rounds_with_the_loop_blocked(svc, ran)
-            first = [await asyncio.wait_for(out.get(), 30) for _ in range(3)]
-            assert [f.header.seq for f in first] == [0, 1, 2]
-            # no connection yet: sent, and the second round behind the first
-            assert how == ["sent", "sent", "sent"]
-            hop = svc._requests["r"].next_hop
-            for _ in range(1000):  # the task's send done, its bytes in the kernel
-                lock, conn = tx._locks.get(hop), tx._conns.get(hop)  # type: ignore[attr-defined]
-                idle = lock is not None and not lock.locked()
-                if idle and conn and not conn.writer.transport.get_write_buffer_size():
-                    break
-                await asyncio.sleep(0.01)
-            _add(svc, "r", 3, _layer("r", (4,), (3,), (1,), (5,)))
-            third = await asyncio.wait_for(out.get(), 30)
-            assert third.header.seq == 3 and how == ["sent", "sent", "sent", "posted"]
-        finally:
-            await svc.stop()
-            await router.close()
-
-    asyncio.run(main())

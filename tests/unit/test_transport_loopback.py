@@ -301,32 +301,3 @@ def test_posted_frames_keep_their_order_among_sent_ones(secure: bool) -> None:
         await rx.close()
 
     asyncio.run(main())
-
-
-def test_post_many_writes_what_it_can_at_once_and_leaves_the_rest_in_order() -> None:
-    """`post_many` writes `send_many`'s frames at once up to the first that cannot be
-    (one too large to write in one go); the rest, sent after, arrive behind them. With
-    no connection yet nothing is written."""
-
-    async def main() -> None:
-        inbox = Inbox()
-        q = inbox.open("r")
-        rx = make_transport("tcp", inbox, admit=inbox.admit)
-        tx = make_transport("tcp", lambda f: None)
-        addr = await rx.start()
-        acts = [_act("r", 2, i) for i in range(4)]
-        acts[2] = _act("r", 20, 2)
-        acts[2].hidden = acts[2].hidden.double()  # a batch frame of its own, too large to post
-        parts = [encode(a, seq=i) for i, a in enumerate(acts)]
-        assert tx.post_many(addr, parts[:1]) == 0  # no connection yet
-        await tx.send_many(addr, parts[:1])
-        frames = tx.frames_sent
-        assert tx.post_many(addr, parts[1:]) == 1  # the double payload stops it
-        assert tx.frames_sent == frames + 1 and tx.parts_sent == 2
-        await tx.send_many(addr, parts[2:])
-        got = [decode(await asyncio.wait_for(q.get(), 10)) for _ in range(4)]
-        assert all(torch.equal(g.hidden, a.hidden) for g, a in zip(got, acts, strict=True))
-        await tx.close()
-        await rx.close()
-
-    asyncio.run(main())
