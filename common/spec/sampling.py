@@ -133,6 +133,10 @@ def draw_index(logits: Tensor, params: SamplingParams, position: int) -> Tensor:
 
 
 def draft_probs(logits: Tensor, temperature: float) -> Tensor:
-    """Draft ranking distribution [n, vocab]: mirrors the target's temperature when sampling."""
-    temp = temperature if temperature > 0 else 1.0
-    return torch.softmax(logits.float() / temp, dim=-1)
+    """Draft ranking distribution [n, vocab]: mirrors the target's temperature when sampling.
+    Greedy (or a temperature of 1): the softmax of the logits as they are, no division by
+    1 (the same values, one operation fewer per step)."""
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    return torch.softmax(logits, dim=-1)

@@ -9,6 +9,7 @@ from specpipe.common.runtime.lockstep import LockstepGeneration
 from specpipe.common.spec.options import DecodeOptions, Mode
 from specpipe.common.spec.sampling import (
     SamplingParams,
+    draft_probs,
     draw_index,
     position_uniform,
     target_probs,
@@ -126,3 +127,15 @@ def test_specpipe_samples_from_the_target_distribution(tmp_path) -> None:
     critical = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
     assert chi2 < critical, f"chi2={chi2:.1f} dof={dof} critical={critical:.1f}"
     assert (counts > 0).sum() >= 10  # the test really sampled many outcomes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_probs_skip_no_division_they_need(dtype) -> None:
+    """Greedy (and temperature 1) take the softmax of the logits as they are: bit for
+    bit what dividing by 1 gave; another temperature divides first, as before."""
+    logits = (torch.randn(4, 512, generator=torch.Generator().manual_seed(3)) * 5).to(dtype)
+    for temperature in (0.0, 1.0):
+        expected = torch.softmax(logits.float() / 1.0, dim=-1)
+        assert torch.equal(draft_probs(logits, temperature), expected)
+    expected = torch.softmax(logits.float() / 0.7, dim=-1)
+    assert torch.equal(draft_probs(logits, 0.7), expected)
