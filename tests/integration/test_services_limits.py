@@ -333,7 +333,13 @@ def test_the_draft_refuses_a_flood_of_proposals(llama_dir) -> None:
 
             assert (await _status(d.Propose(ask(0, "x"))))[0] == Code.NOT_FOUND
             busy = threading.Event()
-            draft._executor.submit(busy.wait, 30)  # the compute thread is busy
+            compute = draft.rounds._compute
+
+            def held(batch):  # the compute thread is busy until told
+                busy.wait(30)
+                return compute(batch)
+
+            draft.rounds._compute = held
             n = MAX_ASKS_PER_REQUEST + 3
             calls = [asyncio.ensure_future(_status(d.Propose(ask(i)))) for i in range(n)]
             while sum(c.done() for c in calls) < n - 2 * MAX_ASKS_PER_REQUEST:

@@ -250,14 +250,18 @@ def test_one_send_round_flushes_every_stream_of_a_turn_and_survives_a_failing_on
 
 def test_a_finished_loop_leaves_no_send_round_behind() -> None:
     import gc
+    import weakref
 
-    from specpipe.services.router import send_round as rounds
+    from specpipe.services.router.send_round import send_round
+
+    loops: list[weakref.ref] = []
 
     async def main() -> None:
-        rounds.send_round().add(lambda: None)
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        send_round().add(lambda: None)
         await asyncio.sleep(0)
 
     for _ in range(3):
         asyncio.run(main())
     gc.collect()
-    assert len(rounds._rounds) == 0
+    assert [ref() for ref in loops] == [None, None, None]
