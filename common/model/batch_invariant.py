@@ -133,6 +133,11 @@ def make_batch_invariant(model: StageModel) -> int:
     return len(targets)
 
 
+def _weight(layer: nn.Module) -> Tensor:
+    """A linear's weight, plain (`nn.Linear`) or packed (`PackedLinear`'s buffer)."""
+    return next(t for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point())
+
+
 # (layer kind, in, out, dtype, device) -> whether its kernel keeps rows invariant
 _kernels_checked: dict[tuple, bool] = {}
 
@@ -145,7 +150,7 @@ def kernels_row_invariant(model: StageModel) -> bool:
     for layer in model.modules():
         if type(layer) not in (nn.Linear, PackedLinear):
             continue
-        weight = next(t for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point())
+        weight = _weight(layer)
         key = (type(layer), layer.in_features, layer.out_features, weight.dtype, weight.device)
         if key not in _kernels_checked:
             rows = MAX_ROWS + 1 if layer.out_features > 16384 else 3 * MAX_ROWS  # a big head
@@ -161,7 +166,7 @@ def linear_rows_invariant(layer: nn.Module, rows: int = 3 * MAX_ROWS) -> bool:
     kernel that reduces in another order rounds a few percent of random rows otherwise."""
     if isinstance(layer, RowInvariantLinear):
         layer = layer.inner
-    weight = next(t for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point())
+    weight = _weight(layer)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, layer.in_features, generator=gen) * 3 * torch.rand(rows, 1, generator=gen)
     x = x.to(weight.dtype).to(weight.device)
