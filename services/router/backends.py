@@ -726,7 +726,7 @@ class Backends:
                         if self._due(b, now):
                             checks[b] = asyncio.create_task(self._check(b))
                         next_check[b] = now + self.check_interval
-                self._mark_stalls(now)
+                self.mark_stalls(now)
                 for key, b in list(self.by_key.items()):
                     if not b.listed and b.active <= 0:
                         del self.by_key[key]
@@ -747,7 +747,7 @@ class Backends:
             for t in checks.values():
                 t.cancel()
 
-    def _mark_stalls(self, now: float) -> None:
+    def mark_stalls(self, now: float) -> None:
         """Replicas that have not answered for `stall_seconds` take no new requests (the
         drivers of requests on them replay those, see driver.py); one that answers again
         is checked like any other."""
@@ -787,7 +787,7 @@ class Backends:
             return
         b.answered_at, b.asked_since = time.monotonic(), None
         if b.stalled:
-            self._mark_stalls(b.answered_at)
+            self.mark_stalls(b.answered_at)
         b.slow_checks = 0
         if status != SERVING:
             # Draining (shutting down): no new requests go there, but it still serves the

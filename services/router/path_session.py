@@ -266,6 +266,7 @@ class PathSession:
         for b in self.path.backends:
             quiet = self.backends.stalled_for(b, now)
             if quiet >= self.backends.stall_seconds:
+                self.backends.mark_stalls(now)  # stalled for new requests too, from now
                 return Failure(
                     self.attempt,
                     grpc.StatusCode.UNAVAILABLE,

@@ -155,12 +155,12 @@ def test_a_replica_that_answers_no_check_for_the_stall_limit_is_stalled() -> Non
     s0.asked_since = s1.asked_since = 100.2
     s1.answered_at = 101.0
     assert bs.stalled_for(s0, 101.9) == pytest.approx(1.9)
-    bs._mark_stalls(102.1)
+    bs.mark_stalls(102.1)
     bs._recompute()
     assert s0.stalled and not s1.stalled and "stalled" in s0.error
     assert bs.path(need_draft=False).stages == [s1]
     s0.asked_since, s0.answered_at = None, 102.2  # it answered
-    bs._mark_stalls(102.3)
+    bs.mark_stalls(102.3)
     assert not s0.stalled and s0.eligible
 
 
