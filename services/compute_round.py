@@ -116,6 +116,8 @@ class Work:
     outputs: list[Activation | list[Verified] | None] = field(default_factory=list)
     error: RequestError | None = None
     relayed: list[pb.PruneSignal] = field(default_factory=list)  # its prunes, passed on
+    # applied ahead of their turn for room someone waits for: the next stage does so too
+    relay_now: bool = False
 
 
 @dataclass
@@ -208,16 +210,35 @@ class ComputeRounds:
         (`ThreadInbox.wake`: once per callback of the event loop)."""
         self.inbox.wake()
 
-    def prune_arrived(self, st: StageRequest) -> None:
+    def prune_arrived(self, st: StageRequest, now: bool = False) -> None:
         """A prune of `st` was queued (under `inbox`). The thread is told only where the
         prune changes what it can do now: `st`'s next activation was waiting for it, or
-        the pool is short of blocks (`_prunes_due`). Otherwise the prune waits in `st`'s
-        order and the request's next round applies it first (its next activation comes
-        within a pipeline step, and every round applies every request's waiting prunes):
-        a pipeline step then costs a stage one round, not a round of its prunes as well
-        (at one client about 2 rounds in 5 were prunes only)."""
-        if st.order.turn_ready() or self._prunes_due():
+        the pool is short of blocks (`_prunes_due`), or it came relayed to be applied
+        at once (`now`: a stage downstream waits for the room it frees). Otherwise the
+        prune waits in `st`'s order and the request's next round applies it first (its
+        next activation comes within a pipeline step, and every round applies every
+        request's waiting prunes): a pipeline step then costs a stage one round, not a
+        round of its prunes as well (at one client about 2 rounds in 5 were prunes only)."""
+        if now:
+            self._prunes_wanted.append(_nothing)  # a round applies it, and relays it so
+        if now or st.order.turn_ready() or self._prunes_due():
             self.inbox.wake()
+
+    def relay_waiting_prunes(self) -> None:
+        """Have the compute thread apply, between its rounds, the relayed prunes waiting
+        here and pass them on to be applied at once at every later stage (`relay_now`),
+        without waiting for it: a request is being opened on the stages after this one
+        at the same time, and there those prunes free the room it needs (a later stage
+        cannot ask this one: it does not know it)."""
+        with self.inbox:
+            if self._stopped or not any(
+                st.to_relay and st.order.next_prune() is not None
+                for st in self.requests.values()
+                if not st.closed
+            ):
+                return
+            self._prunes_wanted.append(_nothing)
+            self.inbox.notify()
 
     def _prunes_due(self) -> bool:
         """Whether waiting prunes should be applied without waiting for a turn: the KV
@@ -416,6 +437,7 @@ class ComputeRounds:
         controller and its executors", "Bounded memory per step")."""
         work: dict[str, Work] = {}
         live = [st for st in self.requests.values() if not st.closed]
+        wanted = bool(self._prunes_wanted)  # room is waited for: relayed prunes go on at once
         self._prunes_taken += self._prunes_wanted  # this round applies what they wait for
         self._prunes_wanted = []
         for st in live:
@@ -429,6 +451,7 @@ class ComputeRounds:
                 w = work[st.request_id] = Work(st, prunes, taken)
                 if st.to_relay:
                     w.relayed = [p for seq, _ in prunes if (p := st.to_relay.pop(seq, None))]
+                    w.relay_now = wanted
         if turns and live:
             self._take_prefill(live, work)
         return list(work.values())
@@ -719,23 +742,28 @@ class ComputeRounds:
             return []
         sent = [(st.next_hop, f) for f in frames if f is not None]
         if w.relayed:
-            sent = self._relayed(st, w.relayed, sent)
+            sent = self._relayed(st, w, sent)
         return sent + self._progress(st, w, reported=any(h == st.report_to for h, _ in sent))
 
     def _relayed(
-        self, st: StageRequest, prunes: list[pb.PruneSignal], sent: list[tuple[str, tuple]]
+        self, st: StageRequest, w: Work, sent: list[tuple[str, tuple]]
     ) -> list[tuple[str, tuple]]:
         """The prunes this round applied for `st`, passed on to its next stage in this
         round's write there: on the request's first frame of the round (the receiver
         applies them before its activation, as here), else on a frame of their own
-        (`prunes_only`, no turn), which joins the other requests' frames to that hop."""
+        (`prunes_only`, no turn), which joins the other requests' frames to that hop;
+        with the router's address, which a stage that lost the request tells
+        (`reply_to`), and applied there at once where room is waited for (`prunes_now`)."""
         if sent:
-            sent[0][1][0].prunes.extend(prunes)
-            return sent
-        header = empty_header(st.request_id, 0, self.stage.name)
-        header.prunes_only = True
-        header.prunes.extend(prunes)
-        return [(st.next_hop, (header, None))]
+            header = sent[0][1][0]
+        else:
+            header = empty_header(st.request_id, 0, self.stage.name)
+            header.prunes_only = True
+            header.prunes_now = w.relay_now
+            sent = [(st.next_hop, (header, None))]
+        header.prunes.extend(w.relayed)
+        header.reply_to = st.report_to
+        return sent
 
     def _progress(self, st: StageRequest, w: Work, reported: bool) -> list[tuple[str, tuple]]:
         """An empty frame to the request's router saying this stage computed its rows,
@@ -787,6 +815,10 @@ class ComputeRounds:
             for st in {st.request_id: st for st, _ in items}.values():
                 if not st.closed:
                     self.stage.fail(st, f"{self.stage.name} {why}: {e}", unavailable=unavailable)
+
+
+def _nothing() -> None:
+    """An `apply_prunes` caller that waits for nothing (`prune_arrived`, `now`)."""
 
 
 def _settled(done: asyncio.Future) -> None:

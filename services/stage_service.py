@@ -80,6 +80,9 @@ SERVICE_NAME = "specpipe.v1.Stage"
 # The longest a Describe or an Open waits for the compute thread to apply waiting prunes
 # (between two of its rounds: a round is milliseconds; a long prefill's may be more).
 PRUNES_WAIT_SECONDS = 0.25
+# The longest an Open that finds no free block after the first stage waits for relayed
+# prunes still on their way from the stages before it (`StageService._room`).
+RELAYED_PRUNES_WAIT_SECONDS = 0.5
 
 
 async def _check_batch(context, n: int, what: str) -> None:
@@ -147,6 +150,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         # Where Configure loads models (default: where the given model lives, else cpu).
         self.device = device or (str(model.runtime.model.device) if model else "cpu")
         self._requests: dict[str, StageRequest] = {}
+        self._room_wanted: list[asyncio.Future] = []  # Opens waiting for relayed prunes
         self.aligner = StepAligner(batch_wait)  # when a round waits for more requests
         self.rounds = ComputeRounds(self, self._requests)
         self.transport: Transport = make_transport(
@@ -367,8 +371,10 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                         "the last stage verifies every request: Open needs a VerifySpec (`verify`)"
                     )
                 verify = await self._verify_spec(request.verify)
+            if not self.runtime.is_last:  # the later stages open it now too
+                self.rounds.relay_waiting_prunes()
             if self.runtime.pool.free_blocks < 1:  # the blocks waiting prunes free first
-                await self.rounds.apply_prunes(PRUNES_WAIT_SECONDS)
+                await self._room()
             if rid in self._requests:
                 raise AlreadyOpen(f"request {rid!r} is already open on this stage")
             claim = self._claim(
@@ -406,6 +412,29 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         if self.runtime.prefix_caching:
             self.metrics.prefix_cache_queried(len(request.prefix_token_ids), cached)
         return stage_pb2.OpenStageResponse(cached_tokens=cached)
+
+    async def _room(self) -> None:
+        """Room for an Open that finds no free block: the prunes waiting here applied
+        (`apply_prunes`); then, after the first stage, relayed prunes still on their way
+        from the stages before (they pass theirs on at once when asked to open the same
+        request: `relay_waiting_prunes`) waited for and applied as they come, until a
+        block is free or RELAYED_PRUNES_WAIT_SECONDS pass (then the Open is refused)."""
+        await self.rounds.apply_prunes(PRUNES_WAIT_SECONDS)
+        if self.runtime.is_first or not self._requests:
+            return  # no prune comes here relayed
+        loop = asyncio.get_running_loop()
+        until = loop.time() + RELAYED_PRUNES_WAIT_SECONDS
+        while self.runtime.pool.free_blocks < 1 and (left := until - loop.time()) > 0:
+            arrived = loop.create_future()
+            self._room_wanted.append(arrived)
+            try:
+                await asyncio.wait_for(arrived, left)
+            except TimeoutError:
+                return
+            finally:
+                if arrived in self._room_wanted:
+                    self._room_wanted.remove(arrived)
+            await self.rounds.apply_prunes(PRUNES_WAIT_SECONDS)
 
     async def _verify_spec(self, msg: pb.VerifySpec):
         """A request's verification parameters; with a grammar (structured output), bound
@@ -512,7 +541,17 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                 yield reply
 
     def _take_control(self, msg: stage_pb2.StageControl) -> stage_pb2.StageControlReply | None:
+        """A router's control message: its prunes first (a round may start as soon as a
+        feed is queued, and must not allocate for one request while rows that another's
+        prune in the same message drops still hold their blocks), then its feeds, then
+        its releases."""
         refusals = []
+        if msg.prunes:
+            self.metrics.prunes_per_call.observe(len(msg.prunes))
+            for prune in msg.prunes:
+                refused = self._take_prune(prune)
+                if refused is not None:
+                    refusals.append(_refusal(prune.request_id, *refused))
         if msg.feeds:
             self.metrics.feeds_per_call.observe(len(msg.feeds))
             first = self.model is not None and self.runtime.is_first
@@ -527,12 +566,6 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                 )
                 if refused is not None:
                     refusals.append(_refusal(feed.request_id, *refused))
-        if msg.prunes:
-            self.metrics.prunes_per_call.observe(len(msg.prunes))
-            for prune in msg.prunes:
-                refused = self._take_prune(prune)
-                if refused is not None:
-                    refusals.append(_refusal(prune.request_id, *refused))
         for ref in msg.releases:
             self._drop(ref.request_id)
         if not refusals and not msg.releases:
@@ -578,21 +611,25 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         requests open here, hidden states of this stage's dtype and width, one row per
         position and at most the request's capacity. A frame refused here fails its
         request (a well-behaved peer never sends one); frames of unknown requests
-        (released already) are dropped. A control frame is read up to the control
-        limit."""
+        (released already) are dropped, and where they carry relayed prunes their router
+        is told (`_lost`). A control frame is read up to the control limit. The relayed
+        prunes of a frame admitted are queued here (`_took_prunes`)."""
         if h.kind == Kind.PAYLOAD_KIND_CONTROL:
             return self.model is not None and control_frames.admitted(
                 h, max_control_bytes(self.limits)
             )
         st = self._requests.get(h.request_id)
         if st is None or self.model is None:
+            if h.prunes and self.model is not None:
+                self._lost(h)
             return False
         if h.kind != Kind.PAYLOAD_KIND_HIDDEN:
-            return not h.dtype  # empty and error frames carry no payload
+            # empty and error frames carry no payload
+            return not h.dtype and (not h.prunes or self._took_prunes(st, h))
         rows, lim, most = len(h.rows.positions), self.limits, self._rows_of(st)
         dtype = str(lim.dtype).removeprefix("torch.")
         if rows <= most and h.dtype == dtype and list(h.shape) == [rows, lim.hidden_size]:
-            return True
+            return not h.prunes or self._took_prunes(st, h)
         why = (
             f"hidden states {h.dtype or '?'} {list(h.shape)} for {rows} rows; this stage takes "
             f"{dtype} [rows, {lim.hidden_size}], at most {most} rows"
@@ -601,6 +638,46 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
         log.debug("bad frame for %s", st.request_id)
         self._report(st, f"{self.name}: bad frame from {h.sender}: {why}")
         return False
+
+    def _took_prunes(self, st: StageRequest, h: pb.FrameHeader) -> bool:
+        """Queue the relayed prunes a frame carries as soon as its header is here (the
+        transport judges every part of a batch frame before it delivers any), so every
+        prune of a frame, or of any part of a batch, is queued before any activation of
+        it: no round takes one request's activation, which allocates blocks, while rows
+        that another's prune in the same frame drops still hold theirs. Applied at once
+        where the sender says room is waited for (`prunes_now`). False (the request
+        failed, its router told) where one is refused."""
+        try:
+            with self.rounds.inbox:
+                for sig in h.prunes:
+                    self._add_prune(st, sig, relay=True)
+                self.rounds.prune_arrived(st, now=h.prunes_now)
+        except (FrameError, RequestError) as e:
+            rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, e)
+            log.debug("bad frame for %s", st.request_id)
+            self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
+            return False
+        if self._room_wanted:  # an Open waits for the blocks relayed prunes free (`_room`)
+            for arrived in self._room_wanted:
+                if not arrived.done():
+                    arrived.set_result(None)
+            self._room_wanted.clear()
+        return True
+
+    def _lost(self, h: pb.FrameHeader) -> None:
+        """Relayed prunes for a request not open here (this stage lost it, e.g. its lease
+        expired, or released it): its router (`reply_to`) is told at once, NOT_FOUND, as
+        a prune it sent here would have been refused, so that it replays the request
+        instead of waiting for its path to stall (a router ignores it for a request it
+        released). Only to an address of this stage's peers, like every address it sends
+        to."""
+        try:
+            self._check_hop(h.reply_to)
+        except RequestError:
+            return
+        header = error_header(h.request_id, self._not_open(h.request_id), self.name)
+        header.error_code = grpc.StatusCode.NOT_FOUND.value[0]
+        self._send_later(h.reply_to, header, None, "tell a router of a request lost here")
 
     def _on_frame(self, frame: Frame) -> None:
         if frame.kind == Kind.PAYLOAD_KIND_CONTROL:
@@ -618,36 +695,23 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             if h.kind not in (Kind.PAYLOAD_KIND_HIDDEN, Kind.PAYLOAD_KIND_EMPTY):
                 raise FrameError(f"a stage takes hidden states, not frames of kind {h.kind}")
             if h.prunes_only and empty:
-                self._take_relayed(st, h)
-                return
+                return  # its prunes were queued on arrival (`_took_prunes`)
             act = decode(frame)
             if not empty:  # values: on the compute thread (ComputeRounds)
                 check_input(act, self.limits, first=False, finite=False)
-            self._enqueue(st, h.seq, Pending(act, h.after_prune, empty), h)
+            self._enqueue(st, h.seq, Pending(act, h.after_prune, empty))
         except (FrameError, RequestError) as e:
             rlog.warning("bad-frame", "%s: bad frame from %s: %s", self.name, h.sender, e)
             log.debug("bad frame for %s", st.request_id)
             self._report(st, f"{self.name}: bad frame from {h.sender}: {e}")
 
-    def _enqueue(
-        self, st: StageRequest, seq: int, item: Pending, h: pb.FrameHeader | None = None
-    ) -> None:
-        """Queue an activation, after the prunes relayed on its frame `h` (one hold:
-        the compute thread sees both or neither)."""
+    def _enqueue(self, st: StageRequest, seq: int, item: Pending) -> None:
+        """Queue an activation (the prunes relayed on its frame are queued already:
+        `_took_prunes`)."""
         with self.rounds.inbox:
-            if h is not None and h.prunes:
-                for sig in h.prunes:
-                    self._add_prune(st, sig, relay=True)
             st.order.add_activation(seq, item)
             self.aligner.arrived(st.request_id)
             self.rounds.wake()
-
-    def _take_relayed(self, st: StageRequest, h: pb.FrameHeader) -> None:
-        """A frame of relayed prunes only: queued as the router's would be."""
-        with self.rounds.inbox:
-            for sig in h.prunes:
-                self._add_prune(st, sig, relay=True)
-            self.rounds.prune_arrived(st)
 
     # -- failing a request -----------------------------------------------------------------
     def fail(self, st: StageRequest, message: str, unavailable: bool = False) -> None:

@@ -29,7 +29,8 @@ the request's path dies or stops answering (a call fails UNAVAILABLE / NOT_FOUND
 its timeout, a stage reports its next hop unreachable, the health monitor reports it
 down, the request has waited `Backends.stall_seconds` for its path while a replica of it
 answers no health check (stalled: SIGSTOP, a frozen host), or the path goes silent for
-`stall_timeout` however healthy it looks), the session releases it on the path and,
+`stall_timeout` however healthy it looks, a stage that lost the request tells that
+relayed prunes reached it, NOT_FOUND), the session releases it on the path and,
 once the replicas confirmed (those that do not are left out), opens it on another path
 of the same model version and the controller replays it (`Controller.replay`). Silence
 is the absence of progress, not of tokens: each stage reports that it computed the
@@ -72,6 +73,9 @@ from .late_draft import LateDraftHold, StepWait
 from .path_session import PathSession
 
 log = logging.getLogger(__name__)
+# Codes of a stage's failure frame after which the request is replayed: UNAVAILABLE (its
+# next hop is unreachable), NOT_FOUND (relayed prunes reached a stage that lost it).
+LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 
 
 @dataclass(frozen=True)
@@ -420,8 +424,8 @@ class RequestDriver:
         if frame.request_id != self.session.wire_id:
             return []  # a frame of an earlier path
         code, message = failure_of(frame) or (grpc.StatusCode.INTERNAL, "failed")
-        if code == grpc.StatusCode.UNAVAILABLE and not self.deadline.passed():
-            return await self._replay(None, message)  # a next hop is unreachable
+        if code in LOST and not self.deadline.passed():
+            return await self._replay(None, message)
         self.controller.on_failure(message)
         raise DriverError(code, message)
 

@@ -9,23 +9,37 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import torch
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.loader import LoadedModel
 from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import Activation
+from specpipe.services.control import rows_to_proto
+from specpipe.services.router.frames import failure_of
 from specpipe.services.stage_service import StageService
-from specpipe.services.transport import Frame
+from specpipe.services.transport import Frame, Inbox, encode, make_transport
+from specpipe.services.transport.batch import pack
+from specpipe.services.transport.codec import empty_header
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import stage_pb2
 
 from ..conftest import greedy_verify
-from .test_compute_round_prunes import PROMPT, _layer, _prefilled, _prune
+from .test_compute_round_prunes import PROMPT, _hidden, _layer, _prefilled, _prune
 
 
 def _stage(llama_dir, a: int, b: int) -> StageService:
     model = load_stage(llama_dir, LayerRange(a, b, 5), torch.float64)
     return StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+
+
+def _arrive(svc: StageService, frame: Frame) -> None:
+    """`frame` received as the transport receives it: its header admitted (the relayed
+    prunes it carries are queued then), then delivered."""
+    keep = svc.transport._admitted(frame.header)
+    if keep:
+        svc.transport._deliver(frame, keep)
 
 
 def _relayed(seq: int) -> pb.PruneRequest:
@@ -67,7 +81,7 @@ def test_a_relayed_prune_rides_the_next_frame_and_frees_blocks_at_every_stage(ll
             assert [p.seq for p in header.prunes] == [1] and not header.prunes_only
             assert _rows(first) == PROMPT + 1 + 4  # layer 1's other rows gone, layer 2 in
             # the next stage: the prune with the activation it comes with, applied first
-            second._on_frame(Frame(header, payload))
+            _arrive(second, Frame(header, payload))
             order = second._requests["a"].order
             assert 1 in order.prunes and order.next_activation() is None  # the prune first
             ((_, (header2, _)),) = _round(second)
@@ -99,7 +113,7 @@ def test_a_relayed_prune_with_no_frame_to_its_hop_goes_on_a_frame_of_its_own(lla
             assert header.prunes_only and payload is None and [p.seq for p in header.prunes] == [1]
             assert hop == first._requests["a"].next_hop
             before = _used(second)
-            second._on_frame(Frame(header, payload))
+            _arrive(second, Frame(header, payload))
             order = second._requests["a"].order
             assert 1 in order.prunes and order.next_seq == 2  # no turn taken
             _round(second, turns=False)
@@ -173,5 +187,130 @@ def test_the_compute_thread_applies_waiting_prunes_when_asked(llama_dir) -> None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await svc.stop()
+
+    asyncio.run(main())
+
+
+def _rounds_at_once(svc: StageService) -> list[dict[str, object]]:
+    """Make every queued activation start a round at once (what the compute thread may
+    do whenever it finds one in the inbox); each round's errors by request."""
+    rounds: list[dict[str, object]] = []
+
+    def now() -> None:
+        work = svc.rounds._collect()
+        svc.rounds.compute(work)
+        rounds.append({w.st.request_id: w.error for w in work})
+
+    svc.rounds.wake = now  # type: ignore[method-assign]
+    return rounds
+
+
+def _prompt_of(rid: str) -> Frame:
+    act = Activation(rid, torch.arange(PROMPT), committed=True, hidden=_hidden(PROMPT, 5))
+    return Frame(*encode(act, 0))
+
+
+def _prunes_only(seq: int) -> pb.FrameHeader:
+    """Request "a"'s prune `seq` relayed on a frame of its own."""
+    header = empty_header("a", 0, "upstream")
+    header.prunes_only = True
+    header.prunes.append(_prune(seq).prune)
+    return header
+
+
+def test_a_batch_frames_prunes_are_applied_before_any_of_its_activations(llama_dir) -> None:
+    """Request b's activation and a's prunes-only frame in one batch frame, b's first: a
+    round that starts as soon as b's activation is queued applies a's prune first, so b
+    gets the blocks it frees (taken before it, b failed: KV cache pool exhausted)."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        try:
+            await _prefilled(svc)
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="b", capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            pool = svc.runtime.pool
+            pool.max_blocks = pool.used_blocks  # full: only a's prune frees a block
+            rounds = _rounds_at_once(svc)
+            b = _prompt_of("b")
+            _arrive(svc, Frame(*pack([(b.header, b.payload), (_prunes_only(1), None)])))
+            assert rounds == [{"a": None, "b": None}]
+            assert svc._requests["a"].order.applied == 1
+            assert svc.runtime._caches["b"].length == PROMPT
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_a_control_messages_prunes_are_taken_before_its_feeds(llama_dir) -> None:
+    """The first stage takes a router's control message's prunes before its feeds, so a
+    round started by b's feed applies a's prune first and b gets the block it frees."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 0, 2)
+        try:
+            for rid in ("a", "b"):
+                await svc.Open(stage_pb2.OpenStageRequest(
+                    request_id=rid, capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            prompt = Activation("a", torch.arange(PROMPT), committed=True)
+            assert svc._take_feed(_token_feed(0, 0, prompt)) is None
+            svc.rounds.compute(svc.rounds._collect())
+            t = torch.tensor
+            layer = Activation("a", t([PROMPT, PROMPT + 1, PROMPT + 1, PROMPT + 2]),
+                               node_ids=t([4, 5, 6, 7]), parent_ids=t([-1, 4, 4, 5]))  # fmt: skip
+            assert svc._take_feed(_token_feed(1, 0, layer)) is None
+            svc.rounds.compute(svc.rounds._collect())
+            pool = svc.runtime.pool
+            pool.max_blocks = pool.used_blocks
+            rounds = _rounds_at_once(svc)
+            b = Activation("b", torch.arange(PROMPT), committed=True)
+            msg = stage_pb2.StageControl(feeds=[_token_feed(0, 0, b)], prunes=[_prune(1)])
+            assert svc._take_control(msg) is None
+            assert rounds == [{"a": None, "b": None}]
+            assert svc.runtime._caches["b"].length == PROMPT
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def _token_feed(seq: int, after: int, act: Activation) -> stage_pb2.FeedRequest:
+    tokens = [3 + int(p) for p in act.positions]
+    return stage_pb2.FeedRequest(request_id=act.request_id, seq=seq, after_prune=after,
+                                 rows=rows_to_proto(act), token_ids=tokens)  # fmt: skip
+
+
+def test_relayed_prunes_for_a_request_lost_here_tell_its_router(llama_dir) -> None:
+    """A stage that no longer holds a request (its lease expired) and gets its relayed
+    prunes answers the router they name (`reply_to`) NOT_FOUND, as it would have
+    refused the router's prune; frames without prunes, or naming no router, are dropped
+    as before."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        queue = inbox.open("a")
+        router = make_transport("tcp", inbox)
+        address = await router.start()
+        svc = _stage(llama_dir, 1, 3)
+        try:
+            await _prefilled(svc)
+            svc._drop("a")  # what an expired lease does
+            _arrive(svc, _layer(2, 0))  # no prunes: dropped, nobody told
+            silent = _prunes_only(1)
+            _arrive(svc, Frame(silent, None))  # no router named
+            told = _prunes_only(1)
+            told.reply_to = address
+            _arrive(svc, Frame(told, None))
+            frame = await asyncio.wait_for(queue.get(), 10)
+            assert failure_of(frame) == (
+                grpc.StatusCode.NOT_FOUND,
+                "request 'a' is not open on stage layers 1:3/5",
+            )
+            await asyncio.sleep(0.1)
+            assert queue.empty()
+        finally:
+            await svc.stop()
+            await router.close()
 
     asyncio.run(main())

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecpipe/v1/dataplane.proto\x12\x0bspecpipe.v1\"e\n\x04Rows\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x10\n\x08node_ids\x18\x03 \x03(\x03\x12\x12\n\nparent_ids\x18\x04 \x03(\x03\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\"\x84\x03\n\x0b\x46rameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.specpipe.v1.PayloadKind\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06sender\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\x05\x12\'\n\x05parts\x18\x0b \x03(\x0b\x32\x18.specpipe.v1.FrameHeader\x12+\n\x08verified\x18\x0c \x01(\x0b\x32\x19.specpipe.v1.Verification\x12\x10\n\x08reply_to\x18\r \x01(\t\x12(\n\x06prunes\x18= \x03(\x0b\x32\x18.specpipe.v1.PruneSignal\x12\x13\n\x0bprunes_only\x18> \x01(\x08\"\xcf\x03\n\nVerifySpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0coutput_start\x18\x05 \x01(\x04\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x18\n\x10grammar_consumed\x18\x0b \x03(\x03\x12\x1a\n\x12repetition_penalty\x18\x14 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x16 \x01(\x01\x12:\n\nlogit_bias\x18\x17 \x03(\x0b\x32&.specpipe.v1.VerifySpec.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x19 \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\xbc\x01\n\x0cVerification\x12\x10\n\x08node_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08position\x18\x03 \x01(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\x12\x12\n\nsent_at_ns\x18\x05 \x01(\x03\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\"Q\n\x0bPruneSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ncommit_ids\x18\x02 \x03(\x03\x12\x10\n\x08keep_ids\x18\x03 \x03(\x03\x12\x0f\n\x07horizon\x18\x04 \x01(\x03\"\x11\n\x0f\x44\x65scribeRequest\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"Z\n\x0cPruneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05prune\x18\x02 \x01(\x0b\x32\x18.specpipe.v1.PruneSignal\x12\r\n\x05relay\x18? \x01(\x08\"\x0f\n\rPruneResponse\"=\n\x10PruneManyRequest\x12)\n\x06prunes\x18\x01 \x03(\x0b\x32\x19.specpipe.v1.PruneRequest\"?\n\x11PruneManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome\",\n\x0b\x43\x61llOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x0cRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0brequest_ids\x18\x03 \x03(\tJ\x04\x08\x02\x10\x03\"$\n\rRenewResponse\x12\x13\n\x0bunknown_ids\x18\x01 \x03(\t\";\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\r\")\n\nCacheScope\x12\x0c\n\x04salt\x18\x01 \x01(\x0c\x12\r\n\x05owner\x18\x02 \x01(\x0c*\x80\x02\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_TOKENS\x10\x01\x12\x17\n\x13PAYLOAD_KIND_HIDDEN\x10\x02\x12\x16\n\x12PAYLOAD_KIND_EMPTY\x10\x04\x12\x16\n\x12PAYLOAD_KIND_ERROR\x10\x05\x12\x16\n\x12PAYLOAD_KIND_BATCH\x10\x06\x12\x19\n\x15PAYLOAD_KIND_VERIFIED\x10\x07\x12\x18\n\x14PAYLOAD_KIND_CONTROL\x10\x08\x12\x1e\n\x1aPAYLOAD_KIND_CONTROL_REPLY\x10\t\"\x04\x08\x03\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecpipe/v1/dataplane.proto\x12\x0bspecpipe.v1\"e\n\x04Rows\x12\x11\n\tpositions\x18\x01 \x03(\x03\x12\x11\n\tcommitted\x18\x02 \x01(\x08\x12\x10\n\x08node_ids\x18\x03 \x03(\x03\x12\x12\n\nparent_ids\x18\x04 \x03(\x03\x12\x11\n\ttoken_ids\x18\x05 \x03(\x03\"\x99\x03\n\x0b\x46rameHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x13\n\x0b\x61\x66ter_prune\x18\x03 \x01(\x04\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.specpipe.v1.Rows\x12&\n\x04kind\x18\x05 \x01(\x0e\x32\x18.specpipe.v1.PayloadKind\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\r\n\x05shape\x18\x07 \x03(\x03\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x0e\n\x06sender\x18\t \x01(\t\x12\x12\n\nerror_code\x18\n \x01(\x05\x12\'\n\x05parts\x18\x0b \x03(\x0b\x32\x18.specpipe.v1.FrameHeader\x12+\n\x08verified\x18\x0c \x01(\x0b\x32\x19.specpipe.v1.Verification\x12\x10\n\x08reply_to\x18\r \x01(\t\x12(\n\x06prunes\x18= \x03(\x0b\x32\x18.specpipe.v1.PruneSignal\x12\x13\n\x0bprunes_only\x18> \x01(\x08\x12\x13\n\nprunes_now\x18\x8c\x01 \x01(\x08\"\xcf\x03\n\nVerifySpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0coutput_start\x18\x05 \x01(\x04\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\x18\n\x10grammar_consumed\x18\x0b \x03(\x03\x12\x1a\n\x12repetition_penalty\x18\x14 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x15 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x16 \x01(\x01\x12:\n\nlogit_bias\x18\x17 \x03(\x0b\x32&.specpipe.v1.VerifySpec.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x19 \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x01\x12\x0f\n\x07top_ids\x18\x02 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x01\"\xbc\x01\n\x0cVerification\x12\x10\n\x08node_ids\x18\x01 \x03(\x03\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x10\n\x08position\x18\x03 \x01(\x03\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\x12\x12\n\nsent_at_ns\x18\x05 \x01(\x03\x12\x33\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1a.specpipe.v1.TokenLogprobs\"Q\n\x0bPruneSignal\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x12\n\ncommit_ids\x18\x02 \x03(\x03\x12\x10\n\x08keep_ids\x18\x03 \x03(\x03\x12\x0f\n\x07horizon\x18\x04 \x01(\x03\"\x11\n\x0f\x44\x65scribeRequest\" \n\nRequestRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"Z\n\x0cPruneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05prune\x18\x02 \x01(\x0b\x32\x18.specpipe.v1.PruneSignal\x12\r\n\x05relay\x18? \x01(\x08\"\x0f\n\rPruneResponse\"=\n\x10PruneManyRequest\x12)\n\x06prunes\x18\x01 \x03(\x0b\x32\x19.specpipe.v1.PruneRequest\"?\n\x11PruneManyResponse\x12*\n\x08outcomes\x18\x01 \x03(\x0b\x32\x18.specpipe.v1.CallOutcome\",\n\x0b\x43\x61llOutcome\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"V\n\x0cRenewRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x13\n\x0brequest_ids\x18\x03 \x03(\tJ\x04\x08\x02\x10\x03\"$\n\rRenewResponse\x12\x13\n\x0bunknown_ids\x18\x01 \x03(\t\";\n\tCostCurve\x12\x0c\n\x04rows\x18\x01 \x03(\r\x12\x0f\n\x07seconds\x18\x02 \x03(\x01\x12\x0f\n\x07\x63ontext\x18\x03 \x01(\r\")\n\nCacheScope\x12\x0c\n\x04salt\x18\x01 \x01(\x0c\x12\r\n\x05owner\x18\x02 \x01(\x0c*\x80\x02\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13PAYLOAD_KIND_TOKENS\x10\x01\x12\x17\n\x13PAYLOAD_KIND_HIDDEN\x10\x02\x12\x16\n\x12PAYLOAD_KIND_EMPTY\x10\x04\x12\x16\n\x12PAYLOAD_KIND_ERROR\x10\x05\x12\x16\n\x12PAYLOAD_KIND_BATCH\x10\x06\x12\x19\n\x15PAYLOAD_KIND_VERIFIED\x10\x07\x12\x18\n\x14PAYLOAD_KIND_CONTROL\x10\x08\x12\x1e\n\x1aPAYLOAD_KIND_CONTROL_REPLY\x10\t\"\x04\x08\x03\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYSPEC_LOGITBIASENTRY']._loaded_options = None
   _globals['_VERIFYSPEC_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PAYLOADKIND']._serialized_start=1955
-  _globals['_PAYLOADKIND']._serialized_end=2211
+  _globals['_PAYLOADKIND']._serialized_start=1976
+  _globals['_PAYLOADKIND']._serialized_end=2232
   _globals['_ROWS']._serialized_start=44
   _globals['_ROWS']._serialized_end=145
   _globals['_FRAMEHEADER']._serialized_start=148
-  _globals['_FRAMEHEADER']._serialized_end=536
-  _globals['_VERIFYSPEC']._serialized_start=539
-  _globals['_VERIFYSPEC']._serialized_end=1002
-  _globals['_VERIFYSPEC_LOGITBIASENTRY']._serialized_start=921
-  _globals['_VERIFYSPEC_LOGITBIASENTRY']._serialized_end=969
-  _globals['_TOKENLOGPROBS']._serialized_start=1004
-  _globals['_TOKENLOGPROBS']._serialized_end=1075
-  _globals['_VERIFICATION']._serialized_start=1078
-  _globals['_VERIFICATION']._serialized_end=1266
-  _globals['_PRUNESIGNAL']._serialized_start=1268
-  _globals['_PRUNESIGNAL']._serialized_end=1349
-  _globals['_DESCRIBEREQUEST']._serialized_start=1351
-  _globals['_DESCRIBEREQUEST']._serialized_end=1368
-  _globals['_REQUESTREF']._serialized_start=1370
-  _globals['_REQUESTREF']._serialized_end=1402
-  _globals['_RELEASERESPONSE']._serialized_start=1404
-  _globals['_RELEASERESPONSE']._serialized_end=1439
-  _globals['_PRUNEREQUEST']._serialized_start=1441
-  _globals['_PRUNEREQUEST']._serialized_end=1531
-  _globals['_PRUNERESPONSE']._serialized_start=1533
-  _globals['_PRUNERESPONSE']._serialized_end=1548
-  _globals['_PRUNEMANYREQUEST']._serialized_start=1550
-  _globals['_PRUNEMANYREQUEST']._serialized_end=1611
-  _globals['_PRUNEMANYRESPONSE']._serialized_start=1613
-  _globals['_PRUNEMANYRESPONSE']._serialized_end=1676
-  _globals['_CALLOUTCOME']._serialized_start=1678
-  _globals['_CALLOUTCOME']._serialized_end=1722
-  _globals['_RENEWREQUEST']._serialized_start=1724
-  _globals['_RENEWREQUEST']._serialized_end=1810
-  _globals['_RENEWRESPONSE']._serialized_start=1812
-  _globals['_RENEWRESPONSE']._serialized_end=1848
-  _globals['_COSTCURVE']._serialized_start=1850
-  _globals['_COSTCURVE']._serialized_end=1909
-  _globals['_CACHESCOPE']._serialized_start=1911
-  _globals['_CACHESCOPE']._serialized_end=1952
+  _globals['_FRAMEHEADER']._serialized_end=557
+  _globals['_VERIFYSPEC']._serialized_start=560
+  _globals['_VERIFYSPEC']._serialized_end=1023
+  _globals['_VERIFYSPEC_LOGITBIASENTRY']._serialized_start=942
+  _globals['_VERIFYSPEC_LOGITBIASENTRY']._serialized_end=990
+  _globals['_TOKENLOGPROBS']._serialized_start=1025
+  _globals['_TOKENLOGPROBS']._serialized_end=1096
+  _globals['_VERIFICATION']._serialized_start=1099
+  _globals['_VERIFICATION']._serialized_end=1287
+  _globals['_PRUNESIGNAL']._serialized_start=1289
+  _globals['_PRUNESIGNAL']._serialized_end=1370
+  _globals['_DESCRIBEREQUEST']._serialized_start=1372
+  _globals['_DESCRIBEREQUEST']._serialized_end=1389
+  _globals['_REQUESTREF']._serialized_start=1391
+  _globals['_REQUESTREF']._serialized_end=1423
+  _globals['_RELEASERESPONSE']._serialized_start=1425
+  _globals['_RELEASERESPONSE']._serialized_end=1460
+  _globals['_PRUNEREQUEST']._serialized_start=1462
+  _globals['_PRUNEREQUEST']._serialized_end=1552
+  _globals['_PRUNERESPONSE']._serialized_start=1554
+  _globals['_PRUNERESPONSE']._serialized_end=1569
+  _globals['_PRUNEMANYREQUEST']._serialized_start=1571
+  _globals['_PRUNEMANYREQUEST']._serialized_end=1632
+  _globals['_PRUNEMANYRESPONSE']._serialized_start=1634
+  _globals['_PRUNEMANYRESPONSE']._serialized_end=1697
+  _globals['_CALLOUTCOME']._serialized_start=1699
+  _globals['_CALLOUTCOME']._serialized_end=1743
+  _globals['_RENEWREQUEST']._serialized_start=1745
+  _globals['_RENEWREQUEST']._serialized_end=1831
+  _globals['_RENEWRESPONSE']._serialized_start=1833
+  _globals['_RENEWRESPONSE']._serialized_end=1869
+  _globals['_COSTCURVE']._serialized_start=1871
+  _globals['_COSTCURVE']._serialized_end=1930
+  _globals['_CACHESCOPE']._serialized_start=1932
+  _globals['_CACHESCOPE']._serialized_end=1973
 # @@protoc_insertion_point(module_scope)

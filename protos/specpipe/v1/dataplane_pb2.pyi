@@ -43,7 +43,7 @@ class Rows(_message.Message):
     def __init__(self, positions: _Optional[_Iterable[int]] = ..., committed: _Optional[bool] = ..., node_ids: _Optional[_Iterable[int]] = ..., parent_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FrameHeader(_message.Message):
-    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code", "parts", "verified", "reply_to", "prunes", "prunes_only")
+    __slots__ = ("request_id", "seq", "after_prune", "rows", "kind", "dtype", "shape", "error", "sender", "error_code", "parts", "verified", "reply_to", "prunes", "prunes_only", "prunes_now")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_PRUNE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class FrameHeader(_message.Message):
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     PRUNES_FIELD_NUMBER: _ClassVar[int]
     PRUNES_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PRUNES_NOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq: int
     after_prune: int
@@ -74,7 +75,8 @@ class FrameHeader(_message.Message):
     reply_to: str
     prunes: _containers.RepeatedCompositeFieldContainer[PruneSignal]
     prunes_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ..., reply_to: _Optional[str] = ..., prunes: _Optional[_Iterable[_Union[PruneSignal, _Mapping]]] = ..., prunes_only: _Optional[bool] = ...) -> None: ...
+    prunes_now: bool
+    def __init__(self, request_id: _Optional[str] = ..., seq: _Optional[int] = ..., after_prune: _Optional[int] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., sender: _Optional[str] = ..., error_code: _Optional[int] = ..., parts: _Optional[_Iterable[_Union[FrameHeader, _Mapping]]] = ..., verified: _Optional[_Union[Verification, _Mapping]] = ..., reply_to: _Optional[str] = ..., prunes: _Optional[_Iterable[_Union[PruneSignal, _Mapping]]] = ..., prunes_only: _Optional[bool] = ..., prunes_now: _Optional[bool] = ...) -> None: ...
 
 class VerifySpec(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "output_start", "logprobs", "prompt_logprobs", "grammar", "grammar_consumed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_tokens", "stop_token_ids")
