@@ -156,3 +156,48 @@ def test_a_reset_mid_request_with_relayed_prunes_replays_exactly_and_leaks_nothi
                 await svc.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_request_a_later_stage_lost_is_replayed_at_once_and_exactly(
+    llama_dir, victim, caplog
+) -> None:
+    """A stage after the first loses a request mid-request (its lease expired there):
+    the router sends it nothing with relay on, but the next relayed prunes that reach
+    it make it tell the router (NOT_FOUND), which replays the request then, exactly, not
+    after its path stalls (60 s here) or its keep-alive (every 20 s) finds it lost."""
+
+    async def main() -> None:
+        stages, draft = await _services(llama_dir)
+        addrs = [f"127.0.0.1:{s.port}" for s in stages]
+        router = router_service(addrs, f"127.0.0.1:{draft.port}", path_stall_seconds=60.0,
+                                replay_seconds=20.0)  # fmt: skip
+        await router.start(startup_timeout=30)
+        try:
+            reference = _tokens(
+                [r async for r in router.engine.generate(_request("specpipe", 0.0, 0, 40))]
+            )
+            run = router.engine.generate(_request("specpipe", 0.0, 0, 40))
+            got: list[int] = []
+            while len(got) < 3:
+                got += _tokens([await asyncio.wait_for(run.__anext__(), 30)])
+            (driver,) = router.engine.drivers.values()
+            assert driver.session.executor.relay
+            lost = stages[victim]
+            await lost._expire(driver.wire_id)  # what its lease's end does
+
+            async def rest() -> list:
+                return [r async for r in run]
+
+            got += _tokens(await asyncio.wait_for(rest(), 30))
+            assert got == reference and len(driver.replay_seconds) == 1
+            (why,) = [r.getMessage() for r in caplog.records if "replaying" in r.getMessage()]
+            assert f"is not open on {lost.name}" in why
+            await _wait_empty(stages)
+        finally:
+            await router.stop()
+            for svc in (*stages, draft):
+                await svc.stop()
+
+    caplog.set_level("WARNING", logger="specpipe.services.router.driver")
+    asyncio.run(main())
