@@ -11,9 +11,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
+from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services.client.common import build_request
+from specpipe.services.control import prune_to_proto, rows_to_proto
 from specpipe.services.draft_service import DraftService
 from specpipe.services.stage_service import StageService
+from specpipe.services.transport import Inbox, make_transport
+from specpipe.v1 import dataplane_pb2 as pb
+from specpipe.v1 import stage_pb2
 
 from ..router_config import router_service
 from .test_control_streams import _reset
@@ -200,4 +206,81 @@ def test_a_request_a_later_stage_lost_is_replayed_at_once_and_exactly(
                 await svc.stop()
 
     caplog.set_level("WARNING", logger="specpipe.services.router.driver")
+    asyncio.run(main())
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Context:
+    """What a handler's `context.abort` does, without gRPC: raises what refused it."""
+
+    async def abort(self, code, message: str):
+        raise _Refused(code, message)
+
+
+async def _until(check, what: str) -> None:
+    for _ in range(500):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("ranges", [((0, 2), (2, 4)), ((0, 1), (1, 2), (2, 4))])
+def test_an_open_after_the_first_stage_gets_the_room_of_prunes_still_upstream(
+    llama_dir, ranges
+) -> None:
+    """Request a's relayed prune waits at stage 1 (no turn of a is due there), and the
+    later stage's pool has no free block but the one that prune frees there. Request b
+    is opened on every stage at once, as a router opens a path: stage 1 passes its
+    waiting prune on, to be applied at once at every stage after it (`prunes_now`: a
+    stage between, with room, would otherwise keep it until a's next turn), and the
+    short stage's Open waits for it, instead of refusing b (RESOURCE_EXHAUSTED) while
+    the room it needs is on its way."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        sink = make_transport("tcp", inbox)
+        router = await sink.start()
+        stages = [StageService(_stage(llama_dir, a, b, 5)) for a, b in ranges]
+        for svc in stages:
+            await svc.start()
+        hops = [s.transport.address for s in stages[1:]] + [router]
+        first, short = stages[0], stages[-1]
+
+        async def open_everywhere(rid: str) -> None:
+            await asyncio.gather(*(
+                svc.Open(stage_pb2.OpenStageRequest(request_id=rid, capacity=64, next_hop=hop,
+                                                    report_to=router), _Context())
+                for svc, hop in zip(stages, hops, strict=True)
+            ))  # fmt: skip
+
+        try:
+            await open_everywhere("a")
+            t = torch.tensor
+            prompt = Activation("a", torch.arange(8), committed=True)
+            layer = Activation(
+                "a", t([8, 9, 9, 10]), node_ids=t([4, 5, 6, 7]), parent_ids=t([-1, 4, 4, 5])
+            )
+            for seq, act in enumerate((prompt, layer)):
+                feed = stage_pb2.FeedRequest(request_id="a", seq=seq, rows=rows_to_proto(act),
+                                             token_ids=[3] * len(act))  # fmt: skip
+                assert first._take_feed(feed) is None
+            await _until(lambda: short._requests["a"].order.next_seq == 2, "a's rows")
+            pool = short.runtime.pool
+            pool.max_blocks = pool.used_blocks  # full: only a's prune frees a block here
+            prune = Prune(t([4]), t([], dtype=torch.long), 7)
+            relayed = pb.PruneRequest(request_id="a", prune=prune_to_proto(prune, 1), relay=True)
+            assert first._take_prune(relayed) is None
+            assert first._requests["a"].order.applied == 0  # waits for a's next turn there
+            await open_everywhere("b")
+            assert "b" in short._requests
+            assert [s._requests["a"].order.applied for s in stages] == [1] * len(stages)
+        finally:
+            for svc in stages:
+                await svc.stop()
+            await sink.close()
+
     asyncio.run(main())
