@@ -4,7 +4,9 @@ prunes to stage 1 only, and the tokens are exactly those of prunes sent to every
 in every decoding mode; a stage that does not relay them (an older version) makes the
 router send them to every stage; a control stream reset mid-request (the request
 replayed under a new id) stays exact and leaves no request and no KV block behind on
-any stage. (Every other integration test runs with relay on too: it is the default.)"""
+any stage; a request a later stage lost is replayed as soon as its relayed prunes reach
+that stage; an Open after the first stage gets the room of relayed prunes still
+upstream. (Every other integration test runs with relay on too: it is the default.)"""
 
 from __future__ import annotations
 

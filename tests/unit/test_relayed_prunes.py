@@ -3,7 +3,10 @@ came relayed (the router's `PruneRequest.relay`, or on a frame) is applied and p
 to the next stage on the request's frame there, or on a frame of prunes only where the
 round sends it none; the next stage applies it before that frame's activation and frees
 the blocks it drops. And the deferred-prune edge: Describe counts the blocks a waiting
-prune frees, and an Open that finds no free block has the waiting prunes applied first."""
+prune frees, and an Open that finds no free block has the waiting prunes applied first.
+A frame's relayed prunes (every part's of a batch frame), and a control message's
+prunes, are queued before any of its activations; relayed prunes for a request the
+stage lost tell its router NOT_FOUND."""
 
 from __future__ import annotations
 
