@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from specpipe.common.model.kernel_checks import KERNEL_CHECKS_ENV
 from specpipe.common.model.synthetic import save_random_model
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.verify import VerifySpec
 from specpipe.services.control import verify_spec_to_proto
 from specpipe.v1 import dataplane_pb2
+
+# Kernel checks are run, never read from or written to the user's record: every test
+# sees this machine's kernels as a fresh install does (`test_kernel_checks` sets its own).
+os.environ[KERNEL_CHECKS_ENV] = ""
 
 # Tiny models gain nothing from intra-op threads, and on a 2-core machine shared with
 # service processes the threads only contend.

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import kernel_checks
 from .packed_linear import PackedLinear
 
 if TYPE_CHECKING:
@@ -144,7 +145,8 @@ _kernels_checked: dict[tuple, bool] = {}
 
 def kernels_row_invariant(model: StageModel) -> bool:
     """Whether every linear shape of `model` keeps a row's bits in calls of `MIN_ROWS` to
-    `MAX_ROWS` rows on this machine (`linear_rows_invariant`, once per shape and process):
+    `MAX_ROWS` rows on this machine (`linear_rows_invariant`, once per shape and machine:
+    `kernel_checks`):
     `MIN_ROWS`/`MAX_ROWS` were measured on one CPU's oneDNN, and another kernel may not
     keep them."""
     for layer in model.modules():
@@ -153,11 +155,25 @@ def kernels_row_invariant(model: StageModel) -> bool:
         weight = _weight(layer)
         key = (type(layer), layer.in_features, layer.out_features, weight.dtype, weight.device)
         if key not in _kernels_checked:
-            rows = MAX_ROWS + 1 if layer.out_features > 16384 else 3 * MAX_ROWS  # a big head
-            _kernels_checked[key] = linear_rows_invariant(layer, rows)
+            _kernels_checked[key] = _check_shape(layer, weight)
         if not _kernels_checked[key]:
             return False
     return True
+
+
+def _check_shape(layer: nn.Module, weight: Tensor) -> bool:
+    """`linear_rows_invariant` for `layer`'s shape, from this machine's record
+    (`kernel_checks`) when it holds the answer."""
+    check = (
+        f"rows {MIN_ROWS}-{MAX_ROWS} {type(layer).__name__} {layer.in_features}x"
+        f"{layer.out_features} {weight.dtype} {weight.device.type}"
+    )
+    answer = kernel_checks.recorded(check)
+    if answer is None:
+        rows = MAX_ROWS + 1 if layer.out_features > 16384 else 3 * MAX_ROWS  # a big head
+        answer = linear_rows_invariant(layer, rows)
+        kernel_checks.record(check, answer)
+    return answer
 
 
 def linear_rows_invariant(layer: nn.Module, rows: int = 3 * MAX_ROWS) -> bool:
