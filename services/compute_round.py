@@ -285,6 +285,7 @@ class ComputeRounds:
 
         self._stopped = False
         self._halt.clear()
+        self._posted = self._delivered_rounds = 0  # a thread stopped before left none
         self._thread = threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
         )
