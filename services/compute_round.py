@@ -15,12 +15,17 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
   launches return before the device is done, and an emulated device, `--emulate-costs`,
   is waited for only at hand-off: `Pacer.launch`);
 - *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
-  `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
-  posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
-  prunes only, all applied, has nothing to post), which sends each output to its
-  request's next hop, the frames of all requests that share a hop together, with the
-  prunes the round applied that came relayed (`_relayed`: on the request's frame there,
-  or a frame of prunes only; docs/architecture.md, "6. Control plane and data plane").
+  `verify_many`; outputs put where the transport sends from, `for_wire`), then the
+  round's frames made (`_outgoing`): each output to its request's next hop, the frames
+  of all requests that share a hop together, with the prunes the round applied that
+  came relayed (`_relayed`: on the request's frame there, or a frame of prunes only;
+  docs/architecture.md, "6. Control plane and data plane"). The compute thread sends
+  them itself where the transport keeps every frame's order (`_send_now`,
+  `Transport.send_now`: no wake of the event loop, no turn); otherwise, or for what is
+  left (a request that failed, a hop without a connection yet), the round is posted to
+  the event loop (`HandOffs`: at most one wake per batch of rounds; a round of prunes
+  only, all applied, has nothing to post), which sends it, and later rounds follow it
+  there until it is delivered.
 
 Where launches are asynchronous the next round is prepared between a round's launch
 and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at
