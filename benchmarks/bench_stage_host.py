@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import tempfile
@@ -189,6 +190,69 @@ async def delivery(model_dir: Path, steps: int) -> float:
     return round(1e6 * cpu / steps, 1)
 
 
+async def threaded(model_dir: Path, requests: int, steps: int, direct: bool) -> float:
+    """CPU us per step of the whole process (every thread) with the stage serving as it
+    does (its compute thread, `run_forever`): each step a previous stage's batch frame of
+    every request's 4-row layer arrives over TCP, the round computes and sends its
+    outputs to a next hop (here), which takes them. `direct`: the compute thread sends
+    them itself where it can (`Transport.send_now`, issue 34 point 4); otherwise through
+    the event loop, as before session 44. The sender and receiver's CPU is counted too:
+    compare the two."""
+    got, count = asyncio.Event(), [0]
+
+    def took(frame: Frame) -> None:
+        count[0] += 1
+        if count[0] == requests:
+            got.set()
+
+    rx = make_transport("tcp", took)
+    tx = make_transport("tcp", lambda f: None)
+    hop = await rx.start()
+    model = load_stage(model_dir, LayerRange(1, 3, 5), torch.float32)
+    svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()), batch_wait=0)
+    if not direct:
+        svc.transport.send_now = lambda *a, **k: False  # type: ignore[method-assign]
+    addr = await svc.transport.start()
+    rids = [f"r{i}" for i in range(requests)]
+    for rid in rids:
+        req = stage_pb2.OpenStageRequest(request_id=rid, capacity=4096, next_hop=hop)
+        await svc.Open(req, None)
+    task = asyncio.create_task(svc.rounds.run_forever())
+    empty = torch.tensor([], dtype=torch.long)
+
+    async def step(parts: list) -> None:
+        got.clear()
+        count[0] = 0
+        await tx.send_many(addr, parts)
+        await asyncio.wait_for(got.wait(), 30)
+
+    cpu = 0.0
+    try:
+        prompts = [Activation(rid, torch.arange(32), committed=True,
+                              hidden=torch.randn(32, WIDTH)) for rid in rids]  # fmt: skip
+        await step([encode(a, 0) for a in prompts])
+        for s in range(steps + 20):  # 20 to warm up
+            seq, node = s + 1, 1000 + FEED * s
+            parts = [(_layer(rid, seq, node).header, _layer(rid, seq, node).payload)
+                     for rid in rids]  # fmt: skip
+            start = time.process_time()
+            await step(parts)
+            if s >= 20:
+                cpu += time.process_time() - start
+            with svc.rounds.inbox:  # the layer dropped, applied by the next round
+                for rid in rids:
+                    prune = Prune(empty, empty, node + FEED - 1)
+                    svc._requests[rid].order.add_prune(seq, prune)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await svc.stop()
+        await tx.close()
+        await rx.close()
+    return round(1e6 * cpu / steps, 1)
+
+
 async def tcp_frame(rounds: int) -> float:
     """CPU us per 4-row secure frame, sent and taken (both ends here)."""
     got = asyncio.Event()
@@ -224,6 +288,7 @@ def main() -> None:
         action="store_true",
         help="each step's prunes in a round of their own (as before deferral)",
     )
+    ap.add_argument("--pairs", type=int, default=3, help="served steps: loop/thread pairs")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -243,9 +308,19 @@ def main() -> None:
     print(f"tcp frame (4 rows, secure, both ends): {frame} us CPU", flush=True)
     delivered = asyncio.run(delivery(model_dir, args.frames))
     print(f"a round's delivery and receipt (1 request, tcp): {delivered} us CPU", flush=True)
+    served: dict[str, list[float]] = {}
+    for _ in range(args.pairs):  # alternated: the machine's load moves both alike
+        for n in args.requests:
+            for direct in (False, True):
+                us = asyncio.run(threaded(model_dir, n, args.steps, direct))
+                served.setdefault(f"{n} {'thread sends' if direct else 'loop sends'}", []).append(
+                    us
+                )
+    for key, values in served.items():
+        print(f"served step, {key} (process CPU us, all threads, both ends): {values}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"label": args.label, "prune_rounds": args.prune_rounds, "cells": cells,
-               "tcp_frame_us": frame, "delivery_us": delivered,
+               "tcp_frame_us": frame, "delivery_us": delivered, "served_us": served,
                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
 

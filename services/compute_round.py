@@ -15,12 +15,17 @@ needs does not wake it: the next round applies it (`prune_arrived`). A round is:
   launches return before the device is done, and an emulated device, `--emulate-costs`,
   is waited for only at hand-off: `Pacer.launch`);
 - *handed off*: the one wait for the device (the last stage verifies: `RequestVerifier`,
-  `verify_many`; outputs put where the transport sends from, `for_wire`), then the round
-  posted to the event loop (`HandOffs`: at most one wake per batch of rounds; a round of
-  prunes only, all applied, has nothing to post), which sends each output to its
-  request's next hop, the frames of all requests that share a hop together, with the
-  prunes the round applied that came relayed (`_relayed`: on the request's frame there,
-  or a frame of prunes only; docs/architecture.md, "6. Control plane and data plane").
+  `verify_many`; outputs put where the transport sends from, `for_wire`), then the
+  round's frames made (`_outgoing`): each output to its request's next hop, the frames
+  of all requests that share a hop together, with the prunes the round applied that
+  came relayed (`_relayed`: on the request's frame there, or a frame of prunes only;
+  docs/architecture.md, "6. Control plane and data plane"). The compute thread sends
+  them itself where the transport keeps every frame's order (`_send_now`,
+  `Transport.send_now`: no wake of the event loop, no turn); otherwise, or for what is
+  left (a request that failed, a hop without a connection yet), the round is posted to
+  the event loop (`HandOffs`: at most one wake per batch of rounds; a round of prunes
+  only, all applied, has nothing to post), which sends it, and later rounds follow it
+  there until it is delivered.
 
 Where launches are asynchronous the next round is prepared between a round's launch
 and its hand-off, so its host work overlaps the device's; on a CPU (the forward done at
@@ -163,8 +168,18 @@ def _all_finite(hidden: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(joined).all())
 
 
-# What the compute thread posts to the event loop per round: its work and what failed it.
-Posted = tuple[list[Work], Exception | None]
+@dataclass
+class Outgoing:
+    """A round's frames by next hop, and the requests that failed making theirs (the
+    event loop fails them: `StageService.fail` is the loop's)."""
+
+    hops: dict[str, list[tuple[StageRequest, tuple]]] = field(default_factory=dict)
+    failures: list[tuple[StageRequest, str]] = field(default_factory=list)
+
+
+# What the compute thread posts to the event loop per round: its work, what failed it,
+# and its frames where the thread made them (those it could not send itself).
+Posted = tuple[list[Work], Exception | None, Outgoing | None]
 
 
 class Stage(Protocol):
@@ -204,6 +219,9 @@ class ComputeRounds:
         self._prunes_wanted: list[Callable[[], None]] = []
         self._prunes_taken: list[Callable[[], None]] = []  # the compute thread's, in hand
         self._thread: threading.Thread | None = None
+        # rounds posted to the event loop (by the compute thread) and delivered (by the
+        # loop): while they differ, the thread sends nothing itself (`_send_now`)
+        self._posted = self._delivered_rounds = 0
 
     def wake(self) -> None:
         """New work arrived (an activation): the compute thread is told
@@ -288,10 +306,12 @@ class ComputeRounds:
             while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
                 if self._stopped:
                     return
+            self._posted += 1
             rounds.put(item)
 
         self._stopped = False
         self._halt.clear()
+        self._posted = self._delivered_rounds = 0  # a thread stopped before left none
         self._thread = threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
         )
@@ -302,6 +322,7 @@ class ComputeRounds:
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"{self.stage.name}: its compute thread died") from item
                 await self._delivered(*item)
+                self._delivered_rounds += 1
                 room.release()
         finally:
             with self.inbox:
@@ -564,11 +585,27 @@ class ComputeRounds:
             self._complete(r)
         except Exception as e:
             r.failed = e
-        if r.failed is None and all(
-            not w.turns and not w.relayed and w.error is None for w in r.work
-        ):
+        if r.failed is not None:
+            post((r.work, r.failed, None))
             return
-        post((r.work, r.failed))
+        if all(not w.turns and not w.relayed and w.error is None for w in r.work):
+            return
+        out = self._outgoing(r.work)
+        if self._send_now(out):
+            post((r.work, None, out))
+
+    def _send_now(self, out: Outgoing) -> bool:
+        """Send a round's frames from the compute thread where the transport can do that
+        in order (`Transport.send_now`: every earlier round delivered, the connection
+        idle), sparing the event loop a wake, a turn and the write (issue 34 point 4);
+        whether anything is left for the loop (the hops not sent, failures)."""
+        if not out.failures and self._posted == self._delivered_rounds:
+            transport, name = self.stage.transport, self.stage.name
+            for hop in [h for h, items in out.hops.items() if items]:
+                if not transport.send_now(hop, [f for _, f in out.hops[hop]], name):
+                    break  # this hop and the rest by the loop, in order
+                del out.hops[hop]
+        return bool(out.failures or any(out.hops.values()))
 
     def _complete(self, r: Round) -> float | None:
         """The round's one wait for the device: the verifier's prunes and draws (last
@@ -680,13 +717,16 @@ class ComputeRounds:
         return out
 
     # -- back on the event loop --------------------------------------------------------------
-    async def _delivered(self, work: list[Work], failed: Exception | None) -> None:
-        """A round the compute thread handed off: its outputs sent, or, where it failed as
-        a whole (its forward, or a bug), every request in it failed, the others served on."""
+    async def _delivered(
+        self, work: list[Work], failed: Exception | None, out: Outgoing | None = None
+    ) -> None:
+        """A round the compute thread handed off: its outputs sent (the frames the thread
+        made, `out`, or else made here), or, where it failed as a whole (its forward, or a
+        bug), every request in it failed, the others served on."""
         name = self.stage.name
         if failed is None:
             try:
-                await self._deliver(work)
+                await self._send(out if out is not None else self._outgoing(work))
                 return
             except Exception as e:
                 failed = e
@@ -698,28 +738,51 @@ class ComputeRounds:
                 self.stage.fail(w.st, f"{name} failed: {failed}")
 
     async def _deliver(self, work: list[Work]) -> None:
-        """Send a round's outputs: every request's frames in its order, and the frames of
-        all requests that share a next hop together, as one frame where they fit
-        (`Transport.send_many`). A hop that cannot be reached fails its requests alone.
-        One hop (a stage's next, or the last stage's router: almost every round) is sent
-        to without a task of its own."""
-        by_hop: dict[str, list[tuple[StageRequest, tuple]]] = {}
+        """Send a round's outputs (made here)."""
+        await self._send(self._outgoing(work))
+
+    def _outgoing(self, work: list[Work]) -> Outgoing:
+        """A round's frames: every request's in its order, by next hop (on the compute
+        thread, or the loop)."""
+        out = Outgoing()
         for w in work:
-            for hop, frame in self._frames_of(w):
-                by_hop.setdefault(hop, []).append((w.st, frame))
+            for hop, frame in self._frames_of(w, out.failures):
+                out.hops.setdefault(hop, []).append((w.st, frame))
+        return out
+
+    async def _send(self, out: Outgoing) -> None:
+        """On the event loop: the requests that failed making their frames failed, then
+        the frames of all requests that share a next hop sent together, as one frame where
+        they fit (`Transport.send_many`). A hop that cannot be reached fails its requests
+        alone. One hop (a stage's next, or the last stage's router: almost every round) is
+        sent to without a task of its own."""
+        for st, message in out.failures:
+            self.stage.fail(st, message)
+        by_hop = {hop: items for hop, items in out.hops.items() if items}
         if len(by_hop) == 1:
             ((hop, items),) = by_hop.items()
             await self._send_hop(hop, items)
             return
         await asyncio.gather(*(self._send_hop(hop, items) for hop, items in by_hop.items()))
 
-    def _frames_of(self, w: Work) -> list[tuple[str, tuple]]:
-        """(next hop, (header, payload)) of a request's outputs this round, in order."""
+    def _frames_of(
+        self, w: Work, failures: list[tuple[StageRequest, str]] | None = None
+    ) -> list[tuple[str, tuple]]:
+        """(next hop, (header, payload)) of a request's outputs this round, in order; a
+        request that fails instead goes to `failures`, with why (None: failed here, on
+        the event loop)."""
+        if failures is None:
+            failures = []
+            try:
+                return self._frames_of(w, failures)
+            finally:
+                for st, message in failures:
+                    self.stage.fail(st, message)
         st, name = w.st, self.stage.name
         if st.closed:
             return []
         if w.error is not None:
-            self.stage.fail(st, f"{name} failed: {w.error}")
+            failures.append((st, f"{name} failed: {w.error}"))
             return []
         outs: list[tuple[int, int, Activation | Verified | None]] = []
         for (seq, item), out in zip(w.turns, w.outputs, strict=True):
@@ -738,7 +801,7 @@ class ComputeRounds:
             frames = [self._frame(st, seq, after, out) for seq, after, out in outs]
         except Exception as e:  # a payload the data plane cannot carry: this request only
             log.debug("request %s failed", st.request_id, exc_info=True)
-            self.stage.fail(st, f"{name} failed: {type(e).__name__}: {e}")
+            failures.append((st, f"{name} failed: {type(e).__name__}: {e}"))
             return []
         sent = [(st.next_hop, f) for f in frames if f is not None]
         if w.relayed:

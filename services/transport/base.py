@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,7 @@ class Transport(ABC):
         self.frames_sent = self.parts_sent = self.frames_received = 0
         # Data-plane bytes of frames sent (`send_many`) and received, as framed.
         self.bytes_sent = self.bytes_received = 0
+        self._counting = threading.Lock()  # frames are sent from other threads too (`send_now`)
 
     @property
     def device_memory(self) -> DeviceMemory:
@@ -241,9 +243,20 @@ class Transport(ABC):
         for group in batch.batches(parts):
             header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
             await self.send_frame(address, header, payload)
+            self._count(header, payload, len(group))
+
+    def send_now(self, address: str, parts: list[batch.Part], sender: str = "") -> bool:
+        """From any thread: `parts` sent as `send_many` would, at once and without the
+        event loop, where the transport can do that in order; False (nothing sent):
+        `send_many` them. This one never can."""
+        return False
+
+    def _count(self, header: pb.FrameHeader, payload: Tensor | None, parts: int) -> None:
+        """A frame sent, of `parts` requests' frames."""
+        with self._counting:
             self.bytes_sent += frame_bytes(header, payload)
             self.frames_sent += 1
-            self.parts_sent += len(group)
+            self.parts_sent += parts
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)

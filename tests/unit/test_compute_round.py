@@ -19,7 +19,7 @@ from specpipe.common.spec.messages import Activation, Prune
 from specpipe.services import compute_round
 from specpipe.services.stage_service import StageService
 from specpipe.services.thread_handoff import HandOffs
-from specpipe.services.transport import Frame, encode
+from specpipe.services.transport import Frame, encode, make_transport
 from specpipe.v1 import stage_pb2
 
 from ..conftest import greedy_verify
@@ -164,7 +164,7 @@ def test_a_round_of_prunes_only_reaches_the_event_loop_only_if_one_failed(llama_
                 rounds._hand_off(rounds._launch(rounds._prepare(rounds._collect())), posted.append)
                 return posted
 
-            ((work, failed),) = round_posts()
+            ((work, failed, _),) = round_posts()
             assert failed is None and len(work[0].outputs) == 1
             order = svc._requests["a"].order
             with rounds.inbox:
@@ -172,9 +172,68 @@ def test_a_round_of_prunes_only_reaches_the_event_loop_only_if_one_failed(llama_
             assert round_posts() == []
             with rounds.inbox:
                 order.add_prune(2, Prune(t([99]), t([], dtype=torch.long), 99))
-            ((work, failed),) = round_posts()
+            ((work, failed, _),) = round_posts()
             assert failed is None and "cannot commit node ids [99]" in str(work[0].error)
         finally:
             await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_ones(
+    llama_dir,
+) -> None:
+    """A round's frames leave from the compute thread (issue 34 point 4: no wake of the
+    event loop, no turn) where that keeps their order: the first round goes through the
+    loop (it opens the connection); later ones, every earlier round delivered, are sent
+    by the thread and posted nowhere; without a connection a round is posted, and while
+    a posted round is undelivered the next is posted too. Every frame arrives, in order."""
+
+    async def main() -> None:
+        got: asyncio.Queue = asyncio.Queue()
+        rx = make_transport("tcp", got.put_nowait)
+        hop = await rx.start()
+        model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
+        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        rounds = svc.rounds
+        t = torch.tensor
+
+        def step(seq: int) -> list:
+            """A one-node layer (a chain: its parent is the last one) through a round."""
+            hidden = torch.zeros(1, WIDTH, dtype=DTYPE)
+            act = Activation("a", t([seq]), node_ids=t([seq]), parent_ids=t([seq - 1]),
+                             hidden=hidden)  # fmt: skip
+            svc._on_frame(Frame(*encode(act, seq)))
+            posted: list = []
+
+            def post(item) -> None:  # as `run_forever`'s, without its loop
+                posted.append(item)
+                rounds._posted += 1
+
+            rounds._hand_off(rounds._launch(rounds._prepare(rounds._collect())), post)
+            return posted
+
+        async def deliver(posted: list) -> None:
+            for item in posted:
+                await rounds._delivered(*item)
+                rounds._delivered_rounds += 1
+
+        try:
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="a", capacity=64, next_hop=hop), None)  # fmt: skip
+            first = step(0)  # no connection yet: the loop's
+            assert len(first) == 1
+            await deliver(first)
+            assert step(1) == [] and step(2) == []  # the thread's
+            svc.transport._drop(hop)  # type: ignore[attr-defined]
+            later = step(3) + step(4)  # no connection, then one round undelivered
+            assert len(later) == 2
+            await deliver(later)
+            assert step(5) == []
+            seqs = [(await asyncio.wait_for(got.get(), 10)).header.seq for _ in range(6)]
+            assert seqs == list(range(6))
+        finally:
+            await svc.stop()
+            await rx.close()
 
     asyncio.run(main())

@@ -301,3 +301,62 @@ def test_posted_frames_keep_their_order_among_sent_ones(secure: bool) -> None:
         await rx.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
+def test_a_thread_sends_frames_in_order_among_the_loops(secure: bool, monkeypatch) -> None:
+    """`send_now` (a stage's compute thread sending its round's frames, issue 34 point 4)
+    sends from another thread only where it keeps the order: not before a connection
+    exists, nor while a send of the loop's is under way; what the socket does not take at
+    once (a small send buffer) the loop writes before its own next frame. Every frame
+    arrives intact, authenticated and in the order started, batches split back."""
+    from specpipe.services.transport import tcp
+
+    flushed = []
+    flush = tcp.TcpTransport._flush
+    monkeypatch.setattr(tcp.TcpTransport, "_flush", staticmethod(
+        lambda conn: (flushed.append(1), flush(conn))))  # fmt: skip
+
+    async def main() -> None:
+        import socket
+
+        auth = _key() if secure else None
+        inbox = Inbox()
+        q = inbox.open("r")
+        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
+        tx = make_transport("tcp", lambda f: None, auth=auth)
+        addr = await rx.start()
+        acts = [_act("r", 2, i) for i in range(9)]
+        acts[3] = _act("r", 4000, 3)  # 24 MB: its send waits for the receiver to read
+        acts[6] = _act("r", 80, 6)  # 480 KB: more than a small send buffer takes at once
+        frame = lambda i: encode(acts[i], seq=i)  # noqa: E731
+        now = lambda *i: asyncio.to_thread(tx.send_now, addr, [frame(k) for k in i])  # noqa: E731
+        assert not await now(0)  # no connection yet: the loop sends it
+        await tx.send_many(addr, [frame(0)])
+        assert await now(1, 2)  # one batch frame, from a thread
+        big = asyncio.ensure_future(tx.send_frame(addr, *frame(3)))
+        await asyncio.sleep(0)
+        assert not big.done() and not await now(4)  # the loop's send is under way
+        await tx.send_many(addr, [frame(4)])
+        await big
+        writer = tx._conns[addr].writer  # type: ignore[attr-defined]
+        for _ in range(1000):
+            if not writer.transport.get_write_buffer_size():
+                break
+            await asyncio.sleep(0.01)
+        assert await now(5)
+        sock = tx._conns[addr].sock  # type: ignore[attr-defined]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        assert await now(6)  # partly sent: the rest by the loop, before frame 7
+        await tx.send_frame(addr, *frame(7))
+        if not await now(8):  # the loop's buffer still holds frame 7's bytes
+            await tx.send_many(addr, [frame(8)])
+        got = [await asyncio.wait_for(q.get(), 10) for _ in range(9)]
+        assert [f.header.seq for f in got] == list(range(9))
+        assert all(torch.equal(decode(g).hidden, a.hidden) for g, a in zip(got, acts, strict=True))
+        assert flushed, "the small send buffer took all of 480 KB at once"
+        assert (tx.frames_sent, tx.parts_sent) == (6, 7)  # send_frame's are not counted
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
