@@ -64,11 +64,31 @@ def record(target: Path, concurrency: int, requests: int) -> list[tuple[str, tup
 
 class Parts:
     """CPU seconds of the timed methods while a batch runs (the prompts' prefill, open
-    and release are not counted), and of the batches themselves."""
+    and release are not counted), and of the batches themselves; and the batches' work:
+    forwards (model calls), rows asked for (proposals' nodes) and rows computed (those a
+    prune had not dropped before they ran)."""
 
     def __init__(self) -> None:
         self.spent = dict.fromkeys((*PARTS, "batch"), 0.0)
         self.counting = False
+        self.forwards = self.rows_asked = self.rows_run = 0
+
+    def count(self, runtime) -> None:
+        """Count the forwards and rows of `runtime`'s (a `StageRuntime`'s) steps."""
+        prepare, forward = runtime.prepare_step, runtime.model.forward_batch
+
+        def prepare_counted(acts):
+            step = prepare(acts)
+            if self.counting:
+                self.rows_asked += sum(len(a) for a in acts if not a.committed)
+                self.rows_run += sum(len(b) for b in step.batch if not b.act.committed)
+            return step
+
+        def forward_counted(*args, **kwargs):
+            self.forwards += self.counting
+            return forward(*args, **kwargs)
+
+        runtime.prepare_step, runtime.model.forward_batch = prepare_counted, forward_counted
 
     def time(self, obj, name: str) -> None:
         real = getattr(obj, name)
@@ -85,7 +105,8 @@ class Parts:
 
 
 def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str, float]]:
-    """Batches, and CPU seconds per part (PARTS, and "batch": prunes and step together)."""
+    """Batches, and CPU seconds per part (PARTS, and "batch": prunes and step together);
+    "forwards", "rows_asked" and "rows_run" counted (`Parts.count`)."""
     from specpipe.common.runtime import draft as draft_module
     from specpipe.common.runtime.draft import Proposal
     from specpipe.common.runtime.loader import load_draft
@@ -94,6 +115,7 @@ def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str,
     if not hasattr(draft, "prune_many"):  # before session 41: the service pruned one by one
         draft.prune_many = lambda prunes: [draft.prune(*p) for p in prunes]  # type: ignore
     parts = Parts()
+    parts.count(draft.runtime)
     parts.time(draft, "prune_many")
     parts.time(draft, "step_many")
     parts.time(draft.runtime, "prepare_step")
@@ -135,7 +157,8 @@ def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str,
             getattr(draft, name)(*args)
     flush()
     draft_module._top_children_many = top_children
-    return batches, parts.spent
+    counts = {"forwards": parts.forwards, "rows_asked": parts.rows_asked}
+    return batches, {**parts.spent, **counts, "rows_run": parts.rows_run}
 
 
 def per_call(fn: Callable[[], object], n: int = 2000) -> float:
@@ -185,10 +208,16 @@ def main() -> None:
         batches, spent = min(
             (replay(target, calls) for _ in range(args.repeats)), key=lambda r: r[1]["batch"]
         )
-        us = {k: 1e6 * v / batches for k, v in spent.items()}
+        us = {k: 1e6 * v / batches for k, v in spent.items() if k in (*PARTS, "batch")}
         inside = ("prepare_step", "embed", "forward_batch", "_top_children_many")
         rest = us["step_many"] - sum(us[k] for k in inside)
         asks = sum(name == "propose" for name, _ in calls)
+        steps = sum(name == "step" for name, _ in calls)
+        print(
+            f"{conc} client(s): {steps} lockstep steps; per step {batches / steps:.2f} batches"
+            f", {spent['forwards'] / steps:.2f} model forwards, tree rows asked "
+            f"{spent['rows_asked'] / steps:.2f}, computed {spent['rows_run'] / steps:.2f}"
+        )
         print(
             f"{conc} client(s): {batches} batches, {asks / batches:.1f} proposals each; CPU us "
             f"per batch {us['batch']:.0f}: prunes {us['prune_many']:.0f}, preparation "
