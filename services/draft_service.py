@@ -314,7 +314,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
 
     @property
     def device(self) -> torch.device:
-        return self.runtime.runtime.model.device
+        """Where the model is (the runtime's, read once: the model's own property walks
+        its parameters, tens of microseconds a read)."""
+        return self.runtime.runtime.device
 
     def _compute_forever(self):
         return self.rounds.run_forever(self._deliver)
