@@ -10,8 +10,11 @@ microseconds (the thread's CPU time, fair on a shared machine) per batch and per
 the prunes, the step's host preparation (`StageRuntime.prepare_step`: block tables,
 positions, attention metadata), the embedding and the model's layers (`forward_batch`),
 the LM head, top-k and candidates (`draft._top_children_many`) and the rest of the step
-(its outputs split per request, locks, bookkeeping); and
-`_top_children_many` alone, per call, for 1 and 8 requests of 4 nodes.
+(its outputs split per request, locks, bookkeeping); per lockstep step, the batches,
+model forwards and tree rows asked for and computed (rows a prune dropped before they ran
+are not); the draft service's own work around a batch's step (`service_overhead`:
+metrics, timing, pacing, the aligner, answers); and `_top_children_many` alone, per
+call, for 1 and 8 requests of 4 nodes.
 
     python benchmarks/bench_draft_host.py                 # 1 and 8 clients, ~1 minute
 """
@@ -19,10 +22,11 @@ the LM head, top-k and candidates (`draft._top_children_many`) and the rest of t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -64,11 +68,31 @@ def record(target: Path, concurrency: int, requests: int) -> list[tuple[str, tup
 
 class Parts:
     """CPU seconds of the timed methods while a batch runs (the prompts' prefill, open
-    and release are not counted), and of the batches themselves."""
+    and release are not counted), and of the batches themselves; and the batches' work:
+    forwards (model calls), rows asked for (proposals' nodes) and rows computed (those a
+    prune had not dropped before they ran)."""
 
     def __init__(self) -> None:
         self.spent = dict.fromkeys((*PARTS, "batch"), 0.0)
         self.counting = False
+        self.forwards = self.rows_asked = self.rows_run = 0
+
+    def count(self, runtime) -> None:
+        """Count the forwards and rows of `runtime`'s (a `StageRuntime`'s) steps."""
+        prepare, forward = runtime.prepare_step, runtime.model.forward_batch
+
+        def prepare_counted(acts):
+            step = prepare(acts)
+            if self.counting:
+                self.rows_asked += sum(len(a) for a in acts if not a.committed)
+                self.rows_run += sum(len(b) for b in step.batch if not b.act.committed)
+            return step
+
+        def forward_counted(*args, **kwargs):
+            self.forwards += self.counting
+            return forward(*args, **kwargs)
+
+        runtime.prepare_step, runtime.model.forward_batch = prepare_counted, forward_counted
 
     def time(self, obj, name: str) -> None:
         real = getattr(obj, name)
@@ -84,16 +108,41 @@ class Parts:
         setattr(obj, name, run)
 
 
-def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str, float]]:
-    """Batches, and CPU seconds per part (PARTS, and "batch": prunes and step together)."""
-    from specpipe.common.runtime import draft as draft_module
+def batches_of(calls: list[tuple[str, tuple]]) -> Iterator[tuple[str, list, list]]:
+    """The recorded calls as the service batches them: ("batch", prunes, proposals) per
+    batch (a lockstep step's; a request's second call starts the next), and the calls
+    between as (name, args, [])."""
     from specpipe.common.runtime.draft import Proposal
+
+    asks: list = []
+    prunes: list = []
+    for name, args in calls:
+        rid = args[0] if name == "prune" else args[0].request_id if name == "propose" else None
+        if (name == "step" or name not in ("prune", "propose") or
+                any(a.layer.request_id == rid for a in asks)) and (asks or prunes):  # fmt: skip
+            yield "batch", prunes, asks
+            asks, prunes = [], []
+        if name == "prune":
+            prunes.append((args[0], args[1]))
+        elif name == "propose":
+            asks.append(Proposal(*args))
+        elif name != "step":
+            yield name, list(args), []
+    if asks or prunes:
+        yield "batch", prunes, asks
+
+
+def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str, float]]:
+    """Batches, and CPU seconds per part (PARTS, and "batch": prunes and step together);
+    "forwards", "rows_asked" and "rows_run" counted (`Parts.count`)."""
+    from specpipe.common.runtime import draft as draft_module
     from specpipe.common.runtime.loader import load_draft
 
     draft = load_draft(target)
     if not hasattr(draft, "prune_many"):  # before session 41: the service pruned one by one
         draft.prune_many = lambda prunes: [draft.prune(*p) for p in prunes]  # type: ignore
     parts = Parts()
+    parts.count(draft.runtime)
     parts.time(draft, "prune_many")
     parts.time(draft, "step_many")
     parts.time(draft.runtime, "prepare_step")
@@ -101,14 +150,12 @@ def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str,
     parts.time(draft.runtime.model, "forward_batch")
     top_children = draft_module._top_children_many
     parts.time(draft_module, "_top_children_many")
-    asks: list = []
-    prunes: list = []
     batches = 0
-
-    def flush() -> None:
-        nonlocal asks, prunes, batches
-        if not asks and not prunes:
-            return
+    for name, prunes, asks in batches_of(calls):
+        if name != "batch":
+            draft_call = getattr(draft, name)
+            draft_call(*prunes)
+            continue
         parts.counting, start = True, time.thread_time()
         if prunes:
             draft.prune_many(prunes)
@@ -117,25 +164,48 @@ def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str,
         parts.spent["batch"] += time.thread_time() - start
         parts.counting = False
         batches += 1
-        asks, prunes = [], []
-
-    for name, args in calls:
-        if name == "step":
-            flush()
-        elif name == "prune":
-            if any(a.layer.request_id == args[0] for a in asks):
-                flush()  # after this request's proposal: the next batch's
-            prunes.append((args[0], args[1]))
-        elif name == "propose":
-            if any(a.layer.request_id == args[0].request_id for a in asks):
-                flush()
-            asks.append(Proposal(*args))
-        else:
-            flush()
-            getattr(draft, name)(*args)
-    flush()
     draft_module._top_children_many = top_children
-    return batches, parts.spent
+    counts = {"forwards": parts.forwards, "rows_asked": parts.rows_asked}
+    return batches, {**parts.spent, **counts, "rows_run": parts.rows_run}
+
+
+def service_overhead(target: Path, calls: list[tuple[str, tuple]], repeats: int) -> float:
+    """CPU microseconds per batch the draft service adds around its step (`DraftService.
+    _compute_batch` and `_deliver`, less `_propose`: metrics, timing, pacing, the
+    aligner, answers), the same batches through an unstarted service; the cheapest of
+    `repeats`."""
+    from specpipe.services.draft_service import DraftService, _Ask
+
+    async def once() -> float:
+        service = DraftService(target, transport_kind=None)
+        inner = [0.0]
+        propose = service._propose
+
+        def timed(asks):
+            start = time.thread_time()
+            try:
+                return propose(asks)
+            finally:
+                inner[0] += time.thread_time() - start
+
+        service._propose = timed  # type: ignore[method-assign]
+        spent, batches = 0.0, 0
+        for name, prunes, asks in batches_of(calls):
+            if name != "batch":
+                getattr(service.runtime, name)(*prunes)
+                continue
+            of: dict[str, list] = {}
+            for rid, prune in prunes:
+                of.setdefault(rid, []).append(prune)
+            items = [_Ask(of.pop(a.layer.request_id, []), a) for a in asks]
+            start = time.thread_time()
+            service._deliver(items, service._compute_batch(items))
+            spent += time.thread_time() - start
+            batches += 1
+            await asyncio.sleep(0)  # the answers' callbacks run
+        return 1e6 * (spent - inner[0]) / batches
+
+    return min(asyncio.run(once()) for _ in range(repeats))
 
 
 def per_call(fn: Callable[[], object], n: int = 2000) -> float:
@@ -185,10 +255,16 @@ def main() -> None:
         batches, spent = min(
             (replay(target, calls) for _ in range(args.repeats)), key=lambda r: r[1]["batch"]
         )
-        us = {k: 1e6 * v / batches for k, v in spent.items()}
+        us = {k: 1e6 * v / batches for k, v in spent.items() if k in (*PARTS, "batch")}
         inside = ("prepare_step", "embed", "forward_batch", "_top_children_many")
         rest = us["step_many"] - sum(us[k] for k in inside)
         asks = sum(name == "propose" for name, _ in calls)
+        steps = sum(name == "step" for name, _ in calls)
+        print(
+            f"{conc} client(s): {steps} lockstep steps; per step {batches / steps:.2f} batches"
+            f", {spent['forwards'] / steps:.2f} model forwards, tree rows asked "
+            f"{spent['rows_asked'] / steps:.2f}, computed {spent['rows_run'] / steps:.2f}"
+        )
         print(
             f"{conc} client(s): {batches} batches, {asks / batches:.1f} proposals each; CPU us "
             f"per batch {us['batch']:.0f}: prunes {us['prune_many']:.0f}, preparation "
@@ -196,6 +272,8 @@ def main() -> None:
             f"{us['forward_batch']:.0f}, LM head, top-k and candidates "
             f"{us['_top_children_many']:.0f}, the rest of the step {rest:.0f}"
         )
+        service = service_overhead(target, calls, max(args.repeats, 5))
+        print(f"{conc} client(s): the service around a batch's step, CPU us {service:.0f}")
     tops = top_children(target)
     print("_top_children_many, CPU us per call: " + ", ".join(
         f"{n} request(s) of 4 nodes {us:.1f}" for n, us in tops.items()))  # fmt: skip

@@ -67,6 +67,8 @@ STEPS_KEY = "specpipe:stage_forward_seconds_count"  # the last stage's forwards:
 FEEDS_KEY = "specpipe:stage_feeds_per_call_sum"
 # rows each stage computed: pruned rows a stage learns of late are computed all the same
 ROWS_KEY = "specpipe:stage_rows_total"
+# the draft's batched forwards and their rows (prefill chunks included)
+DRAFT_KEYS = ("specpipe:draft_forward_seconds_count", "specpipe:draft_rows_total")
 
 # Subsystems, checked from a sample's leaf frame up: the first rule whose pattern is in a
 # frame's file (or "file:function") claims the sample. Project modules first (they call
@@ -478,6 +480,7 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     feeds0 = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0)
     stages = [f"stage{i}" for i in range(args.stages)]
     rows0 = {s: scrape(addrs[s]).get(ROWS_KEY, 0.0) for s in stages}
+    draft0 = scrape(addrs["draft"]) if "draft" in addrs else {}
     cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
     profilers = start_profilers(pids, work / f"c{conc}", args.rate, 600) if args.profile else {}
     if profilers:
@@ -494,6 +497,8 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
     steps = scrape(addrs[last]).get(STEPS_KEY, 0.0) - before.get(STEPS_KEY, 0.0)
     feeds = scrape(addrs["stage0"]).get(FEEDS_KEY, 0.0) - feeds0
     rows = {s: scrape(addrs[s]).get(ROWS_KEY, 0.0) - rows0[s] for s in stages}
+    draft1 = scrape(addrs["draft"]) if "draft" in addrs else {}
+    forwards, draft_rows = (draft1.get(k, 0.0) - draft0.get(k, 0.0) for k in DRAFT_KEYS)
     emitted = sum(len(t) for t in tokens)
     opts = DecodeOptions(max_new_tokens=args.max_new_tokens, width=args.width)
     ref = closed_loop(
@@ -512,6 +517,8 @@ def run_cell(args, dep, local, conc: int, work: Path) -> dict:
         "identical": sum(t == x.tokens for t, x in zip(tokens, ref.served, strict=True)),
         "load_average": round(os.getloadavg()[0], 2),
         "rows_per_feed": {s: round(r / feeds, 3) if feeds else None for s, r in rows.items()},
+        "draft_forwards_per_feed": round(forwards / feeds, 3) if feeds else None,
+        "draft_rows_per_forward": round(draft_rows / forwards, 2) if forwards else None,
         "processes": {},
     }
     for name in pids:
@@ -552,6 +559,11 @@ def fmt_cell(c: dict) -> list[str]:
         )
     if rows := c.get("rows_per_feed"):
         lines += ["", "Rows computed per feed: " + ", ".join(f"{s} {r}" for s, r in rows.items())]
+    if c.get("draft_forwards_per_feed") is not None:
+        lines.append(
+            f"Draft: {c['draft_forwards_per_feed']} batched forwards per feed, "
+            f"{c['draft_rows_per_forward']} rows each"
+        )
     return [*lines, ""]
 
 

@@ -29,6 +29,7 @@ them the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -39,8 +40,8 @@ from pathlib import Path
 import grpc
 import torch
 from specpipe.common.model.loading import weight_fingerprint
-from specpipe.common.perf.clock import timed_call
-from specpipe.common.perf.emulate import Pacer, batch_shape, paced_call
+from specpipe.common.perf.clock import device_timer
+from specpipe.common.perf.emulate import Pacer, paced
 from specpipe.common.runtime.alignment import StepAligner
 from specpipe.common.runtime.draft import Proposal
 from specpipe.common.runtime.errors import InvalidInput, Overloaded, RequestError
@@ -98,6 +99,9 @@ class _Ask:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     arrived: float = field(default_factory=time.monotonic)
+    # a control call's: told of its answer where the answer is given (no done callback:
+    # no turn of the event loop between a batch's results and their reply)
+    told: Callable[[asyncio.Future], None] | None = None
 
     @property
     def rows(self) -> Activation:
@@ -114,6 +118,18 @@ class _Ask:
     def gone(self) -> bool:
         """Answered already: its caller went away."""
         return self.answer.done()
+
+    def settle(self, result: object) -> None:
+        """Its answer (a result, or the exception that fails it), unless its caller went
+        away; a control call's is passed on at once."""
+        if self.answer.done():
+            return
+        if isinstance(result, BaseException):
+            self.answer.set_exception(result)
+        else:
+            self.answer.set_result(result)
+        if self.told is not None:
+            self.told(self.answer)
 
 
 class _Refused(Exception):
@@ -255,10 +271,15 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         self.metrics.watch_dataplane(self.transport)
         stage = self.runtime.runtime
         self.metrics.watch(
-            lambda: self.metrics.queued,
+            self._queued_rows,
             lambda: stage.cache_bytes_used / stage.max_cache_bytes if stage.max_cache_bytes else 0,
             lambda: stage.info().active_requests,
         )
+
+    def _queued_rows(self) -> int:
+        """Rows waiting for the next batched forward (read when scraped, from another
+        thread: a copy of the list)."""
+        return sum(len(a.rows) for a in list(self.rounds.waiting))
 
     # -- process lifecycle (the rest is the Replica's) -------------------------------------
     async def start(
@@ -293,7 +314,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
 
     @property
     def device(self) -> torch.device:
-        return self.runtime.runtime.model.device
+        """Where the model is (the runtime's, read once: the model's own property walks
+        its parameters, tens of microseconds a read)."""
+        return self.runtime.runtime.device
 
     def _compute_forever(self):
         return self.rounds.run_forever(self._deliver)
@@ -308,8 +331,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def _fail_held(self) -> None:
         """The batch loop ended: fail the waiting Propose calls."""
         for ask in self.rounds.take_all():
-            if not ask.answer.done():
-                ask.answer.set_exception(RequestError("the draft's batch loop ended"))
+            ask.settle(RequestError("the draft's batch loop ended"))
 
     def _describe(self) -> draft_pb2.DraftDescription:
         desc = draft_pb2.DraftDescription()
@@ -319,12 +341,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         return desc
 
     # -- calls -----------------------------------------------------------------------------
-    async def _call(self, context, fn, *args, rows: int = 0):
-        """Run an engine call on the compute thread; engine errors become gRPC statuses,
-        anything else INTERNAL with one (rate-limited) log line."""
-        timed = self.metrics.timed(fn, rows)
+    async def _call(self, context, fn, *args):
+        """Run an engine call (open, prune, release: no forward) on the replica's executor;
+        engine errors become gRPC statuses, anything else INTERNAL with one (rate-limited)
+        log line."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, timed, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except (RequestError, FrameError, ValueError) as e:
             await context.abort(status_code(e), f"draft: {e}")
         except Exception as e:
@@ -492,19 +514,31 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
 
     def _compute_batch(self, asks: list[_Ask]) -> list[Candidates | Exception | None]:
         """On the compute thread: one batched forward for `asks` (paced, timed), its time
-        learned (aligner, prefill pace); a forward that failed fails each of them."""
-        self._observe_batch(asks)
-        engine = self.runtime.runtime
+        learned (aligner, prefill pace) and its metrics updated once; a forward that
+        failed fails each of them."""
+        engine, m = self.runtime.runtime, self.metrics
+        decode = cells = chunk_rows = 0
+        first_ask = None  # the earliest proposal's arrival: the batch's longest wait
+        for a in asks:
+            n = len(a.rows)
+            if a.is_proposal:
+                decode += n
+                first_ask = a.arrived if first_ask is None else min(first_ask, a.arrived)
+            else:
+                chunk_rows += n
+                cells += prefill_cells(a.rows)
+        rows = decode + chunk_rows
+        m.batch_requests.observe(len(asks))
+        if first_ask is not None:
+            m.queue_seconds.observe(time.monotonic() - first_ask)
         try:
-            rows, ctx = batch_shape([a.rows for a in asks])
-            forward = paced_call(self.pacer, self._propose, rows, ctx, self.device)
-            timed = self.metrics.timed(functools.partial(timed_call, self.device, forward), rows)
-            results, seconds = timed(asks)
+            pacing = paced(self.pacer if rows else None, [a.rows for a in asks], self.device)
+            counted = m.forward(rows) if rows else contextlib.nullcontext()
+            with counted, device_timer(self.device) as elapsed, pacing:
+                results = self._propose(asks)
             with self.rounds.inbox:
-                self.aligner.computed(seconds)
-            decode = sum(len(a.rows) for a in asks if a.is_proposal)
-            cells = sum(prefill_cells(a.rows) for a in asks if not a.is_proposal)
-            engine.prefill_pace.observe(decode, cells, seconds)
+                self.aligner.computed(elapsed.seconds)
+            engine.prefill_pace.observe(decode, cells, elapsed.seconds)
         except Exception as e:  # the batched forward itself failed
             log.exception("draft: a batched forward of %d requests failed", len(asks))
             return [RequestError(f"the draft's forward failed: {e}")] * len(asks)
@@ -514,19 +548,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
     def _deliver(asks: list[_Ask], results) -> None:
         """On the event loop: each ask's answer (or error), unless its caller went away."""
         for ask, result in zip(asks, results, strict=True):
-            if ask.answer.done():
-                continue
-            if isinstance(result, Exception):
-                ask.answer.set_exception(result)
-            else:
-                ask.answer.set_result(result)
-
-    def _observe_batch(self, asks: list[_Ask]) -> None:
-        m, now = self.metrics, time.monotonic()
-        m.batch_requests.observe(len(asks))
-        for a in asks:
-            if a.is_proposal:
-                m.queue_seconds.observe(now - a.arrived)
+            ask.settle(result)
 
     def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError | None]:
         """Each request's prunes (all of the batch's in one pass), then one forward for
@@ -588,7 +610,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         as their unary handlers run them. Each answer, by its call id, goes to `answer`;
         `pending` holds the calls at work."""
         for call in msg.calls:
-            if call.WhichOneof("call") == "propose":  # no task: its answer's callback
+            if call.WhichOneof("call") == "propose":  # no task: answered where delivered
                 try:
                     ask = self._take_propose(call.propose)
                 except Exception as e:  # answered, as a unary handler's crash would be
@@ -598,13 +620,15 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 if not isinstance(ask, _Ask):
                     answer(_refused(call.call_id, *ask))
                     continue
-                work: asyncio.Future = ask.answer
                 answer_of = functools.partial(_answer_of, call.call_id)
-            else:
-                work = asyncio.ensure_future(self._control_call(call))
-                answer_of = asyncio.Future.result
+                pending.add(ask.answer)  # cancelled, it is answered no more: it is skipped
+                ask.told = functools.partial(_answer_when_done, pending, answer, answer_of)
+                continue
+            work = asyncio.ensure_future(self._control_call(call))
             pending.add(work)
-            work.add_done_callback(functools.partial(_answer_when_done, pending, answer, answer_of))
+            work.add_done_callback(
+                functools.partial(_answer_when_done, pending, answer, asyncio.Future.result)
+            )
 
     # -- control frames (data plane) -------------------------------------------------------
     def _admit(self, h: pb.FrameHeader) -> bool:

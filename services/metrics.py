@@ -344,31 +344,15 @@ class DraftMetrics(_ComputeMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        self.queued = 0  # rows of calls waiting for the compute thread
-        self._lock = threading.Lock()
-        # How long an ask waited for its forward (a late answer is one that waited behind
-        # another forward or a prefill).
+        # How long the calls of a batched forward waited for it, once per forward: its
+        # earliest Propose call's wait (a late answer is one that waited behind another
+        # forward or a prefill).
         self.queue_seconds = self._histogram(
             "draft_queue_seconds",
-            "From a Propose call's arrival to the start of the forward that answers it",
+            "From the arrival of a batched forward's earliest Propose call to the start of "
+            "the forward (its longest wait)",
             WAIT_BUCKETS,
         )
-
-    def timed(self, fn: Callable, rows: int = 0) -> Callable:
-        """`fn`, counted as queued until it runs and measured as one forward of `rows`
-        rows when it does (calls without rows, open and release, are not forwards)."""
-        if not rows:
-            return fn
-        with self._lock:
-            self.queued += rows
-
-        def run(*args):
-            with self._lock:
-                self.queued -= rows
-            with self.forward(rows):
-                return fn(*args)
-
-        return run
 
 
 def _safe(fn: Callable[[], float]) -> Callable[[], float]:

@@ -133,3 +133,49 @@ def test_a_bad_prune_fails_its_request_alone_in_a_shared_forward(llama_dir) -> N
     torch.testing.assert_close(
         torch.tensor(list(got["b"].proposal.probs), dtype=want.probs.dtype), want.probs
     )
+
+
+def test_a_batch_is_counted_once_and_its_waiting_rows_are_seen(llama_dir) -> None:
+    """Three proposals in two forwards: the metrics of a forward are updated once for all
+    its requests (two queue waits observed, not three); while two proposals wait behind
+    the first forward the queued-rows gauge shows their rows; proposals of one control
+    message computed together are answered in one reply."""
+    prompts = {"a": [5, 9, 2, 7], "b": [3, 1, 4, 1, 5, 9], "c": [2, 7, 1, 8]}
+    pacer = Pacer(EmulatedCosts.flat(FORWARD_SECONDS, FORWARD_SECONDS).draft(), "draft")
+
+    async def main() -> None:
+        draft = DraftService(llama_dir, dtype="float64", pacer=pacer)
+        port = await draft.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = draft_pb2_grpc.DraftStub(channel)
+        m = draft.metrics
+        try:
+            for rid, p in prompts.items():
+                req = draft_pb2.OpenDraftRequest(request_id=rid, capacity=32, prompt_ids=p)
+                await stub.Open(req)
+            counts = [m.forward_seconds, m.queue_seconds, m.batch_requests]
+            before = [_count(c.collect()[0]) for c in counts]
+            first = stub.Propose(_propose("a", 3, 7))
+            await asyncio.sleep(FORWARD_SECONDS / 3)  # a's forward runs
+            calls = [
+                draft_pb2.DraftCall(call_id=i, propose=_propose(rid, len(p) - 1, p[-1]))
+                for i, (rid, p) in enumerate(prompts.items())
+                if rid != "a"
+            ]
+            stream = stub.Control()
+            await stream.write(draft_pb2.DraftControl(calls=calls))
+            await asyncio.sleep(FORWARD_SECONDS / 6)
+            assert draft._queued_rows() == 2  # b's and c's one node each
+            await first
+            reply = await stream.read()
+            assert sorted(a.call_id for a in reply.answers) == [1, 2]
+            assert all(a.code == 0 and len(a.proposal.token_ids) == 3 for a in reply.answers)
+            await stream.done_writing()
+            assert draft._queued_rows() == 0
+            after = [_count(c.collect()[0]) for c in counts]
+            assert [x - y for x, y in zip(after, before, strict=True)] == [2, 2, 2]
+        finally:
+            await channel.close()
+            await draft.stop()
+
+    asyncio.run(main())
