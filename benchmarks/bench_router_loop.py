@@ -13,10 +13,13 @@ CPU (user + system, all threads, from /proc), the main thread's CPU outside call
 (the loop's own work: selecting, scheduling) and the costliest kinds. The census costs a
 thread-time read per callback (about a microsecond), so its CPU figures run a few
 percent above bench_host.py's; compare counts and shares, and CPU only between runs of
-this script.
+this script. `--wrap` adds named functions' calls and inclusive CPU per step (each call
+then costs two more thread-time reads).
 
     python benchmarks/bench_router_loop.py                 # 1 and 8 clients, ~1 minute
     python benchmarks/bench_router_loop.py --concurrency 8 --out results/router-loop-x
+    python benchmarks/bench_router_loop.py --wrap \
+        specpipe.common.spec.specpipe:SpecPipeController.on_verified
 
 Writes results.json and results.md under `--out`.
 """
@@ -101,6 +104,14 @@ def run_cell(dep, conc: int, args, census: Path) -> dict:
             }
             for name, k in kinds[: args.top]
         },
+        "functions": {
+            name: {
+                "per_step": round(k["count"] / feeds, 2) if feeds else None,
+                "cpu_ms_per_step": round(1e3 * k["cpu_s"] / feeds, 3) if feeds else None,
+                "us_each": round(1e6 * k["cpu_s"] / max(k["count"], 1), 1),
+            }
+            for name, k in sorted(c["functions"].items(), key=lambda kv: -kv[1]["cpu_s"])
+        },
     }
 
 
@@ -122,6 +133,11 @@ def fmt_cell(c: dict) -> list[str]:
     lines += ["", "| callback kind | per step | CPU ms per step | us each |", "|---|---|---|---|"]
     for name, k in c["kinds"].items():
         lines.append(f"| {name} | {k['per_step']} | {k['cpu_ms_per_step']} | {k['us_each']} |")
+    if c["functions"]:
+        lines += ["", "| function (inclusive) | calls per step | CPU ms per step | us each |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for name, k in c["functions"].items():
+            lines.append(f"| {name} | {k['per_step']} | {k['cpu_ms_per_step']} | {k['us_each']} |")
     return [*lines, ""]
 
 
@@ -138,6 +154,8 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--top", type=int, default=10, help="callback kinds listed")
+    ap.add_argument("--wrap", nargs="*", default=[], metavar="MODULE:QUALNAME",
+                    help="functions to count too (inclusive CPU)")  # fmt: skip
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "router-loop")
     args = ap.parse_args()
@@ -148,6 +166,7 @@ def main() -> None:
     census = work / "census.json"
     # the deployment's children inherit this environment; only the router takes part
     os.environ["SPECPIPE_LOOP_CENSUS"] = str(census)
+    os.environ["SPECPIPE_LOOP_CENSUS_WRAP"] = " ".join(args.wrap)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(CENSUS), os.environ.get("PYTHONPATH", "")) if p
     )

@@ -3,8 +3,11 @@ the router's PYTHONPATH): with SPECPIPE_LOOP_CENSUS=<file> set, a process starte
 `specpipe.cli router` counts its event loop's turns, the callbacks it runs (by kind, with
 their thread CPU time), its socket writes and its garbage collections. A real-time signal
 starts a count (`SIGRTMIN`) and writes it to <file> as JSON (`SIGRTMIN + 1`); the router
-itself is untouched (its own SIGUSR1 dumps its tasks). Nothing happens in any other
-process, or without the variable."""
+itself is untouched (its own SIGUSR1 dumps its tasks). With SPECPIPE_LOOP_CENSUS_WRAP
+("module:Class.function ..."), those functions' calls and thread CPU time (inclusive)
+are counted too, wrapped at the first count's start (where the router has imported
+them; a function imported by name elsewhere is wrapped only where named). Nothing
+happens in any other process, or without the variable."""
 
 import os
 import sys
@@ -23,6 +26,8 @@ if sys.argv[1:2] == ["router"] and os.environ.get("SPECPIPE_LOOP_CENSUS"):
     _callbacks: dict = collections.defaultdict(lambda: [0, 0.0])  # kind -> [count, CPU s]
     _counts: collections.Counter = collections.Counter()
     _gc = {"collections": 0, "seconds": 0.0, "began": 0.0}
+    _functions: dict = collections.defaultdict(lambda: [0, 0.0])  # name -> [calls, CPU s]
+    _wrapped: list[str] = []
 
     def _kind(callback) -> str:
         """A callback's kind: a task's coroutine, a future's callback, or the function."""
@@ -63,7 +68,34 @@ if sys.argv[1:2] == ["router"] and os.environ.get("SPECPIPE_LOOP_CENSUS"):
             _gc["collections"] += 1
             _gc["seconds"] += _cpu() - _gc["began"]
 
+    def _wrap(spec: str) -> None:
+        import importlib
+
+        module, _, path = spec.partition(":")
+        owner = importlib.import_module(module)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        f = getattr(owner, name)
+        stats = _functions[path]
+
+        def timed(*args, **kwargs):
+            t0 = _cpu()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                stats[0] += 1
+                stats[1] += _cpu() - t0
+
+        setattr(owner, name, timed)
+        _wrapped.append(spec)
+
     def _start(*_) -> None:
+        if not _wrapped:
+            for spec in os.environ.get("SPECPIPE_LOOP_CENSUS_WRAP", "").split():
+                _wrap(spec)
+        for stats in _functions.values():  # in place: the wrappers hold them
+            stats[:] = [0, 0.0]
         _callbacks.clear()
         _counts.clear()
         _gc.update(collections=0, seconds=0.0)
@@ -75,6 +107,7 @@ if sys.argv[1:2] == ["router"] and os.environ.get("SPECPIPE_LOOP_CENSUS"):
             "counts": dict(_counts),
             "gc": {k: _gc[k] for k in ("collections", "seconds")},
             "callbacks": {k: {"count": n, "cpu_s": s} for k, (n, s) in _callbacks.items()},
+            "functions": {k: {"count": n, "cpu_s": s} for k, (n, s) in _functions.items()},
         }
         with open(os.environ["SPECPIPE_LOOP_CENSUS"], "w") as f:
             json.dump(out, f)
