@@ -21,6 +21,13 @@ fresh controllers, no model and no engine between them; it prints the CPU time (
 thread's) per verification, the least of the N (the replays repeat the same decisions:
 their statistics are checked equal), the figure least moved by a shared machine's load.
 
+`--cold`: the replays evict the CPU's caches before every event (a pass over 64 MiB, not
+timed) and time each event alone. The router meets its events so at one client: each
+comes after some 20 ms in which other processes ran on its core. The controller then
+costs about 3.5x its warm replay (session 44: 450-466 against 128-130 us per
+verification), the ~430 us measured in the router (`bench_router_loop.py --wrap`). A
+change that makes fewer calls per step, not just shorter ones, shows here.
+
 `--save-events FILE` / `--check-events FILE`: the recorded events of every cell and the
 commands each produced, saved; then replayed on this checkout's controllers, every
 command compared (fails at the first that differs): two versions of the controller
@@ -100,18 +107,34 @@ class HandlerClock:
         return timed
 
 
+COLD_BYTES = 64 << 20  # larger than this CPU's caches
+
+
 def replay_cpu(
-    events: list[Event], made: dict[str, Callable[[], Controller]], repeats: int
+    events: list[Event],
+    made: dict[str, Callable[[], Controller]],
+    repeats: int,
+    cold: bool = False,
 ) -> tuple[float, int]:
     """(least CPU seconds of `repeats` replays of `events` on fresh controllers, the
-    verifications of one replay); `made[request_id]()` makes a request's controller."""
+    verifications of one replay); `made[request_id]()` makes a request's controller.
+    `cold`: the caches are evicted before each event (untimed; each event timed alone)."""
     best, stats = None, None
+    junk = np.ones(COLD_BYTES // 8) if cold else None
     for _ in range(repeats):
         ctrls = {rid: make() for rid, make in made.items()}
-        t0 = time.thread_time()
-        for rid, name, args in events:
-            getattr(ctrls[rid], name)(*args)
-        cpu = time.thread_time() - t0
+        if junk is None:
+            t0 = time.thread_time()
+            for rid, name, args in events:
+                getattr(ctrls[rid], name)(*args)
+            cpu = time.thread_time() - t0
+        else:
+            cpu = 0.0
+            for rid, name, args in events:
+                junk.sum()  # what the other processes' 20 ms leave in the caches
+                t0 = time.thread_time()
+                getattr(ctrls[rid], name)(*args)
+                cpu += time.thread_time() - t0
         best = cpu if best is None else min(best, cpu)
         now = {rid: str(c.stats) for rid, c in ctrls.items()}
         if stats is not None and now != stats:
@@ -168,6 +191,7 @@ def main() -> None:
     ap.add_argument("--layers-per-step", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--replay", type=int, default=0, help="replays of each cell's events")
+    ap.add_argument("--cold", action="store_true", help="replays with the caches evicted")
     ap.add_argument("--out", default=str(HERE / "results" / "controller"))
     ap.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
                     help="seeded: temperature 0.8, top-k 20, top-p 0.9, seed 7")  # fmt: skip
@@ -209,7 +233,7 @@ def main() -> None:
                 "controller_us_per_verification": round(1e6 * clock.seconds / verifications, 1),
             }
             if args.replay:
-                cpu, nv = replay_cpu(clock.events, clock.made, args.replay)
+                cpu, nv = replay_cpu(clock.events, clock.made, args.replay, args.cold)
                 row["replay_cpu_us_per_verification"] = round(1e6 * cpu / nv, 1)
             if args.save_events:
                 made = {rid: (mode, rid, m.args[1], m.args[3], m.args[4])

@@ -198,7 +198,8 @@ def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     keep = [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
     if len(keep) == pool[0].size:
         return pool
-    return tuple(a[keep] for a in pool)  # type: ignore[return-value]
+    at = np.array(keep, dtype=np.int64)  # one index array for the four columns
+    return tuple(a[at] for a in pool)  # type: ignore[return-value]
 
 
 def beside(extra: Candidates, main: Candidates) -> Candidates:

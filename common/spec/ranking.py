@@ -85,14 +85,19 @@ def best_siblings(parents: ArrayLike, probs: ArrayLike) -> NDArray[np.bool_]:
     One pass in plain Python: on a layer's tens of candidates it costs a fraction of
     the sorts `sibling_ranks` needs (numpy's fixed cost per call dominates there)."""
     p = np.asarray(probs, dtype=np.float64).reshape(-1).tolist()
+    out = np.zeros(len(p), dtype=bool)
+    out[_best_of(np.asarray(parents).reshape(-1).tolist(), p)] = True
+    return out
+
+
+def _best_of(parents: list[int], p: list[float]) -> list[int]:
+    """The index of each parent's best candidate (`best_siblings`), in plain Python."""
     best: dict[int, int] = {}
-    for i, g in enumerate(np.asarray(parents).reshape(-1).tolist()):
+    for i, g in enumerate(parents):
         j = best.get(g)
         if j is None or p[i] > p[j] or (p[j] != p[j] and p[i] == p[i]):
             best[g] = i
-    out = np.zeros(len(p), dtype=bool)
-    out[list(best.values())] = True
-    return out
+    return list(best.values())
 
 
 def edge_scores(
@@ -101,12 +106,14 @@ def edge_scores(
     """(log score, deviation 0/1) of each candidate as the child of its parent (`parents`
     identifies the parent of each candidate); a log score of -inf: never a node."""
     p = np.asarray(probs, dtype=np.float64)
-    zero = np.zeros(p.size, dtype=np.int64)
     if ranking == Ranking.BEAM or p.size == 0:
-        return log_probs(p), zero
+        return log_probs(p), np.zeros(p.size, dtype=np.int64)
     if sampling.greedy:
-        return log_probs(p), (~best_siblings(parents, p)).astype(np.int64)
-    return _sampled_scores(np.asarray(parents).reshape(-1).tolist(), p, sampling), zero
+        dev = np.ones(p.size, dtype=np.int64)
+        dev[_best_of(np.asarray(parents).reshape(-1).tolist(), p.tolist())] = 0
+        return log_probs(p), dev
+    logp = _sampled_scores(np.asarray(parents).reshape(-1).tolist(), p, sampling)
+    return logp, np.zeros(p.size, dtype=np.int64)
 
 
 def log_probs(p: NDArray[np.float64]) -> NDArray[np.float64]:

@@ -213,8 +213,8 @@ class SpecPipeController(Controller):
             if v.node_ids[i] != tree.root_id:
                 return self._desynchronized(v, f"node {v.node_ids[i]} is not the root's child")
             path.append(tree.root_id)
-            child = tree.child_with_token(0, token)
-            self.stats.root_children.append(int(tree.children(0).size))
+            child, children = tree.root_child(token)
+            self.stats.root_children.append(children)
             tokens.append(token)
             logprobs.append(self._logprobs_of(v, i))
             self.root_pos += 1

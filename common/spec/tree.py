@@ -102,6 +102,14 @@ class TokenTree:
         hit = ((self.parent == node) & (self.tokens == token)).nonzero()[0]
         return int(hit[0]) if hit.size else None
 
+    def root_child(self, token: int) -> tuple[int | None, int]:
+        """(the root's child with `token`, None if none; the root's number of children).
+        In BFS order the root's children are nodes 1..k, the nodes of depth 1: one call
+        and a list, where `child_with_token` and `children` take several calls each."""
+        k = int(np.searchsorted(self.depth, 1, side="right")) - 1
+        tokens = self.tokens[1 : k + 1].tolist()
+        return (tokens.index(token) + 1 if token in tokens else None), k
+
     def indices_of(self, ids: ArrayLike) -> Indices:
         """Indices (in tree order) of the nodes whose ids are among `ids`."""
         return member(self.ids, np.asarray(ids)).nonzero()[0]

@@ -39,8 +39,9 @@ from specpipe.v1 import draft_pb2, stage_pb2
 
 from ..transport import Inbox, Transport, TransportError
 from ..transport.codec import Frame
-from ..transport.control_frames import CONTROL, message_frame, message_of
+from ..transport.control_frames import CONTROL, bytes_frame, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
+from .control_wire import DraftCallItem, draft_control_parts, stage_control_parts
 from .in_place import InPlaceFuture
 from .send_round import send_round
 
@@ -133,15 +134,16 @@ class _Stream:
             self._frames.inbox.close(self._token)
         self._frames, self._address = None, ""
 
-    def _send_frames(self, msgs: list[Message]) -> None:
-        """Send messages as control frames, in order: each at once where the transport
-        can (`post_frame`), else it and every later one through a task, one after
-        another, until none waits. A frame not delivered breaks the stream."""
+    def _send_frames(self, payloads: list[bytes]) -> None:
+        """Send messages (their bytes: control_wire.py) as control frames, in order: each
+        at once where the transport can (`post_frame`), else it and every later one
+        through a task, one after another, until none waits. A frame not delivered
+        breaks the stream."""
         assert self._frames is not None
         transport, address = self._frames.transport, self._address
         frames = [
-            message_frame(CONTROL, self._token, m, "router", reply_to=transport.address)
-            for m in msgs
+            bytes_frame(CONTROL, self._token, data, "router", reply_to=transport.address)
+            for data in payloads
         ]
         while frames and not self._sending and transport.post_frame(address, *frames[0]):
             frames.pop(0)
@@ -306,12 +308,12 @@ class StageStream(_Stream):
     def _collect(self) -> list[stage_pb2.StageControl]:
         if not (self._feeds or self._prunes or self._releases):
             return []
-        items = [*self._feeds, *self._prunes]
-        msgs = _messages_of(items)  # at least one
         if self._frames is not None:
-            if items:
-                self._send_frames(msgs)
+            if self._feeds or self._prunes:
+                self._send_frames(stage_control_parts(self._feeds, self._prunes, MESSAGE_BUDGET))
             msgs = [stage_pb2.StageControl()] if self._releases else []
+        else:
+            msgs = _messages_of([*self._feeds, *self._prunes])  # at least one
         if self._releases:
             msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
         for rid, waiters in self._releases.items():
@@ -355,7 +357,7 @@ class DraftStream(_Stream):
         super().__init__(lambda requests: stub.Control(requests), label)
         self.stub = stub
         self._ids = itertools.count(1)
-        self._calls: list[draft_pb2.DraftCall] = []
+        self._calls: list[DraftCallItem] = []
         self._waiting: dict[int, asyncio.Future] = {}
         self.unary = False  # a draft without Control: each call its unary RPC
 
@@ -368,7 +370,8 @@ class DraftStream(_Stream):
             return asyncio.ensure_future(rpc(msg, timeout=timeout))
         done = InPlaceFuture()  # answered where its reply is read (in_place.py)
         call_id = next(self._ids)
-        self._calls.append(draft_pb2.DraftCall(call_id=call_id, **item))
+        ((kind, request),) = item.items()
+        self._calls.append(DraftCallItem(call_id, kind, request))
         self._waiting[call_id] = done
         done.then(lambda _: self._waiting.pop(call_id, None))
         self._schedule()
@@ -377,12 +380,14 @@ class DraftStream(_Stream):
     def _collect(self) -> list[draft_pb2.DraftControl]:
         calls = [c for c in self._calls if c.call_id in self._waiting]  # not given up
         self._calls = []
-        msgs = [draft_pb2.DraftControl(calls=part) for part in _packed(calls) if part]
-        if self._frames is None or not msgs:
-            return msgs
+        if not calls:
+            return []
+        if self._frames is None:
+            messages = [c.message() for c in calls]
+            return [draft_pb2.DraftControl(calls=part) for part in _packed(messages)]
         if self._queue is None:
             self._open()  # beside the frames: the stream's break tells of a lost draft
-        self._send_frames(msgs)
+        self._send_frames(draft_control_parts(calls, MESSAGE_BUDGET))
         return []
 
     def _on_reply(self, reply: draft_pb2.DraftControlReply) -> None:

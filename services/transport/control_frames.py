@@ -37,7 +37,13 @@ def message_frame(
     kind: int, token: str, msg: Message, sender: str = "", reply_to: str = ""
 ) -> tuple[pb.FrameHeader, torch.Tensor | None]:
     """Header and payload of a frame carrying `msg` (an empty message: no payload)."""
-    data = msg.SerializeToString()
+    return bytes_frame(kind, token, msg.SerializeToString(), sender, reply_to)
+
+
+def bytes_frame(
+    kind: int, token: str, data: bytes, sender: str = "", reply_to: str = ""
+) -> tuple[pb.FrameHeader, torch.Tensor | None]:
+    """`message_frame` of a message already serialized (`data`)."""
     header = pb.FrameHeader(request_id=token, kind=kind, sender=sender, reply_to=reply_to)
     if not data:
         return header, None

@@ -147,3 +147,20 @@ def test_sampled_scores_equal_the_array_rule_bit_for_bit(seed: int) -> None:
     assert np.array_equal(logp, want, equal_nan=True)
     group, rank, _ = sibling_ranks(parents, probs)
     assert rank.min() == 0 and group.max() == len(set(parents.tolist())) - 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_deviation_is_not_being_the_parents_best(seed: int) -> None:
+    """Greedy TARGET deviations are exactly the candidates that are not their parent's
+    best (`best_siblings`: ties to the earlier, NaN never before a number)."""
+    from specpipe.common.spec.ranking import best_siblings
+
+    g = np.random.default_rng(seed)
+    n = int(g.integers(1, 30))
+    parents = g.integers(0, 5, n)
+    probs = g.choice([0.1, 0.25, 0.5, float("nan"), 0.0], n)  # ties, NaN and zeros
+    logp, dev = edge_scores(parents, probs, Ranking.TARGET, GREEDY)
+    assert dev.dtype == np.int64
+    assert dev.tolist() == (~best_siblings(parents, probs)).astype(np.int64).tolist()
+    for p, lp in zip(probs.tolist(), logp.tolist(), strict=True):
+        assert (math.isnan(p) and math.isnan(lp)) or lp == (math.log(p) if p > 0 else -math.inf)

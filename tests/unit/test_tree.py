@@ -94,3 +94,25 @@ def test_cannot_prune_to_a_grandchild() -> None:
     tree.append_layer(torch.tensor([1]), torch.tensor([2]), torch.tensor([1.0]), width=1)
     with pytest.raises(ValueError):
         tree.prune_to(2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops)
+def test_root_child_finds_what_the_array_lookups_find(sequence) -> None:
+    """`root_child` (the root's children as nodes 1..k of BFS order) answers as
+    `child_with_token` and `children` do, for every token of the vocabulary, after any
+    appends and prunes."""
+    tree = TokenTree(root_token=1)
+    for op, k, width, seed in sequence:
+        if op == "append":
+            tree.append_layer(*candidates(tree, k, seed), width=width)
+        elif op == "prune" and len(tree) > 1:
+            kids = tree.children(0)
+            tree.prune_to(int(kids[seed % kids.size]))
+        elif op == "reset":
+            tree.reset(seed % 50)
+        for token in range(50):
+            assert tree.root_child(token) == (
+                tree.child_with_token(0, token),
+                int(tree.children(0).size),
+            )
