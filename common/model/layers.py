@@ -55,11 +55,23 @@ class RMSNorm(nn.Module):
         # weight is read from the parameter dict (no `nn.Module.__getattr__`).
         weight = self._parameters["weight"]
         if x.dtype == torch.float32:
-            return torch.rms_norm(x, weight.shape, weight, self.eps)
+            return _rms_norm(x, weight.shape, weight, self.eps)[0]
         if x.dtype in (torch.bfloat16, torch.float16):
-            return weight * torch.rms_norm(x, weight.shape, None, self.eps)
-        normed = torch.rms_norm(x.float(), weight.shape, None, self.eps)
+            return weight * _rms_norm(x, weight.shape, None, self.eps)[0]
+        normed = _rms_norm(x.float(), weight.shape, None, self.eps)[0]
         return weight * normed.to(x.dtype)
+
+
+def _rms_norm_of(
+    x: Tensor, shape: tuple[int, ...], weight: Tensor | None, eps: float
+) -> tuple[Tensor]:
+    return (torch.rms_norm(x, shape, weight, eps),)
+
+
+# `torch.rms_norm` with an eps given is `torch._fused_rms_norm`'s output (its first; the
+# second is 1/rms), which costs it an aten call and about 1 us (of 8) on a CPU; the
+# public call where a torch has no such function.
+_rms_norm = getattr(torch, "_fused_rms_norm", _rms_norm_of)
 
 
 @cache
@@ -100,12 +112,37 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
     """`layer(x)` for the model's projections (an `nn.Linear`, or a `PackedLinear`), without
-    `nn.Module`'s call and attribute look-ups: `F.linear` on the layer's own parameters
-    (read from its parameter dict, so always the current ones)."""
+    `nn.Module`'s call and attribute look-ups, on the layer's own parameters (read from
+    its parameter dict, so always the current ones).
+
+    Rows [n, in] without autograd: the `mm` (no bias) or `addmm` that `F.linear` itself
+    calls for them, on a transposed view of the weight kept with the layer
+    (`_transposed`), since `aten::linear`'s own `t()` and checks cost a fifth of a small
+    linear on a CPU (same kernel, same bits; tests/unit/test_lean_forward.py)."""
     if type(layer) is nn.Linear:
         params = layer._parameters
-        return F.linear(x, params["weight"], params["bias"])
+        weight, bias = params["weight"], params["bias"]
+        if x.dim() != 2 or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return torch.mm(x, _transposed(layer, weight))
+        return torch.addmm(bias, x, _transposed(layer, weight))
     return layer.forward(x)
+
+
+def _transposed(layer: nn.Module, weight: Tensor) -> Tensor:
+    """`weight.t()`, made once and kept in the layer's `__dict__` (not a buffer: neither
+    saved nor converted) while it views the weight's current storage: a new weight
+    (`.to()`, a parameter replaced) has another address, since the old view keeps the
+    old storage alive, and is viewed afresh; an in-place copy is seen through the view.
+    Made outside inference mode (and without autograd), so that it may serve forwards
+    in and out of it."""
+    view = layer.__dict__.get("_weight_t")
+    if view is None or view.data_ptr() != weight.data_ptr():
+        with torch.inference_mode(False), torch.no_grad():
+            view = weight.detach().t()
+        layer.__dict__["_weight_t"] = view
+    return view
 
 
 class Attention(nn.Module):
