@@ -190,10 +190,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.halves = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor) -> Tensor:
         modules = self._modules
-        gate, up = project(modules["gate_up_proj"], x).chunk(2, dim=-1)
+        # split_with_sizes, not chunk (which calls split, which calls it: 0.5 us a layer)
+        gate, up = project(modules["gate_up_proj"], x).split_with_sizes(self.halves, -1)
         return project(modules["down_proj"], F.silu(gate) * up)
 
 
