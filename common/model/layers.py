@@ -106,8 +106,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [n, heads, head_dim]; cos and sign-folded sin: [n, 1, head_dim] (`rope_cos_sin`).
 
     HF's ``x * cos + rotate_half(x) * sin``, rotate_half(x) = cat(-x2, x1), to the bit:
-    (-x2) * s == x2 * (-s) exactly, so the rotation is a roll of the halves."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    (-x2) * s == x2 * (-s) exactly, so the rotation is a roll of the halves. The same
+    products and sum, in place on the two fresh tensors: an allocation less each."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
@@ -196,7 +197,7 @@ class MLP(nn.Module):
         modules = self._modules
         # split_with_sizes, not chunk (which calls split, which calls it: 0.5 us a layer)
         gate, up = project(modules["gate_up_proj"], x).split_with_sizes(self.halves, -1)
-        return project(modules["down_proj"], F.silu(gate) * up)
+        return project(modules["down_proj"], F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -212,8 +213,10 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         modules = self._modules
         normed = modules["input_layernorm"].forward(x)
-        x = x + modules["self_attn"].forward(normed, cos, sin, step, layer)
-        return x + modules["mlp"].forward(modules["post_attention_layernorm"].forward(x))
+        # the residual adds in place into the sublayers' fresh outputs (a + b == b + a to
+        # the bit; an allocation less each; this model computes, it does not train)
+        x = modules["self_attn"].forward(normed, cos, sin, step, layer).add_(x)
+        return modules["mlp"].forward(modules["post_attention_layernorm"].forward(x)).add_(x)
 
 
 _AT_LEAST_FP32 = (torch.float32, torch.float64)  # logits kept as they are (no `.float()` op)
