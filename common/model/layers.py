@@ -21,7 +21,12 @@ step shares (RoPE's cos and sin, the attention's views) is made once per step, t
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
 look-up, eight a layer) and called through `.forward` (`nn.Module.__call__`'s hook
 handling costs about 1.5 us a call, nine calls a layer; this model registers no hooks),
-and the projections through `project`.
+and the projections through `project` (the mm/addmm `F.linear` itself calls, on a kept
+transposed weight). Session 44 measured what is left (benchmarks/README.md, "Session 44:
+the forward"): the operations themselves, not the Python around them (the whole layer
+inlined into one function cost the same), so the rest is cheaper calls of the same
+kernels: `torch._fused_rms_norm`, split_with_sizes for chunk, in-place products and
+residual adds on fresh tensors, slotted per-step dataclasses.
 """
 
 from __future__ import annotations
