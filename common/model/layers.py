@@ -21,7 +21,12 @@ step shares (RoPE's cos and sin, the attention's views) is made once per step, t
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
 look-up, eight a layer) and called through `.forward` (`nn.Module.__call__`'s hook
 handling costs about 1.5 us a call, nine calls a layer; this model registers no hooks),
-and the projections through `project`.
+and the projections through `project` (the mm/addmm `F.linear` itself calls, on a kept
+transposed weight). Session 44 measured what is left (benchmarks/README.md, "Session 44:
+the forward"): the operations themselves, not the Python around them (the whole layer
+inlined into one function cost the same), so the rest is cheaper calls of the same
+kernels: `torch._fused_rms_norm`, split_with_sizes for chunk, in-place products and
+residual adds on fresh tensors, slotted per-step dataclasses.
 """
 
 from __future__ import annotations
@@ -55,11 +60,23 @@ class RMSNorm(nn.Module):
         # weight is read from the parameter dict (no `nn.Module.__getattr__`).
         weight = self._parameters["weight"]
         if x.dtype == torch.float32:
-            return torch.rms_norm(x, weight.shape, weight, self.eps)
+            return _rms_norm(x, weight.shape, weight, self.eps)[0]
         if x.dtype in (torch.bfloat16, torch.float16):
-            return weight * torch.rms_norm(x, weight.shape, None, self.eps)
-        normed = torch.rms_norm(x.float(), weight.shape, None, self.eps)
+            return weight * _rms_norm(x, weight.shape, None, self.eps)[0]
+        normed = _rms_norm(x.float(), weight.shape, None, self.eps)[0]
         return weight * normed.to(x.dtype)
+
+
+def _rms_norm_of(
+    x: Tensor, shape: tuple[int, ...], weight: Tensor | None, eps: float
+) -> tuple[Tensor]:
+    return (torch.rms_norm(x, shape, weight, eps),)
+
+
+# `torch.rms_norm` with an eps given is `torch._fused_rms_norm`'s output (its first; the
+# second is 1/rms), which costs it an aten call and about 1 us (of 8) on a CPU; the
+# public call where a torch has no such function.
+_rms_norm = getattr(torch, "_fused_rms_norm", _rms_norm_of)
 
 
 @cache
@@ -94,18 +111,44 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [n, heads, head_dim]; cos and sign-folded sin: [n, 1, head_dim] (`rope_cos_sin`).
 
     HF's ``x * cos + rotate_half(x) * sin``, rotate_half(x) = cat(-x2, x1), to the bit:
-    (-x2) * s == x2 * (-s) exactly, so the rotation is a roll of the halves."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+    (-x2) * s == x2 * (-s) exactly, so the rotation is a roll of the halves. The same
+    products and sum, in place on the two fresh tensors: an allocation less each."""
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))
 
 
 def project(layer: nn.Module, x: Tensor) -> Tensor:
     """`layer(x)` for the model's projections (an `nn.Linear`, or a `PackedLinear`), without
-    `nn.Module`'s call and attribute look-ups: `F.linear` on the layer's own parameters
-    (read from its parameter dict, so always the current ones)."""
+    `nn.Module`'s call and attribute look-ups, on the layer's own parameters (read from
+    its parameter dict, so always the current ones).
+
+    Rows [n, in] without autograd: the `mm` (no bias) or `addmm` that `F.linear` itself
+    calls for them, on a transposed view of the weight kept with the layer
+    (`_transposed`), since `aten::linear`'s own `t()` and checks cost a fifth of a small
+    linear on a CPU (same kernel, same bits; tests/unit/test_lean_forward.py)."""
     if type(layer) is nn.Linear:
         params = layer._parameters
-        return F.linear(x, params["weight"], params["bias"])
+        weight, bias = params["weight"], params["bias"]
+        if x.dim() != 2 or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return torch.mm(x, _transposed(layer, weight))
+        return torch.addmm(bias, x, _transposed(layer, weight))
     return layer.forward(x)
+
+
+def _transposed(layer: nn.Module, weight: Tensor) -> Tensor:
+    """`weight.t()`, made once and kept in the layer's `__dict__` (not a buffer: neither
+    saved nor converted) while it views the weight's current storage: a new weight
+    (`.to()`, a parameter replaced) has another address, since the old view keeps the
+    old storage alive, and is viewed afresh; an in-place copy is seen through the view.
+    Made outside inference mode (and without autograd), so that it may serve forwards
+    in and out of it."""
+    view = layer.__dict__.get("_weight_t")
+    if view is None or view.data_ptr() != weight.data_ptr():
+        with torch.inference_mode(False), torch.no_grad():
+            view = weight.detach().t()
+        layer.__dict__["_weight_t"] = view
+    return view
 
 
 class Attention(nn.Module):
@@ -153,11 +196,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.halves = (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor) -> Tensor:
         modules = self._modules
-        gate, up = project(modules["gate_up_proj"], x).chunk(2, dim=-1)
-        return project(modules["down_proj"], F.silu(gate) * up)
+        # split_with_sizes, not chunk (which calls split, which calls it: 0.5 us a layer)
+        gate, up = project(modules["gate_up_proj"], x).split_with_sizes(self.halves, -1)
+        return project(modules["down_proj"], F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -173,8 +218,10 @@ class DecoderLayer(nn.Module):
     ) -> Tensor:
         modules = self._modules
         normed = modules["input_layernorm"].forward(x)
-        x = x + modules["self_attn"].forward(normed, cos, sin, step, layer)
-        return x + modules["mlp"].forward(modules["post_attention_layernorm"].forward(x))
+        # the residual adds in place into the sublayers' fresh outputs (a + b == b + a to
+        # the bit; an allocation less each; this model computes, it does not train)
+        x = modules["self_attn"].forward(normed, cos, sin, step, layer).add_(x)
+        return modules["mlp"].forward(modules["post_attention_layernorm"].forward(x)).add_(x)
 
 
 _AT_LEAST_FP32 = (torch.float32, torch.float64)  # logits kept as they are (no `.float()` op)
@@ -209,7 +256,9 @@ class StageModel(nn.Module):
     def embed(self, token_ids: Tensor) -> Tensor:
         if self.embed_tokens is None:
             raise RuntimeError("only the first stage embeds tokens")
-        return self.embed_tokens.forward(token_ids)
+        # the gather `nn.Embedding.forward` ends in, without its Python frames (1.3 of 3 us);
+        # this embedding has no max_norm, and padding_idx only shapes gradients
+        return torch.embedding(self.embed_tokens._parameters["weight"], token_ids)
 
     def forward(self, hidden: Tensor, positions: Tensor) -> Tensor:
         """One causal sequence `hidden` [n, H] at `positions`, without a cache (a reference

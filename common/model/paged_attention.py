@@ -24,8 +24,14 @@ from torch import Tensor
 from .batch_invariant import RowAttention, StepRows, attend_rows, row_attention
 from .flex_attention import FlexStep, flex_attend
 
+# AttentionPart, PagedBatch and StepAttention are made for every step, so they are
+# dataclasses with slots, read only by convention rather than frozen: a frozen
+# dataclass's __init__ sets each field through object.__setattr__, about 5 us an
+# instance on a CPU (measured: benchmarks/README.md, "Session 44: the forward"), against
+# 1 us; eq=False: compared by identity (their tensors have no truth value anyway).
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True, eq=False)  # made per step (see above)
 class AttentionPart:
     """B query groups x Q query rows over L keys, in key blocks of `key_block` keys.
 
@@ -48,7 +54,7 @@ class AttentionPart:
         return self.key_block < self.shape[2]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # made per step (see above)
 class PagedBatch:
     """One step's rows of every request, for attention over the paged KV cache.
 
@@ -102,7 +108,7 @@ def tree_mask(
     return mask[:, :keys].reshape(batch, 1, queries, keys)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # made per step (see above)
 class StepAttention:
     """What every layer of one step attends with, made once per step (`step_attention`)
     rather than once per layer: each layer's K/V cache views, and for a step of one

@@ -200,11 +200,14 @@ def batch_shape(acts: Sequence[Activation]) -> tuple[int, int]:
     """Rows of a batched forward, and their context length: the mean over rows of the
     request's context (its furthest position + 1), since each request attends to its own
     cache."""
-    rows = sum(len(a) for a in acts)
-    if not rows:
-        return 0, 0
-    context = sum(len(a) * (int(a.positions.max()) + 1) for a in acts if len(a))
-    return rows, round(context / rows)
+    rows = context = 0
+    for a in acts:  # one pass, each count read once: it runs before every paced forward
+        positions = a.positions
+        n = positions.numel()
+        if n:
+            rows += n
+            context += n * (int(positions.max()) + 1)
+    return (rows, round(context / rows)) if rows else (0, 0)
 
 
 @dataclass

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specpipe.common.model.layers import RMSNorm, apply_rope, rope_cos_sin
+import torch.nn.functional as F
+from specpipe.common.model.layers import RMSNorm, apply_rope, project, rope_cos_sin
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.paged_attention import attend, attend_layer, step_attention
 from specpipe.common.model.partition import LayerRange
 from specpipe.common.runtime.stage import StageRuntime
 from specpipe.common.spec.messages import Activation
+from torch import nn
 
 from .test_stage_step import DeviceOps
 
@@ -90,6 +92,46 @@ def test_rope_constants_leave_autograd_usable_after_inference_mode() -> None:
     cos, sin = rope_cos_sin(torch.arange(3), 24, 1e4, torch.float32)
     apply_rope(x, cos, sin).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_a_projection_is_f_linear_to_the_bit(dtype, bias, rows) -> None:
+    """Without autograd `project` calls the mm / addmm `F.linear` calls, on a kept
+    transposed view of the weight: the same bits."""
+    torch.manual_seed(rows)
+    layer = nn.Linear(48, 80, bias=bias).to(dtype)
+    x = torch.randn(rows, 48).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(project(layer, x), F.linear(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        assert torch.equal(project(layer, x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_projection_follows_its_weight() -> None:
+    """The kept transposed view never serves a stale weight: one changed in place, one
+    converted (`.to()`), one replaced by a new parameter; with autograd, gradients reach
+    the weight."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8, bias=False)
+    x = torch.randn(3, 16)
+
+    def check() -> None:
+        with torch.inference_mode():
+            got = project(layer, x.to(layer.weight.dtype))
+        assert torch.equal(got, F.linear(x.to(layer.weight.dtype), layer.weight)), got.dtype
+
+    check()
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    check()
+    layer.to(torch.float64)
+    check()
+    layer.weight = nn.Parameter(torch.randn(8, 16, dtype=torch.float64))
+    check()
+    project(layer, x.double()).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
 def _tree_step(
