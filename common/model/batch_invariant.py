@@ -139,7 +139,7 @@ def _weight(layer: nn.Module) -> Tensor:
     return next(t for t in (*layer.parameters(), *layer.buffers()) if t.is_floating_point())
 
 
-# (layer kind, in, out, dtype, device) -> whether its kernel keeps rows invariant
+# (layer kind, in, out, dtype, device, threads) -> whether its kernel keeps rows invariant
 _kernels_checked: dict[tuple, bool] = {}
 
 
@@ -153,7 +153,14 @@ def kernels_row_invariant(model: StageModel) -> bool:
         if type(layer) not in (nn.Linear, PackedLinear):
             continue
         weight = _weight(layer)
-        key = (type(layer), layer.in_features, layer.out_features, weight.dtype, weight.device)
+        key = (
+            type(layer),
+            layer.in_features,
+            layer.out_features,
+            weight.dtype,
+            weight.device,
+            torch.get_num_threads(),
+        )
         if key not in _kernels_checked:
             _kernels_checked[key] = _check_shape(layer, weight)
         if not _kernels_checked[key]:
@@ -163,10 +170,14 @@ def kernels_row_invariant(model: StageModel) -> bool:
 
 def _check_shape(layer: nn.Module, weight: Tensor) -> bool:
     """`linear_rows_invariant` for `layer`'s shape, from this machine's record
-    (`kernel_checks`) when it holds the answer."""
+    (`kernel_checks`) when it holds the answer: per thread count (a kernel may split its
+    reduction by threads) and, on a GPU, per card and CUDA build."""
+    device = weight.device.type
+    if device == "cuda":
+        device += f" {torch.cuda.get_device_name(weight.device)} cuda {torch.version.cuda}"
     check = (
         f"rows {MIN_ROWS}-{MAX_ROWS} {type(layer).__name__} {layer.in_features}x"
-        f"{layer.out_features} {weight.dtype} {weight.device.type}"
+        f"{layer.out_features} {weight.dtype} {device} threads {torch.get_num_threads()}"
     )
     answer = kernel_checks.recorded(check)
     if answer is None:

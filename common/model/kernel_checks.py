@@ -41,9 +41,14 @@ def record_path() -> Path | None:
     return Path(platformdirs.user_cache_dir("specpipe")) / "kernel-checks.json"
 
 
+# Settings of the math libraries that can change which kernel a shape gets
+KERNEL_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "OMP_", "KMP_", "ATEN_", "TORCH_BLAS")
+
+
 @functools.cache
 def machine_key() -> str:
-    """torch's version and the CPU's identity: the kernels a shape gets depend on both."""
+    """torch's version, the CPU's identity and the math libraries' settings from the
+    environment: the kernels a shape gets depend on all of them."""
     model, flags = platform.processor(), ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,7 +62,8 @@ def machine_key() -> str:
     except OSError:
         pass
     capability = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(f"{model}|{flags}".encode()).hexdigest()[:16]
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith(KERNEL_ENV_PREFIXES))
+    digest = hashlib.sha256(f"{model}|{flags}|{settings}".encode()).hexdigest()[:16]
     return f"torch {torch.__version__}|{capability}|{digest}"
 
 

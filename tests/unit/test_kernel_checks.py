@@ -91,3 +91,43 @@ def test_a_later_process_reads_the_check_instead_of_running_it(
     assert ran == [] and not batched.rows_alone
     assert RowInvariantLinear not in {type(x) for x in batched.modules()}
     assert "stay batched" in caplog.text
+
+
+def test_the_math_libraries_settings_are_part_of_the_machine(monkeypatch) -> None:
+    """An answer found under one oneDNN/OpenMP setting says nothing under another."""
+    kernel_checks.machine_key.cache_clear()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = kernel_checks.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    kernel_checks.machine_key.cache_clear()
+    try:
+        assert kernel_checks.machine_key() != plain
+    finally:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+        kernel_checks.machine_key.cache_clear()
+    assert kernel_checks.machine_key() == plain
+
+
+def test_a_check_recorded_at_one_thread_count_is_run_again_at_another(
+    llama_dir, record_file, monkeypatch
+) -> None:
+    ran: list[int] = []
+    real = batch_invariant.linear_rows_invariant
+
+    def counted(layer, rows=0) -> bool:
+        ran.append(torch.get_num_threads())
+        return real(layer, rows)
+
+    monkeypatch.setattr(batch_invariant, "linear_rows_invariant", counted)
+    monkeypatch.setattr(batch_invariant, "_kernels_checked", {})
+    threads = torch.get_num_threads()
+    load_stage(llama_dir, dtype=BF16)
+    first = len(ran)
+    assert first and set(ran) == {threads}
+    torch.set_num_threads(threads + 1)
+    try:
+        load_stage(llama_dir, dtype=BF16)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(ran) == 2 * first and set(ran[first:]) == {threads + 1}
+    assert len(json.loads(record_file.read_text())) == 2 * first
