@@ -313,7 +313,7 @@ class StageStream(_Stream):
                 self._send_frames(stage_control_parts(self._feeds, self._prunes, MESSAGE_BUDGET))
             msgs = [stage_pb2.StageControl()] if self._releases else []
         else:
-            msgs = _messages_of([*self._feeds, *self._prunes])  # at least one
+            msgs = _messages_of([*self._prunes, *self._feeds])  # prunes first; at least one
         if self._releases:
             msgs[-1].releases.extend(pb.RequestRef(request_id=r) for r in self._releases)
         for rid, waiters in self._releases.items():
@@ -413,7 +413,8 @@ class DraftStream(_Stream):
 
 
 def _messages_of(items: list) -> list[stage_pb2.StageControl]:
-    """Feeds and prunes in messages of at most MESSAGE_BUDGET bytes."""
+    """Feeds and prunes in messages of at most MESSAGE_BUDGET bytes, in the items' order
+    (the prunes first: `control_wire.stage_control_parts`)."""
     msgs = []
     for part in _packed(items):
         msg = stage_pb2.StageControl()

@@ -4,7 +4,7 @@ request) is serialized once and framed as its container's field, instead of bein
 copied into a `StageControl` / `DraftControl` (a deep copy per item), sized again for
 the packing and serialized again with it. The bytes are exactly the container's
 serialization (`tests/unit/test_control_wire.py`), packed into parts as
-`control_stream._packed` packs the items: at most `budget` bytes of items per part, an
+`control_stream._packed` packs the items (prunes first): at most `budget` bytes of items per part, an
 item larger than that alone."""
 
 from __future__ import annotations
@@ -56,28 +56,35 @@ class DraftCallItem(NamedTuple):
         return b"".join((head, _CALL_KIND[self.kind], _varint(len(data)), data))
 
 
-def _parts(fields: Iterable[tuple[bytes, bytes]], budget: int) -> list[bytes]:
-    """(key, item bytes) as fields of a message, in parts of at most `budget` bytes of
-    items (an item larger than that alone); at least one part."""
-    parts: list[list[bytes]] = [[]]
+def _groups(fields: Iterable[tuple[bytes, bytes]], budget: int) -> list[list[tuple[bytes, bytes]]]:
+    """(key, item bytes) in order, in groups of at most `budget` bytes of items (an item
+    larger than that alone); at least one group."""
+    groups: list[list[tuple[bytes, bytes]]] = [[]]
     size = 0
     for key, data in fields:
         n = len(data)
-        if parts[-1] and size + n > budget:
-            parts.append([])
+        if groups[-1] and size + n > budget:
+            groups.append([])
             size = 0
-        parts[-1] += (key, _varint(n), data)
+        groups[-1].append((key, data))
         size += n
-    return [b"".join(p) for p in parts]
+    return groups
+
+
+def _message(fields: Iterable[tuple[bytes, bytes]]) -> bytes:
+    return b"".join(b"".join((key, _varint(len(data)), data)) for key, data in fields)
 
 
 def stage_control_parts(feeds: list, prunes: list, budget: int) -> list[bytes]:
-    """`StageControl(feeds=..., prunes=...)`'s bytes, feeds first, in parts."""
-    fields = [(_FEED, f.SerializeToString()) for f in feeds]
-    fields += [(_PRUNE, p.SerializeToString()) for p in prunes]
-    return _parts(fields, budget)
+    """`StageControl(feeds=..., prunes=...)`'s bytes in parts, the prunes in the first
+    parts (a stage takes a part's prunes before its feeds, and a later part's prunes
+    after an earlier part's feeds: a feed must not allocate before a prune frees room),
+    each part's fields in number order as the container serializes them."""
+    fields = [(_PRUNE, p.SerializeToString()) for p in prunes]
+    fields += [(_FEED, f.SerializeToString()) for f in feeds]
+    return [_message(sorted(g, key=lambda f: f[0] != _FEED)) for g in _groups(fields, budget)]
 
 
 def draft_control_parts(calls: list[DraftCallItem], budget: int) -> list[bytes]:
     """`DraftControl(calls=...)`'s bytes, in parts."""
-    return _parts(((_CALL, c.body()) for c in calls), budget)
+    return [_message(g) for g in _groups(((_CALL, c.body()) for c in calls), budget)]

@@ -71,10 +71,16 @@ def test_stage_control_bytes_are_the_messages(seed: int, budget: int, monkeypatc
     feeds = [feed(g) for _ in range(g.randrange(10))]
     prunes = [prune(g) for _ in range(g.randrange(10))]
     monkeypatch.setattr(control_stream, "MESSAGE_BUDGET", budget)
-    want = [m.SerializeToString() for m in control_stream._messages_of([*feeds, *prunes])]
+    want = [m.SerializeToString() for m in control_stream._messages_of([*prunes, *feeds])]
     assert stage_control_parts(feeds, prunes, budget) == want
-    for part in want:  # and the stage reads them back as sent
-        stage_pb2.StageControl.FromString(part)
+    read = [stage_pb2.StageControl.FromString(part) for part in want]  # as sent
+    assert [p for m in read for p in m.prunes] == prunes
+    assert [f for m in read for f in m.feeds] == feeds
+    # No feed in a part before a prune's: a stage never allocates before a prune frees
+    prune_parts = [i for i, m in enumerate(read) if m.prunes]
+    feed_parts = [i for i, m in enumerate(read) if m.feeds]
+    if prune_parts and feed_parts:
+        assert max(prune_parts) <= min(feed_parts)
 
 
 @pytest.mark.parametrize("seed", range(25))
