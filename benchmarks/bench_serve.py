@@ -93,14 +93,16 @@ def batching(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]
             }  # fmt: skip
         elif name.startswith("draft"):
             n = delta(name, "specpipe:draft_batch_requests_count")
-            asks = delta(name, "specpipe:draft_queue_seconds_count")
+            # one observation per forward (its longest wait); draft_queue_seconds, one
+            # per Propose, before session 44
+            waits = delta(name, "specpipe:draft_batch_queue_seconds_count")
             out[name] = {
                 "forwards": int(delta(name, "specpipe:draft_forward_seconds_count")),
                 "requests_per_forward": round(
                     delta(name, "specpipe:draft_batch_requests_sum") / n, 3) if n else None,
-                "queue_ms_mean": round(
-                    1e3 * delta(name, "specpipe:draft_queue_seconds_sum") / asks, 2
-                ) if asks else None,
+                "longest_queue_ms_mean": round(
+                    1e3 * delta(name, "specpipe:draft_batch_queue_seconds_sum") / waits, 2
+                ) if waits else None,
             }  # fmt: skip
     return out
 
@@ -109,10 +111,10 @@ def batch_summary(s: dict) -> str:
     """Forwards per stage (requests per forward) and the draft's forwards, of one cell."""
     parts = []
     for name, b in sorted(s.get("batching", {}).items()):
-        if b.get("queue_ms_mean") is not None:  # the draft: and its asks' mean queue wait
+        if b.get("longest_queue_ms_mean") is not None:  # the draft: its forwards' waits
             parts.append(
                 f"{name} {b['forwards']} ({b['requests_per_forward']}, "
-                f"queue {b['queue_ms_mean']} ms)"
+                f"longest queue {b['longest_queue_ms_mean']} ms)"
             )
         elif "requests_per_forward" in b:
             parts.append(f"{name} {b['forwards']} ({b['requests_per_forward']})")

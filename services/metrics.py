@@ -348,7 +348,7 @@ class DraftMetrics(_ComputeMetrics):
         # earliest Propose call's wait (a late answer is one that waited behind another
         # forward or a prefill).
         self.queue_seconds = self._histogram(
-            "draft_queue_seconds",
+            "draft_batch_queue_seconds",
             "From the arrival of a batched forward's earliest Propose call to the start of "
             "the forward (its longest wait)",
             WAIT_BUCKETS,
