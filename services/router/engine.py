@@ -319,7 +319,7 @@ class RouterEngine:
     def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
         """Fill in the settings a request leaves to the router (`auto`)."""
         model = self.model
-        if plan.space is None or model is None:
+        if model is None:
             return plan, None
         mode, opts, tuned = self.tuning.resolve(
             plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
@@ -498,7 +498,7 @@ class RouterEngine:
             plan.mode,
             len(plan.prompt),
             plan.opts.max_new_tokens,
-            f", auto: {tuned.decision.setting.label()}" if tuned else "",
+            f", auto: {tuned.decision.setting.label()}" if tuned and tuned.decision else "",
         )
         return driver
 
