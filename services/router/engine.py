@@ -417,6 +417,9 @@ class RouterEngine:
             if stopped:
                 finished.finish_reason = "stop"
             failed = False
+            # measured before the client hears: its next request is decided after this
+            self.tuning.finish(tuned, driver.stats, driver.timing()[1])
+            tuned = None
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
             self._failures.warning(
