@@ -68,19 +68,21 @@ def measure(address: str, prompts, concurrency: int, kwargs: dict) -> dict:
 
 async def calibrate(address: str, prompts, concurrency: int, kwargs: dict) -> int:
     """Default requests from `concurrency` closed-loop clients until the router's tuning
-    says it chose (no "measuring" in its reason) or the prompts run out; how many were
-    served."""
+    says it chose (no "measuring" in its reason) after each of `2 x concurrency + 2`
+    requests in a row (a new measurement can open the search again: the best's
+    neighbours) or the prompts run out; how many were served."""
     from specpipe.services.client.aio import AsyncClient
 
-    todo, served, chosen = list(prompts), 0, False
+    todo, served, settled = list(prompts), 0, 0
 
     async def worker(client) -> None:
-        nonlocal served, chosen
-        while todo and not chosen:
+        nonlocal served, settled
+        while todo and settled < 2 * concurrency + 2:
             await client.generate(prompt_ids=todo.pop(0), **kwargs)
             served += 1
             tuning = (await client.describe()).tuning
-            chosen = chosen or bool(tuning and "measuring" not in tuning[0].reason)
+            chose = bool(tuning and "measuring" not in tuning[0].reason)
+            settled = settled + 1 if chose else 0
 
     async with AsyncClient(address, timeout=600) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
