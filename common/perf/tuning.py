@@ -44,27 +44,27 @@ follows the traffic.
 
 **Several requests at once.** Requests in flight together share every forward, so a
 request's time between tokens measures the batch it ran in, not its own setting (a
-no-draft request beside draft requests waits for their trees' rows). Settings are
-therefore measured in phases (`Phase`): while one is calibrated (or re-measured), every
-request the tuner decides for gets it, and a finished request counts only when every
-request that ran beside it on this model version (auto or not, any regime: `Overlaps`)
-had the same setting; else it is discarded as `mixed`. A calibration phase lasts until
-its setting has its calibration tokens (or is no longer a contender); a re-measure
-phase until one clean request of its setting finished. Each phase ends once
-it decided `PHASE_BOUND` times the most tokens in flight at its decisions plus those it
-needs (its first requests overlap the previous phase's, and its last ones the next's:
-clean requests can be rare), and a candidate gets at most `CALIBRATION_PHASES` calibration phases: where
-other settings always run beside (requests that fix their own settings make the tuned
-ones beside them mixed: they share the forwards just the same), calibration ends with
-what was measured clean, and with nothing measured clean the choice is no draft, plain
-decoding (never slower than the deployment without its draft, what it is judged
-against). Re-measure phases are spaced so that they take about one decision in
-`explore_every` (`explore_every` times the last one's length apart). At one client a
-finished request never ran beside another: every one counts, phases last one request
-where a request has the calibration tokens, and decisions are what they were without
-phases. The `model` price goes by tokens per step, which the batch does not change: a
-mixed request counts there. Pure state: the router feeds it decisions, which requests
-run together and finished requests.
+no-draft request beside draft requests waits for their trees' draft forwards). Settings
+are therefore measured in phases (`Phase`): while one is calibrated or re-measured and
+requests are in flight, every request the tuner decides for gets it, and a finished
+request counts only when every request that ran beside it on this model version (tuned
+or not, any regime: `Overlaps`) had the same setting; else it is discarded as `mixed`.
+A calibration phase lasts until its setting has its calibration tokens (or is no longer
+a contender), a re-measure phase until one clean request of its setting finished; with
+nothing in flight the next decision may begin another (nothing to mix with). A phase
+also ends once it decided `PHASE_BOUND` times the most tokens in flight at its
+decisions plus those it needs (its first requests overlap the previous phase's, its
+last ones the next's: clean requests can be rare), and a candidate whose calibration
+phases hit that bound `CALIBRATION_PHASES` times is calibrated no further. Where other
+settings always run beside (requests that fix their own settings make the tuned ones
+beside them mixed: they share the forwards just the same), calibration thus ends with
+what was measured clean, and with nothing measured clean the choice is no draft: plain
+decoding, what the deployment without its draft serves. Re-measure phases are spaced
+to take about one decision in `explore_every` (`explore_every` times the last one's
+decisions apart). At one client no request runs beside another: every one counts and
+the decisions are what they were without phases. The `model` price goes by tokens per
+step, which the batch does not change: a mixed request counts there. Pure state: the
+router feeds it decisions, which requests run together, and finished requests.
 """
 
 from __future__ import annotations
