@@ -10,6 +10,7 @@ import pytest
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
 from specpipe.common.perf.tuning import (
     AUTO_WIDTHS,
+    CALIBRATING,
     CALIBRATION_PHASES,
     NO_DRAFT,
     Overlaps,
@@ -358,6 +359,15 @@ def test_a_draft_that_does_not_pay_loses_at_several_clients(clients) -> None:
             alone = (0.1 + 0.08 * s.layers_per_step) / tokens_per_step(s)
             assert m.wall_per_token == pytest.approx(alone, rel=0.25)
     assert (tuner.mixed > 0) == (clients > 1)
+    assert_phases_advance(decisions)
+
+
+def assert_phases_advance(decisions) -> None:
+    """Calibration's decisions come in one run per setting: each phase measured its
+    setting to the end, then the next began."""
+    calibrating = [d.setting for d in decisions if d.phase == CALIBRATING]
+    runs = [s for i, s in enumerate(calibrating) if i == 0 or calibrating[i - 1] != s]
+    assert len(runs) >= 3 and len(runs) == len(set(runs))
 
 
 @pytest.mark.parametrize("clients", [1, 4])
@@ -366,6 +376,7 @@ def test_a_draft_that_pays_wins_at_several_clients(clients) -> None:
     decisions = serve_together(tuner, ONE_STAGE, clients, 300, draft_forward=0.005)
     chosen = [d.setting for d in decisions[-100:] if not d.exploring]
     assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
+    assert_phases_advance(decisions)
 
 
 def test_phases_end_where_clean_requests_never_come() -> None:
