@@ -61,7 +61,10 @@ beside them mixed: they share the forwards just the same), calibration thus ends
 what was measured clean, and with nothing measured clean the choice is no draft: plain
 decoding, what the deployment without its draft serves. Re-measure phases are spaced
 to take about one decision in `explore_every` (`explore_every` times the last one's
-decisions apart). At one client no request runs beside another: every one counts and
+decisions apart), and while requests are in flight they visit only settings measured
+before (a setting the search never tried slows every request beside it for a whole
+phase: those wait for a moment with nothing in flight). At one client no request runs
+beside another: every one counts and
 the decisions are what they were without phases. The `model` price goes by tokens per
 step, which the batch does not change: a mixed request counts there. Pure state: the
 router feeds it decisions, which requests run together, and finished requests.
@@ -457,7 +460,8 @@ class Tuner:
         """The re-measure phase's setting while it holds; else every `explore_every`-th
         decision (at least `explore_every` times the last re-measure's decisions after
         it began): the contender seen least recently; every `FAR_REFRESH`-th of those,
-        the candidate seen least recently (one far behind may have caught up since)."""
+        the candidate seen least recently (one far behind may have caught up since).
+        With requests in flight, only settings measured before."""
         p = self.phase
         if p and p.kind == RE_MEASURING and p.holds() and p.setting in candidates:
             return Decision(p.setting, self._re_measuring(p.setting), True, RE_MEASURING)
@@ -468,6 +472,11 @@ class Tuner:
             return None
         if (self.decisions // self.explore_every) % FAR_REFRESH:
             candidates = self._contenders(candidates)
+        if any(self.pending.values()):  # a phase slows every request beside it: only
+            # settings measured before (never measured ones wait for a quiet moment)
+            candidates = [s for s in candidates if self.cost_per_token(s) is not None]
+            if not candidates:
+                return None
 
         def last_seen(s: Setting) -> int:
             m = self.measured.get(s)

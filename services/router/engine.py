@@ -317,7 +317,9 @@ class RouterEngine:
         return dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, prefill_cells=cells))
 
     def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
-        """Fill in the settings a request leaves to the router (`auto`)."""
+        """Fill in the settings a request leaves to the router (`auto`); every request is
+        tracked while it runs (`Tuned`: the tuner measures only requests with no other
+        setting beside them)."""
         model = self.model
         if model is None:
             return plan, None

@@ -13,6 +13,7 @@ from specpipe.common.perf.tuning import (
     CALIBRATING,
     CALIBRATION_PHASES,
     NO_DRAFT,
+    RE_MEASURING,
     Overlaps,
     Setting,
     Tuner,
@@ -299,6 +300,9 @@ def test_at_one_client_decisions_are_what_they_were_without_phases() -> None:
         assert sum(m.requests for m in tuner.measured.values()) == len(want)
 
 
+FULL_ONE_STAGE = TuningSpace(None, None, None, has_draft=True, stages=1)  # 37 candidates
+
+
 def tokens_per_step(s: Setting) -> float:
     """The draft's trees hit; the n-gram source's (random text) hardly."""
     return 0.6 * s.layers_per_step if s.uses_draft_model else 0.9 if s.uses_tree else 1.0
@@ -379,6 +383,17 @@ def test_a_draft_that_pays_wins_at_several_clients(clients) -> None:
     assert_phases_advance(decisions)
 
 
+def test_at_several_clients_re_measures_visit_only_measured_settings() -> None:
+    """A phase slows every request beside it: settings the search never tried are left
+    to moments with nothing in flight (at one client, every re-measure may visit them)."""
+    for clients, want_new in ((4, False), (1, True)):
+        tuner = Tuner(None, calibration_tokens=64)
+        decisions = serve_together(tuner, FULL_ONE_STAGE, clients, 600, draft_forward=0.08)
+        calibrated = {d.setting for d in decisions if d.phase == CALIBRATING}
+        re_measured = {d.setting for d in decisions if d.phase == RE_MEASURING}
+        assert re_measured and (not re_measured <= calibrated) == want_new
+
+
 def test_phases_end_where_clean_requests_never_come() -> None:
     """A request with fixed settings runs beside every tuned one: each phase ends at its
     bound, calibration gives up after CALIBRATION_PHASES of them per candidate, and with
@@ -391,9 +406,6 @@ def test_phases_end_where_clean_requests_never_come() -> None:
     chosen = [d for d in decisions[-100:] if not d.exploring]
     assert len(chosen) >= 80 and all(d.setting == Setting.no_draft() for d in chosen)
     assert "nothing measured clean" in chosen[-1].reason and tuner.mixed > 0
-
-
-FULL_ONE_STAGE = TuningSpace(None, None, None, has_draft=True, stages=1)  # 37 candidates
 
 
 def _calibration(tuner: Tuner, space: TuningSpace, wall_per_token) -> list[Setting]:
