@@ -52,12 +52,13 @@ def label(stats: dict) -> str:
     return f"{stats['mode']} {tree}".strip()
 
 
-def measure(address: str, prompts, kwargs: dict) -> dict:
-    results, tokens, wall = asyncio.run(stream_all(address, prompts, 1, kwargs))
+def measure(address: str, prompts, concurrency: int, kwargs: dict) -> dict:
+    results, tokens, wall = asyncio.run(stream_all(address, prompts, concurrency, kwargs))
     stats = [r.stats for r in results]
     return {
         "requests": len(results),
         "tbt_ms": round(1e3 * statistics.mean(r.tbt for r in results), 2),
+        "tokens_per_s": round(sum(len(t) for t in tokens) / wall, 1),
         "tokens_per_step": round(statistics.mean(float(s["tokens_per_step"]) for s in stats), 3),
         "settings": sorted({label(s) for s in stats}),
         "tokens": tokens,
@@ -65,7 +66,36 @@ def measure(address: str, prompts, kwargs: dict) -> dict:
     }
 
 
-def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
+async def calibrate(address: str, prompts, concurrency: int, kwargs: dict) -> int:
+    """Default requests from `concurrency` closed-loop clients until the router's tuning
+    says it chose (no "measuring" in its reason) after each of `2 x concurrency + 2`
+    requests in a row (a new measurement can open the search again: the best's
+    neighbours) or the prompts run out; how many were served."""
+    from specpipe.services.client.aio import AsyncClient
+
+    todo, served, settled = list(prompts), 0, 0
+
+    async def worker(client) -> None:
+        nonlocal served, settled
+        while todo and settled < 2 * concurrency + 2:
+            await client.generate(prompt_ids=todo.pop(0), **kwargs)
+            served += 1
+            tuning = (await client.describe()).tuning
+            chose = bool(tuning and "measuring" not in tuning[0].reason)
+            settled = settled + 1 if chose else 0
+
+    async with AsyncClient(address, timeout=600) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return served
+
+
+def tuning_extra(arm) -> str:
+    """What the router's Describe adds to an arm where it knows it (mixed requests)."""
+    mixed = getattr(arm, "mixed_requests", None)
+    return f", {mixed} mixed" if mixed is not None else ""
+
+
+def run_costs(args, target: Path, stage_ms: float, draft_ms: float, concurrency: int) -> dict:
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
     from specpipe.common.runtime.lockstep import LockstepGeneration
     from specpipe.common.spec.options import DecodeOptions, Mode
@@ -75,7 +105,7 @@ def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="bench-defaults-"))
     cost_file = synthetic_flat(stage_ms, draft_ms).save(work / "costs.json")
-    n = args.requests
+    n = args.requests * concurrency
     prompts = [list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", n, 511, 1)]
     local = build_local(target, 1, ORACLE_DRAFT)
     opts = DecodeOptions(max_new_tokens=args.max_new_tokens, stop_token_ids=())
@@ -88,29 +118,31 @@ def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
         scheduling={"tune_calibration_tokens": args.calibration_tokens},
     )  # fmt: skip
     dep.start()
-    out: dict = {"stage_ms": stage_ms, "draft_ms": draft_ms, "variants": {}}
+    out: dict = {
+        "stage_ms": stage_ms, "draft_ms": draft_ms, "concurrency": concurrency, "variants": {}
+    }  # fmt: skip
+    where = f"stage {stage_ms:g} ms draft {draft_ms:g} ms, {concurrency} clients"
     try:
         base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-        calib = [list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", 64, 7, 1)]
-        t0, served = time.perf_counter(), 0
-        with Client(dep.router_address, timeout=120) as client:  # the default calibrates
-            while served < len(calib):
-                client.generate(prompt_ids=calib[served], **base)
-                served += 1
-                tuning = client.describe().tuning
-                if tuning and "measuring" not in tuning[0].reason:
-                    break
+        cap = 64 * concurrency
+        calib = [list(p.ids) for p in load_dataset(f"random:{args.prompt_len}", cap, 7, 1)]
+        t0 = time.perf_counter()  # the default calibrates
+        served = asyncio.run(calibrate(dep.router_address, calib, concurrency, base))
         out["calibration"] = {"requests": served, "wall_s": round(time.perf_counter() - t0, 1)}
         for name, kw in VARIANTS.items():
-            m = measure(dep.router_address, prompts, {**base, **kw})
+            m = measure(dep.router_address, prompts, concurrency, {**base, **kw})
             m["identical"] = sum(t == p for t, p in zip(m.pop("tokens"), plain, strict=True))
             out["variants"][name] = m
-            log(f"stage {stage_ms:g} ms draft {draft_ms:g} ms  {name:14s} {m}")
+            log(f"{where}  {name:14s} {m}")
         with Client(dep.router_address, timeout=30) as client:
             (t,) = client.describe().tuning
             out["chosen"] = t.reason
-            out["arms"] = len(t.arms)
-        log(f"  calibration {out['calibration']}, {out['arms']} arms; chosen: {out['chosen']}")
+            out["arms"] = [
+                f"{a.width}/{a.layers_per_step}/{a.token_source}: {a.requests} requests, "
+                f"{a.wall_ms_per_token:.1f} ms/token" + tuning_extra(a)
+                for a in t.arms
+            ]
+        log(f"  {where}: calibration {out['calibration']}; chosen: {out['chosen']}")
     finally:
         dep.stop()
     return out
@@ -119,7 +151,8 @@ def run_costs(args, target: Path, stage_ms: float, draft_ms: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--costs", default="20/2,20/40", help="stage/draft ms per forward, ...")
-    ap.add_argument("--requests", type=int, default=6, help="measured per variant")
+    ap.add_argument("--requests", type=int, default=6, help="measured per variant and client")
+    ap.add_argument("--concurrency", default="1", help="closed-loop clients per variant, e.g. 1,4")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--calibration-tokens", type=int, default=32)
@@ -130,18 +163,24 @@ def main() -> int:
     rows = []
     for pair in args.costs.split(","):
         stage_ms, draft_ms = (float(x) for x in pair.split("/"))
-        rows.append(run_costs(args, target, stage_ms, draft_ms))
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            rows.append(run_costs(args, target, stage_ms, draft_ms, concurrency))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(rows, indent=1))
-    print("| stage / draft ms | variant | TBT ms | tokens/step | settings | identical |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| stage / draft ms | clients | variant | TBT ms | tokens/s | tokens/step | settings "
+        "| identical |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         for name, m in r["variants"].items():
             print(
-                f"| {r['stage_ms']:g} / {r['draft_ms']:g} | {name} | {m['tbt_ms']} | "
-                f"{m['tokens_per_step']} | {', '.join(m['settings'])} | "
-                f"{m['identical']}/{m['requests']} |"
+                f"| {r['stage_ms']:g} / {r['draft_ms']:g} | {r['concurrency']} | {name} | "
+                f"{m['tbt_ms']} | {m['tokens_per_s']} | {m['tokens_per_step']} | "
+                f"{', '.join(m['settings'])} | {m['identical']}/{m['requests']} |"
             )
+        print(f"| | | calibration: {r['calibration']['requests']} requests; chosen: "
+              f"{r['chosen']} | | | | | |")  # fmt: skip
     return 0
 
 

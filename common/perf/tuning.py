@@ -9,8 +9,8 @@ Two prices (`price`):
 
 - `wall` (the default): the time between tokens its finished requests saw, measured by
   the router. It holds whatever the deployment does: the draft working ahead of the
-  step, verification round trips, late draft answers. Requests of every setting run
-  side by side and measurements fade, so a load that changes over time weighs on all.
+  step, verification round trips, late draft answers. Measurements fade, so a load that
+  changes over time weighs on all settings.
 - `model`: step cost(W, K, source) / tokens per step(W, K, source). Tokens per step is
   the lockstep accounting each request reports (independent of load); a steady step's
   cost comes from the cost curves the stages and the draft measured
@@ -36,18 +36,44 @@ K away) of each source's best while that source is a contender, until the best o
 contending source has no untried neighbour (time per token is about unimodal in W and
 K: wider and deeper trees gain hits until their rows cost more). Neighbours the cost
 curves say cannot win (a step's cost over K tokens, its most, above the best measured
-price) are skipped. Everything not tried is left to the re-measures. With requests in
-flight at once, the ones the search has no setting for calibrate the others.
+price) are skipped. Everything not tried is left to the re-measures.
 
 Measurements fade (halved once a setting has `window_tokens`), and every
 `explore_every`-th decision re-measures the setting seen least recently, so the choice
-follows the traffic. Pure state: the router feeds it decisions and finished requests.
+follows the traffic.
+
+**Several requests at once.** Requests in flight together share every forward, so a
+request's time between tokens measures the batch it ran in, not its own setting (a
+no-draft request beside draft requests waits for their trees' draft forwards). Settings
+are therefore measured in phases (`Phase`): while one is calibrated or re-measured and
+requests are in flight, every request the tuner decides for gets it, and a finished
+request counts only when every request that ran beside it on this model version (tuned
+or not, any regime: `Overlaps`) had the same setting; else it is discarded as `mixed`.
+A calibration phase lasts until its setting has its calibration tokens (or is no longer
+a contender), a re-measure phase until one clean request of its setting finished; with
+nothing in flight the next decision may begin another (nothing to mix with). A phase
+also ends once it decided `PHASE_BOUND` times the most tokens in flight at its
+decisions plus those it needs (its first requests overlap the previous phase's, its
+last ones the next's: clean requests can be rare), and a candidate whose calibration
+phases hit that bound `CALIBRATION_PHASES` times is calibrated no further. Where other
+settings always run beside (requests that fix their own settings make the tuned ones
+beside them mixed: they share the forwards just the same), calibration thus ends with
+what was measured clean, and with nothing measured clean the choice is no draft: plain
+decoding, what the deployment without its draft serves. Re-measure phases are spaced
+to take about one decision in `explore_every` (`explore_every` times the last one's
+decisions apart), and while requests are in flight they visit only settings measured
+before (a setting the search never tried slows every request beside it for a whole
+phase: those wait for a moment with nothing in flight). At one client no request runs
+beside another: every one counts and
+the decisions are what they were without phases. The `model` price goes by tokens per
+step, which the batch does not change: a mixed request counts there. Pure state: the
+router feeds it decisions, which requests run together, and finished requests.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..spec.options import Growth, TokenSource
@@ -67,6 +93,11 @@ DEFAULT_CALIBRATION_TOKENS = 256
 DEFAULT_EXPLORE_EVERY = 20
 DEFAULT_WINDOW_TOKENS = 8192
 PRICES = ("wall", "model")
+# A phase ends once it decided this many times the most tokens in flight at its decisions
+# plus those it needs, whether or not clean requests came.
+PHASE_BOUND = 3
+CALIBRATION_PHASES = 3  # a candidate's calibration gives up after this many bounded phases
+CALIBRATING, RE_MEASURING = "calibrating", "re-measuring"
 
 
 @dataclass(frozen=True, order=True)
@@ -130,6 +161,7 @@ class Measured:
     wall_seconds: float = 0.0  # between first and last token, summed over requests
     intervals: float = 0.0  # tokens after the first, summed
     last_seen: int = -1  # the decision count when a request with it last finished
+    mixed: int = 0  # requests discarded: another setting ran beside them (not faded)
 
     @property
     def tokens_per_step(self) -> float:
@@ -187,6 +219,63 @@ class Decision:
     setting: Setting
     reason: str
     exploring: bool
+    phase: str = ""  # CALIBRATING, RE_MEASURING, or "" (the choice)
+
+
+@dataclass
+class Phase:
+    """One setting measured alone: every request decided meanwhile gets it."""
+
+    setting: Setting
+    kind: str  # CALIBRATING or RE_MEASURING
+    need: int  # tokens it measures (a re-measure: one request's)
+    began: int  # the decision count at its first decision
+    in_flight: int = 0  # the most tokens in flight at its decisions (before each)
+    decided_tokens: int = 0
+    decisions: int = 0
+    clean: int = 0  # clean requests of its setting finished while it ran
+
+    def holds(self) -> bool:
+        """Whether its bound (and for a re-measure, a clean request) has not ended it."""
+        if self.kind == RE_MEASURING and self.clean:
+            return False
+        return self.decided_tokens < PHASE_BOUND * (self.in_flight + self.need)
+
+
+@dataclass
+class Overlaps:
+    """Which requests ran beside one of another setting (one model version's requests
+    share every forward): `begin` when a request is decided, `end` when it finished says
+    whether it was clean. A request is mixed once two settings are live together while
+    it is: then every live request is (any two settings live mark all: each live one
+    differs from one of them), so a count of such moments (`mixings`) decides in O(1)."""
+
+    live: dict[Hashable, int] = field(default_factory=dict)  # setting -> requests live
+    mixings: int = 0
+    tickets: dict[int, tuple[Hashable, int]] = field(default_factory=dict)
+    _next: int = 0
+
+    def begin(self, setting: Hashable) -> int:
+        """A request with `setting` starts; its ticket for `end`."""
+        if any(s != setting for s in self.live):
+            self.mixings += 1
+        self.live[setting] = self.live.get(setting, 0) + 1
+        ticket, self._next = self._next, self._next + 1
+        # a request that starts beside another setting is mixed from its start
+        self.tickets[ticket] = (setting, self.mixings - (len(self.live) > 1))
+        return ticket
+
+    def end(self, ticket: int) -> bool:
+        """The request ended: whether no other setting ran beside it."""
+        if ticket not in self.tickets:  # ended already
+            return False
+        setting, seen = self.tickets.pop(ticket)
+        left = self.live[setting] - 1
+        if left:
+            self.live[setting] = left
+        else:
+            del self.live[setting]
+        return seen == self.mixings
 
 
 @dataclass
@@ -204,6 +293,10 @@ class Tuner:
     decisions: int = 0
     space: TuningSpace | None = None  # the last request's candidates
     searched: set[Setting] = field(default_factory=set)  # ever in calibration's search
+    phase: Phase | None = None  # the setting measured now (None: the choice serves)
+    bounded: dict[Setting, int] = field(default_factory=dict)  # calibration phases cut short
+    last_re_measure: tuple[int, int] = (0, 1)  # its first decision, its decisions
+    mixed: int = 0  # finished requests discarded as mixed
 
     def __post_init__(self) -> None:
         if self.calibration_tokens < 1 or self.explore_every < 1 or self.window_tokens < 1:
@@ -240,11 +333,38 @@ class Tuner:
         call `finish` with the same setting when it ends."""
         candidates = space.settings()
         self.decisions += 1
+        p = self.phase
+        if p is not None and not p.holds():  # its bound, or a re-measure's clean request
+            if p.kind == CALIBRATING:
+                self.bounded[p.setting] = self.bounded.get(p.setting, 0) + 1
+            self.phase = None
         decision = self._calibrate(candidates) or self._refresh(candidates)
         decision = decision or self._best(candidates)
+        self._enter(decision, expected_tokens)
         self.pending[decision.setting] = self.pending.get(decision.setting, 0) + expected_tokens
         self.space = space
         return decision
+
+    def _enter(self, d: Decision, expected_tokens: int) -> None:
+        """Go on with the phase `d` belongs to, or begin it (none for the choice)."""
+        if not d.phase:
+            self.phase = None
+            return
+        p = self.phase
+        if p is None or p.setting != d.setting or p.kind != d.phase:
+            need = expected_tokens
+            if d.phase == CALIBRATING:
+                need = max(need, self.calibration_tokens - round(self._tokens(d.setting)))
+            p = self.phase = Phase(d.setting, d.phase, need, self.decisions)
+        p.in_flight = max(p.in_flight, sum(self.pending.values()))
+        p.decided_tokens += expected_tokens
+        p.decisions += 1
+        if p.kind == RE_MEASURING:
+            self.last_re_measure = (p.began, p.decisions)
+
+    def _tokens(self, s: Setting) -> float:
+        m = self.measured.get(s)
+        return m.tokens if m else 0.0
 
     def outlook(self) -> Decision | None:
         """What the next request like the last one would get (re-measures aside), from
@@ -304,52 +424,81 @@ class Tuner:
         return step / s.layers_per_step > best
 
     def _calibrate(self, candidates: list[Setting]) -> Decision | None:
-        """The least measured contender the search calibrates (`_focus`), while any is
-        short of calibration tokens (those in flight count: concurrent requests measure
-        different settings; with none left in the search, the other contenders)."""
+        """The calibration phase's setting while it holds and requests are in flight;
+        else (nothing in flight to mix with: a phase may change freely) the contender the
+        search calibrates (`_focus`) with the fewest bounded phases and least measured,
+        while any is short of calibration tokens (clean ones: see the module docstring)
+        and has bounded phases left."""
+        p = self.phase
+        busy = any(self.pending.values())
+        going_on = p.setting if busy and p and p.kind == CALIBRATING and p.holds() else None
 
-        def seen(s: Setting) -> float:
-            m = self.measured.get(s)
-            return (m.tokens if m else 0.0) + self.pending.get(s, 0)
+        def left(s: Setting) -> bool:
+            if self._tokens(s) >= self.calibration_tokens:
+                return False
+            return s == going_on or self.bounded.get(s, 0) < CALIBRATION_PHASES
 
         contenders = self._contenders(candidates)
         focus = self._focus(candidates)
-        short = [s for s in contenders if s in focus and seen(s) < self.calibration_tokens]
-        if not short and any(s not in self.measured for s in focus):
-            # the search waits for requests in flight: these calibrate the others
-            short = [s for s in contenders if seen(s) < self.calibration_tokens]
+        short = [s for s in contenders if s in focus and left(s)]
         if not short:
             return None
-        s = min(short, key=seen)
-        done = self.measured[s].tokens if s in self.measured else 0.0
+        if going_on in short:
+            s = going_on
+        else:
+            s = min(short, key=lambda s: (self.bounded.get(s, 0), self._tokens(s)))
         return Decision(
             s,
-            f"measuring {s.label()}: {done:.0f} of {self.calibration_tokens} calibration "
-            f"tokens seen ({len(short)} of {len(candidates)} settings still short)",
+            f"measuring {s.label()}: {self._tokens(s):.0f} of {self.calibration_tokens} "
+            f"calibration tokens seen ({len(short)} of {len(candidates)} settings still short"
+            f"{f', {self.mixed} requests mixed' if self.mixed else ''})",
             exploring=True,
+            phase=CALIBRATING,
         )
 
     def _refresh(self, candidates: list[Setting]) -> Decision | None:
-        """Every `explore_every`-th decision: the contender seen least recently; every
-        `FAR_REFRESH`-th of those, the candidate seen least recently (one far behind may
-        have caught up since)."""
+        """The re-measure phase's setting while it holds; else every `explore_every`-th
+        decision (at least `explore_every` times the last re-measure's decisions after
+        it began): the contender seen least recently; every `FAR_REFRESH`-th of those,
+        the candidate seen least recently (one far behind may have caught up since).
+        With requests in flight, only settings measured before."""
+        p = self.phase
+        if p and p.kind == RE_MEASURING and p.holds() and p.setting in candidates:
+            return Decision(p.setting, self._re_measuring(p.setting), True, RE_MEASURING)
         if len(candidates) < 2 or self.decisions % self.explore_every:
+            return None
+        began, decisions = self.last_re_measure
+        if self.decisions - began < self.explore_every * decisions:
             return None
         if (self.decisions // self.explore_every) % FAR_REFRESH:
             candidates = self._contenders(candidates)
+        if any(self.pending.values()):  # a phase slows every request beside it: only
+            # settings measured before (never measured ones wait for a quiet moment)
+            candidates = [s for s in candidates if self.cost_per_token(s) is not None]
+            if not candidates:
+                return None
 
         def last_seen(s: Setting) -> int:
             m = self.measured.get(s)
             return m.last_seen if m else -1
 
         s = min(candidates, key=lambda s: (last_seen(s), s))
-        return Decision(s, f"re-measuring {s.label()} (the one seen least recently)", True)
+        return Decision(s, self._re_measuring(s), True, RE_MEASURING)
+
+    @staticmethod
+    def _re_measuring(s: Setting) -> str:
+        return f"re-measuring {s.label()} (the one seen least recently)"
 
     def _best(self, candidates: list[Setting]) -> Decision:
         priced = sorted((c, s) for s in candidates if (c := self.cost_per_token(s)) is not None)
-        if not priced:  # every candidate is calibrating in flight: share them out
-            s = min(candidates, key=lambda s: self.pending.get(s, 0))
-            return Decision(s, f"measuring {s.label()}: no request has finished yet", True)
+        if not priced:  # calibration measured nothing clean: no draft risks nothing
+            s = Setting.no_draft() if Setting.no_draft() in candidates else candidates[0]
+            return Decision(
+                s,
+                f"{s.label()}: nothing measured clean ({self.mixed} requests mixed: other "
+                "settings always ran beside them)",
+                exploring=False,
+            )
         (cost, best), rest = priced[0], priced[1:]
         reason = f"{best.label()}: {self._price(best, cost)}"
         if rest:
@@ -386,10 +535,13 @@ class Tuner:
         steps: int = 0,
         hits: int = 0,
         wall_seconds: float = 0.0,
+        clean: bool = True,
     ) -> None:
         """A request with `setting` ended; `steps` 0: it failed or ran with another
         setting than asked (a narrower width), so it says nothing about this one.
-        `wall_seconds`: from its first token to its last."""
+        `wall_seconds`: from its first token to its last; `clean`: no request of another
+        setting ran beside it (`Overlaps`), else its time says little about its own
+        setting (the `wall` price discards it)."""
         left = self.pending.get(setting, 0) - expected_tokens
         if left > 0:
             self.pending[setting] = left
@@ -398,6 +550,12 @@ class Tuner:
         if steps <= 0 or tokens <= 0:
             return
         m = self.measured.setdefault(setting, Measured())
+        if not clean and self.price == "wall":
+            m.mixed += 1
+            self.mixed += 1
+            return
+        if self.phase is not None and self.phase.setting == setting:
+            self.phase.clean += 1
         if m.tokens + tokens > self.window_tokens:  # fade: newer requests weigh more
             for name in ("requests", "tokens", "steps", "hits", "wall_seconds", "intervals"):
                 setattr(m, name, getattr(m, name) / 2)

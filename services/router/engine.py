@@ -317,9 +317,11 @@ class RouterEngine:
         return dataclasses.replace(plan, opts=dataclasses.replace(plan.opts, prefill_cells=cells))
 
     def _tune(self, plan: Plan) -> tuple[Plan, Tuned | None]:
-        """Fill in the settings a request leaves to the router (`auto`)."""
+        """Fill in the settings a request leaves to the router (`auto`); every request is
+        tracked while it runs (`Tuned`: the tuner measures only requests with no other
+        setting beside them)."""
         model = self.model
-        if plan.space is None or model is None:
+        if model is None:
             return plan, None
         mode, opts, tuned = self.tuning.resolve(
             plan.mode, plan.opts, plan.space, self.backends, model.weight_hash
@@ -417,6 +419,9 @@ class RouterEngine:
             if stopped:
                 finished.finish_reason = "stop"
             failed = False
+            # measured before the client hears: its next request is decided after this
+            self.tuning.finish(tuned, driver.stats, driver.timing()[1])
+            tuned = None
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
             self._failures.warning(
@@ -498,7 +503,7 @@ class RouterEngine:
             plan.mode,
             len(plan.prompt),
             plan.opts.max_new_tokens,
-            f", auto: {tuned.decision.setting.label()}" if tuned else "",
+            f", auto: {tuned.decision.setting.label()}" if tuned and tuned.decision else "",
         )
         return driver
 

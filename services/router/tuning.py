@@ -4,11 +4,14 @@ draft, a `pp` request, is a candidate), and their growth (`common/perf/growth_ch
 model version and decoding regime; it goes by the time between tokens this router
 measured per setting, or (`price="model"`) by the cost curves the stages and the draft
 publish in Describe (`--measure-costs`). The choice and its reason are logged when they
-change and shown in the router's Describe."""
+change and shown in the router's Describe. Every request of a model version, tuned or
+not, is tracked while it runs (`Overlaps`): a tuned request that ran beside one of
+another setting measured the batch, not its setting, and the tuner discards it."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
@@ -19,6 +22,7 @@ from specpipe.common.perf.tuning import (
     DEFAULT_WINDOW_TOKENS,
     Decision,
     Measured,
+    Overlaps,
     Setting,
     Tuner,
     TuningSpace,
@@ -62,13 +66,25 @@ def regime_of(opts: DecodeOptions) -> str:
     return "greedy" if opts.sampling.temperature == 0 else "sampling"
 
 
+def running(mode: Mode, opts: DecodeOptions) -> Hashable:
+    """What a request runs, as `Overlaps` tells settings apart: the tuner's setting for
+    specpipe and pp requests (pp is its no-draft candidate), else the mode."""
+    if mode == Mode.PP:
+        return Setting.no_draft()
+    if mode == Mode.SPECPIPE:
+        return Setting(opts.width, opts.layers_per_step, opts.token_source)
+    return str(mode)
+
+
 @dataclass(frozen=True)
 class Tuned:
-    """A request's tuning decision, to report back when it ends."""
+    """A request's tuning decision (None: it fixed its settings, or its mode has none)
+    and its place among the requests running, to report back when it ends."""
 
     key: tuple[str, str]
-    decision: Decision
+    decision: Decision | None
     expected_tokens: int
+    ticket: int
 
 
 class RouterTuning:
@@ -85,6 +101,7 @@ class RouterTuning:
         self.price = price
         self._tuner()  # checks the values
         self.tuners: dict[tuple[str, str], Tuner] = {}
+        self.overlaps: dict[str, Overlaps] = {}  # per model version
         self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
 
     @classmethod
@@ -98,16 +115,29 @@ class RouterTuning:
         self,
         mode: Mode,
         opts: DecodeOptions,
+        space: TuningSpace | None,
+        backends: Backends,
+        version: str,
+    ) -> tuple[Mode, DecodeOptions, Tuned]:
+        """The request's mode and options with what it leaves to the router filled in
+        (`space` None: nothing): its growth from the published costs
+        (`growth_choice.py`), its `auto` settings from the tuner (the no-draft candidate
+        makes it a `pp` request); modes without a specpipe tree keep the defaults. Also
+        what to report at its end (`finish`, whatever the request)."""
+        decision = None
+        if mode == Mode.SPECPIPE and space is not None:
+            mode, opts, decision = self._resolve(mode, opts, space, backends, version)
+        ticket = self.overlaps.setdefault(version, Overlaps()).begin(running(mode, opts))
+        return mode, opts, Tuned((version, regime_of(opts)), decision, opts.max_new_tokens, ticket)
+
+    def _resolve(
+        self,
+        mode: Mode,
+        opts: DecodeOptions,
         space: TuningSpace,
         backends: Backends,
         version: str,
-    ) -> tuple[Mode, DecodeOptions, Tuned | None]:
-        """The request's mode and options with what it leaves to the router filled in:
-        its growth from the published costs (`growth_choice.py`), its `auto` settings
-        from the tuner (the no-draft candidate makes it a `pp` request); modes without
-        a specpipe tree keep the defaults. Also the decision to report at its end."""
-        if mode != Mode.SPECPIPE:
-            return mode, opts, None
+    ) -> tuple[Mode, DecodeOptions, Decision | None]:
         costs = costs_of(backends, version) if space.growth is None or space.is_auto else None
         if not space.is_auto:
             return mode, self._grown(opts, space, costs), None
@@ -124,11 +154,11 @@ class RouterTuning:
         elif d.exploring:
             log.debug("auto settings for %s (%s): %s", version[:12], key[1], d.reason)
         if not s.uses_tree:
-            return Mode.PP, opts, Tuned(key, d, opts.max_new_tokens)
+            return Mode.PP, opts, d
         tuned = replace(
             opts, width=s.width, layers_per_step=s.layers_per_step, token_source=s.token_source
         )
-        return mode, self._grown(tuned, space, costs), Tuned(key, d, opts.max_new_tokens)
+        return mode, self._grown(tuned, space, costs), d
 
     @staticmethod
     def _grown(opts: DecodeOptions, space: TuningSpace, costs: DeploymentCosts | None):
@@ -146,11 +176,14 @@ class RouterTuning:
     def finish(self, tuned: Tuned | None, stats: DecodeStats | None, tbt_ms: float = 0.0) -> None:
         """A tuned request ended: `stats` None when it failed; `tbt_ms` its mean time
         between tokens. A request whose width the scheduler narrowed measured another
-        setting than it was given, a replayed one paid for the replay: not counted."""
+        setting than it was given, a replayed one paid for the replay: not counted; one
+        that ran beside another setting is mixed (`Overlaps`)."""
         if tuned is None:
             return
+        overlaps = self.overlaps.get(tuned.key[0])
+        clean = overlaps is not None and overlaps.end(tuned.ticket)
         tuner = self.tuners.get(tuned.key)
-        if tuner is None:
+        if tuner is None or tuned.decision is None:
             return
         s = tuned.decision.setting
         if stats is None or stats.width != s.width or stats.replays:
@@ -158,7 +191,7 @@ class RouterTuning:
             return
         wall = tbt_ms * max(stats.new_tokens - 1, 0) / 1e3
         tuner.finish(
-            s, tuned.expected_tokens, stats.new_tokens, stats.decode_steps, stats.hits, wall
+            s, tuned.expected_tokens, stats.new_tokens, stats.decode_steps, stats.hits, wall, clean
         )
 
     def describe(self) -> list[gen.Tuning]:
@@ -195,4 +228,5 @@ def _arm(tuner: Tuner, s: Setting) -> gen.TuningArm:
         step_ms=step * 1e3 if step is not None else 0.0,
         ms_per_token=cost * 1e3 if cost is not None and step is not None else 0.0,
         wall_ms_per_token=wall * 1e3 if wall is not None else 0.0,
+        mixed_requests=m.mixed,
     )

@@ -1,6 +1,8 @@
 """The router's side of the tuning (services/router/tuning.py): the no-draft candidate
 becomes a `pp` request, the others a specpipe tree, and a request that leaves its growth
-unset gets the deployment's (eager where the published draft cost fits the step)."""
+unset gets the deployment's (eager where the published draft cost fits the step). Every
+request is tracked while it runs: a tuned one that ran beside another setting (tuned or
+fixed) is not measured."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from types import SimpleNamespace
 
 from specpipe.common.perf.tuning import Setting, TuningSpace
 from specpipe.common.spec.options import DecodeOptions, Growth, Mode
+from specpipe.common.spec.stats import DecodeStats
 from specpipe.services.router.backends import ModelInfo
 from specpipe.services.router.tuning import RouterTuning
 from specpipe.v1 import dataplane_pb2
@@ -36,10 +39,17 @@ def space(**kw) -> TuningSpace:
 OPTS = DecodeOptions(max_new_tokens=16)
 
 
+def finished(tuned) -> DecodeStats:
+    """A tuned request's stats: 16 tokens in 8 steps with the width it was given."""
+    width = tuned.decision.setting.width
+    return DecodeStats("specpipe", 1, width, new_tokens=16, decode_steps=8, hits=8)
+
+
 def test_the_no_draft_candidate_runs_as_pp_and_the_others_as_trees() -> None:
     tuning = RouterTuning(calibration_tokens=16)
     mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
     assert tuned.decision.setting == Setting.no_draft() and mode == Mode.PP
+    tuning.finish(tuned, finished(tuned), tbt_ms=10.0)  # measured: the next setting
     mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
     s = tuned.decision.setting
     assert mode == Mode.SPECPIPE and s.uses_tree and s.layers_per_step >= 2
@@ -61,8 +71,35 @@ def test_unset_growth_follows_the_published_costs() -> None:
         mode, opts, tuned = tuning.resolve(
             Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
         )
-        assert tuned is None and mode == Mode.SPECPIPE and opts.growth == want
+        assert tuned.decision is None and mode == Mode.SPECPIPE and opts.growth == want
+        tuning.finish(tuned, None)
     # a request's growth wins
     asked = space(**fixed, growth=Growth.VERIFIED)
     _, opts, _ = tuning.resolve(Mode.SPECPIPE, OPTS, asked, backends(0.1, 0.02), "v1")
     assert opts.growth == Growth.VERIFIED
+
+
+def test_a_tuned_request_beside_a_fixed_one_is_not_measured() -> None:
+    tuning = RouterTuning(calibration_tokens=16)
+    auto = space()
+    b = backends(0.1, 0.01)
+    mode, _, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    assert mode == Mode.PP  # calibration measures no draft first
+    # a pp request with its own mode runs as the tuner's no-draft setting: not mixed
+    _, _, pp = tuning.resolve(Mode.PP, OPTS, None, b, "v1")
+    tuning.finish(pp, None)
+    tuning.finish(tuned, finished(tuned), tbt_ms=10.0)
+    (tuner,) = tuning.tuners.values()
+    assert tuner.measured[tuned.decision.setting].requests == 1 and tuner.mixed == 0
+    # the next phase's request starts beside one with fixed settings: mixed
+    fixed = space(width=4, layers_per_step=2, token_source="draft")
+    _, _, other = tuning.resolve(Mode.SPECPIPE, OPTS, fixed, b, "v1")
+    _, _, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    assert tuned.decision.setting != Setting(4, 2, "draft")
+    tuning.finish(tuned, finished(tuned), tbt_ms=10.0)
+    tuning.finish(other, None)
+    assert tuner.mixed == 1
+    arms = {(a.width, a.layers_per_step, a.token_source): a for a in tuning.describe()[0].arms}
+    s = tuned.decision.setting
+    assert arms[(s.width, s.layers_per_step, str(s.token_source))].mixed_requests == 1
+    assert not tuning.overlaps["v1"].live  # every request ended

@@ -1,12 +1,24 @@
 """The router's `auto` settings (common/perf/tuning.py): every candidate is measured on
 live requests first, then the least expected time per token wins, priced with the cost
-curves; measurements fade and stale settings are re-measured."""
+curves; measurements fade and stale settings are re-measured. With requests in flight
+together, settings are measured one at a time (phases) and a request that ran beside
+another setting is not measured."""
 
 from __future__ import annotations
 
 import pytest
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
-from specpipe.common.perf.tuning import AUTO_WIDTHS, NO_DRAFT, Setting, Tuner, TuningSpace
+from specpipe.common.perf.tuning import (
+    AUTO_WIDTHS,
+    CALIBRATING,
+    CALIBRATION_PHASES,
+    NO_DRAFT,
+    RE_MEASURING,
+    Overlaps,
+    Setting,
+    Tuner,
+    TuningSpace,
+)
 from specpipe.common.spec.options import TokenSource
 
 ROWS = [1, 2, 4, 8, 16, 32, 64]
@@ -37,14 +49,18 @@ def calibrate(tuner: Tuner, space: TuningSpace, tokens_per_step: dict[int, float
     raise AssertionError("calibration never ended")
 
 
-def test_every_candidate_is_measured_before_one_is_chosen() -> None:
-    tuner = Tuner(costs(0.0), calibration_tokens=64, price="model")
+@pytest.mark.parametrize("price", ["wall", "model"])
+def test_requests_in_flight_together_get_the_setting_being_measured(price) -> None:
+    """They share every forward: each would measure the mix, not its own setting."""
+    tuner = Tuner(costs(0.0), calibration_tokens=64, price=price)
     space = layers_space()
-    # Three requests in flight at once get three different settings.
     firsts = [tuner.decide(space, 64) for _ in range(3)]
-    assert all(d.exploring for d in firsts)
-    assert sorted(d.setting.layers_per_step for d in firsts) == [1, 2, 3]
-    assert "measuring" in firsts[0].reason
+    assert all(d.exploring and "measuring" in d.reason for d in firsts)
+    assert len({d.setting for d in firsts}) == 1
+    # one finishes clean with the calibration tokens: the next phase, another setting
+    tuner.finish(firsts[0].setting, 64, 64, 64, 32, 6.3)
+    d = tuner.decide(space, 64)
+    assert d.exploring and d.setting != firsts[0].setting
 
 
 def test_flat_costs_choose_more_layers_and_costly_rows_fewer() -> None:
@@ -95,7 +111,11 @@ def test_stale_settings_are_re_measured_and_old_measurements_fade() -> None:
         kinds.append(d.exploring)
         tuner.finish(d.setting, 64, 64, 40, 50)
     assert kinds.count(True) == 2  # the choice, and every 5th decision a re-measure
-    reasons = [tuner.decide(layers_space(), 64).reason for _ in range(5)]
+    reasons = []
+    for _ in range(5):
+        d = tuner.decide(layers_space(), 64)
+        reasons.append(d.reason)
+        tuner.finish(d.setting, 64, 64, 40, 50)
     assert sum("re-measuring" in r for r in reasons) == 1
     for m in tuner.measured.values():
         assert m.tokens <= 256  # faded, never past the window
@@ -231,7 +251,161 @@ def test_re_measures_visit_a_candidate_far_behind_only_now_and_then() -> None:
     assert len(refreshes) >= 28 and 1 <= far <= len(refreshes) // 4 + 1
 
 
+def test_a_request_beside_another_setting_is_mixed() -> None:
+    overlaps = Overlaps()
+    a = Setting(4, 2, DRAFT)
+    first, second = overlaps.begin(a), overlaps.begin(a)
+    assert overlaps.end(first)  # the same setting beside it: clean
+    third = overlaps.begin(Setting.no_draft())  # mixes the one still running
+    fourth = overlaps.begin(a)
+    assert not overlaps.end(second) and not overlaps.end(third)
+    assert not overlaps.end(fourth)  # started beside the no-draft one
+    assert overlaps.end(overlaps.begin(Setting.no_draft()))  # alone again: clean
+    assert not overlaps.end(fourth) and not overlaps.live  # ended twice: nothing
+
+
+def test_a_mixed_request_is_not_measured_and_does_not_end_its_phase() -> None:
+    tuner = Tuner(None, calibration_tokens=64)
+    space = layers_space(stages=3)
+    d = tuner.decide(space, 64)
+    tuner.decide(space, 64)  # in flight beside it
+    tuner.finish(d.setting, 64, 64, 64, 32, 6.3, clean=False)
+    assert tuner.cost_per_token(d.setting) is None and tuner.mixed == 1
+    assert tuner.measured[d.setting].mixed == 1
+    assert tuner.decide(space, 64).setting == d.setting  # still measuring it
+    # the model price goes by tokens per step, which the batch does not change
+    model = Tuner(None, calibration_tokens=64, price="model")
+    d = model.decide(space, 64)
+    model.finish(d.setting, 64, 64, 32, 32, 6.3, clean=False)
+    assert model.cost_per_token(d.setting) == pytest.approx(0.5) and model.mixed == 0
+
+
+def test_at_one_client_decisions_are_what_they_were_without_phases() -> None:
+    """Nothing runs beside a request at one client: every one is measured, and the
+    settings come in the order main's tuner gave them (requests of half the calibration
+    tokens alternate between settings; re-measures are single requests)."""
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    wall = {1: 0.1, 2: 0.3, 3: 0.09}
+    for calibration, explore, want in (
+        (128, 1000, [2, 1, 3, 1, 3, 3, 3]),  # (K=2 is 3x the best: not calibrated further)
+        (64, 2, [2, 1, 3, 1, 3, 1, 3, 2, 3, 1, 3, 1]),  # re-measures every 2nd decision
+    ):
+        tuner = Tuner(None, calibration_tokens=calibration, explore_every=explore)
+        got = []
+        for _ in range(len(want)):
+            d = tuner.decide(space, 64)
+            got.append(d.setting.layers_per_step)
+            tuner.finish(d.setting, 64, 64, 64, 32, 63 * wall[d.setting.layers_per_step])
+        assert got == want and tuner.mixed == 0
+        assert sum(m.requests for m in tuner.measured.values()) == len(want)
+
+
 FULL_ONE_STAGE = TuningSpace(None, None, None, has_draft=True, stages=1)  # 37 candidates
+
+
+def tokens_per_step(s: Setting) -> float:
+    """The draft's trees hit; the n-gram source's (random text) hardly."""
+    return 0.6 * s.layers_per_step if s.uses_draft_model else 0.9 if s.uses_tree else 1.0
+
+
+def serve_together(
+    tuner: Tuner,
+    space: TuningSpace,
+    clients: int,
+    requests: int,
+    draft_forward: float,
+    bystander: Setting | None = None,
+) -> list:
+    """`clients` closed-loop clients of 64-token requests sharing every step: a step
+    costs 0.1 s plus the deepest live tree's draft forwards (`draft_forward` each), and
+    each request gains its own tokens per step. `Overlaps` says which finished requests
+    are clean; `bystander`: a request with fixed settings running all along. The
+    decisions, in order."""
+    overlaps = Overlaps()
+    if bystander is not None:
+        overlaps.begin(bystander)
+    live: list[list] = []  # setting, ticket, tokens, seconds, steps
+    decisions = []
+
+    def start() -> None:
+        d = tuner.decide(space, 64)
+        decisions.append(d)
+        live.append([d.setting, overlaps.begin(d.setting), 0.0, 0.0, 0])
+
+    for _ in range(clients):
+        start()
+    while live:
+        running = [r[0] for r in live] + ([bystander] if bystander else [])
+        depth = max((s.layers_per_step for s in running if s.uses_draft_model), default=0)
+        step = 0.1 + draft_forward * depth
+        for r in list(live):
+            r[2], r[3], r[4] = r[2] + tokens_per_step(r[0]), r[3] + step, r[4] + 1
+            if r[2] >= 64:
+                live.remove(r)
+                clean = overlaps.end(r[1])
+                tuner.finish(r[0], 64, 64, r[4], 32, r[3] * 63 / 64, clean=clean)
+                if len(decisions) < requests:
+                    start()
+    return decisions
+
+
+@pytest.mark.parametrize("clients", [1, 4, 16])
+def test_a_draft_that_does_not_pay_loses_at_several_clients(clients) -> None:
+    """Beside a draft's trees a no-draft request waits for their forwards (the mix makes
+    it look 2-4x slower than alone): measured in phases, no draft still wins."""
+    tuner = Tuner(None, calibration_tokens=64)
+    decisions = serve_together(tuner, ONE_STAGE, clients, 400, draft_forward=0.08)
+    chosen = [d.setting for d in decisions[-100:] if not d.exploring]
+    assert chosen and all(s == Setting.no_draft() for s in chosen)
+    assert tuner.cost_per_token(Setting.no_draft()) == pytest.approx(0.1, rel=0.1)
+    for s, m in tuner.measured.items():  # every measurement is of the setting alone
+        if m.requests and s.uses_draft_model:
+            alone = (0.1 + 0.08 * s.layers_per_step) / tokens_per_step(s)
+            assert m.wall_per_token == pytest.approx(alone, rel=0.25)
+    assert (tuner.mixed > 0) == (clients > 1)
+    assert_phases_advance(decisions)
+
+
+def assert_phases_advance(decisions) -> None:
+    """Calibration's decisions come in one run per setting: each phase measured its
+    setting to the end, then the next began."""
+    calibrating = [d.setting for d in decisions if d.phase == CALIBRATING]
+    runs = [s for i, s in enumerate(calibrating) if i == 0 or calibrating[i - 1] != s]
+    assert len(runs) >= 3 and len(runs) == len(set(runs))
+
+
+@pytest.mark.parametrize("clients", [1, 4])
+def test_a_draft_that_pays_wins_at_several_clients(clients) -> None:
+    tuner = Tuner(None, calibration_tokens=64)
+    decisions = serve_together(tuner, ONE_STAGE, clients, 300, draft_forward=0.005)
+    chosen = [d.setting for d in decisions[-100:] if not d.exploring]
+    assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
+    assert_phases_advance(decisions)
+
+
+def test_at_several_clients_re_measures_visit_only_measured_settings() -> None:
+    """A phase slows every request beside it: settings the search never tried are left
+    to moments with nothing in flight (at one client, every re-measure may visit them)."""
+    for clients, want_new in ((4, False), (1, True)):
+        tuner = Tuner(None, calibration_tokens=64)
+        decisions = serve_together(tuner, FULL_ONE_STAGE, clients, 600, draft_forward=0.08)
+        calibrated = {d.setting for d in decisions if d.phase == CALIBRATING}
+        re_measured = {d.setting for d in decisions if d.phase == RE_MEASURING}
+        assert re_measured and (not re_measured <= calibrated) == want_new
+
+
+def test_phases_end_where_clean_requests_never_come() -> None:
+    """A request with fixed settings runs beside every tuned one: each phase ends at its
+    bound, calibration gives up after CALIBRATION_PHASES of them per candidate, and with
+    nothing measured clean the choice is no draft."""
+    tuner = Tuner(None, calibration_tokens=64)
+    fixed = Setting(8, 1, DRAFT)
+    decisions = serve_together(tuner, ONE_STAGE, 4, 400, 0.01, bystander=fixed)
+    assert len({d.setting for d in decisions if d.exploring}) >= 3  # phases moved on
+    assert all(tuner.bounded.get(s, 0) <= CALIBRATION_PHASES for s in ONE_STAGE.settings())
+    chosen = [d for d in decisions[-100:] if not d.exploring]
+    assert len(chosen) >= 80 and all(d.setting == Setting.no_draft() for d in chosen)
+    assert "nothing measured clean" in chosen[-1].reason and tuner.mixed > 0
 
 
 def _calibration(tuner: Tuner, space: TuningSpace, wall_per_token) -> list[Setting]:

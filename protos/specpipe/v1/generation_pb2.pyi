@@ -329,7 +329,7 @@ class Tuning(_message.Message):
     def __init__(self, weight_hash: _Optional[str] = ..., regime: _Optional[str] = ..., chosen: _Optional[_Union[TuningArm, _Mapping]] = ..., reason: _Optional[str] = ..., arms: _Optional[_Iterable[_Union[TuningArm, _Mapping]]] = ..., price: _Optional[str] = ...) -> None: ...
 
 class TuningArm(_message.Message):
-    __slots__ = ("width", "layers_per_step", "token_source", "requests", "tokens", "steps", "hit_rate", "step_ms", "ms_per_token", "wall_ms_per_token")
+    __slots__ = ("width", "layers_per_step", "token_source", "requests", "tokens", "steps", "hit_rate", "step_ms", "ms_per_token", "wall_ms_per_token", "mixed_requests")
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     LAYERS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +340,7 @@ class TuningArm(_message.Message):
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WALL_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MIXED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     width: int
     layers_per_step: int
     token_source: str
@@ -350,4 +351,5 @@ class TuningArm(_message.Message):
     step_ms: float
     ms_per_token: float
     wall_ms_per_token: float
-    def __init__(self, width: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., step_ms: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., wall_ms_per_token: _Optional[float] = ...) -> None: ...
+    mixed_requests: int
+    def __init__(self, width: _Optional[int] = ..., layers_per_step: _Optional[int] = ..., token_source: _Optional[str] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., hit_rate: _Optional[float] = ..., step_ms: _Optional[float] = ..., ms_per_token: _Optional[float] = ..., wall_ms_per_token: _Optional[float] = ..., mixed_requests: _Optional[int] = ...) -> None: ...
