@@ -69,7 +69,10 @@ def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
     assert any(mode == "pp" for mode, _, _ in seen)  # no draft: a seed of the search
     (t,) = desc.tuning
     assert t.regime == "greedy" and t.weight_hash
-    assert len(t.arms) == len(seen) and all(a.tokens >= N and a.steps for a in t.arms)
+    # The two requests after calibration may reopen the search where their times moved
+    # the prices (timing on a loaded machine): an arm more each at most.
+    assert len(seen) <= len(t.arms) <= len(seen) + 2
+    assert all(a.tokens >= N and a.steps for a in t.arms)
     assert sum(a.tokens for a in t.arms) == (len(seen) + 2) * N
     assert all(a.step_ms > 0 and a.ms_per_token > 0 for a in t.arms)  # priced by measured costs
     assert any(a.token_source == "none" and a.width == 0 for a in t.arms)
