@@ -590,8 +590,13 @@ class ComputeRounds:
             return
         if all(not w.turns and not w.relayed and w.error is None for w in r.work):
             return
-        out = self._outgoing(r.work)
-        if self._send_now(out):
+        try:
+            out = self._outgoing(r.work)
+            left = self._send_now(out)
+        except Exception as e:  # a bug making or sending its frames: this round's requests
+            post((r.work, e, None))
+            return
+        if left:
             post((r.work, None, out))
 
     def _send_now(self, out: Outgoing) -> bool:

@@ -410,16 +410,20 @@ class TcpTransport(Transport):
         lock = self._locks.get(address)
         if conn is None or conn.sock is None or conn.stale or (lock is not None and lock.locked()):
             return False
-        frames = []
-        for group in batch.batches(parts):
-            header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
-            if payload is not None and payload.device.type != "cpu":
+        try:
+            frames = []
+            for group in batch.batches(parts):
+                header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
+                if payload is not None and payload.device.type != "cpu":
+                    return False
+                frames.append((header, payload, len(group)))
+            datas = [payload_bytes(p) for _, p, _ in frames]
+            if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
                 return False
-            frames.append((header, payload, len(group)))
-        datas = [payload_bytes(p) for _, p, _ in frames]
-        if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
+            hbs = [h.SerializeToString() for h, _, _ in frames]
+        except Exception:  # `send_many`, on the event loop, sends them or fails their requests
+            log.debug("tcp: a thread could not make frames for %s", address, exc_info=True)
             return False
-        hbs = [h.SerializeToString() for h, _, _ in frames]
         with conn.lock:
             if conn.tail is not None or conn.stale or conn.writer.transport.get_write_buffer_size():
                 return False
