@@ -317,3 +317,22 @@ def test_relayed_prunes_for_a_request_lost_here_tell_its_router(llama_dir) -> No
             await router.close()
 
     asyncio.run(main())
+
+
+def test_a_prune_to_apply_at_once_queues_no_wish_without_a_compute_thread(llama_dir) -> None:
+    """A relayed prune that asks to be applied at once (`prunes_now`) while no compute
+    thread runs (stopped) queues no wish for a round: none would take it."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 2)
+        rounds = svc.rounds
+        try:
+            await _prefilled(svc)
+            assert svc._take_prune(_relayed(1)) is None
+            for _ in range(3):
+                rounds.prune_arrived(svc._requests["a"], now=True)
+            assert rounds._prunes_wanted == []
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
