@@ -830,9 +830,9 @@ class ComputeRounds:
         else:
             header = empty_header(st.request_id, 0, self.stage.name)
             header.prunes_only = True
-            header.prunes_now = w.relay_now
             sent = [(st.next_hop, (header, None))]
         header.prunes.extend(w.relayed)
+        header.prunes_now = w.relay_now
         header.reply_to = st.report_to
         return sent
 

@@ -336,3 +336,24 @@ def test_a_prune_to_apply_at_once_queues_no_wish_without_a_compute_thread(llama_
             await svc.stop()
 
     asyncio.run(main())
+
+
+def test_relayed_prunes_riding_an_activation_keep_apply_at_once(llama_dir) -> None:
+    """Relayed prunes applied for room someone waits for (`relay_now`) tell the next
+    stage to apply them at once (`prunes_now`) on the request's activation frame too,
+    not only on a frame of prunes only."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 2)
+        try:
+            await _prefilled(svc)
+            assert svc._take_prune(_relayed(1)) is None
+            svc.rounds._prunes_wanted.append(lambda: None)  # an Open waits for room
+            svc._on_frame(_layer(2, 1))
+            ((_, (header, _)),) = _round(svc)
+            assert [p.seq for p in header.prunes] == [1] and not header.prunes_only
+            assert header.prunes_now
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
