@@ -357,3 +357,26 @@ def test_relayed_prunes_riding_an_activation_keep_apply_at_once(llama_dir) -> No
             await svc.stop()
 
     asyncio.run(main())
+
+
+def test_relayed_prunes_for_a_lost_request_tell_no_address_outside_the_peers(llama_dir) -> None:
+    """The NOT_FOUND answer to relayed prunes for a request not open here goes only to
+    a `reply_to` on this stage's peers (loopback by default): a frame naming another
+    host makes the stage send nothing."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        sent: list[str] = []
+        svc._send_later = lambda address, *_: sent.append(address)  # type: ignore[method-assign]
+        try:
+            await _prefilled(svc)
+            svc._drop("a")
+            for reply_to in ("tcp://10.20.30.40:9", "tcp://127.0.0.1:9"):
+                told = _prunes_only(1)
+                told.reply_to = reply_to
+                _arrive(svc, Frame(told, None))
+            assert sent == ["tcp://127.0.0.1:9"]  # the peer's only
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
