@@ -380,3 +380,35 @@ def test_relayed_prunes_for_a_lost_request_tell_no_address_outside_the_peers(lla
             await svc.stop()
 
     asyncio.run(main())
+
+
+def test_an_open_gets_the_room_of_relayed_prunes_that_arrive_while_others_are_applied(
+    llama_dir,
+) -> None:
+    """A relayed prune that arrives while an Open (after the first stage, its pool
+    full) has the waiting prunes applied is applied next, without a wait for another
+    arrival: the Open gets the block it frees."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        rounds = svc.rounds
+        applied = rounds.apply_prunes
+        arrivals = [_prunes_only(1)]
+
+        async def apply_prunes(timeout: float) -> None:
+            await applied(timeout)
+            if arrivals:  # relayed from upstream meanwhile
+                _arrive(svc, Frame(arrivals.pop(), None))
+
+        rounds.apply_prunes = apply_prunes  # type: ignore[method-assign]
+        try:
+            await _prefilled(svc)
+            pool = svc.runtime.pool
+            pool.max_blocks = pool.used_blocks
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="b", capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            assert "b" in svc._requests and svc._requests["a"].order.applied == 1
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
