@@ -400,3 +400,27 @@ def test_a_dropped_connection_closes_the_threads_duplicate_of_its_socket() -> No
         await rx.close()
 
     asyncio.run(main())
+
+
+def test_a_thread_that_cannot_make_its_frames_leaves_them_to_the_loop(monkeypatch) -> None:
+    """`send_now` whose frames fail to be made (a batch that cannot be packed) sends
+    nothing and says so, instead of raising on the compute thread."""
+    from specpipe.services.transport import batch
+
+    async def main() -> None:
+        rx = make_transport("tcp", lambda f: None)
+        tx = make_transport("tcp", lambda f: None)
+        addr = await rx.start()
+        frames = [encode(_act("r", 2, i), seq=i) for i in range(2)]
+        await tx.send_many(addr, frames[:1])
+
+        def pack(*_):
+            raise ValueError("a bug")
+
+        monkeypatch.setattr(batch, "pack", pack)
+        assert not await asyncio.to_thread(tx.send_now, addr, frames)
+        assert tx.frames_sent == 1
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
