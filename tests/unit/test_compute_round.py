@@ -50,6 +50,15 @@ def _frame(rid: str, hidden: torch.Tensor) -> Frame:
     return Frame(*encode(act, 0))
 
 
+async def _middle_stage_sending_to_a_receiver(llama_dir):
+    """A receiver's frames (a queue), the receiver, its address and a middle stage."""
+    got: asyncio.Queue = asyncio.Queue()
+    rx = make_transport("tcp", got.put_nowait)
+    hop = await rx.start()
+    model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
+    return got, rx, hop, StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+
+
 def test_hidden_states_are_checked_for_nan_on_the_compute_thread(llama_dir) -> None:
     """A frame of NaN hidden states is queued on arrival (the event loop reads no
     values); the round that takes it fails that request alone ("a bad frame") and
@@ -190,11 +199,7 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
     a posted round is undelivered the next is posted too. Every frame arrives, in order."""
 
     async def main() -> None:
-        got: asyncio.Queue = asyncio.Queue()
-        rx = make_transport("tcp", got.put_nowait)
-        hop = await rx.start()
-        model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
-        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        got, rx, hop, svc = await _middle_stage_sending_to_a_receiver(llama_dir)
         rounds = svc.rounds
         t = torch.tensor
 
@@ -244,11 +249,7 @@ def test_a_round_whose_frames_fail_to_be_made_fails_only_its_requests(llama_dir,
     round's requests alone: the thread lives on and the next request is served."""
 
     async def main() -> None:
-        got: asyncio.Queue = asyncio.Queue()
-        rx = make_transport("tcp", got.put_nowait)
-        hop = await rx.start()
-        model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
-        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        got, rx, hop, svc = await _middle_stage_sending_to_a_receiver(llama_dir)
         rounds = svc.rounds
         made = rounds._outgoing
         calls = []
