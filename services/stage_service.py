@@ -443,7 +443,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
                     if arrived in self._room_wanted:
                         self._room_wanted.remove(arrived)
             await rounds.apply_prunes(PRUNES_WAIT_SECONDS)
-            await asyncio.sleep(0)  # (a stopping compute thread applies none: no spin)
+            await asyncio.sleep(0)  # a turn for the loop where nothing was applied (stopping)
         with rounds.inbox:
             last = self.runtime.pool.free_blocks < 1 and rounds.prunes_waiting()
         if last:
