@@ -237,7 +237,7 @@ class ComputeRounds:
         next activation comes within a pipeline step, and every round applies every
         request's waiting prunes): a pipeline step then costs a stage one round, not a
         round of its prunes as well (at one client about 2 rounds in 5 were prunes only)."""
-        if now:
+        if now and not self._stopped:  # (no thread to take it: a later `apply_prunes` does)
             self._prunes_wanted.append(_nothing)  # a round applies it, and relays it so
         if now or st.order.turn_ready() or self._prunes_due():
             self.inbox.wake()
@@ -247,7 +247,10 @@ class ComputeRounds:
         here and pass them on to be applied at once at every later stage (`relay_now`),
         without waiting for it: a request is being opened on the stages after this one
         at the same time, and there those prunes free the room it needs (a later stage
-        cannot ask this one: it does not know it)."""
+        cannot ask this one: it does not know it). Not only while this stage's own pool is
+        short (`_prunes_due`): a short pool applies its prunes as they arrive anyway, and
+        a later stage can be full while this one has room; the cost is a round of prunes
+        only per later stage, once per Open that finds relayed prunes waiting here."""
         with self.inbox:
             if self._stopped or not any(
                 st.to_relay and st.order.next_prune() is not None
@@ -590,8 +593,13 @@ class ComputeRounds:
             return
         if all(not w.turns and not w.relayed and w.error is None for w in r.work):
             return
-        out = self._outgoing(r.work)
-        if self._send_now(out):
+        try:
+            out = self._outgoing(r.work)
+            left = self._send_now(out)
+        except Exception as e:  # a bug making or sending its frames: this round's requests
+            post((r.work, e, None))
+            return
+        if left:
             post((r.work, None, out))
 
     def _send_now(self, out: Outgoing) -> bool:
@@ -822,9 +830,9 @@ class ComputeRounds:
         else:
             header = empty_header(st.request_id, 0, self.stage.name)
             header.prunes_only = True
-            header.prunes_now = w.relay_now
             sent = [(st.next_hop, (header, None))]
         header.prunes.extend(w.relayed)
+        header.prunes_now = w.relay_now
         header.reply_to = st.report_to
         return sent
 

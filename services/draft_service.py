@@ -175,12 +175,25 @@ def _answer_when_done(
     pending: set[asyncio.Future],
     answer: Answer,
     answer_of: Callable[[asyncio.Future], draft_pb2.DraftAnswer],
+    call_id: int,
     done: asyncio.Future,
 ) -> None:
-    """A control call's work ended: its answer (none if cancelled: its channel ended)."""
+    """A control call's work ended: its answer (none if cancelled: its channel ended).
+    Called where a batch's results are delivered: a failure making or giving one answer
+    (a bug) is logged and answers that call INTERNAL, the batch's other calls answered."""
     pending.discard(done)
-    if not done.cancelled():
-        answer(answer_of(done))
+    if done.cancelled():
+        return
+    try:
+        reply = answer_of(done)
+    except Exception as e:
+        rlog.error("compute", "draft: answering a call failed: %s: %s", type(e).__name__, e)
+        log.debug("the answer failed", exc_info=True)
+        reply = _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
+    try:
+        answer(reply)
+    except Exception:
+        log.exception("draft: an answer could not be given")
 
 
 class _FrameAnswers:
@@ -622,12 +635,16 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                     continue
                 answer_of = functools.partial(_answer_of, call.call_id)
                 pending.add(ask.answer)  # cancelled, it is answered no more: it is skipped
-                ask.told = functools.partial(_answer_when_done, pending, answer, answer_of)
+                ask.told = functools.partial(
+                    _answer_when_done, pending, answer, answer_of, call.call_id
+                )
                 continue
             work = asyncio.ensure_future(self._control_call(call))
             pending.add(work)
             work.add_done_callback(
-                functools.partial(_answer_when_done, pending, answer, asyncio.Future.result)
+                functools.partial(
+                    _answer_when_done, pending, answer, asyncio.Future.result, call.call_id
+                )
             )
 
     # -- control frames (data plane) -------------------------------------------------------

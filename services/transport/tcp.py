@@ -259,6 +259,7 @@ class _Conn:
     lock: threading.Lock = field(default_factory=threading.Lock)
     tail: memoryview | None = None
     broken: bool = False  # a thread's send failed: the loop drops it
+    watch: asyncio.Future | None = None  # closes `sock` when asyncio closes its socket
 
     @property
     def stale(self) -> bool:
@@ -372,12 +373,25 @@ class TcpTransport(Transport):
         mac = self.auth.session(hello) if self.auth is not None else None
         dup = sock.dup() if sock is not None else None
         conn = self._conns[address] = _Conn(reader, writer, mac, asyncio.get_running_loop(), dup)
+        if dup is not None:  # closed with the asyncio socket: no FIN held back by the dup
+            conn.watch = asyncio.ensure_future(self._drop_when_lost(address, conn))
         return conn, True
 
-    def _drop(self, address: str) -> None:
-        conn = self._conns.pop(address, None)
-        if conn is not None:
-            conn.close()
+    async def _drop_when_lost(self, address: str, conn: _Conn) -> None:
+        with contextlib.suppress(Exception):
+            await conn.writer.wait_closed()
+        self._drop(address, conn)
+
+    def _drop(self, address: str, conn: _Conn | None = None) -> None:
+        """Close `conn` (by default the connection to `address`), and forget it if it is
+        still the one to `address` (not a fresh one that replaced it)."""
+        current = self._conns.get(address)
+        conn = conn or current
+        if conn is None:
+            return
+        if conn is current:
+            del self._conns[address]
+        conn.close()
 
     def post_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None
@@ -408,20 +422,30 @@ class TcpTransport(Transport):
         (its next `send_frame` opens a fresh one), and returns False."""
         conn = self._conns.get(address)
         lock = self._locks.get(address)
-        if conn is None or conn.sock is None or conn.stale or (lock is not None and lock.locked()):
+        if conn is not None and conn.stale:
+            conn.loop.call_soon_threadsafe(self._drop, address, conn)
             return False
-        frames = []
-        for group in batch.batches(parts):
-            header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
-            if payload is not None and payload.device.type != "cpu":
+        if conn is None or conn.sock is None or (lock is not None and lock.locked()):
+            return False
+        try:
+            frames = []
+            for group in batch.batches(parts):
+                header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
+                if payload is not None and payload.device.type != "cpu":
+                    return False
+                frames.append((header, payload, len(group)))
+            datas = [payload_bytes(p) for _, p, _ in frames]
+            if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
                 return False
-            frames.append((header, payload, len(group)))
-        datas = [payload_bytes(p) for _, p, _ in frames]
-        if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
+            hbs = [h.SerializeToString() for h, _, _ in frames]
+        except Exception:  # `send_many`, on the event loop, sends them or fails their requests
+            log.debug("tcp: a thread could not make frames for %s", address, exc_info=True)
             return False
-        hbs = [h.SerializeToString() for h, _, _ in frames]
         with conn.lock:
-            if conn.tail is not None or conn.stale or conn.writer.transport.get_write_buffer_size():
+            if conn.stale:
+                conn.loop.call_soon_threadsafe(self._drop, address, conn)
+                return False
+            if conn.tail is not None or conn.writer.transport.get_write_buffer_size():
                 return False
             joined = b"".join(b for hb, d in zip(hbs, datas, strict=True)
                               for b in _frame_writes(conn.mac, hb, d))  # fmt: skip
@@ -431,20 +455,22 @@ class TcpTransport(Transport):
                 sent = 0
             except OSError as e:
                 conn.broken = True  # its tags are spent: the loop reconnects
+                conn.loop.call_soon_threadsafe(self._drop, address, conn)
                 log.debug("tcp: a thread's send to %s failed: %s", address, e)
                 return False
             if sent < len(joined):
                 conn.tail = memoryview(joined)[sent:]
-                conn.loop.call_soon_threadsafe(self._flush, conn)
+                conn.loop.call_soon_threadsafe(self._flush, address, conn)
         for header, payload, n in frames:
             self._count(header, payload, n)
         return True
 
-    @staticmethod
-    def _flush(conn: _Conn) -> None:
+    def _flush(self, address: str, conn: _Conn) -> None:
         with conn.lock:
             if not conn.stale:
                 conn.flush()
+                return
+        self._drop(address, conn)
 
     async def send_frame(
         self, address: str, header: pb.FrameHeader, payload: Tensor | None = None

@@ -11,6 +11,7 @@ import torch
 from specpipe.common.perf.emulate import EmulatedCosts, Pacer
 from specpipe.common.runtime.loader import load_draft
 from specpipe.common.spec.messages import Activation
+from specpipe.services import draft_service
 from specpipe.services.control import rows_to_proto
 from specpipe.services.draft_service import DraftService
 from specpipe.v1 import dataplane_pb2 as pb
@@ -174,6 +175,56 @@ def test_a_batch_is_counted_once_and_its_waiting_rows_are_seen(llama_dir) -> Non
             assert draft._queued_rows() == 0
             after = [_count(c.collect()[0]) for c in counts]
             assert [x - y for x, y in zip(after, before, strict=True)] == [2, 2, 2]
+        finally:
+            await channel.close()
+            await draft.stop()
+
+    asyncio.run(main())
+
+
+def test_an_answer_that_fails_to_be_made_fails_its_call_alone(llama_dir, monkeypatch) -> None:
+    """A bug making one proposal's answer (here `_proposal`, made where the batch's
+    results are delivered) answers that call INTERNAL; the batch's other call is
+    answered and the draft serves on."""
+    prompts = {"a": [5, 9, 2, 7], "b": [3, 1, 4, 1, 5, 9]}
+    made = draft_service._proposal
+    calls_made: list[object] = []
+
+    def proposal(cand):
+        calls_made.append(cand)
+        if len(calls_made) == 1:
+            raise ValueError("a bug")
+        return made(cand)
+
+    monkeypatch.setattr(draft_service, "_proposal", proposal)
+
+    async def main() -> None:
+        draft = DraftService(llama_dir, dtype="float64")
+        port = await draft.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = draft_pb2_grpc.DraftStub(channel)
+        try:
+            for rid, p in prompts.items():
+                req = draft_pb2.OpenDraftRequest(request_id=rid, capacity=32, prompt_ids=p)
+                await stub.Open(req)
+            calls = [
+                draft_pb2.DraftCall(call_id=1, propose=_propose("a", 3, 7)),
+                draft_pb2.DraftCall(call_id=2, propose=_propose("b", 5, 9)),
+            ]
+            stream = stub.Control()
+            await stream.write(draft_pb2.DraftControl(calls=calls))
+            answers: dict[int, draft_pb2.DraftAnswer] = {}
+            while len(answers) < 2:
+                for answer in (await asyncio.wait_for(stream.read(), 10)).answers:
+                    answers[answer.call_id] = answer
+            await stream.done_writing()
+            assert answers[1].code == grpc.StatusCode.INTERNAL.value[0]
+            assert "a bug" in answers[1].message
+            assert answers[2].code == 0 and len(answers[2].proposal.token_ids) == 3
+            await stub.Open(draft_pb2.OpenDraftRequest(request_id="c", capacity=32,
+                                                       prompt_ids=[2, 7, 1, 8]))  # fmt: skip
+            again = await asyncio.wait_for(stub.Propose(_propose("c", 3, 8)), 10)
+            assert len(again.token_ids) == 3
         finally:
             await channel.close()
             await draft.stop()

@@ -50,6 +50,15 @@ def _frame(rid: str, hidden: torch.Tensor) -> Frame:
     return Frame(*encode(act, 0))
 
 
+async def _middle_stage_sending_to_a_receiver(llama_dir):
+    """A receiver's frames (a queue), the receiver, its address and a middle stage."""
+    got: asyncio.Queue = asyncio.Queue()
+    rx = make_transport("tcp", got.put_nowait)
+    hop = await rx.start()
+    model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
+    return got, rx, hop, StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+
+
 def test_hidden_states_are_checked_for_nan_on_the_compute_thread(llama_dir) -> None:
     """A frame of NaN hidden states is queued on arrival (the event loop reads no
     values); the round that takes it fails that request alone ("a bad frame") and
@@ -190,11 +199,7 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
     a posted round is undelivered the next is posted too. Every frame arrives, in order."""
 
     async def main() -> None:
-        got: asyncio.Queue = asyncio.Queue()
-        rx = make_transport("tcp", got.put_nowait)
-        hop = await rx.start()
-        model = load_stage(llama_dir, LayerRange(1, 3, 5), DTYPE)
-        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        got, rx, hop, svc = await _middle_stage_sending_to_a_receiver(llama_dir)
         rounds = svc.rounds
         t = torch.tensor
 
@@ -233,6 +238,52 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
             seqs = [(await asyncio.wait_for(got.get(), 10)).header.seq for _ in range(6)]
             assert seqs == list(range(6))
         finally:
+            await svc.stop()
+            await rx.close()
+
+    asyncio.run(main())
+
+
+def test_a_round_whose_frames_fail_to_be_made_fails_only_its_requests(llama_dir, monkeypatch):
+    """A bug making a round's frames on the compute thread (`_outgoing`) fails that
+    round's requests alone: the thread lives on and the next request is served."""
+
+    async def main() -> None:
+        got, rx, hop, svc = await _middle_stage_sending_to_a_receiver(llama_dir)
+        rounds = svc.rounds
+        made = rounds._outgoing
+        calls = []
+
+        def outgoing(work):
+            calls.append(work)
+            if len(calls) == 1:
+                raise ValueError("a bug")
+            return made(work)
+
+        monkeypatch.setattr(rounds, "_outgoing", outgoing)
+        computing = asyncio.create_task(rounds.run_forever())
+        t = torch.tensor
+        try:
+            for rid in ("a", "b"):
+                await svc.Open(stage_pb2.OpenStageRequest(
+                    request_id=rid, capacity=64, next_hop=hop), None)  # fmt: skip
+            hidden = torch.zeros(1, WIDTH, dtype=DTYPE)
+            root = Activation("a", t([0]), node_ids=t([0]), parent_ids=t([-1]), hidden=hidden)
+            svc._on_frame(Frame(*encode(root, 0)))
+            for _ in range(500):
+                if svc._requests["a"].closed:
+                    break
+                await asyncio.sleep(0.01)
+            assert svc._requests["a"].closed
+            root.request_id = "b"
+            svc._on_frame(Frame(*encode(root, 0)))
+            frame = await asyncio.wait_for(got.get(), 10)
+            assert frame.header.request_id == "b"
+            assert not computing.done() and not svc._requests["b"].closed
+        finally:
+            computing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await computing
             await svc.stop()
             await rx.close()
 

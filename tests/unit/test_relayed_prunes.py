@@ -317,3 +317,98 @@ def test_relayed_prunes_for_a_request_lost_here_tell_its_router(llama_dir) -> No
             await router.close()
 
     asyncio.run(main())
+
+
+def test_a_prune_to_apply_at_once_queues_no_wish_without_a_compute_thread(llama_dir) -> None:
+    """A relayed prune that asks to be applied at once (`prunes_now`) while no compute
+    thread runs (stopped) queues no wish for a round: none would take it."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 2)
+        rounds = svc.rounds
+        try:
+            await _prefilled(svc)
+            assert svc._take_prune(_relayed(1)) is None
+            for _ in range(3):
+                rounds.prune_arrived(svc._requests["a"], now=True)
+            assert rounds._prunes_wanted == []
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_relayed_prunes_riding_an_activation_keep_apply_at_once(llama_dir) -> None:
+    """Relayed prunes applied for room someone waits for (`relay_now`) tell the next
+    stage to apply them at once (`prunes_now`) on the request's activation frame too,
+    not only on a frame of prunes only."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 2)
+        try:
+            await _prefilled(svc)
+            assert svc._take_prune(_relayed(1)) is None
+            svc.rounds._prunes_wanted.append(lambda: None)  # an Open waits for room
+            svc._on_frame(_layer(2, 1))
+            ((_, (header, _)),) = _round(svc)
+            assert [p.seq for p in header.prunes] == [1] and not header.prunes_only
+            assert header.prunes_now
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_relayed_prunes_for_a_lost_request_tell_no_address_outside_the_peers(llama_dir) -> None:
+    """The NOT_FOUND answer to relayed prunes for a request not open here goes only to
+    a `reply_to` on this stage's peers (loopback by default): a frame naming another
+    host makes the stage send nothing."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        sent: list[str] = []
+        svc._send_later = lambda address, *_: sent.append(address)  # type: ignore[method-assign]
+        try:
+            await _prefilled(svc)
+            svc._drop("a")
+            for reply_to in ("tcp://10.20.30.40:9", "tcp://127.0.0.1:9"):
+                told = _prunes_only(1)
+                told.reply_to = reply_to
+                _arrive(svc, Frame(told, None))
+            assert sent == ["tcp://127.0.0.1:9"]  # the peer's only
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
+
+
+def test_an_open_gets_the_room_of_relayed_prunes_that_arrive_while_others_are_applied(
+    llama_dir,
+) -> None:
+    """A relayed prune that arrives while an Open (after the first stage, its pool
+    full) has the waiting prunes applied is applied next, without a wait for another
+    arrival: the Open gets the block it frees."""
+
+    async def main() -> None:
+        svc = _stage(llama_dir, 1, 3)
+        rounds = svc.rounds
+        applied = rounds.apply_prunes
+        arrivals = [_prunes_only(1)]
+
+        async def apply_prunes(timeout: float) -> None:
+            await applied(timeout)
+            if arrivals:  # relayed from upstream meanwhile
+                _arrive(svc, Frame(arrivals.pop(), None))
+
+        rounds.apply_prunes = apply_prunes  # type: ignore[method-assign]
+        try:
+            await _prefilled(svc)
+            pool = svc.runtime.pool
+            pool.max_blocks = pool.used_blocks
+            await svc.Open(stage_pb2.OpenStageRequest(
+                request_id="b", capacity=64, next_hop="tcp://127.0.0.1:9"), None)  # fmt: skip
+            assert "b" in svc._requests and svc._requests["a"].order.applied == 1
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())

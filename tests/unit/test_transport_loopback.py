@@ -314,8 +314,8 @@ def test_a_thread_sends_frames_in_order_among_the_loops(secure: bool, monkeypatc
 
     flushed = []
     flush = tcp.TcpTransport._flush
-    monkeypatch.setattr(tcp.TcpTransport, "_flush", staticmethod(
-        lambda conn: (flushed.append(1), flush(conn))))  # fmt: skip
+    monkeypatch.setattr(tcp.TcpTransport, "_flush",
+        lambda self, address, conn: (flushed.append(1), flush(self, address, conn)))  # fmt: skip
 
     async def main() -> None:
         import socket
@@ -356,6 +356,70 @@ def test_a_thread_sends_frames_in_order_among_the_loops(secure: bool, monkeypatc
         assert all(torch.equal(decode(g).hidden, a.hidden) for g, a in zip(got, acts, strict=True))
         assert flushed, "the small send buffer took all of 480 KB at once"
         assert (tx.frames_sent, tx.parts_sent) == (6, 7)  # send_frame's are not counted
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_a_dropped_connection_closes_the_threads_duplicate_of_its_socket() -> None:
+    """The duplicate socket `send_now` sends on is closed with its connection: where the
+    peer closed it and a thread's send finds it stale (the loop drops it then), and
+    where asyncio closes the connection's own socket (the duplicate would keep the
+    connection open: no FIN to the peer)."""
+
+    async def main() -> None:
+        rx = make_transport("tcp", lambda f: None)
+        tx = make_transport("tcp", lambda f: None)
+        addr = await rx.start()
+        frame = encode(_act("r", 2, 0), seq=0)
+        await tx.send_many(addr, [frame])
+        conn = tx._conns[addr]  # type: ignore[attr-defined]
+        await rx.close()  # the peer closes it
+        for _ in range(500):
+            if conn.stale:
+                break
+            await asyncio.sleep(0.01)
+        assert not await asyncio.to_thread(tx.send_now, addr, [frame])
+        for _ in range(500):
+            if conn.sock.fileno() == -1:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.sock.fileno() == -1 and addr not in tx._conns  # type: ignore[attr-defined]
+        rx = make_transport("tcp", lambda f: None)
+        addr = await rx.start()
+        await tx.send_many(addr, [frame])
+        conn = tx._conns[addr]  # type: ignore[attr-defined]
+        conn.writer.transport.abort()  # asyncio closes its socket (a reset, say)
+        for _ in range(500):
+            if conn.sock.fileno() == -1:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.sock.fileno() == -1 and addr not in tx._conns  # type: ignore[attr-defined]
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_a_thread_that_cannot_make_its_frames_leaves_them_to_the_loop(monkeypatch) -> None:
+    """`send_now` whose frames fail to be made (a batch that cannot be packed) sends
+    nothing and says so, instead of raising on the compute thread."""
+    from specpipe.services.transport import batch
+
+    async def main() -> None:
+        rx = make_transport("tcp", lambda f: None)
+        tx = make_transport("tcp", lambda f: None)
+        addr = await rx.start()
+        frames = [encode(_act("r", 2, i), seq=i) for i in range(2)]
+        await tx.send_many(addr, frames[:1])
+
+        def pack(*_):
+            raise ValueError("a bug")
+
+        monkeypatch.setattr(batch, "pack", pack)
+        assert not await asyncio.to_thread(tx.send_now, addr, frames)
+        assert tx.frames_sent == 1
         await tx.close()
         await rx.close()
 
