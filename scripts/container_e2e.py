@@ -74,10 +74,18 @@ def run(cmd: list[str], timeout: float = 600, check: bool = True) -> str:
     return res.stdout
 
 
+_handed_out: set[int] = set()  # the kernel may give a released port to the next bind
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free now that this script has not handed out before (pods share one host)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 # -- models ------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ no-draft request beside draft requests waits for their trees' draft forwards). S
 are therefore measured in phases (`Phase`): while one is calibrated or re-measured and
 requests are in flight, every request the tuner decides for gets it, and a finished
 request counts only when every request that ran beside it on this model version (tuned
-or not, any regime: `Overlaps`) had the same setting; else it is discarded as `mixed`.
+or not, any regime: `common/perf/overlaps.py`) had the same setting; else it is discarded as `mixed`.
 A calibration phase lasts until its setting has its calibration tokens (or is no longer
 a contender), a re-measure phase until one clean request of its setting finished; with
 nothing in flight the next decision may begin another (nothing to mix with). A phase
@@ -68,12 +68,17 @@ beside another: every one counts and
 the decisions are what they were without phases. The `model` price goes by tokens per
 step, which the batch does not change: a mixed request counts there. Pure state: the
 router feeds it decisions, which requests run together, and finished requests.
+
+One module: the search, its phases and the re-measures decide together over one state
+(what was measured, what is in flight, the phase that runs), and each rule reads the
+others' (a phase ends where the search drops its setting; a re-measure waits for no
+phase); which requests ran together is apart (`overlaps.py`).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..spec.options import Growth, TokenSource
@@ -240,42 +245,6 @@ class Phase:
         if self.kind == RE_MEASURING and self.clean:
             return False
         return self.decided_tokens < PHASE_BOUND * (self.in_flight + self.need)
-
-
-@dataclass
-class Overlaps:
-    """Which requests ran beside one of another setting (one model version's requests
-    share every forward): `begin` when a request is decided, `end` when it finished says
-    whether it was clean. A request is mixed once two settings are live together while
-    it is: then every live request is (any two settings live mark all: each live one
-    differs from one of them), so a count of such moments (`mixings`) decides in O(1)."""
-
-    live: dict[Hashable, int] = field(default_factory=dict)  # setting -> requests live
-    mixings: int = 0
-    tickets: dict[int, tuple[Hashable, int]] = field(default_factory=dict)
-    _next: int = 0
-
-    def begin(self, setting: Hashable) -> int:
-        """A request with `setting` starts; its ticket for `end`."""
-        if any(s != setting for s in self.live):
-            self.mixings += 1
-        self.live[setting] = self.live.get(setting, 0) + 1
-        ticket, self._next = self._next, self._next + 1
-        # a request that starts beside another setting is mixed from its start
-        self.tickets[ticket] = (setting, self.mixings - (len(self.live) > 1))
-        return ticket
-
-    def end(self, ticket: int) -> bool:
-        """The request ended: whether no other setting ran beside it."""
-        if ticket not in self.tickets:  # ended already
-            return False
-        setting, seen = self.tickets.pop(ticket)
-        left = self.live[setting] - 1
-        if left:
-            self.live[setting] = left
-        else:
-            del self.live[setting]
-        return seen == self.mixings
 
 
 @dataclass
@@ -540,7 +509,7 @@ class Tuner:
         """A request with `setting` ended; `steps` 0: it failed or ran with another
         setting than asked (a narrower width), so it says nothing about this one.
         `wall_seconds`: from its first token to its last; `clean`: no request of another
-        setting ran beside it (`Overlaps`), else its time says little about its own
+        setting ran beside it (`overlaps.Overlaps`), else its time says little about its own
         setting (the `wall` price discards it)."""
         left = self.pending.get(setting, 0) - expected_tokens
         if left > 0:

@@ -10,6 +10,11 @@ its calls as frames (`DraftStream`: the router's CPU per token 7-10% less than o
 stream, the draft's 4-9%), its stream open beside them for the same reason. A frame that
 cannot be delivered is a broken stream.
 
+One module: the stage's and the draft's streams share their life cycle (opened at the
+first message, broken as a fault that replays the requests attached), the turn's
+batching and the outcome of each item; the bytes of the frames are apart
+(`control_wire.py`).
+
 What the router's request drivers send a replica in one turn of the event loop leaves as
 one message on its stream (the requests whose verifications came in one frame feed and
 prune together), in the order they asked; the stream is opened at the first message and

@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
 from specpipe.common.perf.growth_choice import growth_for
+from specpipe.common.perf.overlaps import Overlaps
 from specpipe.common.perf.tuning import (
     DEFAULT_CALIBRATION_TOKENS,
     DEFAULT_EXPLORE_EVERY,
     DEFAULT_WINDOW_TOKENS,
     Decision,
     Measured,
-    Overlaps,
     Setting,
     Tuner,
     TuningSpace,

@@ -21,6 +21,11 @@ and a connection idle for `idle_seconds` is closed. Senders wait for the hello a
 connection the peer closed (it restarted, or closed it idle) before they write and open
 a new one, and retry a frame once on a fresh connection when a write on a cached one
 fails, so a peer's restart costs no request.
+
+One module: a connection's bytes leave from the event loop (buffered writes, reconnects)
+or from a stage's compute thread (`send_now`), and both keep one order under one lock
+over one state (the buffer, the secure tags' sequence, whether the connection is
+stale); split, each half would hold invariants only the other can keep.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
+from specpipe.common.perf.overlaps import Overlaps
 from specpipe.common.perf.tuning import (
     AUTO_WIDTHS,
     CALIBRATING,
     CALIBRATION_PHASES,
     NO_DRAFT,
     RE_MEASURING,
-    Overlaps,
     Setting,
     Tuner,
     TuningSpace,
