@@ -420,7 +420,10 @@ class RouterEngine:
                 finished.finish_reason = "stop"
             failed = False
             # measured before the client hears: its next request is decided after this
-            self.tuning.finish(tuned, driver.stats, driver.timing()[1])
+            try:
+                self.tuning.finish(tuned, driver.stats, driver.timing()[1])
+            except Exception:  # a bug in the tuner's accounting: not the request's failure
+                log.exception("tuning: a finished request's measurement failed")
             tuned = None
             yield gen.GenerateResponse(finished=finished)
         except DriverError as e:
@@ -476,21 +479,26 @@ class RouterEngine:
         metrics = self.metrics
         if metrics is not None:
             metrics.path_choice.observe(time.perf_counter() - t0)
-        controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
-        controller.resume(plan.resume)  # a resume: a replay at the client's tokens
-        driver = RequestDriver(
-            controller,
-            self.backends,
-            path,
-            self.transport.address,
-            self.inbox,
-            settings=self.driver_settings,
-            deadline=deadline,
-            lease=LeaseClaim(self.name, self.epoch, self.lease_token),
-            vocab_size=self.model.vocab_size if self.model else None,
-            on_replay=metrics.replayed if metrics is not None else None,
-            cache_scope=scope,
-        )
+        try:
+            controller = make_controller(plan.mode, rid, plan.prompt, plan.opts, len(path.stages))
+            controller.resume(plan.resume)  # a resume: a replay at the client's tokens
+            driver = RequestDriver(
+                controller,
+                self.backends,
+                path,
+                self.transport.address,
+                self.inbox,
+                settings=self.driver_settings,
+                deadline=deadline,
+                lease=LeaseClaim(self.name, self.epoch, self.lease_token),
+                vocab_size=self.model.vocab_size if self.model else None,
+                on_replay=metrics.replayed if metrics is not None else None,
+                cache_scope=scope,
+            )
+        except BaseException:  # its slot and its tuning ticket are not kept by a failure
+            self.admission.leave(rid)
+            self.tuning.finish(tuned, None)
+            raise
         if metrics is not None:
             driver.on_step_cpu = metrics.step_cpu.observe
             driver.on_opened = metrics.opened
