@@ -63,7 +63,11 @@ decoding, what the deployment without its draft serves. Re-measure phases are sp
 to take about one decision in `explore_every` (`explore_every` times the last one's
 decisions apart), and while requests are in flight they visit only settings measured
 before (a setting the search never tried slows every request beside it for a whole
-phase: those wait for a moment with nothing in flight). At one client no request runs
+phase: those wait for a moment with nothing in flight). A clean request (of any
+setting) clears the bounded phases' counts: what made clean requests rare (a request
+with fixed settings, live for a while) has gone, and the candidates it cut short are
+calibrated again, else one disturbance during calibration would leave them unmeasured
+for good. At one client no request runs
 beside another: every one counts and
 the decisions are what they were without phases. The `model` price goes by tokens per
 step, which the batch does not change: a mixed request counts there. Pure state: the
@@ -523,6 +527,8 @@ class Tuner:
             m.mixed += 1
             self.mixed += 1
             return
+        if clean:  # whatever disturbed the bounded phases has gone: calibrate again
+            self.bounded.clear()
         if self.phase is not None and self.phase.setting == setting:
             self.phase.clean += 1
         if m.tokens + tokens > self.window_tokens:  # fade: newer requests weigh more

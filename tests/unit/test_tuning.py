@@ -315,15 +315,17 @@ def serve_together(
     requests: int,
     draft_forward: float,
     bystander: Setting | None = None,
+    bystander_until: int | None = None,
 ) -> list:
     """`clients` closed-loop clients of 64-token requests sharing every step: a step
     costs 0.1 s plus the deepest live tree's draft forwards (`draft_forward` each), and
     each request gains its own tokens per step. `Overlaps` says which finished requests
-    are clean; `bystander`: a request with fixed settings running all along. The
-    decisions, in order."""
+    are clean; `bystander`: a request with fixed settings running all along (or until
+    `bystander_until` requests finished). The decisions, in order."""
     overlaps = Overlaps()
     if bystander is not None:
-        overlaps.begin(bystander)
+        bystander_ticket = overlaps.begin(bystander)
+    finished = 0
     live: list[list] = []  # setting, ticket, tokens, seconds, steps
     decisions = []
 
@@ -335,7 +337,7 @@ def serve_together(
     for _ in range(clients):
         start()
     while live:
-        running = [r[0] for r in live] + ([bystander] if bystander else [])
+        running = [r[0] for r in live] + [s for s in [bystander] if s is not None]
         depth = max((s.layers_per_step for s in running if s.uses_draft_model), default=0)
         step = 0.1 + draft_forward * depth
         for r in list(live):
@@ -343,6 +345,10 @@ def serve_together(
             if r[2] >= 64:
                 live.remove(r)
                 clean = overlaps.end(r[1])
+                finished += 1
+                if finished == bystander_until:
+                    overlaps.end(bystander_ticket)
+                    bystander = None
                 tuner.finish(r[0], 64, 64, r[4], 32, r[3] * 63 / 64, clean=clean)
                 if len(decisions) < requests:
                     start()
@@ -406,6 +412,17 @@ def test_phases_end_where_clean_requests_never_come() -> None:
     chosen = [d for d in decisions[-100:] if not d.exploring]
     assert len(chosen) >= 80 and all(d.setting == Setting.no_draft() for d in chosen)
     assert "nothing measured clean" in chosen[-1].reason and tuner.mixed > 0
+
+
+def test_calibration_resumes_once_a_disturbance_has_gone() -> None:
+    """A request with fixed settings runs beside the first 200: every phase is cut
+    short; once it has gone, clean requests come again and calibration resumes, so the
+    draft that pays wins (not no draft, chosen while nothing was measured clean)."""
+    tuner = Tuner(None, calibration_tokens=64)
+    fixed = Setting(4, 1, TokenSource.NGRAM)
+    decisions = serve_together(tuner, ONE_STAGE, 4, 1500, 0.005, fixed, bystander_until=200)
+    chosen = [d.setting for d in decisions[-300:] if not d.exploring]
+    assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
 
 
 def _calibration(tuner: Tuner, space: TuningSpace, wall_per_token) -> list[Setting]:
