@@ -46,9 +46,15 @@ follows the traffic.
 request's time between tokens measures the batch it ran in, not its own setting (a
 no-draft request beside draft requests waits for their trees' draft forwards). Settings
 are therefore measured in phases (`Phase`): while one is calibrated or re-measured and
-requests are in flight, every request the tuner decides for gets it, and a finished
+requests of the model version are in flight (any regime, tuned or not: `Shared`'s
+`Overlaps`), every tuned request of the version gets it, and a finished
 request counts only when every request that ran beside it on this model version (tuned
 or not, any regime: `common/perf/overlaps.py`) had the same setting; else it is discarded as `mixed`.
+One phase per model version: its regimes' tuners (greedy, sampling) share it (`Shared`),
+since tokens do not depend on the setting in any regime; a tuner that decides while
+another's phase runs gives its setting (`_follow`) and measures it for itself, and the
+phase's rules (its end, its bound, the bounded count) are those of the tuner that began
+it (phases of their own would run side by side and mix each other's requests).
 A calibration phase lasts until its setting has its calibration tokens (or is no longer
 a contender), a re-measure phase until one clean request of its setting finished; with
 nothing in flight the next decision may begin another (nothing to mix with). A phase
@@ -63,7 +69,11 @@ decoding, what the deployment without its draft serves. Re-measure phases are sp
 to take about one decision in `explore_every` (`explore_every` times the last one's
 decisions apart), and while requests are in flight they visit only settings measured
 before (a setting the search never tried slows every request beside it for a whole
-phase: those wait for a moment with nothing in flight). At one client no request runs
+phase: those wait for a moment with nothing in flight). A clean request (of any
+setting) clears the bounded phases' counts: what made clean requests rare (a request
+with fixed settings, live for a while) has gone, and the candidates it cut short are
+calibrated again, else one disturbance during calibration would leave them unmeasured
+for good. At one client no request runs
 beside another: every one counts and
 the decisions are what they were without phases. The `model` price goes by tokens per
 step, which the batch does not change: a mixed request counts there. Pure state: the
@@ -84,6 +94,7 @@ from dataclasses import dataclass, field
 from ..spec.options import Growth, TokenSource
 from .cost_model import DeploymentCosts
 from .layers_per_step import step_seconds
+from .overlaps import Overlaps
 
 AUTO_WIDTHS = (2, 4, 8, 16)
 AUTO_LAYERS = (1, 2, 3)
@@ -238,13 +249,25 @@ class Phase:
     in_flight: int = 0  # the most tokens in flight at its decisions (before each)
     decided_tokens: int = 0
     decisions: int = 0
-    clean: int = 0  # clean requests of its setting finished while it ran
+    clean: int = 0  # clean requests of its setting finished while it ran (its owner's)
+    owner: Tuner | None = field(default=None, repr=False, compare=False)  # who began it
 
     def holds(self) -> bool:
         """Whether its bound (and for a re-measure, a clean request) has not ended it."""
         if self.kind == RE_MEASURING and self.clean:
             return False
         return self.decided_tokens < PHASE_BOUND * (self.in_flight + self.need)
+
+
+@dataclass
+class Shared:
+    """What the tuners of one model version (one per regime) share: its requests live
+    (`Overlaps`, tuned or not), the tokens its tuned requests asked for in flight, and the
+    phase that runs (every tuned request of the version gets its setting)."""
+
+    overlaps: Overlaps = field(default_factory=Overlaps)
+    pending: int = 0
+    phase: Phase | None = None
 
 
 @dataclass
@@ -262,10 +285,24 @@ class Tuner:
     decisions: int = 0
     space: TuningSpace | None = None  # the last request's candidates
     searched: set[Setting] = field(default_factory=set)  # ever in calibration's search
-    phase: Phase | None = None  # the setting measured now (None: the choice serves)
     bounded: dict[Setting, int] = field(default_factory=dict)  # calibration phases cut short
     last_re_measure: tuple[int, int] = (0, 1)  # its first decision, its decisions
     mixed: int = 0  # finished requests discarded as mixed
+    shared: Shared = field(default_factory=Shared)  # with the version's other tuners
+
+    @property
+    def phase(self) -> Phase | None:
+        """The setting measured now on this model version (None: the choices serve)."""
+        return self.shared.phase
+
+    @phase.setter
+    def phase(self, p: Phase | None) -> None:
+        self.shared.phase = p
+
+    def _busy(self) -> bool:
+        """Whether requests of this model version are in flight (any regime, tuned or
+        not): a phase begun now would run beside them."""
+        return self.shared.pending > 0 or bool(self.shared.overlaps.live)
 
     def __post_init__(self) -> None:
         if self.calibration_tokens < 1 or self.explore_every < 1 or self.window_tokens < 1:
@@ -304,32 +341,46 @@ class Tuner:
         self.decisions += 1
         p = self.phase
         if p is not None and not p.holds():  # its bound, or a re-measure's clean request
-            if p.kind == CALIBRATING:
-                self.bounded[p.setting] = self.bounded.get(p.setting, 0) + 1
+            if p.kind == CALIBRATING and p.owner is not None:
+                p.owner.bounded[p.setting] = p.owner.bounded.get(p.setting, 0) + 1
             self.phase = None
-        decision = self._calibrate(candidates) or self._refresh(candidates)
-        decision = decision or self._best(candidates)
+        decision = self._follow(candidates) or self._calibrate(candidates)
+        decision = decision or self._refresh(candidates) or self._best(candidates)
         self._enter(decision, expected_tokens)
         self.pending[decision.setting] = self.pending.get(decision.setting, 0) + expected_tokens
+        self.shared.pending += expected_tokens
         self.space = space
         return decision
 
     def _enter(self, d: Decision, expected_tokens: int) -> None:
-        """Go on with the phase `d` belongs to, or begin it (none for the choice)."""
-        if not d.phase:
-            self.phase = None
-            return
+        """Go on with the phase `d` belongs to (its own, or another regime's it follows),
+        or begin it (none for the choice: that ends only this tuner's phase)."""
         p = self.phase
-        if p is None or p.setting != d.setting or p.kind != d.phase:
+        if not d.phase:
+            if p is not None and p.owner is self:
+                self.phase = None
+            return
+        mine = p is not None and (p.owner is self or self._busy())
+        if p is None or p.setting != d.setting or p.kind != d.phase or not mine:
             need = expected_tokens
             if d.phase == CALIBRATING:
                 need = max(need, self.calibration_tokens - round(self._tokens(d.setting)))
-            p = self.phase = Phase(d.setting, d.phase, need, self.decisions)
-        p.in_flight = max(p.in_flight, sum(self.pending.values()))
+            p = self.phase = Phase(d.setting, d.phase, need, self.decisions, owner=self)
+        p.in_flight = max(p.in_flight, self.shared.pending)
         p.decided_tokens += expected_tokens
         p.decisions += 1
-        if p.kind == RE_MEASURING:
+        if p.kind == RE_MEASURING and p.owner is self:
             self.last_re_measure = (p.began, p.decisions)
+
+    def _follow(self, candidates: list[Setting]) -> Decision | None:
+        """Another regime's phase on this model version while requests are in flight:
+        its setting (tokens do not depend on it, and this tuner measures it too), else
+        they would mix."""
+        p = self.phase
+        if p is None or p.owner is self or not self._busy() or p.setting not in candidates:
+            return None
+        reason = f"{p.kind} {p.setting.label()} (another regime's phase on this model)"
+        return Decision(p.setting, reason, exploring=True, phase=p.kind)
 
     def _tokens(self, s: Setting) -> float:
         m = self.measured.get(s)
@@ -399,8 +450,8 @@ class Tuner:
         while any is short of calibration tokens (clean ones: see the module docstring)
         and has bounded phases left."""
         p = self.phase
-        busy = any(self.pending.values())
-        going_on = p.setting if busy and p and p.kind == CALIBRATING and p.holds() else None
+        ours = p is not None and p.owner is self and p.kind == CALIBRATING and p.holds()
+        going_on = p.setting if ours and self._busy() else None
 
         def left(s: Setting) -> bool:
             if self._tokens(s) >= self.calibration_tokens:
@@ -432,7 +483,13 @@ class Tuner:
         the candidate seen least recently (one far behind may have caught up since).
         With requests in flight, only settings measured before."""
         p = self.phase
-        if p and p.kind == RE_MEASURING and p.holds() and p.setting in candidates:
+        if (
+            p
+            and p.owner is self
+            and p.kind == RE_MEASURING
+            and p.holds()
+            and p.setting in candidates
+        ):
             return Decision(p.setting, self._re_measuring(p.setting), True, RE_MEASURING)
         if len(candidates) < 2 or self.decisions % self.explore_every:
             return None
@@ -441,7 +498,7 @@ class Tuner:
             return None
         if (self.decisions // self.explore_every) % FAR_REFRESH:
             candidates = self._contenders(candidates)
-        if any(self.pending.values()):  # a phase slows every request beside it: only
+        if self._busy():  # a phase slows every request beside it: only
             # settings measured before (never measured ones wait for a quiet moment)
             candidates = [s for s in candidates if self.cost_per_token(s) is not None]
             if not candidates:
@@ -511,7 +568,9 @@ class Tuner:
         `wall_seconds`: from its first token to its last; `clean`: no request of another
         setting ran beside it (`overlaps.Overlaps`), else its time says little about its own
         setting (the `wall` price discards it)."""
-        left = self.pending.get(setting, 0) - expected_tokens
+        had = self.pending.get(setting, 0)
+        self.shared.pending -= min(had, expected_tokens)
+        left = had - expected_tokens
         if left > 0:
             self.pending[setting] = left
         else:
@@ -523,8 +582,11 @@ class Tuner:
             m.mixed += 1
             self.mixed += 1
             return
-        if self.phase is not None and self.phase.setting == setting:
-            self.phase.clean += 1
+        if clean:  # whatever disturbed the bounded phases has gone: calibrate again
+            self.bounded.clear()
+        p = self.phase
+        if p is not None and p.owner is self and p.setting == setting:
+            p.clean += 1
         if m.tokens + tokens > self.window_tokens:  # fade: newer requests weigh more
             for name in ("requests", "tokens", "steps", "hits", "wall_seconds", "intervals"):
                 setattr(m, name, getattr(m, name) / 2)

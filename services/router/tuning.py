@@ -1,11 +1,13 @@
 """The router's `auto` settings: width, layers per step and token source of specpipe
 requests that leave them to the router (`common/perf/tuning.py` decides; not using the
 draft, a `pp` request, is a candidate), and their growth (`common/perf/growth_choice.py`). One tuner per
-model version and decoding regime; it goes by the time between tokens this router
+model version and decoding regime, and one phase per model version that its tuners share
+(`Shared`: every tuned request of the version gets the setting measured now, whatever its
+regime, since tokens do not depend on it; each regime's tuner measures it); it goes by the time between tokens this router
 measured per setting, or (`price="model"`) by the cost curves the stages and the draft
 publish in Describe (`--measure-costs`). The choice and its reason are logged when they
 change and shown in the router's Describe. Every request of a model version, tuned or
-not, is tracked while it runs (`Overlaps`): a tuned request that ran beside one of
+not, is tracked while it runs (`Overlaps`, in `Shared`): a tuned request that ran beside one of
 another setting measured the batch, not its setting, and the tuner discards it."""
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from dataclasses import dataclass, replace
 
 from specpipe.common.perf.cost_model import CostCurve, DeploymentCosts
 from specpipe.common.perf.growth_choice import growth_for
-from specpipe.common.perf.overlaps import Overlaps
 from specpipe.common.perf.tuning import (
     DEFAULT_CALIBRATION_TOKENS,
     DEFAULT_EXPLORE_EVERY,
@@ -24,6 +25,7 @@ from specpipe.common.perf.tuning import (
     Decision,
     Measured,
     Setting,
+    Shared,
     Tuner,
     TuningSpace,
 )
@@ -101,7 +103,7 @@ class RouterTuning:
         self.price = price
         self._tuner()  # checks the values
         self.tuners: dict[tuple[str, str], Tuner] = {}
-        self.overlaps: dict[str, Overlaps] = {}  # per model version
+        self.versions: dict[str, Shared] = {}  # per model version: requests live, phase
         self._told: dict[tuple[str, str], Setting] = {}  # the last choice logged
 
     @classmethod
@@ -127,7 +129,7 @@ class RouterTuning:
         decision = None
         if mode == Mode.SPECPIPE and space is not None:
             mode, opts, decision = self._resolve(mode, opts, space, backends, version)
-        ticket = self.overlaps.setdefault(version, Overlaps()).begin(running(mode, opts))
+        ticket = self._shared(version).overlaps.begin(running(mode, opts))
         return mode, opts, Tuned((version, regime_of(opts)), decision, opts.max_new_tokens, ticket)
 
     def _resolve(
@@ -144,7 +146,7 @@ class RouterTuning:
         key = (version, regime_of(opts))
         tuner = self.tuners.get(key)
         if tuner is None:
-            tuner = self.tuners[key] = self._tuner()
+            tuner = self.tuners[key] = self._tuner(self._shared(version))
         tuner.costs = costs  # replicas come and go
         d = tuner.decide(space, opts.max_new_tokens)
         s = d.setting
@@ -168,10 +170,18 @@ class RouterTuning:
         growth = growth_for(costs, opts.layers_per_step, opts.width, opts.token_source.uses_model)
         return replace(opts, growth=growth)
 
-    def _tuner(self) -> Tuner:
+    def _tuner(self, shared: Shared | None = None) -> Tuner:
         return Tuner(
-            None, self.calibration_tokens, self.explore_every, self.window_tokens, self.price
+            None,
+            self.calibration_tokens,
+            self.explore_every,
+            self.window_tokens,
+            self.price,
+            shared=shared or Shared(),
         )
+
+    def _shared(self, version: str) -> Shared:
+        return self.versions.setdefault(version, Shared())
 
     def finish(self, tuned: Tuned | None, stats: DecodeStats | None, tbt_ms: float = 0.0) -> None:
         """A tuned request ended: `stats` None when it failed; `tbt_ms` its mean time
@@ -180,8 +190,8 @@ class RouterTuning:
         that ran beside another setting is mixed (`Overlaps`)."""
         if tuned is None:
             return
-        overlaps = self.overlaps.get(tuned.key[0])
-        clean = overlaps is not None and overlaps.end(tuned.ticket)
+        shared = self.versions.get(tuned.key[0])
+        clean = shared is not None and shared.overlaps.end(tuned.ticket)
         tuner = self.tuners.get(tuned.key)
         if tuner is None or tuned.decision is None:
             return

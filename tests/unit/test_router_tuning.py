@@ -6,10 +6,12 @@ fixed) is not measured."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from specpipe.common.perf.tuning import Setting, TuningSpace
 from specpipe.common.spec.options import DecodeOptions, Growth, Mode
+from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.stats import DecodeStats
 from specpipe.services.router.backends import ModelInfo
 from specpipe.services.router.tuning import RouterTuning
@@ -102,4 +104,26 @@ def test_a_tuned_request_beside_a_fixed_one_is_not_measured() -> None:
     arms = {(a.width, a.layers_per_step, a.token_source): a for a in tuning.describe()[0].arms}
     s = tuned.decision.setting
     assert arms[(s.width, s.layers_per_step, str(s.token_source))].mixed_requests == 1
-    assert not tuning.overlaps["v1"].live  # every request ended
+    assert not tuning.versions["v1"].overlaps.live  # every request ended
+
+
+def test_greedy_and_sampling_requests_share_the_phase_of_their_model_version() -> None:
+    """Tokens do not depend on the setting in any regime: a sampling request decided
+    while a greedy one of the phase runs gets its setting, and both are measured clean,
+    each by its regime's tuner."""
+    tuning = RouterTuning(calibration_tokens=16)
+    auto, b = space(), backends(0.1, 0.01)
+    sampling = replace(OPTS, sampling=SamplingParams(temperature=0.8))
+    _, _, first = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    tuning.finish(first, finished(first), tbt_ms=10.0)  # greedy has measured no draft
+    _, _, greedy = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    s = greedy.decision.setting
+    assert s.uses_tree  # the greedy tuner's next phase, in flight
+    mode, _, other = tuning.resolve(Mode.SPECPIPE, sampling, auto, b, "v1")
+    assert other.key == ("v1", "sampling") and other.decision.setting == s
+    assert mode == Mode.SPECPIPE and other.decision.exploring
+    tuning.finish(other, finished(other), tbt_ms=10.0)
+    tuning.finish(greedy, finished(greedy), tbt_ms=10.0)
+    for key in (("v1", "greedy"), ("v1", "sampling")):
+        tuner = tuning.tuners[key]
+        assert tuner.measured[s].requests == 1 and tuner.mixed == 0

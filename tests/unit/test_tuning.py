@@ -16,6 +16,7 @@ from specpipe.common.perf.tuning import (
     NO_DRAFT,
     RE_MEASURING,
     Setting,
+    Shared,
     Tuner,
     TuningSpace,
 )
@@ -309,33 +310,39 @@ def tokens_per_step(s: Setting) -> float:
 
 
 def serve_together(
-    tuner: Tuner,
+    tuner: Tuner | list[Tuner],
     space: TuningSpace,
     clients: int,
     requests: int,
     draft_forward: float,
     bystander: Setting | None = None,
+    bystander_until: int | None = None,
 ) -> list:
     """`clients` closed-loop clients of 64-token requests sharing every step: a step
     costs 0.1 s plus the deepest live tree's draft forwards (`draft_forward` each), and
     each request gains its own tokens per step. `Overlaps` says which finished requests
-    are clean; `bystander`: a request with fixed settings running all along. The
-    decisions, in order."""
-    overlaps = Overlaps()
+    are clean; `bystander`: a request with fixed settings running all along (or until
+    `bystander_until` requests finished). Several tuners (one model version's regimes,
+    sharing one `Shared`): client c asks tuner c mod their number. The decisions, in
+    order."""
+    tuners = tuner if isinstance(tuner, list) else [tuner]
+    overlaps = tuners[0].shared.overlaps  # as the router's: the tuners see what is live
     if bystander is not None:
-        overlaps.begin(bystander)
-    live: list[list] = []  # setting, ticket, tokens, seconds, steps
+        bystander_ticket = overlaps.begin(bystander)
+    finished = 0
+    live: list[list] = []  # setting, ticket, tokens, seconds, steps, its tuner
     decisions = []
 
-    def start() -> None:
-        d = tuner.decide(space, 64)
+    def start(client: int) -> None:
+        t = tuners[client % len(tuners)]
+        d = t.decide(space, 64)
         decisions.append(d)
-        live.append([d.setting, overlaps.begin(d.setting), 0.0, 0.0, 0])
+        live.append([d.setting, overlaps.begin(d.setting), 0.0, 0.0, 0, t, client])
 
-    for _ in range(clients):
-        start()
+    for client in range(clients):
+        start(client)
     while live:
-        running = [r[0] for r in live] + ([bystander] if bystander else [])
+        running = [r[0] for r in live] + [s for s in [bystander] if s is not None]
         depth = max((s.layers_per_step for s in running if s.uses_draft_model), default=0)
         step = 0.1 + draft_forward * depth
         for r in list(live):
@@ -343,9 +350,13 @@ def serve_together(
             if r[2] >= 64:
                 live.remove(r)
                 clean = overlaps.end(r[1])
-                tuner.finish(r[0], 64, 64, r[4], 32, r[3] * 63 / 64, clean=clean)
+                finished += 1
+                if finished == bystander_until:
+                    overlaps.end(bystander_ticket)
+                    bystander = None
+                r[5].finish(r[0], 64, 64, r[4], 32, r[3] * 63 / 64, clean=clean)
                 if len(decisions) < requests:
-                    start()
+                    start(r[6])
     return decisions
 
 
@@ -406,6 +417,34 @@ def test_phases_end_where_clean_requests_never_come() -> None:
     chosen = [d for d in decisions[-100:] if not d.exploring]
     assert len(chosen) >= 80 and all(d.setting == Setting.no_draft() for d in chosen)
     assert "nothing measured clean" in chosen[-1].reason and tuner.mixed > 0
+
+
+def test_calibration_resumes_once_a_disturbance_has_gone() -> None:
+    """A request with fixed settings runs beside the first 200: every phase is cut
+    short; once it has gone, clean requests come again and calibration resumes, so the
+    draft that pays wins (not no draft, chosen while nothing was measured clean)."""
+    tuner = Tuner(None, calibration_tokens=64)
+    fixed = Setting(4, 1, TokenSource.NGRAM)
+    decisions = serve_together(tuner, ONE_STAGE, 4, 1500, 0.005, fixed, bystander_until=200)
+    chosen = [d.setting for d in decisions[-300:] if not d.exploring]
+    assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
+
+
+def test_the_regimes_of_one_model_version_share_its_phases() -> None:
+    """Greedy and sampling requests at once (2 clients each): every tuned request of the
+    model version gets the setting one phase measures, whatever its regime, and each
+    regime's tuner measures it (phases of their own would mix each other's requests,
+    and both would end on no draft, measured clean or not at all)."""
+    shared = Shared()
+    tuners = [Tuner(None, calibration_tokens=64, shared=shared) for _ in range(2)]
+    decisions = serve_together(tuners, ONE_STAGE, 4, 600, draft_forward=0.005)
+    chosen = [d.setting for d in decisions[-200:] if not d.exploring]
+    assert chosen and all(s.uses_draft_model and s.layers_per_step == 4 for s in chosen)
+    for tuner in tuners:
+        now = tuner.outlook()
+        assert now is not None and not now.exploring and now.setting in chosen
+        assert sum(1 for m in tuner.measured.values() if m.requests) >= 4
+    assert not shared.overlaps.live and shared.pending == 0
 
 
 def _calibration(tuner: Tuner, space: TuningSpace, wall_per_token) -> list[Setting]:
