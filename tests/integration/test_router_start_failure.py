@@ -39,7 +39,10 @@ def test_a_request_failing_after_admission_leaves_no_slot_and_no_ticket(
             with pytest.raises(RuntimeError, match="cannot be made"):
                 [r async for r in engine.generate(_request("specpipe", 0.0, 0))]
             assert not engine.admission.scheduler.running
-            assert all(not o.live and not o.tickets for o in engine.tuning.overlaps.values())
+            assert all(
+                not o.live and not o.tickets
+                for o in (v.overlaps for v in engine.tuning.versions.values())
+            )
             got = _tokens([r async for r in engine.generate(_request("specpipe", 0.0, 0))])
             assert len(got) == 16
             assert not engine.admission.scheduler.running
