@@ -774,18 +774,11 @@ class ComputeRounds:
         await asyncio.gather(*(self._send_hop(hop, items) for hop, items in by_hop.items()))
 
     def _frames_of(
-        self, w: Work, failures: list[tuple[StageRequest, str]] | None = None
+        self, w: Work, failures: list[tuple[StageRequest, str]]
     ) -> list[tuple[str, tuple]]:
         """(next hop, (header, payload)) of a request's outputs this round, in order; a
-        request that fails instead goes to `failures`, with why (None: failed here, on
-        the event loop)."""
-        if failures is None:
-            failures = []
-            try:
-                return self._frames_of(w, failures)
-            finally:
-                for st, message in failures:
-                    self.stage.fail(st, message)
+        request that fails instead goes to `failures`, with why (the event loop fails
+        it: `_send`)."""
         st, name = w.st, self.stage.name
         if st.closed:
             return []

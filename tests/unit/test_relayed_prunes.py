@@ -56,7 +56,10 @@ def _round(svc: StageService, turns: bool = True) -> list[tuple[str, tuple]]:
     (work,) = svc.rounds._collect(turns=turns)
     svc.rounds.compute([work])
     assert work.error is None
-    return svc.rounds._frames_of(work)
+    failures: list = []
+    frames = svc.rounds._frames_of(work, failures)
+    assert failures == []
+    return frames
 
 
 def _rows(svc: StageService) -> int:
@@ -127,7 +130,7 @@ def test_a_relayed_prune_with_no_frame_to_its_hop_goes_on_a_frame_of_its_own(lla
             assert third._take_prune(_prune(1)) is None
             (work,) = third.rounds._collect(turns=False)
             third.rounds.compute([work])
-            assert work.relayed == [] and third.rounds._frames_of(work) == []
+            assert work.relayed == [] and third.rounds._frames_of(work, []) == []
             await third.stop()
         finally:
             for svc in (first, second):
