@@ -240,10 +240,9 @@ class Transport(ABC):
     async def send_many(self, address: str, parts: list[batch.Part], sender: str = "") -> None:
         """Frames of several requests to one address, as few batch frames as they fit
         (`batch.batches`); in order, like `send_frame` calls one after another."""
-        for group in batch.batches(parts):
-            header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
+        for (header, payload), n in batch.frames(parts, sender):
             await self.send_frame(address, header, payload)
-            self._count(header, payload, len(group))
+            self._count(header, payload, n)
 
     def send_now(self, address: str, parts: list[batch.Part], sender: str = "") -> bool:
         """From any thread: `parts` sent as `send_many` would, at once and without the

@@ -66,6 +66,13 @@ def batches(parts: list[Part]) -> Iterator[list[Part]]:
         yield group
 
 
+def frames(parts: list[Part], sender: str = "") -> Iterator[tuple[Part, int]]:
+    """The frames `parts` go in, in order (`batches`: a run of one alone, longer runs
+    `pack`ed), each with the number of parts it holds."""
+    for group in batches(parts):
+        yield (group[0] if len(group) == 1 else pack(group, sender)), len(group)
+
+
 def pack(parts: list[Part], sender: str = "") -> Part:
     """One batch frame of `parts` (a run from `batches`)."""
     outer = pb.FrameHeader(kind=Kind.PAYLOAD_KIND_BATCH, sender=sender)

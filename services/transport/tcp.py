@@ -434,11 +434,10 @@ class TcpTransport(Transport):
             return False
         try:
             frames = []
-            for group in batch.batches(parts):
-                header, payload = group[0] if len(group) == 1 else batch.pack(group, sender)
+            for (header, payload), n in batch.frames(parts, sender):
                 if payload is not None and payload.device.type != "cpu":
                     return False
-                frames.append((header, payload, len(group)))
+                frames.append((header, payload, n))
             datas = [payload_bytes(p) for _, p, _ in frames]
             if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
                 return False
