@@ -32,6 +32,13 @@ change that makes fewer calls per step, not just shorter ones, shows here.
 commands each produced, saved; then replayed on this checkout's controllers, every
 command compared (fails at the first that differs): two versions of the controller
 decide exactly the same on the same events (`--sampling seeded` adds misses).
+
+Replays (timed, and `--check-events`) hand each draft answer to the controller as the
+checkout's network executor makes it from the draft's message (`answer_candidates`:
+numpy arrays since session 45, tensors before), the conversion timed with the handler:
+the router's work per answer either way. Commands are compared as an in-process
+executor reads them (`plain`), so the checkouts before and after session 45 (whose
+commands carry numpy arrays with torch views) compare equal when they decide the same.
 """
 
 from __future__ import annotations
@@ -64,6 +71,19 @@ from specpipe.common.spec.options import DecodeOptions  # noqa: E402
 from specpipe.common.spec.sampling import SamplingParams  # noqa: E402
 from specpipe.common.spec.specinfer import SpecInferController  # noqa: E402
 from specpipe.common.spec.specpipe import SpecPipeController  # noqa: E402
+from specpipe.v1 import draft_pb2  # noqa: E402
+
+try:  # the checkout's network executor's reading of a draft answer
+    from specpipe.services.router.executor import answer_candidates
+except ImportError:  # before session 45: tensors, made inline in the executor
+    from specpipe.common.spec.messages import Candidates
+    from specpipe.services.control import tensor_of
+
+    def answer_candidates(resp: draft_pb2.ProposeResponse) -> Candidates:
+        return Candidates(
+            tensor_of(resp.parent_ids), tensor_of(resp.token_ids), tensor_of(resp.probs, np.float32)
+        )
+
 
 HANDLERS = ("start", "on_verified", "on_candidates")
 Event = tuple[str, str, tuple]  # (request id, handler, its arguments)
@@ -121,19 +141,20 @@ def replay_cpu(
     `cold`: the caches are evicted before each event (untimed; each event timed alone)."""
     best, stats = None, None
     junk = np.ones(COLD_BYTES // 8) if cold else None
+    events = as_sent(events)
     for _ in range(repeats):
         ctrls = {rid: make() for rid, make in made.items()}
         if junk is None:
             t0 = time.thread_time()
             for rid, name, args in events:
-                getattr(ctrls[rid], name)(*args)
+                handle(ctrls[rid], name, args)
             cpu = time.thread_time() - t0
         else:
             cpu = 0.0
             for rid, name, args in events:
                 junk.sum()  # what the other processes' 20 ms leave in the caches
                 t0 = time.thread_time()
-                getattr(ctrls[rid], name)(*args)
+                handle(ctrls[rid], name, args)
                 cpu += time.thread_time() - t0
         best = cpu if best is None else min(best, cpu)
         now = {rid: str(c.stats) for rid, c in ctrls.items()}
@@ -144,6 +165,30 @@ def replay_cpu(
     return best or 0.0, verifications
 
 
+def as_sent(events: list[Event]) -> list[Event]:
+    """The events with each draft answer as its message (`draft_pb2.ProposeResponse`),
+    as the draft sends it to a router."""
+    sent = []
+    for rid, name, args in events:
+        if name == "on_candidates":
+            ticket, cand = args
+            resp = draft_pb2.ProposeResponse(
+                parent_ids=cand.parent_ids.tolist(),
+                token_ids=cand.tokens.tolist(),
+                probs=cand.probs.tolist(),
+            )
+            args = (ticket, resp)
+        sent.append((rid, name, args))
+    return sent
+
+
+def handle(ctrl: Controller, name: str, args: tuple) -> list:
+    """One event on `ctrl`: a draft answer read as the checkout's router reads it."""
+    if name == "on_candidates":
+        return ctrl.on_candidates(args[0], answer_candidates(args[1]))
+    return getattr(ctrl, name)(*args)
+
+
 def _proxy(d: dict) -> types.MappingProxyType:
     return types.MappingProxyType(d)
 
@@ -152,15 +197,27 @@ def _proxy(d: dict) -> types.MappingProxyType:
 copyreg.pickle(types.MappingProxyType, lambda m: (_proxy, (dict(m),)))
 
 
+# Commands' numpy fields (session 45) by the tensor views an in-process executor reads,
+# the fields of the same names before
+VIEWS = {
+    ("Feed", "rows"): "act",
+    ("Propose", "rows"): "layer",
+    ("BroadcastPrune", "ids"): "prune",
+    ("DraftPrune", "ids"): "prune",
+}
+
+
 def plain(x: object) -> object:
     """A command (or anything in one) as plain values: tensors and arrays as lists with
-    their dtype, dataclasses as their fields."""
+    their dtype (numpy's name), dataclasses as their fields (`VIEWS`)."""
     if isinstance(x, torch.Tensor | np.ndarray):
-        return (str(x.dtype), x.tolist())
+        return (str(x.dtype).removeprefix("torch."), x.tolist())
     if isinstance(x, list | tuple):
         return [plain(y) for y in x]
     if hasattr(x, "__dataclass_fields__"):
-        return (type(x).__name__, {k: plain(getattr(x, k)) for k in x.__dataclass_fields__})
+        name = type(x).__name__
+        keys = [VIEWS.get((name, k), k) for k in x.__dataclass_fields__]
+        return (name, {k: plain(getattr(x, k)) for k in keys})
     return x
 
 
@@ -168,7 +225,7 @@ def replay_commands(events: list[Event], made: dict[str, tuple]) -> list[object]
     """The commands every event gives on fresh controllers (`made`: each request's
     `make_controller` arguments), as plain values."""
     ctrls = {rid: make_controller(*args) for rid, args in made.items()}
-    return [plain(getattr(ctrls[rid], name)(*args)) for rid, name, args in events]
+    return [plain(handle(ctrls[rid], name, args)) for rid, name, args in as_sent(events)]
 
 
 def check_events(path: Path) -> None:
@@ -195,6 +252,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "controller"))
     ap.add_argument("--sampling", choices=("greedy", "seeded"), default="greedy",
                     help="seeded: temperature 0.8, top-k 20, top-p 0.9, seed 7")  # fmt: skip
+    # (not "ngram": its controllers answer their own asks, inside the handlers timed)
+    ap.add_argument("--token-source", default="draft", choices=("draft", "hybrid"))
     ap.add_argument("--save-events", type=Path, help="save each cell's events and commands")
     ap.add_argument("--check-events", type=Path, help="replay saved events, compare commands")
     args = ap.parse_args()
@@ -211,6 +270,7 @@ def main() -> None:
         max_new_tokens=args.max_new_tokens,
         width=args.width,
         layers_per_step=args.layers_per_step,
+        token_source=args.token_source,
         sampling=SamplingParams()
         if args.sampling == "greedy"
         else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=7),

@@ -12,7 +12,14 @@ from specpipe.common.runtime.errors import InvalidInput
 from specpipe.common.runtime.prefix_hash import CacheScope
 from specpipe.common.runtime.validation import MAX_ROWS, Limits, check_counts
 from specpipe.common.spec.grammar import Grammar
-from specpipe.common.spec.messages import Activation, Prune, TokenLogprobs, Verified
+from specpipe.common.spec.messages import (
+    Activation,
+    Prune,
+    PruneArrays,
+    RowArrays,
+    TokenLogprobs,
+    Verified,
+)
 from specpipe.common.spec.options import MAX_LOGPROBS
 from specpipe.common.spec.sampling import SamplingParams
 from specpipe.common.spec.verify import VerifySpec
@@ -39,19 +46,26 @@ def max_control_bytes(limits: Limits | None) -> int:
     return (1 << 20) + BYTES_PER_ROW * (limits.max_capacity + limits.max_rows)
 
 
+def array_of(values, dtype: type = np.int64) -> np.ndarray:
+    """A message's repeated numbers as a numpy array (the router's kind: messages.py)."""
+    return np.fromiter(values, dtype=dtype, count=len(values))
+
+
 def tensor_of(values, dtype: type = np.int64) -> torch.Tensor:
     """A message's repeated numbers as a tensor, through numpy: half the time of
     `torch.tensor` on a repeated field (several per request and step on every stage)."""
-    return torch.from_numpy(np.fromiter(values, dtype=dtype, count=len(values)))
+    return torch.from_numpy(array_of(values, dtype))
 
 
-def rows_to_proto(act: Activation) -> pb.Rows:
+def rows_to_proto(act: Activation | RowArrays) -> pb.Rows:
+    """The rows of a stage's activation, or of the router's (numpy: no row tokens)."""
+    row_tokens = act.row_tokens if isinstance(act, Activation) else None
     return pb.Rows(
         positions=act.positions.tolist(),
         committed=act.committed,
         node_ids=act.node_ids.tolist(),
         parent_ids=act.parent_ids.tolist(),
-        token_ids=[] if act.row_tokens is None else act.row_tokens.tolist(),
+        token_ids=[] if row_tokens is None else row_tokens.tolist(),
     )
 
 
@@ -79,7 +93,7 @@ def activation_from_rows(
     )
 
 
-def prune_to_proto(prune: Prune, seq: int) -> pb.PruneSignal:
+def prune_to_proto(prune: Prune | PruneArrays, seq: int) -> pb.PruneSignal:
     return pb.PruneSignal(
         seq=seq,
         commit_ids=prune.commit_ids.tolist(),

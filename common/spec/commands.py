@@ -4,13 +4,19 @@
 The controller decides; an executor carries the commands out (in one process, stepping
 every stage in lockstep, or over gRPC and the data plane) and reports back what happened
 as events. Commands are executed in the order they are returned.
+
+Rows and prunes are numpy (`rows`, `ids`): the network executor sends them as they are.
+An in-process executor reads them as tensors (`act`, `layer`, `prune`: made on the
+first read, then kept), the one place the controller's output becomes torch
+(`messages.py`'s docstring).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from .messages import Activation, Prune, TokenLogprobs
+from .messages import Activation, Prune, PruneArrays, RowArrays, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -23,18 +29,31 @@ class Feed:
     controller's accounting (prefill chunks have negative steps, the first root step 0).
     """
 
-    act: Activation
+    rows: RowArrays
     seq: int
     after_prune: int
     step: int
 
+    @cached_property
+    def act(self) -> Activation:
+        """The rows as tensors (in-process executors)."""
+        return self.rows.activation()
+
 
 @dataclass(frozen=True)
-class BroadcastPrune:
-    """A verification's outcome, for every stage; `seq` counts prunes from 1."""
-
-    prune: Prune
+class _PruneCommand:
+    ids: PruneArrays
     seq: int
+
+    @cached_property
+    def prune(self) -> Prune:
+        """The prune as tensors (in-process executors)."""
+        return self.ids.prune()
+
+
+@dataclass(frozen=True)
+class BroadcastPrune(_PruneCommand):
+    """A verification's outcome, for every stage; `seq` counts prunes from 1."""
 
 
 @dataclass(frozen=True)
@@ -47,13 +66,10 @@ class DraftOpen:
 
 
 @dataclass(frozen=True)
-class DraftPrune:
+class DraftPrune(_PruneCommand):
     """Drop pruned nodes from the draft's cache and commit verified ones. The draft needs
     it before its next computation, not at once: an executor may send it along with the
     next `Propose`."""
-
-    prune: Prune
-    seq: int
 
 
 @dataclass(frozen=True)
@@ -71,11 +87,16 @@ class Propose:
     `Controller.on_candidates(ticket, ...)`. `step` is the pipeline step the layer enters
     stage 1 at (None for specinfer, whose draft works between passes)."""
 
-    layer: Activation
+    rows: RowArrays
     top_k: int
     temperature: float
     ticket: int
     step: int | None = None
+
+    @cached_property
+    def layer(self) -> Activation:
+        """The layer's rows as tensors (in-process executors)."""
+        return self.rows.activation()
 
 
 @dataclass(frozen=True)

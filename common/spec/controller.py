@@ -52,11 +52,12 @@ from .commands import (
     Propose,
 )
 from .growth import (
+    EMPTY_POOL,
     Pool,
     allowed_by_grammar,
     beside,
     candidates_of,
-    concat_candidates,
+    concat_pools,
     extend_frontier,
     pool_of,
     prefill_chunks,
@@ -66,9 +67,9 @@ from .messages import (
     SOURCE_DRAFT,
     SOURCE_GRAMMAR,
     SOURCE_NGRAM,
-    Activation,
     Candidates,
-    Prune,
+    PruneArrays,
+    RowArrays,
     TokenLogprobs,
     Verified,
 )
@@ -372,7 +373,7 @@ class Controller(ABC):
     def _asked_for(self, ticket: int, step: int | None) -> None:
         """Record an ask (before any answer to it can come)."""
 
-    def _ask(self, layer: Activation, nodes: Indices, step: int | None) -> list[Command]:
+    def _ask(self, layer: RowArrays, nodes: Indices, step: int | None) -> list[Command]:
         """Ask the token sources for the children of `layer` (tree nodes `nodes`): a
         `Propose` to the draft (with the n-gram proposals kept for its answer, hybrid),
         or the n-gram source's answer at once."""
@@ -386,16 +387,17 @@ class Controller(ABC):
             self._local[ticket] = local
         return [Propose(layer, top_k, self.opts.sampling.temperature, ticket, step)]
 
-    def _answer(self, ticket: int, cand: Candidates) -> Candidates:
+    def _answer(self, ticket: int, cand: Candidates) -> Pool:
         """The draft's answer to `ticket` joined by the n-gram proposals for that layer,
         which share what the draft's best proposal leaves (`growth.beside`)."""
         local = self._local.pop(ticket, None)
-        return cand if local is None else concat_candidates(cand, beside(local, cand))
+        pool = pool_of(cand)
+        return pool if local is None else concat_pools(pool, beside(pool_of(local), pool))
 
     def _ngram_children(self, nodes: Indices, top_k: int | None = None) -> Candidates:
         """The n-gram source's children of tree nodes `nodes` (none without the source)."""
         if self.ngram is None or len(nodes) == 0:
-            return Candidates.empty()
+            return candidates_of(EMPTY_POOL)
         k = top_k or min(self.opts.top_k_children, max(self.width, 1))
         # the index holds the verified text (prompt + output): no copy of it per ask
         return ngram_candidates(self.ngram, self.ngram.tokens, self.tree, nodes, k)
@@ -444,12 +446,12 @@ class Controller(ABC):
         cmds += [self._feed(c, i - len(chunks)) for i, c in enumerate(chunks)]
         return cmds
 
-    def _feed(self, act: Activation, step: int) -> Feed:
-        feed = Feed(act, self._feeds, self._prunes, step)
+    def _feed(self, rows: RowArrays, step: int) -> Feed:
+        feed = Feed(rows, self._feeds, self._prunes, step)
         self._feeds += 1
         return feed
 
-    def _entry_step(self, layer: Activation) -> int:
+    def _entry_step(self, layer: RowArrays) -> int:
         """Lockstep step at which `layer` enters stage 1: after the previous layer, after
         the last verification (it was decided after it) and after its parents' layer."""
         entered = self._node_step
@@ -477,7 +479,7 @@ class Controller(ABC):
         """Keep step accounting only for nodes still in the tree (bounded memory)."""
         self._node_step = {i: self._node_step[i] for i in live_ids if i in self._node_step}
 
-    def _prune(self, prune: Prune, draft_prune: Prune | None = None) -> list[Command]:
+    def _prune(self, prune: PruneArrays, draft_prune: PruneArrays | None = None) -> list[Command]:
         self._prunes += 1
         cmds: list[Command] = [BroadcastPrune(prune, self._prunes)]
         if self.uses_draft:

@@ -11,14 +11,14 @@ import torch
 from numpy.typing import ArrayLike, NDArray
 
 from .grammar import GrammarState
-from .messages import SOURCE_DRAFT, SOURCE_GRAMMAR, Activation, Candidates
+from .messages import SOURCE_DRAFT, SOURCE_GRAMMAR, Candidates, RowArrays
 from .options import MAX_PREFILL_CHUNKS
 from .ranking import Ranking, edge_scores
 from .sampling import SamplingParams
 from .tree import NO_NODES, Indices, TokenTree
 
 # A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources. The
-# controller grows from pools (tensors cross once, where candidates come in).
+# controller grows from pools (`pool_of` reads candidates of either kind).
 Pool = tuple[NDArray[np.int64], NDArray[np.int64], NDArray, NDArray[np.int8]]
 EMPTY_POOL: Pool = (
     np.empty(0, dtype=np.int64),
@@ -28,18 +28,18 @@ EMPTY_POOL: Pool = (
 )
 
 
-def layer_activation(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos: int) -> Activation:
+def layer_rows(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos: int) -> RowArrays:
     """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix)."""
     idx = np.asarray(idx, dtype=np.int64)
     parents = tree.parent[idx]
     parent_ids = tree.ids[parents]
     parent_ids[parents < 0] = -1  # the root's (its -1 read the last id)
-    return Activation(
-        request_id=request_id,
-        positions=torch.from_numpy(root_pos + tree.depth[idx]),
-        node_ids=torch.from_numpy(tree.ids[idx]),
-        parent_ids=torch.from_numpy(parent_ids),
-        tokens=torch.from_numpy(tree.tokens[idx]),
+    return RowArrays(
+        request_id,
+        root_pos + tree.depth[idx],
+        node_ids=tree.ids[idx],
+        parent_ids=parent_ids,
+        tokens=tree.tokens[idx],
     )
 
 
@@ -66,19 +66,14 @@ def chunk_spans(
 
 def prefill_chunks(
     request_id: str, prompt: Sequence[int], chunk: int, start: int = 0, cells: int | None = None
-) -> list[Activation]:
+) -> list[RowArrays]:
     """The verified prompt tokens except the last (the first root) as committed chunks,
     from position `start` (the tokens before it are cached on the path already), sized
     by `chunk_spans`."""
-    body = torch.tensor(list(prompt[:-1]), dtype=torch.int64)
+    body = np.array(prompt[:-1], dtype=np.int64)
     return [
-        Activation(
-            request_id=request_id,
-            positions=torch.arange(s, e),
-            committed=True,
-            tokens=body[s:e],
-        )
-        for s, e in chunk_spans(start, body.numel(), chunk, cells)
+        RowArrays(request_id, np.arange(s, e, dtype=np.int64), committed=True, tokens=body[s:e])
+        for s, e in chunk_spans(start, body.size, chunk, cells)
     ]
 
 
@@ -153,18 +148,23 @@ def with_forced_tokens(tree: TokenTree, cand: Candidates, grammar: GrammarState)
 
 
 def pool_of(cand: Candidates) -> Pool:
-    """The candidates' arrays (numpy views of CPU tensors: no copy)."""
-    probs = cand.probs
-    if probs.dtype not in (torch.float32, torch.float64):
-        probs = probs.to(torch.float32)
-    n = len(cand)
-    sources = (np.full(n, SOURCE_DRAFT, dtype=np.int8) if cand.source is None
-               else cand.source.numpy())  # fmt: skip
-    return cand.parent_ids.numpy(), cand.tokens.numpy(), probs.numpy(), sources
+    """The candidates' arrays, numpy or CPU tensors alike (numpy views of tensors: no
+    copy); probabilities as floats (float32 unless they were float64)."""
+    pid, tokens, probs, source = cand.parent_ids, cand.tokens, cand.probs, cand.source
+    if not isinstance(tokens, np.ndarray):  # tensors: an in-process draft's
+        if probs.dtype not in (torch.float32, torch.float64):
+            probs = probs.float()
+        pid, tokens, probs = pid.numpy(), tokens.numpy(), probs.numpy()
+        source = None if source is None else source.numpy()
+    if probs.dtype != np.float32 and probs.dtype != np.float64:
+        probs = probs.astype(np.float32)
+    if source is None:
+        source = np.full(len(tokens), SOURCE_DRAFT, dtype=np.int8)
+    return pid, tokens, probs, source
 
 
 def candidates_of(pool: Pool) -> Candidates:
-    return Candidates(*(torch.from_numpy(np.ascontiguousarray(a)) for a in pool))
+    return Candidates(*pool)
 
 
 def merge_candidates(pool: Pool) -> Pool:
@@ -202,22 +202,19 @@ def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
     return tuple(a[at] for a in pool)  # type: ignore[return-value]
 
 
-def beside(extra: Candidates, main: Candidates) -> Candidates:
+def beside(extra: Pool, main: Pool) -> Pool:
     """`extra` proposals scaled to share the mass `main` leaves for each parent: a parent's
     best `main` proposal stays its best, and an extra token ranks by its own probability
     among the alternatives (hybrid: n-grams beside the draft model)."""
-    if len(main) == 0 or len(extra) == 0:
+    if main[0].size == 0 or extra[0].size == 0:
         return extra
-    match = extra.parent_ids[:, None] == main.parent_ids[None, :]
-    top = torch.where(match, main.probs[None, :].to(torch.float32), 0.0).amax(dim=1)
-    return Candidates(extra.parent_ids, extra.tokens, extra.probs * (1.0 - top), extra.sources)
+    match = extra[0][:, None] == main[0][None, :]
+    top = np.where(match, main[2][None, :].astype(np.float32), np.float32(0)).max(axis=1)
+    return extra[0], extra[1], extra[2] * (np.float32(1) - top), extra[3]
 
 
 def concat_candidates(*parts: Candidates) -> Candidates:
-    """The candidates of `parts`, in order (numpy on the router's CPU: a torch operation's
-    fixed cost is most of the time at these sizes, see tree.py)."""
-    if len(parts) == 1 and parts[0].probs.dtype == torch.float32:
-        return parts[0]
+    """The candidates of `parts`, in order."""
     return candidates_of(concat_pools(*(pool_of(c) for c in parts)))
 
 

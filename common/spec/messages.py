@@ -6,6 +6,17 @@ tree (docs/architecture.md, "3. The pipeline step"). `Prune` is the
 control plane: the verification outcome every stage and the draft apply to their caches
 and to activations still in flight. `Candidates` are what the draft proposes as children
 of tree nodes.
+
+Where arrays become tensors (issue 34 point 3): the router never makes one. Its
+controller keeps numpy arrays (`tree.py`) and hands its rows and prunes out as numpy
+(`RowArrays`, `PruneArrays`), which the network executor sends as they are; only an
+in-process executor, whose stages and draft compute on tensors, reads them as torch
+(`RowArrays.activation`, `PruneArrays.prune`, through the commands' `act`, `layer` and
+`prune`: `commands.py`). The other way, `Candidates` are numpy from the network (the
+draft's answer as the router reads it) and torch from an in-process draft; the controller
+reads either through `growth.pool_of`. A torch call made cold costs several times a numpy
+one (session 44: 18-31 us against 4-13 us after the caches were evicted), and the router
+meets every step's work cold.
 """
 
 from __future__ import annotations
@@ -14,9 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from torch import Tensor
 
 EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+NO_IDS = np.empty(0, dtype=np.int64)  # never written: nothing to write in it
 _NO_PROBS = torch.empty(0, dtype=torch.float32)
 _NO_SOURCES = torch.empty(0, dtype=torch.int8)
 
@@ -66,6 +79,38 @@ class Activation:
             tokens=pick(self.tokens),
             hidden=pick(self.hidden),
             row_tokens=pick(self.row_tokens),
+        )
+
+
+def _tensor(a: NDArray[np.int64]) -> Tensor:
+    """A CPU tensor sharing `a`'s memory (the empty tensor for an empty array)."""
+    return torch.from_numpy(a) if a.size else EMPTY_IDS
+
+
+@dataclass(frozen=True)
+class RowArrays:
+    """An `Activation`'s rows into stage 1 as numpy arrays (int64): how the controller
+    hands a prefill chunk or a tree layer out (see the module's docstring)."""
+
+    request_id: str
+    positions: NDArray[np.int64]
+    committed: bool = False
+    node_ids: NDArray[np.int64] = field(default_factory=lambda: NO_IDS)
+    parent_ids: NDArray[np.int64] = field(default_factory=lambda: NO_IDS)
+    tokens: NDArray[np.int64] = field(default_factory=lambda: NO_IDS)
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def activation(self) -> Activation:
+        """The rows as an in-process stage takes them (tensors sharing the arrays)."""
+        return Activation(
+            request_id=self.request_id,
+            positions=_tensor(self.positions),
+            committed=self.committed,
+            node_ids=_tensor(self.node_ids),
+            parent_ids=_tensor(self.parent_ids),
+            tokens=_tensor(self.tokens),
         )
 
 
@@ -136,6 +181,19 @@ class Prune:
         return act if rows.numel() == len(act) else act.select(rows)
 
 
+@dataclass(frozen=True)
+class PruneArrays:
+    """A `Prune` as numpy arrays (int64): how the controller hands one out."""
+
+    commit_ids: NDArray[np.int64]
+    keep_ids: NDArray[np.int64]
+    horizon: int
+
+    def prune(self) -> Prune:
+        """The prune as an in-process stage or draft applies it (tensors sharing the arrays)."""
+        return Prune(_tensor(self.commit_ids), _tensor(self.keep_ids), self.horizon)
+
+
 def after_prunes(prunes: list[Prune], act: Activation | None) -> Activation | None:
     """`act` without the rows `prunes` drop, applied in order; None when nothing survives."""
     for prune in prunes:
@@ -146,21 +204,23 @@ def after_prunes(prunes: list[Prune], act: Activation | None) -> Activation | No
 @dataclass
 class Candidates:
     """Proposed children: for candidate i, parent node id, token and probability, and
-    which source proposed it (`SOURCE_*` bits; unset: the draft model)."""
+    which source proposed it (`SOURCE_*` bits; unset: the draft model). The arrays are
+    numpy or CPU tensors, all of one kind (see the module's docstring)."""
 
-    parent_ids: Tensor
-    tokens: Tensor
-    probs: Tensor
-    source: Tensor | None = None
+    parent_ids: Tensor | NDArray[np.int64]
+    tokens: Tensor | NDArray[np.int64]
+    probs: Tensor | NDArray
+    source: Tensor | NDArray[np.int8] | None = None
 
     def __len__(self) -> int:
-        return int(self.tokens.numel())
+        return len(self.tokens)
 
     @property
-    def sources(self) -> Tensor:
+    def sources(self) -> Tensor | NDArray[np.int8]:
         if self.source is not None:
             return self.source
-        return torch.from_numpy(np.full(len(self), SOURCE_DRAFT, dtype=np.int8))
+        drafted = np.full(len(self), SOURCE_DRAFT, dtype=np.int8)
+        return drafted if isinstance(self.tokens, np.ndarray) else torch.from_numpy(drafted)
 
     @classmethod
     def empty(cls) -> Candidates:

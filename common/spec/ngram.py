@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
+from .growth import EMPTY_POOL, candidates_of
 from .messages import SOURCE_NGRAM, Candidates
 from .tree import Indices, TokenTree
 
@@ -97,10 +98,10 @@ def ngram_candidates(
             tokens.append(t)
             probs.append(p)
     if not parents:
-        return Candidates.empty()
-    return Candidates(
-        torch.tensor(parents, dtype=torch.int64),
-        torch.tensor(tokens, dtype=torch.int64),
-        torch.tensor(probs, dtype=torch.float32),
-        torch.full((len(parents),), SOURCE_NGRAM, dtype=torch.int8),
+        return candidates_of(EMPTY_POOL)
+    return Candidates(  # numpy, as the router's candidates (messages.py)
+        np.array(parents, dtype=np.int64),
+        np.array(tokens, dtype=np.int64),
+        np.array(probs, dtype=np.float32),
+        np.full(len(parents), SOURCE_NGRAM, dtype=np.int8),
     )

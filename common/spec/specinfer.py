@@ -7,15 +7,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from .commands import Command, DraftPrefill
 from .controller import Controller
-from .growth import layer_activation, pool_of
-from .messages import EMPTY_IDS, Candidates, Prune, Verified
+from .growth import layer_rows
+from .messages import NO_IDS, Candidates, PruneArrays, Verified
 from .options import DecodeOptions, Mode
-from .tree import NO_NODES, TokenTree, member
+from .tree import NO_NODES, Indices, TokenTree, member
 
 
 class SpecInferController(Controller):
@@ -30,7 +28,7 @@ class SpecInferController(Controller):
         super().__init__(request_id, prompt, mode, opts, num_stages)
         self.root_pos = len(self.prompt) - 1
         self.tree = TokenTree(self.prompt[-1])
-        self._draft_computed: list[Tensor] = []  # node ids the draft has cached this pass
+        self._draft_computed: list[Indices] = []  # node ids the draft has cached this pass
         self._unseen: list[int] = []  # verified tokens the draft must still cache
         self._ticket: int | None = None  # the outstanding Propose
         self._fed = False  # the pass's tree is in the pipeline
@@ -44,11 +42,11 @@ class SpecInferController(Controller):
         return [*self._prefill(), *self._next_pass()]
 
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
-        cand = self._answer(ticket, cand)
+        pool = self._answer(ticket, cand)
         if self.done or ticket != self._ticket:
             return []
         self._ticket = None
-        if self._extend(pool_of(cand)).size == 0:
+        if self._extend(pool).size == 0:
             return self._feed_tree()
         return self._propose_or_feed()
 
@@ -97,16 +95,14 @@ class SpecInferController(Controller):
         if tree.frontier_depth >= self.opts.depth:
             return self._feed_tree()
         frontier = tree.frontier()
-        layer = layer_activation(self.request_id, tree, frontier, self.root_pos)
+        layer = layer_rows(self.request_id, tree, frontier, self.root_pos)
         if self.uses_draft:
             self._draft_computed.append(layer.node_ids)
             self.stats.draft_layers[-1].append(len(layer))
         return self._ask(layer, frontier, None)
 
     def _feed_tree(self) -> list[Command]:
-        whole = layer_activation(
-            self.request_id, self.tree, np.arange(len(self.tree)), self.root_pos
-        )
+        whole = layer_rows(self.request_id, self.tree, np.arange(len(self.tree)), self.root_pos)
         self._fed = True
         return [self._feed(whole, self._entry_step(whole))]
 
@@ -138,12 +134,11 @@ class SpecInferController(Controller):
             return cmds
         path_ids = tree.ids[path]
         horizon = tree.last_id
-        computed = np.concatenate([ids.numpy() for ids in self._draft_computed] or [NO_NODES])
+        computed = np.concatenate(self._draft_computed or [NO_NODES])
         seen = member(path_ids, computed)
-        commit, draft_commit = torch.from_numpy(path_ids), torch.from_numpy(path_ids[seen])
         cmds += self._prune(
-            Prune(commit_ids=commit, keep_ids=EMPTY_IDS, horizon=horizon),
-            draft_prune=Prune(commit_ids=draft_commit, keep_ids=EMPTY_IDS, horizon=horizon),
+            PruneArrays(commit_ids=path_ids, keep_ids=NO_IDS, horizon=horizon),
+            draft_prune=PruneArrays(commit_ids=path_ids[seen], keep_ids=NO_IDS, horizon=horizon),
         )
         self._unseen = tree.tokens[path][~seen].tolist() if self.uses_draft else []
         # The next tree is rooted at the last emitted token; ids keep increasing.

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from .commands import Command
 from .controller import Controller
@@ -35,11 +34,11 @@ from .growth import (
     EMPTY_POOL,
     Pool,
     concat_pools,
-    layer_activation,
+    layer_rows,
     pool_of,
     unused_candidates,
 )
-from .messages import EMPTY_IDS, Activation, Candidates, Prune, Verified
+from .messages import NO_IDS, Candidates, PruneArrays, RowArrays, Verified
 from .options import DecodeOptions, Growth, Mode
 from .tree import NO_NODES, Indices, TokenTree
 
@@ -91,10 +90,10 @@ class SpecPipeController(Controller):
     def on_candidates(self, ticket: int, cand: Candidates) -> list[Command]:
         step = self._asked.pop(ticket, None)
         self._late.discard(ticket)
-        cand = self._answer(ticket, cand)
+        pool = self._answer(ticket, cand)
         if self.done or step is None:
             return []
-        return self._offer(pool_of(cand), step)
+        return self._offer(pool, step)
 
     def on_verified(self, v: Verified) -> list[Command]:
         if self.done or v.node_ids[0] != self.tree.root_id:
@@ -153,7 +152,7 @@ class SpecPipeController(Controller):
         self._pending = ids if alone else np.concatenate([self._pending, ids])
         self._newest, self._newest_ticket = ids, None
         cmds: list[Command] = []
-        layer = layer_activation(self.request_id, tree, idx, self.root_pos) if self.width else None
+        layer = layer_rows(self.request_id, tree, idx, self.root_pos) if self.width else None
         full = (alone and self.layers_per_step == 1) or (
             self._pending_layers() >= self.layers_per_step
         )
@@ -178,15 +177,11 @@ class SpecPipeController(Controller):
         idx = tree.indices_of(pending)
         return self._feed_group(idx) if idx.size else []
 
-    def _feed_group(self, idx: Indices, layer: Activation | None = None) -> list[Command]:
-        """Feed tree nodes `idx` into stage 1 as one group (`layer`: their activation,
-        when the caller made it already: the feed gets an object of its own)."""
+    def _feed_group(self, idx: Indices, layer: RowArrays | None = None) -> list[Command]:
+        """Feed tree nodes `idx` into stage 1 as one group (`layer`: their rows, when the
+        caller made them already)."""
         tree = self.tree
-        if layer is None:
-            group = layer_activation(self.request_id, tree, idx, self.root_pos)
-        else:
-            group = Activation(layer.request_id, layer.positions, node_ids=layer.node_ids,
-                               parent_ids=layer.parent_ids, tokens=layer.tokens)  # fmt: skip
+        group = layer_rows(self.request_id, tree, idx, self.root_pos) if layer is None else layer
         step = self._entry_step(group)
         self._node_depth.update(zip(tree.ids[idx].tolist(), tree.depth[idx].tolist(), strict=True))
         return [self._feed(group, step)]
@@ -231,14 +226,12 @@ class SpecPipeController(Controller):
         cmds = self._emit(tokens, done, logprobs)
         if self.done:
             return cmds
-        commit = torch.from_numpy(np.array(path, dtype=np.int64))
-        if hit:
-            prune = Prune(
-                commit_ids=commit, keep_ids=torch.from_numpy(tree.ids.copy()), horizon=horizon
-            )
+        commit = np.array(path, dtype=np.int64)
+        if hit:  # the tree's arrays are replaced, never written: no copy
+            prune = PruneArrays(commit_ids=commit, keep_ids=tree.ids, horizon=horizon)
         else:
             tree.reset(token)
-            prune = Prune(commit_ids=commit, keep_ids=EMPTY_IDS, horizon=horizon)
+            prune = PruneArrays(commit_ids=commit, keep_ids=NO_IDS, horizon=horizon)
         cmds += self._prune(prune)
         live = tree.ids.tolist()
         self._forget_nodes(live)

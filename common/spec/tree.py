@@ -12,8 +12,8 @@ count of deviations from the source's best proposals.
 The arrays are numpy, not torch: the controller grows and prunes every request's tree
 once or more per pipeline step on the router's CPU, on arrays of tens of elements, where
 a torch operation's fixed cost (several microseconds) is most of the time and numpy's is
-a fraction of it. Tensors cross at the edges (`growth.layer_activation`, prunes); inputs
-may be either (`np.asarray` reads a CPU tensor without a copy).
+a fraction of it. On the router nothing becomes a tensor (`messages.py`); inputs may be
+either (`np.asarray` reads a CPU tensor without a copy).
 """
 
 from __future__ import annotations

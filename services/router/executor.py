@@ -34,7 +34,7 @@ from specpipe.common.spec.messages import Candidates
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
-from ..control import cache_scope_to_proto, prune_to_proto, rows_to_proto, tensor_of
+from ..control import array_of, cache_scope_to_proto, prune_to_proto, rows_to_proto
 from .backends import Backend, RequestPath
 from .batched import refusal
 from .calls import Deadline, LeaseClaim
@@ -83,19 +83,19 @@ class CommandExecutor:
                 request_id=rid,
                 seq=cmd.seq,
                 after_prune=cmd.after_prune,
-                rows=rows_to_proto(cmd.act),
-                token_ids=cmd.act.tokens.tolist(),
+                rows=rows_to_proto(cmd.rows),
+                token_ids=cmd.rows.tokens.tolist(),
                 verified_at_ns=verified_at_ns,
             )
             self._stream(stage1).feed(req, timeout())
         elif isinstance(cmd, BroadcastPrune):
             req = pb.PruneRequest(
-                request_id=rid, prune=prune_to_proto(cmd.prune, cmd.seq), relay=self.relay
+                request_id=rid, prune=prune_to_proto(cmd.ids, cmd.seq), relay=self.relay
             )
             for s in self.path.stages[:1] if self.relay else self.path.stages:
                 self._stream(s).prune(req, timeout())
         elif isinstance(cmd, DraftPrune):
-            self._draft_prunes.append(prune_to_proto(cmd.prune, cmd.seq))
+            self._draft_prunes.append(prune_to_proto(cmd.ids, cmd.seq))
         elif isinstance(cmd, Propose):
             self._propose(cmd)
         elif isinstance(cmd, DraftOpen):
@@ -144,8 +144,8 @@ class CommandExecutor:
     def _propose(self, cmd: Propose) -> None:
         req = draft_pb2.ProposeRequest(
             request_id=self.wire_id,
-            rows=rows_to_proto(cmd.layer),
-            token_ids=cmd.layer.tokens.tolist(),
+            rows=rows_to_proto(cmd.rows),
+            token_ids=cmd.rows.tokens.tolist(),
             top_k=cmd.top_k,
             temperature=cmd.temperature,
             prunes=self._draft_prunes,
@@ -153,13 +153,8 @@ class CommandExecutor:
         self._draft_prunes = []
         attempt, post, ticket = self.attempt, self.post, cmd.ticket
 
-        def answered(resp) -> None:
-            cand = Candidates(
-                tensor_of(resp.parent_ids),
-                tensor_of(resp.token_ids),
-                tensor_of(resp.probs, np.float32),
-            )
-            post(Proposal(attempt, ticket, cand))
+        def answered(resp: draft_pb2.ProposeResponse) -> None:
+            post(Proposal(attempt, ticket, answer_candidates(resp)))
 
         self._draft_call(
             "proposing a tree layer",
@@ -215,6 +210,14 @@ class CommandExecutor:
             self.post(Failure(self.attempt, err.code, err.message, b, err.replayable))
 
         return told
+
+
+def answer_candidates(resp: draft_pb2.ProposeResponse) -> Candidates:
+    """The draft's answer as the controller takes it: numpy arrays, no tensor (the
+    router makes none: common/spec/messages.py)."""
+    return Candidates(
+        array_of(resp.parent_ids), array_of(resp.token_ids), array_of(resp.probs, np.float32)
+    )
 
 
 async def release_on(b: Backend, wire_id: str, timeout: float) -> bool:

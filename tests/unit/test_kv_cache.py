@@ -14,7 +14,7 @@ from specpipe.common.runtime.block_pool import BlockPool
 from specpipe.common.runtime.errors import BadInput, CacheFull
 from specpipe.common.runtime.kv_cache import TreeKVCache
 from specpipe.common.runtime.stage import StageRuntime
-from specpipe.common.spec.growth import layer_activation
+from specpipe.common.spec.growth import layer_rows
 from specpipe.common.spec.messages import EMPTY_IDS, Activation, Prune
 from specpipe.common.spec.tree import TokenTree
 
@@ -59,7 +59,7 @@ class Mirror:
 
     def run(self, idx) -> None:
         t = self.tree
-        out = self.stage.forward(layer_activation("r", t, idx, len(self.committed)))
+        out = self.stage.forward(layer_rows("r", t, idx, len(self.committed)).activation())
         for row, node in enumerate(np.asarray(idx).tolist()):
             path = t.tokens[t.path_to(node)].tolist()
             ref = scratch_logits(self.model, self.committed + path)

@@ -321,11 +321,11 @@ def test_target_ranking_keeps_the_path_the_beam_drops() -> None:
 
 
 def test_hybrid_ngram_proposals_share_what_the_drafts_best_leaves() -> None:
-    from specpipe.common.spec.growth import beside
+    from specpipe.common.spec.growth import beside, pool_of
 
-    draft = cand([(1, 7, 0.8), (1, 8, 0.1)])
-    ngram = cand([(1, 9, 0.875), (2, 4, 0.5)])
+    draft = pool_of(cand([(1, 7, 0.8), (1, 8, 0.1)]))
+    ngram = pool_of(cand([(1, 9, 0.875), (2, 4, 0.5)]))
     scaled = beside(ngram, draft)
     # Node 1's draft keeps its best (0.8); the n-gram token shares the 0.2 left. Node 2
     # had no draft proposal: the n-gram's own probability.
-    assert scaled.probs.tolist() == pytest.approx([0.875 * 0.2, 0.5])
+    assert scaled[2].tolist() == pytest.approx([0.875 * 0.2, 0.5])

@@ -65,4 +65,4 @@ def test_tree_nodes_are_proposed_from_their_own_path() -> None:
     }
     assert by_parent == {1: [12], 2: [21]}  # "10 11" was followed by 12, "20" by 21
     assert cand.sources.tolist() == [SOURCE_NGRAM] * 2
-    assert torch.all(cand.probs > 0)
+    assert (cand.probs > 0).all()

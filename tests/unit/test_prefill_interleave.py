@@ -43,7 +43,7 @@ def test_chunks_cover_the_prompt_within_rows_and_cells(start, length, chunk, cel
 
 
 def test_a_chunk_deep_in_a_long_prompt_has_fewer_rows() -> None:
-    chunks = prefill_chunks("r", list(range(32_001)), 128, 0, 1 << 20)
+    chunks = [c.activation() for c in prefill_chunks("r", list(range(32_001)), 128, 0, 1 << 20)]
     assert sum(len(c) for c in chunks) == 32_000
     assert len(chunks[0]) == 128 and len(chunks[-1]) == 32
     assert max(prefill_cells(c) for c in chunks) <= 1 << 20
@@ -66,7 +66,7 @@ def test_a_round_takes_the_decodes_and_prefill_within_its_budget(llama_dir) -> N
         try:
             long, short = await _open_long_and_short(svc)
             for seq, c in enumerate(prefill_chunks("long", [i % 90 for i in range(193)], 16)):
-                long.order.add_activation(seq, Pending(c, 0))
+                long.order.add_activation(seq, Pending(c.activation(), 0))
             short.order.add_activation(
                 0,
                 Pending(Activation("short", t(0), node_ids=t(0), parent_ids=t(-1), tokens=t(5)), 0),
@@ -123,7 +123,7 @@ def test_beside_a_decode_a_costly_chunk_is_computed_in_slices_and_sent_whole(lla
             long, short = await _open_long_and_short(svc)
             chunks = prefill_chunks("long", [*tokens, 1], 150)  # 150 rows, then 100 at 150
             for seq, c in enumerate(chunks):
-                long.order.add_activation(seq, Pending(c, 0))
+                long.order.add_activation(seq, Pending(c.activation(), 0))
             short.order.add_activation(
                 0,
                 Pending(Activation("short", t(0), node_ids=t(0), parent_ids=t(-1), tokens=t(5)), 0),
@@ -152,6 +152,6 @@ def test_beside_a_decode_a_costly_chunk_is_computed_in_slices_and_sent_whole(lla
     whole = StageRuntime(load_stage(llama_dir, LayerRange(0, 2, 5), torch.float64))
     whole.open("long", 256)
     for c, o in zip(prefill_chunks("long", [*tokens, 1], 150), sent, strict=True):
-        ref = whole.forward(c)
+        ref = whole.forward(c.activation())
         assert torch.equal(ref.positions, o.positions)
         assert torch.allclose(ref.hidden, o.hidden, rtol=1e-10, atol=1e-12)
