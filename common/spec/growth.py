@@ -159,8 +159,21 @@ def pool_of(cand: Candidates) -> Pool:
     if probs.dtype != np.float32 and probs.dtype != np.float64:
         probs = probs.astype(np.float32)
     if source is None:
-        source = np.full(len(tokens), SOURCE_DRAFT, dtype=np.int8)
+        source = _drafted(len(tokens))
     return pid, tokens, probs, source
+
+
+_DRAFTED: dict[int, NDArray[np.int8]] = {}
+
+
+def _drafted(n: int) -> NDArray[np.int8]:
+    """`n` draft-model sources, one read-only array per size (an answer's size recurs:
+    one numpy call fewer per step)."""
+    got = _DRAFTED.get(n)
+    if got is None:
+        got = _DRAFTED[n] = np.full(n, SOURCE_DRAFT, dtype=np.int8)
+        got.setflags(write=False)
+    return got
 
 
 def candidates_of(pool: Pool) -> Candidates:

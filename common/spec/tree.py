@@ -49,7 +49,6 @@ class TokenTree:
         self.parent = np.array([-1], dtype=np.int64)
         self.depth = np.zeros(1, dtype=np.int64)
         self.prob = np.ones(1, dtype=np.float64)
-        self.cum = np.ones(1, dtype=np.float64)
         self.score = np.zeros(1, dtype=np.float64)
         self.dev = np.zeros(1, dtype=np.int64)
         self.source = np.zeros(1, dtype=np.int8)
@@ -77,6 +76,16 @@ class TokenTree:
 
     def __len__(self) -> int:
         return int(self.tokens.size)
+
+    @property
+    def cum(self) -> NDArray[np.float64]:
+        """Each node's path probability below the root (the product of `prob` along its
+        path), computed when read: nothing on the router's step reads it."""
+        cum = self.prob.tolist()
+        for i, p in enumerate(self.parent.tolist()):
+            if p >= 0:
+                cum[i] *= cum[p]
+        return np.array(cum, dtype=np.float64)
 
     @property
     def root_token(self) -> int:
@@ -144,7 +153,10 @@ class TokenTree:
         parents = np.asarray(parents, dtype=np.int64)
         if parents.size == 0 or width <= 0:
             return np.empty(0, dtype=np.int64)
-        if np.count_nonzero(self.depth[parents] != self.frontier_depth):
+        # the frontier is the deepest layer, the last nodes in BFS order
+        order = parents.tolist()
+        first = int(self.depth.searchsorted(self.frontier_depth))
+        if min(order) < first or max(order) >= len(self):
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
         logp = log_probs(probs) if logp is None else np.asarray(logp, dtype=np.float64)
@@ -162,7 +174,6 @@ class TokenTree:
         if not ranked or width <= 0:
             return np.empty(0, dtype=np.int64)
         # BFS order within the layer: group children by parent, keep rank order inside.
-        order = parents.tolist()
         chosen = sorted((r[2] for r in ranked[:width]), key=order.__getitem__)
         best = np.array(chosen, dtype=np.int64)
         par, n0, m = parents[best], len(self), int(best.size)
@@ -174,7 +185,6 @@ class TokenTree:
         self.parent = np.concatenate([self.parent, par])
         self.depth = np.concatenate([self.depth, self.depth[par] + 1])
         self.prob = np.concatenate([self.prob, probs[best]])
-        self.cum = np.concatenate([self.cum, self.cum[par] * probs[best]])
         self.score = np.concatenate([self.score, score[best]])
         self.dev = np.concatenate([self.dev, dev[best]])
         self.source = np.concatenate([self.source, src])
@@ -202,7 +212,6 @@ class TokenTree:
         self.depth = self.depth[keep] - 1
         self.prob = self.prob[keep]
         self.prob[0] = 1.0
-        self.cum = self.cum[keep] / self.cum[child]
         self.score = self.score[keep] - self.score[child]
         self.dev = self.dev[keep] - self.dev[child]
         self.source = self.source[keep]
