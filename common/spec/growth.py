@@ -87,8 +87,8 @@ def extend_frontier(
     """Append the best `width` candidates of `pool` whose parents are (still) frontier
     nodes, ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
     # each candidate's parent's index by its id, in plain Python (tens of candidates)
-    frontier = tree.frontier()
-    at = dict(zip(tree.ids[frontier].tolist(), frontier.tolist(), strict=True))
+    first = tree.frontier_start
+    at = dict(zip(tree.ids[first:].tolist(), range(first, len(tree)), strict=True))
     parent_of = [at.get(p, -1) for p in pool[0].tolist()]
     if -1 in parent_of:
         alive = [i for i, q in enumerate(parent_of) if q >= 0]

@@ -102,7 +102,13 @@ class TokenTree:
 
     def frontier(self) -> Indices:
         """Indices of the newest layer: the leaves the draft expands next."""
-        return (self.depth == self.frontier_depth).nonzero()[0]
+        return np.arange(self.frontier_start, len(self))
+
+    @property
+    def frontier_start(self) -> int:
+        """The frontier's first index: it is the deepest layer (`frontier_depth` is the
+        largest depth), the last nodes in BFS order."""
+        return int(self.depth.searchsorted(self.frontier_depth))
 
     def children(self, node: int) -> Indices:
         return (self.parent == node).nonzero()[0]
@@ -153,10 +159,8 @@ class TokenTree:
         parents = np.asarray(parents, dtype=np.int64)
         if parents.size == 0 or width <= 0:
             return np.empty(0, dtype=np.int64)
-        # the frontier is the deepest layer, the last nodes in BFS order
         order = parents.tolist()
-        first = int(self.depth.searchsorted(self.frontier_depth))
-        if min(order) < first or max(order) >= len(self):
+        if min(order) < self.frontier_start or max(order) >= len(self):
             raise ValueError("candidates must extend the frontier layer")
         probs = np.asarray(probs, dtype=np.float64)
         logp = log_probs(probs) if logp is None else np.asarray(logp, dtype=np.float64)
@@ -243,3 +247,4 @@ class TokenTree:
         paths = [self.path_to(i).tolist() for i in range(n)]
         assert paths == [expect[i].nonzero()[0].tolist() for i in range(n)], "paths disagree"
         assert int(self.parent[0]) == -1 and int(self.depth[0]) == 0
+        assert self.frontier_depth == int(self.depth.max()), "the frontier is the deepest layer"
