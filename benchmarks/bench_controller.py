@@ -135,11 +135,12 @@ def replay_cpu(
     made: dict[str, Callable[[], Controller]],
     repeats: int,
     cold: bool = False,
-) -> tuple[float, int]:
+) -> tuple[float, int, dict[str, float]]:
     """(least CPU seconds of `repeats` replays of `events` on fresh controllers, the
-    verifications of one replay); `made[request_id]()` makes a request's controller.
-    `cold`: the caches are evicted before each event (untimed; each event timed alone)."""
-    best, stats = None, None
+    verifications of one replay, the least seconds of each handler); `made[request_id]()`
+    makes a request's controller. `cold`: the caches are evicted before each event
+    (untimed; each event timed alone, and each handler's seconds summed)."""
+    best, stats, by_handler = None, None, {}
     junk = np.ones(COLD_BYTES // 8) if cold else None
     events = as_sent(events)
     for _ in range(repeats):
@@ -150,19 +151,22 @@ def replay_cpu(
                 handle(ctrls[rid], name, args)
             cpu = time.thread_time() - t0
         else:
-            cpu = 0.0
+            cpu, by = 0.0, dict.fromkeys(HANDLERS, 0.0)
             for rid, name, args in events:
                 junk.sum()  # what the other processes' 20 ms leave in the caches
                 t0 = time.thread_time()
                 handle(ctrls[rid], name, args)
-                cpu += time.thread_time() - t0
+                dt = time.thread_time() - t0
+                cpu += dt
+                by[name] += dt
+            by_handler = {k: min(v, by_handler.get(k, v)) for k, v in by.items()}
         best = cpu if best is None else min(best, cpu)
         now = {rid: str(c.stats) for rid, c in ctrls.items()}
         if stats is not None and now != stats:
             raise AssertionError("a replay decided differently from the first")
         stats = now
     verifications = sum(c.stats.verifications for c in ctrls.values())
-    return best or 0.0, verifications
+    return best or 0.0, verifications, by_handler
 
 
 def as_sent(events: list[Event]) -> list[Event]:
@@ -293,8 +297,12 @@ def main() -> None:
                 "controller_us_per_verification": round(1e6 * clock.seconds / verifications, 1),
             }
             if args.replay:
-                cpu, nv = replay_cpu(clock.events, clock.made, args.replay, args.cold)
+                cpu, nv, by = replay_cpu(clock.events, clock.made, args.replay, args.cold)
                 row["replay_cpu_us_per_verification"] = round(1e6 * cpu / nv, 1)
+                if by:
+                    row["replay_cpu_us_per_verification_by_handler"] = {
+                        k: round(1e6 * v / nv, 1) for k, v in by.items()
+                    }
             if args.save_events:
                 made = {rid: (mode, rid, m.args[1], m.args[3], m.args[4])
                         for rid, m in clock.made.items()}  # fmt: skip
@@ -309,6 +317,10 @@ def main() -> None:
                     f", replayed {row['replay_cpu_us_per_verification']:.1f} us CPU/verification"
                     if args.replay
                     else ""
+                )
+                + "".join(
+                    f", {k} {v:.1f}"
+                    for k, v in row.get("replay_cpu_us_per_verification_by_handler", {}).items()
                 ),
                 flush=True,
             )
