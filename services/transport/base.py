@@ -45,7 +45,7 @@ from torch import Tensor
 from ..ratelog import RateLimitedLog
 from . import batch
 from .auth import FrameAuth
-from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes
+from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes, received_bytes
 from .device_memory import HOST_ONLY, DeviceMemory
 
 FrameHandler = Callable[[Frame], None]
@@ -187,7 +187,7 @@ class Transport(ABC):
         """Hand a frame (or the admitted parts of a batch) to the owner; its failure
         never breaks the connection."""
         self.frames_received += 1
-        self.bytes_received += frame_bytes(frame.header, frame.payload)
+        self.bytes_received += received_bytes(frame)
         if frame.kind != pb.PAYLOAD_KIND_BATCH:
             self._deliver_one(frame)
             return

@@ -61,10 +61,13 @@ def admitted(header: pb.FrameHeader, limit: int) -> bool:
 def message_of(frame: Frame, cls: type[Message]) -> Message:
     """The message a frame carries. Raises FrameError for one that is not a `cls`."""
     msg = cls()
-    if frame.payload is None:
-        return msg
+    data = frame.raw  # the bytes as received: no tensor made
+    if data is None:
+        if frame.payload is None:
+            return msg
+        data = frame.payload.numpy()
     try:
-        msg.ParseFromString(frame.payload.numpy().tobytes())
+        msg.ParseFromString(memoryview(data))
     except DecodeError as e:
         raise FrameError(f"a control frame that is not a {cls.__name__}: {e}") from None
     return msg
