@@ -49,7 +49,7 @@ class Frame:
     `control_frames.message_of`) costs no tensor (issue 34: a cold torch call costs
     tens of microseconds)."""
 
-    __slots__ = ("header", "_payload", "raw")
+    __slots__ = ("_payload", "header", "raw")
 
     def __init__(
         self,
