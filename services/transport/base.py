@@ -227,6 +227,12 @@ class Transport(ABC):
         in order; False (nothing sent): `send_frame` it. This one never can."""
         return False
 
+    def post_bytes(self, address: str, header: pb.FrameHeader, data: bytes) -> bool:
+        """`post_frame` of a frame whose payload is `data` as it is (a control frame's
+        message, `control_frames.bytes_header`): no tensor made. False (nothing sent):
+        send it as a tensor (`control_frames.bytes_frame`). This one never can."""
+        return False
+
     @abstractmethod
     async def close(self) -> None:
         """Stop listening and close every connection."""

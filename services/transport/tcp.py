@@ -448,12 +448,19 @@ class TcpTransport(Transport):
         earlier frame whose send has begun: a live connection to `address`, no send to it
         under way and nothing waiting in its buffer. False (nothing sent): `send_frame`
         it. (A caller's own send that has not begun yet is the caller's to wait for.)"""
+        return self._post(
+            address, header, payload_bytes(None if payload is None else self.staged(payload))
+        )
+
+    def post_bytes(self, address: str, header: pb.FrameHeader, data: bytes) -> bool:
+        return self._post(address, header, np.frombuffer(data, dtype=np.uint8) if data else None)
+
+    def _post(self, address: str, header: pb.FrameHeader, data: np.ndarray | None) -> bool:
         conn = self._conns.get(address)
         lock = self._locks.get(address)
         if conn is None or conn.stale or (lock is not None and lock.locked()):
             return False
         w = conn.writer
-        data = payload_bytes(None if payload is None else self.staged(payload))
         if w.transport.get_write_buffer_size() or (data is not None and data.nbytes > JOIN_BYTES):
             return False
         conn.write([(header.SerializeToString(), data)])

@@ -424,3 +424,40 @@ def test_a_thread_that_cannot_make_its_frames_leaves_them_to_the_loop(monkeypatc
         await rx.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
+def test_posted_bytes_arrive_as_the_messages_they_carry(secure: bool) -> None:
+    """`post_bytes` (a control frame's message sent as its bytes, no tensor) writes at
+    once on a live connection; the receiver reads the message from the bytes it kept
+    (`Frame.raw`), and a tensor of them is made only where one is asked for."""
+    from specpipe.services.transport.control_frames import (
+        CONTROL,
+        bytes_frame,
+        bytes_header,
+        message_of,
+    )
+    from specpipe.v1 import stage_pb2
+
+    async def main() -> None:
+        auth = _key() if secure else None
+        inbox = Inbox()
+        q = inbox.open("control:t")
+        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
+        tx = make_transport("tcp", lambda f: None, auth=auth)
+        addr = await rx.start()
+        msgs = [stage_pb2.StageControl(releases=[{"request_id": f"r{i}"}]) for i in range(3)]
+        datas = [m.SerializeToString() for m in msgs]
+        header = lambda i: bytes_header(CONTROL, "control:t", len(datas[i]), "router")  # noqa: E731
+        assert not tx.post_bytes(addr, header(0), datas[0])  # no connection yet
+        await tx.send_frame(addr, *bytes_frame(CONTROL, "control:t", datas[0], "router"))
+        assert tx.post_bytes(addr, header(1), datas[1])
+        assert tx.post_bytes(addr, header(2), datas[2])
+        got = [await asyncio.wait_for(q.get(), 10) for _ in range(3)]
+        assert [message_of(f, stage_pb2.StageControl) for f in got] == msgs
+        assert all(f.raw is not None for f in got)
+        assert bytes(got[1].payload.numpy()) == datas[1]  # type: ignore[union-attr]
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
