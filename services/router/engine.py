@@ -6,7 +6,7 @@ are checked once, here (`generate` -> `prepare` -> `plan`).
 
 The front ends (service.py, http_api.py) translate to and from it and call only its
 public methods; waiting for a running slot is admission.py, the lease keep-alive
-keepalive.py. One module of about 580 lines: a request's walk (check, plan, admit,
+keepalive.py. One module of about 610 lines: a request's walk (check, plan, admit,
 open, stream, end) reads top to bottom here, over the state it shares with the other
 requests (drivers, scheduler, codec).
 """
