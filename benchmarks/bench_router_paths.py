@@ -183,8 +183,10 @@ def _stream_server(port_q, go, n: int, gap: float) -> None:
     asyncio.run(serve())
 
 
-def _process_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
+def _process_cpu(pid: int, task: int | None = None) -> float:
+    """CPU seconds of process `pid` (all its threads), or of its thread `task`."""
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
+    with open(path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -203,7 +205,7 @@ async def _stream_client(port: int, calls: int) -> int:
         return got
 
 
-def stream(n: int, gap: float) -> float:
+def stream(n: int, gap: float) -> tuple[float, str]:
     """Microseconds of the server process's CPU per streamed message."""
     ctx = mp.get_context("spawn")
     port_q, go = ctx.Queue(), ctx.Event()
@@ -211,12 +213,19 @@ def stream(n: int, gap: float) -> float:
     p.start()
     port = port_q.get()
     asyncio.run(_stream_client(port, 1))  # warm
-    cpu0 = _process_cpu(p.pid)
+    cpu0, loop0 = _process_cpu(p.pid), _process_cpu(p.pid, p.pid)
     got = asyncio.run(_stream_client(port, 3))
-    cpu = _process_cpu(p.pid) - cpu0
+    cpu, loop = _process_cpu(p.pid) - cpu0, _process_cpu(p.pid, p.pid) - loop0
     go.set()
     p.join()
-    return 1e6 * cpu / got
+    how = "StreamWriter" if _has_writer() else "an async generator"
+    return 1e6 * cpu / got, f"{how}; the event loop's thread {1e6 * loop / got:.1f} us"
+
+
+def _has_writer() -> bool:
+    from specpipe.services import grpc_util
+
+    return hasattr(grpc_util, "StreamWriter")
 
 
 def main() -> None:
@@ -229,8 +238,8 @@ def main() -> None:
     args = ap.parse_args()
     for path in args.paths:
         if path == "stream":
-            us = stream(args.messages, args.gap)
-            what = "server CPU per streamed message"
+            us, how = stream(args.messages, args.gap)
+            what = f"server CPU per streamed message ({how})"
         else:
             us = asyncio.run((read if path == "read" else send)(args.frames, args.cold))
             what = f"CPU per frame {'read' if path == 'read' else 'sent'}"

@@ -135,8 +135,9 @@ class StreamWriter:
     starts the send and then waits for gRPC to complete it, which from a handler costs
     two task steps per message (one to write, one to wake when it is sent). Here each
     write's coroutine is stepped by hand: the send starts where `write` is called (a
-    frame's callback), and the coroutine is finished at the next write, or by a
-    callback when messages wait, once gRPC completed the send; no task wakes for it.
+    frame's callback), and the coroutine is finished at the next write (or by a
+    callback once gRPC completed the send, where a message waits for it); no task
+    wakes for it.
     gRPC takes one send at a time per call, so a message written while one is under
     way waits here, in order.
 
@@ -177,8 +178,11 @@ class StreamWriter:
             raise self.error
 
     def close(self) -> None:
-        """Abandon a send in flight and what waits (the handler ends)."""
+        """Abandon a send in flight and what waits (the handler ends); a send gRPC
+        completed is finished (its buffers freed)."""
         self._waiting.clear()
+        if self.error is None:
+            self._pump()
         sending, on = self._sending, self._on
         self._sending = self._on = None
         if on is not None and not on.done():
@@ -192,7 +196,9 @@ class StreamWriter:
             if self._sending is not None:
                 on = self._on
                 if on is not None and not on.done():
-                    if not self._watched:
+                    # a callback finishes it only for a message that waits: else the
+                    # next write does (no callback per message)
+                    if self._waiting and not self._watched:
                         self._watched = True
                         on.add_done_callback(self._resume)
                     return

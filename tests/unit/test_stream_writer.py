@@ -16,11 +16,13 @@ class _Context:
     completion (a future the test completes)."""
 
     def __init__(self) -> None:
-        self.sent: list = []
+        self.started: list = []  # sends begun (gRPC has the message)
+        self.sent: list = []  # sends whose coroutine finished
         self.pending: list[asyncio.Future] = []
         self.in_flight = self.most_in_flight = 0
 
     async def write(self, message) -> None:
+        self.started.append(message)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         done = asyncio.get_running_loop().create_future()
@@ -48,19 +50,20 @@ def test_messages_written_from_callbacks_go_in_order_one_at_a_time() -> None:
             loop.call_soon(w.write, i)  # a frame's callback, not a task
         await asyncio.sleep(0)
         assert ctx.in_flight == 1 and len(ctx.pending) == 1 and w.busy
-        while ctx.pending:  # each completion starts the next send (a callback)
+        while ctx.pending:  # a completion starts the next waiting send (a callback)
             ctx.complete()
             await asyncio.sleep(0)
             await asyncio.sleep(0)
-        assert ctx.sent == [0, 1, 2] and ctx.most_in_flight == 1 and not w.busy
-        w.write(3)  # nothing under way: starts at once
-        assert ctx.in_flight == 1
-        ctx.complete()
-        w.write(4)  # finishes the completed send, then starts this one
-        assert ctx.sent == [0, 1, 2, 3]
+        assert ctx.started == [0, 1, 2] and ctx.most_in_flight == 1
+        # the last send completed, and nothing waited for it: the next write finishes it
+        assert ctx.sent == [0, 1] and w.busy
+        w.write(3)
+        assert ctx.sent == [0, 1, 2] and ctx.started == [0, 1, 2, 3]
         loop.call_later(0.01, ctx.complete)
         await w.drain()
-        assert ctx.sent == [0, 1, 2, 3, 4] and not w.busy
+        assert ctx.sent == [0, 1, 2, 3] and not w.busy
+        w.write(4)  # nothing under way: starts at once
+        assert ctx.started[-1] == 4 and ctx.in_flight == 1
         w.close()
 
     asyncio.run(main())
