@@ -93,6 +93,17 @@ def _key(seed: int = 1):
     return FrameAuth(bytes([seed]) * 32)
 
 
+async def _tcp_pair(secure: bool, request_id: str):
+    """A listening TCP transport with `request_id`'s queue, and one that sends to it
+    (the same frame keys with `secure`): (queue, receiver, sender, address)."""
+    auth = _key() if secure else None
+    inbox = Inbox()
+    q = inbox.open(request_id)
+    rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
+    tx = make_transport("tcp", lambda f: None, auth=auth)
+    return q, rx, tx, await rx.start()
+
+
 def _run(kind: str, scenario: str, *args) -> None:
     """Run `scenario(kind, *args)`: in this process for TCP; for UCX in a fresh one
     (ucxx binds its progress to the first event loop of a process)."""
@@ -270,12 +281,7 @@ def test_posted_frames_keep_their_order_among_sent_ones(secure: bool) -> None:
     authenticated."""
 
     async def main() -> None:
-        auth = _key() if secure else None
-        inbox = Inbox()
-        q = inbox.open("r")
-        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
-        tx = make_transport("tcp", lambda f: None, auth=auth)
-        addr = await rx.start()
+        q, rx, tx, addr = await _tcp_pair(secure, "r")
         acts = [_act("r", 2, i) for i in range(6)]
         acts[3] = _act("r", 4000, 3)  # 24 MB: its send waits for the receiver to read
         frame = lambda i: encode(acts[i], seq=i)  # noqa: E731
@@ -440,12 +446,7 @@ def test_posted_bytes_arrive_as_the_messages_they_carry(secure: bool) -> None:
     from specpipe.v1 import stage_pb2
 
     async def main() -> None:
-        auth = _key() if secure else None
-        inbox = Inbox()
-        q = inbox.open("control:t")
-        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
-        tx = make_transport("tcp", lambda f: None, auth=auth)
-        addr = await rx.start()
+        q, rx, tx, addr = await _tcp_pair(secure, "control:t")
         msgs = [stage_pb2.StageControl(releases=[{"request_id": f"r{i}"}]) for i in range(3)]
         datas = [m.SerializeToString() for m in msgs]
         header = lambda i: bytes_header(CONTROL, "control:t", len(datas[i]), "router")  # noqa: E731
