@@ -1,12 +1,14 @@
 """gRPC plumbing shared by the three services: servers with health and reflection,
-channels with raised message caps, and status codes carried as numbers."""
+channels with raised message caps, status codes carried as numbers, and a server
+stream written from plain callbacks (`StreamWriter`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -125,6 +127,108 @@ class Server:
         await self.server.stop(grace)
         if self.health_server is not None:
             await self.health_server.stop(None)
+
+
+class StreamWriter:
+    """A server stream's messages written from plain callbacks on the event loop, in
+    order, without a task (issue 34): grpc.aio's `context.write` is a coroutine that
+    starts the send and then waits for gRPC to complete it, which from a handler costs
+    two task steps per message (one to write, one to wake when it is sent). Here each
+    write's coroutine is stepped by hand: the send starts where `write` is called (a
+    frame's callback), and the coroutine is finished at the next write (or by a
+    callback once gRPC completed the send, where a message waits for it); no task
+    wakes for it.
+    gRPC takes one send at a time per call, so a message written while one is under
+    way waits here, in order.
+
+    The handler that owns the stream must `drain` before it returns or aborts (the
+    status must not pass a message), and `close` at the end whatever happened (a
+    cancelled handler abandons a send in flight, as grpc.aio's own cancellation does).
+    A send that fails (the client went away) drops what waits and is raised by the
+    next `drain`; grpc.aio cancels the handler for it anyway."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._context = context
+        self._waiting: deque = deque()  # messages after the one being sent
+        self._sending: Coroutine | None = None  # the write under way
+        self._on: asyncio.Future | None = None  # what it waits for
+        self._watched = False  # a callback resumes it when `_on` is done
+        self.error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A send under way or messages waiting."""
+        return self._sending is not None or bool(self._waiting)
+
+    def write(self, message) -> None:
+        """Send `message` after those written before it (at once where none is under
+        way). Raises the stream's failure, if it failed."""
+        if self.error is not None:
+            raise self.error
+        self._waiting.append(message)
+        self._pump()
+
+    async def drain(self) -> None:
+        """Until every message written is sent; raises the stream's failure."""
+        while self.busy and self.error is None:
+            self._pump()
+            if self._on is not None and not self._on.done():
+                await asyncio.shield(self._on)
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Abandon a send in flight and what waits (the handler ends); a send gRPC
+        completed is finished (its buffers freed)."""
+        self._waiting.clear()
+        if self.error is None:
+            self._pump()
+        sending, on = self._sending, self._on
+        self._sending = self._on = None
+        if on is not None and not on.done():
+            on.cancel()
+        if sending is not None:
+            sending.close()
+
+    def _pump(self) -> None:
+        """Carry the writes on as far as they go without waiting."""
+        while True:
+            if self._sending is not None:
+                on = self._on
+                if on is not None and not on.done():
+                    # a callback finishes it only for a message that waits: else the
+                    # next write does (no callback per message)
+                    if self._waiting and not self._watched:
+                        self._watched = True
+                        on.add_done_callback(self._resume)
+                    return
+                self._step()
+                continue
+            if not self._waiting or self.error is not None:
+                return
+            self._sending, self._on = self._context.write(self._waiting.popleft()), None
+            self._step()
+
+    def _step(self) -> None:
+        """Resume the write under way until it waits (or ends)."""
+        sending = self._sending
+        assert sending is not None
+        try:
+            on = sending.send(None)
+        except StopIteration:
+            self._sending = self._on = None
+        except BaseException as e:  # the send failed: the stream is broken
+            self._sending = self._on = None
+            self._waiting.clear()
+            self.error = e
+        else:
+            self._on = on  # a future (or None: resumed at once by `_pump`)
+            self._watched = False
+
+    def _resume(self, _: asyncio.Future) -> None:
+        self._watched = False
+        if self._sending is not None:
+            self._pump()
 
 
 async def wait_until_idle(open_work: Callable[[], int], seconds: float) -> int:

@@ -44,7 +44,7 @@ from specpipe.v1 import draft_pb2, stage_pb2
 
 from ..transport import Inbox, Transport, TransportError
 from ..transport.codec import Frame
-from ..transport.control_frames import CONTROL, bytes_frame, message_of
+from ..transport.control_frames import CONTROL, bytes_frame, bytes_header, message_of
 from .batched import CallBatcher, refusal, settle, stage_batchers
 from .control_wire import DraftCallItem, draft_control_parts, stage_control_parts
 from .in_place import InPlaceFuture
@@ -141,20 +141,26 @@ class _Stream:
 
     def _send_frames(self, payloads: list[bytes]) -> None:
         """Send messages (their bytes: control_wire.py) as control frames, in order: each
-        at once where the transport can (`post_frame`), else it and every later one
+        at once where the transport can (`post_bytes`), else it and every later one
         through a task, one after another, until none waits. A frame not delivered
         breaks the stream."""
         assert self._frames is not None
         transport, address = self._frames.transport, self._address
-        frames = [
-            bytes_frame(CONTROL, self._token, data, "router", reply_to=transport.address)
-            for data in payloads
-        ]
-        while frames and not self._sending and transport.post_frame(address, *frames[0]):
-            frames.pop(0)
+        reply_to = transport.address
+        at = 0  # those before are sent, as bytes (no tensor: issue 34)
+        while at < len(payloads) and not self._sending:
+            data = payloads[at]
+            header = bytes_header(CONTROL, self._token, len(data), "router", reply_to)
+            if not transport.post_bytes(address, header, data):
+                break
+            at += 1
             self.frames += 1
-        if not frames:
+        if at == len(payloads):
             return
+        frames = [
+            bytes_frame(CONTROL, self._token, data, "router", reply_to=reply_to)
+            for data in payloads[at:]
+        ]
         behind = list(self._sending)
 
         async def send() -> None:

@@ -155,6 +155,10 @@ class RequestDriver:
         self._timer: asyncio.TimerHandle | None = None  # wakes the parked task
         self._timer_at = math.inf
         self.on_opened: Callable[[RequestDriver], None] | None = None  # first path open
+        # Where verified tokens go as they are emitted, from the callback that handled
+        # the verification (a front end that writes them there: no task wake per
+        # emission, issue 34); None: `run` yields them.
+        self.on_tokens: Callable[[list[int]], None] | None = None
 
     # -- what the service reads ----------------------------------------------------------
     @property
@@ -199,7 +203,8 @@ class RequestDriver:
 
     # -- public ------------------------------------------------------------------------
     async def run(self) -> AsyncIterator[list[int]]:
-        """Open the request on its path, then yield verified tokens as they come."""
+        """Open the request on its path, then yield verified tokens as they come (or
+        hand them to `on_tokens`: then it yields none)."""
         ctrl = self.controller
         ctrl.cached_prefix = await self.session.open(first=True)
         self.cached_tokens = ctrl.cached_prompt_tokens
@@ -210,6 +215,8 @@ class RequestDriver:
         try:
             self._apply(ctrl.start())
             while True:
+                if self.on_tokens is not None:
+                    self._hand_on()
                 while self._emitted:
                     yield self._emitted.popleft()
                 if self._finished:
@@ -279,10 +286,21 @@ class RequestDriver:
         finally:
             self._handling = False
         self._quiet_since = time.monotonic()
+        if self._emitted and self.on_tokens is not None and self._error is None:
+            try:
+                self._hand_on()
+            except Exception as e:  # raised by the task, as if it had handed them on
+                self._error = e
         if self._emitted or self._finished or self._error is not None:
             self.events.wake()
         elif self.hold.until is not None:
             self._arm(self.hold.until)  # a verification held: the task wakes at its end
+
+    def _hand_on(self) -> None:
+        """The tokens emitted so far, in order, to `on_tokens`."""
+        assert self.on_tokens is not None
+        while self._emitted:
+            self.on_tokens(self._emitted.popleft())
 
     def _apply(self, cmds: list[Command], cpu: float | None = None) -> None:
         """Carry out the commands of one event (`cpu`: the thread time its handling

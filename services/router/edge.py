@@ -7,6 +7,7 @@ in `http_guard.py`, the gRPC port through `grpc_options` and `InvalidMessages`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -125,7 +126,7 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 
     codec = dict(request_deserializer=deserialize,
                  response_serializer=handler.response_serializer)  # fmt: skip
-    if handler.response_streaming:
+    if handler.response_streaming and not inspect.iscoroutinefunction(handler.unary_stream):
         inner_stream = handler.unary_stream
 
         async def stream(request, context):
@@ -136,11 +137,14 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
                     yield response
 
         return grpc.unary_stream_rpc_method_handler(stream, **codec)
-    inner = handler.unary_unary
+    # a unary call, or a stream its handler writes itself (a coroutine, `context.write`)
+    inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
     async def unary(request, context):
         if isinstance(request, _Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
         return await inner(request, context)
 
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(unary, **codec)
     return grpc.unary_unary_rpc_method_handler(unary, **codec)

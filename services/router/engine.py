@@ -6,7 +6,7 @@ are checked once, here (`generate` -> `prepare` -> `plan`).
 
 The front ends (service.py, http_api.py) translate to and from it and call only its
 public methods; waiting for a running slot is admission.py, the lease keep-alive
-keepalive.py. One module of about 580 lines: a request's walk (check, plan, admit,
+keepalive.py. One module of about 610 lines: a request's walk (check, plan, admit,
 open, stream, end) reads top to bottom here, over the state it shares with the other
 requests (drivers, scheduler, codec).
 """
@@ -379,6 +379,7 @@ class RouterEngine:
         deadline: float | None = None,
         caller: Caller | None = None,
         model: ModelInfo | None = None,
+        sink: Callable[[gen.GenerateResponse], None] | None = None,
     ) -> AsyncIterator[gen.GenerateResponse]:
         """One request: `started`, then `delta`s, then `finished`; raises RequestFailed.
         `deadline` is on time.monotonic() (None: none); `caller`: what the client may do
@@ -386,7 +387,10 @@ class RouterEngine:
         front end already called it for its own checks (None: called here). The gRPC and HTTP APIs both serve
         requests through this. Closing the generator early (the client went away)
         releases the request on every stage and the draft; throwing StopGeneration in at
-        a delta ends it as finished ("stop") and yields the final message."""
+        a delta ends it as finished ("stop") and yields the final message. With `sink`,
+        the deltas go to it instead, each called where its tokens were verified (a
+        frame's callback: no task wakes per delta, issue 34), and only `started` and
+        `finished` are yielded."""
         self._refuse_while_draining()
         caller = caller or self.api_keys.caller(None)
         check_priority(request.priority, caller)
@@ -402,6 +406,15 @@ class RouterEngine:
             for t in plan.resume:
                 stream.push(t)
         failed, stopped, index = True, False, len(plan.resume)
+        if sink is not None:
+
+            def hand_on(batch: list[int]) -> None:
+                nonlocal index
+                for tokens in split_at_min_tokens(batch, index, plan.opts.min_tokens):
+                    sink(self._delta(driver, stream, tokens, index, plan))
+                    index += len(tokens)
+
+            driver.on_tokens = hand_on
         try:
             yield self._started(driver, len(plan.prompt))
             async with contextlib.aclosing(driver.run()) as batches:

@@ -14,7 +14,7 @@ import time
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from ..grpc_util import Server, wait_until_idle
+from ..grpc_util import Server, StreamWriter, wait_until_idle
 from ..security import PublicTls
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits, InvalidMessages
@@ -92,17 +92,27 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
         await self.engine.close()
 
     # -- RPCs ------------------------------------------------------------------------------
-    async def Generate(self, request, context):
+    async def Generate(self, request, context) -> None:
+        """The request's messages written as they come: its deltas from the callbacks
+        that verified their tokens (`StreamWriter`: no task step per message), `started`
+        and `finished` from this handler."""
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
         caller = self.engine.api_keys.caller_of_call(context)
-        generate = self.engine.generate(request, deadline, caller)
-        async with contextlib.aclosing(generate) as responses:
-            try:
-                async for response in responses:
-                    yield response
-            except RequestFailed as e:
-                await context.abort(e.code, e.message, e.trailing_metadata)
+        writer = StreamWriter(context)
+        generate = self.engine.generate(request, deadline, caller, sink=writer.write)
+        try:
+            async with contextlib.aclosing(generate) as responses:
+                try:
+                    async for response in responses:
+                        writer.write(response)
+                    await writer.drain()
+                except RequestFailed as e:
+                    with contextlib.suppress(Exception):
+                        await writer.drain()  # what was verified before it failed
+                    await context.abort(e.code, e.message, e.trailing_metadata)
+        finally:
+            writer.close()
 
     async def Tokenize(self, request, context) -> gen.TokenizeResponse:
         try:

@@ -45,7 +45,7 @@ from torch import Tensor
 from ..ratelog import RateLimitedLog
 from . import batch
 from .auth import FrameAuth
-from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes
+from .codec import MAX_PAYLOAD_BYTES, Frame, encode, error_header, frame_bytes, received_bytes
 from .device_memory import HOST_ONLY, DeviceMemory
 
 FrameHandler = Callable[[Frame], None]
@@ -187,7 +187,7 @@ class Transport(ABC):
         """Hand a frame (or the admitted parts of a batch) to the owner; its failure
         never breaks the connection."""
         self.frames_received += 1
-        self.bytes_received += frame_bytes(frame.header, frame.payload)
+        self.bytes_received += received_bytes(frame)
         if frame.kind != pb.PAYLOAD_KIND_BATCH:
             self._deliver_one(frame)
             return
@@ -225,6 +225,12 @@ class Transport(ABC):
     ) -> bool:
         """Send a small frame at once without waiting, where the transport can do that
         in order; False (nothing sent): `send_frame` it. This one never can."""
+        return False
+
+    def post_bytes(self, address: str, header: pb.FrameHeader, data: bytes) -> bool:
+        """`post_frame` of a frame whose payload is `data` as it is (a control frame's
+        message, `control_frames.bytes_header`): no tensor made. False (nothing sent):
+        send it as a tensor (`control_frames.bytes_frame`). This one never can."""
         return False
 
     @abstractmethod

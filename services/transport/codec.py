@@ -10,7 +10,6 @@ are converted as on the control plane (`services/control.py`).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,12 +40,39 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Kind = pb.PayloadKind
 
 
-@dataclass
 class Frame:
-    """One data-plane message: the decoded header and the payload tensor (or None)."""
+    """One data-plane message: the decoded header and the payload tensor (or None).
 
-    header: pb.FrameHeader
-    payload: Tensor | None = None
+    A receiver may give the payload's bytes as received instead (`raw`, checked
+    against the header already): the tensor is made from them when `payload` is first
+    read, so a frame whose owner reads only its bytes (a control frame's message,
+    `control_frames.message_of`) costs no tensor (issue 34: a cold torch call costs
+    tens of microseconds)."""
+
+    __slots__ = ("_payload", "header", "raw")
+
+    def __init__(
+        self,
+        header: pb.FrameHeader,
+        payload: Tensor | None = None,
+        raw: np.ndarray | None = None,
+    ) -> None:
+        self.header = header
+        self._payload = payload
+        self.raw = raw  # the payload's bytes (uint8), when `payload` is not made yet
+
+    @property
+    def payload(self) -> Tensor | None:
+        if self._payload is None and self.raw is not None:
+            self._payload = tensor_from_bytes(self.header, self.raw)
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: Tensor | None) -> None:
+        self._payload, self.raw = value, None
+
+    def __repr__(self) -> str:
+        return f"Frame(kind={self.kind}, request_id={self.request_id!r})"
 
     @property
     def request_id(self) -> str:
@@ -177,6 +203,13 @@ def frame_bytes(header: pb.FrameHeader, payload: Tensor | None) -> int:
     """Bytes of a frame as framed (preamble, header, payload; not an auth tag)."""
     n = 0 if payload is None else payload.numel() * payload.element_size()
     return PREAMBLE.size + header.ByteSize() + n
+
+
+def received_bytes(frame: Frame) -> int:
+    """`frame_bytes` of a received frame, without making its payload's tensor."""
+    if frame.raw is not None:
+        return PREAMBLE.size + frame.header.ByteSize() + frame.raw.nbytes
+    return frame_bytes(frame.header, frame.payload)
 
 
 def parse_preamble(data: bytes | memoryview) -> tuple[int, int]:

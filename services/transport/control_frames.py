@@ -44,11 +44,21 @@ def bytes_frame(
     kind: int, token: str, data: bytes, sender: str = "", reply_to: str = ""
 ) -> tuple[pb.FrameHeader, torch.Tensor | None]:
     """`message_frame` of a message already serialized (`data`)."""
-    header = pb.FrameHeader(request_id=token, kind=kind, sender=sender, reply_to=reply_to)
+    header = bytes_header(kind, token, len(data), sender, reply_to)
     if not data:
         return header, None
-    header.dtype, header.shape[:] = "uint8", [len(data)]
     return header, torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def bytes_header(
+    kind: int, token: str, nbytes: int, sender: str = "", reply_to: str = ""
+) -> pb.FrameHeader:
+    """The header of a frame carrying a message of `nbytes` bytes (a transport's
+    `post_bytes` sends it with the bytes as they are: no tensor)."""
+    header = pb.FrameHeader(request_id=token, kind=kind, sender=sender, reply_to=reply_to)
+    if nbytes:
+        header.dtype, header.shape[:] = "uint8", [nbytes]
+    return header
 
 
 def admitted(header: pb.FrameHeader, limit: int) -> bool:
@@ -61,10 +71,13 @@ def admitted(header: pb.FrameHeader, limit: int) -> bool:
 def message_of(frame: Frame, cls: type[Message]) -> Message:
     """The message a frame carries. Raises FrameError for one that is not a `cls`."""
     msg = cls()
-    if frame.payload is None:
-        return msg
+    data = frame.raw  # the bytes as received: no tensor made
+    if data is None:
+        if frame.payload is None:
+            return msg
+        data = frame.payload.numpy()
     try:
-        msg.ParseFromString(frame.payload.numpy().tobytes())
+        msg.ParseFromString(memoryview(data))
     except DecodeError as e:
         raise FrameError(f"a control frame that is not a {cls.__name__}: {e}") from None
     return msg

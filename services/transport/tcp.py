@@ -83,11 +83,12 @@ class _FrameReader(asyncio.BufferedProtocol):
         self._opened = self._last_frame = time.monotonic()
         self._frame_started: float | None = None  # the first byte of the frame being read
         self._timer: asyncio.TimerHandle | None = None
+        self._preamble = np.empty(PREAMBLE.size, dtype=np.uint8)  # parsed at once: reused
         self._new_frame()
 
     def _new_frame(self) -> None:
         self._stage = PREAMBLE_
-        self._expect(np.empty(PREAMBLE.size, dtype=np.uint8))
+        self._expect(self._preamble)
         self._plen = 0
         self._header: pb.FrameHeader | None = None
         self._hbytes = b""
@@ -174,6 +175,11 @@ class _FrameReader(asyncio.BufferedProtocol):
         part set up, a complete frame delivered), until `data` is used up."""
         at, n = 0, len(data)
         while True:
+            if at < n and self._stage == PREAMBLE_ and not self._filled:
+                end = self._whole(data, at)
+                if end is not None:
+                    at = end
+                    continue
             size = self._discard or len(self._buf)
             take = min(size - self._filled, n - at)
             if take:
@@ -187,15 +193,47 @@ class _FrameReader(asyncio.BufferedProtocol):
                 return
             self._advance()
 
+    def _whole(self, data: memoryview, at: int) -> int | None:
+        """A frame that lies whole in `data` from `at` (most frames: one read takes a
+        small frame, and the frames behind it): checked and delivered from the read's
+        bytes in one pass, with no buffer per part and only a kept payload copied. Its
+        end; None where it does not lie whole there (it is read part by part)."""
+        if len(data) - at < PREAMBLE.size:
+            return None
+        hlen, plen = self._preamble_of(data[at : at + PREAMBLE.size])
+        mac = self._mac
+        h = at + PREAMBLE.size
+        p = h + hlen + (HEADER_TAG_BYTES if mac is not None else 0)
+        end = p + plen + (PAYLOAD_TAG_BYTES if mac is not None else 0)
+        if end > len(data):
+            return None
+        hbytes = bytes(data[h : h + hlen])
+        if mac is not None:  # authentic before it has any effect
+            mac.check_header(hbytes, data[h + hlen : p])
+        header = parse_header(hbytes, plen)
+        keep = self.owner._admitted(header)
+        payload = np.array(data[p : p + plen], dtype=np.uint8) if keep and plen else None
+        if mac is not None:
+            if keep:
+                mac.check_payload(payload, data[p + plen : end])
+            else:
+                mac.skip_payload()
+        self._complete(header, payload, keep)
+        return end
+
+    def _preamble_of(self, data) -> tuple[int, int]:
+        """(header, payload) lengths a preamble announces, within the owner's limits."""
+        hlen, plen = parse_preamble(data)
+        limit = self.owner.max_payload_bytes
+        if plen > limit:
+            raise FrameError(f"a frame announces {plen} payload bytes; at most {limit}")
+        return hlen, plen
+
     def _advance(self) -> None:
         """A part of the frame is complete: set up the next one (or deliver the frame)."""
         owner = self.owner
         if self._stage == PREAMBLE_:
-            hlen, self._plen = parse_preamble(bytes(self._buf))
-            if self._plen > owner.max_payload_bytes:
-                raise FrameError(
-                    f"a frame announces {self._plen} payload bytes; at most {owner.max_payload_bytes}"
-                )
+            hlen, self._plen = self._preamble_of(bytes(self._buf))
             self._stage = HEADER
             tag = HEADER_TAG_BYTES if self._mac is not None else 0
             self._expect(np.empty(hlen + tag, dtype=np.uint8))
@@ -227,18 +265,23 @@ class _FrameReader(asyncio.BufferedProtocol):
                 self._mac.check_payload(self._payload, self._buf.tobytes())
             else:
                 self._mac.skip_payload()
-        self._complete()
+        assert self._header is not None
+        self._complete(self._header, self._payload, self._keep)
 
-    def _complete(self) -> None:
-        header, payload, keep = self._header, self._payload, self._keep
-        assert header is not None
+    def _complete(self, header: pb.FrameHeader, payload: np.ndarray | None, keep) -> None:
+        """A frame read whole (`payload`: its bytes, checked against the header)."""
         if self._frames == 0:
             self.owner._slots.established(self)
         self._frames += 1
         self._last_frame = time.monotonic()
         self._new_frame()
         if keep:
-            self.owner._deliver(Frame(header, tensor_from_bytes(header, payload)), keep)
+            frame = (
+                Frame(header, tensor_from_bytes(header, None))
+                if payload is None
+                else Frame(header, raw=payload)  # its tensor made where it is read
+            )
+            self.owner._deliver(frame, keep)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -405,12 +448,19 @@ class TcpTransport(Transport):
         earlier frame whose send has begun: a live connection to `address`, no send to it
         under way and nothing waiting in its buffer. False (nothing sent): `send_frame`
         it. (A caller's own send that has not begun yet is the caller's to wait for.)"""
+        return self._post(
+            address, header, payload_bytes(None if payload is None else self.staged(payload))
+        )
+
+    def post_bytes(self, address: str, header: pb.FrameHeader, data: bytes) -> bool:
+        return self._post(address, header, np.frombuffer(data, dtype=np.uint8) if data else None)
+
+    def _post(self, address: str, header: pb.FrameHeader, data: np.ndarray | None) -> bool:
         conn = self._conns.get(address)
         lock = self._locks.get(address)
         if conn is None or conn.stale or (lock is not None and lock.locked()):
             return False
         w = conn.writer
-        data = payload_bytes(None if payload is None else self.staged(payload))
         if w.transport.get_write_buffer_size() or (data is not None and data.nbytes > JOIN_BYTES):
             return False
         conn.write([(header.SerializeToString(), data)])

@@ -135,6 +135,39 @@ def test_a_lost_stage_replays_the_request_on_another_replica(mode, source) -> No
     assert_released(dep, driver)
 
 
+@pytest.mark.parametrize(("mode", "source"), [(Mode.PP, None), (Mode.SPECPIPE, "draft")])
+@pytest.mark.parametrize("lost", [False, True], ids=["steady", "replayed"])
+def test_tokens_handed_on_where_verified_are_the_request_s_tokens(mode, source, lost) -> None:
+    """With `on_tokens` (the gRPC front end's writer), the tokens go there in order, from
+    the callbacks that verified them or from the driver's task, and `run` yields none;
+    a replay on another path changes nothing of what the client gets."""
+    dep = deployment(ranges=((0, 4),), replicas=2)
+    handed: list[list[int]] = []
+
+    def prepare(driver: RequestDriver) -> None:
+        driver.on_tokens = handed.append
+        if lost:
+            driver.path.stages[0].stub.dies_after = 4
+
+    driver, out = run_request(dep, mode, options(source), prepare)
+    assert out == [] and [t for batch in handed for t in batch] == EXPECTED
+    assert driver.stats.replays == (1 if lost else 0)
+    assert_released(dep, driver)
+
+
+def test_a_failure_handing_tokens_on_fails_the_request() -> None:
+    dep = deployment()
+
+    def prepare(driver: RequestDriver) -> None:
+        def on_tokens(tokens: list[int]) -> None:
+            raise ValueError("the client's message could not be made")
+
+        driver.on_tokens = on_tokens
+
+    with pytest.raises(ValueError, match="could not be made"):
+        run_request(dep, Mode.SPECPIPE, options("draft"), prepare)
+
+
 def test_a_replayed_ngram_request_takes_no_draft() -> None:
     """The n-gram source needs no draft replica, at the open and at a replay: the old
     driver took one at the replay (never opened there), and the next lease renewal, which

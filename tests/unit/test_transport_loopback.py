@@ -93,6 +93,17 @@ def _key(seed: int = 1):
     return FrameAuth(bytes([seed]) * 32)
 
 
+async def _tcp_pair(secure: bool, request_id: str):
+    """A listening TCP transport with `request_id`'s queue, and one that sends to it
+    (the same frame keys with `secure`): (queue, receiver, sender, address)."""
+    auth = _key() if secure else None
+    inbox = Inbox()
+    q = inbox.open(request_id)
+    rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
+    tx = make_transport("tcp", lambda f: None, auth=auth)
+    return q, rx, tx, await rx.start()
+
+
 def _run(kind: str, scenario: str, *args) -> None:
     """Run `scenario(kind, *args)`: in this process for TCP; for UCX in a fresh one
     (ucxx binds its progress to the first event loop of a process)."""
@@ -270,12 +281,7 @@ def test_posted_frames_keep_their_order_among_sent_ones(secure: bool) -> None:
     authenticated."""
 
     async def main() -> None:
-        auth = _key() if secure else None
-        inbox = Inbox()
-        q = inbox.open("r")
-        rx = make_transport("tcp", inbox, auth=auth, admit=inbox.admit)
-        tx = make_transport("tcp", lambda f: None, auth=auth)
-        addr = await rx.start()
+        q, rx, tx, addr = await _tcp_pair(secure, "r")
         acts = [_act("r", 2, i) for i in range(6)]
         acts[3] = _act("r", 4000, 3)  # 24 MB: its send waits for the receiver to read
         frame = lambda i: encode(acts[i], seq=i)  # noqa: E731
@@ -420,6 +426,38 @@ def test_a_thread_that_cannot_make_its_frames_leaves_them_to_the_loop(monkeypatc
         monkeypatch.setattr(batch, "pack", pack)
         assert not await asyncio.to_thread(tx.send_now, addr, frames)
         assert tx.frames_sent == 1
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure"])
+def test_posted_bytes_arrive_as_the_messages_they_carry(secure: bool) -> None:
+    """`post_bytes` (a control frame's message sent as its bytes, no tensor) writes at
+    once on a live connection; the receiver reads the message from the bytes it kept
+    (`Frame.raw`), and a tensor of them is made only where one is asked for."""
+    from specpipe.services.transport.control_frames import (
+        CONTROL,
+        bytes_frame,
+        bytes_header,
+        message_of,
+    )
+    from specpipe.v1 import stage_pb2
+
+    async def main() -> None:
+        q, rx, tx, addr = await _tcp_pair(secure, "control:t")
+        msgs = [stage_pb2.StageControl(releases=[{"request_id": f"r{i}"}]) for i in range(3)]
+        datas = [m.SerializeToString() for m in msgs]
+        header = lambda i: bytes_header(CONTROL, "control:t", len(datas[i]), "router")  # noqa: E731
+        assert not tx.post_bytes(addr, header(0), datas[0])  # no connection yet
+        await tx.send_frame(addr, *bytes_frame(CONTROL, "control:t", datas[0], "router"))
+        assert tx.post_bytes(addr, header(1), datas[1])
+        assert tx.post_bytes(addr, header(2), datas[2])
+        got = [await asyncio.wait_for(q.get(), 10) for _ in range(3)]
+        assert [message_of(f, stage_pb2.StageControl) for f in got] == msgs
+        assert all(f.raw is not None for f in got)
+        assert bytes(got[1].payload.numpy()) == datas[1]  # type: ignore[union-attr]
         await tx.close()
         await rx.close()
 
