@@ -209,12 +209,11 @@ def pack(
         built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, p.shape, p.key_block, mask))
     gathered = max((p.shape[0] * p.shape[2] for p in plans if p.key_block == p.shape[2]),
                    default=0) if not flex else 0  # fmt: skip
-    key_buffer, value_buffer = pool.gather_buffers(gathered)
     return PagedBatch(
+        kv=pool.kv,
         k=pool.k,
         v=pool.v,
-        key_buffer=key_buffer,
-        value_buffer=value_buffer,
+        kv_buffer=pool.gather_buffer(gathered),
         write_slots=write_t,
         parts=tuple(built),
         out_rows=out_t,
