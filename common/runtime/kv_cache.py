@@ -36,7 +36,7 @@ from .prefix_hash import NO_SCOPE, CacheScope, block_keys
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)  # made per request and step: not frozen (5 us to 1)
 class NewRows:
     """Where a step's new rows of one request go and what each attends to.
 
@@ -240,7 +240,9 @@ class TreeKVCache:
         ).reshape(n, depth)
         self.tree_mask, self.tree_ids = mask, all_ids
         self.tree_slots = np.concatenate([self.tree_slots, slots])
-        return NewRows(slots, np.full(n, self.n_committed), ancestors, self.length)
+        prefix = np.empty(n, dtype=np.int64)
+        prefix.fill(self.n_committed)  # np.full costs a microsecond more
+        return NewRows(slots, prefix, ancestors, self.length)
 
     def _take_tree_slots(self, n: int) -> np.ndarray:
         short = n - len(self._free_tree_slots)

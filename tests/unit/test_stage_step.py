@@ -102,7 +102,9 @@ def test_device_operations_do_not_grow_with_requests(llama_dir, layers, prune_la
         if layers.is_last:  # final hidden states of every row (the late prune's dropped)
             want = [100] if prune_late else [100, 101]
             assert all(o.node_ids.tolist() == want and o.hidden is not None for o in outs)
-    assert counts[1] == counts[3] == counts[12], counts
+    assert counts[3] == counts[12], counts
+    # one request issues the same, less the concatenation of the requests' hidden states
+    assert not counts[1] - counts[3] and counts[3] - counts[1] in (Counter(), Counter(cat=1))
 
 
 def test_operations_per_layer(llama_dir) -> None:
