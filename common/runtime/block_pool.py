@@ -314,6 +314,9 @@ class BlockPool:
         """Slots of rows [start, stop) of a block table (only the blocks they fall in are
         read: a step's few rows of a long table cost as few rows of a short one)."""
         bs = self.block_size
+        if stop - start <= 8:  # a commit's few rows: a list, not five array operations
+            few = [blocks[i // bs] * bs + i % bs for i in range(start, stop)]
+            return np.array(few, dtype=np.int64)
         first = start // bs
         rows = np.arange(start - first * bs, stop - first * bs)
         table = np.asarray(blocks[first : -(-stop // bs)], dtype=np.int64)

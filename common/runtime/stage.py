@@ -547,7 +547,9 @@ class StageRuntime:
                     targets.append(dst)
                     self._last_prune[request_id] = prune
             finally:
-                if sources:
+                if len(sources) == 1:
+                    self.pool.copy_rows(sources[0], targets[0])
+                elif sources:
                     self.pool.copy_rows(np.concatenate(sources), np.concatenate(targets))
                 self._free_released_locked()
         return results
