@@ -6,7 +6,9 @@ stages as a stage's compute rounds run them: a step's prunes in one `prune_many`
 `prepare_step` (block tables, positions, attention metadata: `pack`) and `run_step` (the
 forward and the outputs). Prints thread CPU microseconds per step (the cheapest of
 `--repeats` replays, fair on a shared machine) of each part, summed over the four stages
-and per stage, and the device operations of the replayed steps (aten ops per step).
+and per stage, and the device operations of the replayed steps (aten ops per step); and
+the draft's calls of the same workload (`bench_draft_host.py`'s record), replayed as its
+service batches them: its prunes, its preparation and the whole batch, per batch.
 
     python benchmarks/bench_stage_prep.py                 # 1 and 8 clients, ~1 minute
 
@@ -135,6 +137,45 @@ def replay(
     return steps, spent
 
 
+def replay_draft(target: Path, calls, package: str) -> dict[str, float]:
+    """The draft's recorded calls (`bench_draft_host.record`) replayed as its service
+    batches them, on `package`'s `DraftRuntime`: CPU us per batch of its prunes
+    (`prune_many`), its preparation (`StageRuntime.prepare_step`) and the whole batch."""
+    from bench_draft_host import batches_of
+
+    draft = importlib.import_module(f"{package}.runtime.loader").load_draft(target)
+    proposal = importlib.import_module(f"{package}.runtime.draft").Proposal  # its own class
+    spent = {"prune_many": 0.0, "prepare_step": 0.0, "batch": 0.0}
+    counting = [False]
+    runtime = draft.runtime
+    for obj, name in ((draft, "prune_many"), (runtime, "prepare_step")):
+        real = getattr(obj, name)
+
+        def run(*args, _real=real, _name=name, **kwargs):
+            start = time.thread_time()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                if counting[0]:
+                    spent[_name] += time.thread_time() - start
+
+        setattr(obj, name, run)
+    batches = 0
+    for name, prunes, asks in batches_of(calls):
+        if name != "batch":
+            getattr(draft, name)(*prunes)
+            continue
+        counting[0], start = True, time.thread_time()
+        if prunes:
+            draft.prune_many(prunes)
+        if asks:
+            draft.step_many([proposal(a.layer, a.top_k, a.temperature) for a in asks])
+        spent["batch"] += time.thread_time() - start
+        counting[0] = False
+        batches += 1
+    return {k: 1e6 * v / batches for k, v in spent.items()}
+
+
 def device_ops(target: Path, layers, calls, package: str = "specpipe.common") -> float:
     """aten operations per replayed tree step (prunes and forward)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -186,6 +227,18 @@ def main() -> None:
             for run, (name, package) in zip(runs, versions.items(), strict=True):
                 ops = device_ops(target, layers, calls[k], package)
                 run["stages"].append({"stage": k, "steps": steps, **best[name], "ops": ops})
+        from bench_draft_host import record as record_draft
+
+        draft_calls = record_draft(target, c, max(2, c))
+        draft_best: dict[str, dict[str, float]] = {name: {} for name in versions}
+        for _ in range(args.repeats):
+            for name, package in versions.items():
+                for part, us in replay_draft(target, draft_calls, package).items():
+                    draft_best[name][part] = min(draft_best[name].get(part, us), us)
+        for run in runs:
+            run["draft"] = draft_best[run["version"]]
+            row = " | ".join(f"{p} {us:.1f}" for p, us in run["draft"].items())
+            print(f"{c} client(s), {run['version']}, the draft, us per batch: {row}")
         for run in runs:
             per_stage = run["stages"]
             total = {p: sum(s[p] for s in per_stage) for p in (*PARTS, "step", "ops")}
