@@ -15,7 +15,7 @@ CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5.
 request controller and its executors", "The stage engine".
 
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
-layer issues as few as give the reference's bits (27 aten ops in fp32; what they are and
+layer issues as few as give the reference's bits (25 aten ops in fp32; what they are and
 what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
 step shares (RoPE's cos and sin, the attention's views) is made once per step, the
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
