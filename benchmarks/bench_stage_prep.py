@@ -86,33 +86,28 @@ def baseline_package(path: Path) -> str:
     return "baseline_common"
 
 
+def timer(names: tuple[str, ...]):
+    """`bench_draft_host.Parts` (CPU seconds of the methods it times while `counting`)
+    over the parts `names`."""
+    from bench_draft_host import Parts
+
+    parts = Parts()
+    parts.spent = dict.fromkeys(names, 0.0)
+    return parts
+
+
 def replay(
     target: Path, layers, calls, timed: bool = True, package: str = "specpipe.common"
 ) -> tuple[int, dict[str, float]]:
     """Steps (forwards of tree rows) and CPU seconds per part over them."""
     stage_module, load_runtime = version(package)
     runtime = load_runtime(target, layers, torch.float32, "cpu", None)
-    spent = dict.fromkeys((*PARTS, "step"), 0.0)
-    counting = [False]
-
-    def time_of(obj, name: str) -> None:
-        real = getattr(obj, name)
-
-        def run(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                if counting[0]:
-                    spent[name] += time.thread_time() - start
-
-        setattr(obj, name, run)
-
+    parts = timer((*PARTS, "step"))
     if timed:
         for name in ("prune_many", "prepare_step", "run_step"):
-            time_of(runtime, name)
+            parts.time(runtime, name)
         pack = stage_module.pack
-        time_of(stage_module, "pack")
+        parts.time(stage_module, "pack")
     steps, prunes = 0, []
     for name, args, kwargs in calls:
         if name == "prune":
@@ -122,19 +117,19 @@ def replay(
             getattr(runtime, name)(*args, **kwargs)
             continue
         tree = not any(a.committed for a in args[0])
-        counting[0] = tree
+        parts.counting = tree
         start = time.thread_time()
         if prunes:
             runtime.prune_many(prunes)
             prunes = []
         runtime.forward_many(*args)
         if tree:
-            spent["step"] += time.thread_time() - start
+            parts.spent["step"] += time.thread_time() - start
             steps += 1
-        counting[0] = False
+        parts.counting = False
     if timed:
         stage_module.pack = pack
-    return steps, spent
+    return steps, parts.spent
 
 
 def replay_draft(target: Path, calls, package: str) -> dict[str, float]:
@@ -145,35 +140,23 @@ def replay_draft(target: Path, calls, package: str) -> dict[str, float]:
 
     draft = importlib.import_module(f"{package}.runtime.loader").load_draft(target)
     proposal = importlib.import_module(f"{package}.runtime.draft").Proposal  # its own class
-    spent = {"prune_many": 0.0, "prepare_step": 0.0, "batch": 0.0}
-    counting = [False]
-    runtime = draft.runtime
-    for obj, name in ((draft, "prune_many"), (runtime, "prepare_step")):
-        real = getattr(obj, name)
-
-        def run(*args, _real=real, _name=name, **kwargs):
-            start = time.thread_time()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                if counting[0]:
-                    spent[_name] += time.thread_time() - start
-
-        setattr(obj, name, run)
+    parts = timer(("prune_many", "prepare_step", "batch"))
+    parts.time(draft, "prune_many")
+    parts.time(draft.runtime, "prepare_step")
     batches = 0
     for name, prunes, asks in batches_of(calls):
         if name != "batch":
             getattr(draft, name)(*prunes)
             continue
-        counting[0], start = True, time.thread_time()
+        parts.counting, start = True, time.thread_time()
         if prunes:
             draft.prune_many(prunes)
         if asks:
             draft.step_many([proposal(a.layer, a.top_k, a.temperature) for a in asks])
-        spent["batch"] += time.thread_time() - start
-        counting[0] = False
+        parts.spent["batch"] += time.thread_time() - start
+        parts.counting = False
         batches += 1
-    return {k: 1e6 * v / batches for k, v in spent.items()}
+    return {k: 1e6 * v / batches for k, v in parts.spent.items()}
 
 
 def device_ops(target: Path, layers, calls, package: str = "specpipe.common") -> float:
