@@ -15,7 +15,7 @@ CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5.
 request controller and its executors", "The stage engine".
 
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
-layer issues as few as give the reference's bits (27 aten ops in fp32; what they are and
+layer issues as few as give the reference's bits (25 aten ops in fp32; what they are and
 what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
 step shares (RoPE's cos and sin, the attention's views) is made once per step, the
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
@@ -116,6 +116,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos).add_(x.roll(x.shape[-1] // 2, -1).mul_(sin))
 
 
+def apply_rope_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`apply_rope` in place on `x` (the same products and sum, to the bit): a step's
+    rotated K stays beside its V in the q/k/v projection's output, so that both are
+    written to the cache in one operation (`Attention.forward`)."""
+    rolled = x.roll(x.shape[-1] // 2, -1).mul_(sin)
+    return x.mul_(cos).add_(rolled)
+
+
 def project(layer: nn.Module, x: Tensor) -> Tensor:
     """`layer(x)` for the model's projections (an `nn.Linear`, or a `PackedLinear`), without
     `nn.Module`'s call and attribute look-ups, on the layer's own parameters (read from
@@ -174,8 +182,8 @@ class Attention(nn.Module):
         qkv = project(modules["qkv_proj"], x).view(n, heads + 2 * kv_heads, d)
         # split_with_sizes, not Tensor.split (its Python frame was 3% of the draft's samples)
         qk, v = qkv.split_with_sizes((heads + kv_heads, kv_heads), 1)
-        q, k = apply_rope(qk, cos, sin).split_with_sizes((heads, kv_heads), 1)
         if step is None:  # one causal sequence, no cache
+            q, k = apply_rope(qk, cos, sin).split_with_sizes((heads, kv_heads), 1)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None],
                 k.transpose(0, 1)[None],
@@ -184,8 +192,10 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )[0].transpose(0, 1)
             return project(modules["o_proj"], out.reshape(n, heads * d))
-        step.k[layer].index_copy_(0, step.batch.write_slots, k)
-        step.v[layer].index_copy_(0, step.batch.write_slots, v)
+        # RoPE in place, so the rotated K stays beside V: both written in one operation
+        apply_rope_(qk, cos, sin)
+        q, kv = qkv.split_with_sizes((heads, 2 * kv_heads), 1)
+        step.kv[layer].index_copy_(0, step.batch.write_slots, kv)
         return project(modules["o_proj"], attend_layer(q, step, layer))
 
 

@@ -58,18 +58,21 @@ class AttentionPart:
 class PagedBatch:
     """One step's rows of every request, for attention over the paged KV cache.
 
-    K/V live in `k`, `v` [layers, slots, kv_heads, head_dim] (a stage's block pool). The
-    N new rows write their K/V to `write_slots` [N]. Attention runs as `parts`, whose
-    padded outputs are concatenated in order; new row i's output is at `out_rows[i]`.
-    `key_buffer`, `value_buffer`: room for the largest part's gathered keys (reused by
-    every layer). `flex`: where set (`flex_attention`: an accelerator's step of one part),
-    attention runs through it instead of `parts`, and new row i's output is row i.
-    `runtime.paged_batch.pack` builds one from the requests' block tables."""
+    K/V live in `kv` [layers, slots, 2 * kv_heads, head_dim] (a stage's block pool: a
+    slot's K heads, then its V heads; `k`, `v` are views of the halves). The N new rows
+    write their K and V to `write_slots` [N] in one operation per layer. Attention runs as
+    `parts`, whose padded outputs are concatenated in order; new row i's output is at
+    `out_rows[i]`. `kv_buffer` [rows, 2 * kv_heads, head_dim]: room for the largest part's
+    gathered K/V rows (reused by every layer; `key_buffer`, `value_buffer`: its memory as
+    two K and V buffers, for parts gathered apart). `flex`: where set (`flex_attention`:
+    an accelerator's step of one part), attention runs through it instead of `parts`, and
+    new row i's output is row i. `runtime.paged_batch.pack` builds one from the requests'
+    block tables."""
 
+    kv: Tensor
     k: Tensor
     v: Tensor
-    key_buffer: Tensor
-    value_buffer: Tensor
+    kv_buffer: Tensor
     write_slots: Tensor
     parts: tuple[AttentionPart, ...]
     out_rows: Tensor
@@ -79,6 +82,20 @@ class PagedBatch:
     def shape(self) -> tuple[int, int, int]:
         """The first part's (B, Q, L): the whole step's when it is one part."""
         return self.parts[0].shape
+
+    @property
+    def key_buffer(self) -> Tensor:
+        """The first half of `kv_buffer`'s memory as [rows, kv_heads, head_dim]."""
+        return self._half(0)
+
+    @property
+    def value_buffer(self) -> Tensor:
+        return self._half(1)
+
+    def _half(self, i: int) -> Tensor:
+        rows, heads, d = self.kv_buffer.shape
+        n = rows * heads * d // 2
+        return self.kv_buffer.view(-1)[i * n : (i + 1) * n].view(rows, heads // 2, d)
 
 
 def tree_mask(
@@ -111,17 +128,20 @@ def tree_mask(
 @dataclass(slots=True, eq=False)  # made per step (see above)
 class StepAttention:
     """What every layer of one step attends with, made once per step (`step_attention`)
-    rather than once per layer: each layer's K/V cache views, and for a step of one
-    padded part the gather buffers' views in SDPA's layout and a buffer for the
-    queries, so that a layer issues only its gathers and its SDPA call. A part without
+    rather than once per layer: each layer's K/V cache views (`kv`, which the layer's new
+    rows are written to; `k`, `v` where a path reads K and V apart: empty for a step of
+    one padded part), and for a step of one padded part the gather buffer's views in
+    SDPA's layout and a buffer for the queries, so that a layer issues only its K/V write,
+    its one gather and its SDPA call. A part without
     padding (`unpadded`: every query group full, so padded position p is new row p and
     output row i is padded row i: one request, or requests of as many rows each) needs
     no buffer: the queries are a view of the layer's own and the output is in order."""
 
     batch: PagedBatch
-    k: tuple[Tensor, ...]  # layer i's K cache [slots, kv_heads, d]
+    kv: tuple[Tensor, ...]  # layer i's K/V cache [slots, 2 * kv_heads, d]
+    k: tuple[Tensor, ...]  # layer i's K cache [slots, kv_heads, d] (a view of kv's)
     v: tuple[Tensor, ...]
-    keys: Tensor | None = None  # [B, kv_heads, L, d]: views of the gather buffers
+    keys: Tensor | None = None  # [B, kv_heads, L, d]: views of the gather buffer
     values: Tensor | None = None
     query_buffer: Tensor | None = None  # [B*Q, heads, d]; None when unpadded
     queries: Tensor | None = None  # [B, heads, Q, d]: a view of query_buffer
@@ -134,28 +154,30 @@ def step_attention(
 ) -> StepAttention:
     """`batch`'s per-step views (see `StepAttention`); `rows_alone`: its tree rows attend
     one by one, batch-invariant (`batch_invariant.row_attention`), noted there."""
-    k, v = batch.k.unbind(0), batch.v.unbind(0)
+    kv = batch.kv.unbind(0)
     rows = row_attention(batch, heads) if rows_alone else None
     if rows_alone:
         rows_alone.note(rows, batch.out_rows.numel())
-    if rows is not None:
-        return StepAttention(batch, k, v, rows=rows)
     one = batch.flex is None and len(batch.parts) == 1 and not batch.parts[0].blocked
-    if not one or batch.parts[0].mask is None:
-        return StepAttention(batch, k, v)
+    if rows is not None or not one or batch.parts[0].mask is None:
+        return StepAttention(batch, kv, batch.k.unbind(0), batch.v.unbind(0), rows=rows)
     b, nq, length = batch.parts[0].shape
     kv_heads, d = batch.k.shape[2], batch.k.shape[3]
-    keys = batch.key_buffer.view(b, length, kv_heads, d).transpose(1, 2)
-    values = batch.value_buffer.view(b, length, kv_heads, d).transpose(1, 2)
+    # K and V gathered together (one index_select a layer), seen as SDPA's two inputs
+    keys, values = batch.kv_buffer.view(b, length, 2 * kv_heads, d).split_with_sizes(
+        (kv_heads, kv_heads), 2
+    )
+    keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     # one part of whole requests in order (`runtime.paged_batch.pack`): with no padded
     # position, its query rows and output rows are both 0..N-1
     if b * nq == batch.write_slots.shape[0]:
-        return StepAttention(batch, k, v, keys, values, unpadded=True)
+        return StepAttention(batch, kv, (), (), keys, values, unpadded=True)
     query_buffer = batch.k.new_empty((b * nq, heads, d))
     return StepAttention(
         batch,
-        k,
-        v,
+        kv,
+        (),
+        (),
         keys=keys,
         values=values,
         query_buffer=query_buffer,
@@ -171,8 +193,7 @@ def attend_layer(q: Tensor, step: StepAttention, layer: int) -> Tensor:
     if step.keys is None:
         return attend(q, step.k[layer], step.v[layer], step.batch, q.shape[1])
     part = step.batch.parts[0]
-    torch.index_select(step.k[layer], 0, part.key_slots, out=step.batch.key_buffer)
-    torch.index_select(step.v[layer], 0, part.key_slots, out=step.batch.value_buffer)
+    torch.index_select(step.kv[layer], 0, part.key_slots, out=step.batch.kv_buffer)
     b, nq, _ = part.shape
     if step.unpadded:
         queries = q.view(b, nq, q.shape[1], q.shape[2]).transpose(1, 2)

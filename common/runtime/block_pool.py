@@ -2,9 +2,12 @@
 of the stage's layers, shared by every request it holds.
 
 A request owns a list of blocks (its block table, `kv_cache.TreeKVCache`); a row of a
-request lives in one *slot* (block * block_size + offset). K and V are one tensor each,
-[layers, slots, kv_heads, head_dim], so a step writes the new rows of all its requests
-with one `index_copy_` per layer and reads any request's rows by gathering slots. As in
+request lives in one *slot* (block * block_size + offset). K and V are one tensor,
+`kv` [layers, slots, 2 * kv_heads, head_dim], a slot's K heads then its V heads (`k` and
+`v` are views of the halves), so a step writes the new K and V rows of all its requests
+with one `index_copy_` per layer, reads any request's rows with one gather of slots, and a
+commit moves rows with one copy: each operation is a launch on an accelerator and
+dispatch time on a CPU, whatever its size. As in
 vLLM's paged attention, memory is taken as rows arrive, not reserved for what a request
 might reach, and given back block by block.
 
@@ -88,22 +91,27 @@ class BlockPool:
         self.evictions = 0  # cached blocks reused for other rows
         # Requests open (lookups) while a forward takes and gives back blocks.
         self._lock = threading.RLock()
-        self.k = self._zeros(0)
-        self.v = self._zeros(0)
-        # K and V of a CPU storage as numpy arrays of same-sized integers (`copy_rows`)
-        self._host: tuple[np.ndarray, np.ndarray] | None = None
-        self._gather = torch.empty(2, 0, *self.row_shape, dtype=dtype, device=self.device)
+        self._set_storage(self._zeros(0), None)
+        # room for a step's gathered K/V rows, flat (`gather_buffer`)
+        self._gather = torch.empty(0, dtype=dtype, device=self.device)
         if allocate:
             self.allocate_storage()
 
     def _zeros(self, blocks: int) -> Tensor:
         return self._storage(blocks)[0]
 
+    def _set_storage(self, kv: Tensor, host: np.ndarray | None) -> None:
+        """`kv` the storage, and `k`, `v` its halves (views)."""
+        heads = self.row_shape[0]
+        self.kv, self._host = kv, host  # K/V of a CPU storage as integers (`copy_rows`)
+        self.k, self.v = kv[:, :, :heads], kv[:, :, heads:]
+
     def _storage(self, blocks: int) -> tuple[Tensor, np.ndarray | None]:
-        """A zero K or V storage of `blocks` blocks and, on a CPU, the same memory as a
+        """A zero K/V storage of `blocks` blocks and, on a CPU, the same memory as a
         numpy array of integers of the dtype's size (a row copy moves the same bytes
         whatever the dtype, and numpy has no bfloat16)."""
-        shape = (self.num_layers, blocks * self.block_size, *self.row_shape)
+        heads, d = self.row_shape
+        shape = (self.num_layers, blocks * self.block_size, 2 * heads, d)
         if self.device.type != "cpu" or not blocks:
             return torch.zeros(shape, dtype=self.dtype, device=self.device), None
         # calloc (numpy's zeros): a large block is fresh zero pages, committed when written
@@ -122,13 +130,8 @@ class BlockPool:
             if self.used_blocks:
                 raise RuntimeError("the KV storage cannot be replaced while blocks are held")
             self.clear_prefix_cache()
-            self.k = self.v = self._zeros(0)  # the old storage goes before the new comes
-            self._host = None
-            (self.k, k), (self.v, v) = (
-                self._storage(self.max_blocks),
-                self._storage(self.max_blocks),
-            )
-            self._host = (k, v) if k is not None and v is not None else None
+            self._set_storage(self._zeros(0), None)  # the old storage goes before the new
+            self._set_storage(*self._storage(self.max_blocks))
             self._storage_blocks, self._stored, self._free, self._refs = self.max_blocks, 0, [], []
 
     # -- accounting --------------------------------------------------------------------
@@ -296,24 +299,24 @@ class BlockPool:
         self._refs += [0] * blocks
         self._stored = end
 
-    def gather_buffers(self, rows: int) -> tuple[Tensor, Tensor]:
-        """Room for `rows` gathered K and V rows, kept between steps: a step's attention
-        gathers every request's keys into them, layer after layer, instead of allocating
-        (and, on a CPU, page-faulting) two fresh tensors per layer."""
-        if self._gather.shape[1] < rows:
-            self._gather = torch.empty(
-                2,
-                max(rows, 2 * self._gather.shape[1]),
-                *self.row_shape,
-                dtype=self.dtype,
-                device=self.device,
-            )
-        return self._gather[0, :rows], self._gather[1, :rows]
+    def gather_buffer(self, rows: int) -> Tensor:
+        """Room for `rows` gathered K/V rows [rows, 2 * kv_heads, head_dim], kept between
+        steps: a step's attention gathers every request's keys into it, layer after layer,
+        instead of allocating (and, on a CPU, page-faulting) fresh tensors per layer."""
+        heads, d = self.row_shape
+        need = rows * 2 * heads * d
+        if self._gather.numel() < need:
+            size = max(need, 2 * self._gather.numel())
+            self._gather = torch.empty(size, dtype=self.dtype, device=self.device)
+        return self._gather[:need].view(rows, 2 * heads, d)
 
     def slots(self, blocks: list[int], start: int, stop: int) -> np.ndarray:
         """Slots of rows [start, stop) of a block table (only the blocks they fall in are
         read: a step's few rows of a long table cost as few rows of a short one)."""
         bs = self.block_size
+        if stop - start <= 8:  # a commit's few rows: a list, not five array operations
+            few = [blocks[i // bs] * bs + i % bs for i in range(start, stop)]
+            return np.array(few, dtype=np.int64)
         first = start // bs
         rows = np.arange(start - first * bs, stop - first * bs)
         table = np.asarray(blocks[first : -(-stop // bs)], dtype=np.int64)
@@ -325,12 +328,10 @@ class BlockPool:
         numpy on the same memory)."""
         if src.size == 0:
             return
-        if self._host is not None:  # a CPU storage: two array operations on its memory
-            k, v = self._host
-            k[:, dst] = k[:, src]
-            v[:, dst] = v[:, src]
+        if self._host is not None:  # a CPU storage: one array operation on its memory
+            kv = self._host
+            kv[:, dst] = kv[:, src]
             return
         # one host-to-device copy of both index lists; nothing is read back
         s, d = torch.from_numpy(np.stack([src, dst])).to(self.device, non_blocking=True)
-        self.k.index_copy_(1, d, self.k.index_select(1, s))
-        self.v.index_copy_(1, d, self.v.index_select(1, s))
+        self.kv.index_copy_(1, d, self.kv.index_select(1, s))

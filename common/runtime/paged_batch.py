@@ -160,8 +160,12 @@ def _part(groups: Sequence[QueryGroup]) -> PartPlan:
 
 def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
     """A host array on `device`, the copy queued without waiting for the device (a
-    blocking copy would wait for the step still running there)."""
-    return torch.from_numpy(array).to(device, non_blocking=True)
+    blocking copy would wait for the step still running there; on a CPU, the array's
+    own memory)."""
+    t = torch.from_numpy(array)
+    if isinstance(device, torch.device) and device.type == "cpu":
+        return t
+    return t.to(device, non_blocking=True)
 
 
 def pack(
@@ -170,22 +174,41 @@ def pack(
     pool: BlockPool,
     costs: StepCosts | None = None,
     budget: int | None = None,
+    flex: bool | None = None,
 ) -> PagedBatch:
     """The batch of `rows[b]` (request b's new rows) over keys `key_slots[b]`, against
     the K/V storage of `pool`, in attention parts of at most `budget` bytes each by
-    `costs` (None: one part)."""
+    `costs` (None: one part). `flex`: whether a step of one part attends through
+    FlexAttention (None: `flex_applies` to the pool's device; a runtime decides once).
+
+    A step that fits one part (almost every step) is laid out without planning objects,
+    in a fixed number of array operations (`_whole_part`)."""
     device = pool.device
     counts = [int(r.slots.size) for r in rows]
-    plans = plan(rows, costs, budget if costs is not None else None)
+    keys = [_keys_of(r) for r in rows]
     depth = max(1, max(r.ancestors.shape[1] for r in rows))
-    if len(plans) == 1 and _whole_requests(plans[0], counts):
-        arrays, out_rows = _one_part(rows, key_slots, plans[0], depth)
+    if costs is None or budget is None:
+        budget = None
+    b, q, length = len(rows), max(counts), max(keys)
+    if budget is None or costs.attention_bytes(b, q, length) <= budget:  # type: ignore[union-attr]
+        shapes = [(b, q, length)]
+        blocks = [length]
+        arrays, out_rows = _whole_part(rows, key_slots, counts, keys, shapes[0], depth)
     else:
-        arrays, out_rows = _parts(rows, key_slots, counts, plans, depth)
+        plans = plan(rows, costs, budget)
+        shapes = [p.shape for p in plans]
+        blocks = [p.key_block for p in plans]
+        if len(plans) == 1 and _whole_requests(plans[0], counts):
+            arrays, out_rows = _one_part(rows, key_slots, plans[0], depth)
+        else:
+            arrays, out_rows = _parts(rows, key_slots, counts, plans, depth)
     n = int(out_rows.size)
-    write = np.concatenate([r.slots for r in rows])
+    write = rows[0].slots if b == 1 else np.concatenate([r.slots for r in rows])
     # an accelerator's step of one part: FlexAttention over the keys unpadded
-    flex = flex_applies(device) and len(plans) == 1 and plans[0].key_block == plans[0].shape[2]
+    one = len(shapes) == 1 and blocks[0] == length
+    if flex is None:
+        flex = flex_applies(device)
+    flex = flex and one
     flex_arrays = flex_metadata(rows, key_slots) if flex else []
 
     parts = [write, out_rows, *arrays, *flex_arrays]
@@ -196,25 +219,25 @@ def pack(
         write_t, out_t, *tensors = flat.split([p.size for p in parts])
     flex_step = _flex_step(tensors[len(arrays) :], n, depth) if flex else None
     built = []
-    for i, p in enumerate(plans):
-        b, q, length = p.shape
+    for i, (shape, block) in enumerate(zip(shapes, blocks, strict=True)):
+        b, q, length = shape
         keys_t, query_t, prefix_t, anc_t = tensors[4 * i : 4 * i + 4]
         anc_t = anc_t.view(b * q, depth)
-        one = len(plans) == 1 and p.key_block == length and not flex
         mask = None
-        if one and device.type == "cpu":
-            mask = host_mask(arrays[2], arrays[3].reshape(b * q, depth), p.shape, pool.dtype)
-        elif one:
-            mask = tree_mask(prefix_t, anc_t, p.shape, pool.dtype)
-        built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, p.shape, p.key_block, mask))
-    gathered = max((p.shape[0] * p.shape[2] for p in plans if p.key_block == p.shape[2]),
-                   default=0) if not flex else 0  # fmt: skip
-    key_buffer, value_buffer = pool.gather_buffers(gathered)
+        if one and not flex and device.type == "cpu":
+            mask = host_mask(arrays[2], arrays[3].reshape(b * q, depth), shape, pool.dtype)
+        elif one and not flex:
+            mask = tree_mask(prefix_t, anc_t, shape, pool.dtype)
+        built.append(AttentionPart(keys_t, query_t, prefix_t, anc_t, shape, block, mask))
+    gathered = 0
+    if not flex:
+        gathered = max((s[0] * s[2] for s, k in zip(shapes, blocks, strict=True) if k == s[2]),
+                       default=0)  # fmt: skip
     return PagedBatch(
+        kv=pool.kv,
         k=pool.k,
         v=pool.v,
-        key_buffer=key_buffer,
-        value_buffer=value_buffer,
+        kv_buffer=pool.gather_buffer(gathered),
         write_slots=write_t,
         parts=tuple(built),
         out_rows=out_t,
@@ -249,30 +272,39 @@ def _whole_requests(p: PartPlan, counts: Sequence[int]) -> bool:
 def _one_part(
     rows: Sequence[NewRows], key_slots: Sequence[np.ndarray], p: PartPlan, depth: int
 ) -> tuple[list[np.ndarray], np.ndarray]:
-    """The arrays of a step that is one part of whole requests (`_whole_requests`) and
-    `out_rows`, built as whole-array operations over the concatenated new rows: a
-    constant number of them whatever the number of requests (`_parts` lays out any plan,
-    a group at a time)."""
-    b, q, length = p.shape
+    """`_whole_part` of a plan of one part of whole requests (`_whole_requests`)."""
+    counts = [g.rows for g in p.groups]
+    return _whole_part(rows, key_slots, counts, [g.keys for g in p.groups], p.shape, depth)
+
+
+def _whole_part(
+    rows: Sequence[NewRows],
+    key_slots: Sequence[np.ndarray],
+    counts: Sequence[int],
+    keys: Sequence[int],
+    shape: tuple[int, int, int],
+    depth: int,
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The arrays of a step that is one part (`shape`) of whole requests, in order (request
+    b: `counts[b]` new rows over its first `keys[b]` keys), and `out_rows`, built as
+    whole-array operations over the concatenated new rows: a constant number of them
+    whatever the number of requests (`_parts` lays out any plan, a group at a time)."""
+    b, q, length = shape
     if b == 1:  # one request: its rows are the part's first query rows
-        (r,), (g,) = rows, p.groups
-        n = g.rows
-        at = np.arange(n)
-        prefix = np.ones(q, dtype=np.int64)
-        prefix[:n] = r.prefix
-        keys = key_slots[0][: g.keys].astype(np.int64, copy=False)
+        (r,), n = rows, counts[0]
+        at = np.arange(n)  # n == q: no padded query row
+        prefix = r.prefix.astype(np.int64, copy=False)
+        keys_of = key_slots[0][: keys[0]].astype(np.int64, copy=False)
         ancestors = np.full((q, depth), length, dtype=np.int64)
         a = r.ancestors
         if a.shape[1]:
             ancestors[:n, : a.shape[1]] = np.where(a >= 0, a, length)
-        query_rows = np.zeros(q, dtype=np.int64)
-        query_rows[:n] = at
-        return [keys, query_rows, prefix, ancestors.ravel()], at
-    counts = np.fromiter((g.rows for g in p.groups), dtype=np.int64, count=b)
-    n = int(counts.sum())
+        return [keys_of, at, prefix, ancestors.ravel()], at
+    counts_a = np.array(counts, dtype=np.int64)
+    n = int(counts_a.sum())
     # each new row's padded position: its request's query group, then its place in it
-    starts = np.arange(b, dtype=np.int64) * q - (np.cumsum(counts) - counts)
-    at = np.arange(n, dtype=np.int64) + np.repeat(starts, counts)
+    starts = np.arange(b, dtype=np.int64) * q - (np.cumsum(counts_a) - counts_a)
+    at = np.arange(n, dtype=np.int64) + np.repeat(starts, counts_a)
     query_rows = np.zeros(b * q, dtype=np.int64)
     query_rows[at] = np.arange(n)
     prefix = np.ones(b * q, dtype=np.int64)
@@ -289,12 +321,12 @@ def _one_part(
                 a[first : first + r.ancestors.shape[0], : r.ancestors.shape[1]] = r.ancestors
                 first += r.ancestors.shape[0]
         ancestors[at] = np.where(a >= 0, a, length)
-    need = np.fromiter((g.keys for g in p.groups), dtype=np.int64, count=b)
-    keys = np.zeros((b, length), dtype=np.int64)
-    keys[np.arange(length) < need[:, None]] = np.concatenate(
-        [s[:k] for s, k in zip(key_slots, need.tolist(), strict=True)]
+    need = np.array(keys, dtype=np.int64)
+    key_table = np.zeros((b, length), dtype=np.int64)
+    key_table[np.arange(length) < need[:, None]] = np.concatenate(
+        [s[:k] for s, k in zip(key_slots, keys, strict=True)]
     )
-    return [keys.ravel(), query_rows, prefix, ancestors.ravel()], at
+    return [key_table.ravel(), query_rows, prefix, ancestors.ravel()], at
 
 
 def _parts(

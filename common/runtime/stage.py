@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..model.flex_attention import flex_applies
 from ..model.layers import StageModel
 from ..model.paged_attention import PagedBatch
 from ..spec.messages import Activation, Prune
@@ -129,6 +130,7 @@ class StageRuntime:
         # read once: a module's device and dtype walk its parameters (microseconds a read,
         # several reads a step)
         self.device, self.dtype = model.device, model.dtype
+        self._flex = flex_applies(self.device)  # the attention path, chosen at start
         cfg = model.cfg
         self.step_budget = StepBudget(
             step_bytes if step_bytes is not None else DEFAULT_STEP_BYTES,
@@ -478,18 +480,26 @@ class StageRuntime:
         copied to the device without waiting for it."""
         device = self.device
         keep = _input_rows(batch)
+        one = len(batch) == 1  # the usual step at one client: nothing to concatenate
         if self.is_first:
-            tokens = np.concatenate([host(b.act.tokens) for b in batch])  # type: ignore[arg-type]
+            tokens = (
+                host(batch[0].act.tokens)
+                if one
+                else np.concatenate(  # type: ignore[arg-type]
+                    [host(b.act.tokens) for b in batch]  # type: ignore[arg-type]
+                )
+            )
             if keep is not None:
                 tokens = tokens[keep]
             hidden = to_device(tokens, device)  # embedded in `run_step`
         else:
-            parts = [b.act.hidden for b in batch]
-            hidden = torch.cat(parts)  # type: ignore[arg-type]
+            hidden = batch[0].act.hidden if one else torch.cat([b.act.hidden for b in batch])  # type: ignore[misc]
             if keep is not None:
-                hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))
-            hidden = hidden.to(device=device, dtype=self.dtype, non_blocking=True)
-        positions = to_device(np.concatenate([b.positions for b in batch]), device)
+                hidden = hidden.index_select(0, torch.from_numpy(keep).to(hidden.device))  # type: ignore[union-attr]
+            if hidden.device != device or hidden.dtype != self.dtype:  # type: ignore[union-attr]
+                hidden = hidden.to(device=device, dtype=self.dtype, non_blocking=True)  # type: ignore[union-attr]
+        positions = batch[0].positions if one else np.concatenate([b.positions for b in batch])
+        positions = to_device(positions, device)
         budget = self.step_budget
         attention = pack(
             [b.rows for b in batch],
@@ -497,6 +507,7 @@ class StageRuntime:
             self.pool,
             budget.costs,
             budget.attention_bytes,
+            self._flex,
         )
         return hidden, positions, attention
 
@@ -536,7 +547,9 @@ class StageRuntime:
                     targets.append(dst)
                     self._last_prune[request_id] = prune
             finally:
-                if sources:
+                if len(sources) == 1:
+                    self.pool.copy_rows(sources[0], targets[0])
+                elif sources:
                     self.pool.copy_rows(np.concatenate(sources), np.concatenate(targets))
                 self._free_released_locked()
         return results

@@ -69,7 +69,7 @@ def count_step(model_dir, layers: LayerRange, device: str, requests: int, prune_
     """Open `requests` requests (prefill of different lengths, so keys are padded), then
     count one step of tree rows: two rows each (a root and a child)."""
     stage = stage_on(model_dir, layers, device)
-    stage.pool.gather_buffers(1024)  # nor the attention's gather buffers
+    stage.pool.gather_buffer(1024)  # nor the attention's gather buffers
     for i in range(requests):
         stage.open(f"r{i}", 64)
         n = 3 + i % 3
@@ -102,7 +102,9 @@ def test_device_operations_do_not_grow_with_requests(llama_dir, layers, prune_la
         if layers.is_last:  # final hidden states of every row (the late prune's dropped)
             want = [100] if prune_late else [100, 101]
             assert all(o.node_ids.tolist() == want and o.hidden is not None for o in outs)
-    assert counts[1] == counts[3] == counts[12], counts
+    assert counts[3] == counts[12], counts
+    # one request issues the same, less the concatenation of the requests' hidden states
+    assert not counts[1] - counts[3] and counts[3] - counts[1] in (Counter(), Counter(cat=1))
 
 
 def test_operations_per_layer(llama_dir) -> None:
@@ -114,11 +116,12 @@ def test_operations_per_layer(llama_dir) -> None:
             totals[requests, end] = sum(counter.ops.values())
     per_layer = (totals[1, 3] - totals[1, 1]) / 2
     assert per_layer == (totals[12, 3] - totals[12, 1]) / 2
-    # 28 with torch 2.13 (47 before the lean forward, 61 before the fused q/k/v and
-    # gate/up projections), views included (two RMSNorms, one RoPE over query and key
-    # heads, 3 projections, the K/V write and gather, one SDPA, the MLP); a loop over
-    # requests would add per request, which the equality above excludes.
-    assert per_layer <= 28, per_layer
+    # 25 with torch 2.13 (27 before K and V were one cache tensor, 47 before the lean
+    # forward, 61 before the fused q/k/v and gate/up projections), views included (two
+    # RMSNorms, one RoPE over query and key heads, 3 projections, one K/V write and one
+    # gather, one SDPA, the MLP); a loop over requests would add per request, which the
+    # equality above excludes.
+    assert per_layer <= 25, per_layer
 
 
 def test_a_step_on_the_cpu_runs_no_syncing_operation(llama_dir) -> None:
@@ -163,7 +166,8 @@ def test_a_step_of_prunes_runs_the_same_device_operations_for_any_number_of_requ
     llama_dir,
 ) -> None:
     """Every request's prunes of a step in one pass (`prune_many`): the committed rows of
-    all of them move in one K/V copy, whatever the number of requests."""
+    all of them move in one K/V copy (K and V are one tensor), whatever the number of
+    requests."""
     counts = {}
     for requests in (1, 3, 12):
         stage = count_step(llama_dir, LayerRange(0, 2, 5), "meta", requests)[2]
@@ -172,7 +176,7 @@ def test_a_step_of_prunes_runs_the_same_device_operations_for_any_number_of_requ
         assert out == [None] * requests and not counter.syncing
         assert all(stage._cache(f"r{i}").tree_ids.tolist() == [101] for i in range(requests))
         counts[requests] = counter.ops
-    assert counts[1] == counts[3] == counts[12] and counts[1]["index_copy_"] == 2, counts
+    assert counts[1] == counts[3] == counts[12] and counts[1]["index_copy_"] == 1, counts
 
 
 def test_prunes_in_one_pass_equal_prunes_one_by_one(llama_dir) -> None:

@@ -86,7 +86,7 @@ def long_prefill(stage: StageRuntime, rid: str, n: int, chunk: int) -> list[Acti
 def test_a_long_prompt_sent_at_once_stays_within_the_step_budget(long_dir) -> None:
     budget = 4 << 20
     stage = stage_of(long_dir, budget)
-    stage.pool.gather_buffers(8192)
+    stage.pool.gather_buffer(8192)
     acts = long_prefill(stage, "long", 6000, 1024)  # every chunk in one round
     with PeakBytes() as mem:
         outs = stage.forward_many(acts)
@@ -100,7 +100,7 @@ def test_a_long_prompt_sent_at_once_stays_within_the_step_budget(long_dir) -> No
 
 def test_without_a_bound_the_same_round_takes_far_more(long_dir) -> None:
     stage = stage_of(long_dir, 1 << 40)  # one part: the padded batch of every chunk
-    stage.pool.gather_buffers(8192)
+    stage.pool.gather_buffer(8192)
     acts = long_prefill(stage, "long", 3000, 1024)
     with PeakBytes() as mem:
         stage.forward_many(acts)
