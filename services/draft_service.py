@@ -86,6 +86,7 @@ DRAFT_FRACTION = 0.25  # of the draft's recent forward: the automatic batch wait
 # Propose calls of one request waiting at once: its router awaits each before the next
 # (a replay's new path has another id), so more is a client flooding the queue.
 MAX_ASKS_PER_REQUEST = 2
+MAX_HOPS_REMEMBERED = 64  # reply addresses that passed the peer check, kept
 
 
 Answer = Callable[[draft_pb2.DraftAnswer], None]  # where a control call's answer goes
@@ -303,6 +304,7 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.peers = Peers.parse(peers)
+        self._hops_passed: set[str] = set()  # reply addresses `_check_hop` passed
         self.transport: Transport | None = None
         self._frame_answers: _FrameAnswers | None = None
         if transport_kind is not None:
@@ -746,8 +748,16 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             self._take_calls(msg, answer, self._frame_calls, frame.header)  # type: ignore[arg-type]
 
     def _check_hop(self, address: str) -> None:
+        """A control frame's reply address is one of the peers (checked once per address:
+        a router sends every frame with the same one, and parsing it cost about a tenth
+        of the event loop's work per frame)."""
         assert self.transport is not None
+        if address in self._hops_passed:
+            return
         self.peers.check_hop(address, self.transport.scheme, "this draft")
+        if len(self._hops_passed) >= MAX_HOPS_REMEMBERED:
+            self._hops_passed.clear()
+        self._hops_passed.add(address)
 
     async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
         ctx, kind = _CallContext(), call.WhichOneof("call")
