@@ -33,13 +33,19 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 PROMPTS = {"a": [5, 9, 2, 7], "b": [5, 9, 2, 7]}
 
 
+async def _router_and_draft(llama_dir):
+    """A router's data plane (its inbox, its transport) and a started draft (fp64), with
+    the draft's gRPC port."""
+    inbox = Inbox()
+    router = make_transport("tcp", inbox)
+    await router.start()
+    draft = DraftService(llama_dir, dtype="float64")
+    return inbox, router, draft, await draft.start()
+
+
 def test_calls_as_frames_answer_as_the_stream_and_refusals_their_own_call(llama_dir) -> None:
     async def main() -> None:
-        inbox = Inbox()
-        router = make_transport("tcp", inbox)
-        await router.start()
-        draft = DraftService(llama_dir, dtype="float64")
-        port = await draft.start()
+        inbox, router, draft, port = await _router_and_draft(llama_dir)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = draft_pb2_grpc.DraftStub(ch)
@@ -86,11 +92,7 @@ def test_the_compute_thread_sends_answers_itself_and_the_loop_what_it_cannot(lla
     rids = [f"r{i}" for i in range(5)]
 
     async def main() -> None:
-        inbox = Inbox()
-        router = make_transport("tcp", inbox)
-        await router.start()
-        draft = DraftService(llama_dir, dtype="float64")
-        port = await draft.start()
+        inbox, router, draft, port = await _router_and_draft(llama_dir)
         thread_sends: list[bool] = []
         loop_sends: list[str] = []
         tries: list[str] = []
