@@ -17,6 +17,7 @@ metrics, timing, pacing, the aligner, answers); and `_top_children_many` alone, 
 call, for 1 and 8 requests of 4 nodes.
 
     python benchmarks/bench_draft_host.py                 # 1 and 8 clients, ~1 minute
+    python benchmarks/bench_draft_host.py --concurrency 1 --gap-ms 10   # idle between batches
 """
 
 from __future__ import annotations
@@ -132,9 +133,12 @@ def batches_of(calls: list[tuple[str, tuple]]) -> Iterator[tuple[str, list, list
         yield "batch", prunes, asks
 
 
-def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str, float]]:
+def replay(
+    target: Path, calls: list[tuple[str, tuple]], gap: float = 0.0
+) -> tuple[int, dict[str, float]]:
     """Batches, and CPU seconds per part (PARTS, and "batch": prunes and step together);
-    "forwards", "rows_asked" and "rows_run" counted (`Parts.count`)."""
+    "forwards", "rows_asked" and "rows_run" counted (`Parts.count`). `gap`: seconds slept
+    before each batch (not counted), as a deployed draft idles between its forwards."""
     from specpipe.common.runtime import draft as draft_module
     from specpipe.common.runtime.loader import load_draft
 
@@ -156,6 +160,8 @@ def replay(target: Path, calls: list[tuple[str, tuple]]) -> tuple[int, dict[str,
             draft_call = getattr(draft, name)
             draft_call(*prunes)
             continue
+        if gap:
+            time.sleep(gap)
         parts.counting, start = True, time.thread_time()
         if prunes:
             draft.prune_many(prunes)
@@ -247,13 +253,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=3, help="replays; the cheapest is shown")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="sleep before each batch (a deployed draft idles between forwards)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = make_model(Path(tempfile.mkdtemp(prefix="bench-draft-host-")), 8, 64, 512)
     for conc in args.concurrency:
         calls = record(target, conc, max(4, 2 * conc))
         batches, spent = min(
-            (replay(target, calls) for _ in range(args.repeats)), key=lambda r: r[1]["batch"]
+            (replay(target, calls, args.gap_ms / 1e3) for _ in range(args.repeats)),
+            key=lambda r: r[1]["batch"],
         )
         us = {k: 1e6 * v / batches for k, v in spent.items() if k in (*PARTS, "batch")}
         inside = ("prepare_step", "embed", "forward_batch", "_top_children_many")

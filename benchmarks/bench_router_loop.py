@@ -18,6 +18,7 @@ then costs two more thread-time reads).
 
     python benchmarks/bench_router_loop.py                 # 1 and 8 clients, ~1 minute
     python benchmarks/bench_router_loop.py --concurrency 8 --out results/router-loop-x
+    python benchmarks/bench_router_loop.py --process draft     # the draft's loop instead
     python benchmarks/bench_router_loop.py --wrap \
         specpipe.common.spec.specpipe:SpecPipeController.on_verified
 
@@ -54,7 +55,7 @@ def run_cell(dep, conc: int, args, census: Path) -> dict:
     kwargs = dict(mode="specpipe", max_new_tokens=args.max_new_tokens, ignore_eos=True,
                   width=args.width)  # fmt: skip
     asyncio.run(stream_all(dep.router_address, prompts[:conc], conc, kwargs))  # warm
-    pid = dep.children["router"].proc.pid
+    pid = dep.children[args.process].proc.pid
     stage0 = dep.metrics_addresses()["stage0"]
     census.unlink(missing_ok=True)
     os.kill(pid, signal.SIGRTMIN)
@@ -156,6 +157,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10, help="callback kinds listed")
     ap.add_argument("--wrap", nargs="*", default=[], metavar="MODULE:QUALNAME",
                     help="functions to count too (inclusive CPU)")  # fmt: skip
+    ap.add_argument(
+        "--process",
+        default="router",
+        choices=["router", "draft"],
+        help="whose event loop is counted",
+    )
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "router-loop")
     args = ap.parse_args()
@@ -164,9 +171,10 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="bench-router-loop-"))
     census = work / "census.json"
-    # the deployment's children inherit this environment; only the router takes part
+    # the deployment's children inherit this environment; only `--process` takes part
     os.environ["SPECPIPE_LOOP_CENSUS"] = str(census)
     os.environ["SPECPIPE_LOOP_CENSUS_WRAP"] = " ".join(args.wrap)
+    os.environ["SPECPIPE_LOOP_CENSUS_PROCESS"] = args.process
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(CENSUS), os.environ.get("PYTHONPATH", "")) if p
     )
@@ -190,7 +198,7 @@ def main() -> None:
     results = {"label": args.label, "args": {k: str(v) for k, v in vars(args).items()},
                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": cells}  # fmt: skip
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    lines = [f"{args.label or 'this build'}: the router's event loop, {args.stage_ms:g} ms "
+    lines = [f"{args.label or 'this build'}: the {args.process}'s event loop, {args.stage_ms:g} ms "
              f"stages, S = {args.stages}", ""]  # fmt: skip
     for c in cells:
         lines += fmt_cell(c)

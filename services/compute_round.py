@@ -219,9 +219,10 @@ class ComputeRounds:
         self._prunes_wanted: list[Callable[[], None]] = []
         self._prunes_taken: list[Callable[[], None]] = []  # the compute thread's, in hand
         self._thread: threading.Thread | None = None
-        # rounds posted to the event loop (by the compute thread) and delivered (by the
-        # loop): while they differ, the thread sends nothing itself (`_send_now`)
-        self._posted = self._delivered_rounds = 0
+        # rounds posted to the event loop (by the compute thread), delivered by the loop:
+        # while one is undelivered, the thread sends nothing itself (`_send_now`,
+        # `HandOffs.settled`, the draft's rule too)
+        self._rounds: HandOffs[Posted | BaseException] | None = None
 
     def wake(self) -> None:
         """New work arrived (an activation): the compute thread is told
@@ -302,19 +303,17 @@ class ComputeRounds:
         """Start the compute thread and deliver each round it posts, in order, until
         cancelled (the thread then stops after its round); a compute thread that died
         (a bug) ends this too, and the stage fails what it holds."""
-        rounds: HandOffs[Posted | BaseException] = HandOffs(asyncio.get_running_loop())
+        rounds = self._rounds = HandOffs(asyncio.get_running_loop())
         room = threading.Semaphore(MAX_UNDELIVERED)
 
         def post(item: Posted | BaseException) -> None:
             while not isinstance(item, BaseException) and not room.acquire(timeout=0.1):
                 if self._stopped:
                     return
-            self._posted += 1
             rounds.put(item)
 
         self._stopped = False
         self._halt.clear()
-        self._posted = self._delivered_rounds = 0  # a thread stopped before left none
         self._thread = threading.Thread(
             target=self._serve, args=(post,), name=f"{self.stage.name} rounds", daemon=True
         )
@@ -325,7 +324,7 @@ class ComputeRounds:
                 if isinstance(item, BaseException):
                     raise RuntimeError(f"{self.stage.name}: its compute thread died") from item
                 await self._delivered(*item)
-                self._delivered_rounds += 1
+                rounds.delivered()
                 room.release()
         finally:
             with self.inbox:
@@ -607,7 +606,7 @@ class ComputeRounds:
         in order (`Transport.send_now`: every earlier round delivered, the connection
         idle), sparing the event loop a wake, a turn and the write (issue 34 point 4);
         whether anything is left for the loop (the hops not sent, failures)."""
-        if not out.failures and self._posted == self._delivered_rounds:
+        if not out.failures and (self._rounds is None or self._rounds.settled):
             transport, name = self.stage.transport, self.stage.name
             for hop in [h for h, items in out.hops.items() if items]:
                 if not transport.send_now(hop, [f for _, f in out.hops[hop]], name):

@@ -4,14 +4,16 @@ The event loop puts each request's work (a Propose, a prefill chunk) into the in
 wakes the thread; the thread takes every waiting request's first item as one batch as
 soon as the `StepAligner` lets it start (the calls of one pipeline step reach the draft
 spread over the router's handling of the step: a bounded wait for the expected ones),
-computes it, and hands the batch and its results to the event loop (`HandOffs`: one
-wake-up per batch the loop has not looked at yet; thread_handoff.py, which the stages
-share). So a batch whose input is already there never waits for a turn of the event
-loop, and a forward costs the loop at most one wake-up, not an executor submit, a
-chained future and a task's resumption (`benchmarks/README.md`, "Draft host work,
-session 41"). A stage does the same with more phases (services/compute_round.py); the
-draft's work of a request depends on its last answer, so there is nothing to prepare
-ahead and a batch is computed and handed off in one go.
+computes it, answers what it can itself (`answer_now`: the replies to control frames,
+sent from the thread where the transport keeps their order, issue 34 point 4) and hands
+the rest of the batch and its results to the event loop (`HandOffs`: one wake-up per
+batch the loop has not looked at yet; thread_handoff.py, which the stages share). So a
+batch whose input is already there never waits for a turn of the event loop, and a
+forward costs the loop at most one wake-up, none where the thread answered it all
+(`benchmarks/README.md`, "Draft host work, session 41" and "Session 45: the draft's
+loop"). A stage does the same with more phases (services/compute_round.py); the draft's
+work of a request depends on its last answer, so there is nothing to prepare ahead and
+a batch is computed and handed off in one go.
 
 `inbox` guards the waiting work and the aligner: the event loop holds it to add work,
 to tell the aligner of arrivals and departures, and the thread to take a batch.
@@ -45,16 +47,27 @@ class Waiting(Protocol):
 W = TypeVar("W", bound=Waiting)
 
 
+AnswerNow = Callable[[list[W], Sequence], tuple[list[W], list]]
+
+
 class DraftRounds(Generic[W]):
     """The waiting work and the thread that computes it: `compute(batch)` gives one
-    result per item (on the thread); `run_forever(deliver)` runs the thread and calls
-    `deliver(batch, results)` on the event loop for each batch."""
+    result per item (on the thread); `answer_now(batch, results)`, on the thread while
+    no batch handed to the loop waits, answers what it can and gives back the items
+    (and their results) left for the loop; `run_forever(deliver)` runs the thread and
+    calls `deliver(batch, results)` on the event loop for each batch (or its rest)."""
 
-    def __init__(self, aligner: StepAligner, compute: Callable[[list[W]], Sequence]) -> None:
+    def __init__(
+        self,
+        aligner: StepAligner,
+        compute: Callable[[list[W]], Sequence],
+        answer_now: AnswerNow | None = None,
+    ) -> None:
         self.aligner = aligner
         self.inbox = ThreadInbox()
         self.waiting: list[W] = []  # in arrival order
         self._compute = compute
+        self._answer_now = answer_now
         self._stopped = True
 
     def add(self, item: W) -> None:
@@ -78,7 +91,7 @@ class DraftRounds(Generic[W]):
         )
         self._stopped = False
         threading.Thread(
-            target=self._serve, args=(batches.put,), name="draft rounds", daemon=True
+            target=self._serve, args=(batches,), name="draft rounds", daemon=True
         ).start()
         try:
             while True:
@@ -86,19 +99,24 @@ class DraftRounds(Generic[W]):
                 if isinstance(item, BaseException):
                     raise RuntimeError("draft: its compute thread died") from item
                 deliver(*item)
+                batches.delivered()
         finally:
             with self.inbox:
                 self._stopped = True
                 self.inbox.notify()
 
     # -- on the compute thread ---------------------------------------------------------------
-    def _serve(self, post: Callable) -> None:
+    def _serve(self, batches: HandOffs) -> None:
         try:
             while (batch := self._next()) is not None:
-                post((batch, self._compute(batch)))
+                results = self._compute(batch)
+                if self._answer_now is not None and batches.settled:
+                    batch, results = self._answer_now(batch, results)
+                if batch:
+                    batches.put((batch, results))
         except BaseException as e:  # a bug: the service fails what it holds
             log.exception("draft: the compute thread failed")
-            post(e)
+            batches.put(e)
 
     def _next(self) -> list[W] | None:
         """The next batch, once the aligner lets it start; None when stopped."""

@@ -15,8 +15,9 @@ step, take two forwards, and the answers of the second come a draft forward late
 router sends its calls on one control stream (`Control`; services/router/
 control_stream.py), or as control frames to the draft's data plane (a `DraftControl` in
 a PAYLOAD_KIND_CONTROL frame, transport/control_frames.py, answered by CONTROL_REPLY
-frames to the router's address, one of `--peers`, while the stream stays open so that a
-lost draft still breaks it), each run as its unary handler runs it (`Open`'s prefix
+frames to the router's address, one of `--peers`, which the compute thread sends itself
+where the transport keeps their order, `_answer_now`, while the stream stays open so
+that a lost draft still breaks it), each run as its unary handler runs it (`Open`'s prefix
 lookup, `Prune` and `Release` on the replica's executor thread, beside a batch that
 computes: the runtime's locks keep them apart, as a stage's). The lifecycle (server,
 drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
@@ -86,22 +87,46 @@ DRAFT_FRACTION = 0.25  # of the draft's recent forward: the automatic batch wait
 # Propose calls of one request waiting at once: its router awaits each before the next
 # (a replay's new path has another id), so more is a client flooding the queue.
 MAX_ASKS_PER_REQUEST = 2
+MAX_HOPS_REMEMBERED = 64  # reply addresses that passed the peer check, kept
+
+
+Answer = Callable[[draft_pb2.DraftAnswer], None]  # where a control call's answer goes
+
+
+@dataclass
+class _Reply:
+    """Where a control frame's Propose is answered: in a reply frame to the frame's
+    sender (`request`: its token and address), by its call id; `answer` gives it from
+    the event loop (`_FrameAnswers`), where the compute thread did not send it itself."""
+
+    request: pb.FrameHeader
+    call_id: int
+    answer: Answer
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The reply frame it goes in: one per sender's token and address."""
+        return self.request.request_id, self.request.reply_to
 
 
 @dataclass
 class _Ask:
     """One request's work waiting for the next batched forward: a Propose call (its
-    prunes first), or a prefill chunk (committed tokens; answered None once cached)."""
+    prunes first), or a prefill chunk (committed tokens; answered None once cached).
+    A control frame's Propose (`reply`) has no future: its answer is a reply frame."""
 
     prunes: list[Prune]
     work: Proposal | Activation
-    answer: asyncio.Future = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
+    answer: asyncio.Future | None = None  # made on the event loop unless `reply` is given
     arrived: float = field(default_factory=time.monotonic)
     # a control call's: told of its answer where the answer is given (no done callback:
     # no turn of the event loop between a batch's results and their reply)
     told: Callable[[asyncio.Future], None] | None = None
+    reply: _Reply | None = None
+
+    def __post_init__(self) -> None:
+        if self.answer is None and self.reply is None:
+            self.answer = asyncio.get_running_loop().create_future()
 
     @property
     def rows(self) -> Activation:
@@ -117,11 +142,15 @@ class _Ask:
 
     def gone(self) -> bool:
         """Answered already: its caller went away."""
-        return self.answer.done()
+        return self.answer is not None and self.answer.done()
 
     def settle(self, result: object) -> None:
-        """Its answer (a result, or the exception that fails it), unless its caller went
-        away; a control call's is passed on at once."""
+        """On the event loop: its answer (a result, or the exception that fails it),
+        unless its caller went away; a control call's is passed on at once."""
+        if self.reply is not None:
+            self.reply.answer(_answer_for(self.reply.call_id, result))
+            return
+        assert self.answer is not None
         if self.answer.done():
             return
         if isinstance(result, BaseException):
@@ -161,14 +190,22 @@ def _refused(call_id: int, code: grpc.StatusCode, message: str) -> draft_pb2.Dra
 def _answer_of(call_id: int, answer: asyncio.Future) -> draft_pb2.DraftAnswer:
     """A proposal's answer on the control stream: the candidates, or its refusal."""
     e = answer.exception()
-    if e is None:
-        return draft_pb2.DraftAnswer(call_id=call_id, proposal=_proposal(answer.result()))
-    if isinstance(e, (RequestError, ValueError)):
-        return _refused(call_id, status_code(e), f"draft: {e}")
-    return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
+    return _answer_for(call_id, answer.result() if e is None else e)
 
 
-Answer = Callable[[draft_pb2.DraftAnswer], None]  # where a control call's answer goes
+def _answer_for(call_id: int, result: object) -> draft_pb2.DraftAnswer:
+    """A proposal's answer from its result (candidates, or the exception that failed
+    it); one that cannot be made (a bug) is logged and answers INTERNAL."""
+    try:
+        if not isinstance(result, BaseException):
+            return draft_pb2.DraftAnswer(call_id=call_id, proposal=_proposal(result))
+        if isinstance(result, (RequestError, ValueError)):
+            return _refused(call_id, status_code(result), f"draft: {result}")
+        return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {result!r}")
+    except Exception as e:
+        rlog.error("compute", "draft: answering a call failed: %s: %s", type(e).__name__, e)
+        log.debug("the answer failed", exc_info=True)
+        return _refused(call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}")
 
 
 def _answer_when_done(
@@ -263,9 +300,12 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         self.model_id = model_id or Path(model_dir).name
         self.weight_hash = weight_fingerprint(model_dir)
         # proposals and prefill chunks waiting, and the thread that computes them
-        self.rounds: DraftRounds[_Ask] = DraftRounds(self.aligner, self._compute_batch)
+        self.rounds: DraftRounds[_Ask] = DraftRounds(
+            self.aligner, self._compute_batch, self._answer_now
+        )
         draft_pb2_grpc.add_DraftServicer_to_server(self, self.server.server)
         self.peers = Peers.parse(peers)
+        self._hops_passed: set[str] = set()  # reply addresses `_check_hop` passed
         self.transport: Transport | None = None
         self._frame_answers: _FrameAnswers | None = None
         if transport_kind is not None:
@@ -484,9 +524,11 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
             await context.abort(status_code(e), f"draft: {e}")
         return _proposal(cand)
 
-    def _take_propose(self, request) -> _Ask | tuple[grpc.StatusCode, str]:
-        """Queue one Propose for the next batched forward; what refuses it (status and
-        message) if not taken."""
+    def _take_propose(
+        self, request, reply: _Reply | None = None
+    ) -> _Ask | tuple[grpc.StatusCode, str]:
+        """Queue one Propose for the next batched forward (`reply`: a control frame's);
+        what refuses it (status and message) if not taken."""
         rid = request.request_id
         if not self.leases.renew(rid):
             return grpc.StatusCode.NOT_FOUND, f"draft: request {rid!r} is not open"
@@ -505,7 +547,8 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         except (FrameError, RequestError) as e:
             return status_code(e), f"draft: {e}"
         prunes = [prune_from_proto(sig) for sig in request.prunes]
-        ask = _Ask(prunes, Proposal(layer, int(request.top_k), float(request.temperature)))
+        proposal = Proposal(layer, int(request.top_k), float(request.temperature))
+        ask = _Ask(prunes, proposal, reply=reply)
         if (refused := self._queue(ask)) is not None:
             return refused
         return ask
@@ -563,6 +606,38 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         for ask, result in zip(asks, results, strict=True):
             ask.settle(result)
 
+    def _answer_now(self, asks: list[_Ask], results: list) -> tuple[list[_Ask], list]:
+        """On the compute thread, no batch of its waiting for the loop: the control
+        frames' proposals answered from here, one reply frame per sender as
+        `_FrameAnswers` makes them, where the transport sends it in order at once
+        (`Transport.send_now`; issue 34 point 4: no wake of the event loop, no turn, no
+        write of its). The rest, and a sender's answers not sent (no connection yet, a
+        send of the loop's under way, a send that failed), are left for the loop, which
+        answers them as before."""
+        transport, left, left_results = self.transport, [], []
+        replies: dict[tuple[str, str], list[tuple[_Ask, object]]] = {}
+        for ask, result in zip(asks, results, strict=True):
+            if ask.reply is None or transport is None:
+                left.append(ask)
+                left_results.append(result)
+            else:
+                replies.setdefault(ask.reply.key, []).append((ask, result))
+        for group in replies.values():
+            request = group[0][0].reply.request  # type: ignore[union-attr]
+            answers = [_answer_for(a.reply.call_id, r) for a, r in group]  # type: ignore[union-attr]
+            frame = control_frames.reply_frame(
+                request, draft_pb2.DraftControlReply(answers=answers), "draft"
+            )
+            try:
+                sent = transport.send_now(request.reply_to, [frame], "draft")  # type: ignore[union-attr]
+            except Exception:  # a bug: the loop answers them
+                log.exception("draft: sending answers from the compute thread failed")
+                sent = False
+            if not sent:
+                left += [a for a, _ in group]
+                left_results += [r for _, r in group]
+        return left, left_results
+
     def _propose(self, asks: list[_Ask]) -> list[Candidates | RequestError | None]:
         """Each request's prunes (all of the batch's in one pass), then one forward for
         the requests whose prunes held."""
@@ -616,16 +691,22 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 call.cancel()
 
     def _take_calls(
-        self, msg: draft_pb2.DraftControl, answer: Answer, pending: set[asyncio.Future]
+        self,
+        msg: draft_pb2.DraftControl,
+        answer: Answer,
+        pending: set[asyncio.Future],
+        frame: pb.FrameHeader | None = None,
     ) -> None:
-        """A router's control message (on the stream or in a frame): a Propose joins the
-        next batched forward at once and is answered from its result; the other calls run
-        as their unary handlers run them. Each answer, by its call id, goes to `answer`;
-        `pending` holds the calls at work."""
+        """A router's control message (on the stream, or in control frame `frame`): a
+        Propose joins the next batched forward at once and is answered from its result
+        (a frame's by the compute thread itself where it can, `_answer_now`); the other
+        calls run as their unary handlers run them. Each answer, by its call id, goes to
+        `answer`; `pending` holds the calls at work."""
         for call in msg.calls:
             if call.WhichOneof("call") == "propose":  # no task: answered where delivered
+                reply = None if frame is None else _Reply(frame, call.call_id, answer)
                 try:
-                    ask = self._take_propose(call.propose)
+                    ask = self._take_propose(call.propose, reply)
                 except Exception as e:  # answered, as a unary handler's crash would be
                     rlog.error("compute", "draft: a propose failed: %s: %s", type(e).__name__, e)
                     answer(_refused(call.call_id, grpc.StatusCode.INTERNAL, f"draft failed: {e!r}"))
@@ -633,6 +714,9 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
                 if not isinstance(ask, _Ask):
                     answer(_refused(call.call_id, *ask))
                     continue
+                if reply is not None:
+                    continue
+                assert ask.answer is not None
                 answer_of = functools.partial(_answer_of, call.call_id)
                 pending.add(ask.answer)  # cancelled, it is answered no more: it is skipped
                 ask.told = functools.partial(
@@ -662,11 +746,18 @@ class DraftService(Replica, draft_pb2_grpc.DraftServicer):
         msg = control_frames.read_control(frame, draft_pb2.DraftControl, self._check_hop, "draft")
         if msg is not None:
             answer = self._frame_answers.to(frame.header)
-            self._take_calls(msg, answer, self._frame_calls)  # type: ignore[arg-type]
+            self._take_calls(msg, answer, self._frame_calls, frame.header)  # type: ignore[arg-type]
 
     def _check_hop(self, address: str) -> None:
+        """A control frame's reply address is one of the peers (checked once per address,
+        about 4 us of parsing each: a router sends every frame with the same one)."""
         assert self.transport is not None
+        if address in self._hops_passed:
+            return
         self.peers.check_hop(address, self.transport.scheme, "this draft")
+        if len(self._hops_passed) >= MAX_HOPS_REMEMBERED:
+            self._hops_passed.clear()
+        self._hops_passed.add(address)
 
     async def _control_call(self, call: draft_pb2.DraftCall) -> draft_pb2.DraftAnswer:
         ctx, kind = _CallContext(), call.WhichOneof("call")

@@ -7,7 +7,9 @@ thread once the loop's current callback is done (every part of a batch frame or 
 control message is in the inbox first, so one round takes them all; told at each, the
 thread took the first part alone: twice the forwards), and `HandOffs` wakes the loop
 once per batch of results it has not looked at yet (a wake is a write to the loop's
-self-pipe, a read and a turn of the loop).
+self-pipe, a read and a turn of the loop). Where a thread can act on a batch itself
+(send its frames), it does so only while `HandOffs.settled`: every batch it handed the
+loop before has been delivered, so it passes none of them.
 """
 
 from __future__ import annotations
@@ -27,15 +29,22 @@ class ThreadInbox(threading.Condition):
     def __init__(self) -> None:
         super().__init__()
         self._wake_pending = False  # a `_notify` is scheduled on the event loop
+        # the running loop `wake` last found, and its thread: known again by the thread's
+        # id (`asyncio.get_running_loop` is a getpid syscall per call on Python 3.11)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
 
     def wake(self) -> None:
         """New work arrived: on the event loop, the thread is told once the loop's
         current callback is done; from another thread, at once."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # another thread
-            self._notify()
-            return
+        loop = self._loop
+        if loop is None or self._loop_thread != threading.get_ident() or not loop.is_running():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # another thread
+                self._notify()
+                return
+            self._loop, self._loop_thread = loop, threading.get_ident()
         if not self._wake_pending:
             self._wake_pending = True
             loop.call_soon(self._notify)
@@ -57,10 +66,12 @@ class HandOffs(Generic[T]):
         self._lock = threading.Lock()
         self._woken = False  # a wake is scheduled, or the loop has not found it empty since
         self._ready = asyncio.Event()
+        self._put = self._delivered = 0  # items put, and delivered (`delivered`)
 
     def put(self, item: T) -> None:
         """On the compute thread."""
         with self._lock:
+            self._put += 1
             self._items.append(item)
             if self._woken:
                 return
@@ -77,3 +88,13 @@ class HandOffs(Generic[T]):
                 self._woken = False
             self._ready.clear()  # a put from now on wakes it (its `set` runs after this)
             await self._ready.wait()
+
+    def delivered(self) -> None:
+        """On the event loop: the item `get` gave last has been dealt with."""
+        self._delivered += 1
+
+    @property
+    def settled(self) -> bool:
+        """Every item put has been delivered: the compute thread may act on its own
+        (send a batch's frames) without passing an earlier batch the loop still holds."""
+        return self._put == self._delivered

@@ -7,12 +7,15 @@ itself is untouched (its own SIGUSR1 dumps its tasks). With SPECPIPE_LOOP_CENSUS
 ("module:Class.function ..."), those functions' calls and thread CPU time (inclusive)
 are counted too, wrapped at the first count's start (where the router has imported
 them; a function imported by name elsewhere is wrapped only where named). Nothing
-happens in any other process, or without the variable."""
+happens in any other process, or without the variable. SPECPIPE_LOOP_CENSUS_PROCESS
+names another command to count instead (`bench_router_loop.py --process draft`)."""
 
 import os
 import sys
 
-if sys.argv[1:2] == ["router"] and os.environ.get("SPECPIPE_LOOP_CENSUS"):
+_PROCESS = os.environ.get("SPECPIPE_LOOP_CENSUS_PROCESS", "router")  # or "draft"
+
+if sys.argv[1:2] == [_PROCESS] and os.environ.get("SPECPIPE_LOOP_CENSUS"):
     import asyncio.base_events
     import asyncio.events
     import asyncio.selector_events

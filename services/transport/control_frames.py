@@ -99,8 +99,15 @@ def read_control(
     return msg
 
 
+def reply_frame(
+    request: pb.FrameHeader, reply: Message, who: str
+) -> tuple[pb.FrameHeader, torch.Tensor | None]:
+    """The frame answering the control frame `request` (read by `read_control`) with
+    `reply`, named by its token; it goes to `request.reply_to`."""
+    return message_frame(CONTROL_REPLY, request.request_id, reply, who)
+
+
 def answer(sends: BackgroundSends, request: pb.FrameHeader, reply: Message, who: str) -> None:
-    """Send `reply` to the control frame `request` (read by `read_control`) back to its
-    sender's address, named by its token."""
-    header, payload = message_frame(CONTROL_REPLY, request.request_id, reply, who)
+    """Send `reply` to the control frame `request` back to its sender's address."""
+    header, payload = reply_frame(request, reply, who)
     sends.send(request.reply_to, header, payload, "answer a control frame", who)

@@ -33,13 +33,19 @@ NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 PROMPTS = {"a": [5, 9, 2, 7], "b": [5, 9, 2, 7]}
 
 
+async def _router_and_draft(llama_dir):
+    """A router's data plane (its inbox, its transport) and a started draft (fp64), with
+    the draft's gRPC port."""
+    inbox = Inbox()
+    router = make_transport("tcp", inbox)
+    await router.start()
+    draft = DraftService(llama_dir, dtype="float64")
+    return inbox, router, draft, await draft.start()
+
+
 def test_calls_as_frames_answer_as_the_stream_and_refusals_their_own_call(llama_dir) -> None:
     async def main() -> None:
-        inbox = Inbox()
-        router = make_transport("tcp", inbox)
-        await router.start()
-        draft = DraftService(llama_dir, dtype="float64")
-        port = await draft.start()
+        inbox, router, draft, port = await _router_and_draft(llama_dir)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = draft_pb2_grpc.DraftStub(ch)
@@ -73,6 +79,61 @@ def test_calls_as_frames_answer_as_the_stream_and_refusals_their_own_call(llama_
         finally:
             await draft.stop()
             await router.close()
+
+    asyncio.run(main())
+
+
+def test_the_compute_thread_sends_answers_itself_and_the_loop_what_it_cannot(llama_dir) -> None:
+    """A control frame's proposal is answered by the draft's compute thread itself
+    (`Transport.send_now`, issue 34 point 4) once a connection to the router is there;
+    the first (no connection yet) and one whose send from the thread failed (here a
+    bug) are answered by the event loop, that batch only. Every answer equals the
+    stream's, and nothing is written on the gRPC stream."""
+    rids = [f"r{i}" for i in range(5)]
+
+    async def main() -> None:
+        inbox, router, draft, port = await _router_and_draft(llama_dir)
+        thread_sends: list[bool] = []
+        loop_sends: list[str] = []
+        tries: list[str] = []
+        real_send_now, real_send = draft.transport.send_now, draft._frame_answers.sends.send
+
+        def send_now(address, parts, sender=""):
+            tries.append(address)
+            if len(tries) == 3:  # r2's
+                raise RuntimeError("a bug sending from the thread")
+            thread_sends.append(real_send_now(address, parts, sender))
+            return thread_sends[-1]
+
+        def send(address, header, payload, what, who):
+            loop_sends.append(what)
+            return real_send(address, header, payload, what, who)
+
+        draft.transport.send_now = send_now
+        draft._frame_answers.sends.send = send
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = draft_pb2_grpc.DraftStub(ch)
+                desc = await stub.Describe(pb.DescribeRequest())
+                for rid in ["a", *rids]:
+                    await stub.Open(draft_pb2.OpenDraftRequest(request_id=rid, capacity=32,
+                                                               prompt_ids=PROMPTS["a"]))  # fmt: skip
+                plain = DraftStream(stub, "draft (stream)")
+                framed = DraftStream(stub, "draft (frames)")
+                framed.carry_on(ControlFrames(router, inbox), desc.data_address)
+                want = await asyncio.wait_for(plain.call(propose=_propose("a", 3, 7)), 30)
+                for rid in rids:  # one call after another: call ids 1..5
+                    got = await asyncio.wait_for(framed.call(propose=_propose(rid, 3, 7)), 30)
+                    assert got == want, rid
+                assert framed.frames == 5 and framed.messages == 0
+                await plain.close()
+                await framed.close()
+        finally:
+            await draft.stop()
+            await router.close()
+        # r0: no connection yet (False), the loop's; r1, r3, r4 the thread's; r2's failed
+        assert thread_sends == [False, True, True, True] and len(tries) == 5
+        assert len(loop_sends) == 2
 
     asyncio.run(main())
 

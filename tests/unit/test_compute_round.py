@@ -201,6 +201,7 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
     async def main() -> None:
         got, rx, hop, svc = await _middle_stage_sending_to_a_receiver(llama_dir)
         rounds = svc.rounds
+        handed = rounds._rounds = HandOffs(asyncio.get_running_loop())  # as `run_forever`'s
         t = torch.tensor
 
         def step(seq: int) -> list:
@@ -213,7 +214,7 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
 
             def post(item) -> None:  # as `run_forever`'s, without its loop
                 posted.append(item)
-                rounds._posted += 1
+                handed.put(item)
 
             rounds._hand_off(rounds._launch(rounds._prepare(rounds._collect())), post)
             return posted
@@ -221,7 +222,7 @@ def test_the_compute_thread_sends_a_round_itself_once_the_loop_sent_the_earlier_
         async def deliver(posted: list) -> None:
             for item in posted:
                 await rounds._delivered(*item)
-                rounds._delivered_rounds += 1
+                handed.delivered()
 
         try:
             await svc.Open(stage_pb2.OpenStageRequest(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -64,3 +65,49 @@ def test_a_compute_thread_that_dies_ends_the_loop_with_its_error() -> None:
     with pytest.raises(RuntimeError, match="compute thread died") as e:
         asyncio.run(main())
     assert isinstance(e.value.__cause__, ZeroDivisionError)
+
+
+def test_the_thread_answers_what_it_can_but_never_ahead_of_a_batch_the_loop_holds() -> None:
+    """`answer_now` runs on the compute thread and what it answers never reaches the
+    loop; the rest of the batch is delivered there. A batch computed while one handed to
+    the loop is still undelivered goes to the loop whole (answered there, after it): the
+    thread passes nothing the loop holds."""
+
+    async def main() -> tuple[list, list]:
+        answered: list[tuple[str, list[int]]] = []
+        delivered: asyncio.Queue = asyncio.Queue()
+
+        def answer_now(batch: list[Item], results: list) -> tuple[list[Item], list]:
+            answered.append((threading.current_thread().name, [i.n for i in batch]))
+            left = [(i, r) for i, r in zip(batch, results, strict=True) if i.request_id != "a"]
+            return [i for i, _ in left], [r for _, r in left]
+
+        second = threading.Event()  # the second batch is computed
+
+        def compute(batch: list[Item]) -> list:
+            second.set() if batch[0].n == 3 else None
+            return _on_thread(batch)
+
+        rounds: DraftRounds[Item] = DraftRounds(StepAligner(0.0), compute, answer_now)
+        task = asyncio.create_task(rounds.run_forever(lambda b, r: delivered.put_nowait(b)))
+        await asyncio.sleep(0)
+        for item in (Item("a", 1), Item("b", 2), Item("a", 3)):
+            rounds.add(item)
+        await asyncio.sleep(0)  # the thread is told
+        second.wait(10)  # the loop is busy: both batches are computed before it delivers
+        time.sleep(0.2)
+        got = [[i.n for i in await asyncio.wait_for(delivered.get(), 10)] for _ in range(2)]
+        rounds.add(Item("a", 4))  # every batch delivered: the thread answers it
+        for _ in range(100):
+            if len(answered) == 2:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert delivered.empty()
+        return answered, got
+
+    answered, delivered = asyncio.run(main())
+    assert answered == [("draft rounds", [1, 2]), ("draft rounds", [4])]
+    assert delivered == [[2], [3]]  # b's left by the thread; a's second behind it, whole
