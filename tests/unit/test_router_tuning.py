@@ -77,8 +77,8 @@ def test_unset_growth_follows_the_published_costs() -> None:
         (0.020, 0.010, Growth.VERIFIED),  # 2 x 10 + 10 ms do not fit in 15 ms
         (0.100, None, Growth.VERIFIED),  # no draft curve: unknown
     ):
-        mode, opts, tuned = start(tuning, 
-            Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
+        mode, opts, tuned = start(
+            tuning, Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
         )
         assert tuned.decision is None and mode == Mode.SPECPIPE and opts.growth == want
         tuning.finish(tuned, None)
