@@ -90,7 +90,9 @@ def reference(prompts, max_new_tokens: int, cache: Path) -> list[list[int]]:
     opts = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=())
     out = []
     for p in prompts:
-        out.append(list(LockstepGeneration(local.pipeline, None, p, Mode.AUTOREGRESSIVE, opts).run()))
+        out.append(
+            list(LockstepGeneration(local.pipeline, None, p, Mode.AUTOREGRESSIVE, opts).run())
+        )
         log(f"reference: {len(out)}/{len(prompts)}")
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"key": key, "tokens": out}))
