@@ -37,6 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from bench_defaults import tuning_arms  # noqa: E402
 from bench_emulated import stream_all  # noqa: E402
 from bench_peer import PROMPTS  # noqa: E402
 
@@ -204,11 +205,7 @@ def run_arm(name: str, args, prompts, ref) -> dict:
             tuning = client.describe().tuning
             if tuning:
                 out["chosen"] = tuning[0].reason
-                out["arms"] = [
-                    f"{a.width}/{a.layers_per_step}/{a.token_source}: {a.requests} requests, "
-                    f"{a.wall_ms_per_token:.1f} ms/token, {a.mixed_requests} mixed"
-                    for a in tuning[0].arms
-                ]
+                out["arms"] = tuning_arms(tuning[0])
     finally:
         dep.stop()
     return out
