@@ -277,6 +277,7 @@ class Shared:
     pending: int = 0
     phase: Phase | None = None
     choice: Setting | None = None  # the setting the version's last chosen request got
+    chooser: Tuner | None = field(default=None, repr=False, compare=False)  # whose choice
 
 
 @dataclass
@@ -366,7 +367,8 @@ class Tuner:
         or begin it (none for the choice: that ends only this tuner's phase)."""
         p = self.phase
         if not d.phase:
-            self.shared.choice = d.setting  # the other regimes' tie-break
+            if self.shared.choice != d.setting:  # its own best (a tie keeps the chooser)
+                self.shared.choice, self.shared.chooser = d.setting, self
             if p is not None and p.owner is self:
                 self.phase = None
             return
@@ -560,7 +562,9 @@ class Tuner:
         and requests of one setting do not mix (two regimes' different bests would, in
         their steady state)."""
         other = self.shared.choice
-        if other is None or other == best or other not in candidates:
+        if self.shared.chooser is self or other is None or other == best:
+            return None  # its own last choice is no tie-break: the best measured wins
+        if other not in candidates:
             return None
         c = self.cost_per_token(other)
         return (c, other) if c is not None and c <= TIE_RATIO * cost else None

@@ -537,3 +537,16 @@ def test_regimes_with_equally_good_bests_choose_one_setting() -> None:
     far = Tuner(None, calibration_tokens=64, explore_every=1000, shared=shared)
     _calibration(far, space, lambda s: {1: 0.100, 2: 0.080, 3: 0.050}[s.layers_per_step])
     assert far.decide(space, 64).setting.layers_per_step == 3
+
+
+def test_a_lone_regime_follows_its_best_not_its_last_choice() -> None:
+    """The tie-break is another regime's choice: a tuner's own last one does not hold
+    it back from a better measured setting."""
+    tuner = Tuner(None, calibration_tokens=64, explore_every=1000)
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    _calibration(tuner, space, lambda s: {1: 0.100, 2: 0.050, 3: 0.052}[s.layers_per_step])
+    assert tuner.decide(space, 64).setting.layers_per_step == 2
+    tuner.finish(Setting(4, 2, DRAFT), 64)
+    tuner.finish(Setting(4, 3, DRAFT), 64, 64, 32, 32, 63 * 0.040)  # K=3 now 8% better
+    d = tuner.decide(space, 64)
+    assert d.setting.layers_per_step == 3 and "choice" not in d.reason
