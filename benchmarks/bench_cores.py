@@ -11,9 +11,10 @@ one client:
 - `c`: the 0.5B draft, every core to every model process with passive OpenMP waits (the
   launcher's default now).
 
-Request kinds: `pp` (no draft: plain decoding through the pipeline) and `default` (the
-router tunes width, layers per step and source; no draft is among its candidates): the
-default's calibration runs first, then the kinds alternate prompt by prompt. Per kind:
+Request kinds: `pp` (no draft: plain decoding through the pipeline), `default` (the
+router tunes width, layers per step and source; no draft is among its candidates) and
+`W=2 K=3 draft` (pinned): the default's calibration runs first, then the kinds alternate
+prompt by prompt. Per kind:
 time between tokens, tokens per step, the settings that ran, CPU seconds per token of the
 stage, the draft and the router (from /proc, the deployment's own processes), the load
 average, and every output against the served-dtype reference (in-process plain decoding,
@@ -49,7 +50,12 @@ ARMS = {  # draft, threads per model process (None: the launcher's), extra envir
     "b": (True, 1, SPLIT),
     "c": (True, None, {}),
 }
-KINDS = {"default": {}, "pp": {"mode": "pp"}}
+KINDS = {
+    "default": {},
+    "pp": {"mode": "pp"},
+    # where the tuner settles with this pair here (session 42 pinned it too)
+    "W=2 K=3 draft": {"width": 2, "layers_per_step": 3, "token_source": "draft"},
+}
 
 
 def log(*a) -> None:
@@ -154,7 +160,7 @@ def run_arm(name: str, args, prompts, ref) -> dict:
     out: dict = {"arm": name, "draft": has_draft, "threads": dep.threads,
                  "omp_wait_policy": dep.env.get("OMP_WAIT_POLICY", "(runtime default)")}  # fmt: skip
     base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    kinds = KINDS if has_draft else {"pp": KINDS["pp"]}
+    kinds = {k: KINDS[k] for k in args.kinds.split(",") if has_draft or k == "pp"}
     dep.start()
     try:
         cpu = Cpu(dep)
@@ -216,6 +222,7 @@ def main() -> int:
     ap.add_argument("--arms", default="a,b,c", help="deployments in order, e.g. a,b,c,c,b,a")
     ap.add_argument("--prompts", type=int, default=4, help="chat prompts (of bench_peer's 4)")
     ap.add_argument("--rounds", type=int, default=1, help="measured passes over the prompts")
+    ap.add_argument("--kinds", default="default,pp", help=f"of {', '.join(KINDS)}")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--calibration-tokens", type=int, default=64)
     ap.add_argument("--most", type=int, default=40, help="calibration requests at most")
