@@ -8,8 +8,9 @@ one client:
 - `a`: no draft; the stage on every core (what main's launcher gives it without a draft).
 - `b`: the 0.5B draft, the cores split between the stage and the draft (main's launcher:
   one thread each on 2 cores), the OpenMP runtime's default waits.
-- `c`: the 0.5B draft, every core to every model process with passive OpenMP waits (the
-  launcher's default now).
+- `c`: the 0.5B draft, every core to every model process with passive OpenMP waits.
+- `d`: the 0.5B draft, every core to the stage, the draft its share (one thread on 2
+  cores), passive OpenMP waits.
 
 Request kinds: `pp` (no draft: plain decoding through the pipeline), `default` (the
 router tunes width, layers per step and source; no draft is among its candidates) and
@@ -45,10 +46,11 @@ from bench_peer import PROMPTS  # noqa: E402
 MODELS = Path.home() / ".cache" / "specpipe" / "models"
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 SPLIT = {"OMP_WAIT_POLICY": ""}  # main's launcher: the OpenMP runtime's default waits
-ARMS = {  # draft, threads per model process (None: the launcher's), extra environment
-    "a": (False, 2, SPLIT),
-    "b": (True, 1, SPLIT),
-    "c": (True, None, {}),
+ARMS = {  # draft, threads of the stage and of the draft (None: the launcher's), environment
+    "a": (False, 2, None, SPLIT),
+    "b": (True, 1, 1, SPLIT),
+    "c": (True, 2, 2, {}),
+    "d": (True, 2, 1, {}),
 }
 KINDS = {
     "default": {},
@@ -86,8 +88,11 @@ def prompts_of(n: int) -> list[list[int]]:
 def reference(prompts, max_new_tokens: int, cache: Path) -> list[list[int]]:
     """Plain decoding in process, bfloat16, S = 1 (cached: it costs minutes here)."""
     key = json.dumps([prompts, max_new_tokens])
-    if cache.exists() and (got := json.loads(cache.read_text())).get("key") == key:
-        return got["tokens"]
+    if cache.exists():
+        got = json.loads(cache.read_text())
+        had, n = json.loads(got["key"]), len(prompts)
+        if had[1] == max_new_tokens and had[0][:n] == prompts:  # the same, or more prompts
+            return got["tokens"][:n]
     import torch
     from specpipe.common.runtime.loader import build_local
     from specpipe.common.runtime.lockstep import LockstepGeneration
@@ -150,14 +155,16 @@ def run_arm(name: str, args, prompts, ref) -> dict:
     from specpipe.services.client.sync import Client
     from specpipe.services.launcher import ServicesDeployment
 
-    has_draft, threads, env = ARMS[name]
+    has_draft, threads, d_threads, env = ARMS[name]
     work = Path(tempfile.mkdtemp(prefix=f"bench-cores-{name}-"))
     dep = ServicesDeployment(
         MODELS / TARGET, MODELS / DRAFT if has_draft else "none", 1, dtype="bfloat16",
-        threads=threads, env=env, log_dir=work / "logs", startup_timeout=900,
+        threads=threads, draft_threads=d_threads, env=env, log_dir=work / "logs",
+        startup_timeout=900,
         scheduling={"tune_calibration_tokens": args.calibration_tokens},
     )  # fmt: skip
     out: dict = {"arm": name, "draft": has_draft, "threads": dep.threads,
+                 "draft_threads": dep.draft_threads if has_draft else None,
                  "omp_wait_policy": dep.env.get("OMP_WAIT_POLICY", "(runtime default)")}  # fmt: skip
     base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     kinds = {k: KINDS[k] for k in args.kinds.split(",") if has_draft or k == "pp"}
@@ -243,7 +250,8 @@ def main() -> int:
             if k in r:
                 m = r[k]
                 cpu = ", ".join(f"{v:g}" for v in m["cpu_ms_per_token"].values())
-                print(f"| {r['arm']} (threads {r['threads']}, {r['omp_wait_policy']}) | {k} | "
+                print(f"| {r['arm']} (threads {r['threads']}/{r.get('draft_threads')}, "
+                      f"{r['omp_wait_policy']}) | {k} | "
                       f"{m['tbt_ms']} | {m['tokens_per_step']} | {', '.join(m['settings'])} | "
                       f"{m['cpu_ms_per_token_total']} ({cpu}) | {m['load'][0]}-{m['load'][1]} | "
                       f"{m['exact']} |")  # fmt: skip

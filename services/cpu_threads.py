@@ -32,6 +32,11 @@ def model_threads(given: int | None, cpus: int) -> int:
     return given or max(1, cpus)
 
 
+def draft_threads(given: int | None, stage_threads: int) -> int:
+    """Torch threads of the draft process: `given` (--draft-threads), else the stages'."""
+    return given or stage_threads
+
+
 def model_env(env: Mapping[str, str]) -> dict[str, str]:
     """The model processes' environment: `env` with passive OpenMP waits unless it sets
     its own policy (an empty one is dropped: the runtime's default)."""

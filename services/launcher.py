@@ -53,7 +53,7 @@ from .config import (
     ServiceConfig,
     StageConfig,
 )
-from .cpu_threads import model_env, model_threads
+from .cpu_threads import draft_threads, model_env, model_threads
 from .placement import Placement, one_per_gpu, plan
 
 
@@ -170,6 +170,7 @@ class ServicesDeployment:
         self.group = c.group  # discovery group of the first model version
         # Every core to every model process, passive OpenMP waits (services/cpu_threads.py)
         self.threads = model_threads(c.threads, os.cpu_count() or 1)
+        self.draft_threads = draft_threads(c.draft_threads, self.threads)
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None
@@ -258,7 +259,7 @@ class ServicesDeployment:
         return dict(
             self._service(),
             dtype=c.dtype,
-            threads=self.threads,
+            threads=self.threads if stage else self.draft_threads,
             device=device,
             **self._cache_budget(device),
             lease_seconds=c.lease_seconds,
