@@ -95,6 +95,15 @@ def tuning_extra(arm) -> str:
     return f", {mixed} mixed" if mixed is not None else ""
 
 
+def tuning_arms(t) -> list[str]:
+    """The arms of one of the router's Describe tunings, one line each."""
+    return [
+        f"{a.width}/{a.layers_per_step}/{a.token_source}: {a.requests} requests, "
+        f"{a.wall_ms_per_token:.1f} ms/token" + tuning_extra(a)
+        for a in t.arms
+    ]
+
+
 def run_costs(args, target: Path, stage_ms: float, draft_ms: float, concurrency: int) -> dict:
     from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local
     from specpipe.common.runtime.lockstep import LockstepGeneration
@@ -137,11 +146,7 @@ def run_costs(args, target: Path, stage_ms: float, draft_ms: float, concurrency:
         with Client(dep.router_address, timeout=30) as client:
             (t,) = client.describe().tuning
             out["chosen"] = t.reason
-            out["arms"] = [
-                f"{a.width}/{a.layers_per_step}/{a.token_source}: {a.requests} requests, "
-                f"{a.wall_ms_per_token:.1f} ms/token" + tuning_extra(a)
-                for a in t.arms
-            ]
+            out["arms"] = tuning_arms(t)
         log(f"  {where}: calibration {out['calibration']}; chosen: {out['chosen']}")
     finally:
         dep.stop()

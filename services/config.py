@@ -574,7 +574,11 @@ class DeploymentConfig:
     )
     host: str = flag("127.0.0.1", help="address every process listens on")
     dtype: str = "float32"
-    threads: int | None = None  # per process; None: the CPUs but one (the router's), shared
+    threads: int | None = None  # per model process; None: every core (services/cpu_threads.py)
+    draft_threads: int | None = flag(
+        parse=positive_int,
+        help="torch threads of the draft process (default: as --threads; services/cpu_threads.py)",
+    )
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.
     device: str = flag(

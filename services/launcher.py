@@ -53,6 +53,7 @@ from .config import (
     ServiceConfig,
     StageConfig,
 )
+from .cpu_threads import draft_threads, model_env, model_threads
 from .placement import Placement, one_per_gpu, plan
 
 
@@ -167,22 +168,15 @@ class ServicesDeployment:
         )
         self._ordinals = {n: k for k, n in enumerate(self.placement.names)}
         self.group = c.group  # discovery group of the first model version
-        cpus = os.cpu_count() or 1
-        procs = sum(per_stage) + (1 if self.draft else 0)
-        # Every core goes to the model processes, shared evenly: decoding is bound by
-        # reading the weights, and each thread brings its core's memory bandwidth, while
-        # the router sleeps between steps (3% of a core at one streamed chat, py-spy).
-        # Measured with aiperf on 2 idle cores (benchmarks/README.md, "Beside a real
-        # peer"): two threads 200 ms per token at one client, 13.6 tokens/s at four; one
-        # thread 301 ms and 8.9. (On cores that other jobs keep busy, one thread did
-        # better; `--threads` says so.)
-        self.threads = c.threads or max(1, cpus // procs)
+        # Every core to every model process, passive OpenMP waits (services/cpu_threads.py)
+        self.threads = model_threads(c.threads, os.cpu_count() or 1)
+        self.draft_threads = draft_threads(c.draft_threads, self.threads)
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = {**os.environ, **(c.env or {})}
+        self.env = model_env({**os.environ, **(c.env or {})})
         self.api_keys = list(c.api_keys)
         self.secure = c.secure
         self.emulate_costs = Path(c.emulate_costs).resolve() if c.emulate_costs else None
@@ -265,7 +259,7 @@ class ServicesDeployment:
         return dict(
             self._service(),
             dtype=c.dtype,
-            threads=self.threads,
+            threads=self.threads if stage else self.draft_threads,
             device=device,
             **self._cache_budget(device),
             lease_seconds=c.lease_seconds,

@@ -55,6 +55,10 @@ since tokens do not depend on the setting in any regime; a tuner that decides wh
 another's phase runs gives its setting (`_follow`) and measures it for itself, and the
 phase's rules (its end, its bound, the bounded count) are those of the tuner that began
 it (phases of their own would run side by side and mix each other's requests).
+Their choices are shared too where they are equally good: a regime whose best is priced
+within `TIE_RATIO` of the setting the version's last chosen request got (`Shared.choice`,
+another regime's) takes that one, else two regimes settled on different settings would
+mix each other's requests in their steady state.
 A calibration phase lasts until its setting has its calibration tokens (or is no longer
 a contender), a re-measure phase until one clean request of its setting finished; with
 nothing in flight the next decision may begin another (nothing to mix with). A phase
@@ -114,6 +118,10 @@ PRICES = ("wall", "model")
 PHASE_BOUND = 3
 CALIBRATION_PHASES = 3  # a candidate's calibration gives up after this many bounded phases
 CALIBRATING, RE_MEASURING = "calibrating", "re-measuring"
+# Prices within this ratio of the best count as equally good: a regime takes its model
+# version's choice (`Shared.choice`) over its own best then (requests of both regimes run
+# together and would mix in their steady state).
+TIE_RATIO = 1.1
 
 
 @dataclass(frozen=True, order=True)
@@ -268,6 +276,8 @@ class Shared:
     overlaps: Overlaps = field(default_factory=Overlaps)
     pending: int = 0
     phase: Phase | None = None
+    choice: Setting | None = None  # the setting the version's last chosen request got
+    chooser: Tuner | None = field(default=None, repr=False, compare=False)  # whose choice
 
 
 @dataclass
@@ -357,6 +367,8 @@ class Tuner:
         or begin it (none for the choice: that ends only this tuner's phase)."""
         p = self.phase
         if not d.phase:
+            if self.shared.choice != d.setting:  # its own best (a tie keeps the chooser)
+                self.shared.choice, self.shared.chooser = d.setting, self
             if p is not None and p.owner is self:
                 self.phase = None
             return
@@ -527,6 +539,11 @@ class Tuner:
             )
         (cost, best), rest = priced[0], priced[1:]
         reason = f"{best.label()}: {self._price(best, cost)}"
+        tie = self._tie(best, cost, candidates)
+        if tie is not None:  # what the version's other requests run: as good as ours
+            rest = [(cost, best)]
+            (cost, best) = tie
+            reason = f"{best.label()}: {self._price(best, cost)}, the model version's choice"
         if rest:
             cost2, second = rest[0]
             reason += f"; next best {second.label()}: {self._price(second, cost2)}"
@@ -536,6 +553,21 @@ class Tuner:
                 "every step taken as equal"
             )
         return Decision(best, reason, exploring=False)
+
+    def _tie(
+        self, best: Setting, cost: float, candidates: list[Setting]
+    ) -> tuple[float, Setting] | None:
+        """The model version's choice (another regime's, `Shared.choice`) with its price
+        here, where it is not `best` but priced within `TIE_RATIO` of it: equally good,
+        and requests of one setting do not mix (two regimes' different bests would, in
+        their steady state)."""
+        other = self.shared.choice
+        if self.shared.chooser is self or other is None or other == best:
+            return None  # its own last choice is no tie-break: the best measured wins
+        if other not in candidates:
+            return None
+        c = self.cost_per_token(other)
+        return (c, other) if c is not None and c <= TIE_RATIO * cost else None
 
     def _price(self, s: Setting, cost: float) -> str:
         m = self.measured[s]

@@ -478,6 +478,7 @@ class RouterEngine:
         except BaseException:
             self.tuning.finish(tuned, None)
             raise
+        self.tuning.started(tuned)  # runs from now on: shares its version's forwards
         t0 = time.perf_counter()
         try:
             path = first_path(self.backends, plan.mode, plan.opts, plan.prompt, scope)

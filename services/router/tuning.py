@@ -7,8 +7,9 @@ regime, since tokens do not depend on it; each regime's tuner measures it); it g
 measured per setting, or (`price="model"`) by the cost curves the stages and the draft
 publish in Describe (`--measure-costs`). The choice and its reason are logged when they
 change and shown in the router's Describe. Every request of a model version, tuned or
-not, is tracked while it runs (`Overlaps`, in `Shared`): a tuned request that ran beside one of
-another setting measured the batch, not its setting, and the tuner discards it."""
+not, is tracked while it runs (`Overlaps`, in `Shared`; from its admission on, `started`): a
+tuned request that ran beside one of another setting measured the batch, not its setting,
+and the tuner discards it."""
 
 from __future__ import annotations
 
@@ -125,12 +126,20 @@ class RouterTuning:
         (`space` None: nothing): its growth from the published costs
         (`growth_choice.py`), its `auto` settings from the tuner (the no-draft candidate
         makes it a `pp` request); modes without a specpipe tree keep the defaults. Also
-        what to report at its end (`finish`, whatever the request)."""
+        what to report when it starts running (`started`, once admitted) and at its end
+        (`finish`, whatever the request)."""
         decision = None
         if mode == Mode.SPECPIPE and space is not None:
             mode, opts, decision = self._resolve(mode, opts, space, backends, version)
-        ticket = self._shared(version).overlaps.begin(running(mode, opts))
+        ticket = self._shared(version).overlaps.queue(running(mode, opts))
         return mode, opts, Tuned((version, regime_of(opts)), decision, opts.max_new_tokens, ticket)
+
+    def started(self, tuned: Tuned | None) -> None:
+        """The request `resolve` decided left admission and runs: from now on it shares
+        the forwards of its model version's other running requests (one still queued
+        runs none, so it marks none of them mixed)."""
+        if tuned is not None and (shared := self.versions.get(tuned.key[0])) is not None:
+            shared.overlaps.start(tuned.ticket)
 
     def _resolve(
         self,

@@ -56,7 +56,12 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="none", help="draft model, 'oracle' (the target) or 'none'")
     add_flags(p, DeploymentConfig)
     add_dtype_arg(p)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: auto)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per model process (0: every core; services/cpu_threads.py)",
+    )
     p.add_argument(
         "--no-prefix-cache",
         action="store_true",

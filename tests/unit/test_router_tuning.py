@@ -41,6 +41,13 @@ def space(**kw) -> TuningSpace:
 OPTS = DecodeOptions(max_new_tokens=16)
 
 
+def start(tuning: RouterTuning, *args):
+    """`tuning.resolve(*args)` for a request admitted at once (it starts running)."""
+    mode, opts, tuned = tuning.resolve(*args)
+    tuning.started(tuned)
+    return mode, opts, tuned
+
+
 def finished(tuned) -> DecodeStats:
     """A tuned request's stats: 16 tokens in 8 steps with the width it was given."""
     width = tuned.decision.setting.width
@@ -49,10 +56,10 @@ def finished(tuned) -> DecodeStats:
 
 def test_the_no_draft_candidate_runs_as_pp_and_the_others_as_trees() -> None:
     tuning = RouterTuning(calibration_tokens=16)
-    mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
+    mode, opts, tuned = start(tuning, Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
     assert tuned.decision.setting == Setting.no_draft() and mode == Mode.PP
     tuning.finish(tuned, finished(tuned), tbt_ms=10.0)  # measured: the next setting
-    mode, opts, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
+    mode, opts, tuned = start(tuning, Mode.SPECPIPE, OPTS, space(), backends(0.1, 0.01), "v1")
     s = tuned.decision.setting
     assert mode == Mode.SPECPIPE and s.uses_tree and s.layers_per_step >= 2
     assert (opts.width, opts.layers_per_step, opts.token_source) == (
@@ -70,14 +77,14 @@ def test_unset_growth_follows_the_published_costs() -> None:
         (0.020, 0.010, Growth.VERIFIED),  # 2 x 10 + 10 ms do not fit in 15 ms
         (0.100, None, Growth.VERIFIED),  # no draft curve: unknown
     ):
-        mode, opts, tuned = tuning.resolve(
-            Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
+        mode, opts, tuned = start(
+            tuning, Mode.SPECPIPE, OPTS, space(**fixed), backends(stage_s, draft_s), "v1"
         )
         assert tuned.decision is None and mode == Mode.SPECPIPE and opts.growth == want
         tuning.finish(tuned, None)
     # a request's growth wins
     asked = space(**fixed, growth=Growth.VERIFIED)
-    _, opts, _ = tuning.resolve(Mode.SPECPIPE, OPTS, asked, backends(0.1, 0.02), "v1")
+    _, opts, _ = start(tuning, Mode.SPECPIPE, OPTS, asked, backends(0.1, 0.02), "v1")
     assert opts.growth == Growth.VERIFIED
 
 
@@ -85,18 +92,18 @@ def test_a_tuned_request_beside_a_fixed_one_is_not_measured() -> None:
     tuning = RouterTuning(calibration_tokens=16)
     auto = space()
     b = backends(0.1, 0.01)
-    mode, _, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    mode, _, tuned = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
     assert mode == Mode.PP  # calibration measures no draft first
     # a pp request with its own mode runs as the tuner's no-draft setting: not mixed
-    _, _, pp = tuning.resolve(Mode.PP, OPTS, None, b, "v1")
+    _, _, pp = start(tuning, Mode.PP, OPTS, None, b, "v1")
     tuning.finish(pp, None)
     tuning.finish(tuned, finished(tuned), tbt_ms=10.0)
     (tuner,) = tuning.tuners.values()
     assert tuner.measured[tuned.decision.setting].requests == 1 and tuner.mixed == 0
     # the next phase's request starts beside one with fixed settings: mixed
     fixed = space(width=4, layers_per_step=2, token_source="draft")
-    _, _, other = tuning.resolve(Mode.SPECPIPE, OPTS, fixed, b, "v1")
-    _, _, tuned = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    _, _, other = start(tuning, Mode.SPECPIPE, OPTS, fixed, b, "v1")
+    _, _, tuned = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
     assert tuned.decision.setting != Setting(4, 2, "draft")
     tuning.finish(tuned, finished(tuned), tbt_ms=10.0)
     tuning.finish(other, None)
@@ -114,12 +121,12 @@ def test_greedy_and_sampling_requests_share_the_phase_of_their_model_version() -
     tuning = RouterTuning(calibration_tokens=16)
     auto, b = space(), backends(0.1, 0.01)
     sampling = replace(OPTS, sampling=SamplingParams(temperature=0.8))
-    _, _, first = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    _, _, first = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
     tuning.finish(first, finished(first), tbt_ms=10.0)  # greedy has measured no draft
-    _, _, greedy = tuning.resolve(Mode.SPECPIPE, OPTS, auto, b, "v1")
+    _, _, greedy = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
     s = greedy.decision.setting
     assert s.uses_tree  # the greedy tuner's next phase, in flight
-    mode, _, other = tuning.resolve(Mode.SPECPIPE, sampling, auto, b, "v1")
+    mode, _, other = start(tuning, Mode.SPECPIPE, sampling, auto, b, "v1")
     assert other.key == ("v1", "sampling") and other.decision.setting == s
     assert mode == Mode.SPECPIPE and other.decision.exploring
     tuning.finish(other, finished(other), tbt_ms=10.0)
@@ -127,3 +134,22 @@ def test_greedy_and_sampling_requests_share_the_phase_of_their_model_version() -
     for key in (("v1", "greedy"), ("v1", "sampling")):
         tuner = tuning.tuners[key]
         assert tuner.measured[s].requests == 1 and tuner.mixed == 0
+
+
+def test_a_request_waiting_in_admission_mixes_no_running_one() -> None:
+    """A request with fixed settings decided while a tuned one runs, but queued behind
+    it, runs no forward beside it: the tuned one is measured clean. Once it starts, the
+    next tuned request beside it is mixed."""
+    tuning = RouterTuning(calibration_tokens=16)
+    auto, b = space(), backends(0.1, 0.01)
+    _, _, tuned = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
+    fixed = space(width=4, layers_per_step=2, token_source="draft")
+    _, _, queued = tuning.resolve(Mode.SPECPIPE, OPTS, fixed, b, "v1")  # not admitted yet
+    tuning.finish(tuned, finished(tuned), tbt_ms=10.0)
+    (tuner,) = tuning.tuners.values()
+    assert tuner.mixed == 0 and tuner.measured[tuned.decision.setting].requests == 1
+    tuning.started(queued)  # admitted now: it runs
+    _, _, beside = start(tuning, Mode.SPECPIPE, OPTS, auto, b, "v1")
+    tuning.finish(beside, finished(beside), tbt_ms=10.0)
+    tuning.finish(queued, None)
+    assert tuner.mixed == 1 and not tuning.versions["v1"].overlaps.live

@@ -265,6 +265,20 @@ def test_a_request_beside_another_setting_is_mixed() -> None:
     assert not overlaps.end(fourth) and not overlaps.live  # ended twice: nothing
 
 
+def test_a_queued_request_is_live_only_once_it_starts() -> None:
+    """Decided but waiting in admission, a request runs no forward: it mixes none of
+    those running, nor is it clean if it never ran."""
+    overlaps = Overlaps()
+    a, b = Setting(4, 2, DRAFT), Setting.no_draft()
+    running, queued = overlaps.begin(a), overlaps.queue(b)
+    assert overlaps.live == {a: 1} and overlaps.end(running)  # clean: b waited
+    never = overlaps.queue(a)
+    overlaps.start(queued)
+    assert not overlaps.end(never) and overlaps.live == {b: 1}  # it never ran
+    overlaps.start(queued)  # twice: counted once
+    assert overlaps.end(queued) and not overlaps.live and not overlaps.tickets
+
+
 def test_a_mixed_request_is_not_measured_and_does_not_end_its_phase() -> None:
     tuner = Tuner(None, calibration_tokens=64)
     space = layers_space(stages=3)
@@ -502,3 +516,37 @@ def test_the_cost_curves_rule_out_settings_that_cannot_win() -> None:
     # W = 4 (the middle) measures 48 ms a token; W = 8's step costs 160 ms / 2 = 80 ms
     assert Setting(4, 2, DRAFT) in tried and Setting(2, 2, DRAFT) in tried
     assert Setting(8, 2, DRAFT) not in tried and Setting(16, 2, DRAFT) not in tried
+
+
+def test_regimes_with_equally_good_bests_choose_one_setting() -> None:
+    """Greedy's best is K=2, sampling's K=3, each within 10% of the other's in both
+    regimes: once calibrated, requests of both in flight together get one setting
+    (different ones would mix every request of both in their steady state)."""
+    shared = Shared()
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    walls = ({1: 0.100, 2: 0.050, 3: 0.052}, {1: 0.100, 2: 0.053, 3: 0.050})
+    tuners = [Tuner(None, calibration_tokens=64, explore_every=1000, shared=shared) for _ in walls]
+    for tuner, wall in zip(tuners, walls, strict=True):
+        _calibration(tuner, space, lambda s, wall=wall: wall[s.layers_per_step])
+        assert tuner.outlook() is not None and not tuner.outlook().exploring
+    live = [tuner.decide(space, 64) for tuner in tuners for _ in range(3)]
+    assert not any(d.exploring for d in live)
+    assert len({d.setting for d in live}) == 1, [d.setting.label() for d in live]
+    assert "the model version's choice" in live[-1].reason
+    # a regime whose best is clearly better keeps it
+    far = Tuner(None, calibration_tokens=64, explore_every=1000, shared=shared)
+    _calibration(far, space, lambda s: {1: 0.100, 2: 0.080, 3: 0.050}[s.layers_per_step])
+    assert far.decide(space, 64).setting.layers_per_step == 3
+
+
+def test_a_lone_regime_follows_its_best_not_its_last_choice() -> None:
+    """The tie-break is another regime's choice: a tuner's own last one does not hold
+    it back from a better measured setting."""
+    tuner = Tuner(None, calibration_tokens=64, explore_every=1000)
+    space = TuningSpace(4, None, DRAFT, True, stages=3)
+    _calibration(tuner, space, lambda s: {1: 0.100, 2: 0.050, 3: 0.052}[s.layers_per_step])
+    assert tuner.decide(space, 64).setting.layers_per_step == 2
+    tuner.finish(Setting(4, 2, DRAFT), 64)
+    tuner.finish(Setting(4, 3, DRAFT), 64, 64, 32, 32, 63 * 0.040)  # K=3 now 8% better
+    d = tuner.decide(space, 64)
+    assert d.setting.layers_per_step == 3 and "choice" not in d.reason

@@ -1,0 +1,265 @@
+"""Defaults that never lose on real models (issue 34 point 7, session 45): how `specpipe
+up` gives the cores to its model processes (`services/cpu_threads.py`), measured with
+the 1.5B target and the 0.5B draft on this host's CPUs.
+
+Deployments (`specpipe up`, one stage), each measured with 64-token greedy chats from
+one client:
+
+- `a`: no draft; the stage on every core (what main's launcher gives it without a draft).
+- `b`: the 0.5B draft, the cores split between the stage and the draft (main's launcher:
+  one thread each on 2 cores), the OpenMP runtime's default waits.
+- `c`: the 0.5B draft, every core to every model process with passive OpenMP waits.
+- `d`: the 0.5B draft, every core to the stage, the draft its share (one thread on 2
+  cores), passive OpenMP waits.
+
+Request kinds: `pp` (no draft: plain decoding through the pipeline), `default` (the
+router tunes width, layers per step and source; no draft is among its candidates) and
+`W=2 K=3 draft` (pinned): the default's calibration runs first, then the kinds alternate
+prompt by prompt. Per kind:
+time between tokens, tokens per step, the settings that ran, CPU seconds per token of the
+stage, the draft and the router (from /proc, the deployment's own processes), the load
+average, and every output against the served-dtype reference (in-process plain decoding,
+`autoregressive`, same dtype; cached in the output file's folder).
+
+    python benchmarks/bench_cores.py --arms a,b,c --out benchmarks/results/cores-session45
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_defaults import tuning_arms  # noqa: E402
+from bench_emulated import stream_all  # noqa: E402
+from bench_peer import PROMPTS  # noqa: E402
+
+MODELS = Path.home() / ".cache" / "specpipe" / "models"
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+SPLIT = {"OMP_WAIT_POLICY": ""}  # main's launcher: the OpenMP runtime's default waits
+ARMS = {  # draft, threads of the stage and of the draft (None: the launcher's), environment
+    "a": (False, 2, None, SPLIT),
+    "b": (True, 1, 1, SPLIT),
+    "c": (True, 2, 2, {}),
+    "d": (True, 2, 1, {}),
+}
+KINDS = {
+    "default": {},
+    "pp": {"mode": "pp"},
+    # where the tuner settles with this pair here (session 42 pinned it too)
+    "W=2 K=3 draft": {"width": 2, "layers_per_step": 3, "token_source": "draft"},
+}
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def load() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def prompts_of(n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODELS / TARGET)
+    out = []
+    for p in PROMPTS[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        out.append([int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
+    return out
+
+
+def reference(prompts, max_new_tokens: int, cache: Path) -> list[list[int]]:
+    """Plain decoding in process, bfloat16, S = 1 (cached: it costs minutes here)."""
+    key = json.dumps([prompts, max_new_tokens])
+    if cache.exists():
+        got = json.loads(cache.read_text())
+        had, n = json.loads(got["key"]), len(prompts)
+        if had[1] == max_new_tokens and had[0][:n] == prompts:  # the same, or more prompts
+            return got["tokens"][:n]
+    import torch
+    from specpipe.common.runtime.loader import build_local
+    from specpipe.common.runtime.lockstep import LockstepGeneration
+    from specpipe.common.spec.options import DecodeOptions, Mode
+
+    local = build_local(MODELS / TARGET, 1, None, dtype=torch.bfloat16)
+    opts = DecodeOptions(max_new_tokens=max_new_tokens, stop_token_ids=())
+    out = []
+    for p in prompts:
+        out.append(
+            list(LockstepGeneration(local.pipeline, None, p, Mode.AUTOREGRESSIVE, opts).run())
+        )
+        log(f"reference: {len(out)}/{len(prompts)}")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "tokens": out}))
+    return out
+
+
+class Cpu:
+    """CPU seconds of the deployment's processes (stage, draft, router) between marks."""
+
+    def __init__(self, dep) -> None:
+        self.pids = {n: c.proc.pid for n, c in dep.children.items() if c.proc is not None}
+        self.last = self.now()
+
+    def now(self) -> dict[str, float]:
+        return {n: cpu_seconds(pid) for n, pid in self.pids.items()}
+
+    def lap(self) -> dict[str, float]:
+        now = self.now()
+        lap = {n: now[n] - self.last[n] for n in now}
+        self.last = now
+        return lap
+
+
+def label(stats: dict) -> str:
+    if stats["mode"] != "specpipe":
+        return str(stats["mode"])
+    return f"W={stats['width']} K={stats['layers_per_step']} {stats['token_source']}"
+
+
+async def calibrate(address: str, prompts, kwargs: dict, most: int) -> tuple[int, str]:
+    """Default requests until the router's tuning has not said "measuring" after 2 in a
+    row (or `most` requests); how many ran and its last reason."""
+    from specpipe.services.client.aio import AsyncClient
+
+    served, settled, reason = 0, 0, ""
+    async with AsyncClient(address, timeout=1200) as client:
+        while served < most and settled < 2:
+            await client.generate(prompt_ids=prompts[served % len(prompts)], **kwargs)
+            served += 1
+            tuning = (await client.describe()).tuning
+            reason = tuning[0].reason if tuning else ""
+            settled = settled + 1 if tuning and "measuring" not in reason else 0
+            log(f"  calibration {served}: {reason[:150]}")
+    return served, reason
+
+
+def run_arm(name: str, args, prompts, ref) -> dict:
+    from specpipe.services.client.sync import Client
+    from specpipe.services.launcher import ServicesDeployment
+
+    has_draft, threads, d_threads, env = ARMS[name]
+    work = Path(tempfile.mkdtemp(prefix=f"bench-cores-{name}-"))
+    dep = ServicesDeployment(
+        MODELS / TARGET, MODELS / DRAFT if has_draft else "none", 1, dtype="bfloat16",
+        threads=threads, draft_threads=d_threads, env=env, log_dir=work / "logs",
+        startup_timeout=900,
+        scheduling={"tune_calibration_tokens": args.calibration_tokens},
+    )  # fmt: skip
+    out: dict = {"arm": name, "draft": has_draft, "threads": dep.threads,
+                 "draft_threads": dep.draft_threads if has_draft else None,
+                 "omp_wait_policy": dep.env.get("OMP_WAIT_POLICY", "(runtime default)")}  # fmt: skip
+    base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    kinds = {k: KINDS[k] for k in args.kinds.split(",") if has_draft or k == "pp"}
+    dep.start()
+    try:
+        cpu = Cpu(dep)
+        if "default" in kinds:
+            t0, l0 = time.perf_counter(), load()
+            n, reason = asyncio.run(calibrate(dep.router_address, prompts, base, args.most))
+            out["calibration"] = {
+                "requests": n, "wall_s": round(time.perf_counter() - t0, 1),
+                "cpu_s": {k: round(v, 1) for k, v in cpu.lap().items()},
+                "load": [l0, load()], "reason": reason,
+            }  # fmt: skip
+        cells: dict[str, dict] = {k: {"results": [], "cpu": {}, "load": []} for k in kinds}
+        for _ in range(args.rounds):
+            for i, p in enumerate(prompts):
+                for k, kw in kinds.items():
+                    cell = cells[k]
+                    cell["load"].append(load())
+                    cpu.lap()
+                    results, tokens, _ = asyncio.run(
+                        stream_all(dep.router_address, [p], 1, {**base, **kw})
+                    )
+                    for n, v in cpu.lap().items():
+                        cell["cpu"][n] = cell["cpu"].get(n, 0.0) + v
+                    cell["results"].append((results[0], tokens[0] == ref[i]))
+                    r = results[0]
+                    log(f"  {name} {k} prompt {i}: {1e3 * r.tbt:.0f} ms/token, "
+                        f"{label(r.stats)}, exact {tokens[0] == ref[i]}, load {load():.1f}")  # fmt: skip
+        for k, cell in cells.items():
+            rs = [r for r, _ in cell["results"]]
+            tokens = sum(r.output_tokens for r in rs)
+            out[k] = {
+                "requests": len(rs),
+                "tbt_ms": round(1e3 * statistics.mean(r.tbt for r in rs), 1),
+                "tbt_ms_each": [round(1e3 * r.tbt, 1) for r in rs],
+                "tokens_per_step": round(
+                    statistics.mean(float(r.stats["tokens_per_step"]) for r in rs), 3
+                ),
+                "settings": sorted({label(r.stats) for r in rs}),
+                "cpu_ms_per_token": {
+                    n: round(1e3 * v / tokens, 1) for n, v in sorted(cell["cpu"].items())
+                },
+                "cpu_ms_per_token_total": round(1e3 * sum(cell["cpu"].values()) / tokens, 1),
+                "load": [min(cell["load"]), max(cell["load"])],
+                "exact": f"{sum(ok for _, ok in cell['results'])}/{len(rs)}",
+            }
+            log(f"{name} {k}: {out[k]}")
+        with Client(dep.router_address, timeout=30) as client:
+            tuning = client.describe().tuning
+            if tuning:
+                out["chosen"] = tuning[0].reason
+                out["arms"] = tuning_arms(tuning[0])
+    finally:
+        dep.stop()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", default="a,b,c", help="deployments in order, e.g. a,b,c,c,b,a")
+    ap.add_argument("--prompts", type=int, default=4, help="chat prompts (of bench_peer's 4)")
+    ap.add_argument("--rounds", type=int, default=1, help="measured passes over the prompts")
+    ap.add_argument("--kinds", default="default,pp", help=f"of {', '.join(KINDS)}")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--calibration-tokens", type=int, default=64)
+    ap.add_argument("--most", type=int, default=40, help="calibration requests at most")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "cores-session45")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = prompts_of(args.prompts)
+    ref = reference(prompts, args.max_new_tokens, args.out / "reference.json")
+    rows = []
+    for name in args.arms.split(","):
+        rows.append(run_arm(name, args, prompts, ref))
+        (args.out / "results.json").write_text(json.dumps(rows, indent=1))
+    print("| arm | kind | ms/token | tokens/step | settings | CPU ms/token (stage, draft, "
+          "router) | load | exact |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for k in KINDS:
+            if k in r:
+                m = r[k]
+                cpu = ", ".join(f"{v:g}" for v in m["cpu_ms_per_token"].values())
+                print(f"| {r['arm']} (threads {r['threads']}/{r.get('draft_threads')}, "
+                      f"{r['omp_wait_policy']}) | {k} | "
+                      f"{m['tbt_ms']} | {m['tokens_per_step']} | {', '.join(m['settings'])} | "
+                      f"{m['cpu_ms_per_token_total']} ({cpu}) | {m['load'][0]}-{m['load'][1]} | "
+                      f"{m['exact']} |")  # fmt: skip
+        if "calibration" in r:
+            print(f"| {r['arm']} | calibration: {r['calibration']['requests']} requests, "
+                  f"{r['calibration']['wall_s']} s; chosen: {r.get('chosen', '')} | | | | | | |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

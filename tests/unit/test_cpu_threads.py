@@ -1,0 +1,36 @@
+"""How `specpipe up` gives the cores to its model processes (services/cpu_threads.py):
+every core to every stage and draft, passive OpenMP waits unless the caller chose."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from specpipe.services.config import DeploymentConfig
+from specpipe.services.cpu_threads import model_env, model_threads
+
+
+def test_every_model_process_gets_every_core_unless_threads_are_given() -> None:
+    assert model_threads(None, 2) == 2 and model_threads(0, 16) == 16
+    assert model_threads(1, 2) == 1 and model_threads(None, 0) == 1
+
+
+def test_openmp_waits_are_passive_unless_the_environment_says_otherwise() -> None:
+    assert model_env({"A": "1"}) == {"A": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert model_env({"OMP_WAIT_POLICY": "active"})["OMP_WAIT_POLICY"] == "active"
+    assert "OMP_WAIT_POLICY" not in model_env({"OMP_WAIT_POLICY": ""})  # the runtime's own
+
+
+def test_a_deployment_with_a_draft_does_not_split_the_cores(llama_dir: Path) -> None:
+    """With a draft the stage keeps every core (an idle draft costs it nothing): the
+    tuner's no-draft choice decodes as fast as a deployment without a draft."""
+    from specpipe.services.launcher import ServicesDeployment
+
+    dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
+    assert dep.threads == (os.cpu_count() or 1)
+    assert dep.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    dep._stage_child("stage0", dep.target, "0:2", "")
+    dep._draft_child("draft", dep.draft, "")
+    for name in ("stage0", "draft"):
+        argv = dep.children[name].argv
+        assert argv[argv.index("--threads") + 1] == str(dep.threads)
