@@ -574,10 +574,11 @@ class DeploymentConfig:
     )
     host: str = flag("127.0.0.1", help="address every process listens on")
     dtype: str = "float32"
-    threads: int | None = None  # per model process; None: every core (services/cpu_threads.py)
+    threads: int | None = None  # per model process; None: services/cpu_threads.py decides
     draft_threads: int | None = flag(
         parse=positive_int,
-        help="torch threads of the draft process (default: as --threads; services/cpu_threads.py)",
+        help="torch threads of the draft process (default: as --threads, else every core; "
+        "services/cpu_threads.py)",
     )
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.

@@ -168,9 +168,11 @@ class ServicesDeployment:
         )
         self._ordinals = {n: k for k, n in enumerate(self.placement.names)}
         self.group = c.group  # discovery group of the first model version
-        # Every core to every model process, passive OpenMP waits (services/cpu_threads.py)
-        self.threads = model_threads(c.threads, os.cpu_count() or 1)
-        self.draft_threads = draft_threads(c.draft_threads, self.threads)
+        # The stages' cores as without a draft, every core to the draft, passive OpenMP
+        # waits (services/cpu_threads.py)
+        cpus = os.cpu_count() or 1
+        self.threads = model_threads(c.threads, cpus, sum(per_stage))
+        self.draft_threads = draft_threads(c.draft_threads, c.threads, cpus)
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None

@@ -60,7 +60,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch threads per model process (0: every core; services/cpu_threads.py)",
+        help="torch threads per model process (0: each stage the host's cores shared by the "
+        "stages, the draft every core; services/cpu_threads.py)",
     )
     p.add_argument(
         "--no-prefix-cache",

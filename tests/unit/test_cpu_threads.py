@@ -1,5 +1,6 @@
 """How `specpipe up` gives the cores to its model processes (services/cpu_threads.py):
-every core to every stage and draft, passive OpenMP waits unless the caller chose."""
+the stages the cores a deployment without a draft gives them, every core to the draft,
+passive OpenMP waits unless the caller chose."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import os
 from pathlib import Path
 
 from specpipe.services.config import DeploymentConfig
-from specpipe.services.cpu_threads import model_env, model_threads
+from specpipe.services.cpu_threads import draft_threads, model_env, model_threads
 
 
-def test_every_model_process_gets_every_core_unless_threads_are_given() -> None:
+def test_stages_share_the_cores_and_the_draft_gets_every_core() -> None:
     assert model_threads(None, 2) == 2 and model_threads(0, 16) == 16
     assert model_threads(1, 2) == 1 and model_threads(None, 0) == 1
+    # several stage processes on one host work at once: the cores are shared
+    assert model_threads(None, 2, stages=2) == 1 and model_threads(None, 16, stages=3) == 5
+    assert model_threads(None, 2, stages=4) == 1 and model_threads(3, 2, stages=4) == 3
+    # the draft: --draft-threads, else --threads, else every core
+    assert draft_threads(None, None, 16) == 16 and draft_threads(None, 2, 16) == 2
+    assert draft_threads(4, 2, 16) == 4 and draft_threads(None, None, 0) == 1
 
 
 def test_openmp_waits_are_passive_unless_the_environment_says_otherwise() -> None:
@@ -27,10 +34,22 @@ def test_a_deployment_with_a_draft_does_not_split_the_cores(llama_dir: Path) -> 
     from specpipe.services.launcher import ServicesDeployment
 
     dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
-    assert dep.threads == (os.cpu_count() or 1)
+    assert dep.threads == dep.draft_threads == (os.cpu_count() or 1)
     assert dep.env["OMP_WAIT_POLICY"] == "PASSIVE"
     dep._stage_child("stage0", dep.target, "0:2", "")
     dep._draft_child("draft", dep.draft, "")
     for name in ("stage0", "draft"):
         argv = dep.children[name].argv
         assert argv[argv.index("--threads") + 1] == str(dep.threads)
+
+
+def test_several_stages_share_the_cores_as_without_a_draft(llama_dir: Path) -> None:
+    """Two stages on one host get the threads a deployment without a draft gives them;
+    the draft every core."""
+    from specpipe.services.launcher import ServicesDeployment
+
+    cpus = os.cpu_count() or 1
+    with_draft = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=2))
+    without = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="none", stages=2))
+    assert with_draft.threads == without.threads == max(1, cpus // 2)
+    assert with_draft.draft_threads == cpus
