@@ -236,7 +236,12 @@ class StreamWriter:
             self._on = on  # a future (or None: resumed at once by `_pump`)
             self._watched = False
 
-    def _resume(self, _: asyncio.Future) -> None:
+    def _resume(self, done: asyncio.Future) -> None:
+        if done is not self._on:
+            # a write finished that send since (and watches the next itself where a
+            # message waits): carrying on here would add a second callback to the next
+            # send's future, and those would pile up, one more per send
+            return
         self._watched = False
         if self._sending is not None:
             self._pump()

@@ -102,6 +102,37 @@ def test_close_abandons_a_send_in_flight() -> None:
     asyncio.run(main())
 
 
+def test_one_callback_per_completed_send_when_writes_finish_sends(monkeypatch) -> None:
+    """A write that finishes a completed send before its callback ran: that callback
+    must not watch the next send again (callbacks piled up, one more per send: the
+    stream's CPU grew with the square of its messages)."""
+    resumes = 0
+    resume = StreamWriter._resume
+
+    def counted(self, done) -> None:
+        nonlocal resumes
+        resumes += 1
+        resume(self, done)
+
+    monkeypatch.setattr(StreamWriter, "_resume", counted)
+
+    async def main() -> None:
+        ctx = _Context()
+        w = StreamWriter(ctx)  # type: ignore[arg-type]
+        w.write(0)
+        w.write(1)
+        for i in range(2, 50):
+            ctx.complete()  # its callback is scheduled ...
+            w.write(i)  # ... and this write finishes the send first
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        assert ctx.started == list(range(len(ctx.started))) and ctx.most_in_flight == 1
+        assert resumes <= 50
+        w.close()
+
+    asyncio.run(main())
+
+
 def test_a_send_that_ends_cancelled_fails_the_stream_not_the_drainer() -> None:
     """gRPC's own send future cancelled (not the handler): `drain` raises ClientGone,
     not CancelledError, so the handler still ends with its request's status."""
