@@ -1,5 +1,6 @@
 """How many torch threads each model process of `specpipe up` runs, and how its OpenMP
-threads wait: the one place that decides (`services/launcher.py` applies it).
+threads wait: the one place that decides (`services/launcher.py` applies it; `env_of`:
+the stages' and the draft's environment, not the router's).
 
 Every model process (each stage, the draft) may use every core, and its OpenMP threads
 wait passively (`OMP_WAIT_POLICY=PASSIVE`: a thread with nothing to do sleeps at once
@@ -45,6 +46,16 @@ def model_threads(given: int | None, cpus: int) -> int:
 def draft_threads(given: int | None, stage_threads: int) -> int:
     """Torch threads of the draft process: `given` (--draft-threads), else the stages'."""
     return given or stage_threads
+
+
+MODEL_KINDS = ("stage", "draft")  # the processes that run a model's forwards
+
+
+def env_of(kind: str, env: Mapping[str, str]) -> dict[str, str]:
+    """A child's environment: `model_env` for a model process (`MODEL_KINDS`), `env` as
+    it is for the rest (the router runs no forwards: its own OpenMP, if any, keeps the
+    runtime's default)."""
+    return model_env(env) if kind in MODEL_KINDS else dict(env)
 
 
 def model_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -28,9 +28,23 @@ def test_a_deployment_with_a_draft_does_not_split_the_cores(llama_dir: Path) -> 
 
     dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
     assert dep.threads == (os.cpu_count() or 1)
-    assert dep.env["OMP_WAIT_POLICY"] == "PASSIVE"
     dep._stage_child("stage0", dep.target, "0:2", "")
     dep._draft_child("draft", dep.draft, "")
     for name in ("stage0", "draft"):
         argv = dep.children[name].argv
         assert argv[argv.index("--threads") + 1] == str(dep.threads)
+
+
+def test_only_the_model_processes_get_passive_openmp_waits(llama_dir: Path, monkeypatch) -> None:
+    """The router runs no forwards: its environment is the caller's as it is."""
+    from specpipe.services.launcher import ServicesDeployment
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
+    dep._stage_child("stage0", dep.target, "0:2", "")
+    dep._draft_child("draft", dep.draft, "")
+    dep._router_child()
+    for name in ("stage0", "draft"):
+        assert dep.child_env(dep.children[name])["OMP_WAIT_POLICY"] == "PASSIVE"
+    router = dep.child_env(dep.children["router"])
+    assert "OMP_WAIT_POLICY" not in router and router == {**os.environ}
