@@ -45,6 +45,16 @@ class _Context:
             done.set_exception(error)
 
 
+def _writing(*messages) -> tuple[_Context, StreamWriter]:
+    """A writer over a fake call with `messages` written: the first one's send under
+    way, the rest waiting."""
+    ctx = _Context()
+    w = StreamWriter(ctx)  # type: ignore[arg-type]
+    for m in messages:
+        w.write(m)
+    return ctx, w
+
+
 def test_messages_written_from_callbacks_go_in_order_one_at_a_time() -> None:
     async def main() -> None:
         ctx = _Context()
@@ -75,10 +85,7 @@ def test_messages_written_from_callbacks_go_in_order_one_at_a_time() -> None:
 
 def test_a_failed_send_fails_the_stream() -> None:
     async def main() -> None:
-        ctx = _Context()
-        w = StreamWriter(ctx)  # type: ignore[arg-type]
-        w.write("a")
-        w.write("b")
+        ctx, w = _writing("a", "b")
         ctx.complete(ConnectionError("the client went away"))
         with pytest.raises(ClientGone):
             await w.drain()
@@ -91,10 +98,7 @@ def test_a_failed_send_fails_the_stream() -> None:
 
 def test_close_abandons_a_send_in_flight() -> None:
     async def main() -> None:
-        ctx = _Context()
-        w = StreamWriter(ctx)  # type: ignore[arg-type]
-        w.write("a")
-        w.write("b")
+        ctx, w = _writing("a", "b")
         done = ctx.pending[0]
         w.close()
         assert done.cancelled() and not w.busy and ctx.in_flight == 0
