@@ -1,5 +1,6 @@
 """How many torch threads each model process of `specpipe up` runs, and how its OpenMP
-threads wait: the one place that decides (`services/launcher.py` applies it).
+threads wait: the one place that decides (`services/launcher.py` applies it; `env_of`:
+the stages' and the draft's environment, not the router's).
 
 Each stage gets the cores a deployment of the same stages without a draft would give it
 (`cpus // stage processes`: the stages of one host work at once, pipelined across
@@ -48,6 +49,16 @@ def draft_threads(given: int | None, threads: int | None, cpus: int) -> int:
     """Torch threads of the draft process: `given` (--draft-threads), else --threads,
     else every core (it waits passively while it idles)."""
     return given or threads or max(1, cpus)
+
+
+MODEL_KINDS = ("stage", "draft")  # the processes that run a model's forwards
+
+
+def env_of(kind: str, env: Mapping[str, str]) -> dict[str, str]:
+    """A child's environment: `model_env` for a model process (`MODEL_KINDS`), `env` as
+    it is for the rest (the router runs no forwards: its own OpenMP, if any, keeps the
+    runtime's default)."""
+    return model_env(env) if kind in MODEL_KINDS else dict(env)
 
 
 def model_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -5,15 +5,17 @@ wakes the thread; the thread takes every waiting request's first item as one bat
 soon as the `StepAligner` lets it start (the calls of one pipeline step reach the draft
 spread over the router's handling of the step: a bounded wait for the expected ones),
 computes it, answers what it can itself (`answer_now`: the replies to control frames,
-sent from the thread where the transport keeps their order, issue 34 point 4) and hands
-the rest of the batch and its results to the event loop (`HandOffs`: one wake-up per
-batch the loop has not looked at yet; thread_handoff.py, which the stages share). So a
-batch whose input is already there never waits for a turn of the event loop, and a
+sent from the thread where no batch of its waits for the loop and the transport can send
+at once, issue 34 point 4; an earlier batch's replies, which the loop sends, may still
+reach the router after them: the router matches replies by call_id, not by order) and
+hands the rest of the batch and its results to the event loop (`HandOffs`: one wake-up
+per batch the loop has not looked at yet; thread_handoff.py, which the stages share). So
+a batch whose input is already there never waits for a turn of the event loop, and a
 forward costs the loop at most one wake-up, none where the thread answered it all
 (`benchmarks/README.md`, "Draft host work, session 41" and "Session 45: the draft's
 loop"). A stage does the same with more phases (services/compute_round.py); the draft's
-work of a request depends on its last answer, so there is nothing to prepare ahead and
-a batch is computed and handed off in one go.
+work of a request depends on its last answer, so there is nothing to prepare ahead and a
+batch is computed and handed off in one go.
 
 `inbox` guards the waiting work and the aligner: the event loop holds it to add work,
 to tell the aligner of arrivals and departures, and the thread to take a batch.

@@ -16,11 +16,12 @@ router sends its calls on one control stream (`Control`; services/router/
 control_stream.py), or as control frames to the draft's data plane (a `DraftControl` in
 a PAYLOAD_KIND_CONTROL frame, transport/control_frames.py, answered by CONTROL_REPLY
 frames to the router's address, one of `--peers`, which the compute thread sends itself
-where the transport keeps their order, `_answer_now`, while the stream stays open so
-that a lost draft still breaks it), each run as its unary handler runs it (`Open`'s prefix
-lookup, `Prune` and `Release` on the replica's executor thread, beside a batch that
-computes: the runtime's locks keep them apart, as a stage's). The lifecycle (server,
-drain, leases, `Renew`, most of `Describe`) is the `Replica`'s.
+where it can (`_answer_now`; in no promised order: the router matches them by call_id),
+while the stream stays open so that a lost draft still breaks it), each run as its unary
+handler runs it (`Open`'s prefix lookup, `Prune` and `Release` on the replica's executor
+thread, beside a batch that computes: the runtime's locks keep them apart, as a
+stage's). The lifecycle (server, drain, leases, `Renew`, most of `Describe`) is the
+`Replica`'s.
 
 One module: the unary handlers, the control stream and the control frames take calls
 into the same state (the batch's asks, the leases) under the same checks, and refuse

@@ -129,6 +129,11 @@ class Server:
             await self.health_server.stop(None)
 
 
+class ClientGone(Exception):
+    """A server stream's send failed: the client went away (or its call ended). Not a
+    failure of the request: its handler stops and releases it, as for a cancel."""
+
+
 class StreamWriter:
     """A server stream's messages written from plain callbacks on the event loop, in
     order, without a task (issue 34): grpc.aio's `context.write` is a coroutine that
@@ -144,8 +149,10 @@ class StreamWriter:
     The handler that owns the stream must `drain` before it returns or aborts (the
     status must not pass a message), and `close` at the end whatever happened (a
     cancelled handler abandons a send in flight, as grpc.aio's own cancellation does).
-    A send that fails (the client went away) drops what waits and is raised by the
-    next `drain`; grpc.aio cancels the handler for it anyway."""
+    A send that fails (the client went away) drops what waits and fails the stream
+    with `ClientGone`, raised by the next `write` or `drain`, whatever gRPC raised (its
+    own errors are plain Exceptions, and its send may end cancelled before gRPC
+    cancels the handler): the handler ends quietly, as for a client's cancel."""
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
@@ -153,7 +160,7 @@ class StreamWriter:
         self._sending: Coroutine | None = None  # the write under way
         self._on: asyncio.Future | None = None  # what it waits for
         self._watched = False  # a callback resumes it when `_on` is done
-        self.error: BaseException | None = None
+        self.error: ClientGone | None = None
 
     @property
     def busy(self) -> bool:
@@ -169,11 +176,14 @@ class StreamWriter:
         self._pump()
 
     async def drain(self) -> None:
-        """Until every message written is sent; raises the stream's failure."""
+        """Until every message written is sent; raises the stream's failure
+        (`ClientGone`), or CancelledError only where the handler itself is cancelled (a
+        send of gRPC's that ends cancelled fails the stream)."""
         while self.busy and self.error is None:
             self._pump()
             if self._on is not None and not self._on.done():
-                await asyncio.shield(self._on)
+                # not shield: it raises CancelledError where `_on` ends cancelled too
+                await asyncio.wait((self._on,))
         if self.error is not None:
             raise self.error
 
@@ -217,15 +227,21 @@ class StreamWriter:
             on = sending.send(None)
         except StopIteration:
             self._sending = self._on = None
-        except BaseException as e:  # the send failed: the stream is broken
+        except (Exception, asyncio.CancelledError) as e:  # the stream is broken
             self._sending = self._on = None
             self._waiting.clear()
-            self.error = e
+            self.error = ClientGone(f"a send to the client failed: {e!r}")
+            self.error.__cause__ = e
         else:
             self._on = on  # a future (or None: resumed at once by `_pump`)
             self._watched = False
 
-    def _resume(self, _: asyncio.Future) -> None:
+    def _resume(self, done: asyncio.Future) -> None:
+        if done is not self._on:
+            # a write finished that send since (and watches the next itself where a
+            # message waits): carrying on here would add a second callback to the next
+            # send's future, and those would pile up, one more per send
+            return
         self._watched = False
         if self._sending is not None:
             self._pump()

@@ -53,7 +53,7 @@ from .config import (
     ServiceConfig,
     StageConfig,
 )
-from .cpu_threads import draft_threads, model_env, model_threads
+from .cpu_threads import draft_threads, env_of, model_threads
 from .placement import Placement, one_per_gpu, plan
 
 
@@ -178,7 +178,8 @@ class ServicesDeployment:
         self._own_dir = c.log_dir is None
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.env = model_env({**os.environ, **(c.env or {})})
+        # the children's environment; a model process's adds passive OpenMP waits (`env_of`)
+        self.env = {**os.environ, **(c.env or {})}
         self.api_keys = list(c.api_keys)
         self.secure = c.secure
         self.emulate_costs = Path(c.emulate_costs).resolve() if c.emulate_costs else None
@@ -425,6 +426,11 @@ class ServicesDeployment:
             i += 1
         return f"{base}.{i}"
 
+    def child_env(self, child: Child) -> dict[str, str]:
+        """`child`'s environment before the launcher's own variables (services/
+        cpu_threads.py decides what a model process's adds)."""
+        return env_of(child.kind, self.env)
+
     def _spawn(self, child: Child) -> None:
         if self.stop_signal is not None:
             raise StopRequested(f"stopping (signal {self.stop_signal})")
@@ -432,7 +438,7 @@ class ServicesDeployment:
             raise LaunchError("this deployment was stopped")
         child.started_at = time.monotonic()
         env = {
-            **self.env,
+            **self.child_env(child),
             PARENT_FD_ENV: str(self._parent_r),
             PARENT_GRACE_ENV: f"{self.drain_seconds + STOP_SLACK:g}",
         }

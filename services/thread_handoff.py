@@ -9,7 +9,11 @@ thread took the first part alone: twice the forwards), and `HandOffs` wakes the 
 once per batch of results it has not looked at yet (a wake is a write to the loop's
 self-pipe, a read and a turn of the loop). Where a thread can act on a batch itself
 (send its frames), it does so only while `HandOffs.settled`: every batch it handed the
-loop before has been delivered, so it passes none of them.
+loop before has been delivered. That orders the hand-offs, not the wire: a delivered
+batch's frames may still wait for the loop to send them (a `call_soon` flush, a
+background send), so what the thread sends now can reach the peer before them. Nothing
+may rely on the wire order of different batches' frames: the router, for one, matches
+the draft's replies by call_id, in whatever order they come.
 """
 
 from __future__ import annotations
@@ -96,5 +100,7 @@ class HandOffs(Generic[T]):
     @property
     def settled(self) -> bool:
         """Every item put has been delivered: the compute thread may act on its own
-        (send a batch's frames) without passing an earlier batch the loop still holds."""
+        (send a batch's frames) without passing an earlier batch the loop still holds.
+        Delivered is not sent: the loop may send a delivered batch's frames later, after
+        what the thread sends now (the module's docstring: no one relies on that order)."""
         return self._put == self._delivered

@@ -390,7 +390,9 @@ class RouterEngine:
         a delta ends it as finished ("stop") and yields the final message. With `sink`,
         the deltas go to it instead, each called where its tokens were verified (a
         frame's callback: no task wakes per delta, issue 34), and only `started` and
-        `finished` are yielded."""
+        `finished` are yielded; an exception `sink` raises (other than RuntimeError or
+        ValueError: grpc_util.ClientGone, the client went away) comes out of here as is
+        and the request ends as when the generator is closed early."""
         self._refuse_while_draining()
         caller = caller or self.api_keys.caller(None)
         check_priority(request.priority, caller)

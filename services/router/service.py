@@ -14,7 +14,7 @@ import time
 from specpipe.v1 import generation_pb2 as gen
 from specpipe.v1 import generation_pb2_grpc
 
-from ..grpc_util import Server, StreamWriter, wait_until_idle
+from ..grpc_util import ClientGone, Server, StreamWriter, wait_until_idle
 from ..security import PublicTls
 from .bounds import max_prompt_chars
 from .edge import EdgeLimits, InvalidMessages
@@ -95,7 +95,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context) -> None:
         """The request's messages written as they come: its deltas from the callbacks
         that verified their tokens (`StreamWriter`: no task step per message), `started`
-        and `finished` from this handler."""
+        and `finished` from this handler. A failed send (`ClientGone`, also raised out
+        of the engine by a delta's callback) ends the handler quietly and the request
+        as a client's cancel does (the engine's generator is closed: it releases the
+        request); a request that failed ends with its status even where the send of
+        what came before failed."""
         remaining = context.time_remaining()  # None: the client set no deadline
         deadline = None if remaining is None else time.monotonic() + remaining
         caller = self.engine.api_keys.caller_of_call(context)
@@ -108,9 +112,11 @@ class RouterService(generation_pb2_grpc.GenerationServicer):
                         writer.write(response)
                     await writer.drain()
                 except RequestFailed as e:
-                    with contextlib.suppress(Exception):
+                    with contextlib.suppress(ClientGone):
                         await writer.drain()  # what was verified before it failed
                     await context.abort(e.code, e.message, e.trailing_metadata)
+        except ClientGone as e:
+            log.debug("a Generate stream ended: %s", e)
         finally:
             writer.close()
 

@@ -35,7 +35,6 @@ def test_a_deployment_with_a_draft_does_not_split_the_cores(llama_dir: Path) -> 
 
     dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
     assert dep.threads == dep.draft_threads == (os.cpu_count() or 1)
-    assert dep.env["OMP_WAIT_POLICY"] == "PASSIVE"
     dep._stage_child("stage0", dep.target, "0:2", "")
     dep._draft_child("draft", dep.draft, "")
     for name in ("stage0", "draft"):
@@ -53,3 +52,18 @@ def test_several_stages_share_the_cores_as_without_a_draft(llama_dir: Path) -> N
     without = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="none", stages=2))
     assert with_draft.threads == without.threads == max(1, cpus // 2)
     assert with_draft.draft_threads == cpus
+
+
+def test_only_the_model_processes_get_passive_openmp_waits(llama_dir: Path, monkeypatch) -> None:
+    """The router runs no forwards: its environment is the caller's as it is."""
+    from specpipe.services.launcher import ServicesDeployment
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
+    dep._stage_child("stage0", dep.target, "0:2", "")
+    dep._draft_child("draft", dep.draft, "")
+    dep._router_child()
+    for name in ("stage0", "draft"):
+        assert dep.child_env(dep.children[name])["OMP_WAIT_POLICY"] == "PASSIVE"
+    router = dep.child_env(dep.children["router"])
+    assert "OMP_WAIT_POLICY" not in router and router == {**os.environ}
