@@ -247,8 +247,12 @@ class Transport(ABC):
         """Frames of several requests to one address, as few batch frames as they fit
         (`batch.batches`); in order, like `send_frame` calls one after another."""
         for (header, payload), n in batch.frames(parts, sender):
-            await self.send_frame(address, header, payload)
-            self._count(header, payload, n)
+            self._count(header, payload, n)  # before: the answer may be read before we resume
+            try:
+                await self.send_frame(address, header, payload)
+            except BaseException:
+                self._count(header, payload, n, -1)
+                raise
 
     def send_now(self, address: str, parts: list[batch.Part], sender: str = "") -> bool:
         """From any thread: `parts` sent as `send_many` would, at once and without the
@@ -256,12 +260,14 @@ class Transport(ABC):
         `send_many` them. This one never can."""
         return False
 
-    def _count(self, header: pb.FrameHeader, payload: Tensor | None, parts: int) -> None:
-        """A frame sent, of `parts` requests' frames."""
+    def _count(
+        self, header: pb.FrameHeader, payload: Tensor | None, parts: int, sign: int = 1
+    ) -> None:
+        """A frame sent, of `parts` requests' frames (`sign` -1: one counted that was not)."""
         with self._counting:
-            self.bytes_sent += frame_bytes(header, payload)
-            self.frames_sent += 1
-            self.parts_sent += parts
+            self.bytes_sent += sign * frame_bytes(header, payload)
+            self.frames_sent += sign
+            self.parts_sent += sign * parts
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)

@@ -503,11 +503,15 @@ class TcpTransport(Transport):
                 return False
             joined = b"".join(b for hb, d in zip(hbs, datas, strict=True)
                               for b in _frame_writes(conn.mac, hb, d))  # fmt: skip
+            # Counted before the bytes leave: the peer may answer, and the answer be
+            # read, before this thread runs again (the counters read as sent then).
+            self._count_frames(frames, 1)
             try:
                 sent = conn.sock.send(joined)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
+                self._count_frames(frames, -1)
                 conn.broken = True  # its tags are spent: the loop reconnects
                 conn.loop.call_soon_threadsafe(self._drop, address, conn)
                 log.debug("tcp: a thread's send to %s failed: %s", address, e)
@@ -515,9 +519,13 @@ class TcpTransport(Transport):
             if sent < len(joined):
                 conn.tail = memoryview(joined)[sent:]
                 conn.loop.call_soon_threadsafe(self._flush, address, conn)
-        for header, payload, n in frames:
-            self._count(header, payload, n)
         return True
+
+    def _count_frames(
+        self, frames: list[tuple[pb.FrameHeader, Tensor | None, int]], sign: int
+    ) -> None:
+        for header, payload, n in frames:
+            self._count(header, payload, n, sign)
 
     def _flush(self, address: str, conn: _Conn) -> None:
         with conn.lock:
