@@ -30,7 +30,7 @@ from specpipe.common.spec.commands import (
     Feed,
     Propose,
 )
-from specpipe.common.spec.messages import Candidates
+from specpipe.common.spec.messages import Candidates, RowArrays
 from specpipe.v1 import dataplane_pb2 as pb
 from specpipe.v1 import draft_pb2, stage_pb2
 
@@ -66,6 +66,9 @@ class CommandExecutor:
         # prunes to stage 1 only, passed on stage to stage (StageStream.relays)
         self.relay = all(self._stream(s).relays for s in path.stages)
         self._draft_prunes: list[pb.PruneSignal] = []  # for the draft, with the next layer
+        # the last rows sent, as messages take them: a layer goes to stage 1 (`Feed`) and
+        # to the draft (`Propose`) as the same `RowArrays`, converted once (issue 34)
+        self._rows_sent: tuple[RowArrays, pb.Rows, list[int]] | None = None
         self._lane: DraftLane | None = None
         if path.draft is not None:
             self._lane = DraftLane(
@@ -79,12 +82,13 @@ class CommandExecutor:
         rid, timeout = self.wire_id, self.deadline.timeout
         if isinstance(cmd, Feed):
             stage1 = self.path.stages[0]
+            rows, tokens = self._rows_of(cmd.rows)
             req = stage_pb2.FeedRequest(
                 request_id=rid,
                 seq=cmd.seq,
                 after_prune=cmd.after_prune,
-                rows=rows_to_proto(cmd.rows),
-                token_ids=cmd.rows.tokens.tolist(),
+                rows=rows,
+                token_ids=tokens,
                 verified_at_ns=verified_at_ns,
             )
             self._stream(stage1).feed(req, timeout())
@@ -140,12 +144,23 @@ class CommandExecutor:
             self._lane.close()
         self._lane = None
 
+    def _rows_of(self, rows: RowArrays) -> tuple[pb.Rows, list[int]]:
+        """`rows` as a message's `rows` and `token_ids` (the message copies both where it
+        takes them: they are never written here, so the next command may take them too)."""
+        sent = self._rows_sent
+        if sent is not None and sent[0] is rows:
+            return sent[1], sent[2]
+        converted = (rows, rows_to_proto(rows), rows.tokens.tolist())
+        self._rows_sent = converted
+        return converted[1], converted[2]
+
     # -- the draft -----------------------------------------------------------------------
     def _propose(self, cmd: Propose) -> None:
+        rows, tokens = self._rows_of(cmd.rows)
         req = draft_pb2.ProposeRequest(
             request_id=self.wire_id,
-            rows=rows_to_proto(cmd.rows),
-            token_ids=cmd.rows.tokens.tolist(),
+            rows=rows,
+            token_ids=tokens,
             top_k=cmd.top_k,
             temperature=cmd.temperature,
             prunes=self._draft_prunes,
