@@ -231,12 +231,17 @@ def concat_candidates(*parts: Candidates) -> Candidates:
     return candidates_of(concat_pools(*(pool_of(c) for c in parts)))
 
 
+_POOL_DTYPES = (np.dtype(np.int64), np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.int8))
+
+
 def concat_pools(*pools: Pool) -> Pool:
     """The pools' candidates, in order, with float32 probabilities (as the draft sends
     them: growth ranks the same whichever source and path they came by)."""
     parts = [p for p in pools if p[0].size]
     if len(parts) <= 1:
-        pid, tokens, probs, sources = parts[0] if parts else EMPTY_POOL
+        pid, tokens, probs, sources = pool = parts[0] if parts else EMPTY_POOL
+        if (pid.dtype, tokens.dtype, probs.dtype, sources.dtype) == _POOL_DTYPES:
+            return pool  # as `astype(copy=False)` would return it: four numpy calls fewer
         return (
             pid.astype(np.int64, copy=False),
             tokens.astype(np.int64, copy=False),

@@ -19,6 +19,7 @@ either (`np.asarray` reads a CPU tensor without a copy).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
@@ -108,7 +109,7 @@ class TokenTree:
     def frontier_start(self) -> int:
         """The frontier's first index: it is the deepest layer (`frontier_depth` is the
         largest depth), the last nodes in BFS order."""
-        return int(self.depth.searchsorted(self.frontier_depth))
+        return bisect_left(self.depth.tolist(), self.frontier_depth)  # no numpy call: cold
 
     def children(self, node: int) -> Indices:
         return (self.parent == node).nonzero()[0]
@@ -120,8 +121,9 @@ class TokenTree:
     def root_child(self, token: int) -> tuple[int | None, int]:
         """(the root's child with `token`, None if none; the root's number of children).
         In BFS order the root's children are nodes 1..k, the nodes of depth 1: one call
-        and a list, where `child_with_token` and `children` take several calls each."""
-        k = int(np.searchsorted(self.depth, 1, side="right")) - 1
+        and a list, where `child_with_token` and `children` take several calls each (and
+        no numpy call but lists': the router meets this cold, 20 ms after its last step)."""
+        k = bisect_right(self.depth.tolist(), 1) - 1
         tokens = self.tokens[1 : k + 1].tolist()
         return (tokens.index(token) + 1 if token in tokens else None), k
 
