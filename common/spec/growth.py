@@ -101,6 +101,7 @@ def extend_frontier(
         parent_of = [at[p] for p in merged[0].tolist()]
     _, tokens, probs, sources = merged
     parents = np.array(parent_of, dtype=np.int64)
+    probs = np.asarray(probs, dtype=np.float64)  # once: ranking and the tree read float64
     logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
     return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
 

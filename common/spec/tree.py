@@ -186,10 +186,13 @@ class TokenTree:
         if source is None:
             src = np.ones(m, dtype=np.int8)
         else:
-            src = np.asarray(source)[best].astype(np.int8)
+            src = np.asarray(source)[best]
+            if src.dtype != np.int8:
+                src = src.astype(np.int8)
         self.tokens = np.concatenate([self.tokens, np.asarray(tokens, dtype=np.int64)[best]])
         self.parent = np.concatenate([self.parent, par])
-        self.depth = np.concatenate([self.depth, self.depth[par] + 1])
+        # every parent is a frontier node (checked above): of depth `frontier_depth`
+        self.depth = np.concatenate([self.depth, np.full(m, self.frontier_depth + 1, np.int64)])
         self.prob = np.concatenate([self.prob, probs[best]])
         self.score = np.concatenate([self.score, score[best]])
         self.dev = np.concatenate([self.dev, dev[best]])
