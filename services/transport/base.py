@@ -264,10 +264,15 @@ class Transport(ABC):
         self, header: pb.FrameHeader, payload: Tensor | None, parts: int, sign: int = 1
     ) -> None:
         """A frame sent, of `parts` requests' frames (`sign` -1: one counted that was not)."""
+        self._counted(sign, sign * parts, sign * frame_bytes(header, payload))
+
+    def _counted(self, frames: int, parts: int, nbytes: int) -> None:
+        """`frames` frames sent, of `parts` requests' frames and `nbytes` bytes as
+        `frame_bytes` counts them (negative: ones counted that were not sent)."""
         with self._counting:
-            self.bytes_sent += sign * frame_bytes(header, payload)
-            self.frames_sent += sign
-            self.parts_sent += sign * parts
+            self.bytes_sent += nbytes
+            self.frames_sent += frames
+            self.parts_sent += parts
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)
