@@ -31,6 +31,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -115,6 +116,9 @@ class Transport(ABC):
         idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.on_frame = on_frame
+        # Around the delivery of the frames one read brought (its owner's to set; TCP):
+        # a compute thread's wake then comes once, at its end (`ThreadInbox.gathering`).
+        self.gather: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.auth = auth  # None: plaintext frames (no --secure)
         self.admit = admit  # None: every frame within max_payload_bytes
         self.max_payload_bytes = max_payload_bytes

@@ -182,11 +182,16 @@ def tensor_from_bytes(header: pb.FrameHeader, buf: np.ndarray | Tensor | None) -
         return None
     if buf is None:
         raise FrameError("frame announces a payload but none arrived")
-    if isinstance(buf, np.ndarray) and buf.size == nbytes and header.dtype in _NUMPY_OF:
-        if buf.ndim == 1 and buf.flags.writeable and buf.flags.aligned:
-            # viewed in numpy, one torch call (torch's own views cost three)
-            shaped = buf.view(_NUMPY_OF[header.dtype]).reshape(tuple(header.shape))
-            return torch.from_numpy(shaped)
+    numpy_dtype = _NUMPY_OF.get(header.dtype)
+    if (
+        numpy_dtype is not None
+        and isinstance(buf, np.ndarray)
+        and buf.ndim == 1
+        and buf.size == nbytes
+        and buf.flags.writeable
+        and buf.flags.aligned
+    ):  # viewed in numpy, one torch call (torch's own views cost three)
+        return torch.from_numpy(buf.view(numpy_dtype).reshape(tuple(header.shape)))
     flat = buf if isinstance(buf, Tensor) else torch.from_numpy(buf)
     if flat.numel() != nbytes:
         raise FrameError(f"payload has {flat.numel()} bytes, header announces {nbytes}")

@@ -161,12 +161,13 @@ class _FrameReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._direct:
-                self._filled += nbytes
-                self._take(memoryview(b""))
-            else:
-                assert self._staging is not None
-                self._take(self._staging[:nbytes])
+            with self.owner.gather:  # the frames of this read delivered, then the owner told
+                if self._direct:
+                    self._filled += nbytes
+                    self._take(memoryview(b""))
+                else:
+                    assert self._staging is not None
+                    self._take(self._staging[:nbytes])
         except (FrameError, FrameAuthError) as e:
             self.close(f"dropping it: {e}")
 
