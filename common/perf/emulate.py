@@ -273,9 +273,13 @@ class Pacer:
             yield done
             return
         start = self.clock()
-        with measuring_costs(), device_timer(device, self.clock) as elapsed:
-            yield done
-        real = elapsed.seconds
+        if device == "cpu" or getattr(device, "type", None) == "cpu":
+            yield done  # the host's work is done when the block ends: its clock is exact
+            real = self.clock() - start
+        else:
+            with measuring_costs(), device_timer(device, self.clock) as elapsed:
+                yield done
+            real = elapsed.seconds
         modelled = self._modelled_seconds(rows, context)
         done.at, done.seconds = self.clock() + max(modelled - real, 0.0), max(real, modelled)
         with self._lock:
