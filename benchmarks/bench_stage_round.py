@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -41,32 +39,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_serve import make_model  # noqa: E402
+from bench_stage_host import Timers  # noqa: E402
 
 OUT = HERE / "results" / "stage-round"
 WIDTH = 64
 COLD_BYTES = 16 << 20
-
-
-class Timers:
-    """Thread CPU seconds and calls of the functions wrapped."""
-
-    def __init__(self) -> None:
-        self.seconds: Counter = Counter()
-        self.calls: Counter = Counter()
-
-    def wrap(self, owner, name: str, label: str = "") -> None:
-        fn, label = getattr(owner, name), label or name
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[label] += time.thread_time() - start
-                self.calls[label] += 1
-
-        setattr(owner, name, timed)
 
 
 def timers() -> Timers:
@@ -75,7 +52,7 @@ def timers() -> Timers:
     from specpipe.services import compute_round
     from specpipe.services.stage_service import StageService
 
-    t = Timers()
+    t = Timers(time.thread_time)
     rounds = compute_round.ComputeRounds
     for name in ("_collect", "_prepare", "_check_finite", "_launch", "_hand_off", "_complete",
                  "_outputs", "_outgoing", "_send_now"):  # fmt: skip
