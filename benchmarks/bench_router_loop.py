@@ -19,6 +19,7 @@ then costs two more thread-time reads).
     python benchmarks/bench_router_loop.py                 # 1 and 8 clients, ~1 minute
     python benchmarks/bench_router_loop.py --concurrency 8 --out results/router-loop-x
     python benchmarks/bench_router_loop.py --process draft     # the draft's loop instead
+    python benchmarks/bench_router_loop.py --process stage1    # a middle stage's
     python benchmarks/bench_router_loop.py --wrap \
         specpipe.common.spec.specpipe:SpecPipeController.on_verified
 
@@ -160,8 +161,8 @@ def main() -> None:
     ap.add_argument(
         "--process",
         default="router",
-        choices=["router", "draft"],
-        help="whose event loop is counted",
+        choices=["router", "draft", "stage1"],
+        help="whose event loop is counted (stage1: a middle stage's)",
     )
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "router-loop")
@@ -174,7 +175,8 @@ def main() -> None:
     # the deployment's children inherit this environment; only `--process` takes part
     os.environ["SPECPIPE_LOOP_CENSUS"] = str(census)
     os.environ["SPECPIPE_LOOP_CENSUS_WRAP"] = " ".join(args.wrap)
-    os.environ["SPECPIPE_LOOP_CENSUS_PROCESS"] = args.process
+    # a stage's command is "stage" (every stage takes the census; only `--process` is read)
+    os.environ["SPECPIPE_LOOP_CENSUS_PROCESS"] = args.process.rstrip("0123456789")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(CENSUS), os.environ.get("PYTHONPATH", "")) if p
     )

@@ -568,12 +568,13 @@ class ComputeRounds:
         acts = r.acts
         device = stage.runtime.device
         try:
-            with (
-                stage.metrics.forward(sum(len(a) for a in acts)),
-                device_timer(device) as r.elapsed,
-                launched(stage.pacer, acts, device) as r.done,
-            ):
-                r.outs = stage.runtime.run_step(r.step)
+            with stage.metrics.forward(sum(len(a) for a in acts)):
+                if stage.pacer is None:
+                    with device_timer(device) as r.elapsed:
+                        r.outs = stage.runtime.run_step(r.step)
+                else:  # the pacer times the forward itself (`_complete` reads its time)
+                    with launched(stage.pacer, acts, device) as r.done:
+                        r.outs = stage.runtime.run_step(r.step)
         except Exception as e:
             r.failed = e
         return r

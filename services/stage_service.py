@@ -162,6 +162,7 @@ class StageService(Replica, stage_pb2_grpc.StageServicer):
             admit=self._admit,
             auth=security.frame_auth() if security else None,
         )
+        self.transport.gather = self.rounds.inbox.gathering  # one wake per read
         self._bound_frames()
         self._sends = BackgroundSends(self.transport)
         stage_pb2_grpc.add_StageServicer_to_server(self, self.server.server)

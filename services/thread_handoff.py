@@ -5,7 +5,8 @@ Both directions cost a wake-up: the thread waiting on a condition, the loop on i
 self-pipe. Each is paid once per batch, not once per item: `ThreadInbox.wake` tells the
 thread once the loop's current callback is done (every part of a batch frame or a
 control message is in the inbox first, so one round takes them all; told at each, the
-thread took the first part alone: twice the forwards), and `HandOffs` wakes the loop
+thread took the first part alone: twice the forwards; where the transport says when a
+read's frames are all delivered, `gathering`, at that end), and `HandOffs` wakes the loop
 once per batch of results it has not looked at yet (a wake is a write to the loop's
 self-pipe, a read and a turn of the loop). Where a thread can act on a batch itself
 (send its frames), it does so only while `HandOffs.settled`: every batch it handed the
@@ -33,6 +34,9 @@ class ThreadInbox(threading.Condition):
     def __init__(self) -> None:
         super().__init__()
         self._wake_pending = False  # a `_notify` is scheduled on the event loop
+        self._gathering = 0  # inside `gathering` (on the event loop): wakes wait for its end
+        self._gathered = False  # a wake came while gathering
+        self.gathering = _Gathering(self)
         # the running loop `wake` last found, and its thread: known again by the thread's
         # id (`asyncio.get_running_loop` is a getpid syscall per call on Python 3.11)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -49,6 +53,9 @@ class ThreadInbox(threading.Condition):
                 self._notify()
                 return
             self._loop, self._loop_thread = loop, threading.get_ident()
+        if self._gathering:
+            self._gathered = True
+            return
         if not self._wake_pending:
             self._wake_pending = True
             loop.call_soon(self._notify)
@@ -57,6 +64,27 @@ class ThreadInbox(threading.Condition):
         self._wake_pending = False
         with self:
             self.notify()
+
+
+class _Gathering:
+    """`ThreadInbox.gathering`: on the event loop, around a callback that may add work
+    several times (a read's frames: `Transport.gather`), the thread is told once at its
+    end, not by a callback of its own (a turn of the loop, its `epoll_wait`, per step)."""
+
+    __slots__ = ("inbox",)
+
+    def __init__(self, inbox: ThreadInbox) -> None:
+        self.inbox = inbox
+
+    def __enter__(self) -> None:
+        self.inbox._gathering += 1
+
+    def __exit__(self, *exc: object) -> None:
+        inbox = self.inbox
+        inbox._gathering -= 1
+        if not inbox._gathering and inbox._gathered:
+            inbox._gathered = False
+            inbox._notify()
 
 
 class HandOffs(Generic[T]):

@@ -29,7 +29,8 @@ _MEASURING = contextvars.ContextVar("specpipe_measuring_costs", default=False)
 
 def synchronize(device: torch.device | str) -> None:
     """Wait until `device` has finished the work queued so far (a no-op on the CPU)."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type not in ("cpu", "meta"):  # other accelerators queue work too
@@ -78,15 +79,19 @@ def device_timer(
 ) -> Iterator[Elapsed]:
     """Seconds the block's work took on `device` (`clock`: the host clock; tests give a
     fake one). Synchronizes only while measuring costs (module docstring)."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     elapsed = Elapsed()
     if is_measuring_costs():
-        synchronize(device)
+        host = device.type == "cpu"  # nothing queued to wait for (a step's forward: per step)
+        if not host:
+            synchronize(device)
         start = clock()
         try:
             yield elapsed
         finally:
-            synchronize(device)
+            if not host:
+                synchronize(device)
             elapsed.seconds = clock() - start
         return
     events = None

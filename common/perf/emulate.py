@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 # A flat curve is flat over every row count a step budget considers (and beyond).
 FLAT_ROWS = (1, BUDGET_ROWS[-1])
+MODELLED_KEPT = 4096  # a pacer's modelled times kept (`Pacer._modelled`), at most
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,9 @@ def batch_shape(acts: Sequence[Activation]) -> tuple[int, int]:
         n = positions.numel()
         if n:
             rows += n
-            context += n * (int(positions.max()) + 1)
+            # a step's few rows as a list: a torch reduction costs tens of us cold
+            top = max(positions.tolist()) if n <= 64 else int(positions.max())
+            context += n * (top + 1)
     return (rows, round(context / rows)) if rows else (0, 0)
 
 
@@ -242,6 +245,9 @@ class Pacer:
     overruns: int = 0  # forwards whose real time exceeded the model (not faithful)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _warned_at: float = field(default=-1e9, repr=False)
+    # modelled seconds by (rows, context): a step's shape recurs (one curve: its rows
+    # alone), and a curve's evaluation costs tens of us cold, every paced forward
+    _modelled: dict[tuple[int, int | None], float] = field(default_factory=dict, repr=False)
 
     @contextlib.contextmanager
     def forward(
@@ -267,10 +273,14 @@ class Pacer:
             yield done
             return
         start = self.clock()
-        with measuring_costs(), device_timer(device, self.clock) as elapsed:
-            yield done
-        real = elapsed.seconds
-        modelled = self.cost(rows, context)
+        if device == "cpu" or getattr(device, "type", None) == "cpu":
+            yield done  # the host's work is done when the block ends: its clock is exact
+            real = self.clock() - start
+        else:
+            with measuring_costs(), device_timer(device, self.clock) as elapsed:
+                yield done
+            real = elapsed.seconds
+        modelled = self._modelled_seconds(rows, context)
         done.at, done.seconds = self.clock() + max(modelled - real, 0.0), max(real, modelled)
         with self._lock:
             self.forwards += 1
@@ -286,6 +296,16 @@ class Pacer:
                 self.name or "emulated device", rows, 1e3 * real, 1e3 * modelled,
                 self.overruns, self.forwards,
             )  # fmt: skip
+
+    def _modelled_seconds(self, rows: int, context: int | None) -> float:
+        one_curve = len(getattr(self.cost, "curves", ())) == 1  # its rows alone count
+        key = (rows, None if one_curve else context)
+        seconds = self._modelled.get(key)
+        if seconds is None:
+            if len(self._modelled) >= MODELLED_KEPT:
+                self._modelled.clear()
+            seconds = self._modelled[key] = self.cost(rows, context)
+        return seconds
 
     def summary(self) -> dict[str, float]:
         with self._lock:

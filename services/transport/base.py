@@ -31,6 +31,7 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -115,6 +116,9 @@ class Transport(ABC):
         idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.on_frame = on_frame
+        # Around the delivery of the frames one read brought (its owner's to set; TCP):
+        # a compute thread's wake then comes once, at its end (`ThreadInbox.gathering`).
+        self.gather: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.auth = auth  # None: plaintext frames (no --secure)
         self.admit = admit  # None: every frame within max_payload_bytes
         self.max_payload_bytes = max_payload_bytes
@@ -264,10 +268,15 @@ class Transport(ABC):
         self, header: pb.FrameHeader, payload: Tensor | None, parts: int, sign: int = 1
     ) -> None:
         """A frame sent, of `parts` requests' frames (`sign` -1: one counted that was not)."""
+        self._counted(sign, sign * parts, sign * frame_bytes(header, payload))
+
+    def _counted(self, frames: int, parts: int, nbytes: int) -> None:
+        """`frames` frames sent, of `parts` requests' frames and `nbytes` bytes as
+        `frame_bytes` counts them (negative: ones counted that were not sent)."""
         with self._counting:
-            self.bytes_sent += sign * frame_bytes(header, payload)
-            self.frames_sent += sign
-            self.parts_sent += sign * parts
+            self.bytes_sent += nbytes
+            self.frames_sent += frames
+            self.parts_sent += parts
 
     def _check_scheme(self, address: str) -> Address:
         addr = Address.parse(address)

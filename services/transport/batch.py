@@ -69,6 +69,9 @@ def batches(parts: list[Part]) -> Iterator[list[Part]]:
 def frames(parts: list[Part], sender: str = "") -> Iterator[tuple[Part, int]]:
     """The frames `parts` go in, in order (`batches`: a run of one alone, longer runs
     `pack`ed), each with the number of parts it holds."""
+    if len(parts) == 1:  # one request's frame (every step at one client): as it is
+        yield parts[0], 1
+        return
     for group in batches(parts):
         yield (group[0] if len(group) == 1 else pack(group, sender)), len(group)
 

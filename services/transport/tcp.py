@@ -161,12 +161,13 @@ class _FrameReader(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
-            if self._direct:
-                self._filled += nbytes
-                self._take(memoryview(b""))
-            else:
-                assert self._staging is not None
-                self._take(self._staging[:nbytes])
+            with self.owner.gather:  # the frames of this read delivered, then the owner told
+                if self._direct:
+                    self._filled += nbytes
+                    self._take(memoryview(b""))
+                else:
+                    assert self._staging is not None
+                    self._take(self._staging[:nbytes])
         except (FrameError, FrameAuthError) as e:
             self.close(f"dropping it: {e}")
 
@@ -336,17 +337,27 @@ class _Conn:
         self.writer.close()
 
 
-def _frame_writes(mac: FrameMac | None, hb: bytes, data: np.ndarray | None) -> list:
-    """A frame's bytes as written (its tags made, in order): one buffer where its payload
-    is at most `JOIN_BYTES` (one send), else the head, the payload (not copied) and the
-    payload's tag."""
-    head = PREAMBLE.pack(len(hb), 0 if data is None else data.nbytes) + hb
+def _frame_pieces(mac: FrameMac | None, hb: bytes, data: np.ndarray | None) -> list:
+    """A frame's parts in the order they are written (its tags made, in order):
+    preamble, header, [header tag], [payload], [payload tag]; none copied."""
+    out = [PREAMBLE.pack(len(hb), 0 if data is None else data.nbytes), hb]
     if mac is not None:
-        head += mac.header_tag(hb)
-    ptag = mac.payload_tag(data) if mac is not None else b""
+        out.append(mac.header_tag(hb))
+    if data is not None:
+        out.append(data)
+    if mac is not None:
+        out.append(mac.payload_tag(data))
+    return out
+
+
+def _frame_writes(mac: FrameMac | None, hb: bytes, data: np.ndarray | None) -> list:
+    """A frame's bytes as written: one buffer where its payload is at most `JOIN_BYTES`
+    (one send), else the head, the payload (not copied) and the payload's tag."""
+    pieces = _frame_pieces(mac, hb, data)
     if data is None or data.nbytes <= JOIN_BYTES:
-        return [b"".join((head, b"" if data is None else data, ptag))]
-    return [head, memoryview(data), ptag]
+        return [b"".join(pieces)]
+    at = 2 if mac is None else 3  # the payload's place
+    return [b"".join(pieces[:at]), memoryview(data), b"".join(pieces[at + 1 :])]
 
 
 class TcpTransport(Transport):
@@ -483,35 +494,41 @@ class TcpTransport(Transport):
         if conn is None or conn.sock is None or (lock is not None and lock.locked()):
             return False
         try:
-            frames = []
+            frames: list[tuple[bytes, np.ndarray | None]] = []
+            payloads = nparts = 0
             for (header, payload), n in batch.frames(parts, sender):
                 if payload is not None and payload.device.type != "cpu":
                     return False
-                frames.append((header, payload, n))
-            datas = [payload_bytes(p) for _, p, _ in frames]
-            if sum(0 if d is None else d.nbytes for d in datas) > SEND_NOW_BYTES:
+                data = payload_bytes(payload)
+                frames.append((header.SerializeToString(), data))
+                payloads += 0 if data is None else data.nbytes
+                nparts += n
+            if payloads > SEND_NOW_BYTES:
                 return False
-            hbs = [h.SerializeToString() for h, _, _ in frames]
         except Exception:  # `send_many`, on the event loop, sends them or fails their requests
             log.debug("tcp: a thread could not make frames for %s", address, exc_info=True)
             return False
+        # as `frame_bytes` counts them (a header's `ByteSize` is its bytes' length)
+        nbytes = payloads + sum(PREAMBLE.size + len(hb) for hb, _ in frames)
         with conn.lock:
             if conn.stale:
                 conn.loop.call_soon_threadsafe(self._drop, address, conn)
                 return False
             if conn.tail is not None or conn.writer.transport.get_write_buffer_size():
                 return False
-            joined = b"".join(b for hb, d in zip(hbs, datas, strict=True)
-                              for b in _frame_writes(conn.mac, hb, d))  # fmt: skip
+            pieces = []
+            for hb, data in frames:
+                pieces += _frame_pieces(conn.mac, hb, data)
+            joined = b"".join(pieces)
             # Counted before the bytes leave: the peer may answer, and the answer be
             # read, before this thread runs again (the counters read as sent then).
-            self._count_frames(frames, 1)
+            self._counted(len(frames), nparts, nbytes)
             try:
                 sent = conn.sock.send(joined)
             except BlockingIOError:
                 sent = 0
             except OSError as e:
-                self._count_frames(frames, -1)
+                self._counted(-len(frames), -nparts, -nbytes)
                 conn.broken = True  # its tags are spent: the loop reconnects
                 conn.loop.call_soon_threadsafe(self._drop, address, conn)
                 log.debug("tcp: a thread's send to %s failed: %s", address, e)
@@ -520,12 +537,6 @@ class TcpTransport(Transport):
                 conn.tail = memoryview(joined)[sent:]
                 conn.loop.call_soon_threadsafe(self._flush, address, conn)
         return True
-
-    def _count_frames(
-        self, frames: list[tuple[pb.FrameHeader, Tensor | None, int]], sign: int
-    ) -> None:
-        for header, payload, n in frames:
-            self._count(header, payload, n, sign)
 
     def _flush(self, address: str, conn: _Conn) -> None:
         with conn.lock:
