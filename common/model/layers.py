@@ -15,9 +15,10 @@ CPU rather than FlexAttention or a loop over requests: docs/architecture.md, "5.
 request controller and its executors", "The stage engine".
 
 Each operation of a layer is a launch on an accelerator and dispatch time on a CPU, so a
-layer issues as few as give the reference's bits (25 aten ops in fp32; what they are and
-what they cost: benchmarks/README.md, "A lean forward, continued"): what every layer of a
-step shares (RoPE's cos and sin, the attention's views) is made once per step, the
+layer issues as few dispatches as give the reference's bits (25 aten ops in fp32 where a
+norm is one `torch.rms_norm` call; 37 on a CPU, where its 22 hidden dispatches are 7:
+session 46; what they are and what they cost: benchmarks/README.md, "A lean forward,
+continued"): what every layer of a step shares (RoPE's cos and sin, the attention's views) is made once per step, the
 submodules are looked up in `_modules` (`nn.Module.__getattr__` costs about 0.5 us a
 look-up, eight a layer) and called through `.forward` (`nn.Module.__call__`'s hook
 handling costs about 1.5 us a call, nine calls a layer; this model registers no hooks),
@@ -48,6 +49,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # the mean's divisor and eps as fp32 0-dim CPU tensors (plain attributes: neither
+        # saved nor converted; on the CPU even where the model is built on the meta
+        # device), for `_cpu_fp32`; made outside inference mode, so that a forward that
+        # records autograd may use them too
+        with torch.inference_mode(False), torch.no_grad():
+            self._count = torch.tensor(float(dim), device="cpu")
+            self._eps = torch.tensor(eps, dtype=torch.float32, device="cpu")
 
     def forward(self, x: Tensor) -> Tensor:
         # The reference normalizes in fp32, casts back to the model's dtype, then scales by
@@ -60,11 +68,27 @@ class RMSNorm(nn.Module):
         # weight is read from the parameter dict (no `nn.Module.__getattr__`).
         weight = self._parameters["weight"]
         if x.dtype == torch.float32:
+            if x.is_cpu:
+                return self._cpu_fp32(x, weight)
             return _rms_norm(x, weight.shape, weight, self.eps)[0]
         if x.dtype in (torch.bfloat16, torch.float16):
             return weight * _rms_norm(x, weight.shape, None, self.eps)[0]
         normed = _rms_norm(x.float(), weight.shape, None, self.eps)[0]
         return weight * normed.to(x.dtype)
+
+    def _cpu_fp32(self, x: Tensor, weight: Tensor) -> Tensor:
+        """An fp32 norm on a CPU: the operations `torch.rms_norm`'s CPU composite runs
+        (pow(2), which is x * x; mean, which is sum then div_ by the count; add_ eps;
+        rsqrt; times x; times the weight), on the same kernels, so the same bits
+        (tests/unit/test_lean_forward.py), in 7 dispatches instead of its 22: its count
+        and eps are Python scalars, and each becomes a tensor converted to fp32 (`to`,
+        `_to_copy`, `empty_strided`, `copy_`) at every call, where these are kept fp32
+        0-dim tensors. 7.2 against 8.8-9.1 us a norm of [4, 64] rows, 17 norms a draft
+        step (benchmarks/README.md, "Session 46: the draft's step"). Not on CUDA, where
+        the composite is one fused kernel."""
+        squares = torch.sum(torch.mul(x, x), -1, keepdim=True)
+        scale = squares.div_(self._count).add_(self._eps).rsqrt_()
+        return torch.mul(x, scale).mul_(weight)
 
 
 def _rms_norm_of(
