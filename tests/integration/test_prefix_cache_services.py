@@ -149,6 +149,11 @@ def test_cached_prefixes_are_per_key_and_cache_salt(llama_dir) -> None:
     finally:
         dep.stop()
     assert not any(first.values())
-    assert all(h >= 48 for h in hit.values()), hit  # every stage and the draft
+    kinds = {name: dep.children[name].kind for name in hit}
+    # Every stage prefilled the whole prompt before the first token: its 3 blocks of 16
+    # were cached. The draft may lag under load and be released before its prefill
+    # reached the last block (a late draft is skipped, not waited for): at least one.
+    assert all(h >= 48 for n, h in hit.items() if kinds[n] != "draft"), hit
+    assert all(h >= 16 for n, h in hit.items() if kinds[n] == "draft"), hit
     assert not any(miss.values()) and not any(salted_miss.values()), (miss, salted_miss)
     assert cold == again == other == salted
