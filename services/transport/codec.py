@@ -223,16 +223,22 @@ def decode(frame: Frame) -> Activation:
     return act
 
 
+def framed_bytes(header_bytes: int, payload_bytes: int) -> int:
+    """Bytes of a frame as framed (preamble, header, payload; not an auth tag), from its
+    header's and payload's sizes: what every count of frame bytes counts."""
+    return PREAMBLE.size + header_bytes + payload_bytes
+
+
 def frame_bytes(header: pb.FrameHeader, payload: Tensor | None) -> int:
-    """Bytes of a frame as framed (preamble, header, payload; not an auth tag)."""
+    """`framed_bytes` of a frame."""
     n = 0 if payload is None else payload.numel() * payload.element_size()
-    return PREAMBLE.size + header.ByteSize() + n
+    return framed_bytes(header.ByteSize(), n)
 
 
 def received_bytes(frame: Frame) -> int:
     """`frame_bytes` of a received frame, without making its payload's tensor."""
     if frame.raw is not None:
-        return PREAMBLE.size + frame.header.ByteSize() + frame.raw.nbytes
+        return framed_bytes(frame.header.ByteSize(), frame.raw.nbytes)
     return frame_bytes(frame.header, frame.payload)
 
 

@@ -56,6 +56,7 @@ from .codec import (
     PREAMBLE,
     Frame,
     FrameError,
+    framed_bytes,
     parse_header,
     parse_preamble,
     payload_bytes,
@@ -495,21 +496,22 @@ class TcpTransport(Transport):
             return False
         try:
             frames: list[tuple[bytes, np.ndarray | None]] = []
-            payloads = nparts = 0
+            payloads = nparts = nbytes = 0
             for (header, payload), n in batch.frames(parts, sender):
                 if payload is not None and payload.device.type != "cpu":
                     return False
                 data = payload_bytes(payload)
-                frames.append((header.SerializeToString(), data))
-                payloads += 0 if data is None else data.nbytes
+                hb = header.SerializeToString()
+                frames.append((hb, data))
+                size = 0 if data is None else data.nbytes
+                payloads += size
+                nbytes += framed_bytes(len(hb), size)  # a header's `ByteSize` is len(hb)
                 nparts += n
             if payloads > SEND_NOW_BYTES:
                 return False
         except Exception:  # `send_many`, on the event loop, sends them or fails their requests
             log.debug("tcp: a thread could not make frames for %s", address, exc_info=True)
             return False
-        # as `frame_bytes` counts them (a header's `ByteSize` is its bytes' length)
-        nbytes = payloads + sum(PREAMBLE.size + len(hb) for hb, _ in frames)
         with conn.lock:
             if conn.stale:
                 conn.loop.call_soon_threadsafe(self._drop, address, conn)
