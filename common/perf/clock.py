@@ -83,15 +83,12 @@ def device_timer(
         device = torch.device(device)
     elapsed = Elapsed()
     if is_measuring_costs():
-        host = device.type == "cpu"  # nothing queued to wait for (a step's forward: per step)
-        if not host:
-            synchronize(device)
+        synchronize(device)  # a no-op on the CPU
         start = clock()
         try:
             yield elapsed
         finally:
-            if not host:
-                synchronize(device)
+            synchronize(device)
             elapsed.seconds = clock() - start
         return
     events = None
