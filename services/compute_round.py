@@ -223,6 +223,9 @@ class ComputeRounds:
         # while one is undelivered, the thread sends nothing itself (`_send_now`,
         # `HandOffs.settled`, the draft's rule too)
         self._rounds: HandOffs[Posted | BaseException] | None = None
+        # called on the compute thread before each forward (cpu_threads.stage_share: the
+        # torch threads while the draft of this host works or idles)
+        self.before_forward: Callable[[], object] = _nothing
 
     def wake(self) -> None:
         """New work arrived (an activation): the compute thread is told
@@ -568,6 +571,7 @@ class ComputeRounds:
         acts = r.acts
         device = stage.runtime.device
         try:
+            self.before_forward()
             with stage.metrics.forward(sum(len(a) for a in acts)):
                 if stage.pacer is None:
                     with device_timer(device) as r.elapsed:

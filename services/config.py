@@ -274,6 +274,12 @@ class ModelServiceConfig(ServiceConfig):
         help="float64: exactness checks (no rounding noise between cache shapes)",
     )
     threads: int = flag(0, help="torch CPU threads (0: torch default)")
+    draft_activity: str | None = flag(
+        metavar="FILE",
+        help="a host shared with the draft (specpipe up makes it): the file where a draft "
+        "says whether it holds requests and a stage with --threads-with-draft reads it "
+        "(services/cpu_threads.py)",
+    )
     device: str = flag(
         "cpu",
         help="where the model and its KV caches live: cpu (default), cuda, cuda:N, or auto "
@@ -348,6 +354,11 @@ class StageConfig(ModelServiceConfig):
         False, help="accept Configure calls (loading other weights over gRPC; off by default)"
     )
     peers: tuple[str, ...] = _peers("a request's next hop and report address")
+    threads_with_draft: int = flag(
+        0,
+        help="with --draft-activity: torch threads of the forwards while the draft holds "
+        "requests (--threads while it holds none; 0: --threads always)",
+    )
     no_batch_invariant: bool = flag(
         False,
         help="half precision on a CPU: verify a tree's rows in shared kernels (faster with "
@@ -372,6 +383,7 @@ class DraftConfig(ModelServiceConfig):
     )
     transport: str | None = _transport()  # None: UCX where it imports, else TCP
     peers: tuple[str, ...] = _peers("a control frame's reply address")
+    activity_slot: int = flag(0, help="with --draft-activity: this draft's slot in FILE")
 
 
 @dataclass(frozen=True, kw_only=True)

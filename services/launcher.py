@@ -53,7 +53,14 @@ from .config import (
     ServiceConfig,
     StageConfig,
 )
-from .cpu_threads import draft_threads, env_of, model_threads
+from .cpu_threads import (
+    DraftActivity,
+    draft_threads,
+    env_of,
+    model_threads,
+    small_model,
+    threads_with_draft,
+)
 from .placement import Placement, one_per_gpu, plan
 
 
@@ -168,16 +175,30 @@ class ServicesDeployment:
         )
         self._ordinals = {n: k for k, n in enumerate(self.placement.names)}
         self.group = c.group  # discovery group of the first model version
-        # The stages' cores as without a draft, every core to the draft, passive OpenMP
-        # waits (services/cpu_threads.py)
-        cpus = os.cpu_count() or 1
-        self.threads = model_threads(c.threads, cpus, sum(per_stage))
-        self.draft_threads = draft_threads(c.draft_threads, c.threads, cpus)
+        # The stages' cores as without a draft, split with the draft while it works, one
+        # thread for a small model, passive OpenMP waits (services/cpu_threads.py)
+        cpus, stages = os.cpu_count() or 1, sum(per_stage)
+        small = small_model(cfg, stages)
+        self.threads = model_threads(c.threads, cpus, stages, small)
+        small_draft = self.draft is not None and small_model(ModelConfig.from_dir(self.draft))
+        self.draft_threads = draft_threads(c.draft_threads, c.threads, cpus, stages, small_draft)
+        # fewer while the draft works: on one CPU host with a draft, threads not fixed
+        self.threads_with_draft = (
+            threads_with_draft(self.threads, self.draft_threads, cpus, stages)
+            if self.draft is not None and c.threads is None and self._all_on_cpus()
+            else 0
+        )
         self.drain_seconds = c.drain_seconds
         self.startup_timeout = c.startup_timeout
         self._own_dir = c.log_dir is None
         self.log_dir = Path(c.log_dir or tempfile.mkdtemp(prefix="specpipe-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.draft_activity = (  # the drafts' flags, read by the stages (cpu_threads)
+            DraftActivity.create(self.log_dir / "draft-activity")
+            if self.threads_with_draft
+            else None
+        )
+        self._draft_slots = 0  # slots of that file handed out
         # the children's environment; a model process's adds passive OpenMP waits (`env_of`)
         self.env = {**os.environ, **(c.env or {})}
         self.api_keys = list(c.api_keys)
@@ -198,6 +219,10 @@ class ServicesDeployment:
         self._parent_r, self._parent_w = os.pipe()
         self.stop_signal: int | None = None  # the first stop signal (`stop_on_signals`)
         self._hurry = False  # a second one: kill the children now
+
+    def _all_on_cpus(self) -> bool:
+        """Whether every model process runs on this host's CPUs (they share its cores)."""
+        return all(self.placement.device_of(k) == "cpu" for k in range(len(self.placement.names)))
 
     def _free_port(self) -> int:
         """A free port not handed to another child of this deployment (the kernel may
@@ -263,6 +288,7 @@ class ServicesDeployment:
             self._service(),
             dtype=c.dtype,
             threads=self.threads if stage else self.draft_threads,
+            draft_activity=str(self.draft_activity) if self.draft_activity else None,
             device=device,
             **self._cache_budget(device),
             lease_seconds=c.lease_seconds,
@@ -289,6 +315,7 @@ class ServicesDeployment:
             transport=self.config.transport,
             peers=(self.advertise_host,),
             emulate_stage=index if self.emulate_costs is not None else None,
+            threads_with_draft=self.threads_with_draft,
         )
         return self._child(name, "stage", config, group)
 
@@ -300,7 +327,9 @@ class ServicesDeployment:
             data_port=self._free_port(),
             transport=self.config.transport,
             peers=(self.advertise_host,),
+            activity_slot=self._draft_slots,
         )
+        self._draft_slots += 1
         return self._child(name, "draft", config, group)
 
     def _router_child(self, name: str = "router") -> Child:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from .config import TCP, DraftConfig, ModelServiceConfig, RouterConfig, ServiceConfig, StageConfig
+from .cpu_threads import publish, stage_share
 
 if TYPE_CHECKING:
     from .auth import ApiKeys
@@ -170,6 +171,11 @@ async def run_stage(config: StageConfig) -> None:
         pacer=pacer,
         batch_invariant=config.invariance,
     )
+    if model is not None:  # its torch threads while the draft of this host works
+        share = stage_share(
+            model.runtime.model, config.draft_activity, config.threads, config.threads_with_draft
+        )
+        svc.rounds.before_forward = share or svc.rounds.before_forward
     metrics = _serve_metrics(svc.metrics, config, svc.transport.advertise_host)
     port = await svc.start(config.host, config.port, config.data_port, config.health_port)
     addr = f"{svc.transport.advertise_host}:{port}"
@@ -224,6 +230,9 @@ async def run_draft(config: DraftConfig) -> None:
     write_ready(config.ready_file, grpc=addr, **data, **metrics)
     log.info("draft %s ready at %s %s", svc.model_id, addr, data)
     stops = [_closer(svc.metrics), _report(svc.pacer)]
+    if config.draft_activity:  # the stages of this host follow whether it holds requests
+        idle = publish(config.draft_activity, config.activity_slot, svc.leases.__len__)
+        stops.append(_setter(idle))
     await _serve_until_stopped(svc, config.drain_seconds, stops)
 
 
@@ -345,6 +354,15 @@ def _serve_metrics(metrics, config: ServiceConfig, host: str) -> dict[str, str]:
     port = metrics.serve(config.host, config.metrics_port)
     log.info("metrics at http://%s:%d/metrics", host, port)
     return {"metrics": f"{host}:{port}"}
+
+
+def _setter(event):
+    """A stop that sets `event` (the draft's activity flag: idle from then on)."""
+
+    async def set_it() -> None:
+        event.set()
+
+    return set_it
 
 
 def _closer(metrics):
