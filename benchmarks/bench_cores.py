@@ -11,6 +11,9 @@ one client:
 - `c`: the 0.5B draft, every core to every model process with passive OpenMP waits.
 - `d`: the 0.5B draft, every core to the stage, the draft its share (one thread on 2
   cores), passive OpenMP waits.
+- `e`: the 0.5B draft, the launcher's own choice (session 47): the stage on every core
+  while the draft holds no request and on the cores the draft leaves while it holds some
+  (switched on its compute thread), the draft its share of the split, passive waits.
 
 Request kinds: `pp` (no draft: plain decoding through the pipeline), `default` (the
 router tunes width, layers per step and source; no draft is among its candidates) and
@@ -22,6 +25,10 @@ average, and every output against the served-dtype reference (in-process plain d
 `autoregressive`, same dtype; cached in the output file's folder).
 
     python benchmarks/bench_cores.py --arms a,b,c --out benchmarks/results/cores-session45
+
+`--forward-threads`: instead, CPU and wall time per forward at 1 and 2 torch threads of
+models from the test Llama's size to the 0.5B draft's (the rule for small models,
+`cpu_threads.small_model`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -51,6 +59,7 @@ ARMS = {  # draft, threads of the stage and of the draft (None: the launcher's),
     "b": (True, 1, 1, SPLIT),
     "c": (True, 2, 2, {}),
     "d": (True, 2, 1, {}),
+    "e": (True, None, None, {}),
 }
 KINDS = {
     "default": {},
@@ -91,8 +100,8 @@ def reference(prompts, max_new_tokens: int, cache: Path) -> list[list[int]]:
     if cache.exists():
         got = json.loads(cache.read_text())
         had, n = json.loads(got["key"]), len(prompts)
-        if had[1] == max_new_tokens and had[0][:n] == prompts:  # the same, or more prompts
-            return got["tokens"][:n]
+        if had[1] >= max_new_tokens and had[0][:n] == prompts:  # the same, or more of them
+            return [t[:max_new_tokens] for t in got["tokens"][:n]]  # (EOS ignored: a prefix)
     import torch
     from specpipe.common.runtime.loader import build_local
     from specpipe.common.runtime.lockstep import LockstepGeneration
@@ -165,6 +174,7 @@ def run_arm(name: str, args, prompts, ref) -> dict:
     )  # fmt: skip
     out: dict = {"arm": name, "draft": has_draft, "threads": dep.threads,
                  "draft_threads": dep.draft_threads if has_draft else None,
+                 "threads_with_draft": dep.threads_with_draft or None,
                  "omp_wait_policy": dep.env.get("OMP_WAIT_POLICY", "(runtime default)")}  # fmt: skip
     base = dict(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     kinds = {k: KINDS[k] for k in args.kinds.split(",") if has_draft or k == "pp"}
@@ -214,6 +224,10 @@ def run_arm(name: str, args, prompts, ref) -> dict:
                 "exact": f"{sum(ok for _, ok in cell['results'])}/{len(rs)}",
             }
             log(f"{name} {k}: {out[k]}")
+        # the stage's switches of its torch threads (ThreadShare's lines, at most one a
+        # minute per direction: the last count logged)
+        logged = re.findall(r"(\d+) switches so far", (work / "logs" / "stage0.log").read_text())
+        out["stage_switches_logged"] = max(map(int, logged), default=0)
         with Client(dep.router_address, timeout=30) as client:
             tuning = client.describe().tuning
             if tuning:
@@ -221,6 +235,63 @@ def run_arm(name: str, args, prompts, ref) -> dict:
                 out["arms"] = tuning_arms(tuning[0])
     finally:
         dep.stop()
+    return out
+
+
+# (hidden size, layers, vocabulary) of Llama-shaped random models, the test Llama first
+FORWARD_SHAPES = [(64, 8, 512), (128, 8, 512), (256, 8, 512), (512, 12, 512)]
+
+
+def forward_threads(rows_list=(1, 4), rounds: int = 2) -> list[dict]:
+    """CPU and wall ms per forward (no cache: rows at positions 100+) at 1 and 2 torch
+    threads, the counts taking turns `rounds` times: random fp32 Llamas of growing width
+    and the 0.5B draft itself (bf16)."""
+    import torch
+    from specpipe.common.model.config import ModelConfig
+    from specpipe.common.model.loading import load_stage
+    from specpipe.common.model.partition import LayerRange
+    from specpipe.common.model.synthetic import random_stage
+    from specpipe.services.cpu_threads import small_model, weights_per_row
+
+    models = []
+    for h, layers, vocab in FORWARD_SHAPES:
+        raw = dict(
+            model_type="llama", hidden_size=h, intermediate_size=h * 8 // 3 // 8 * 8,
+            num_hidden_layers=layers, num_attention_heads=max(2, h // 32),
+            num_key_value_heads=max(1, h // 128), vocab_size=vocab, max_position_embeddings=4096,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        )  # fmt: skip
+        cfg = ModelConfig.from_dict(raw)
+        models.append((f"llama h={h}", cfg, random_stage(raw, LayerRange(0, layers, layers))))
+    cfg = ModelConfig.from_dir(MODELS / DRAFT)
+    models.append(
+        (DRAFT, cfg, load_stage(MODELS / DRAFT, None, torch.bfloat16, batch_invariant=False))
+    )
+    out = []
+    for label_, cfg, model in models:
+        dtype = next(model.parameters()).dtype
+        for rows in rows_list:
+            x = torch.randn(rows, cfg.hidden_size).to(dtype)
+            pos = torch.arange(100, 100 + rows)
+            n = max(3, int(2e8 / (weights_per_row(cfg) * rows + 1e6)))  # ~0.1-1 s a turn
+            got: dict[int, list] = {1: [], 2: []}
+            for _ in range(rounds):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    with torch.inference_mode():
+                        model.logits(model.forward(x, pos))
+                        c0, w0 = time.process_time(), time.perf_counter()
+                        for _ in range(n):
+                            model.logits(model.forward(x, pos))
+                    got[threads].append(
+                        (1e3 * (time.process_time() - c0) / n, 1e3 * (time.perf_counter() - w0) / n)
+                    )
+            row = {"model": label_, "weights_per_row": weights_per_row(cfg),
+                   "small": small_model(cfg), "rows": rows, "load": load(),
+                   **{f"{t} threads (cpu ms, wall ms)": [[round(c, 3), round(w, 3)] for c, w in v]
+                      for t, v in got.items()}}  # fmt: skip
+            log(row)
+            out.append(row)
     return out
 
 
@@ -234,8 +305,13 @@ def main() -> int:
     ap.add_argument("--calibration-tokens", type=int, default=64)
     ap.add_argument("--most", type=int, default=40, help="calibration requests at most")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "cores-session45")
+    ap.add_argument("--forward-threads", action="store_true", help="the forward probe instead")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.forward_threads:
+        rows = forward_threads()
+        (args.out / "forward-threads.json").write_text(json.dumps(rows, indent=1))
+        return 0
     prompts = prompts_of(args.prompts)
     ref = reference(prompts, args.max_new_tokens, args.out / "reference.json")
     rows = []
@@ -250,7 +326,9 @@ def main() -> int:
             if k in r:
                 m = r[k]
                 cpu = ", ".join(f"{v:g}" for v in m["cpu_ms_per_token"].values())
-                print(f"| {r['arm']} (threads {r['threads']}/{r.get('draft_threads')}, "
+                switch = f", {r['threads_with_draft']} while drafting" if r.get(
+                    "threads_with_draft") else ""  # fmt: skip
+                print(f"| {r['arm']} (threads {r['threads']}/{r.get('draft_threads')}{switch}, "
                       f"{r['omp_wait_policy']}) | {k} | "
                       f"{m['tbt_ms']} | {m['tokens_per_step']} | {', '.join(m['settings'])} | "
                       f"{m['cpu_ms_per_token_total']} ({cpu}) | {m['load'][0]}-{m['load'][1]} | "

@@ -589,8 +589,8 @@ class DeploymentConfig:
     threads: int | None = None  # per model process; None: services/cpu_threads.py decides
     draft_threads: int | None = flag(
         parse=positive_int,
-        help="torch threads of the draft process (default: as --threads, else every core; "
-        "services/cpu_threads.py)",
+        help="torch threads of the draft process (default: as --threads, else its part of "
+        "the cores split with the stages, one for a small model; services/cpu_threads.py)",
     )
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.

@@ -50,6 +50,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .ratelog import RateLimitedLog
+
 if TYPE_CHECKING:
     from specpipe.common.model.config import ModelConfig
     from torch import nn
@@ -154,6 +156,8 @@ class ThreadShare:
     def __init__(self, activity: DraftActivity, threads: int, with_draft: int) -> None:
         self.activity, self.threads, self.with_draft = activity, threads, with_draft
         self.current = 0  # what this thread was set to (0: not yet)
+        self.switches = 0  # count changes after the first
+        self._log = RateLimitedLog(log, interval=60.0)  # a line per direction a minute
 
     def follow(self) -> int:
         """The calling thread's count for the next forward, set where it changes."""
@@ -162,8 +166,11 @@ class ThreadShare:
             import torch
 
             torch.set_num_threads(want)
-            log.info("torch threads %d -> %d (%s)", self.current, torch.get_num_threads(),
-                     "the draft works" if want == self.with_draft else "the draft idles")  # fmt: skip
+            self.switches += self.current > 0
+            working = want == self.with_draft
+            self._log.log(logging.INFO, str(working), "torch threads %d -> %d (the draft %s; "
+                          "%d switches so far)", self.current, torch.get_num_threads(),
+                          "works" if working else "idles", self.switches)  # fmt: skip
             self.current = want
         return want
 
@@ -181,6 +188,8 @@ def same_bits_at(model: nn.Module, a: int, b: int, rows: tuple[int, ...] = (1, 3
             weight = getattr(layer, "weight", None)
             n_in, n_out = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
             if weight is None or n_in is None or (key := (type(layer), n_in, n_out)) in seen:
+                continue
+            if next(layer.children(), None) is not None:  # a wrapper: its inner one is checked
                 continue
             seen.add(key)
             for n in rows:

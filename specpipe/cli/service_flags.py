@@ -60,8 +60,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch threads per model process (0: each stage the host's cores shared by the "
-        "stages, the draft every core; services/cpu_threads.py)",
+        help="torch threads per model process, all along (0: each stage the host's cores "
+        "shared by the stages, split with the draft while it holds requests; one for a small "
+        "model; services/cpu_threads.py)",
     )
     p.add_argument(
         "--no-prefix-cache",

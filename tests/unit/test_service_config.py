@@ -29,13 +29,14 @@ STAGE = StageConfig(
     device="cuda:1", max_cache_gib=1.5, cache_fraction=0.25, step_memory_mib=96.0, lease_seconds=9.0,
     emulate_costs="/tmp/c.json", measure_costs=True, batch_wait=0.005, data_port=7004,
     transport="tcp", layers="3:7", emulate_stage=1, allow_configure=True, no_prefix_cache=True,
-    peers=("10.0.0.0/8", "127.0.0.1"), no_batch_invariant=True,
+    peers=("10.0.0.0/8", "127.0.0.1"), no_batch_invariant=True, draft_activity="/tmp/a",
+    threads_with_draft=1,
 )  # fmt: skip
 DRAFT = DraftConfig(
     host="::", port=7005, drain_seconds=1.0, secure=False, model="/models/d",
     model_id="d", dtype="bfloat16", threads=2, device="cuda", max_cache_gib=0.5,
     cache_fraction=0.5, step_memory_mib=48.0, lease_seconds=3.0, emulate_costs="/tmp/c.json", measure_costs=True,
-    batch_wait=0.0, metrics_port=0, health_port=9,
+    batch_wait=0.0, metrics_port=0, health_port=9, draft_activity="/tmp/a", activity_slot=2,
 )  # fmt: skip
 ROUTER = RouterConfig(
     host="0.0.0.0", advertise_host="r", port=7006, data_port=7007, transport="ucx",
