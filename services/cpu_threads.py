@@ -157,7 +157,7 @@ class ThreadShare:
         self.activity, self.threads, self.with_draft = activity, threads, with_draft
         self.current = 0  # what this thread was set to (0: not yet)
         self.switches = 0  # count changes after the first
-        self._log = RateLimitedLog(log, interval=60.0)  # a line per direction a minute
+        self._log = RateLimitedLog(log, interval=60.0)  # a line per change a minute
 
     def follow(self) -> int:
         """The calling thread's count for the next forward, set where it changes."""
@@ -167,10 +167,11 @@ class ThreadShare:
 
             torch.set_num_threads(want)
             self.switches += self.current > 0
-            working = want == self.with_draft
-            self._log.log(logging.INFO, str(working), "torch threads %d -> %d (the draft %s; "
-                          "%d switches so far)", self.current, torch.get_num_threads(),
-                          "works" if working else "idles", self.switches)  # fmt: skip
+            said = "works" if want == self.with_draft else "idles"
+            msg = "torch threads %d -> %d (the draft %s; %d switches so far)"
+            got = torch.get_num_threads()
+            self._log.log(logging.INFO, f"{self.current}>{want}", msg, self.current, got, said,
+                          self.switches)  # fmt: skip
             self.current = want
         return want
 
