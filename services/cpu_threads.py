@@ -186,13 +186,15 @@ def same_bits_at(model: nn.Module, a: int, b: int, rows: tuple[int, ...] = (1, 3
     gen = torch.Generator().manual_seed(0)
     try:
         for layer in model.modules():
-            weight = getattr(layer, "weight", None)
             n_in, n_out = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
-            if weight is None or n_in is None or (key := (type(layer), n_in, n_out)) in seen:
+            if n_in is None or (key := (type(layer), n_in, n_out)) in seen:
                 continue
             if next(layer.children(), None) is not None:  # a wrapper: its inner one is checked
                 continue
             seen.add(key)
+            # plain (`nn.Linear`) or packed (`PackedLinear`'s buffer)
+            tensors = (*layer.parameters(), *layer.buffers())
+            weight = next(t for t in tensors if t.is_floating_point())
             for n in rows:
                 x = torch.randn(n, n_in, generator=gen).to(weight.dtype).to(weight.device)
                 outs = []
