@@ -287,6 +287,7 @@ def forward_threads(rows_list=(1, 4), rounds: int = 2) -> list[dict]:
                         (1e3 * (time.process_time() - c0) / n, 1e3 * (time.perf_counter() - w0) / n)
                     )
             row = {"model": label_, "weights_per_row": weights_per_row(cfg),
+                   "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(runtime default)"),
                    "small": small_model(cfg), "rows": rows, "load": load(),
                    **{f"{t} threads (cpu ms, wall ms)": [[round(c, 3), round(w, 3)] for c, w in v]
                       for t, v in got.items()}}  # fmt: skip
@@ -309,6 +310,11 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.forward_threads:
+        from specpipe.services.cpu_threads import model_env
+
+        env = model_env(os.environ)  # OpenMP's waits as in a model process of `specpipe up`
+        if env.get("OMP_WAIT_POLICY") != os.environ.get("OMP_WAIT_POLICY"):
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)  # read at its start
         rows = forward_threads()
         (args.out / "forward-threads.json").write_text(json.dumps(rows, indent=1))
         return 0
