@@ -18,8 +18,10 @@ a draft is never slower than the same deployment without one (issue 34 point 7).
 `torch.set_num_threads` sets the calling thread's OpenMP team (libgomp's nthreads ICV is
 per thread), so the switch runs on the stage's compute thread before each forward
 (`ThreadShare.follow`, called by `ComputeRounds`), from a flag the draft process keeps in a
-small file of the deployment (`DraftActivity`: one byte per draft, set while it holds
-requests; the launcher makes the file and names it to both). It switches only where the
+small file of the deployment (`DraftActivity`: a slot per draft, refreshed while it holds
+requests; the launcher makes the file and names it to both). The router opens a request on
+the draft only when the request uses it, so the draft's open requests are exactly those
+(the stage's Open and frames do not say it). It switches only where the
 model's linear layers give the same bits at both counts (`same_bits_at`), so every output
 stays what plain decoding gives. Separate hosts (Kubernetes) pass no file: nothing changes.
 
