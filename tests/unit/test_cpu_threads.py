@@ -212,31 +212,29 @@ def test_the_compute_thread_runs_its_forwards_on_the_share_while_the_draft_works
     from .test_compute_round import _frame, _open
 
     model = load_stage(llama_dir, LayerRange(2, 5, 5), torch.float32)
-    svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
     activity = DraftActivity(DraftActivity.create(tmp_path / "activity"))
     follow = cpu_threads.stage_share(model, tmp_path / "activity", 3, 1)
     assert follow is not None
-    svc.rounds.before_forward = follow
     counts: list[int] = []
-    run_step = svc.runtime.run_step
-
-    def counted(step):
-        counts.append(torch.get_num_threads())
-        return run_step(step)
-
-    monkeypatch.setattr(svc.runtime, "run_step", counted)
+    outputs = []
     tasks: queue.Queue = queue.Queue()
 
     def compute_thread() -> None:
         while (task := tasks.get()) is not None:
             task()
 
-    thread = threading.Thread(target=compute_thread)
-    thread.start()
-    hidden = torch.randn(1, model.cfg.hidden_size)
-    outputs = []
-
     async def rounds(working: list[bool]) -> None:
+        # made inside the event loop (its gRPC server takes the running one)
+        svc = StageService(LoadedModel(StageRuntime(model), "m", "h", 256, ()))
+        svc.rounds.before_forward = follow
+        run_step = svc.runtime.run_step
+
+        def counted(step):
+            counts.append(torch.get_num_threads())
+            return run_step(step)
+
+        monkeypatch.setattr(svc.runtime, "run_step", counted)
+        hidden = torch.randn(1, model.cfg.hidden_size)
         for k, on in enumerate(working):
             activity.set(0, on)
             rid = f"r{k}"
@@ -253,6 +251,8 @@ def test_the_compute_thread_runs_its_forwards_on_the_share_while_the_draft_works
             assert done.wait(30)
             outputs.append(work[0].outputs[0])
 
+    thread = threading.Thread(target=compute_thread)
+    thread.start()
     try:
         asyncio.run(rounds([False, True, True, False, True]))
     finally:
