@@ -53,6 +53,7 @@ from bench_peer import PROMPTS  # noqa: E402
 
 MODELS = Path.home() / ".cache" / "specpipe" / "models"
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+PROCESSES = ("stage0", "draft", "router")  # the table's CPU columns
 SPLIT = {"OMP_WAIT_POLICY": ""}  # main's launcher: the OpenMP runtime's default waits
 ARMS = {  # draft, threads of the stage and of the draft (None: the launcher's), environment
     "a": (False, 2, None, SPLIT),
@@ -331,7 +332,8 @@ def main() -> int:
         for k in KINDS:
             if k in r:
                 m = r[k]
-                cpu = ", ".join(f"{v:g}" for v in m["cpu_ms_per_token"].values())
+                per = m["cpu_ms_per_token"]  # in the header's order (the keys sort otherwise)
+                cpu = ", ".join(f"{per[n]:g}" if n in per else "-" for n in PROCESSES)
                 switch = f", {r['threads_with_draft']} while drafting" if r.get(
                     "threads_with_draft") else ""  # fmt: skip
                 print(f"| {r['arm']} (threads {r['threads']}/{r.get('draft_threads')}{switch}, "
