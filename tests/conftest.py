@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -25,6 +26,24 @@ torch.set_num_threads(1)
 
 # Tests call it by this name.
 make_tiny_model = save_random_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_http_apis():
+    """FastAPI keeps the endpoints it has classified in caches of 4096 entries
+    (`fastapi.dependencies.models`); a router's endpoints are its `HttpApi`'s bound
+    methods, so every router a test made would live, gRPC servers and channels
+    included, until the interpreter tears its modules down, where gRPC's deallocators
+    fail to report ("Error in sys.excepthook" at the suite's end). A server holds one
+    `HttpApi` for its life; a test module's routers are let go when the module ends."""
+    yield
+    from fastapi.dependencies import models
+
+    for name in dir(models):
+        cache_clear = getattr(getattr(models, name), "cache_clear", None)
+        if name.endswith("_cached") and cache_clear is not None:
+            cache_clear()
+    gc.collect()
 
 
 def greedy_verify(output_start: int = 1) -> dataplane_pb2.VerifySpec:
