@@ -3,11 +3,14 @@ in fewer operations, only where it applies, never for the oracle draft."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from specpipe.common.model.layers import RMSNorm
-from specpipe.common.model.lean_draft import FoldedRMSNorm, lean_applies, lean_draft
+from specpipe.common.model.lean_draft import FoldedRMSNorm, LeanAttention, lean_applies, lean_draft
 from specpipe.common.model.loading import load_stage
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, load_draft
+from specpipe.common.runtime.stage import StageRuntime
+from specpipe.common.spec.messages import Activation
 
 
 def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -16,9 +19,11 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model.logits(model.forward(model.embed(tokens), positions))
 
 
-def test_a_lean_draft_computes_nearly_the_reference(llama_dir) -> None:
-    ref = load_stage(llama_dir, None, torch.float32)
-    lean = lean_draft(load_stage(llama_dir, None, torch.float32))
+@pytest.mark.parametrize("model", ["llama_dir", "qwen_dir"])  # qwen2: q/k/v bias, GQA, tied
+def test_a_lean_draft_computes_nearly_the_reference(model: str, request) -> None:
+    model_dir = request.getfixturevalue(model)
+    ref = load_stage(model_dir, None, torch.float32)
+    lean = lean_draft(load_stage(model_dir, None, torch.float32))
     assert lean_applies(ref)
     norms = [m for m in lean.modules() if isinstance(m, RMSNorm)]
     assert norms and all(type(m) is FoldedRMSNorm for m in norms)
@@ -28,6 +33,21 @@ def test_a_lean_draft_computes_nearly_the_reference(llama_dir) -> None:
     tokens = torch.randint(0, ref.cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
     a, b = _logits(ref, tokens), _logits(lean, tokens)
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    # and through the paged cache, as the draft serves: a prompt, then a tree layer
+    runtime = load_draft(model_dir, torch.float32)
+    assert any(type(m) is LeanAttention for m in runtime.runtime.model.modules())
+    stage = StageRuntime(ref)
+    for rt in (stage, runtime.runtime):
+        rt.open("r", 64)
+    prompt = Activation("r", torch.arange(20), committed=True, tokens=tokens[:20])
+    layer = Activation(
+        "r", torch.tensor([20, 20, 21]), node_ids=torch.tensor([1, 2, 3]),
+        parent_ids=torch.tensor([-1, -1, 1]), tokens=tokens[20:23],
+    )  # fmt: skip
+    outs = [[rt.forward(act).hidden for act in (prompt, layer)] for rt in (stage, runtime.runtime)]
+    for got, want in zip(outs[1], outs[0], strict=True):
+        # the residual stream grows to hundreds: its rounding, relative to its scale
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_a_draft_that_is_not_fp32_on_a_cpu_keeps_its_forward(llama_dir) -> None:
