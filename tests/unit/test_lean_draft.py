@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specpipe.common.model.layers import RMSNorm
-from specpipe.common.model.lean_draft import FoldedRMSNorm, LeanAttention, lean_applies, lean_draft
+from specpipe.common.model.lean_draft import FoldedRMSNorm, lean_applies, lean_draft
 from specpipe.common.model.loading import load_stage
 from specpipe.common.runtime.loader import ORACLE_DRAFT, build_local, load_draft
 from specpipe.common.runtime.stage import StageRuntime
@@ -35,7 +35,6 @@ def test_a_lean_draft_computes_nearly_the_reference(model: str, request) -> None
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
     # and through the paged cache, as the draft serves: a prompt, then a tree layer
     runtime = load_draft(model_dir, torch.float32)
-    assert any(type(m) is LeanAttention for m in runtime.runtime.model.modules())
     stage = StageRuntime(ref)
     for rt in (stage, runtime.runtime):
         rt.open("r", 64)
