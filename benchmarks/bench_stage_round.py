@@ -16,6 +16,12 @@ caches are evicted (a pass over 16 MiB; `--warm`: not), as a stage whose steps c
 
     python benchmarks/bench_stage_round.py               # ~10 s
     python benchmarks/bench_stage_round.py --warm --steps 500
+    python benchmarks/bench_stage_round.py --warm --gap-ms 20 [--spin]
+
+`--gap-ms`: the pause after each step (default 2 ms, the next hop's read); a deployed
+stage at one client pauses 10-20 ms, after which the same step costs about 1.3-1.9x
+(benchmarks/README.md, "Session 47: the stage's and the draft's step"); `--spin` spends
+the pause beyond 2 ms spinning rather than idle.
 
 Compare runs made back to back (a loaded machine moves CPU time too): e.g. this script
 run by another checkout (`cd /work/main && .venv/bin/python <this file>`). Writes
