@@ -3,7 +3,7 @@ the torch operations one stage step and one draft step issue, and the CPU time t
 
 The model is `bench_host.py`'s tiny random Llama (8 layers, hidden 64, one head of 64,
 vocabulary 512), served as 4 stages of 2 layers and as its own draft (all 8 layers and
-the head). Each request has `--context` cached tokens and adds a tree layer of `--rows`
+the head; the draft's as `load_draft` serves it, `lean_draft`). Each request has `--context` cached tokens and adds a tree layer of `--rows`
 rows per step (what a step of the emulated deployment computes), at 1 and 8 requests.
 
 - **ops**: aten operations (a `TorchDispatchMode`, every op counted, views included; "kernels":
@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 from bench_serve import make_model
+from specpipe.common.model.lean_draft import lean_draft
 from specpipe.common.model.loading import load_stage
 from specpipe.common.model.packed_linear import packing_applies
 from specpipe.common.model.partition import LayerRange
@@ -101,8 +102,12 @@ class Deployment:
         context: int,
         rows: int,
         dtype: torch.dtype = torch.float32,
+        lean: bool = False,
     ) -> None:
+        """`lean`: the model as a draft serves it (`load_draft`: `lean_draft`)."""
         model = load_stage(tiny_llama(), layers, dtype)
+        if lean:
+            model = lean_draft(model)
         self.cfg = model.cfg
         self.stage = StageRuntime(model, max_cache_bytes=64 << 20)
         self.rows, self.next_id = rows, 1000
@@ -235,7 +240,8 @@ def models(dep: Deployment, baseline: type[nn.Module] | None) -> dict[str, nn.Mo
 
 
 def measure(name: str, layers: LayerRange, requests: int, args, baseline) -> dict:
-    dep = Deployment(layers, requests, args.context, args.rows, args.dtype)
+    draft = layers.is_first and layers.is_last  # served lean (`load_draft`)
+    dep = Deployment(layers, requests, args.context, args.rows, args.dtype, lean=draft)
     with torch.inference_mode():
         acts = dep.tree_layer()
         step_ops = count(lambda: dep.stage.forward_many(acts))

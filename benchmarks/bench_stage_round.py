@@ -16,6 +16,12 @@ caches are evicted (a pass over 16 MiB; `--warm`: not), as a stage whose steps c
 
     python benchmarks/bench_stage_round.py               # ~10 s
     python benchmarks/bench_stage_round.py --warm --steps 500
+    python benchmarks/bench_stage_round.py --warm --gap-ms 20 [--spin]
+
+`--gap-ms`: the pause after each step (default 2 ms, the next hop's read); a deployed
+stage at one client pauses 10-20 ms, after which the same step costs about 1.3-1.9x
+(benchmarks/README.md, "Session 47: the stage's and the draft's step"); `--spin` spends
+the pause beyond 2 ms spinning rather than idle.
 
 Compare runs made back to back (a loaded machine moves CPU time too): e.g. this script
 run by another checkout (`cd /work/main && .venv/bin/python <this file>`). Writes
@@ -68,7 +74,15 @@ def timers() -> Timers:
     return t
 
 
-async def steps(model_dir: Path, n: int, warm_up: int, cold: bool, t: Timers) -> float:
+async def steps(
+    model_dir: Path,
+    n: int,
+    warm_up: int,
+    cold: bool,
+    t: Timers,
+    gap: float = 0.002,
+    spin: bool = False,
+) -> float:
     """Thread CPU seconds of `n` steps (after `warm_up`), frame to frame sent."""
     from specpipe.common.model.loading import load_stage
     from specpipe.common.model.partition import LayerRange
@@ -123,6 +137,13 @@ async def steps(model_dir: Path, n: int, warm_up: int, cold: bool, t: Timers) ->
             with rounds.inbox:  # the layer dropped, applied by the next round
                 svc._requests["r"].order.add_prune(seq, Prune(empty, empty, node + 3))
             await asyncio.sleep(0.002)  # the next hop reads
+            if gap > 0.002:  # the rest of the step's pause: idle, or the core kept busy
+                if spin:
+                    until = time.perf_counter() + gap - 0.002
+                    while time.perf_counter() < until:
+                        pass
+                else:
+                    await asyncio.sleep(gap - 0.002)
     finally:
         await svc.stop()
         await rx.close()
@@ -133,15 +154,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warm", action="store_true", help="caches not evicted between steps")
+    ap.add_argument("--gap-ms", type=float, default=2.0,
+                    help="the pause between steps (deployed at 1 client: 10-20 ms)")  # fmt: skip
+    ap.add_argument("--spin", action="store_true",
+                    help="the pause beyond 2 ms spent spinning, not idle")  # fmt: skip
     ap.add_argument("--label", default="")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     torch.set_num_threads(1)  # as a deployed stage (`threads=1`)
     model_dir = make_model(Path(tempfile.mkdtemp()), 8, WIDTH, 512)
     t = timers()
-    cpu = asyncio.run(steps(model_dir, args.steps, 20, not args.warm, t))
+    cpu = asyncio.run(
+        steps(model_dir, args.steps, 20, not args.warm, t, args.gap_ms / 1e3, args.spin)
+    )
     parts = {k: round(1e6 * v / args.steps, 1) for k, v in t.seconds.most_common()}
-    cell = {"label": args.label, "cold": not args.warm, "steps": args.steps,
+    cell = {"label": args.label, "cold": not args.warm, "steps": args.steps, "gap_ms": args.gap_ms,
             "step_us": round(1e6 * cpu / args.steps, 1), "parts_us": parts,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     print(f"{args.label or 'this build'}, {'warm' if args.warm else 'cold'}: a step "

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import ModelConfig
+from ..model.lean_draft import lean_draft
 from ..model.loading import load_stage, weight_fingerprint
 from ..model.partition import LayerRange, plan_stages
 from .draft import DraftRuntime
@@ -56,11 +57,14 @@ def load_draft(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_cache_bytes: int | None = None,
+    lean: bool = True,
 ) -> DraftRuntime:
     """A draft runtime holding the whole model of a directory. Its rows need not be
-    batch-invariant (`batch_invariant`): the target's verification decides every token."""
+    batch-invariant (`batch_invariant`), nor its forward give the reference's bits
+    (`lean`: `lean_draft`'s fewer operations where it applies): the target's
+    verification decides every token."""
     model = load_stage(model_dir, None, dtype, device, batch_invariant=False)
-    return DraftRuntime(model, max_cache_bytes)
+    return DraftRuntime(lean_draft(model) if lean else model, max_cache_bytes)
 
 
 @dataclass
@@ -97,7 +101,9 @@ def build_local(
             raise ValueError(
                 f"draft vocabulary ({draft_cfg.vocab_size}) is larger than the target's ({cfg.vocab_size})"
             )
-        draft = load_draft(draft_path, dtype, device, max_cache_bytes)
+        # the oracle, the upper bound tests hold proposals to, is the target to the bit
+        oracle = str(draft_dir) == ORACLE_DRAFT
+        draft = load_draft(draft_path, dtype, device, max_cache_bytes, lean=not oracle)
     return InProcessDeployment(LocalPipeline(stages), draft, cfg)
 
 
