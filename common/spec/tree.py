@@ -154,25 +154,11 @@ class TokenTree:
 
     # The columns as the lists the tree keeps, for growth on lists (never to be written:
     # the tree replaces or extends them itself).
-    @property
-    def id_list(self) -> list[int]:
-        return self._ids
-
-    @property
-    def parent_list(self) -> list[int]:
-        return self._par
-
-    @property
-    def depth_list(self) -> list[int]:
-        return self._dep
-
-    @property
-    def token_list(self) -> list[int]:
-        return self._tok
-
-    @property
-    def source_list(self) -> list[int]:
-        return self._src
+    id_list = property(lambda self: self._ids)
+    parent_list = property(lambda self: self._par)
+    depth_list = property(lambda self: self._dep)
+    token_list = property(lambda self: self._tok)
+    source_list = property(lambda self: self._src)
 
     def ids_at(self, idx: Iterable[int]) -> list[int]:
         """The ids of the nodes at indices `idx`."""
@@ -221,26 +207,9 @@ class TokenTree:
         """Whether any of `ids` is a node of the tree."""
         return not set(self._ids).isdisjoint(as_list(ids))
 
-    def append_layer(
-        self,
-        parents: ArrayLike,
-        tokens: ArrayLike,
-        probs: ArrayLike,
-        width: int,
-        logp: ArrayLike | None = None,
-        deviation: ArrayLike | None = None,
-        source: ArrayLike | None = None,
-    ) -> Indices:
-        """Add the best `width` candidate children by ranking key.
-
-        `parents` are node indices (every candidate's parent must be a frontier node),
-        `tokens`/`probs` the proposals. The key of a node is its path's (any deviation,
-        -score): `logp` is each candidate's log score as its parent's child (default
-        log `probs`: beam ranking by cumulative probability; -inf: never a node) and
-        `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
-        see `ranking.edge_scores`. Returns the new nodes' indices.
-        """
-        n0, m = self.append(parents, tokens, probs, width, logp, deviation, source)
+    def append_layer(self, *args, **kwargs) -> Indices:
+        """`append`, the new nodes' indices as an array."""
+        n0, m = self.append(*args, **kwargs)
         return np.arange(n0, n0 + m)
 
     def append(
@@ -253,7 +222,16 @@ class TokenTree:
         deviation: ArrayLike | None = None,
         source: ArrayLike | None = None,
     ) -> tuple[int, int]:
-        """`append_layer` on lists: returns (the first new node's index, how many)."""
+        """Add the best `width` candidate children by ranking key; returns (the first
+        new node's index, how many).
+
+        `parents` are node indices (every candidate's parent must be a frontier node),
+        `tokens`/`probs` the proposals. The key of a node is its path's (any deviation,
+        -score): `logp` is each candidate's log score as its parent's child (default
+        log `probs`: beam ranking by cumulative probability; -inf: never a node) and
+        `deviation` 0/1 whether it departs from its parent's best proposal (default 0);
+        see `ranking.edge_scores`. Lists, arrays or tensors; the growth runs on lists.
+        """
         n0 = len(self._tok)
         parents = as_list(parents)
         if not parents or width <= 0:
