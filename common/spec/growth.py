@@ -248,32 +248,18 @@ def merge_candidates(pool: Pool) -> Pool:
     return pid[first], tokens[first], best, source
 
 
-def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
-    """Candidates whose parent is still in the tree and that did not become a node."""
-    keep = _unused_at(tree, pool[0].tolist(), pool[1].tolist())
-    if len(keep) == pool[0].size:
-        return pool
-    at = np.array(keep, dtype=np.int64)  # one index array for the four columns
-    return tuple(a[at] for a in pool)  # type: ignore[return-value]
-
-
 def unused_lists(tree: TokenTree, pool: ListPool) -> ListPool:
-    """`unused_candidates` of a pool of lists."""
-    keep = _unused_at(tree, pool[0], pool[1])
-    if len(keep) == len(pool[0]):
-        return pool
-    return tuple([c[i] for i in keep] for c in pool)  # type: ignore[return-value]
-
-
-def _unused_at(tree: TokenTree, pid: list[int], tokens: list[int]) -> list[int]:
-    """Which candidates (parent ids, tokens) have their parent in the tree and are no node."""
+    """Candidates whose parent is still in the tree and that did not become a node."""
     ids, par = tree.id_list, tree.parent_list
     # (parent id, token) of every node but the root (node 0), as sets: tens of elements,
     # where a set lookup costs less than numpy's broadcast comparisons
     nodes = set(zip([ids[p] for p in par[1:]], tree.token_list[1:], strict=True))
     present = set(ids)
-    pairs = zip(pid, tokens, strict=True)
-    return [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
+    pairs = zip(pool[0], pool[1], strict=True)
+    keep = [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
+    if len(keep) == len(pool[0]):
+        return pool
+    return tuple([c[i] for i in keep] for c in pool)  # type: ignore[return-value]
 
 
 def beside(extra: Pool, main: Pool) -> Pool:
