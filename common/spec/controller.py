@@ -53,12 +53,15 @@ from .commands import (
 )
 from .growth import (
     EMPTY_POOL,
+    ListPool,
     Pool,
     allowed_by_grammar,
+    array_pool,
     beside,
     candidates_of,
     concat_pools,
     extend_frontier,
+    grow_frontier,
     pool_of,
     prefill_chunks,
     with_forced_tokens,
@@ -418,6 +421,16 @@ class Controller(ABC):
                 cand = self._growth_rules.apply(self.tree, cand)
             pool = pool_of(cand)
         return extend_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
+
+    def _extend_lists(self, pool: ListPool) -> tuple[int, int]:
+        """`_extend` of a pool of lists (float32 probabilities: `growth.pool_lists`):
+        (the first new node's index, how many). Without a grammar or logits rules, the
+        growth stays on lists (the router's step: `growth.grow_frontier`)."""
+        if self._grammar is not None or self._growth_rules is not None:
+            new = self._extend(array_pool(pool))
+            return (int(new[0]), int(new.size)) if new.size else (len(self.tree), 0)
+        opts = self.opts
+        return grow_frontier(self.tree, pool, self.width, opts.ranking, opts.sampling)
 
     def _count_hit(self, source: int) -> None:
         """A verified token was a tree node proposed by `source` (bits)."""

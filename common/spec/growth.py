@@ -13,9 +13,9 @@ from numpy.typing import ArrayLike, NDArray
 from .grammar import GrammarState
 from .messages import SOURCE_DRAFT, SOURCE_GRAMMAR, Candidates, RowArrays
 from .options import MAX_PREFILL_CHUNKS
-from .ranking import Ranking, edge_scores
+from .ranking import Ranking, edge_score_lists
 from .sampling import SamplingParams
-from .tree import NO_NODES, Indices, TokenTree
+from .tree import NO_NODES, Indices, TokenTree, as_list
 
 # A candidate pool as numpy arrays: parent ids, tokens, probabilities, sources. The
 # controller grows from pools (`pool_of` reads candidates of either kind).
@@ -27,19 +27,54 @@ EMPTY_POOL: Pool = (
     np.empty(0, dtype=np.int8),
 )
 
+# The same as lists, probabilities as the float32 values `concat_pools` gives: how
+# SpecPipe's controller grows its tree and keeps its reserve (tens of candidates, met cold
+# once per step: list operations cost a fraction of numpy's calls there).
+ListPool = tuple[list[int], list[int], list[float], list[int]]
+EMPTY_LIST_POOL: ListPool = ([], [], [], [])
+
+
+def pool_lists(pool: Pool, float32: bool = True) -> ListPool:
+    """`pool` as lists; `float32`: its probabilities as float32 values first, as
+    `concat_pools` makes them."""
+    pid, tokens, probs, sources = pool
+    if float32 and probs.dtype != np.float32:
+        probs = probs.astype(np.float32)
+    return pid.tolist(), tokens.tolist(), probs.tolist(), sources.tolist()
+
+
+def join_lists(a: ListPool, b: ListPool) -> ListPool:
+    """`a`'s candidates, then `b`'s (`concat_pools` of lists)."""
+    if not b[0]:
+        return a
+    if not a[0]:
+        return b
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+def array_pool(pool: ListPool, prob_dtype: type = np.float32) -> Pool:
+    """A pool of lists as arrays of the pool's dtypes (probabilities: `prob_dtype`)."""
+    pid, tokens, probs, sources = pool
+    return (
+        np.array(pid, dtype=np.int64),
+        np.array(tokens, dtype=np.int64),
+        np.array(probs, dtype=prob_dtype),
+        np.array(sources, dtype=np.int8),
+    )
+
 
 def layer_rows(request_id: str, tree: TokenTree, idx: ArrayLike, root_pos: int) -> RowArrays:
-    """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix)."""
-    idx = np.asarray(idx, dtype=np.int64)
-    parents = tree.parent[idx]
-    parent_ids = tree.ids[parents]
-    parent_ids[parents < 0] = -1  # the root's (its -1 read the last id)
+    """The tree nodes `idx` as stage-1 input (parent -1 = attach to the committed prefix):
+    the tree's lists picked in plain Python, one array per field."""
+    idx = as_list(idx)
+    ids, par, dep, tok = tree.id_list, tree.parent_list, tree.depth_list, tree.token_list
     return RowArrays(
         request_id,
-        root_pos + tree.depth[idx],
-        node_ids=tree.ids[idx],
-        parent_ids=parent_ids,
-        tokens=tree.tokens[idx],
+        np.array([root_pos + dep[i] for i in idx], dtype=np.int64),
+        node_ids=np.array([ids[i] for i in idx], dtype=np.int64),
+        # the root's parent is -1: the committed prefix
+        parent_ids=np.array([ids[par[i]] if par[i] >= 0 else -1 for i in idx], dtype=np.int64),
+        tokens=np.array([tok[i] for i in idx], dtype=np.int64),
     )
 
 
@@ -86,24 +121,38 @@ def extend_frontier(
 ) -> Indices:
     """Append the best `width` candidates of `pool` whose parents are (still) frontier
     nodes, ranked by `ranking` under the request's `sampling` rule (`ranking.py`)."""
-    # each candidate's parent's index by its id, in plain Python (tens of candidates)
+    n0, m = grow_frontier(tree, pool_lists(pool, float32=False), width, ranking, sampling)
+    return np.arange(n0, n0 + m) if m else NO_NODES
+
+
+def grow_frontier(
+    tree: TokenTree,
+    pool: ListPool,
+    width: int,
+    ranking: Ranking = Ranking.BEAM,
+    sampling: SamplingParams | None = None,
+) -> tuple[int, int]:
+    """`extend_frontier` on a pool of lists: (the first new node's index, how many). The
+    tree's growth in plain Python on its lists (tens of candidates); numpy only for the
+    logs (the same floats) and to merge duplicates (rare)."""
+    pid, tokens, probs, sources = pool
+    # each candidate's parent's index by its id
     first = tree.frontier_start
-    at = dict(zip(tree.ids[first:].tolist(), range(first, len(tree)), strict=True))
-    parent_of = [at.get(p, -1) for p in pool[0].tolist()]
+    at = dict(zip(tree.id_list[first:], range(first, len(tree)), strict=True))
+    parent_of = [at.get(p, -1) for p in pid]
     if -1 in parent_of:
         alive = [i for i, q in enumerate(parent_of) if q >= 0]
         if not alive:
-            return NO_NODES
-        pool = tuple(a[alive] for a in pool)  # type: ignore[assignment]
+            return len(tree), 0
+        pid, tokens, probs, sources = ([c[i] for i in alive] for c in pool)
         parent_of = [parent_of[i] for i in alive]
-    merged = merge_candidates(pool)
-    if merged is not pool:  # duplicates merged: fewer candidates, in another order
-        parent_of = [at[p] for p in merged[0].tolist()]
-    _, tokens, probs, sources = merged
-    parents = np.array(parent_of, dtype=np.int64)
-    probs = np.asarray(probs, dtype=np.float64)  # once: ranking and the tree read float64
-    logp, dev = edge_scores(parents, probs, ranking, sampling or SamplingParams())
-    return tree.append_layer(parents, tokens, probs, width, logp, dev, sources)
+    if len(pid) > 1 and len(set(zip(pid, tokens, strict=True))) < len(pid):
+        # duplicates: merged (then in (parent, token) order); float64 holds every value
+        merged = merge_candidates(array_pool((pid, tokens, probs, sources), np.float64))
+        pid, tokens, probs, sources = (a.tolist() for a in merged)
+        parent_of = [at[p] for p in pid]
+    logp, dev = edge_score_lists(parent_of, probs, ranking, sampling or SamplingParams())
+    return tree.append(parent_of, tokens, probs, width, logp, dev, sources)
 
 
 def allowed_by_grammar(tree: TokenTree, cand: Candidates, grammar: GrammarState) -> Candidates:
@@ -199,21 +248,18 @@ def merge_candidates(pool: Pool) -> Pool:
     return pid[first], tokens[first], best, source
 
 
-def unused_candidates(tree: TokenTree, pool: Pool) -> Pool:
+def unused_lists(tree: TokenTree, pool: ListPool) -> ListPool:
     """Candidates whose parent is still in the tree and that did not become a node."""
-    ids = tree.ids.tolist()
+    ids, par = tree.id_list, tree.parent_list
     # (parent id, token) of every node but the root (node 0), as sets: tens of elements,
     # where a set lookup costs less than numpy's broadcast comparisons
-    nodes = set(
-        zip([ids[p] for p in tree.parent[1:].tolist()], tree.tokens[1:].tolist(), strict=True)
-    )
+    nodes = set(zip([ids[p] for p in par[1:]], tree.token_list[1:], strict=True))
     present = set(ids)
-    pairs = zip(pool[0].tolist(), pool[1].tolist(), strict=True)
+    pairs = zip(pool[0], pool[1], strict=True)
     keep = [i for i, pt in enumerate(pairs) if pt[0] in present and pt not in nodes]
-    if len(keep) == pool[0].size:
+    if len(keep) == len(pool[0]):
         return pool
-    at = np.array(keep, dtype=np.int64)  # one index array for the four columns
-    return tuple(a[at] for a in pool)  # type: ignore[return-value]
+    return tuple([c[i] for i in keep] for c in pool)  # type: ignore[return-value]
 
 
 def beside(extra: Pool, main: Pool) -> Pool:

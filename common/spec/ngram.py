@@ -21,7 +21,7 @@ import numpy as np
 
 from .growth import EMPTY_POOL, candidates_of
 from .messages import SOURCE_NGRAM, Candidates
-from .tree import Indices, TokenTree
+from .tree import Indices, TokenTree, as_list
 
 DEFAULT_MAX_N = 4
 DEFAULT_MIN_N = 1
@@ -91,7 +91,7 @@ def ngram_candidates(
     parents: list[int] = []
     tokens: list[int] = []
     probs: list[float] = []
-    for node in nodes.tolist():
+    for node in as_list(nodes):
         path = tree.tokens[tree.path_to(node)[1:]].tolist()
         for t, p in index.propose(tail + path, k):
             parents.append(int(tree.ids[node]))

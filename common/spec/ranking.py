@@ -116,6 +116,29 @@ def edge_scores(
     return logp, np.zeros(p.size, dtype=np.int64)
 
 
+def edge_score_lists(
+    parents: list[int], p: list[float], ranking: Ranking, sampling: SamplingParams
+) -> tuple[list[float], list[int] | None]:
+    """`edge_scores` of lists, for the tree's growth on its lists (`TokenTree.append`):
+    (log scores, deviations; None: none deviates). The same floats: the logs are numpy's."""
+    probs = np.array(p, dtype=np.float64)
+    if ranking == Ranking.BEAM or not p:
+        return _log_list(probs, p), None
+    if sampling.greedy:
+        dev = [1] * len(p)
+        for i in _best_of(parents, p):
+            dev[i] = 0
+        return _log_list(probs, p), dev
+    return _sampled_scores(parents, probs, sampling).tolist(), None
+
+
+def _log_list(probs: NDArray[np.float64], p: list[float]) -> list[float]:
+    """`log_probs(probs)` as a list (`p`: the same probabilities as a list)."""
+    if all(x > 0 for x in p):  # (NaN: not > 0)
+        return np.log(probs).tolist()
+    return log_probs(probs).tolist()
+
+
 def log_probs(p: NDArray[np.float64]) -> NDArray[np.float64]:
     """`np.log(p)`, log 0 = -inf without a warning (numpy's `errstate`, a context
     manager that costs more than the log of a layer's candidates, only where needed)."""

@@ -31,18 +31,20 @@ import numpy as np
 from .commands import Command
 from .controller import Controller
 from .growth import (
-    EMPTY_POOL,
+    EMPTY_LIST_POOL,
     Pool,
     concat_pools,
+    join_lists,
     layer_rows,
+    pool_lists,
     pool_of,
-    unused_candidates,
+    unused_lists,
 )
 from .messages import NO_IDS, Candidates, PruneArrays, RowArrays, Verified
 from .options import DecodeOptions, Growth, Mode
-from .tree import NO_NODES, Indices, TokenTree
+from .tree import NO_NODES, TokenTree
 
-ROOT = np.zeros(1, dtype=np.int64)
+ROOT = range(1)  # the root's index, as `_add_layer` takes a layer's
 
 
 class SpecPipeController(Controller):
@@ -63,12 +65,13 @@ class SpecPipeController(Controller):
         self.tree = TokenTree(self.prompt[-1])
         # Source proposals not (yet) in the tree, for nodes still in it: if a prune removes
         # the whole newest layer, the tree regrows from the deepest survivors' proposals
-        # (a one-step bubble) instead of running dry until a miss (S steps).
-        self.reserve = EMPTY_POOL
+        # (a one-step bubble) instead of running dry until a miss (S steps). Lists:
+        # growth runs on lists (`growth.grow_frontier`).
+        self.reserve = EMPTY_LIST_POOL
         self._held: list[Pool] = []  # answers waiting for a verification
         self._asked: dict[int, int] = {}  # outstanding tickets -> the step the source works in
         self._late: set[int] = set()  # outstanding tickets a verification had to pass by
-        self._newest = NO_NODES  # node ids of the newest layer grown
+        self._newest: list[int] = []  # node ids of the newest layer grown
         self._newest_ticket: int | None = None
         self._pending = NO_NODES  # node ids grown but not fed yet (the group being built)
         self._node_depth: dict[int, int] = {}  # depth below the root when a node was fed
@@ -122,7 +125,7 @@ class SpecPipeController(Controller):
         return self._offer(pool_of(self._ngram_children(self.tree.frontier())), self._work_step())
 
     def _forget_draft_work(self) -> None:
-        self.reserve = EMPTY_POOL
+        self.reserve = EMPTY_LIST_POOL
         self._held, self._asked, self._late, self._local = [], {}, set(), {}
         self._newest_ticket = None
 
@@ -142,20 +145,22 @@ class SpecPipeController(Controller):
         logits come out verifies down to them too; without a source it goes in at once."""
         return self._add_layer(ROOT, feed_now=not self.width)
 
-    def _add_layer(self, idx: Indices, feed_now: bool = False) -> list[Command]:
-        """New tree nodes `idx` (one layer) join the pending group, which is fed once it
-        has K layers (or reaches the depth limit, or `feed_now`); then the source is asked
-        for their children."""
+    def _add_layer(self, idx: range, feed_now: bool = False) -> list[Command]:
+        """New tree nodes `idx` (one layer, indices) join the pending group, which is fed
+        once it has K layers (or reaches the depth limit, or `feed_now`); then the source
+        is asked for their children."""
         tree = self.tree
-        ids = tree.ids[idx]
+        ids = tree.ids_at(idx)
         alone = self._pending.size == 0  # the group is this layer (K = 1: always)
-        self._pending = ids if alone else np.concatenate([self._pending, ids])
         self._newest, self._newest_ticket = ids, None
         cmds: list[Command] = []
         layer = layer_rows(self.request_id, tree, idx, self.root_pos) if self.width else None
-        full = (alone and self.layers_per_step == 1) or (
-            self._pending_layers() >= self.layers_per_step
-        )
+        if alone and self.layers_per_step == 1:
+            full = True  # fed now: the group is never kept
+        else:
+            pending = np.array(ids, dtype=np.int64)
+            self._pending = pending if alone else np.concatenate([self._pending, pending])
+            full = self._pending_layers() >= self.layers_per_step
         if feed_now or full or tree.frontier_depth >= self.max_depth:
             if alone:  # the group is this layer: fed as the source is asked about it
                 self._pending = NO_NODES
@@ -168,22 +173,24 @@ class SpecPipeController(Controller):
 
     def _pending_layers(self) -> int:
         tree = self.tree
-        return len(set(tree.depth[tree.indices_of(self._pending)].tolist()))
+        depth = tree.depth_list
+        return len({depth[i] for i in tree.index_list(self._pending)})
 
     def _flush(self) -> list[Command]:
         """Feed the pending group (the nodes of it still in the tree) into stage 1."""
         tree, pending = self.tree, self._pending
         self._pending = NO_NODES
-        idx = tree.indices_of(pending)
-        return self._feed_group(idx) if idx.size else []
+        idx = tree.index_list(pending)
+        return self._feed_group(idx) if idx else []
 
-    def _feed_group(self, idx: Indices, layer: RowArrays | None = None) -> list[Command]:
+    def _feed_group(self, idx: Sequence[int], layer: RowArrays | None = None) -> list[Command]:
         """Feed tree nodes `idx` into stage 1 as one group (`layer`: their rows, when the
         caller made them already)."""
         tree = self.tree
         group = layer_rows(self.request_id, tree, idx, self.root_pos) if layer is None else layer
         step = self._entry_step(group)
-        self._node_depth.update(zip(tree.ids[idx].tolist(), tree.depth[idx].tolist(), strict=True))
+        depth = tree.depth_list
+        self._node_depth.update(zip(tree.ids_at(idx), [depth[i] for i in idx], strict=True))
         return [self._feed(group, step)]
 
     def _offer(self, pool: Pool, step: int) -> list[Command]:
@@ -217,9 +224,9 @@ class SpecPipeController(Controller):
             if child is None:
                 break
             self.out.hits += 1
-            self._count_hit(int(tree.source[child]))
-            self.stats.hit_depths.append(self._node_depth.get(int(tree.ids[child]), 1))
-            tree.prune_to(child)
+            self._count_hit(tree.source_list[child])
+            self.stats.hit_depths.append(self._node_depth.get(tree.id_list[child], 1))
+            tree.prune_list(child)
             if done or i + 1 == len(v.tokens):
                 break
         hit = child is not None
@@ -233,7 +240,7 @@ class SpecPipeController(Controller):
             tree.reset(token)
             prune = PruneArrays(commit_ids=commit, keep_ids=NO_IDS, horizon=horizon)
         cmds += self._prune(prune)
-        live = tree.ids.tolist()
+        live = tree.id_list
         self._forget_nodes(live)
         self._node_depth = {i: self._node_depth[i] for i in live if i in self._node_depth}
         if self.opts.growth == Growth.EAGER:
@@ -244,7 +251,7 @@ class SpecPipeController(Controller):
         if self._pending.size:
             self._pending = self._pending[tree.has_ids(self._pending)]
         if not hit:
-            self.reserve = EMPTY_POOL
+            self.reserve = EMPTY_LIST_POOL
             self._held, self._pending = [], NO_NODES
             return cmds + self._add_root()
         if not self.width or (self._pending.size and bool((self._pending == tree.root_id).any())):
@@ -282,12 +289,13 @@ class SpecPipeController(Controller):
         if self.tree.frontier_depth >= self.max_depth:
             self._held.append(fresh)  # too deep: wait until a verification makes room
             return []
-        pool = concat_pools(fresh, self.reserve)
-        fresh_alive = self.tree.has_any(fresh[0])
-        new = self._extend(pool)
-        if new.size and not fresh_alive:
+        fresh_lists = pool_lists(fresh)  # growth and the reserve on lists
+        pool = join_lists(fresh_lists, self.reserve)
+        fresh_alive = self.tree.has_any(fresh_lists[0])
+        start, new = self._extend_lists(pool)
+        if new and not fresh_alive:
             self.stats.regrowths += 1
-        self.reserve = unused_candidates(self.tree, pool)
-        if new.size == 0:
+        self.reserve = unused_lists(self.tree, pool)
+        if new == 0:
             return self._flush()
-        return self._add_layer(new)
+        return self._add_layer(range(start, start + new))
