@@ -8,12 +8,13 @@ one client:
 - `a`: no draft; the stage on every core (what main's launcher gives it without a draft).
 - `b`: the 0.5B draft, the cores split between the stage and the draft (main's launcher:
   one thread each on 2 cores), the OpenMP runtime's default waits.
-- `c`: the 0.5B draft, every core to every model process with passive OpenMP waits.
+- `c`: the 0.5B draft, every core to every model process with passive OpenMP waits (the
+  launcher's default for these models).
 - `d`: the 0.5B draft, every core to the stage, the draft its share (one thread on 2
   cores), passive OpenMP waits.
-- `e`: the 0.5B draft, the launcher's own choice (session 47): the stage on every core
-  while the draft holds no request and on the cores the draft leaves while it holds some
-  (switched on its compute thread), the draft its share of the split, passive waits.
+- `e`: the 0.5B draft, `--split-cores-while-drafting` (session 47): the stage on every
+  core while the draft holds no request and on the cores the draft leaves while it holds
+  some (switched on its compute thread), the draft its share of the split, passive waits.
 
 Request kinds: `pp` (no draft: plain decoding through the pipeline), `default` (the
 router tunes width, layers per step and source; no draft is among its candidates) and
@@ -55,12 +56,14 @@ MODELS = Path.home() / ".cache" / "specpipe" / "models"
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROCESSES = ("stage0", "draft", "router")  # the table's CPU columns
 SPLIT = {"OMP_WAIT_POLICY": ""}  # main's launcher: the OpenMP runtime's default waits
-ARMS = {  # draft, threads of the stage and of the draft (None: the launcher's), environment
-    "a": (False, 2, None, SPLIT),
-    "b": (True, 1, 1, SPLIT),
-    "c": (True, 2, 2, {}),
-    "d": (True, 2, 1, {}),
-    "e": (True, None, None, {}),
+# draft, threads of the stage and of the draft (None: the launcher's), environment, and
+# the deployment's other settings
+ARMS: dict[str, tuple[bool, int | None, int | None, dict, dict]] = {
+    "a": (False, 2, None, SPLIT, {}),
+    "b": (True, 1, 1, SPLIT, {}),
+    "c": (True, 2, 2, {}, {}),
+    "d": (True, 2, 1, {}, {}),
+    "e": (True, None, None, {}, {"split_cores_while_drafting": True}),
 }
 KINDS = {
     "default": {},
@@ -165,13 +168,13 @@ def run_arm(name: str, args, prompts, ref) -> dict:
     from specpipe.services.client.sync import Client
     from specpipe.services.launcher import ServicesDeployment
 
-    has_draft, threads, d_threads, env = ARMS[name]
+    has_draft, threads, d_threads, env, extra = ARMS[name]
     work = Path(tempfile.mkdtemp(prefix=f"bench-cores-{name}-"))
     dep = ServicesDeployment(
         MODELS / TARGET, MODELS / DRAFT if has_draft else "none", 1, dtype="bfloat16",
         threads=threads, draft_threads=d_threads, env=env, log_dir=work / "logs",
         startup_timeout=900,
-        scheduling={"tune_calibration_tokens": args.calibration_tokens},
+        scheduling={"tune_calibration_tokens": args.calibration_tokens}, **extra,
     )  # fmt: skip
     out: dict = {"arm": name, "draft": has_draft, "threads": dep.threads,
                  "draft_threads": dep.draft_threads if has_draft else None,

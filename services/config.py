@@ -589,8 +589,15 @@ class DeploymentConfig:
     threads: int | None = None  # per model process; None: services/cpu_threads.py decides
     draft_threads: int | None = flag(
         parse=positive_int,
-        help="torch threads of the draft process (default: as --threads, else its part of "
-        "the cores split with the stages, one for a small model; services/cpu_threads.py)",
+        help="torch threads of the draft process (default: as --threads, else every core, "
+        "one for a small model; services/cpu_threads.py)",
+    )
+    split_cores_while_drafting: bool = flag(
+        False,
+        help="on a CPU host shared with other work: while the draft holds requests it runs "
+        "on a share of the cores and the stages on the rest, every core to the stages while "
+        "it holds none (default off: on idle cores every process on every core drafts "
+        "faster; services/cpu_threads.py)",
     )
     # Where the stages and the draft run (services/placement.py): "cuda" one GPU per
     # service, round-robin over the visible ones; cpu or cuda:N all on that device.

@@ -3,17 +3,25 @@ its count at run time, and how OpenMP threads wait: the one place that decides
 (`services/launcher.py` applies it; `env_of`: the stages' and the draft's environment,
 not the router's).
 
-**Cores, split while the draft works.** Each stage gets the cores a deployment of the
-same stages without a draft would give it (`cpus // stage processes`: the stages of one
-host work at once, pipelined across requests, and OpenMP threads of one parallel region
-that the kernel swaps out make the whole region wait). While the draft holds requests
-(some live request uses the draft model) the host's cores are split as main's launcher
-split them before session 45 (`cpus // (stage processes + 1)` to the draft, the rest to
-the stages: `threads_with_draft`), measured the best arrangement for drafting there (one
-thread each on 2 cores: 2.67-2.79 tokens per step and the least CPU per token, against
-1.13-1.45 with the stage on both cores). While the draft holds none (the router's tuner
-chose no draft, n-gram or pp) the stage runs on its full count again, so a deployment with
-a draft is never slower than the same deployment without one (issue 34 point 7).
+**The default: every core to every process.** Each stage gets the cores a deployment of
+the same stages without a draft would give it (`cpus // stage processes`: the stages of
+one host work at once, pipelined across requests, and OpenMP threads of one parallel
+region that the kernel swaps out make the whole region wait), and the draft gets every
+core: with one stage the stage and the draft mostly take turns (a verification waits for
+the draft's tree and the draft for the verified token), so each gets the whole host in
+its turn, and when the router's tuner chooses no draft the stage decodes as a deployment
+without one (issue 34 point 7). On idle cores this was measured the fastest
+(benchmarks/README.md, "Session 47: threads while the draft works": 117-123 ms per token
+drafting, against 137-147 with the split below, and plain decoding as without a draft).
+
+**Split while the draft works** (`--split-cores-while-drafting`, off by default): while
+the draft holds requests (some live request uses the draft model) the draft runs on
+`cpus // (stage processes + 1)` threads and the stages on the rest
+(`threads_with_draft`); while it holds none the stages run on their full count again.
+On a host busy with other work, where the two would otherwise contend for cores, this
+was the better arrangement for drafting (session 45, and session 47 at load 4-7: 2.67
+tokens per step against 1.00-1.45 with every core to each, at less CPU per token); on
+idle cores it is slower (above), hence opt-in.
 
 `torch.set_num_threads` sets the calling thread's OpenMP team (libgomp's nthreads ICV is
 per thread), so the switch runs on the stage's compute thread before each forward
@@ -89,12 +97,23 @@ def model_threads(given: int | None, cpus: int, stages: int = 1, small: bool = F
 
 
 def draft_threads(
-    given: int | None, threads: int | None, cpus: int, stages: int = 1, small: bool = False
+    given: int | None,
+    threads: int | None,
+    cpus: int,
+    stages: int = 1,
+    small: bool = False,
+    split: bool = False,
 ) -> int:
     """Torch threads of the draft process: `given` (--draft-threads), else --threads,
-    else one for a small model, else its part of the split while it works
-    (`cpus // (stages + 1)`: it works only then, and waits passively otherwise)."""
-    return given or threads or (1 if small else max(1, cpus // (max(1, stages) + 1)))
+    else one for a small model, else every core (it waits passively while it idles), or
+    with `split` (--split-cores-while-drafting) its part of the split while it works,
+    `cpus // (stages + 1)`."""
+    fixed = given or threads
+    if fixed:
+        return fixed
+    if small:
+        return 1
+    return max(1, cpus // (max(1, stages) + 1)) if split else max(1, cpus)
 
 
 def threads_with_draft(stage_threads: int, draft: int, cpus: int, stages: int = 1) -> int:

@@ -175,17 +175,22 @@ class ServicesDeployment:
         )
         self._ordinals = {n: k for k, n in enumerate(self.placement.names)}
         self.group = c.group  # discovery group of the first model version
-        # The stages' cores as without a draft, split with the draft while it works, one
-        # thread for a small model, passive OpenMP waits (services/cpu_threads.py)
+        # The stages' cores as without a draft, every core to the draft (or split with it
+        # while it works, opt-in), one thread for a small model, passive OpenMP waits
+        # (services/cpu_threads.py)
         cpus, stages = os.cpu_count() or 1, sum(per_stage)
         small = small_model(cfg, stages)
         self.threads = model_threads(c.threads, cpus, stages, small)
         small_draft = self.draft is not None and small_model(ModelConfig.from_dir(self.draft))
-        self.draft_threads = draft_threads(c.draft_threads, c.threads, cpus, stages, small_draft)
-        # fewer while the draft works: on one CPU host with a draft, threads not fixed
+        split = c.split_cores_while_drafting
+        self.draft_threads = draft_threads(
+            c.draft_threads, c.threads, cpus, stages, small_draft, split
+        )
+        # fewer while the draft works (--split-cores-while-drafting): on one CPU host with
+        # a draft, threads not fixed
         self.threads_with_draft = (
             threads_with_draft(self.threads, self.draft_threads, cpus, stages)
-            if self.draft is not None and c.threads is None and self._all_on_cpus()
+            if split and self.draft is not None and c.threads is None and self._all_on_cpus()
             else 0
         )
         self.drain_seconds = c.drain_seconds

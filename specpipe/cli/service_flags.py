@@ -61,8 +61,8 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="torch threads per model process, all along (0: each stage the host's cores "
-        "shared by the stages, split with the draft while it holds requests; one for a small "
-        "model; services/cpu_threads.py)",
+        "shared by the stages, the draft every core, one for a small model; "
+        "--split-cores-while-drafting splits them while the draft works; services/cpu_threads.py)",
     )
     p.add_argument(
         "--no-prefix-cache",

@@ -1,5 +1,6 @@
-"""`specpipe up` on one host with a draft (services/cpu_threads.py): the stage's forwards
-run on its share of the cores while the draft holds requests and on every core while
+"""`specpipe up --split-cores-while-drafting` on one host with a draft
+(services/cpu_threads.py): the stage's forwards run on its share of the cores while the
+draft holds requests and on every core while
 it holds none, the flag coming from the draft process itself; the tokens stay those of
 plain decoding."""
 
@@ -23,7 +24,7 @@ def test_the_stage_runs_fewer_threads_while_a_request_uses_the_draft(
     monkeypatch.setattr("specpipe.services.launcher.small_model", lambda *a: False)
     dep = ServicesDeployment(
         llama_dir, "oracle", 1, transport="tcp", secure=False, dtype=DTYPE,
-        log_dir=tmp_path / "logs", scheduling=PINNED_TREE,
+        log_dir=tmp_path / "logs", scheduling=PINNED_TREE, split_cores_while_drafting=True,
     )  # fmt: skip
     assert (dep.threads, dep.draft_threads, dep.threads_with_draft) == (2, 1, 1)
     dep.start()

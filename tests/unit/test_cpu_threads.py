@@ -43,9 +43,14 @@ def test_stages_share_the_cores_and_the_draft_gets_its_split() -> None:
     assert model_threads(None, 2, stages=2) == 1 and model_threads(None, 16, stages=3) == 5
     assert model_threads(None, 2, stages=4) == 1 and model_threads(3, 2, stages=4) == 3
     # the draft: --draft-threads, else --threads, else its part of the split
-    assert draft_threads(None, None, 16) == 8 and draft_threads(None, 2, 16) == 2
+    assert draft_threads(None, None, 16) == 16 and draft_threads(None, 2, 16) == 2
     assert draft_threads(4, 2, 16) == 4 and draft_threads(None, None, 0) == 1
-    assert draft_threads(None, None, 2) == 1 and draft_threads(None, None, 16, stages=3) == 4
+    assert draft_threads(None, None, 2) == 2 and draft_threads(None, None, 16, stages=3) == 16
+    # split while drafting (opt-in): the draft's part of the split
+    assert draft_threads(None, None, 16, split=True) == 8
+    assert draft_threads(None, None, 2, split=True) == 1
+    assert draft_threads(None, None, 16, stages=3, split=True) == 4
+    assert draft_threads(3, None, 16, split=True) == 3
     # a small model runs one thread unless told otherwise
     assert model_threads(None, 16, small=True) == 1 and model_threads(4, 16, small=True) == 4
     assert draft_threads(None, None, 16, small=True) == 1
@@ -94,7 +99,11 @@ def test_the_launcher_gives_the_stage_its_share_while_the_draft_works(
     file and a slot of its own on the draft's."""
     from specpipe.services.launcher import ServicesDeployment
 
-    dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
+    dep = ServicesDeployment(
+        DeploymentConfig(
+            target=llama_dir, draft="oracle", stages=1, split_cores_while_drafting=True
+        )
+    )
     dep.build()
     stage, draft = dep.children["stage0"].argv, dep.children["draft"].argv
     assert (_flag(stage, "--threads"), _flag(stage, "--threads-with-draft")) == ("4", "2")
@@ -111,9 +120,10 @@ def test_fixed_threads_or_no_draft_switch_nothing(llama_dir: Path, four_cores) -
     so small they run one thread, there is nothing to switch."""
     from specpipe.services.launcher import ServicesDeployment
 
+    split = dict(split_cores_while_drafting=True)
     for config in (
-        DeploymentConfig(target=llama_dir, draft="oracle", stages=1, threads=3),
-        DeploymentConfig(target=llama_dir, draft="none", stages=1),
+        DeploymentConfig(target=llama_dir, draft="oracle", stages=1, threads=3, **split),
+        DeploymentConfig(target=llama_dir, draft="none", stages=1, **split),
     ):
         dep = ServicesDeployment(config)
         dep.build()
@@ -122,9 +132,25 @@ def test_fixed_threads_or_no_draft_switch_nothing(llama_dir: Path, four_cores) -
         assert _flag(stage, "--threads-with-draft") in (None, "0")
         assert "--draft-activity" not in stage
     fixed = ServicesDeployment(
-        DeploymentConfig(target=llama_dir, draft="oracle", stages=1, draft_threads=1)
+        DeploymentConfig(target=llama_dir, draft="oracle", stages=1, draft_threads=1, **split)
     )
     assert (fixed.threads, fixed.draft_threads, fixed.threads_with_draft) == (4, 1, 3)
+
+
+def test_by_default_every_process_gets_every_core_and_nothing_switches(
+    llama_dir: Path, four_cores
+) -> None:
+    """Without --split-cores-while-drafting (measured faster on idle cores) the stage
+    keeps its cores and the draft gets every core; no activity file is made."""
+    from specpipe.services.launcher import ServicesDeployment
+
+    dep = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=1))
+    dep.build()
+    stage, draft = dep.children["stage0"].argv, dep.children["draft"].argv
+    assert (dep.threads, dep.draft_threads, dep.threads_with_draft) == (4, 4, 0)
+    assert dep.draft_activity is None
+    assert (_flag(stage, "--threads"), _flag(draft, "--threads")) == ("4", "4")
+    assert "--draft-activity" not in stage and "--draft-activity" not in draft
 
 
 def test_small_models_run_one_thread_and_switch_nothing(llama_dir: Path, monkeypatch) -> None:
@@ -140,7 +166,11 @@ def test_several_stages_share_the_cores_as_without_a_draft(llama_dir: Path, four
     while the draft idles; the draft a third of the cores."""
     from specpipe.services.launcher import ServicesDeployment
 
-    with_draft = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="oracle", stages=2))
+    with_draft = ServicesDeployment(
+        DeploymentConfig(
+            target=llama_dir, draft="oracle", stages=2, split_cores_while_drafting=True
+        )
+    )
     without = ServicesDeployment(DeploymentConfig(target=llama_dir, draft="none", stages=2))
     assert with_draft.threads == without.threads == 2
     assert (with_draft.draft_threads, with_draft.threads_with_draft) == (1, 1)
