@@ -80,6 +80,12 @@ def test_auto_requests_are_lossless_and_the_choice_is_described(tuned) -> None:
     if t.chosen.token_source == "none":
         label = "no draft (pp)"
     assert t.price == "wall" and all(a.wall_ms_per_token > 0 for a in t.arms)
+    if t.reason.startswith("measuring"):
+        # those two requests reopened the search (above): the setting served is the one
+        # being measured, and Describe says so (seen in CI: "measuring W=8 K=3 hybrid: 0 of
+        # 16 calibration tokens seen (1 of 10 settings still short)")
+        assert t.reason.startswith(f"measuring {label}: "), t.reason
+        return
     assert t.reason.startswith(label) and "ms/token measured" in t.reason
     assert "next best" in t.reason
     best = min(t.arms, key=lambda a: (a.wall_ms_per_token, a.width, a.layers_per_step))
