@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .layers import RMSNorm, StageModel
+from .packed_linear import PackedLinear
 
 
 class FoldedRMSNorm(RMSNorm):
@@ -53,7 +54,7 @@ def lean_applies(model: StageModel) -> bool:
     """Whether `lean_draft` changes `model`: fp32 on a CPU, every linear layer plain."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     plain = all(type(m) is nn.Linear for m in linears) and not any(
-        type(m).__name__ == "PackedLinear" for m in model.modules()
+        isinstance(m, PackedLinear) for m in model.modules()
     )
     return model.device.type == "cpu" and model.dtype == torch.float32 and plain
 

@@ -37,12 +37,14 @@ NO_NODES: Indices = np.empty(0, dtype=np.int64)
 NO_NODES.setflags(write=False)
 
 
-def member(a: NDArray, b: NDArray) -> NDArray[np.bool_]:
+def member(a: NDArray, b: NDArray | list[int]) -> NDArray[np.bool_]:
     """`np.isin(a, b)` for the small arrays of a tree: set lookups in plain Python, several
-    times faster than isin's sort, and than a broadcast comparison, at these sizes."""
-    if a.size * b.size > 1 << 16:
+    times faster than isin's sort, and than a broadcast comparison, at these sizes. `b`
+    may be a list (a tree's id column as it keeps it)."""
+    if a.size * len(b) > 1 << 16:
         return np.isin(a, b)
-    return np.fromiter(map(set(b.tolist()).__contains__, a.tolist()), dtype=bool, count=a.size)
+    values = b.tolist() if isinstance(b, np.ndarray) else b
+    return np.fromiter(map(set(values).__contains__, a.tolist()), dtype=bool, count=a.size)
 
 
 def as_list(x: ArrayLike | Iterable) -> list:
@@ -194,14 +196,9 @@ class TokenTree:
         want = set(as_list(ids))
         return [i for i, x in enumerate(self._ids) if x in want]
 
-    def indices_of(self, ids: ArrayLike) -> Indices:
-        """Indices (in tree order) of the nodes whose ids are among `ids`."""
-        return np.array(self.index_list(ids), dtype=np.int64)
-
     def has_ids(self, ids: ArrayLike) -> NDArray[np.bool_]:
         """Which of `ids` are nodes of the tree."""
-        ids = as_list(ids)
-        return np.fromiter(map(set(self._ids).__contains__, ids), dtype=bool, count=len(ids))
+        return member(np.asarray(ids), self._ids)
 
     def has_any(self, ids: ArrayLike) -> bool:
         """Whether any of `ids` is a node of the tree."""
